@@ -1,0 +1,568 @@
+"""Capture a Keras (or hand-written) training step as a framework-free ``simulator.OpGraph``.
+
+The step is traced with fixed shapes into a FuncGraph; the graph is then reduced to what will
+really run (constants and static shapes folded, dead ops dropped, Identity-like ops bypassed, the
+optimizer's IdentityN barrier removed, as Grappler does), every op is given a phase (forward =
+ancestors of the loss, update = optimizer and variable writes, backward = the rest that leads to
+them) and a cost, and tensor sizes are fitted as ``a + b * batch`` from two traces.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
+
+log = logging.getLogger(__name__)
+
+
+class CaptureError(ValueError):
+    """The model or step cannot be captured (not compiled, open dimensions, no loss...)."""
+
+
+# Ops whose output is their input (Grappler removes them): consumers read the input directly.
+BYPASS_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Snapshot", "EnsureShape"})
+# Ops whose output shares the input buffer (DESIGN.md 4).
+ALIAS_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+# Ops that write their output into an input buffer they read last (TF's forward_input_or_allocate_output).
+FORWARDING_TYPES = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Sigmoid", "Tanh", "Softplus", "Softsign",
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SigmoidGrad", "TanhGrad", "SoftplusGrad",
+    "AddN", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
+    "BiasAdd", "Rsqrt", "RsqrtGrad", "Sqrt", "SqrtGrad", "Neg", "Square", "Exp", "Log", "Log1p", "Reciprocal",
+    "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "ClipByValue", "SelectV2",
+})
+SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Rank", "Size", "BroadcastGradientArgs"})
+WRITE_TYPES_PREFIX = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
+
+
+@dataclass
+class TracedStep:
+    """One trace of the training step at a fixed batch size."""
+
+    concrete: Any  # tf ConcreteFunction
+    batch_size: int
+    loss_op: str
+    optimizer_scope: str | None
+    input_names: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- Keras entry point
+
+
+def _input_specs(model, batch_size: int, input_shapes) -> list[tf.TensorSpec]:
+    inputs = list(getattr(model, "inputs", None) or [])
+    if not inputs:
+        raise CaptureError("the model has no defined inputs: build it (call it once or use keras.Input) first")
+    if isinstance(input_shapes, dict):
+        given = [input_shapes.get(getattr(t, "name", ""), input_shapes.get(str(i))) for i, t in enumerate(inputs)]
+    elif input_shapes is not None and len(inputs) == 1 and input_shapes and not isinstance(input_shapes[0], (list, tuple)):
+        given = [input_shapes]
+    else:
+        given = list(input_shapes) if input_shapes is not None else [None] * len(inputs)
+    specs = []
+    for tensor, shape in zip(inputs, given):
+        declared = tuple(tensor.shape)[1:]
+        if shape is not None:
+            shape = tuple(int(d) for d in shape)
+            if len(shape) != len(declared) or any(d is not None and d != s for d, s in zip(declared, shape)):
+                raise CaptureError(f"input {tensor.name!r}: shape {shape} does not match the model's {declared}")
+            declared = shape
+        if any(d is None for d in declared):
+            raise CaptureError(f"input {tensor.name!r} has open dimensions {('batch',) + declared}: "
+                               f"give its shape without the batch (e.g. input_shapes={{'{tensor.name}': (...)}})")
+        specs.append(tf.TensorSpec((batch_size,) + declared, tf.as_dtype(str(tensor.dtype)), name=_spec_name(tensor.name)))
+    return specs
+
+
+def _spec_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", name) or "x"
+
+
+def _is_sparse_loss(loss) -> bool:
+    text = loss if isinstance(loss, str) else type(loss).__name__ + " " + str(getattr(loss, "name", ""))
+    text = getattr(loss, "__name__", text) if callable(loss) and not hasattr(loss, "name") else text
+    return "sparse" in str(text).lower()
+
+
+def _label_specs(model, batch_size: int, label_shapes, label_dtype) -> list[tf.TensorSpec]:
+    outputs = list(getattr(model, "outputs", None) or [])
+    losses = model.loss if isinstance(model.loss, (list, tuple)) else [model.loss] * len(outputs)
+    if isinstance(model.loss, dict):
+        losses = [model.loss.get(getattr(o, "name", ""), next(iter(model.loss.values()))) for o in outputs]
+    if label_shapes is not None and len(outputs) == 1 and label_shapes and not isinstance(label_shapes[0], (list, tuple)):
+        label_shapes = [label_shapes]
+    specs = []
+    for i, (output, loss) in enumerate(zip(outputs, losses)):
+        shape = tuple(output.shape)[1:]
+        sparse = _is_sparse_loss(loss)
+        if label_shapes is not None:
+            shape = tuple(label_shapes[i])
+        elif sparse:
+            shape = shape[:-1]
+        if any(d is None for d in shape):
+            raise CaptureError(f"output {i} has open dimensions {shape}: give label_shapes")
+        dtype = tf.as_dtype(label_dtype) if label_dtype else (tf.int32 if sparse else tf.float32)
+        specs.append(tf.TensorSpec((batch_size,) + shape, dtype, name=f"y{i}" if len(outputs) > 1 else "y"))
+    return specs
+
+
+def check_compiled(model) -> None:
+    """Refuse models the step cannot be traced for, with what to do about it."""
+    if not hasattr(model, "train_step"):
+        raise CaptureError(f"{type(model).__name__} is not a Keras model")
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise CaptureError("the model is not compiled: call model.compile(optimizer=..., loss=...) first")
+    if getattr(model, "loss", None) is None:
+        raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first")
+
+
+def _optimizer_scope(optimizer) -> str | None:
+    name = getattr(optimizer, "name", None)
+    return re.escape(str(name)) if name else None
+
+
+def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> TracedStep:
+    """Trace ``model.train_step`` at ``batch_size``; the loss is what ``_compute_loss`` returns."""
+    check_compiled(model)
+    x_specs = _input_specs(model, batch_size, input_shapes)
+    y_specs = _label_specs(model, batch_size, label_shapes, label_dtype)
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    recorded: list[Any] = []
+    original = model._compute_loss
+
+    def compute_loss(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        recorded.append(loss)
+        return loss
+
+    single_x, single_y = len(x_specs) == 1, len(y_specs) == 1
+
+    def step(x, y):
+        return model.train_step((x[0] if single_x else list(x), y[0] if single_y else list(y)))
+
+    function = tf.function(step, input_signature=[tuple(x_specs), tuple(y_specs)], autograph=False)
+    model._compute_loss = compute_loss
+    try:
+        concrete = function.get_concrete_function()
+    except CaptureError:
+        raise
+    except Exception as error:  # anything Keras/TF raises while tracing is a capture failure
+        raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error}") from error
+    finally:
+        del model._compute_loss
+    if not recorded:
+        raise CaptureError("the training step computed no loss")
+    return TracedStep(concrete, batch_size, recorded[-1].op.name, _optimizer_scope(model.optimizer),
+                      [s.name for s in x_specs + y_specs])
+
+
+def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.TensorSpec]], batch_size: int,
+                        *, optimizer=None) -> TracedStep:
+    """Trace a hand-written ``step_fn(*inputs)`` that returns its loss (or a dict with 'loss')."""
+    specs = list(specs_at(batch_size))
+    function = step_fn if isinstance(step_fn, tf.types.experimental.PolymorphicFunction) else tf.function(step_fn)
+    try:
+        concrete = function.get_concrete_function(*specs)
+    except Exception as error:
+        raise CaptureError(f"tracing the step function failed: {type(error).__name__}: {error}") from error
+    result = concrete.structured_outputs
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, tf.Tensor):
+        raise CaptureError("the step function must return its loss tensor (or a dict with a 'loss' entry)")
+    return TracedStep(concrete, batch_size, _underlying(loss).op.name, _optimizer_scope(optimizer),
+                      [s.name for s in specs])
+
+
+def _underlying(tensor):
+    while tensor.op.type in BYPASS_TYPES and tensor.op.inputs:
+        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
+        tensor = tensor.op.inputs[index]
+    return tensor
+
+
+# ---------------------------------------------------------------------- graph reduction
+
+
+@dataclass
+class _Reduced:
+    """The ops that run, with inputs resolved through bypassed and folded ops."""
+
+    ops: list[Any]  # tf.Operation
+    inputs: dict[str, list[tuple[int, str, int]]]  # op -> [(slot, producer, output index)]
+    controls: dict[str, list[str]]
+    outputs: list[tuple[str, int]]
+
+
+def _resolve(tensor, folded: set[str]):
+    """Follow bypassed ops back to the tensor that really flows; None when it is folded."""
+    tensor = _underlying(tensor)
+    return None if tensor.op.name in folded else tensor
+
+
+def _reduce(concrete, loss_op: str) -> _Reduced:
+    graph = concrete.graph
+    ops = graph.get_operations()
+    resources = {t.op.name for _, t in graph.captures if t.dtype == tf.resource}
+    folded: set[str] = set()
+    for op in ops:  # creation order is a topological order of data edges
+        if op.type == "Const":
+            folded.add(op.name)
+        elif op.type in SHAPE_TYPES and all(t.shape.is_fully_defined() for t in op.inputs):
+            folded.add(op.name)
+        elif (op.inputs and not op.op_def.is_stateful and op.type not in BYPASS_TYPES
+              and all(_underlying(t).op.name in folded for t in op.inputs)
+              and all(c.name in folded for c in op.control_inputs)):
+            folded.add(op.name)
+        elif op.type == "Placeholder" and op.name in resources:
+            folded.add(op.name)  # variable handles: the variables are counted as resident bytes
+
+    # ops needed by the outputs (data and control), i.e. not dead
+    sinks = [t.op for t in concrete.outputs] + [op for op in ops if op.op_def.is_stateful and op.type != "Placeholder"]
+    needed: set[str] = set()
+    stack = list(sinks)
+    while stack:
+        op = stack.pop()
+        if op.name in needed:
+            continue
+        needed.add(op.name)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    if loss_op not in needed:
+        raise CaptureError(f"the loss op {loss_op} does not feed the step's outputs or updates")
+
+    kept = [op for op in ops if op.name in needed and op.name not in folded and op.type not in BYPASS_TYPES]
+    kept_names = {op.name for op in kept}
+
+    def control_sources(op) -> list[str]:
+        found, stack, seen = [], list(op.control_inputs), set()
+        while stack:  # control edges through bypassed ops move to their sources (Grappler keeps them)
+            src = stack.pop()
+            if src.name in seen:
+                continue
+            seen.add(src.name)
+            if src.name in kept_names:
+                found.append(src.name)
+            elif src.type in BYPASS_TYPES:
+                stack.extend(src.control_inputs)
+                stack.extend(t.op for t in src.inputs)
+        return sorted(set(found))
+
+    inputs: dict[str, list[tuple[int, str, int]]] = {}
+    controls: dict[str, list[str]] = {}
+    for op in kept:
+        resolved = []
+        extra_controls: list[str] = []
+        for slot, tensor in enumerate(op.inputs):
+            source = _resolve(tensor, folded)
+            if source is not None and source.op.name in kept_names:
+                resolved.append((slot, source.op.name, source.value_index))
+            # control inputs of bypassed ops on the way are kept as control edges
+            walk = tensor
+            while walk.op.type in BYPASS_TYPES and walk.op.inputs:
+                extra_controls.extend(c.name for c in walk.op.control_inputs)
+                walk = walk.op.inputs[walk.value_index if walk.op.type == "IdentityN" else 0]
+        inputs[op.name] = resolved
+        controls[op.name] = sorted(set(control_sources(op)) | {c for c in extra_controls if c in kept_names})
+    outputs = []
+    for tensor in concrete.outputs:
+        source = _resolve(tensor, folded)
+        if source is not None and source.op.name in kept_names:
+            outputs.append((source.op.name, source.value_index))
+    return _Reduced(kept, inputs, controls, outputs)
+
+
+# ---------------------------------------------------------------------- costs
+
+
+def _dims(shape) -> list[int] | None:
+    try:
+        return [int(d) for d in shape] if shape.is_fully_defined() else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _elements(shape) -> int:
+    dims = _dims(shape)
+    return int(np.prod(dims)) if dims is not None else 0
+
+
+def _nbytes(tensor) -> int:
+    dtype = tensor.dtype
+    if dtype in (tf.resource, tf.variant, tf.string):
+        return 0
+    return _elements(tensor.shape) * dtype.size
+
+
+def _einsum_flops(op) -> float:
+    equation = op.get_attr("equation").decode()
+    lhs = equation.split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for term, tensor in zip(lhs, op.inputs):
+        dims = _dims(tensor.shape)
+        if dims is None or "." in term:
+            return float(_elements(op.outputs[0].shape))
+        sizes.update(zip(term, dims))
+    return 2.0 * float(np.prod(list(sizes.values()))) if sizes else 0.0
+
+
+def op_flops(op) -> float:
+    """FLOPs of one op from its static shapes: exact for convolutions and matmuls, one per output
+    element otherwise (those ops are bound by memory traffic, which ``touched`` accounts for)."""
+    kind = op.type
+    out = _elements(op.outputs[0].shape) if op.outputs else 0
+    try:
+        if kind in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
+            kernel = _dims(op.inputs[1].shape)
+            per_out = np.prod(kernel[:-1]) if kind != "DepthwiseConv2dNative" else np.prod(kernel[:2])
+            return 2.0 * out * float(per_out)
+        if kind in ("Conv2DBackpropInput", "Conv3DBackpropInputV2", "DepthwiseConv2dNativeBackpropInput"):
+            kernel = _dims(op.inputs[1].shape)
+            grad = _elements(op.inputs[2].shape)
+            per = np.prod(kernel[:-1]) if not kind.startswith("Depthwise") else np.prod(kernel[:2])
+            return 2.0 * grad * float(per)
+        if kind in ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter"):
+            kernel = _dims(op.outputs[0].shape)
+            grad = _elements(op.inputs[2].shape)
+            per = np.prod(kernel[:-1]) if not kind.startswith("Depthwise") else np.prod(kernel[:2])
+            return 2.0 * grad * float(per)
+        if kind == "MatMul":
+            a = _dims(op.inputs[0].shape)
+            k = a[0] if op.get_attr("transpose_a") else a[1]
+            return 2.0 * out * k
+        if kind in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+            a = _dims(op.inputs[0].shape)
+            k = a[-2] if op.get_attr("adj_x") else a[-1]
+            return 2.0 * out * k
+        if kind == "Einsum":
+            return _einsum_flops(op)
+    except (TypeError, ValueError, IndexError):
+        pass
+    return float(out)
+
+
+def op_touched_bytes(op) -> float:
+    return float(sum(_nbytes(t) for t in op.inputs) + sum(_nbytes(t) for t in op.outputs))
+
+
+# ---------------------------------------------------------------------- phases
+
+
+def _phases(reduced: _Reduced, loss_op: str, optimizer_scope: str | None) -> dict[str, int]:
+    names = [op.name for op in reduced.ops]
+    data_parents = {name: [src for _, src, _ in reduced.inputs[name]] for name in names}
+    children: dict[str, list[str]] = {name: [] for name in names}
+    for name in names:
+        for src in data_parents[name] + reduced.controls[name]:
+            children[src].append(name)
+
+    forward: set[str] = set()
+    stack = [loss_op]
+    while stack:
+        name = stack.pop()
+        if name in forward:
+            continue
+        forward.add(name)
+        stack.extend(data_parents.get(name, []))
+
+    scope = re.compile(rf"^{optimizer_scope}(_\d+)?/") if optimizer_scope else None
+    types = {op.name: op.type for op in reduced.ops}
+    update = {n for n in names if n not in forward and (types[n].startswith(WRITE_TYPES_PREFIX)
+                                                          or (scope is not None and scope.match(n)))}
+    # backward: depends on the forward pass and leads to an update (or a step output)
+    depends = set()
+    for name in names:  # names are in topological order
+        if name in forward or any(p in depends for p in data_parents[name]):
+            depends.add(name)
+    leads = set(update) | {src for src, _ in reduced.outputs}
+    for name in reversed(names):
+        if name in leads:
+            continue
+        if any(child in leads for child in children[name]):
+            leads.add(name)
+    phase = {}
+    for name in names:
+        if name in forward:
+            phase[name] = FORWARD
+        elif name in update:
+            phase[name] = UPDATE
+        elif name in depends and name in leads:
+            phase[name] = BACKWARD
+        else:
+            phase[name] = OTHER
+    return phase
+
+
+# ---------------------------------------------------------------------- OpGraph
+
+
+def _snapshot(traced: TracedStep) -> dict[str, Any]:
+    """Everything batch-dependent of one trace, keyed by op name."""
+    reduced = _reduce(traced.concrete, traced.loss_op)
+    return {
+        "reduced": reduced,
+        "shapes": {op.name: [_dims(t.shape) for t in op.outputs] for op in reduced.ops},
+        "bytes": {op.name: [_nbytes(t) for t in op.outputs] for op in reduced.ops},
+        "flops": {op.name: op_flops(op) for op in reduced.ops},
+        "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
+        "resident": _resident_bytes(traced.concrete),
+    }
+
+
+def _resident_bytes(concrete) -> tuple[int, int]:
+    """(variables, inputs) bytes: variable sizes from the ops that read or write them."""
+    graph = concrete.graph
+    handles = {t.op.name for _, t in graph.captures if t.dtype == tf.resource}
+    size: dict[str, int] = {}
+    for op in graph.get_operations():
+        if not op.inputs or op.inputs[0].op.name not in handles:
+            continue
+        handle = op.inputs[0].op.name
+        if op.type == "ReadVariableOp":
+            size[handle] = max(size.get(handle, 0), _nbytes(op.outputs[0]))
+        elif op.type.startswith("Assign") and len(op.inputs) > 1:
+            size[handle] = max(size.get(handle, 0), _nbytes(op.inputs[1]))
+    inputs = sum(_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
+    return sum(size.values()), inputs
+
+
+def _linear_fit(small: float, large: float, b1: int, b2: int) -> tuple[float, float]:
+    slope = (large - small) / (b2 - b1)
+    return small - slope * b1, slope
+
+
+def _check_scaling(name: str, small, large, b1: int, b2: int) -> None:
+    if small is None or large is None:
+        return
+    if len(small) != len(large) or any(s != l and s * b2 != l * b1 for s, l in zip(small, large)):
+        raise CaptureError(f"tensor {name} does not scale linearly with the batch size "
+                           f"({small} at batch {b1}, {large} at batch {b2})")
+
+
+def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = None) -> OpGraph:
+    """Combine two traces of the same step at different batch sizes into one OpGraph."""
+    b1, b2 = first.batch_size, second.batch_size
+    if b1 == b2:
+        raise CaptureError("the two traces must be at different batch sizes")
+    one, two = _snapshot(first), _snapshot(second)
+    ops = one["reduced"].ops
+    names = [op.name for op in ops]
+    if names != [op.name for op in two["reduced"].ops]:
+        raise CaptureError("the step traces to different graphs at different batch sizes "
+                           "(data-dependent structure cannot be captured)")
+    reduced = one["reduced"]
+    index = {name: i for i, name in enumerate(names)}
+    phase = _phases(reduced, first.loss_op, first.optimizer_scope)
+
+    producer, output, dtype, shape_text, bytes_ab, alias, persistent, swappable = [], [], [], [], [], [], [], []
+    tensor_of: dict[tuple[str, int], int] = {}
+    unknown = 0
+    for op in ops:
+        for k, tensor in enumerate(op.outputs):
+            small, large = one["shapes"][op.name][k], two["shapes"][op.name][k]
+            _check_scaling(f"{op.name}:{k}", small, large, b1, b2)
+            if small is None and tensor.dtype not in (tf.resource, tf.variant, tf.string):
+                unknown += 1
+            tensor_of[(op.name, k)] = len(producer)
+            producer.append(index[op.name])
+            output.append(k)
+            dtype.append(tensor.dtype.name)
+            shape_text.append(_shape_text(small, large))
+            bytes_ab.append(_linear_fit(one["bytes"][op.name][k], two["bytes"][op.name][k], b1, b2))
+            is_input = op.type == "Placeholder"
+            persistent.append(op.type == "ReadVariableOp" or is_input)
+            swappable.append(tensor.dtype.name in FLOAT_DTYPES and not is_input and op.type != "ReadVariableOp")
+            alias.append(-1)
+    for op in ops:  # static aliases: input 0's buffer (resolved after all tensors are numbered)
+        if op.type in ALIAS_TYPES and reduced.inputs[op.name] and reduced.inputs[op.name][0][0] == 0:
+            _, src, k = reduced.inputs[op.name][0]
+            alias[tensor_of[(op.name, 0)]] = tensor_of[(src, k)]
+    if unknown:
+        log.warning("%d tensors have unknown shapes and are counted as 0 bytes", unknown)
+
+    edge_tensor, edge_consumer, edge_slot, control_src, control_dst = [], [], [], [], []
+    for op in ops:
+        for slot, src, k in reduced.inputs[op.name]:
+            edge_tensor.append(tensor_of[(src, k)])
+            edge_consumer.append(index[op.name])
+            edge_slot.append(slot)
+        for src in reduced.controls[op.name]:
+            control_src.append(index[src])
+            control_dst.append(index[op.name])
+
+    variables_1, inputs_1 = one["resident"]
+    variables_2, inputs_2 = two["resident"]
+    resident = np.add(_linear_fit(variables_1, variables_2, b1, b2), _linear_fit(inputs_1, inputs_2, b1, b2))
+    info = {"captured_batches": [b1, b2], "loss_op": first.loss_op, "tf_version": tf.__version__,
+            "variable_bytes": variables_1, "unknown_shapes": unknown, "inputs": first.input_names}
+    info.update(meta or {})
+    return OpGraph.build(
+        op_name=names,
+        op_type=[op.type for op in ops],
+        op_phase=[phase[name] for name in names],
+        op_flops_ab=[_linear_fit(one["flops"][n], two["flops"][n], b1, b2) for n in names],
+        op_touched_bytes_ab=[_linear_fit(one["touched"][n], two["touched"][n], b1, b2) for n in names],
+        op_forwards_input=[op.type in FORWARDING_TYPES for op in ops],
+        tensor_producer=producer,
+        tensor_output=output,
+        tensor_dtype=dtype,
+        tensor_shape=shape_text,
+        tensor_bytes_ab=np.maximum(np.asarray(bytes_ab, dtype=np.float64), 0.0) if bytes_ab else np.zeros((0, 2)),
+        tensor_alias_of=alias,
+        tensor_persistent=persistent,
+        tensor_swappable=swappable,
+        edge_tensor=edge_tensor,
+        edge_consumer=edge_consumer,
+        edge_slot=edge_slot,
+        control_src=control_src,
+        control_dst=control_dst,
+        persistent_bytes_ab=resident,
+        outputs=[tensor_of[o] for o in reduced.outputs],
+        batch_size=b1,
+        meta=info,
+    )
+
+
+def _shape_text(small, large) -> str:
+    if small is None:
+        return "?"
+    if large is None:
+        large = small
+    return "(" + ",".join("N" if s != l else str(s) for s, l in zip(small, large)) + ")"
+
+
+def _second_batch(batch_size: int) -> int:
+    return batch_size * 2 if batch_size > 1 else 2
+
+
+def capture(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
+            name: str | None = None) -> OpGraph:
+    """Capture a compiled Keras 3 model's training step (loss and optimizer from ``model.compile``).
+
+    ``input_shapes`` (without the batch) is needed where the model leaves dimensions open;
+    ``label_shapes``/``label_dtype`` override the labels inferred from the outputs and the loss.
+    """
+    if batch_size is None or int(batch_size) < 1:
+        raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
+    kwargs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
+    first = trace_keras_step(model, int(batch_size), **kwargs)
+    second = trace_keras_step(model, _second_batch(int(batch_size)), **kwargs)
+    return build_opgraph(first, second, meta={"model": name or getattr(model, "name", "model"),
+                                             "optimizer": type(model.optimizer).__name__})
+
+
+def capture_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.TensorSpec]], batch_size: int, *,
+                 optimizer=None, name: str = "step") -> OpGraph:
+    """Capture a hand-written step: ``step_fn(*inputs)`` returns its loss; ``specs_at(batch)`` gives
+    the TensorSpecs of its inputs at a batch size; ``optimizer`` (optional) names the update scope."""
+    first = trace_function_step(step_fn, specs_at, int(batch_size), optimizer=optimizer)
+    second = trace_function_step(step_fn, specs_at, _second_batch(int(batch_size)), optimizer=optimizer)
+    return build_opgraph(first, second, meta={"model": name})

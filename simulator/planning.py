@@ -1,0 +1,541 @@
+"""Swap rules: which tensors go to the host, which consumers read them back, what starts the swap-in.
+
+``plan_swaps(g, params)`` applies the rules of DESIGN.md 1.4 to a graph and returns a ``SwapPlan``:
+plain data that the replay simulates and the rewriter applies to the real graph as-is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from simulator.buffers import buffers
+from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
+from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels, position_of
+
+SYNC_MODES = ("none", "out", "in", "both")
+TRIGGER_POLICIES = ("ancestor", "level")
+
+# Backward ops heavy enough that Grappler neither folds them nor moves their control edges, so a
+# control edge from one of them to a swap-in survives optimisation (DESIGN.md 3).
+TRIGGER_OP_TYPES = frozenset({
+    "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2",
+    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter",
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SigmoidGrad", "TanhGrad",
+    "FusedBatchNormGradV3", "MaxPoolGrad", "MaxPool3DGrad", "AvgPoolGrad", "AvgPool3DGrad",
+    "BiasAddGrad", "SoftmaxGrad", "Conv2DTranspose", "Conv3DTranspose",
+})
+
+
+class ParamsError(ValueError):
+    """Swap parameters that make no sense (lb > ub, non-positive values, unknown modes)."""
+
+
+@dataclass(frozen=True)
+class SwapParams:
+    """The knobs of the swap rules; see DESIGN.md 1.4.
+
+    threshold: a consumer is far when its level distance from the producer is > threshold.
+    lb, ub: the swap-in trigger lies between ``ub`` and ``lb`` levels before the far consumer.
+    groupby: far consumers of one tensor within ``groupby`` levels of the group's first share a swap-in.
+    sync: "none", "out" (near consumers wait for the swap-out), "in" (no early trigger: the swap-in
+      waits for the consumer's other inputs) or "both".
+    min_bytes: tensors smaller than this (at the plan's batch size) are never swapped.
+    include_types/exclude_types/exclude_scopes: filter the producing ops by type or name prefix.
+    trigger: "ancestor" takes triggers among the ancestors of the first far consumer (steadier in
+      real runs), "level" takes any valid op on the level.
+    """
+
+    threshold: int
+    lb: int = 1
+    ub: int = 10
+    groupby: int = 0
+    sync: str = "none"
+    min_bytes: int = 0
+    include_types: tuple[str, ...] = ()
+    exclude_types: tuple[str, ...] = ()
+    exclude_scopes: tuple[str, ...] = ()
+    trigger: str = "ancestor"
+
+    def __post_init__(self) -> None:
+        for name in ("threshold", "lb", "ub"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ParamsError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("groupby", "min_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ParamsError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.lb > self.ub:
+            raise ParamsError(f"lb ({self.lb}) must not exceed ub ({self.ub})")
+        if self.sync not in SYNC_MODES:
+            raise ParamsError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
+        if self.trigger not in TRIGGER_POLICIES:
+            raise ParamsError(f"trigger must be one of {TRIGGER_POLICIES}, got {self.trigger!r}")
+        for name in ("include_types", "exclude_types", "exclude_scopes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("threshold", "lb", "ub", "groupby", "min_bytes"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SwapParams":
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ParamsError(f"unknown swap parameter(s): {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """One swap-in: the consumers it feeds and the op whose completion starts it (None: synchronous).
+
+    ``after`` is derived by the plan (see ``SwapPlan``); it is ignored when building a plan.
+    """
+
+    consumers: tuple[int, ...]
+    trigger: int | None
+    after: int | None = None
+
+
+@dataclass(frozen=True)
+class Swap:
+    tensor: int
+    sync_out: bool
+    swap_ins: tuple[SwapIn, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class SwapPlan:
+    """Which tensors to swap and how, as flat arrays (the replay's hot path reads them directly).
+
+    Swap i moves tensor ``tensor[i]`` out; swap-in j brings back ``tensor[in_swap[j]]`` for the
+    consumers ``in_consumers[in_consumer_ptr[j]:in_consumer_ptr[j+1]]``, started by op
+    ``in_trigger[j]`` (-1: synchronous, waits for the consumer's other inputs). A swap-in never
+    starts before op ``in_after[j]``: the last reader of the original buffer (first swap-in of a
+    tensor) or the last consumer of the previous swap-in, so one tensor never has two device
+    copies at once; a synchronous swap-in carries it as a control edge.
+    """
+
+    tensor: np.ndarray
+    sync_out: np.ndarray
+    in_swap: np.ndarray
+    in_trigger: np.ndarray
+    in_after: np.ndarray
+    in_consumer_ptr: np.ndarray
+    in_consumers: np.ndarray
+    graph_fingerprint: str = ""
+    params: SwapParams | None = None
+    batch_size: int | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def empty(cls, g: OpGraph | None = None) -> "SwapPlan":
+        nothing = np.zeros(0, dtype=np.int64)
+        return cls(nothing, np.zeros(0, bool), nothing, nothing, nothing, np.zeros(1, np.int64), nothing,
+                   graph_fingerprint=g.fingerprint() if g is not None else "")
+
+    @classmethod
+    def from_swaps(cls, g: OpGraph, swaps: list[Swap], params: SwapParams | None = None) -> "SwapPlan":
+        """Build a plan from readable records (hand-made plans, JSON, tests)."""
+        position = position_of(g)
+        tensors, sync_out, in_swap, in_trigger, ptr, consumers = [], [], [], [], [0], []
+        for index, swap in enumerate(swaps):
+            tensors.append(swap.tensor)
+            sync_out.append(swap.sync_out)
+            for swap_in in sorted(swap.swap_ins, key=lambda s: min((position[c] for c in s.consumers), default=-1)):
+                if not swap_in.consumers:
+                    raise GraphError(f"swap-in of tensor {g.tensor_name(swap.tensor)} has no consumers")
+                in_swap.append(index)
+                in_trigger.append(-1 if swap_in.trigger is None else swap_in.trigger)
+                consumers.extend(sorted(swap_in.consumers, key=lambda c: position[c]))
+                ptr.append(len(consumers))
+        tensor = np.asarray(tensors, np.int64)
+        in_swap_array = np.asarray(in_swap, np.int64)
+        ptr_array = np.asarray(ptr, np.int64)
+        consumer_array = np.asarray(consumers, np.int64)
+        plan = cls(tensor, np.asarray(sync_out, bool), in_swap_array, np.asarray(in_trigger, np.int64),
+                   _after_ops(g, tensor[in_swap_array], ptr_array, consumer_array), ptr_array, consumer_array,
+                   graph_fingerprint=g.fingerprint(), params=params, batch_size=g.batch_size)
+        validate_plan(g, plan)
+        return plan
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def n_swaps(self) -> int:
+        return len(self.tensor)
+
+    @property
+    def n_swap_ins(self) -> int:
+        return len(self.in_swap)
+
+    def __len__(self) -> int:
+        return self.n_swaps
+
+    def swaps(self) -> Iterator[Swap]:
+        """The plan as readable records."""
+        by_swap: dict[int, list[SwapIn]] = {i: [] for i in range(self.n_swaps)}
+        for j in range(self.n_swap_ins):
+            consumers = tuple(int(c) for c in self.in_consumers[self.in_consumer_ptr[j]:self.in_consumer_ptr[j + 1]])
+            trigger = int(self.in_trigger[j])
+            by_swap[int(self.in_swap[j])].append(SwapIn(consumers, None if trigger < 0 else trigger, int(self.in_after[j])))
+        for i in range(self.n_swaps):
+            yield Swap(int(self.tensor[i]), bool(self.sync_out[i]), tuple(by_swap[i]))
+
+    def swapped_bytes(self, g: OpGraph) -> int:
+        return int(g.tensor_bytes[self.tensor].sum())
+
+    # ------------------------------------------------------------------ files
+
+    def to_dict(self, g: OpGraph) -> dict[str, Any]:
+        """Names, not indices, so the rewriter can apply the plan to the real graph."""
+        if self.graph_fingerprint and self.graph_fingerprint != g.fingerprint():
+            raise GraphError("this plan was made for another graph")
+        swaps = []
+        for swap in self.swaps():
+            swaps.append({
+                "tensor": g.tensor_name(swap.tensor),
+                "bytes": int(g.tensor_bytes[swap.tensor]),
+                "sync_out": swap.sync_out,
+                "swap_ins": [
+                    {"consumers": [str(g.op_name[c]) for c in swap_in.consumers],
+                     "trigger": None if swap_in.trigger is None else str(g.op_name[swap_in.trigger]),
+                     "after": str(g.op_name[swap_in.after])}
+                    for swap_in in swap.swap_ins
+                ],
+            })
+        return {
+            "format": "swap-plan/1",
+            "graph_fingerprint": g.fingerprint(),
+            "model": g.meta.get("model", ""),
+            "batch_size": self.batch_size if self.batch_size is not None else g.batch_size,
+            "params": None if self.params is None else self.params.to_dict(),
+            "swaps": swaps,
+        }
+
+    def to_json(self, g: OpGraph, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(g), indent=kwargs.pop("indent", 1), **kwargs)
+
+    @classmethod
+    def from_dict(cls, g: OpGraph, data: dict[str, Any]) -> "SwapPlan":
+        """Rebuild a plan on ``g`` by name; names ``g`` does not have make a clear GraphError."""
+        if not isinstance(data, dict) or data.get("format") != "swap-plan/1":
+            raise GraphError("not a swap plan (expected a JSON object with format 'swap-plan/1')")
+        ops, tensors = g.op_index(), g.tensor_index()
+        missing: list[str] = []
+
+        def op(name: str | None) -> int | None:
+            if name is None:
+                return None
+            if name not in ops:
+                missing.append(name)
+                return -1
+            return ops[name]
+
+        swaps = []
+        for record in data.get("swaps", []):
+            tensor = tensors.get(record["tensor"])
+            if tensor is None:
+                missing.append(record["tensor"])
+                continue
+            swap_ins = tuple(
+                SwapIn(tuple(op(c) for c in item["consumers"]), op(item.get("trigger")))
+                for item in record["swap_ins"]
+            )
+            swaps.append(Swap(tensor, bool(record.get("sync_out", False)), swap_ins))
+        if missing:
+            shown = ", ".join(missing[:3])
+            raise GraphError(f"the plan names {len(missing)} op(s)/tensor(s) this graph does not have "
+                             f"(e.g. {shown}): it was made for another model or version")
+        params = SwapParams.from_dict(data["params"]) if data.get("params") else None
+        plan = cls.from_swaps(g, swaps, params)
+        object.__setattr__(plan, "batch_size", data.get("batch_size"))
+        return plan
+
+    @classmethod
+    def from_json(cls, g: OpGraph, text: str) -> "SwapPlan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise GraphError(f"the plan is not valid JSON ({error})") from None
+        return cls.from_dict(g, data)
+
+
+def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
+    """Reject plans the rewriter could not apply: a consumer that does not read the tensor, a trigger
+    that runs after (or depends on) the consumer, a tensor that cannot live on the host."""
+    levels = categorized_levels(g)
+    reads = set(zip(g.edge_tensor.tolist(), g.edge_consumer.tolist()))
+    if len(set(plan.tensor.tolist())) != plan.n_swaps:
+        raise GraphError("a tensor is swapped twice in one plan")
+    for swap in plan.swaps():
+        name = g.tensor_name(swap.tensor)
+        if g.tensor_persistent[swap.tensor] or not g.tensor_swappable[swap.tensor]:
+            raise GraphError(f"tensor {name} cannot be swapped (variable, or a dtype/placement without a host copy)")
+        producer_level = levels[g.tensor_producer[swap.tensor]]
+        seen: set[int] = set()
+        for swap_in in swap.swap_ins:
+            for consumer in swap_in.consumers:
+                if (swap.tensor, consumer) not in reads:
+                    raise GraphError(f"op {g.op_name[consumer]} does not read tensor {name}")
+                if consumer in seen:
+                    raise GraphError(f"op {g.op_name[consumer]} is fed by two swap-ins of {name}")
+                seen.add(consumer)
+            if swap_in.trigger is not None:
+                first = min(levels[c] for c in swap_in.consumers)
+                if not producer_level < levels[swap_in.trigger] < first:
+                    raise GraphError(f"trigger {g.op_name[swap_in.trigger]} of {name} is not between "
+                                     "its producer and its first far consumer")
+    after_level = levels[plan.in_after]
+    first_level = levels[plan.in_consumers[plan.in_consumer_ptr[:-1]]] if plan.n_swap_ins else after_level
+    for j in np.flatnonzero(after_level >= first_level):
+        raise GraphError(f"{g.tensor_name(plan.tensor[plan.in_swap[j]])} is still read on the device by "
+                         f"{g.op_name[plan.in_after[j]]}, at or after its swapped-in consumer "
+                         f"{g.op_name[plan.in_consumers[plan.in_consumer_ptr[j]]]}")
+    for j in np.flatnonzero(plan.in_trigger >= 0):
+        if levels[plan.in_trigger[j]] <= after_level[j]:
+            raise GraphError(f"the swap-in of {g.tensor_name(plan.tensor[plan.in_swap[j]])} is triggered by "
+                             f"{g.op_name[plan.in_trigger[j]]}, before {g.op_name[plan.in_after[j]]} has released "
+                             "the previous copy: the tensor would be on the device twice")
+
+
+# ---------------------------------------------------------------------- rules
+
+
+def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
+    """Tensors the rules may swap: forward activations that can live on the host, after filters."""
+    producer = g.tensor_producer
+    ok = (g.op_phase[producer] == FORWARD) & g.tensor_swappable & ~g.tensor_persistent
+    if params.min_bytes:
+        ok &= g.tensor_bytes >= params.min_bytes
+    if params.include_types:
+        ok &= np.isin(g.op_type[producer], params.include_types)
+    if params.exclude_types:
+        ok &= ~np.isin(g.op_type[producer], params.exclude_types)
+    if params.exclude_scopes:
+        names = g.op_name[producer]
+        for scope in params.exclude_scopes:
+            ok &= ~np.char.startswith(names, scope)
+    return ok
+
+
+def _trigger_candidates(g: OpGraph) -> np.ndarray:
+    return np.flatnonzero((g.op_phase == BACKWARD) & np.isin(g.op_type, list(TRIGGER_OP_TYPES)))
+
+
+def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
+    """For every level L: the highest level <= L holding a trigger candidate, and that op (-1 if none)."""
+    levels = categorized_levels(g)
+    count = n_levels(g)
+    candidates = _trigger_candidates(g)
+    op_at_level = np.full(count, -1, dtype=np.int64)
+    op_at_level[levels[candidates]] = candidates  # the last candidate of each level wins
+    has = op_at_level >= 0
+    latest_level = np.where(has, np.arange(count), -1)
+    latest_level = np.maximum.accumulate(latest_level) if count else latest_level
+    latest_op = np.where(latest_level >= 0, op_at_level[np.maximum(latest_level, 0)], -1)
+    return latest_level, latest_op
+
+
+def _ancestor_triggers(g: OpGraph, depth: int) -> dict[str, np.ndarray]:
+    """For every backward op: its ancestors among trigger candidates at most ``depth`` levels up.
+
+    Bitsets (Python ints) propagated in level order over data and control edges; bit i of op x
+    stands for the trigger of level-order rank ``base[x] + i``, and ranks more than ``depth``
+    levels above x are dropped, which keeps the sets small on deep graphs. The answer is a flat
+    array sorted by (op, level) with ``key = op * span + level``, so one ``searchsorted`` finds,
+    for many ops at once, the latest ancestor trigger at or below a level.
+    """
+    levels = categorized_levels(g)
+    count = n_levels(g)
+    candidates = _trigger_candidates(g)
+    candidates = candidates[np.lexsort((candidates, levels[candidates]))]
+    rank_of = np.full(g.n_ops, -1, dtype=np.int64)
+    rank_of[candidates] = np.arange(len(candidates))
+    first_rank = np.searchsorted(levels[candidates], np.arange(count + 1), side="left")
+    base_of = first_rank[np.maximum(levels - depth, 0)].tolist()
+    src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
+    dst = np.concatenate([g.edge_consumer, g.control_dst])
+    by_dst = np.argsort(dst, kind="stable")
+    src, dst = src[by_dst].tolist(), dst[by_dst]
+    starts = np.searchsorted(dst, np.arange(g.n_ops), side="left").tolist()
+    stops = np.searchsorted(dst, np.arange(g.n_ops), side="right").tolist()
+    rank_list = rank_of.tolist()
+    bits_of = [0] * g.n_ops
+    for op in execution_order(g).tolist():
+        base = base_of[op]
+        acc = 0
+        for parent in src[starts[op]:stops[op]]:
+            bits = bits_of[parent]
+            if rank_list[parent] >= 0:
+                bits |= 1 << (rank_list[parent] - base_of[parent])
+            acc |= bits >> (base - base_of[parent])
+        bits_of[op] = acc
+    ptr = np.zeros(g.n_ops + 1, dtype=np.int64)
+    found: list[np.ndarray] = []
+    for op in np.flatnonzero(g.op_phase == BACKWARD).tolist():
+        bits = bits_of[op]
+        if not bits:
+            continue
+        raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+        ranks = np.flatnonzero(np.unpackbits(raw, bitorder="little")) + base_of[op]
+        found.append(candidates[ranks])
+        ptr[op + 1] = len(ranks)
+    np.cumsum(ptr, out=ptr)
+    ops = np.concatenate(found) if found else np.zeros(0, np.int64)
+    owner = np.repeat(np.arange(g.n_ops), np.diff(ptr))
+    span = count + 1
+    return {"ptr": ptr, "ops": ops, "levels": levels[ops], "key": owner * span + levels[ops], "span": span}
+
+
+def _trigger_depth(ub: int, count: int) -> int:
+    """Ancestor tables are built for windows of 16, 32, 64, ... levels (capped at the graph's depth)."""
+    depth = 16
+    while depth < ub:
+        depth *= 2
+    return min(depth, max(count, 1))
+
+
+def _group_far_edges(tensor: np.ndarray, level: np.ndarray, groupby: int) -> np.ndarray:
+    """Group id per far edge (edges sorted by tensor, then level): a group spans <= groupby levels."""
+    n = len(tensor)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    new_tensor = np.ones(n, bool)
+    new_tensor[1:] = tensor[1:] != tensor[:-1]
+    if groupby == 0:
+        new_group = new_tensor.copy()
+        new_group[1:] |= level[1:] != level[:-1]
+        return np.cumsum(new_group) - 1
+    group = np.empty(n, dtype=np.int64)
+    current, start_level = -1, 0
+    for i, (fresh, lvl) in enumerate(zip(new_tensor.tolist(), level.tolist())):
+        if fresh or lvl - start_level > groupby:
+            current += 1
+            start_level = lvl
+        group[i] = current
+    return group
+
+
+def plan_swaps(g: OpGraph, params: SwapParams) -> SwapPlan:
+    """Apply the swap rules to ``g`` (at its batch size) and return the plan.
+
+    A consumer of tensor t (made by u) is far when level(c) - level(u) > threshold; far consumers
+    read t through a swap-in. The swap-in of a group starts when its trigger w finishes:
+    the latest valid op with level(c) - ub <= level(w) <= level(c) - lb, level(w) > level(u), searched
+    from level(c) - lb downward; no valid trigger (or sync "in"/"both") makes it synchronous.
+    """
+    levels = categorized_levels(g)
+    distance = edge_distances(g)
+    candidate = _candidate_tensors(g, params)
+    far = np.flatnonzero(candidate[g.edge_tensor] & (distance > params.threshold)
+                         & (g.op_phase[g.edge_consumer] != UPDATE))
+    far_tensor = g.edge_tensor[far]
+    far_consumer = g.edge_consumer[far]
+    # one edge per (tensor, consumer): an op reading t twice needs one rewire
+    key = far_tensor * g.n_ops + far_consumer
+    _, unique = np.unique(key, return_index=True)
+    far_tensor, far_consumer = far_tensor[unique], far_consumer[unique]
+    consumer_level = levels[far_consumer]
+    order = np.lexsort((far_consumer, consumer_level, far_tensor))
+    far_tensor, far_consumer, consumer_level = far_tensor[order], far_consumer[order], consumer_level[order]
+
+    while True:
+        group = _group_far_edges(far_tensor, consumer_level, params.groupby)
+        n_groups = int(group[-1]) + 1 if len(group) else 0
+        group_start = np.searchsorted(group, np.arange(n_groups), side="left")
+        ptr = np.append(group_start, len(group)).astype(np.int64)
+        first_consumer = far_consumer[group_start]
+        group_tensor = far_tensor[group_start]
+        first_level = levels[first_consumer]
+        after = _after_ops(g, group_tensor, ptr, far_consumer)
+        # a group whose tensor is still read on the device at or after its first consumer (through
+        # an alias) would gain nothing from a swap-in: drop it and re-derive the rest
+        late = levels[after] >= first_level
+        if not late.any():
+            break
+        keep = ~np.repeat(late, np.diff(ptr))
+        far_tensor, far_consumer, consumer_level = far_tensor[keep], far_consumer[keep], consumer_level[keep]
+
+    hi = first_level - params.lb
+    lo = np.maximum(first_level - params.ub, levels[after] + 1)
+    trigger = np.full(n_groups, -1, dtype=np.int64)
+    if params.sync not in ("in", "both") and n_groups:
+        if params.trigger == "level":
+            latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
+            found_level = latest_level[np.maximum(hi, 0)]
+            ok = (hi >= 0) & (found_level >= lo)
+            trigger[ok] = latest_op[np.maximum(hi, 0)][ok]
+        else:
+            depth = _trigger_depth(params.ub, n_levels(g))
+            table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth),
+                             structural=True)
+            start, stop = table["ptr"][first_consumer], table["ptr"][first_consumer + 1]
+            # per group, the last ancestor trigger whose level <= hi: one searchsorted over all groups
+            query = first_consumer * table["span"] + hi
+            pick = np.searchsorted(table["key"], query, side="right") - 1
+            ok = (hi >= 0) & (pick >= start) & (pick < stop)
+            pick_level = np.full(n_groups, -1, dtype=np.int64)
+            pick_level[ok] = table["levels"][pick[ok]]
+            ok &= pick_level >= lo
+            trigger[ok] = table["ops"][pick[ok]]
+
+    swapped, in_swap = np.unique(group_tensor, return_inverse=True)
+    sync_out = np.full(len(swapped), params.sync in ("out", "both"))
+    return SwapPlan(
+        tensor=swapped.astype(np.int64),
+        sync_out=sync_out,
+        in_swap=in_swap.astype(np.int64),
+        in_trigger=trigger,
+        in_after=after,
+        in_consumer_ptr=ptr,
+        in_consumers=far_consumer.astype(np.int64),
+        graph_fingerprint=g.cached("fingerprint", OpGraph.fingerprint, structural=True),
+        params=params,
+        batch_size=g.batch_size,
+    )
+
+
+def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(start, stop)`` for each pair, without a Python loop."""
+    counts = stops - starts
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(total)
+
+
+def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers: np.ndarray) -> np.ndarray:
+    """Per swap-in group (groups of a tensor consecutive, in level order): the op it must follow.
+
+    The first group follows the last op that still reads the original buffer once the far reads
+    are rewired (its producer at least); each later group follows the last consumer of the group
+    before it.
+    """
+    n_groups = len(group_tensor)
+    if n_groups == 0:
+        return np.zeros(0, dtype=np.int64)
+    info = buffers(g)
+    position = position_of(g)
+    order = execution_order(g)
+    far_keys = np.repeat(group_tensor, np.diff(ptr)) * g.n_ops + consumers
+    swapped, first_group = np.unique(group_tensor, return_index=True)
+    roots = info.root[swapped]
+    starts, stops = info.use_ptr[roots], info.use_ptr[roots + 1]
+    uses = _ranges(starts, stops)
+    still_read = np.where(np.isin(info.use_key[uses], far_keys), -1, info.use_slot[uses])
+    segment_starts = np.cumsum(stops - starts) - (stops - starts)
+    near_slot = np.maximum.reduceat(still_read, segment_starts)
+    group_last_slot = np.maximum.reduceat(position[consumers], ptr[:-1])
+    after_slot = np.empty(n_groups, dtype=np.int64)
+    after_slot[1:] = group_last_slot[:-1]
+    after_slot[first_group] = near_slot
+    return order[after_slot]

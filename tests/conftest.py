@@ -1,0 +1,28 @@
+"""Shared fixtures. TensorFlow-using tests set the CPU testbed up before TF is imported."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+# Every allocation visible to the profiler and get_memory_info (DESIGN.md 4); must precede TF import.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def unit_device(bandwidth_bytes_per_s: float = 100.0, latency_s: float = 0.0):
+    """A device on which an op takes its FLOP count in seconds and a copy bytes/bandwidth."""
+    from simulator.devices import get_device
+
+    return dataclasses.replace(
+        get_device("v100-16gb"), name="unit", peak_flops=1.0, compute_efficiency=1.0,
+        mem_bandwidth_bytes_per_s=1e30, bandwidth_efficiency=1.0, op_overhead_s=0.0,
+        h2d_bytes_per_s=bandwidth_bytes_per_s, d2h_bytes_per_s=bandwidth_bytes_per_s, transfer_latency_s=latency_s,
+    )
+
+
+@pytest.fixture
+def unit():
+    return unit_device()

@@ -1,0 +1,175 @@
+"""Hand-computed cases: every number below was worked out on paper from the rules in replay.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulator import BACKWARD, FORWARD, GraphError, SwapParams, SwapPlan, categorized_levels, plan_swaps, replay
+from simulator.planning import Swap, SwapIn
+from simulator.synthetic import OpSpec, from_spec
+
+
+def chain():
+    """f0 -> f1 -> f2 -> b2 -> b1 -> b0, backward ops reading the forward activations."""
+    return from_spec([
+        OpSpec("f0", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("f1", "Conv2D", FORWARD, ["f0"], (200,), flops=1),
+        OpSpec("f2", "Conv2D", FORWARD, ["f1"], (300,), flops=1),
+        OpSpec("b2", "MatMul", BACKWARD, ["f2"], (50,), flops=1),
+        OpSpec("b1", "MatMul", BACKWARD, ["b2", "f1"], (60,), flops=1),
+        OpSpec("b0", "MatMul", BACKWARD, ["b1", "f0"], (70,), flops=1),
+    ], outputs=["b0"])
+
+
+def test_chain_levels_and_baseline(unit):
+    g = chain()
+    assert categorized_levels(g).tolist() == [0, 1, 2, 3, 4, 5]
+    r = replay(g, None, unit)
+    # slot 3 holds f0 (100) + f1 (200) + f2 (300) + b2 (50)
+    assert r.peak_bytes == 650
+    assert r.level_peak_bytes.tolist() == [100, 300, 600, 650, 410, 230]
+    assert r.step_s == pytest.approx(6.0)
+    assert (r.stall_s, r.d2h_bytes, r.h2d_bytes, r.host_peak_bytes) == (0.0, 0, 0, 0)
+
+
+def test_chain_threshold_two(unit):
+    g = chain()
+    plan = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=2))
+    names = {g.tensor_name(s.tensor): [(tuple(g.op_name[c] for c in i.consumers), g.op_name[i.trigger])
+                                       for i in s.swap_ins] for s in plan.swaps()}
+    assert names == {"f0:0": [(("b0",), "b1")], "f1:0": [(("b1",), "b2")]}
+    r = replay(g, plan, unit)
+    # f0 out 1..2 s; f1 out 2..4 s; f1 in 4..6 s (trigger b2 ends at 4) -> b1 waits 2 s;
+    # f0 in 7..8 s (trigger b1 ends at 7) -> b0 waits 1 s.
+    assert r.swap_out_end_s.tolist() == [2.0, 4.0]
+    assert r.swap_in_start_s.tolist() == [7.0, 4.0]
+    assert r.step_s == pytest.approx(9.0) and r.stall_s == pytest.approx(3.0)
+    assert r.level_peak_bytes.tolist() == [100, 300, 500, 550, 310, 230]
+    assert r.peak_bytes == 550
+    assert (r.d2h_bytes, r.h2d_bytes) == (300, 300)
+    assert r.host_peak_bytes == 300  # both copies on the host from 2 s to 6 s
+
+
+def test_window_without_valid_trigger_is_synchronous(unit):
+    g = chain()
+    plan = plan_swaps(g, SwapParams(threshold=2, lb=2, ub=2))
+    triggers = {g.tensor_name(s.tensor): s.swap_ins[0].trigger for s in plan.swaps()}
+    # f1's consumer b1 is on level 4: the window is level 2, where only forward f2 lies
+    assert triggers["f1:0"] is None
+    assert g.op_name[triggers["f0:0"]] == "b2"
+    r = replay(g, plan, unit)
+    # both swap-ins ready at 4 s (after b2): f0 first (lower index), 4..5; f1 5..7; b1 waits 3 s
+    assert r.swap_in_start_s.tolist() == [4.0, 5.0]
+    assert r.step_s == pytest.approx(9.0)
+    assert r.level_peak_bytes.tolist() == [100, 300, 500, 550, 410, 230]
+
+
+def test_sync_swap_out_makes_near_consumers_wait(unit):
+    g = chain()
+    plan = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=2, sync="out"))
+    r = replay(g, plan, unit)
+    # f1 waits for f0's copy (1..2 s): 1 s; f1's copy 3..5 s, so f2 waits 2 s; b2 ends at 7;
+    # f1 back 7..9 (trigger b2), b1 waits 2 s, ends 10; f0 back 10..11, b0 waits 1 s, ends 12.
+    assert r.swap_out_end_s.tolist() == [2.0, 5.0]
+    assert r.swap_in_end_s.tolist() == [11.0, 9.0]
+    assert r.step_s == pytest.approx(12.0)
+    assert r.stall_s == pytest.approx(6.0)
+
+
+def diamond():
+    """a -> (b, c) -> d; backward reads a far away."""
+    return from_spec([
+        OpSpec("a", "Conv2D", FORWARD, [], (400,), flops=1),
+        OpSpec("b", "Conv2D", FORWARD, ["a"], (100,), flops=1),
+        OpSpec("c", "Conv2D", FORWARD, ["a"], (100,), flops=1),
+        OpSpec("d", "AddV2", FORWARD, ["b", "c"], (100,), flops=1),
+        OpSpec("gd", "MatMul", BACKWARD, ["d"], (100,), flops=1),
+        OpSpec("gb", "MatMul", BACKWARD, ["gd", "b"], (100,), flops=1),
+        OpSpec("gc", "MatMul", BACKWARD, ["gd", "c"], (100,), flops=1),
+        OpSpec("ga", "MatMul", BACKWARD, ["gb", "gc", "a"], (10,), flops=1),
+    ], outputs=["ga"])
+
+
+def test_diamond(unit):
+    g = diamond()
+    assert categorized_levels(g).tolist() == [0, 1, 1, 2, 3, 4, 4, 5]
+    base = replay(g, None, unit)
+    # slots a, b, c, d, gd, gb, gc, ga; slots 4..6 hold 800 B each
+    assert base.level_peak_bytes.tolist() == [400, 600, 700, 800, 800, 610]
+    plan = plan_swaps(g, SwapParams(threshold=3, lb=1, ub=1))
+    assert [g.tensor_name(s.tensor) for s in plan.swaps()] == ["a:0"]
+    (swap,) = plan.swaps()
+    assert g.op_name[swap.swap_ins[0].trigger] == "gc"  # latest ancestor on level 4, highest index
+    assert g.op_name[swap.swap_ins[0].after] == "c"  # the last near reader of a
+    r = replay(g, plan, unit)
+    # a out 1..5 s (400 B at 100 B/s) -> freed after slot 4 (ends at 5 s);
+    # a in after gc (ends at 7 s): 7..11 s, ga waits 4 s
+    assert r.swap_out_end_s.tolist() == [5.0]
+    assert r.swap_in_start_s.tolist() == [7.0]
+    assert r.step_s == pytest.approx(12.0)
+    assert r.level_peak_bytes.tolist() == [400, 600, 700, 800, 400, 610]
+    assert r.peak_bytes == 800
+
+
+def unet():
+    """Two-level U-Net-like skip: e0 is read by the decoder (forward) and by backward ops."""
+    return from_spec([
+        OpSpec("e0", "Conv2D", FORWARD, [], (200,), flops=1),
+        OpSpec("e1", "Conv2D", FORWARD, ["e0"], (100,), flops=1),
+        OpSpec("m", "Conv2D", FORWARD, ["e1"], (50,), flops=1),
+        OpSpec("d1", "Conv2D", FORWARD, ["m", "e1"], (100,), flops=1),
+        OpSpec("d0", "Conv2D", FORWARD, ["d1", "e0"], (200,), flops=1),
+        OpSpec("g0", "Conv2DBackpropInput", BACKWARD, ["d0", "e0"], (200,), flops=1),
+        OpSpec("g1", "Conv2DBackpropInput", BACKWARD, ["g0", "d1"], (100,), flops=1),
+        OpSpec("gm", "Conv2DBackpropInput", BACKWARD, ["g1", "m", "e1"], (50,), flops=1),
+        OpSpec("ge", "Conv2DBackpropInput", BACKWARD, ["gm", "e0"], (10,), flops=1),
+    ], outputs=["ge"])
+
+
+def test_unet_skip_connection(unit):
+    g = unet()
+    assert categorized_levels(g).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    base = replay(g, None, unit)
+    # slot 5 (g0): e0 e1 m d1 d0 g0 = 200+100+50+100+200+200
+    assert base.peak_bytes == 850
+    plan = plan_swaps(g, SwapParams(threshold=4, lb=2, ub=3))
+    swaps = {g.tensor_name(s.tensor): s for s in plan.swaps()}
+    assert set(swaps) == {"e0:0", "e1:0", "m:0"}
+    e0_first, e0_second = swaps["e0:0"].swap_ins
+    # g0 (level 5): window 2..3 but e0 is read by d0 (level 4) until then -> synchronous
+    assert [g.op_name[c] for c in e0_first.consumers] == ["g0"] and e0_first.trigger is None
+    # ge (level 8): after g0 (level 5), window 5..6 -> g1
+    assert g.op_name[e0_second.trigger] == "g1" and g.op_name[e0_second.after] == "g0"
+    assert g.op_name[swaps["e1:0"].swap_ins[0].trigger] == "g0"
+    assert g.op_name[swaps["m:0"].swap_ins[0].trigger] == "g0"
+    r = replay(g, plan, unit)
+    # copies out: e0 1..3, e1 3..4, m 4..4.5; e0 back (sync, after d0) 5..7 -> g0 waits 2 s;
+    # e1 back 8..9, m back 9..9.5 -> gm waits 0.5 s; e0 back again 9.5..11.5 -> ge waits 1 s
+    assert r.swap_out_end_s.tolist() == [3.0, 4.0, 4.5]
+    assert r.swap_in_start_s.tolist() == [5.0, 9.5, 8.0, 9.0]
+    assert r.step_s == pytest.approx(12.5) and r.stall_s == pytest.approx(3.5)
+    assert r.level_peak_bytes.tolist() == [200, 300, 350, 450, 550, 700, 500, 500, 260]
+    assert r.peak_bytes == 700
+
+
+def test_hand_plan_round_trips_through_json(unit):
+    g = chain()
+    plan = SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((5,), 4),))])
+    again = SwapPlan.from_json(g, plan.to_json(g))
+    assert again.tensor.tolist() == [0] and again.in_trigger.tolist() == [4]
+    assert replay(g, again, unit).step_s == replay(g, plan, unit).step_s
+
+
+def test_hand_plan_with_trigger_before_release_is_rejected():
+    g = chain()
+    with pytest.raises(GraphError, match="twice"):
+        SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((5,), 1),))])  # f1 still reads f0
+    with pytest.raises(GraphError, match="does not read"):
+        SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((4,), None),))])
+
+
+def test_plan_from_another_graph_is_refused(unit):
+    plan = plan_swaps(chain(), SwapParams(threshold=2))
+    with pytest.raises(GraphError, match="another graph"):
+        replay(diamond(), plan, unit)
