@@ -1,0 +1,48 @@
+"""The TensorFlow side of the tool: capture a training step, apply a swap plan, verify, measure, train.
+
+    import rewriter
+    g = rewriter.capture(model, batch_size=8)                 # -> simulator.OpGraph
+    step = rewriter.apply(model, plan, graph=g, batch_size=8)  # -> SwapStep, step(x, y) -> loss
+    step.verification                                          # what survived Grappler
+    rewriter.measure(step, x, y)                               # peak bytes, step seconds
+    rewriter.use_swap_step(model, step); model.fit(...)        # train with it
+
+``rewriter.apply``, ``rewriter.capture``, ``rewriter.measure`` and ``rewriter.verify`` are both the
+submodules and callables that run their namesake function.
+
+The CPU testbed (two logical CPUs) must be configured before TensorFlow initialises:
+``rewriter.configure_testbed()`` first thing in the process, or the single-device testbed is used.
+"""
+
+import sys as _sys
+import types as _types
+
+from rewriter.apply import PlanError, StateSnapshot, SwapStep, load_plan
+from rewriter.capture import CaptureError, capture_step, trace_function_step, trace_keras_step
+from rewriter.keras import restore_train_function, swap_step_of, swapping, use_swap_step
+from rewriter.measure import Measurement
+from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect
+from rewriter.verify import Verification
+
+
+class _CallableModule(_types.ModuleType):
+    """A submodule that can be called as its namesake function: ``rewriter.apply(...)`` runs
+    ``rewriter.apply.apply(...)`` while ``rewriter.apply.PlanError`` etc. stay reachable."""
+
+    def __call__(self, *args, **kwargs):
+        return getattr(self, self.__name__.rsplit(".", 1)[1])(*args, **kwargs)
+
+
+for _name in ("apply", "capture", "measure", "verify"):
+    _sys.modules[f"{__name__}.{_name}"].__class__ = _CallableModule
+apply = _sys.modules[f"{__name__}.apply"]
+capture = _sys.modules[f"{__name__}.capture"]
+measure = _sys.modules[f"{__name__}.measure"]
+verify = _sys.modules[f"{__name__}.verify"]
+
+__all__ = [
+    "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "Measurement", "Placement", "PlanError", "StateSnapshot",
+    "SwapStep", "Verification", "apply", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
+    "measure", "restore_train_function", "swap_step_of", "swapping", "trace_function_step", "trace_keras_step",
+    "use_swap_step", "verify",
+]

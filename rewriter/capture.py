@@ -200,6 +200,7 @@ class _Reduced:
     inputs: dict[str, list[tuple[int, str, int]]]  # op -> [(slot, producer, output index)]
     controls: dict[str, list[str]]
     outputs: list[tuple[str, int]]
+    constants: list[Any]  # folded tensors read by ops that run: resident for the whole step
 
 
 def _resolve(tensor, folded: set[str]):
@@ -258,6 +259,7 @@ def _reduce(concrete, loss_op: str) -> _Reduced:
 
     inputs: dict[str, list[tuple[int, str, int]]] = {}
     controls: dict[str, list[str]] = {}
+    constants: dict[str, Any] = {}
     for op in kept:
         resolved = []
         extra_controls: list[str] = []
@@ -265,6 +267,8 @@ def _reduce(concrete, loss_op: str) -> _Reduced:
             source = _resolve(tensor, folded)
             if source is not None and source.op.name in kept_names:
                 resolved.append((slot, source.op.name, source.value_index))
+            elif source is None and _underlying(tensor).op.name not in resources:
+                constants[_underlying(tensor).name] = _underlying(tensor)
             # control inputs of bypassed ops on the way are kept as control edges
             walk = tensor
             while walk.op.type in BYPASS_TYPES and walk.op.inputs:
@@ -277,7 +281,7 @@ def _reduce(concrete, loss_op: str) -> _Reduced:
         source = _resolve(tensor, folded)
         if source is not None and source.op.name in kept_names:
             outputs.append((source.op.name, source.value_index))
-    return _Reduced(kept, inputs, controls, outputs)
+    return _Reduced(kept, inputs, controls, outputs, list(constants.values()))
 
 
 # ---------------------------------------------------------------------- costs
@@ -413,7 +417,7 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
         "bytes": {op.name: [_nbytes(t) for t in op.outputs] for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
-        "resident": _resident_bytes(traced.concrete),
+        "resident": _resident_bytes(traced.concrete) + (sum(_nbytes(t) for t in reduced.constants),),
     }
 
 
@@ -498,11 +502,11 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             control_src.append(index[src])
             control_dst.append(index[op.name])
 
-    variables_1, inputs_1 = one["resident"]
-    variables_2, inputs_2 = two["resident"]
-    resident = np.add(_linear_fit(variables_1, variables_2, b1, b2), _linear_fit(inputs_1, inputs_2, b1, b2))
+    resident = np.sum([_linear_fit(small, large, b1, b2) for small, large in zip(one["resident"], two["resident"])],
+                      axis=0)
+    variables_1, _, constants_1 = one["resident"]
     info = {"captured_batches": [b1, b2], "loss_op": first.loss_op, "tf_version": tf.__version__,
-            "variable_bytes": variables_1, "unknown_shapes": unknown, "inputs": first.input_names}
+            "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,

@@ -3,6 +3,10 @@
 TF does not give every tensor its own memory: Identity/Reshape-like ops alias their input, and ops
 such as Relu, AddN or BiasAdd write into an input buffer they are the last to read. Counting aliases
 as new buffers overestimates the peak by 5-15% (DESIGN.md 4), so memory is accounted per buffer.
+
+A buffer is a tree of tensors. Links that read their parent from two or more levels away could be
+rewired to a swap-in by a plan; such a link starts a *segment*, because once rewired, the segment
+(say, a gradient op writing into the activation it read) lives in the swap-in's buffer instead.
 """
 
 from __future__ import annotations
@@ -12,40 +16,44 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.graph import OpGraph
-from simulator.ordering import execution_order, position_of
+from simulator.ordering import categorized_levels, execution_order, position_of
 
 
 @dataclass(frozen=True)
 class Buffers:
     """Buffer analysis in execution-slot terms (see ``ordering.execution_order``).
 
-    ``root[t]``: the tensor owning t's buffer. ``persistent[t]``: t lives in resident memory.
-    ``alloc_slot[t]`` / ``free_slot[t]`` (valid for roots): first and last slot the buffer is live.
-    ``use_ptr``/``use_slot``/``use_key``: per root buffer, every slot that reads it; ``use_key`` is
-    ``tensor * n_ops + consumer`` of the edge (-1 for the producer itself and for step outputs),
-    so a plan can drop the reads it rewires to a swap-in.
+    Per tensor: ``root`` (the tensor owning its buffer), ``persistent`` (resident memory),
+    ``segment`` (head tensor of its segment). Per root: ``alloc_slot``/``free_slot`` (first and
+    last live slot), uses as CSR ``use_ptr`` -> ``use_slot``, ``use_key`` (``tensor * n_ops +
+    consumer`` of the read, -1 for the producer itself and step outputs) and ``use_segment``;
+    ``seg_ptr`` -> ``seg_head`` lists each root's segments (root segment first).
+    Per segment head: ``link_key`` (``parent * n_ops + op`` of the read that made it, -1 for a
+    root) and ``seg_parent`` (head of the parent segment).
     """
 
     root: np.ndarray
     persistent: np.ndarray
+    segment: np.ndarray
     alloc_slot: np.ndarray
     free_slot: np.ndarray
     use_ptr: np.ndarray
     use_slot: np.ndarray
     use_key: np.ndarray
-
-
-def _find(root: list[int], tensor: int) -> int:
-    while root[tensor] != tensor:
-        root[tensor] = root[root[tensor]]
-        tensor = root[tensor]
-    return tensor
+    use_segment: np.ndarray
+    seg_ptr: np.ndarray
+    seg_head: np.ndarray
+    link_key: np.ndarray
+    seg_parent: np.ndarray
 
 
 def _analyse(g: OpGraph) -> Buffers:
     n_ops, n_tensors = g.n_ops, g.n_tensors
     position = position_of(g)
-    root = np.where(g.tensor_alias_of >= 0, g.tensor_alias_of, np.arange(n_tensors))
+    levels = categorized_levels(g)
+    parent = g.tensor_alias_of.copy()  # the tensor whose buffer a tensor joins (-1: owns one)
+    link_op = np.where(parent >= 0, g.tensor_producer, -1)
+    root = np.where(parent >= 0, parent, np.arange(n_tensors))
     for _ in range(64):  # alias chains are short; resolve them to their owner
         nxt = root[root]
         if np.array_equal(nxt, root):
@@ -58,23 +66,21 @@ def _analyse(g: OpGraph) -> Buffers:
     np.maximum.at(last_read, g.edge_tensor, position[g.edge_consumer])
     last_read[g.outputs] = end_slot
     produced = position[g.tensor_producer]
-    tensor_last = np.maximum(last_read, produced)
     buffer_last = np.full(n_tensors, -1, dtype=np.int64)
-    np.maximum.at(buffer_last, root, tensor_last)
+    np.maximum.at(buffer_last, root, np.maximum(last_read, produced))
 
     # Buffer forwarding, decided in execution order: op k reuses the buffer of an input it is the
     # last to read when sizes and dtypes match (TF's forward_input_or_allocate_output).
     forwarding = np.flatnonzero(g.op_forwards_input)
     if len(forwarding):
-        root_list = root.tolist()
-        last_list = buffer_last.tolist()
+        root_list, last_list = root.tolist(), buffer_last.tolist()
+        parent_list, link_list = parent.tolist(), link_op.tolist()
         owns = (g.tensor_alias_of < 0) & ~persistent
         outputs_of: dict[int, list[int]] = {}
         for tensor in np.flatnonzero(owns & g.op_forwards_input[g.tensor_producer]).tolist():
             outputs_of.setdefault(int(g.tensor_producer[tensor]), []).append(tensor)
         by_consumer = np.argsort(g.edge_consumer, kind="stable")
-        inputs_sorted = g.edge_tensor[by_consumer]
-        consumer_sorted = g.edge_consumer[by_consumer]
+        inputs_sorted, consumer_sorted = g.edge_tensor[by_consumer], g.edge_consumer[by_consumer]
         starts = np.searchsorted(consumer_sorted, forwarding, side="left")
         stops = np.searchsorted(consumer_sorted, forwarding, side="right")
         inputs_of = {int(op): inputs_sorted[a:b].tolist() for op, a, b in zip(forwarding, starts, stops)}
@@ -83,42 +89,127 @@ def _analyse(g: OpGraph) -> Buffers:
         is_output = np.zeros(n_tensors, bool)
         is_output[g.outputs] = True
         persistent_list = persistent.tolist()
+
+        def find(tensor: int) -> int:
+            while root_list[tensor] != tensor:
+                root_list[tensor] = root_list[root_list[tensor]]
+                tensor = root_list[tensor]
+            return tensor
+
         for op in sorted(outputs_of, key=lambda o: position[o]):
             slot = int(position[op])
             inputs = inputs_of.get(op, [])
             for out in outputs_of[op]:
                 for source in inputs:
-                    owner = _find(root_list, source)
+                    owner = find(source)
                     if (persistent_list[owner] or is_output[owner] or last_list[owner] != slot
                             or bytes_ab[owner] != bytes_ab[out] or dtype[owner] != dtype[out]
                             or inputs.count(source) > 1):
                         continue
                     root_list[out] = owner
+                    parent_list[out], link_list[out] = source, op
                     last_list[owner] = max(last_list[owner], last_list[out])
                     break
-        root = np.asarray([_find(root_list, t) for t in range(n_tensors)], dtype=np.int64)
+        root = np.asarray([find(t) for t in range(n_tensors)], dtype=np.int64)
         buffer_last = np.asarray(last_list, dtype=np.int64)
+        parent, link_op = np.asarray(parent_list, dtype=np.int64), np.asarray(link_list, dtype=np.int64)
+
+    # segments: a link that reads its parent from >= 2 levels away may be rewired by a plan
+    has_parent = parent >= 0
+    safe_parent = np.maximum(parent, 0)
+    distance = np.where(has_parent, levels[np.maximum(link_op, 0)] - levels[g.tensor_producer[safe_parent]], 0)
+    is_head = ~has_parent | (distance >= 2)
+    segment = np.where(is_head, np.arange(n_tensors), parent)
+    for _ in range(64):
+        nxt = np.where(is_head, segment, segment[segment])
+        if np.array_equal(nxt, segment):
+            break
+        segment = nxt
+    link_key = np.where(is_head & has_parent, parent * n_ops + link_op, -1)
+    seg_parent = np.where(is_head & has_parent, segment[safe_parent], -1)
 
     # reads of each root buffer, for plans that rewire some of them
-    use_root = np.concatenate([root[g.edge_tensor], root, root[g.outputs]])
+    use_owner = np.concatenate([g.edge_tensor, np.arange(n_tensors), g.outputs])
+    use_root = root[use_owner]
     use_slot = np.concatenate([position[g.edge_consumer], produced, np.full(len(g.outputs), end_slot)])
     use_key = np.concatenate([g.edge_tensor * n_ops + g.edge_consumer, np.full(n_tensors + len(g.outputs), -1)])
     order = np.argsort(use_root, kind="stable")
     use_ptr = np.zeros(n_tensors + 1, dtype=np.int64)
     np.cumsum(np.bincount(use_root, minlength=n_tensors), out=use_ptr[1:])
+    heads = np.flatnonzero(is_head)
+    heads = heads[np.lexsort((produced[heads], root[heads]))]  # per root, parents before children
+    seg_ptr = np.zeros(n_tensors + 1, dtype=np.int64)
+    np.cumsum(np.bincount(root[heads], minlength=n_tensors), out=seg_ptr[1:])
 
     alloc_slot = np.full(n_tensors, -1, dtype=np.int64)
     free_slot = np.full(n_tensors, -1, dtype=np.int64)
     owners = np.flatnonzero((root == np.arange(n_tensors)) & ~persistent)
     alloc_slot[owners] = produced[owners]
     free_slot[owners] = np.maximum(buffer_last[owners], produced[owners])
-    return Buffers(root=root, persistent=persistent, alloc_slot=alloc_slot, free_slot=free_slot,
-                   use_ptr=use_ptr, use_slot=use_slot[order], use_key=use_key[order])
+    return Buffers(root=root, persistent=persistent, segment=segment, alloc_slot=alloc_slot, free_slot=free_slot,
+                   use_ptr=use_ptr, use_slot=use_slot[order], use_key=use_key[order],
+                   use_segment=segment[use_owner][order], seg_ptr=seg_ptr, seg_head=heads,
+                   link_key=link_key, seg_parent=seg_parent)
 
 
 def buffers(g: OpGraph) -> Buffers:
     """The buffer analysis of ``g`` (shared by every batch size of the same structure)."""
     return g.cached("buffers", _analyse, structural=True)
+
+
+def ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(start, stop)`` for each pair, without a Python loop."""
+    counts = stops - starts
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(total)
+
+
+def contains(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """``np.isin`` for a small sorted set, without sorting ``keys``."""
+    if len(sorted_keys) == 0:
+        return np.zeros(len(keys), bool)
+    where = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return sorted_keys[where] == keys
+
+
+def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Last slots once the reads ``far_keys`` (``tensor * n_ops + consumer``) go to swap-ins.
+
+    Returns, for each of ``roots`` (unique root buffers), the last slot that still reads the
+    original buffer (its producer at least); and the rewired links that carried a segment away
+    (``link_keys``) with the last slot of what now lives in the swap-in buffer (``link_last``).
+    """
+    info = buffers(g)
+    far_keys = np.sort(far_keys)
+    starts, stops = info.use_ptr[roots], info.use_ptr[roots + 1]
+    uses = ranges(starts, stops)
+    slots = np.where(contains(far_keys, info.use_key[uses]), -1, info.use_slot[uses])
+    seg_starts, seg_stops = info.seg_ptr[roots], info.seg_ptr[roots + 1]
+    if np.all(seg_stops - seg_starts == 1):  # no segments to re-home: one max per root
+        counts = stops - starts
+        return np.maximum.reduceat(slots, np.cumsum(counts) - counts), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    seg_index = ranges(seg_starts, seg_stops)
+    heads = info.seg_head[seg_index]  # grouped by root, parents before children
+    n_segments = len(heads)
+    local = np.full(g.n_tensors, -1, dtype=np.int64)
+    local[heads] = np.arange(n_segments)
+    segment_last = np.full(n_segments, -1, dtype=np.int64)
+    np.maximum.at(segment_last, local[info.use_segment[uses]], slots)
+    links = info.link_key[heads]
+    cut = contains(far_keys, links)
+    owner = np.arange(n_segments)
+    parent_local = np.where(info.seg_parent[heads] >= 0, local[np.maximum(info.seg_parent[heads], 0)], -1)
+    for _ in range(n_segments):  # segment trees are shallow; a few rounds settle ownership
+        inherited = np.where((parent_local >= 0) & ~cut, owner[np.maximum(parent_local, 0)], owner)
+        if np.array_equal(inherited, owner):
+            break
+        owner = inherited
+    owner_last = np.full(n_segments, -1, dtype=np.int64)
+    np.maximum.at(owner_last, owner, segment_last)
+    root_segment = local[roots]
+    return owner_last[root_segment], links[cut], owner_last[np.flatnonzero(cut)]
 
 
 def baseline_slot_bytes(g: OpGraph) -> np.ndarray:
@@ -137,6 +228,4 @@ def baseline_slot_bytes(g: OpGraph) -> np.ndarray:
 
 def slot_levels(g: OpGraph) -> np.ndarray:
     """Level of each execution slot (non-decreasing)."""
-    from simulator.ordering import categorized_levels
-
     return g.cached("slot_levels", lambda graph: categorized_levels(graph)[execution_order(graph)], structural=True)

@@ -212,7 +212,9 @@ V100_16GB = DeviceModel(
 V100_16GB_NVLINK = DeviceModel(
     # The LMS paper's machine: IBM Power System AC922, POWER9 CPUs attached to the Tesla V100
     # SXM2 16GB by NVLink 2.0 (4-GPU config: 3 bricks x 25 GB/s = 75 GB/s per direction per GPU;
-    # IBM quotes "150 GB/s", the bidirectional sum).  Same GPU as v100-16gb, faster host link.
+    # IBM's TFLMS case study quotes 150 GB/s, which is the bidirectional sum --
+    # https://developer.ibm.com/linuxonpower/2018/07/27/tensorflow-large-model-support-case-study-3d-image-segmentation/).
+    # Same GPU as v100-16gb, faster host link.
     name="v100-16gb-nvlink",
     capacity_bytes=16 * GiB,  # 16 GB HBM2 (V100 datasheet)
     usable_fraction=0.88,  # estimate, same GPU and TF reserve as v100-16gb
@@ -284,11 +286,14 @@ H100_80GB = DeviceModel(
     h2d_bytes_per_s=50 * GB,
     d2h_bytes_per_s=50 * GB,  # same reasoning
     transfer_latency_s=_GPU_LATENCY_S,  # estimate
-    host_memory_bytes=256 * GiB,  # DGX H100: 2 TB RAM / 8 GPUs (NVIDIA DGX H100 datasheet)
+    # 8x H100 SXM nodes ship 2 TB RAM (DGX H100 datasheet; MLPerf Inference v3.1 Dell XE9680 system
+    # description, https://github.com/mlcommons/inference_results_v3.1/blob/main/closed/Dell/systems/
+    # XE9680_H100_SXM_80GBx8_TRT.json) -> 2 TB / 8 GPUs
+    host_memory_bytes=256 * GiB,
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate
-    source=f"{_H100_DS}; {_PCIE5_MEAS}; {_TF_RESERVE}; DGX H100 2 TB RAM",
+    source=f"{_H100_DS}; {_PCIE5_MEAS}; {_TF_RESERVE}; 8-GPU H100 nodes: 2 TB RAM (DGX H100; MLPerf v3.1 XE9680)",
 )
 
 H200_141GB = DeviceModel(
@@ -304,39 +309,60 @@ H200_141GB = DeviceModel(
     h2d_bytes_per_s=50 * GB,  # estimate: same PCIe 5.0 x16 host interface as H100 (see h100-80gb)
     d2h_bytes_per_s=50 * GB,  # estimate: same as H100
     transfer_latency_s=_GPU_LATENCY_S,  # estimate
-    host_memory_bytes=256 * GiB,  # DGX H200: 2 TB RAM / 8 GPUs (NVIDIA DGX H200 datasheet)
+    # 8x H200 node: 2 TB RAM, PCIe Gen5 x16 host link (MLPerf Inference v4.1 NVIDIA H200-SXM-141GBx8
+    # system description, https://raw.githubusercontent.com/mlcommons/inference_results_v4.1/main/closed/
+    # NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json) -> 2 TB / 8 GPUs
+    host_memory_bytes=256 * GiB,
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate
-    source=f"{_H200_DS}; {_PCIE5_MEAS}; {_TF_RESERVE}; DGX H200 2 TB RAM",
+    source=f"{_H200_DS}; {_PCIE5_MEAS}; {_TF_RESERVE}; 8-GPU H200 node: 2 TB RAM (MLPerf v4.1 NVIDIA system)",
 )
 
 # -----------------------------------------------------------------------------
-# cpu-testbed: the development VM (2-core AMD EPYC "Genoa" (family 25 model 17) KVM guest,
-# 24 GiB RAM).  Two logical TF CPU devices play accelerator and host; a swap is a
-# tf.raw_ops.DeepCopy between them.  Compute/bandwidth/copy figures are CALIBRATED with
-# /tmp/research/calibrate_cpu.py (TF 2.21, fp32, graph mode, medians of repeated timings;
-# the script is kept out of the repository) -- see the per-field comments for the date and
-# what was measured.  They describe this machine only, and a 2-core VM shared with other
-# jobs is noisy: expect +-30% between runs.
-# Modelling caveat: unlike a GPU's copy engines, DeepCopy uses the same two cores as the
-# "kernels", so swaps do NOT overlap freely with compute on this testbed.
+# cpu-testbed: the development VM (2-core AMD EPYC "Genoa" -- family 25 model 17 -- KVM guest,
+# 24 GiB RAM).  Two logical TF CPU devices play accelerator (/CPU:0) and host (/CPU:1); a swap
+# is a tf.raw_ops.DeepCopy between them.  Compute, bandwidth and copy figures are CALIBRATED by
+# /tmp/research/calibrate_cpu.py (kept out of the repository): TF 2.21, fp32, graph mode
+# (tf.function), TF_CPU_ALLOCATOR_USE_BFC=true as in the testbed, on 2026-11-30 between 03:15
+# and 03:27 UTC; each figure is the median over the 6 runs in which other processes used < 1%
+# of the CPU (runs during which other jobs shared the 2 cores were discarded -- they halve
+# the compute figures).  This is an estimate of the current machine only: a 2-core VM, noisy
+# (the range over clean runs is given with each figure).
+# Modelling caveat: unlike a GPU's copy engines, DeepCopy runs on the same two cores as the
+# "kernels", so on this testbed swaps do NOT overlap freely with compute.
 CPU_TESTBED = DeviceModel(
     name="cpu-testbed",
     capacity_bytes=24 * GiB,  # this machine's RAM (MemTotal 24684096 kB ~ 23.5 GiB; nominal 24 GiB)
     usable_fraction=1.0,  # no driver/allocator reserve on a CPU device; the budget is set by the tool
-    peak_flops=219e9,  # PROVISIONAL
-    mem_bandwidth_bytes_per_s=33.6 * GB,  # PROVISIONAL
-    h2d_bytes_per_s=14.3 * GB,  # PROVISIONAL
-    d2h_bytes_per_s=14.3 * GB,  # PROVISIONAL
-    transfer_latency_s=1e-6,  # PROVISIONAL
+    # measured: tf.linalg.matmul 2048x2048x2048 fp32, 204 GFLOP/s (clean-run range 196-215)
+    peak_flops=204e9,
+    # measured: tf.add of two 256 MiB fp32 tensors, bytes touched = 2 reads + 1 write = 768 MiB,
+    # 26.4 GB/s (range 25.5-31.7); a read-only tf.reduce_sum of 256 MiB gives 28.1 GB/s
+    mem_bandwidth_bytes_per_s=26.4 * GB,
+    # measured: DeepCopy ping-ponged between /CPU:0 and /CPU:1 (each copy = one swap), marginal
+    # time per copy in a chain, tensors of 64-256 MiB: 13.3 GB/s (range 12.1-15.7).  Smaller
+    # tensors are partly cache-resident (4-16 MiB copies run at 16-27 GB/s).
+    h2d_bytes_per_s=13.3 * GB,
+    d2h_bytes_per_s=13.3 * GB,  # same measurement: the ping-pong alternates both directions
+    # measured: marginal cost of a ping-ponged DeepCopy of a 4-byte tensor, 4.9-6.7 us (3 runs);
+    # with 13.3 GB/s this predicts 85 us for 1 MiB (measured median 86 us) and 5.1 ms for
+    # 64 MiB (measured 4.8 ms).  A same-device DeepCopy costs only ~0.7 us: most of the fixed
+    # cost is TF's send/recv between the two logical devices.
+    transfer_latency_s=6e-6,
     # both logical devices share the same physical RAM: device + host usage together must fit
     host_memory_bytes=24 * GiB,
-    op_overhead_s=1e-6,  # PROVISIONAL
-    compute_efficiency=0.87,  # PROVISIONAL
+    # measured: marginal cost of one tiny op (alternating Sin/Maximum on a 1-element tensor) in
+    # a 10000-op chain inside one tf.function, 0.56 us (range 0.54-0.62).  This is the executor's
+    # inline-dispatch floor; an eager op costs ~9 us and each tf.function call ~0.3 ms.
+    op_overhead_s=0.56e-6,
+    # measured: mean of MatMul 1024^3 (152), 3x3 Conv2D N=8 56x56x64->64 forward (187),
+    # backprop-input (187) and backprop-filter (148 GFLOP/s) = 168.5 GFLOP/s = 0.82 of peak_flops
+    compute_efficiency=0.82,
     bandwidth_efficiency=1.0,  # mem_bandwidth is itself the measured elementwise (tf.add) rate
-    source=("calibrated on this VM by /tmp/research/calibrate_cpu.py (TF 2.21, 2-core AMD EPYC KVM guest), "
-            "2026-11-30 (provisional); an estimate of the current machine only"),
+    source=("calibrated on this VM by /tmp/research/calibrate_cpu.py (TF 2.21, 2-core AMD EPYC KVM guest, "
+            "TF_CPU_ALLOCATOR_USE_BFC=true), 2026-11-30, median of 6 uncontended runs; "
+            "an estimate of the current machine only"),
 )
 
 DEVICES: dict[str, DeviceModel] = {

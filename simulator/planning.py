@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from simulator.buffers import buffers
+from simulator.buffers import buffers, rewired_lifetimes
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels, position_of
 
@@ -504,15 +504,6 @@ def plan_swaps(g: OpGraph, params: SwapParams) -> SwapPlan:
     )
 
 
-def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(start, stop)`` for each pair, without a Python loop."""
-    counts = stops - starts
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(total)
-
-
 def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers: np.ndarray) -> np.ndarray:
     """Per swap-in group (groups of a tensor consecutive, in level order): the op it must follow.
 
@@ -528,12 +519,9 @@ def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers:
     order = execution_order(g)
     far_keys = np.repeat(group_tensor, np.diff(ptr)) * g.n_ops + consumers
     swapped, first_group = np.unique(group_tensor, return_index=True)
-    roots = info.root[swapped]
-    starts, stops = info.use_ptr[roots], info.use_ptr[roots + 1]
-    uses = _ranges(starts, stops)
-    still_read = np.where(np.isin(info.use_key[uses], far_keys), -1, info.use_slot[uses])
-    segment_starts = np.cumsum(stops - starts) - (stops - starts)
-    near_slot = np.maximum.reduceat(still_read, segment_starts)
+    roots, root_of_swapped = np.unique(info.root[swapped], return_inverse=True)
+    root_last, _, _ = rewired_lifetimes(g, roots, far_keys)
+    near_slot = root_last[root_of_swapped]
     group_last_slot = np.maximum.reduceat(position[consumers], ptr[:-1])
     after_slot = np.empty(n_groups, dtype=np.int64)
     after_slot[1:] = group_last_slot[:-1]

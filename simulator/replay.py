@@ -14,13 +14,14 @@ millisecond for ResNet-50-sized graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulator.buffers import baseline_slot_bytes, buffers, slot_levels
+from simulator.buffers import baseline_slot_bytes, buffers, contains, rewired_lifetimes, slot_levels
 from simulator.devices import DeviceModel, get_device
 from simulator.graph import OpGraph
 from simulator.ordering import execution_order, position_of
@@ -55,6 +56,12 @@ class Replay:
     swap_out_end_s: np.ndarray = field(repr=False)
     swap_in_start_s: np.ndarray = field(repr=False)
     swap_in_end_s: np.ndarray = field(repr=False)
+    peak_slot: int = 0
+    # where the plan moved buffers, in execution slots (see simulator.explain)
+    swapped_roots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    swapped_root_free_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    swap_in_alloc_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    swap_in_free_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
 
     @property
     def overhead(self) -> float:
@@ -77,6 +84,13 @@ def op_seconds(g: OpGraph, device: DeviceModel) -> np.ndarray:
     """Per-op compute time on ``device`` (roofline of FLOPs and bytes touched), indexed like g's ops."""
     return g.cached(("op_seconds", device), lambda graph: np.asarray(
         device.op_seconds(graph.op_flops, graph.op_touched_bytes), dtype=np.float64), structural=False)
+
+
+def _slot_times(g: OpGraph, device: DeviceModel) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """Per execution slot: op duration and finish time without stalls (and the latter as a list)."""
+    duration = op_seconds(g, device)[execution_order(g)]
+    finish = np.cumsum(duration)
+    return duration, finish, finish.tolist()
 
 
 def _other_input_slots(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,10 +119,9 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping)."""
     if isinstance(device, str):
         device = get_device(device)
-    order = execution_order(g)
     position = position_of(g)
-    duration = op_seconds(g, device)[order]
-    finish_plain = np.cumsum(duration)
+    duration, finish_plain, finish_plain_list = g.cached(("slot_times", device), lambda graph: _slot_times(graph, device),
+                                                          structural=False)
     compute_s = float(finish_plain[-1]) if len(finish_plain) else 0.0
     slot_bytes = baseline_slot_bytes(g)
     persistent = g.persistent_bytes
@@ -146,33 +159,21 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         trigger_slot = np.where(sync_in, sync_slot, trigger_slot)
 
     # far reads rewired per swapped buffer; the original buffer's remaining readers
-    far_keys = swap_tensor[plan.in_swap].repeat(np.diff(plan.in_consumer_ptr)) * g.n_ops + plan.in_consumers
+    reads_per_in = np.diff(plan.in_consumer_ptr)
+    far_keys = swap_tensor[plan.in_swap].repeat(reads_per_in) * g.n_ops + plan.in_consumers
     roots, swap_root = np.unique(info.root[swap_tensor], return_inverse=True)
-    starts, stops = info.use_ptr[roots], info.use_ptr[roots + 1]
-    counts = stops - starts
-    uses = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-    still_read = np.where(np.isin(info.use_key[uses], far_keys), -1, info.use_slot[uses])
-    root_last_slot = np.maximum.reduceat(still_read, np.cumsum(counts) - counts)
+    root_last_slot, moved_links, moved_last = rewired_lifetimes(g, roots, far_keys)
 
-    # sync swap-out: the remaining readers of the buffer wait for the copy to the host
+    # sync swap-out: the first op still reading the buffer after its producer waits for the copy
     sync_wait = np.full(n_swaps, -1, dtype=np.int64)
     if plan.sync_out.any():
-        use_owner = np.repeat(np.arange(len(roots)), counts)
-        produced = position[g.tensor_producer[roots]]
-        after_producer = np.where(still_read > produced[use_owner], still_read, np.iinfo(np.int64).max)
-        first_reader = np.minimum.reduceat(after_producer, np.cumsum(counts) - counts)
-        sync_wait = np.where(plan.sync_out & (first_reader[swap_root] < np.iinfo(np.int64).max),
-                             first_reader[swap_root], -1)
+        sync_wait = _first_remaining_reader(g, swap_tensor, far_keys, plan.sync_out)
 
     # ---- discrete-event pass over the few slots that wait for a transfer
     out_start, out_end, in_start, in_end, seg_slot, seg_shift = _schedule(
-        finish_plain.tolist(), out_ready_slot.tolist(), out_duration.tolist(), trigger_slot.tolist(),
+        finish_plain_list, out_ready_slot.tolist(), out_duration.tolist(), trigger_slot.tolist(),
         plan.in_swap.tolist(), in_duration.tolist(), need_slot.tolist(), sync_wait.tolist())
-    shift = np.zeros(len(duration))
-    bounds = seg_slot + [len(duration)]
-    for k in range(len(seg_slot)):
-        shift[bounds[k]:bounds[k + 1]] = seg_shift[k]
-    finish_all = finish_plain + shift
+    finish_all = finish_plain + np.repeat(seg_shift, np.diff(seg_slot + [len(duration)]))
     in_swap = plan.in_swap
 
     # ---- device memory per slot: re-account swapped buffers, add swap-in buffers
@@ -183,9 +184,14 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     root_bytes = tensor_bytes[roots].astype(np.float64)
     delta = np.bincount(info.free_slot[roots] + 1, root_bytes, minlength=n_slots + 1)
     delta -= np.bincount(new_free + 1, root_bytes, minlength=n_slots + 1)
-    in_alloc_slot = np.minimum(np.searchsorted(finish_all, in_start, side="right"), n_slots - 1)
+    in_alloc_slot = np.minimum(np.searchsorted(finish_all, in_start, side="right"), need_slot)
     last_consumer = plan.in_consumers[plan.in_consumer_ptr[1:] - 1]
     in_free_slot = np.maximum(position[last_consumer], in_alloc_slot)
+    if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
+        by_key = np.argsort(far_keys, kind="stable")
+        group_of_read = np.repeat(np.arange(n_ins), reads_per_in)[by_key]
+        group = group_of_read[np.searchsorted(far_keys[by_key], moved_links)]
+        np.maximum.at(in_free_slot, group, moved_last)
     delta += np.bincount(in_alloc_slot, in_bytes, minlength=n_slots + 1)
     delta -= np.bincount(in_free_slot + 1, in_bytes, minlength=n_slots + 1)
     slot_bytes = slot_bytes + np.cumsum(delta[:-1])
@@ -198,35 +204,75 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     by_time = np.lexsort((sizes, times))  # frees before allocations at the same instant
     host_peak = int(max(0.0, np.cumsum(sizes[by_time]).max())) if n_swaps else 0
 
-    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
-                   host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
-                   outs=(out_start, out_end), ins=(in_start, in_end), position=position)
+    result = _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
+                     host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
+                     outs=(out_start, out_end), ins=(in_start, in_end), position=position)
+    return dataclasses.replace(result, swapped_roots=roots, swapped_root_free_slot=new_free,
+                               swap_in_alloc_slot=in_alloc_slot, swap_in_free_slot=in_free_slot)
+
+
+def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per swapped tensor (where ``mask``): the first slot after its producer that still reads it
+    on the device (-1: none). Those readers wait for a synchronous swap-out."""
+    position = position_of(g)
+    by_tensor = g.cached("edges_by_tensor", lambda graph: np.argsort(graph.edge_tensor, kind="stable"),
+                         structural=True)
+    edge_tensor = g.edge_tensor[by_tensor]
+    starts = np.searchsorted(edge_tensor, tensor, side="left")
+    stops = np.searchsorted(edge_tensor, tensor, side="right")
+    result = np.full(len(tensor), -1, dtype=np.int64)
+    sorted_far = np.sort(far_keys)
+    for i in np.flatnonzero(mask):
+        edges = by_tensor[starts[i]:stops[i]]
+        keep = ~contains(sorted_far, tensor[i] * g.n_ops + g.edge_consumer[edges])
+        if keep.any():
+            result[i] = int(position[g.edge_consumer[edges[keep]]].min())
+    return result
 
 
 def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot,
               sync_wait):
     """Event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
-    Finish times are kept as plain finish + piecewise-constant shift (``seg_slot``/``seg_shift``),
-    so only the waiting slots cost Python work. Queues are FIFO by ready time; a transfer's ready
-    time depends only on slots before the one waiting for it, so one pass suffices.
+    Finish times are plain finish + a piecewise-constant shift (``seg_slot``/``seg_shift``), so
+    only the waiting slots cost Python work. Queues are FIFO by ready time; a transfer's ready
+    time depends only on slots before the one waiting for it, so one pass suffices. Copies out
+    that become ready before the first waiting slot are scheduled in bulk (numpy).
     """
     n_swaps, n_ins = len(out_ready_slot), len(trigger_slot)
-    out_start, out_end = [0.0] * n_swaps, [0.0] * n_swaps
     in_start, in_end = [0.0] * n_ins, [0.0] * n_ins
     seg_slot, seg_shift = [0], [0.0]
+    shift = 0.0  # the shift of the latest segment
 
     def finish(slot: int) -> float:
         if slot < 0:
             return 0.0
         if slot >= seg_slot[-1]:
-            return finish_plain[slot] + seg_shift[-1]
+            return finish_plain[slot] + shift
         return finish_plain[slot] + seg_shift[bisect_right(seg_slot, slot) - 1]
 
-    out_queue = sorted(range(n_swaps), key=out_ready_slot.__getitem__)
+    waits = sorted([(slot, j) for j, slot in enumerate(need_slot)]
+                   + [(slot, -1 - i) for i, slot in enumerate(sync_wait) if slot >= 0])
+    first_wait = waits[0][0] if waits else len(finish_plain)
+
+    # copies out: FIFO in ready order; those ready before any stall are computed in bulk
+    out_queue = np.argsort(np.asarray(out_ready_slot), kind="stable")
+    ready_slots = np.asarray(out_ready_slot)[out_queue]
+    early = int(np.searchsorted(ready_slots, first_wait, side="left"))
+    durations = np.asarray(out_duration)[out_queue[:early]]
+    ready = np.asarray(finish_plain)[ready_slots[:early]] if early else np.zeros(0)
+    cumulative = np.cumsum(durations)
+    ends = cumulative + np.maximum.accumulate(ready - (cumulative - durations)) if early else cumulative
+    out_end = [0.0] * n_swaps
+    out_start = [0.0] * n_swaps
+    for k, end, duration in zip(out_queue[:early].tolist(), ends.tolist(), durations.tolist()):
+        out_end[k], out_start[k] = end, end - duration
     out_done = [False] * n_swaps
-    out_cursor = 0
-    d2h_free = 0.0
+    for k in out_queue[:early].tolist():
+        out_done[k] = True
+    out_queue = out_queue.tolist()
+    out_cursor = early
+    d2h_free = float(ends[-1]) if early else 0.0
 
     def swap_out_end(i: int) -> float:
         nonlocal out_cursor, d2h_free
@@ -242,43 +288,55 @@ def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap,
         return out_end[i]
 
     in_order = sorted(range(n_ins), key=trigger_slot.__getitem__)
+    release_slots = [trigger_slot[j] for j in in_order]
     in_cursor = 0
     in_done = [False] * n_ins
-    ready_heap: list[tuple[float, int]] = []
+    heap: list[tuple[float, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
     h2d_free = 0.0
-    waits: dict[int, list[int]] = {}  # slot -> swap-ins (j) and sync swap-outs (-1 - i) it waits for
-    for j, slot in enumerate(need_slot):
-        waits.setdefault(slot, []).append(j)
-    for i, slot in enumerate(sync_wait):
-        if slot >= 0:
-            waits.setdefault(slot, []).append(-1 - i)
-
-    for slot in sorted(waits):
-        while in_cursor < n_ins and trigger_slot[in_order[in_cursor]] < slot:  # triggers that have run
+    segment_start = 0  # first slot of the latest segment (whose shift is ``shift``)
+    index = 0
+    n_waits = len(waits)
+    while index < n_waits:
+        slot = waits[index][0]
+        while in_cursor < n_ins and release_slots[in_cursor] < slot:  # triggers that have run
             j = in_order[in_cursor]
-            ready = max(finish(trigger_slot[j]), swap_out_end(in_swap[j]))
-            heapq.heappush(ready_heap, (ready, j))
+            p = release_slots[in_cursor]
+            if p < 0:
+                ready = 0.0
+            elif p >= segment_start:
+                ready = finish_plain[p] + shift
+            else:
+                ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
+            source = in_swap[j]
+            data = out_end[source] if out_done[source] else swap_out_end(source)
+            push(heap, (ready if ready > data else data, j))
             in_cursor += 1
         required = 0.0
-        for index in waits[slot]:
-            if index < 0:
-                done = swap_out_end(-1 - index)
+        while index < n_waits and waits[index][0] == slot:
+            item = waits[index][1]
+            index += 1
+            if item < 0:
+                done = swap_out_end(-1 - item)
             else:
-                while not in_done[index]:
-                    ready, j = heapq.heappop(ready_heap)
+                while not in_done[item]:
+                    ready, j = pop(heap)
                     start = ready if ready > h2d_free else h2d_free
                     in_start[j] = start
                     in_end[j] = h2d_free = start + in_duration[j]
                     in_done[j] = True
-                done = in_end[index]
+                done = in_end[item]
             if done > required:
                 required = done
-        previous_finish = finish(slot - 1)
+        previous_finish = (finish_plain[slot - 1] + shift) if slot > 0 else 0.0
         if required > previous_finish:
+            shift += required - previous_finish
             seg_slot.append(slot)
-            seg_shift.append(seg_shift[-1] + required - previous_finish)
+            seg_shift.append(shift)
+            segment_start = slot
     for i in range(n_swaps):  # a swap-out nobody waited for still happens
-        swap_out_end(i)
+        if not out_done[i]:
+            swap_out_end(i)
     return (np.asarray(out_start), np.asarray(out_end), np.asarray(in_start), np.asarray(in_end),
             seg_slot, seg_shift)
 
@@ -303,5 +361,5 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
         n_swap_outs=0 if plan is None else plan.n_swaps, n_swap_ins=0 if plan is None else plan.n_swap_ins,
         persistent_bytes=persistent, peak_level=peak_level, level_peak_bytes=level_peak,
         op_start_s=op_start, op_end_s=op_end, swap_out_start_s=outs[0], swap_out_end_s=outs[1],
-        swap_in_start_s=ins[0], swap_in_end_s=ins[1],
+        swap_in_start_s=ins[0], swap_in_end_s=ins[1], peak_slot=peak_slot if len(slot_bytes) else 0,
     )

@@ -173,3 +173,25 @@ def test_plan_from_another_graph_is_refused(unit):
     plan = plan_swaps(chain(), SwapParams(threshold=2))
     with pytest.raises(GraphError, match="another graph"):
         replay(diamond(), plan, unit)
+
+
+def test_gradient_op_writing_into_a_swapped_activation(unit):
+    """s reads a far away and writes its output into a's buffer (forwarding): once a is swapped,
+    s writes into the swap-in buffer, which then lives until s's output is consumed."""
+    g = from_spec([
+        OpSpec("f0", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("f1", "Conv2D", FORWARD, ["f0"], (100,), flops=1),
+        OpSpec("f2", "Conv2D", FORWARD, ["f1"], (100,), flops=1),
+        OpSpec("b2", "MatMul", BACKWARD, ["f2"], (10,), flops=1),
+        OpSpec("s", "Sub", BACKWARD, ["b2", "f0"], (100,), flops=1, forwards_input=True),
+        OpSpec("b0", "MatMul", BACKWARD, ["s"], (10,), flops=1),
+    ], outputs=["b0"])
+    base = replay(g, None, unit)
+    assert base.level_peak_bytes.tolist() == [100, 200, 300, 210, 110, 110]
+    plan = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=2))
+    assert [g.tensor_name(s.tensor) for s in plan.swaps()] == ["f0:0"]
+    r = replay(g, plan, unit)
+    # f0 out 1..2 s, freed after slot 1; back 4..5 s after b2, s waits 1 s; the swap-in buffer
+    # holds s's output until b0
+    assert r.swap_in_start_s.tolist() == [4.0]
+    assert r.level_peak_bytes.tolist() == [100, 200, 200, 110, 110, 110]

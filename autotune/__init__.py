@@ -1,0 +1,12 @@
+"""Tune activation swapping for a Keras model by simulation, and report on it.
+
+``tune(model, batch_size=...)`` captures the training step, searches swap parameters with
+Optuna (or another policy from policies.py) against the simulator, applies the winner to the
+real step and measures it. ``python -m autotune MODEL_DIR`` does the same from the shell.
+"""
+
+from autotune.inputs import InputError
+from autotune.search import Evaluation, SearchSpace, TuningProblem
+from autotune.tuning import Measurement, TuneResult, tune, tune_graph
+
+__all__ = ["Evaluation", "InputError", "Measurement", "SearchSpace", "TuneResult", "TuningProblem", "tune", "tune_graph"]

@@ -1,0 +1,241 @@
+"""python -m autotune MODEL_DIR: tune activation swapping for a saved Keras model.
+
+Exit codes: 0 done; 2 bad input; 3 no plan fits the budget (the report is still written);
+130 interrupted (finished trials stay in the study; run the same command again to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from autotune.inputs import InputError, format_bytes, parse_bytes
+
+EXIT_OK, EXIT_INPUT, EXIT_NO_FIT, EXIT_INTERRUPTED = 0, 2, 3, 130
+
+DESCRIPTION = """\
+Find swap settings that make a Keras model's training step fit in accelerator memory.
+
+MODEL_DIR holds a compiled Keras model saved as .keras (or give the .keras file) and, optionally,
+autotune.toml with defaults for the flags below, e.g.:
+
+    batch_size = 64
+    device = "v100-16gb"          # or: memory = "16GiB"
+    input_shapes = {image = [224, 224, 3]}   # where the model leaves dimensions open
+    trials = 200
+
+The tool captures the training step, simulates candidate swap plans (threshold, swap-in
+window, grouping, sync mode, size filter), searches them with Optuna, applies the winner to the
+real TensorFlow step, measures it, and writes report.html/report.md, plots, trials.csv,
+plan.json and summary.json into --out.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line and exit 2, like every other input error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_INPUT, f"error: {message} (see python -m autotune --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from autotune.policies import POLICIES, SAMPLERS
+    from simulator.devices import DEVICES
+
+    parser = _Parser(prog="python -m autotune", description=DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="directory with one .keras model, or the .keras file")
+    parser.add_argument("--batch-size", type=int, help="training batch size to tune for (required here or in autotune.toml)")
+    budget = parser.add_argument_group("memory budget (default: the visible GPU; without one, the v100-16gb preset)")
+    budget.add_argument("--memory", help="budget for the training step, e.g. 16GiB, 12GB, 800MiB")
+    budget.add_argument("--device", choices=sorted(DEVICES),
+                        help="device preset: its usable memory is the budget unless --memory is given, and its "
+                             "compute and link speeds time the simulation")
+    search = parser.add_argument_group("search")
+    search.add_argument("--policy", choices=POLICIES, help="search policy (default optuna)")
+    search.add_argument("--trials", type=int, help="candidates to simulate (default 200; a resumed study adds this many)")
+    search.add_argument("--timeout", type=float, help="stop the search after this many seconds")
+    search.add_argument("--sampler", choices=sorted(SAMPLERS), help="Optuna sampler (default tpe)")
+    search.add_argument("--seed", type=int, help="random seed of the sampler (default 0)")
+    search.add_argument("--storage", help="Optuna storage URL (default: sqlite file study.db in --out; e.g. "
+                                          "postgresql://user@host/db to tune from several machines)")
+    search.add_argument("--study-name", help="Optuna study name (default: derived from model, batch, device, budget)")
+    search.add_argument("--maximize-batch", action="store_true",
+                        help="find the largest batch that fits with swapping, and tune for it")
+    search.add_argument("--max-overhead", type=float,
+                        help="with --maximize-batch: largest acceptable simulated slow-down, e.g. 0.3 for 30%%")
+    run = parser.add_argument_group("output")
+    run.add_argument("--out", help="output directory (default: autotune-out)")
+    run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
+    run.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
+                     help="shape of an input without the batch, where the model leaves dimensions open (repeatable)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar, only the result")
+    return parser
+
+
+def _input_shapes(entries: list[str]):
+    shapes = {}
+    for entry in entries:
+        name, _, dims = entry.partition("=")
+        try:
+            shapes[name.strip()] = [int(d) for d in dims.split(",") if d.strip()]
+        except ValueError:
+            raise InputError(f"--input-shape {entry!r}: expected NAME=D1,D2,... with whole numbers") from None
+        if not name.strip() or not shapes[name.strip()] or min(shapes[name.strip()]) < 1:
+            raise InputError(f"--input-shape {entry!r}: expected NAME=D1,D2,... with positive whole numbers")
+    return shapes or None
+
+
+def _settings(args: argparse.Namespace):
+    """Flags over autotune.toml over defaults, all checked before anything slow happens."""
+    from autotune.inputs import find_model_file, load_config
+
+    model_file = find_model_file(args.model_dir)
+    config = load_config(model_file.parent)
+    batch = args.batch_size if args.batch_size is not None else config.batch_size
+    if batch is None:
+        raise InputError("no batch size: give --batch-size or batch_size in autotune.toml")
+    if batch < 1:
+        raise InputError(f"batch size must be positive, got {batch}")
+    memory = args.memory if args.memory is not None else config.memory
+    trials = args.trials if args.trials is not None else (config.trials if config.trials is not None else 200)
+    if trials < 0:
+        raise InputError(f"--trials must not be negative, got {trials}")
+    timeout = args.timeout if args.timeout is not None else config.timeout
+    if timeout is not None and timeout <= 0:
+        raise InputError(f"--timeout must be positive, got {timeout}")
+    max_overhead = args.max_overhead if args.max_overhead is not None else config.max_overhead
+    if max_overhead is not None and max_overhead < 0:
+        raise InputError(f"--max-overhead must not be negative, got {max_overhead}")
+    from autotune.policies import POLICIES, SAMPLERS
+    from simulator.devices import DEVICES
+
+    policy = args.policy or config.policy or "optuna"
+    sampler = args.sampler or config.sampler or "tpe"
+    device = args.device or config.device
+    if policy not in POLICIES:
+        raise InputError(f"autotune.toml: policy {policy!r} is not one of {', '.join(POLICIES)}")
+    if sampler not in SAMPLERS:
+        raise InputError(f"autotune.toml: sampler {sampler!r} is not one of {', '.join(sorted(SAMPLERS))}")
+    if device is not None and device.lower().replace("_", "-") not in DEVICES:
+        raise InputError(f"unknown device {device!r}; known: {', '.join(sorted(DEVICES))}")
+    return {
+        "model_file": model_file,
+        "batch_size": int(batch),
+        "memory": None if memory is None else parse_bytes(memory, "--memory"),
+        "device": device,
+        "policy": policy,
+        "sampler": sampler,
+        "trials": int(trials),
+        "timeout_s": timeout,
+        "seed": args.seed if args.seed is not None else (config.seed if config.seed is not None else 0),
+        "max_overhead": max_overhead,
+        "input_shapes": _input_shapes(args.input_shape) or config.input_shapes,
+        "label_shapes": config.label_shapes,
+        "label_dtype": config.label_dtype,
+        "out": Path(args.out or "autotune-out"),
+    }
+
+
+def _say(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    started = time.monotonic()
+    try:
+        settings = _settings(args)
+        return _run(settings, args, started)
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print("\ninterrupted: finished trials are kept in the study; run the same command again to resume "
+              "(the previous report, if any, is unchanged)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # see DESIGN.md 4: every allocation visible
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet = args.quiet
+    out: Path = settings["out"]
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+
+    _say(quiet, f"loading {settings['model_file']} ...")
+    from autotune.inputs import load_model
+
+    if not args.no_measure:
+        from rewriter.placement import configure_testbed
+
+        configure_testbed()  # before TF's runtime starts: two logical CPUs when there is no GPU
+    model = load_model(settings["model_file"])
+    from rewriter.capture import CaptureError, capture
+
+    _say(quiet, f"capturing the training step at batch {settings['batch_size']} ...")
+    try:
+        graph = capture(model, settings["batch_size"], input_shapes=settings["input_shapes"],
+                        label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
+                        name=settings["model_file"].stem)
+    except CaptureError as error:
+        raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
+    _say(quiet, f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
+
+    from autotune.tuning import tune_graph
+
+    result = tune_graph(graph, batch_size=settings["batch_size"], device=settings["device"], memory=settings["memory"],
+                        policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
+                        timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
+                        study_name=args.study_name, maximize_batch=args.maximize_batch,
+                        max_overhead=settings["max_overhead"], progress=not quiet)
+    _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
+    if not args.no_measure and result.plan is not None:
+        from autotune.measured import measure_result
+
+        _say(quiet, "measuring the plan on the real training step ...")
+        result.measurement = measure_result(model, result, input_shapes=settings["input_shapes"],
+                                            label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"])
+    from autotune.report import write_report
+
+    files = write_report(result, out)
+    print(_summary_text(result, files["report.html"], time.monotonic() - started))
+    return EXIT_OK if result.feasible else EXIT_NO_FIT
+
+
+def _summary_text(result, report: Path, seconds: float) -> str:
+    shown = result.shown
+    lines = [f"model {result.model}, batch {result.batch_size}, budget {format_bytes(result.budget_bytes)} "
+             f"({result.budget_source})",
+             f"without swapping: peak {format_bytes(result.baseline.peak_bytes)}, step {result.baseline.step_s:.4g} s"]
+    if result.feasible and result.plan is not None and result.plan.n_swaps:
+        lines.append(f"with the plan:    peak {format_bytes(shown.peak_bytes)}, step {shown.step_s:.4g} s "
+                     f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped")
+        p = shown.params
+        lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
+                     f"min_bytes={p.min_bytes}")
+    elif result.feasible:
+        lines.append("fits without swapping")
+    else:
+        miss = "" if shown is None else f"; closest plan peaks at {format_bytes(shown.peak_bytes)}"
+        lines.append(f"NO PLAN FITS the budget{miss}")
+    lines += [f"note: {note}" for note in result.notes]
+    m = result.measurement
+    if m is not None:
+        lines.append(f"measured on {m.measured_on} at batch {m.batch_size}: peak {format_bytes(m.peak_bytes)} "
+                     f"(predicted {format_bytes(m.predicted_peak_bytes)}), step {m.step_s:.4g} s")
+    lines.append(f"report: {report}   ({seconds:.0f} s)")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""The report's figures, one function per PNG. Each returns the path written (None when the data
+cannot support the plot, e.g. parameter importances from a single trial)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import optuna  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from simulator import FORWARD, edge_distances  # noqa: E402
+
+log = logging.getLogger(__name__)
+GiB = 2**30
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def memory_timeline(result, path: Path) -> Path:
+    """Device memory over the categorized ordering, without and with the plan, against the budget."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    base = result.baseline_replay.level_peak_bytes / GiB
+    ax.plot(np.arange(len(base)), base, color="tab:red", lw=1.2, label="without swapping")
+    if result.replay is not None and result.plan is not None and result.plan.n_swaps:
+        ax.plot(np.arange(len(result.replay.level_peak_bytes)), result.replay.level_peak_bytes / GiB,
+                color="tab:blue", lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped)")
+    ax.axhline(result.budget_bytes / GiB, color="black", ls="--", lw=1, label=f"budget {result.budget_bytes / GiB:.2f} GiB")
+    ax.axhline(result.graph.persistent_bytes / GiB, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
+    forward_levels = result.graph.op_phase == FORWARD
+    if forward_levels.any():
+        from simulator import categorized_levels
+
+        end = int(categorized_levels(result.graph)[forward_levels].max())
+        ax.axvline(end, color="grey", lw=0.8)
+        ax.text(end, ax.get_ylim()[1] * 0.98, " end of forward", va="top", fontsize=8, color="grey")
+    ax.set_xlabel("level of the categorized topological ordering")
+    ax.set_ylabel("device memory (GiB)")
+    ax.set_title(f"{result.model}, batch {result.batch_size}: predicted device memory")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylim(bottom=0)
+    return _save(fig, path)
+
+
+def distance_histogram(result, path: Path) -> Path:
+    """How far apart producers and consumers of activations are: the long edges swapping splits."""
+    g = result.graph
+    distance = edge_distances(g)
+    activation = (g.op_phase[g.tensor_producer[g.edge_tensor]] == FORWARD) & g.tensor_swappable[g.edge_tensor] \
+        & ~g.tensor_persistent[g.edge_tensor]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    values = distance[activation]
+    if len(values):
+        bins = np.unique(np.geomspace(1, max(values.max(), 2), 40).astype(int))
+        ax.hist(values, bins=bins, color="tab:blue", alpha=0.8,
+                weights=g.tensor_bytes[g.edge_tensor[activation]] / GiB)
+        ax.set_xscale("log")
+    if result.params is not None:
+        ax.axvline(result.params.threshold, color="tab:red", ls="--", label=f"threshold {result.params.threshold}")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("edge distance (levels from producer to consumer)")
+    ax.set_ylabel("GiB read over such edges")
+    ax.set_title("Distances of activation reads (edges right of the threshold are swapped)")
+    return _save(fig, path)
+
+
+def optimization_history(study: optuna.Study, path: Path) -> Path | None:
+    trials = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+    if not trials:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna marks its matplotlib backend experimental
+        ax = optuna.visualization.matplotlib.plot_optimization_history(study)
+    ax.set_ylabel("simulated step time (s)")
+    fig = ax.figure
+    fig.set_size_inches(8, 4)
+    return _save(fig, path)
+
+
+def param_importances(study: optuna.Study, path: Path) -> Path | None:
+    trials = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE and t.params]
+    if len(trials) < 4 or len({tuple(sorted(t.params.items())) for t in trials}) < 3:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ax = optuna.visualization.matplotlib.plot_param_importances(study)
+    except (RuntimeError, ValueError, ZeroDivisionError) as error:  # e.g. no variance in the objective
+        log.info("no parameter importances: %s", error)
+        return None
+    fig = ax.figure
+    fig.set_size_inches(8, 3.8)
+    return _save(fig, path)
+
+
+def pareto_front(result, path: Path) -> Path | None:
+    """Peak memory against step time for every candidate simulated; the front and the choice marked."""
+    rows = pd.DataFrame([e.row() for e in result.evaluations])
+    if rows.empty:
+        return None
+    rows = rows.drop_duplicates(subset=["peak_bytes", "step_s"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fits = rows["feasible"].astype(bool)
+    ax.scatter(rows.loc[~fits, "step_s"], rows.loc[~fits, "peak_bytes"] / GiB, s=10, color="tab:grey", alpha=0.5,
+               label="over the budget")
+    ax.scatter(rows.loc[fits, "step_s"], rows.loc[fits, "peak_bytes"] / GiB, s=12, color="tab:blue", alpha=0.7,
+               label="fits")
+    ordered = rows.sort_values(["step_s", "peak_bytes"])
+    peaks = ordered["peak_bytes"].astype(float)
+    front = ordered[peaks < peaks.cummin().shift(fill_value=np.inf)]
+    ax.step(front["step_s"], front["peak_bytes"] / GiB, where="post", color="tab:green", lw=1.5, label="Pareto front")
+    ax.axhline(result.budget_bytes / GiB, color="black", ls="--", lw=1, label="budget")
+    base = result.baseline
+    ax.scatter([base.step_s], [base.peak_bytes / GiB], marker="s", color="tab:red", s=40, label="no swapping", zorder=3)
+    if result.shown is not None:
+        ax.scatter([result.shown.step_s], [result.shown.peak_bytes / GiB], marker="*", color="gold", edgecolor="black",
+                   s=160, label="chosen" if result.chosen else "closest miss", zorder=4)
+    ax.set_xlabel("simulated step time (s)")
+    ax.set_ylabel("predicted peak memory (GiB)")
+    ax.set_title(f"{len(rows)} distinct candidates simulated")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def measured_vs_predicted(result, path: Path) -> Path | None:
+    m = result.measurement
+    if m is None:
+        return None
+    labels, predicted, measured = ["with the plan"], [m.predicted_peak_bytes / GiB], [m.peak_bytes / GiB]
+    if m.baseline_peak_bytes is not None:
+        labels.insert(0, "without swapping")
+        predicted.insert(0, m.predicted_baseline_peak_bytes / GiB)
+        measured.insert(0, m.baseline_peak_bytes / GiB)
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.bar(x - 0.2, predicted, 0.4, label="predicted", color="tab:blue")
+    ax.bar(x + 0.2, measured, 0.4, label=f"measured ({m.measured_on})", color="tab:orange")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("peak device memory (GiB)")
+    ax.set_title(f"Batch {m.batch_size}: predicted and measured")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+FIGURES = {
+    "memory_timeline.png": memory_timeline,
+    "distance_histogram.png": distance_histogram,
+    "pareto_front.png": pareto_front,
+    "measured_vs_predicted.png": measured_vs_predicted,
+}
+STUDY_FIGURES = {
+    "optimization_history.png": optimization_history,
+    "param_importances.png": param_importances,
+}
+
+
+def draw_all(result, directory: Path) -> dict[str, Path]:
+    """Every figure that the result supports, by file name."""
+    drawn: dict[str, Path] = {}
+    for name, draw in FIGURES.items():
+        path = draw(result, directory / name)
+        if path is not None:
+            drawn[name] = path
+    if result.study is not None:
+        for name, draw in STUDY_FIGURES.items():
+            path = draw(result.study, directory / name)
+            if path is not None:
+                drawn[name] = path
+    return drawn

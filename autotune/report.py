@@ -1,0 +1,203 @@
+"""The output directory: report.md, report.html (self-contained), plots, trials.csv, plan.json,
+summary.json. Files are built in a scratch folder and moved in one by one at the end, so an
+interrupted run never leaves a half-written report over a previous one."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from autotune import plots
+from autotune.inputs import format_bytes
+
+
+@dataclass
+class Section:
+    title: str
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[pd.DataFrame] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)  # file names in the output directory
+    code: str | None = None
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1%}"
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g} s"
+
+
+def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
+    summary = result.summary()
+    shown = result.shown
+    sections = []
+    if result.feasible and result.plan is not None and result.plan.n_swaps:
+        verdict = (f"**Fits.** The plan swaps {result.plan.n_swaps} tensors and brings the predicted peak from "
+                   f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
+                   f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
+                   f"{_seconds(shown.step_s)} ({_pct(shown.metrics['overhead'])} over computing alone).")
+    elif result.feasible:
+        verdict = (f"**Fits without swapping.** The predicted peak is {format_bytes(result.baseline.peak_bytes)}, "
+                   f"within the budget of {format_bytes(result.budget_bytes)}.")
+    else:
+        miss = "" if shown is None else (f" The closest plan found reaches {format_bytes(shown.peak_bytes)}, "
+                                         f"{format_bytes(max(0, shown.excess_bytes))} over the budget.")
+        verdict = (f"**Does not fit.** No plan brings the peak of {format_bytes(result.baseline.peak_bytes)} under the "
+                   f"budget of {format_bytes(result.budget_bytes)}.{miss}")
+    settings = pd.DataFrame([
+        ("model", result.model), ("batch size", result.batch_size), ("device model", result.device.name),
+        ("budget", f"{format_bytes(result.budget_bytes)}, from {result.budget_source}"),
+        ("search", f"{result.policy}, {len(result.evaluations)} candidates simulated"),
+        ("graph", f"{result.graph.n_ops} ops, {result.graph.n_tensors} tensors"),
+        ("resident (weights, optimizer state, inputs)", format_bytes(result.graph.persistent_bytes)),
+        ("largest batch without swapping", summary["max_batch_without_swap"]),
+    ], columns=["setting", "value"])
+    sections.append(Section("Result", [verdict] + result.notes, [settings]))
+
+    rows = [("peak device memory", format_bytes(result.baseline.peak_bytes),
+             format_bytes(shown.peak_bytes) if shown else "n/a"),
+            ("step time", _seconds(result.baseline.step_s), _seconds(shown.step_s) if shown else "n/a"),
+            ("overhead", "0", _pct(shown.metrics["overhead"]) if shown else "n/a"),
+            ("device -> host", "0", format_bytes(shown.metrics["d2h_bytes"]) if shown else "n/a"),
+            ("host -> device", "0", format_bytes(shown.metrics["h2d_bytes"]) if shown else "n/a"),
+            ("host memory for swapped tensors", "0", format_bytes(shown.metrics["host_peak_bytes"]) if shown else "n/a")]
+    label = "with the plan" if result.feasible else "closest plan"
+    predicted = pd.DataFrame(rows, columns=["predicted", "without swapping", label])
+    params = pd.DataFrame(sorted((k, str(v)) for k, v in (shown.params.to_dict().items() if shown and shown.params
+                                                          else [])), columns=["parameter", "value"])
+    sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model."],
+                            [predicted] + ([params] if len(params) else []),
+                            [n for n in ("memory_timeline.png", "pareto_front.png") if n in images]))
+
+    m = result.measurement
+    if m is not None:
+        table = pd.DataFrame([
+            ("peak device memory", format_bytes(m.predicted_peak_bytes), format_bytes(m.peak_bytes),
+             f"{m.predicted_peak_bytes / m.peak_bytes:.3f}" if m.peak_bytes else "n/a"),
+            ("step time", _seconds(m.predicted_step_s), _seconds(m.step_s), ""),
+        ] + ([("peak without swapping", format_bytes(m.predicted_baseline_peak_bytes),
+               format_bytes(m.baseline_peak_bytes), f"{m.predicted_baseline_peak_bytes / m.baseline_peak_bytes:.3f}")]
+             if m.baseline_peak_bytes else []),
+            columns=["", "predicted", "measured", "predicted / measured"])
+        text = [f"Measured on {m.measured_on} at batch {m.batch_size}. {m.note}".strip()]
+        if m.swaps_planned is not None:
+            text.append(f"{m.swaps_survived} of {m.swaps_planned} swaps survived TensorFlow's graph optimizer.")
+        sections.append(Section("Measured run", text, [table],
+                                [n for n in ("measured_vs_predicted.png",) if n in images]))
+    elif result.plan is not None:
+        sections.append(Section("Measured run", ["Not measured (--no-measure)."]))
+
+    sections.append(Section("Search", [f"{len(result.evaluations)} candidates; the search space has "
+                                       f"{result.space.size():,} grid points."], [],
+                            [n for n in ("optimization_history.png", "param_importances.png", "distance_histogram.png")
+                             if n in images]))
+    if result.feasible and result.plan is not None and result.plan.n_swaps:
+        sections.append(Section("Train with the plan", [f"`{plan_file}` holds the plan; apply it to the model:"],
+                                code=(
+                                    "import keras, rewriter\n"
+                                    "model = keras.models.load_model('model.keras')\n"
+                                    f"step = rewriter.apply(model, '{plan_file}', batch_size={result.batch_size})\n"
+                                    "rewriter.use_in_fit(model, step)  # model.fit(...) now runs the swapping step\n"
+                                    "# or, in a custom loop: loss = step(x, y)")))
+    return sections
+
+
+def markdown_table(table: pd.DataFrame, float_format: str = "{:.4g}") -> str:
+    """A plain Markdown table (no tabulate dependency)."""
+    def cell(value) -> str:
+        return float_format.format(value) if isinstance(value, float) else str(value).replace("|", "\\|")
+
+    header = "| " + " | ".join(str(c) for c in table.columns) + " |"
+    rule = "|" + "|".join("---" for _ in table.columns) + "|"
+    rows = ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join([header, rule, *rows])
+
+
+def _markdown(title: str, sections: list[Section]) -> str:
+    lines = [f"# {title}", ""]
+    for section in sections:
+        lines += [f"## {section.title}", ""]
+        for paragraph in section.paragraphs:
+            lines += [paragraph, ""]
+        for table in section.tables:
+            lines += [markdown_table(table), ""]
+        if section.code:
+            lines += ["```python", section.code.rstrip(), "```", ""]
+        for image in section.images:
+            lines += [f"![{image}]({image})", ""]
+    return "\n".join(lines)
+
+
+def _inline(text: str) -> str:
+    """Escape, then the two bits of Markdown the paragraphs use: **bold** and `code`."""
+    import re
+
+    text = html.escape(text)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+
+def _html(title: str, sections: list[Section], directory: Path) -> str:
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+             "body{font-family:system-ui,sans-serif;max-width:960px;margin:2em auto;padding:0 1em;color:#222}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 10px;text-align:left}"
+             "th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:0.5em 0}"
+             "pre{background:#f6f8fa;padding:1em;overflow:auto}</style></head><body>",
+             f"<h1>{html.escape(title)}</h1>"]
+    for section in sections:
+        parts.append(f"<h2>{html.escape(section.title)}</h2>")
+        parts += [f"<p>{_inline(p)}</p>" for p in section.paragraphs]
+        parts += [table.to_html(index=False, border=0, escape=True) for table in section.tables]
+        if section.code:
+            parts.append(f"<pre><code>{html.escape(section.code)}</code></pre>")
+        for image in section.images:
+            data = base64.b64encode((directory / image).read_bytes()).decode()
+            parts.append(f"<img alt='{html.escape(image)}' src='data:image/png;base64,{data}'>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(result, out_dir: str | Path) -> dict[str, Path]:
+    """Write every output file of ``result`` into ``out_dir``; returns them by name."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".partial-", dir=out_dir))
+    try:
+        images = plots.draw_all(result, scratch)
+        files: dict[str, Path] = dict(images)
+        plan_file = "plan.json" if result.feasible else "closest_plan.json"
+        if result.plan is not None and result.plan.n_swaps:
+            (scratch / plan_file).write_text(result.plan.to_json(result.graph))
+            files[plan_file] = scratch / plan_file
+        pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)
+        files["trials.csv"] = scratch / "trials.csv"
+        (scratch / "summary.json").write_text(json.dumps(result.summary(), indent=1, default=str))
+        files["summary.json"] = scratch / "summary.json"
+        title = f"Swap tuning report: {result.model}, batch {result.batch_size}"
+        sections = _sections(result, images, plan_file)
+        (scratch / "report.md").write_text(_markdown(title, sections))
+        (scratch / "report.html").write_text(_html(title, sections, scratch))
+        files["report.md"], files["report.html"] = scratch / "report.md", scratch / "report.html"
+        stale = {"plan.json", "closest_plan.json"} - set(files)
+        final = {}
+        for name, path in files.items():  # each move is atomic; the report pages go last
+            if name not in ("report.md", "report.html"):
+                os.replace(path, out_dir / name)
+                final[name] = out_dir / name
+        for name in stale:  # a plan from an earlier run must not pass for this run's
+            (out_dir / name).unlink(missing_ok=True)
+        for name in ("report.md", "report.html"):
+            os.replace(files[name], out_dir / name)
+            final[name] = out_dir / name
+        return final
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

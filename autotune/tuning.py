@@ -1,0 +1,306 @@
+"""The tuning run: pick a budget, search swap parameters by simulation, check the winner for real.
+
+``tune_graph`` works on a captured OpGraph and never needs TensorFlow (benchmarks use it);
+``tune`` captures a Keras model first and, unless told not to, applies the winning plan to the
+real training step and measures it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+
+from autotune.inputs import InputError, format_bytes
+from autotune.policies import Budget, make_policy
+from autotune.search import Evaluation, SearchSpace, TuningProblem, best_of, closest_of
+from simulator import DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
+from simulator.replay import Replay
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEVICE = "v100-16gb"
+MAX_BATCH = 1 << 16
+
+
+@dataclass
+class Measurement:
+    """A measured run of the chosen plan (on a GPU, or on the CPU testbed at a smaller batch)."""
+
+    measured_on: str
+    batch_size: int
+    peak_bytes: int
+    step_s: float
+    baseline_peak_bytes: int | None
+    baseline_step_s: float | None
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    predicted_baseline_peak_bytes: int
+    allocator_peak_bytes: int | None = None
+    note: str = ""
+    swaps_survived: int | None = None
+    swaps_planned: int | None = None
+
+
+@dataclass
+class TuneResult:
+    """Everything a run found; ``summary()`` is what goes into summary.json."""
+
+    model: str
+    batch_size: int
+    device: DeviceModel
+    budget_bytes: int
+    budget_source: str
+    graph: OpGraph
+    policy: str
+    baseline: Evaluation
+    chosen: Evaluation | None
+    closest: Evaluation | None
+    evaluations: list[Evaluation]
+    study: optuna.Study | None
+    plan: SwapPlan | None
+    replay: Replay | None
+    baseline_replay: Replay
+    space: SearchSpace
+    max_batch_without_swap: int | None = None
+    measurement: Measurement | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return self.chosen is not None
+
+    @property
+    def params(self):
+        return None if self.chosen is None else self.chosen.params
+
+    @property
+    def shown(self) -> Evaluation | None:
+        """The chosen candidate, or the closest miss when nothing fits."""
+        return self.chosen or self.closest
+
+    def summary(self) -> dict[str, Any]:
+        shown = self.shown
+        m = self.measurement
+        return {
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "device": self.device.name,
+            "policy": self.policy,
+            "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source,
+            "feasible": self.feasible,
+            "params": None if self.params is None else self.params.to_dict(),
+            "closest_params": None if self.chosen or not shown or not shown.params else shown.params.to_dict(),
+            "resident_bytes": self.graph.persistent_bytes,
+            "baseline_peak_bytes": self.baseline.peak_bytes,
+            "baseline_step_s": self.baseline.step_s,
+            "predicted_peak_bytes": None if shown is None else shown.peak_bytes,
+            "predicted_step_s": None if shown is None else shown.step_s,
+            "predicted_overhead": None if shown is None else shown.metrics["overhead"],
+            "predicted_d2h_bytes": None if shown is None else int(shown.metrics["d2h_bytes"]),
+            "predicted_h2d_bytes": None if shown is None else int(shown.metrics["h2d_bytes"]),
+            "predicted_host_peak_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
+            "excess_bytes": None if shown is None else max(0, shown.excess_bytes),
+            "swaps": 0 if self.plan is None else self.plan.n_swaps,
+            "swap_ins": 0 if self.plan is None else self.plan.n_swap_ins,
+            "trials": len(self.evaluations),
+            "max_batch_without_swap": self.max_batch_without_swap,
+            "measured_on": None if m is None else m.measured_on,
+            "measured_batch_size": None if m is None else m.batch_size,
+            "measured_peak_bytes": None if m is None else m.peak_bytes,
+            "measured_step_s": None if m is None else m.step_s,
+            "measured_baseline_peak_bytes": None if m is None else m.baseline_peak_bytes,
+            "measured_baseline_step_s": None if m is None else m.baseline_step_s,
+            "predicted_peak_bytes_at_measured_batch": None if m is None else m.predicted_peak_bytes,
+            "predicted_step_s_at_measured_batch": None if m is None else m.predicted_step_s,
+            "notes": self.notes,
+        }
+
+
+def resolve_device(device: str | DeviceModel | None, memory: int | None) -> tuple[DeviceModel, int, str]:
+    """Device model for timings and the memory budget, with a sentence saying where they came from."""
+    if isinstance(device, DeviceModel):
+        model = device
+    elif device:
+        try:
+            model = get_device(device)
+        except (KeyError, ValueError) as error:
+            raise InputError(str(error).strip("'\"")) from None
+    else:
+        model = None
+    if memory is not None:
+        model = model or get_device(DEFAULT_DEVICE)
+        return model, int(memory), f"--memory {format_bytes(memory)} (timings from the {model.name} preset)"
+    if model is not None:
+        return model, model.budget_bytes, f"the {model.name} preset ({format_bytes(model.budget_bytes)} usable)"
+    gpu = _visible_gpu()
+    if gpu is not None:
+        name, limit = gpu
+        preset = get_device(_preset_for(name))
+        return preset, limit, f"the visible GPU {name} ({format_bytes(limit)} available to TensorFlow)"
+    preset = get_device(DEFAULT_DEVICE)
+    return preset, preset.budget_bytes, (f"no GPU visible and no budget given: the {DEFAULT_DEVICE} preset "
+                                         f"({format_bytes(preset.budget_bytes)} usable)")
+
+
+def _visible_gpu() -> tuple[str, int] | None:
+    """(name, bytes TensorFlow may use) of GPU:0, or None. Only asks TF when it is already imported."""
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        return None
+    import rewriter.placement as placement
+
+    query = getattr(placement, "gpu_memory", None)
+    return query() if query is not None else None
+
+
+def _preset_for(gpu_name: str) -> str:
+    lowered = gpu_name.lower()
+    for key, preset in (("h200", "h200-141gb"), ("h100", "h100-80gb"), ("a100", "a100-40gb"), ("v100", "v100-16gb")):
+        if key in lowered:
+            if preset == "a100-40gb" and "80" in lowered:
+                return "a100-80gb"
+            return preset
+    return DEFAULT_DEVICE
+
+
+def max_batch_without_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel) -> int:
+    """The largest batch whose unswapped step fits (0 if not even batch 1)."""
+    def fits(batch: int) -> bool:
+        return replay(graph.with_batch(batch), None, device).peak_bytes <= budget_bytes
+
+    return _largest(fits)
+
+
+def _largest(fits) -> int:
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_BATCH and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_BATCH + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel, *, max_overhead: float | None,
+                            probe_trials: int = 80, seed: int | None = 0) -> int:
+    """The largest batch for which the search finds a plan that fits (and, if given, whose
+    simulated overhead stays under ``max_overhead``)."""
+    def fits(batch: int) -> bool:
+        problem = TuningProblem(graph.with_batch(batch), device, budget_bytes)
+        if problem.resident_bytes > budget_bytes:
+            return False
+        baseline = problem.baseline()
+        if baseline.feasible:
+            return True
+        study = optuna.create_study(direction="minimize")
+        outcome = make_policy("optuna", seed=seed).search(problem, study, Budget(trials=probe_trials))
+        good = [e for e in outcome.evaluations if e.feasible
+                and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
+        return bool(good)
+
+    return _largest(fits)
+
+
+def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
+                   sampler: str, seed: int | None) -> str:
+    key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    model = str(graph.meta.get("model", "model")).replace(" ", "_")
+    return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
+
+
+def open_study(storage: str | None, name: str, graph: OpGraph, space: SearchSpace) -> optuna.Study:
+    """Create or resume a study; refuse to mix trials of another model or search space into it."""
+    try:
+        study = optuna.create_study(storage=storage, study_name=name, direction="minimize", load_if_exists=True)
+    except Exception as error:  # bad URL, unreachable server, unreadable file
+        raise InputError(f"cannot open the Optuna storage {storage!r}: {error}") from None
+    fingerprint = graph.fingerprint()
+    found = study.user_attrs.get("graph_fingerprint")
+    if found is None:
+        study.set_user_attr("graph_fingerprint", fingerprint)
+        study.set_user_attr("space", space.to_dict())
+    elif found != fingerprint or study.user_attrs.get("space") != space.to_dict():
+        raise InputError(f"the study {name!r} in {storage} was made for another model or search space; "
+                         "give another --study-name (the existing study is left as it is)")
+    return study
+
+
+def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | DeviceModel | None = None,
+               memory: int | None = None, policy: str = "optuna", sampler: str = "tpe", trials: int | None = 200,
+               timeout_s: float | None = None, seed: int | None = 0, storage: str | None = None,
+               study_name: str | None = None, maximize_batch: bool = False, max_overhead: float | None = None,
+               progress: bool = False) -> TuneResult:
+    """Search swap parameters for ``graph`` by simulation (no TensorFlow needed)."""
+    device_model, budget, source = resolve_device(device, memory)
+    notes: list[str] = []
+    g = graph.with_batch(batch_size or graph.batch_size)
+    if g.persistent_bytes > budget:
+        notes.append(f"the model's weights, optimizer state and inputs alone take {format_bytes(g.persistent_bytes)}, "
+                     f"more than the budget of {format_bytes(budget)}: no swap plan can fit")
+    no_swap_max = max_batch_without_swap(g, budget, device_model)
+    if maximize_batch:
+        best_batch = largest_batch_with_swap(g, budget, device_model, max_overhead=max_overhead, seed=seed)
+        if best_batch == 0:
+            notes.append("not even batch 1 fits with swapping")
+            best_batch = 1
+        cap = "" if max_overhead is None else f" with a simulated overhead of at most {max_overhead:.0%}"
+        notes.append(f"largest batch that fits{cap}: {best_batch} (without swapping: {no_swap_max})")
+        g = g.with_batch(best_batch)
+    problem = TuningProblem(g, device_model, budget)
+    baseline = problem.baseline()
+    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed)
+    study = open_study(storage, name, g, problem.space)
+    if baseline.feasible:
+        notes.append("the step fits without swapping: no plan needed")
+        outcome_evaluations, chosen = [baseline], baseline
+    else:
+        chosen_policy = make_policy(policy, sampler=sampler, seed=seed)
+        outcome = chosen_policy.search(problem, study, Budget(trials, timeout_s, progress))
+        outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
+        if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
+            notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
+                         f"over the {max_overhead:.0%} asked for")
+    closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
+    shown = chosen or closest
+    plan = problem.plan(shown.params) if shown is not None else None
+    return TuneResult(
+        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, device=device_model, budget_bytes=budget,
+        budget_source=source, graph=g, policy=policy, baseline=baseline, chosen=chosen, closest=closest,
+        evaluations=outcome_evaluations, study=study, plan=plan,
+        replay=None if shown is None else replay(g, plan, device_model), baseline_replay=replay(g, None, device_model),
+        space=problem.space, max_batch_without_swap=no_swap_max, notes=notes,
+    )
+
+
+def tune(model, *, batch_size: int, device: str | DeviceModel | None = None, memory: int | None = None,
+         measure: bool = True, input_shapes=None, label_shapes=None, label_dtype=None, **search: Any) -> TuneResult:
+    """Capture ``model``'s training step, search swap parameters, and measure the winner.
+
+    ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
+    Returns a TuneResult with params, plan, predictions and (``measure=True``) measurements.
+    """
+    from rewriter.capture import capture
+
+    graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
+                    label_dtype=label_dtype, name=getattr(model, "name", None))
+    result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
+    if measure and result.plan is not None:
+        from autotune.measured import measure_result
+
+        result.measurement = measure_result(model, result, input_shapes=input_shapes, label_shapes=label_shapes,
+                                            label_dtype=label_dtype)
+    return result

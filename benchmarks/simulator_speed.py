@@ -1,0 +1,68 @@
+"""Replays per second of ResNet-50's captured training graph (batch 32) with a non-trivial plan.
+
+    python -m benchmarks.simulator_speed [--batch 32] [--seconds 3]
+
+Target (DESIGN.md 5): about 1 ms per replay, i.e. 1,000 replays/s on one core. The tuner calls
+plan + replay once per trial, so both are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pandas as pd
+
+from benchmarks.common import per_second, write_results
+from simulator import OpGraph, SwapParams, plan_swaps, replay
+
+GRAPH_CACHE = "resnet50_b{batch}.npz"
+
+
+def resnet50_graph(batch: int) -> OpGraph:
+    """ResNet-50's step, captured once and cached under benchmarks/results/graphs/."""
+    from benchmarks.common import RESULTS_DIR
+
+    path = RESULTS_DIR / "graphs" / GRAPH_CACHE.format(batch=batch)
+    if path.exists():
+        return OpGraph.load(path)
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from benchmarks.models import build_model
+    from rewriter.capture import capture
+
+    graph = capture(build_model("resnet50"), batch, name="resnet50")
+    graph.save(path)
+    return graph
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=3.0, help="time spent per measurement")
+    args = parser.parse_args(argv)
+
+    g = resnet50_graph(1).with_batch(args.batch)
+    params = SwapParams(threshold=20, lb=2, ub=12, groupby=2)
+    plan = plan_swaps(g, params)
+    base = replay(g, None, "v100-16gb")
+    result = replay(g, plan, "v100-16gb")
+    replays, _ = per_second(lambda: replay(g, plan, "v100-16gb"), min_seconds=args.seconds)
+    plans, _ = per_second(lambda: plan_swaps(g, params), min_seconds=args.seconds)
+    trials, _ = per_second(lambda: replay(g, plan_swaps(g, params), "v100-16gb"), min_seconds=args.seconds)
+    table = pd.DataFrame([{
+        "graph": f"resnet50 b{args.batch}", "ops": g.n_ops, "swaps": plan.n_swaps, "swap_ins": plan.n_swap_ins,
+        "replays_per_s": round(replays), "ms_per_replay": 1e3 / replays, "plans_per_s": round(plans),
+        "trials_per_s": round(trials), "peak_GiB": result.peak_bytes / 2**30, "baseline_peak_GiB": base.peak_bytes / 2**30,
+    }])
+    path = write_results("simulator_speed", table, settings={
+        "params": params.to_dict(), "device": "v100-16gb", "command": "python -m benchmarks.simulator_speed"},
+        notes=["Target: 1,000 replays/s on one core (about 1 ms per replay)."])
+    print(table.to_string(index=False))
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,701 @@
+"""Apply a swap plan to the real TensorFlow training step (DESIGN.md 3).
+
+``apply(model, plan, batch_size=...)`` traces the model's ``train_step`` (``rewriter.capture``),
+edits the step's ``GraphDef`` by name and re-imports it with the model's variables re-bound, so the
+returned ``SwapStep`` updates the same variables and optimizer slots in place:
+
+* one swap-out node per swapped tensor, on the host device, reading the tensor;
+* one swap-in node per swap-in group, on the accelerator, reading the swap-out, started by a control
+  edge ``^trigger`` (or, synchronous, by control edges from the producers of its first consumer's
+  other inputs), never before ``after`` (the last device reader of the previous copy);
+* every listed consumer input that reads the tensor, directly or through ops the capture bypassed
+  (Identity, IdentityN, StopGradient, ...), rewired to the swap-in output, in that input slot;
+* ``sync_out`` swaps: the tensor's remaining readers wait for the swap-out (control edges).
+
+Swap nodes are named ``swap_out/<producer>_<k>`` and ``swap_in/<producer>_<k>/<j>``, carry explicit
+devices and ``_grappler_do_not_remove=True``. The plan is checked against the traced graph before
+anything runs: names the graph does not have raise one ``PlanError``; tensors inside ``While`` loop
+bodies (functions of the graph's library, not top-level nodes) are skipped with a logged reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from rewriter.capture import BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, trace_keras_step
+from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
+
+log = logging.getLogger(__name__)
+
+PLAN_FORMAT = "swap-plan/1"
+# Ops that TF's graph passes may fuse with a neighbour (oneDNN's layout pass: Conv2D+BiasAdd, Pad+Conv2D,
+# Conv2DBackpropFilter+BiasAddGrad; Grappler's remapper: contraction+bias+add+activation, batch-norm
+# patterns). A fused node takes over the control edges of its parts, so a control edge from one part to
+# a swap-in that feeds another part becomes a cycle ("N nodes in a cycle" when the step is instantiated).
+FUSABLE_TYPES = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
+    "BiasAdd", "BiasAddV1", "BiasAddGrad", "Conv2DBackpropFilter", "Conv2DBackpropInput",
+    "Conv3DBackpropFilterV2", "Conv3DBackpropInputV2", "DepthwiseConv2dNativeBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput", "Pad", "MirrorPad", "FusedBatchNorm", "FusedBatchNormV2",
+    "FusedBatchNormV3", "FusedBatchNormGrad", "FusedBatchNormGradV3", "Relu", "Relu6", "Elu", "LeakyRelu",
+    "Selu", "Tanh", "Sigmoid", "Softplus", "Mul", "Add", "AddV2", "AddN", "Sub", "ReluGrad", "Relu6Grad",
+    "Square", "Rsqrt", "Mean", "SquaredDifference", "Erf", "Pow", "Maximum", "Minimum", "Transpose",
+})
+FUSION_HOPS = 3
+# Sources of a control edge that tell nothing about timing (always ready).
+_ALWAYS_READY = frozenset({"Const", "Placeholder", "ReadVariableOp", "VarHandleOp", "NoOp"}) | SHAPE_TYPES
+SWAP_OPS = ("Identity", "DeepCopy")
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied to this model's step (made for another graph, malformed, cyclic)."""
+
+
+# ---------------------------------------------------------------------- plan records
+
+
+@dataclass(frozen=True)
+class AppliedSwapIn:
+    """One swap-in node as added to the graph."""
+
+    name: str
+    consumers: tuple[str, ...]
+    trigger: str | None
+    after: str | None
+    controls: tuple[str, ...]  # every control input given to the node (trigger / sync sources, after)
+    rewired: tuple[tuple[str, int], ...]  # (consumer node, input slot) now reading the swap-in
+
+
+@dataclass(frozen=True)
+class AppliedSwap:
+    """One swapped tensor as added to the graph."""
+
+    tensor: str
+    swap_out: str
+    dtype: str
+    bytes: int
+    sync_out: bool
+    swap_ins: tuple[AppliedSwapIn, ...]
+    sync_controls: tuple[str, ...] = ()  # readers made to wait for the swap-out (sync_out)
+
+
+@dataclass(frozen=True)
+class SkippedSwap:
+    tensor: str
+    reason: str
+
+
+def load_plan(plan: Any, graph: Any = None) -> dict[str, Any]:
+    """Any accepted plan form as the JSON dict of ``SwapPlan.to_dict`` (format 'swap-plan/1').
+
+    ``plan``: a ``simulator.SwapPlan`` (with ``graph``, the OpGraph it was made on), a dict, a JSON
+    string, or a path to a JSON file.
+    """
+    from simulator.planning import SwapPlan
+
+    if isinstance(plan, SwapPlan):
+        if graph is None:
+            raise PlanError("a SwapPlan holds op indices: pass graph=, the OpGraph it was made on "
+                            "(or pass the plan as JSON, SwapPlan.to_json(graph))")
+        try:
+            return plan.to_dict(graph)
+        except ValueError as error:
+            raise PlanError(f"the plan does not belong to the given graph: {error}") from None
+    if isinstance(plan, (str, os.PathLike)):
+        text = str(plan)
+        if isinstance(plan, os.PathLike) or not text.lstrip().startswith("{"):
+            path = Path(text)
+            try:
+                text = path.read_text()
+            except OSError as error:
+                raise PlanError(f"cannot read the plan file {path}: {error.strerror or error}") from None
+        try:
+            plan = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanError(f"the plan is not valid JSON ({error})") from None
+    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT:
+        raise PlanError(f"not a swap plan (expected a JSON object with format {PLAN_FORMAT!r})")
+    swaps = plan.get("swaps")
+    if not isinstance(swaps, list):
+        raise PlanError("the plan has no 'swaps' list")
+    for i, record in enumerate(swaps):
+        if not isinstance(record, dict) or not isinstance(record.get("tensor"), str) \
+                or not isinstance(record.get("swap_ins"), list):
+            raise PlanError(f"swap {i} of the plan is malformed (needs 'tensor' and 'swap_ins')")
+        for item in record["swap_ins"]:
+            if not isinstance(item, dict) or not isinstance(item.get("consumers"), list) or not item["consumers"]:
+                raise PlanError(f"a swap-in of {record['tensor']} is malformed (needs a non-empty 'consumers' list)")
+    return plan
+
+
+def empty_plan() -> dict[str, Any]:
+    return {"format": PLAN_FORMAT, "swaps": []}
+
+
+# ---------------------------------------------------------------------- GraphDef editing
+
+
+def _parse(name: str) -> tuple[str, int]:
+    node, _, index = name.partition(":")
+    return node, int(index) if index else 0
+
+
+def _tensor_ref(node: str, index: int) -> str:
+    return node if index == 0 else f"{node}:{index}"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-/>]", "_", name)
+
+
+class _GraphEditor:
+    """The step's GraphDef with name lookups and input resolution through bypassed ops."""
+
+    def __init__(self, graph_def: graph_pb2.GraphDef):
+        self.graph_def = graph_def
+        self.nodes = {node.name: node for node in graph_def.node}
+        self.library_nodes: dict[str, str] = {}  # node name (and "function/node") -> function name
+        for function in graph_def.library.function:
+            fname = function.signature.name
+            for node in function.node_def:
+                self.library_nodes.setdefault(node.name, fname)
+                self.library_nodes[f"{fname}/{node.name}"] = fname
+
+    def data_inputs(self, node) -> list[tuple[int, str]]:
+        return [(i, name) for i, name in enumerate(node.input) if not name.startswith("^")]
+
+    def resolve(self, ref: str) -> tuple[str, int]:
+        """The tensor really flowing into an input: follow Identity-like ops back to their source."""
+        name, index = _parse(ref)
+        for _ in range(10_000):
+            node = self.nodes.get(name)
+            if node is None or node.op not in BYPASS_TYPES:
+                return name, index
+            data = self.data_inputs(node)
+            if not data:
+                return name, index
+            pick = index if node.op == "IdentityN" else 0
+            if pick >= len(data):
+                return name, index
+            name, index = _parse(data[pick][1])
+        return name, index
+
+    def sources(self, name: str, *, raw: bool = True) -> list[str]:
+        """Producers of a node's data inputs, resolved through bypassed ops (and as written, with ``raw``)."""
+        node = self.nodes.get(name)
+        if node is None:
+            return []
+        found = []
+        for _, ref in self.data_inputs(node):
+            for source in ((_parse(ref)[0], self.resolve(ref)[0]) if raw else (self.resolve(ref)[0],)):
+                if source in self.nodes and source not in found:
+                    found.append(source)
+        return found
+
+    def _readers_index(self) -> dict[str, list[str]]:
+        if not hasattr(self, "_readers_cache"):
+            index: dict[str, list[str]] = defaultdict(list)
+            for node in self.graph_def.node:
+                for _, ref in self.data_inputs(node):
+                    index[self.resolve(ref)[0]].append(node.name)
+            self._readers_cache = index
+        return self._readers_cache
+
+    def fusion_neighbourhood(self, consumers: Iterable[str]) -> set[str]:
+        """Ops a graph pass might fuse with one of ``consumers``: fusable ops up to FUSION_HOPS data edges
+        upstream through fusable ops, and fusable ops reading the same inputs (sibling fusions)."""
+        danger: set[str] = set()
+        readers = self._readers_index()
+        for consumer in consumers:
+            node = self.nodes.get(consumer)
+            if node is None or node.op not in FUSABLE_TYPES:
+                continue
+            frontier = [consumer]
+            for _ in range(FUSION_HOPS):
+                upper = []
+                for name in frontier:
+                    for source in self.sources(name):
+                        if self.nodes[source].op in FUSABLE_TYPES and source not in danger:
+                            danger.add(source)
+                            upper.append(source)
+                frontier = upper
+            for source in self.sources(consumer):
+                for sibling in readers.get(source, ()):
+                    if sibling != consumer and self.nodes.get(sibling) is not None \
+                            and self.nodes[sibling].op in FUSABLE_TYPES:
+                        danger.add(sibling)
+        return danger
+
+    def safe_controls(self, controls: list[str], consumers: Iterable[str]) -> list[str]:
+        """Replace control sources that could be fused with a consumer by their own inputs' producers
+        (a little earlier, never a cycle); sources that are always ready are dropped."""
+        danger = self.fusion_neighbourhood(consumers)
+        if not any(name in danger for name in controls):
+            return list(dict.fromkeys(controls))
+        result: list[str] = []
+        pending = list(controls)
+        seen: set[str] = set()
+        while pending:
+            name = pending.pop(0)
+            if name in seen:
+                continue
+            seen.add(name)
+            node = self.nodes.get(name)
+            if node is None or node.op in _ALWAYS_READY:
+                continue
+            if name in danger or node.op in BYPASS_TYPES:  # bypassed ops are removed by Grappler
+                pending.extend(self.sources(name, raw=False))
+            elif name not in result:
+                result.append(name)
+        if len(result) > 1:
+            if not hasattr(self, "_ancestry"):
+                self._ancestry = Ancestry(self.graph_def)  # original nodes; swap nodes are not sources
+            result = self._ancestry.latest(result)
+        return result
+
+    def readers(self, tensor: tuple[str, int]) -> list[tuple[str, int]]:
+        """(node, slot) of every non-bypassed input that reads ``tensor`` (resolved)."""
+        found = []
+        for node in self.graph_def.node:
+            if node.op in BYPASS_TYPES:
+                continue
+            for slot, ref in self.data_inputs(node):
+                if self.resolve(ref) == tensor:
+                    found.append((node.name, slot))
+        return found
+
+    def add_node(self, name: str, op: str, inputs: Iterable[str], device: str, dtype) -> Any:
+        if name in self.nodes:
+            raise PlanError(f"the graph already has a node named {name!r} (was the plan applied twice?)")
+        node = self.graph_def.node.add()
+        node.name = name
+        node.op = op
+        node.input.extend(inputs)
+        node.device = device
+        node.attr["T"].type = dtype.as_datatype_enum
+        node.attr["_grappler_do_not_remove"].b = True
+        self.nodes[name] = node
+        return node
+
+    def check_acyclic(self) -> None:
+        """Raise PlanError when the edited graph has a cycle (a trigger that depends on its consumer)."""
+        indegree = {name: 0 for name in self.nodes}
+        children: dict[str, list[str]] = defaultdict(list)
+        for node in self.graph_def.node:
+            for ref in node.input:
+                source = _parse(ref.lstrip("^"))[0]
+                if source in self.nodes:
+                    children[source].append(node.name)
+                    indegree[node.name] += 1
+        queue = deque(name for name, count in indegree.items() if count == 0)
+        seen = 0
+        while queue:
+            name = queue.popleft()
+            seen += 1
+            for child in children[name]:
+                indegree[child] -= 1
+                if indegree[child] == 0:
+                    queue.append(child)
+        if seen != len(self.nodes):
+            stuck = sorted(name for name, count in indegree.items() if count > 0
+                           and name.startswith((SWAP_IN_PREFIX, SWAP_OUT_PREFIX)))
+            raise PlanError(f"the plan makes the step cyclic (a trigger or 'after' op depends on the consumer it "
+                            f"should run before), e.g. around {stuck[:3] or 'the swap nodes'}")
+
+
+class Ancestry:
+    """Which nodes of a GraphDef each node depends on (data or control), as Python-int bitsets."""
+
+    def __init__(self, graph_def):
+        nodes = list(graph_def.node)
+        self.index = {node.name: i for i, node in enumerate(nodes)}
+        parents = [[self.index[p] for p in (_parse(ref.lstrip("^"))[0] for ref in node.input) if p in self.index]
+                   for node in nodes]
+        children: list[list[int]] = [[] for _ in nodes]
+        indegree = [len(p) for p in parents]
+        for child, plist in enumerate(parents):
+            for parent in plist:
+                children[parent].append(child)
+        queue = deque(i for i, count in enumerate(indegree) if count == 0)
+        self.bits = [0] * len(nodes)
+        while queue:
+            i = queue.popleft()
+            acc = 0
+            for parent in parents[i]:
+                acc |= self.bits[parent] | (1 << parent)
+            self.bits[i] = acc
+            for child in children[i]:
+                indegree[child] -= 1
+                if indegree[child] == 0:
+                    queue.append(child)
+
+    def depends(self, node: str, on: str) -> bool:
+        """True when ``node`` runs after ``on`` (a path of data/control edges from ``on`` to ``node``)."""
+        i, j = self.index.get(node), self.index.get(on)
+        return i is not None and j is not None and bool(self.bits[i] >> j & 1)
+
+    def latest(self, names: list[str]) -> list[str]:
+        """Drop the names another name of the list already depends on (their edges would be redundant)."""
+        return [a for a in names if not any(b != a and self.depends(b, a) for b in names)]
+
+
+def _node_name(kind: str, tensor: tuple[str, int], j: int | None = None) -> str:
+    base = f"{kind}{_safe(tensor[0])}_{tensor[1]}"
+    return base if j is None else f"{base}/{j}"
+
+
+def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placement: Placement, *, swap_op: str,
+                   tensor_info: dict[str, tuple[Any, int]]) -> tuple[graph_pb2.GraphDef, list[AppliedSwap], list[SkippedSwap]]:
+    """Return a copy of ``graph_def`` with the plan's swap nodes; raise PlanError on stale names.
+
+    ``tensor_info`` maps "op:k" to (dtype, bytes) of the traced step's tensors.
+    """
+    edited = graph_pb2.GraphDef()
+    edited.CopyFrom(graph_def)
+    editor = _GraphEditor(edited)
+    missing: list[str] = []
+    skipped: list[SkippedSwap] = []
+    todo = []
+
+    def known(name: str | None) -> bool:
+        return name is None or name in editor.nodes
+
+    for record in plan["swaps"]:
+        tensor_name = record["tensor"]
+        node_name, index = _parse(tensor_name)
+        names = [node_name] + [c for item in record["swap_ins"] for c in item["consumers"]]
+        names += [item.get(key) for item in record["swap_ins"] for key in ("trigger", "after") if item.get(key)]
+        in_loop = [n for n in names if n not in editor.nodes and n in editor.library_nodes]
+        if in_loop:
+            function = editor.library_nodes[in_loop[0]]
+            skipped.append(SkippedSwap(tensor_name, f"{in_loop[0]!r} is inside the function {function!r} "
+                                       "(a While loop or other function body), which a top-level rewrite "
+                                       "cannot swap"))
+            continue
+        absent = [n for n in names if not known(n)]
+        if absent:
+            missing.extend(absent)
+            continue
+        if tensor_name not in tensor_info:
+            missing.append(tensor_name)
+            continue
+        todo.append(record)
+    if missing:
+        unique = list(dict.fromkeys(missing))
+        raise PlanError(f"the plan names {len(unique)} op(s)/tensor(s) this model's training step does not have "
+                        f"(e.g. {', '.join(repr(n) for n in unique[:3])}): it was made for another model, batch "
+                        "structure or version; capture the model again and make a new plan")
+    for item in skipped:
+        log.warning("swap of %s skipped: %s", item.tensor, item.reason)
+
+    applied: list[AppliedSwap] = []
+    for record in todo:
+        tensor = _parse(record["tensor"])
+        dtype, nbytes = tensor_info[record["tensor"]]
+        if not (dtype.is_floating or dtype.is_complex or dtype.is_integer or dtype.is_bool):
+            raise PlanError(f"tensor {record['tensor']} has dtype {dtype.name}, which cannot be copied to the host")
+        out_name = _node_name(SWAP_OUT_PREFIX, tensor)
+        editor.add_node(out_name, swap_op, [_tensor_ref(*tensor)], placement.host, dtype)
+        rewired_all: set[tuple[str, int]] = set()
+        swap_ins = []
+        for j, item in enumerate(record["swap_ins"]):
+            in_name = _node_name(SWAP_IN_PREFIX, tensor, j)
+            consumers = tuple(item["consumers"])
+            trigger, after = item.get("trigger"), item.get("after")
+            rewired = []
+            for consumer in consumers:
+                node = editor.nodes[consumer]
+                slots = [slot for slot, ref in editor.data_inputs(node) if editor.resolve(ref) == tensor]
+                if not slots:
+                    raise PlanError(f"op {consumer!r} does not read tensor {record['tensor']} in this model's "
+                                    "step: the plan was made for another graph")
+                for slot in slots:
+                    node.input[slot] = in_name
+                    rewired.append((consumer, slot))
+            rewired_all.update(rewired)
+            controls: list[str] = []
+            if trigger:
+                controls.append(trigger)
+            else:  # synchronous: start when the first consumer's other inputs are ready
+                first = editor.nodes[consumers[0]]
+                for slot, ref in editor.data_inputs(first):
+                    source = editor.resolve(ref)
+                    if source != tensor and source[0] != in_name and source[0] in editor.nodes \
+                            and source[0] not in controls:
+                        controls.append(source[0])
+            if after and after not in controls and after != tensor[0]:
+                controls.append(after)
+            controls = editor.safe_controls([c for c in controls if c != in_name], consumers)
+            if trigger and trigger not in controls:
+                log.debug("trigger %s of %s could be fused with its consumer: the swap-in waits for %s instead",
+                          trigger, in_name, controls)
+            editor.add_node(in_name, swap_op, [out_name] + [f"^{c}" for c in controls], placement.accelerator, dtype)
+            swap_ins.append(AppliedSwapIn(in_name, consumers, trigger, after, tuple(controls), tuple(rewired)))
+        sync_controls: list[str] = []
+        if record.get("sync_out"):
+            for reader, slot in editor.readers(tensor):
+                if reader.startswith((SWAP_OUT_PREFIX, SWAP_IN_PREFIX)) or (reader, slot) in rewired_all:
+                    continue
+                if reader not in sync_controls:
+                    sync_controls.append(reader)
+                    editor.nodes[reader].input.append(f"^{out_name}")
+        applied.append(AppliedSwap(record["tensor"], out_name, dtype.name, int(nbytes), bool(record.get("sync_out")),
+                                   tuple(swap_ins), tuple(sync_controls)))
+    editor.check_acyclic()
+    return edited, applied, skipped
+
+
+# ---------------------------------------------------------------------- variable state
+
+
+class StateSnapshot:
+    """Host copies of every variable a traced step captures (weights, optimizer slots, metrics, RNG
+    state), to put the model back exactly as it was after a verification or measurement run."""
+
+    def __init__(self, concrete):
+        self._values = []
+        for external, _ in concrete.graph.captures:
+            if getattr(external, "dtype", None) != tf.resource:
+                continue
+            data = _handle_dtype(external)
+            if data is None:
+                continue
+            value = tf.raw_ops.ReadVariableOp(resource=external, dtype=data)
+            self._values.append((external, data, value.numpy()))
+
+    def restore(self) -> None:
+        for handle, dtype, value in self._values:
+            tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(value, dtype=dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(value.nbytes for _, _, value in self._values))
+
+
+def _handle_dtype(handle):
+    from tensorflow.python.ops import resource_variable_ops
+
+    try:
+        data = resource_variable_ops.get_eager_safe_handle_data(handle)
+    except Exception:  # noqa: BLE001 -- handles without shape/type data are not variables we can read
+        return None
+    if not data.is_set or not data.shape_and_type:
+        return None
+    return tf.as_dtype(data.shape_and_type[0].dtype)
+
+
+# ---------------------------------------------------------------------- the rewritten step
+
+
+class SwapStep:
+    """One optimizer step of the rewritten training step: ``step(x, y) -> loss``.
+
+    ``run(x, y)`` returns the step's logs as Keras' ``train_step`` does (the metrics dict). The step
+    updates the model's variables in place. Attributes: ``plan`` (the plan dict that was applied),
+    ``applied``/``skipped`` (per-swap records), ``placement``, ``verification`` (what survived
+    Grappler, see ``rewriter.verify``), ``graph_def`` (the edited GraphDef), ``batch_size``.
+    """
+
+    def __init__(self, *, function, traced: TracedStep, graph_def, plan: dict, applied: list[AppliedSwap],
+                 skipped: list[SkippedSwap], placement: Placement, swap_op: str, model=None,
+                 apply_kwargs: dict | None = None):
+        self._function = function
+        self.traced = traced
+        self.graph_def = graph_def
+        self.plan = plan
+        self.applied = applied
+        self.skipped = skipped
+        self.placement = placement
+        self.swap_op = swap_op
+        self.batch_size = traced.batch_size
+        self.verification = None
+        self._model = model
+        self._apply_kwargs = dict(apply_kwargs or {})
+        self._others: dict[int, SwapStep] = {}
+        concrete = traced.concrete
+        self.input_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.inputs[: len(traced.input_names)]]
+        signature = concrete.structured_input_signature[0]
+        self._n_x = len(signature[0])
+        self._n_y = len(signature[1])
+        self._output_structure = concrete.structured_outputs
+
+    # -------------------------------------------------------------- facts
+
+    @property
+    def n_swap_outs(self) -> int:
+        return len(self.applied)
+
+    @property
+    def n_swap_ins(self) -> int:
+        return sum(len(s.swap_ins) for s in self.applied)
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Bytes copied to the host per step (d2h)."""
+        return sum(s.bytes for s in self.applied)
+
+    @property
+    def swapped_in_bytes(self) -> int:
+        """Bytes copied back per step (h2d): one copy per swap-in."""
+        return sum(s.bytes * len(s.swap_ins) for s in self.applied)
+
+    def swap_node_names(self) -> list[str]:
+        names = []
+        for swap in self.applied:
+            names.append(swap.swap_out)
+            names.extend(item.name for item in swap.swap_ins)
+        return names
+
+    def __repr__(self) -> str:
+        return (f"SwapStep(batch_size={self.batch_size}, swaps={self.n_swap_outs}, swap_ins={self.n_swap_ins}, "
+                f"skipped={len(self.skipped)}, placement={self.placement.describe()!r})")
+
+    # -------------------------------------------------------------- running
+
+    def _flat_inputs(self, x, y) -> list[tf.Tensor]:
+        xs = list(x) if isinstance(x, (list, tuple)) else [x]
+        ys = list(y) if isinstance(y, (list, tuple)) else [y]
+        if isinstance(x, dict) or isinstance(y, dict):
+            raise TypeError("dict inputs are not supported: pass lists in the model's input/output order")
+        if len(xs) != self._n_x or len(ys) != self._n_y:
+            raise ValueError(f"the step takes {self._n_x} input(s) and {self._n_y} label(s), "
+                             f"got {len(xs)} and {len(ys)}")
+        flat = []
+        for value, spec in zip(xs + ys, self.input_specs):
+            tensor = value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(np.asarray(value))
+            if tensor.dtype != spec.dtype:
+                tensor = tf.cast(tensor, spec.dtype)
+            if not spec.shape.is_compatible_with(tensor.shape):
+                raise ValueError(f"input of shape {tuple(tensor.shape)} does not match the step's "
+                                 f"{tuple(spec.shape)} (the step was built for batch size {self.batch_size}; "
+                                 "use step.for_batch(n) for another batch size)")
+            flat.append(tensor)
+        return flat
+
+    def batch_of(self, x) -> int:
+        first = x[0] if isinstance(x, (list, tuple)) else x
+        return int(first.shape[0])
+
+    def run_flat(self, *flat):
+        outputs = self._function(*flat)
+        loss = outputs[-1]
+        logs = tf.nest.pack_sequence_as(self._output_structure, list(outputs[:-1]))
+        return logs, loss
+
+    def run(self, x, y):
+        """One optimizer step; returns the logs of Keras' ``train_step`` (e.g. ``{'loss': ...}``)."""
+        return self.run_flat(*self._flat_inputs(x, y))[0]
+
+    def __call__(self, x, y):
+        """One optimizer step; returns this batch's loss (a scalar tensor)."""
+        return self.run_flat(*self._flat_inputs(x, y))[1]
+
+    def zeros(self) -> list[tf.Tensor]:
+        return [tf.zeros(spec.shape, spec.dtype) for spec in self.input_specs]
+
+    def for_batch(self, batch_size: int) -> "SwapStep":
+        """The same plan applied at another batch size (names do not depend on it); cached."""
+        if int(batch_size) == self.batch_size:
+            return self
+        if self._model is None:
+            raise ValueError("this step was built from a traced function; trace it again at the other batch size")
+        if int(batch_size) not in self._others:
+            kwargs = dict(self._apply_kwargs, batch_size=int(batch_size), placement=self.placement,
+                          swap_op=self.swap_op)
+            kwargs.setdefault("verify", False)
+            self._others[int(batch_size)] = apply(self._model, self.plan, **kwargs)
+        return self._others[int(batch_size)]
+
+    def snapshot(self) -> StateSnapshot:
+        """Host copies of the step's variables (``.restore()`` puts them back)."""
+        return StateSnapshot(self.traced.concrete)
+
+
+def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
+    info = {}
+    for op in concrete.graph.get_operations():
+        for k, tensor in enumerate(op.outputs):
+            info[f"{op.name}:{k}"] = (tensor.dtype, _nbytes(tensor))
+    return info
+
+
+def import_step(graph_def, traced: TracedStep):
+    """Re-import an edited step GraphDef as a callable with the model's variables re-bound."""
+    concrete = traced.concrete
+    n_inputs = len(traced.input_names)
+    inputs = concrete.inputs[:n_inputs]
+    input_names = [t.name for t in inputs]
+    fetches = [t.name for t in concrete.outputs] + [f"{traced.loss_op}:0"]
+    captures = list(concrete.graph.captures)
+    specs = [tf.TensorSpec(t.shape, t.dtype, name=f"swapstep_input_{i}") for i, t in enumerate(inputs)]
+
+    def imported(*args):
+        graph = tf.compat.v1.get_default_graph()
+        input_map = dict(zip(input_names, args))
+        for external, internal in captures:
+            input_map[internal.name] = graph.capture(external)
+        return tf.graph_util.import_graph_def(graph_def, input_map=input_map, return_elements=fetches, name="")
+
+    return tf.compat.v1.wrap_function(imported, signature=specs)
+
+
+def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
+          swap_op: str = "auto", input_shapes=None, label_shapes=None, label_dtype=None,
+          verify: bool = True, verify_with=None) -> SwapStep:
+    """Apply ``plan`` to ``model``'s training step and return the rewritten step.
+
+    ``model``: a compiled Keras model (its ``train_step`` is traced at ``batch_size``), or a
+    ``rewriter.capture.TracedStep`` of a hand-written step. ``plan``: a ``simulator.SwapPlan`` (with
+    ``graph``), a plan dict, JSON text or a path to a plan JSON file. ``placement``: a ``Placement``,
+    "auto"/None (``placement.detect()``), "gpu", "cpu-testbed" or "cpu-testbed-1". ``swap_op``:
+    "auto" (the placement's), "Identity" or "DeepCopy".
+
+    ``verify`` runs the step once with graph collection on, on ``verify_with`` = (x, y) or zeros,
+    then restores every variable, and warns about swap nodes or trigger edges Grappler removed
+    (``SwapStep.verification``). Errors: ``PlanError`` for a plan that does not fit the model
+    (nothing is changed), ``CaptureError`` for a model that cannot be traced.
+    """
+    plan_dict = load_plan(plan, graph)
+    place = resolve_placement(placement)
+    chosen_op = place.swap_op if swap_op in (None, "auto") else swap_op
+    if chosen_op not in SWAP_OPS:
+        raise ValueError(f"swap_op must be 'auto' or one of {SWAP_OPS}, got {swap_op!r}")
+    if isinstance(model, TracedStep):
+        traced = model
+        model = None
+    else:
+        if batch_size is None:
+            batch_size = plan_dict.get("batch_size")
+        if batch_size is None or int(batch_size) < 1:
+            raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
+        traced = trace_keras_step(model, int(batch_size), input_shapes=input_shapes,
+                                                 label_shapes=label_shapes, label_dtype=label_dtype)
+    planned_batch = plan_dict.get("batch_size")
+    if planned_batch and int(planned_batch) != traced.batch_size:
+        log.info("plan made at batch size %s applied at %d (names do not depend on it; sizes do)",
+                 planned_batch, traced.batch_size)
+    concrete = traced.concrete
+    graph_def, applied, skipped = edit_graph_def(concrete.graph.as_graph_def(), plan_dict, place, swap_op=chosen_op,
+                                                 tensor_info=_tensor_info(concrete))
+    function = import_step(graph_def, traced)
+    step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=plan_dict, applied=applied,
+                    skipped=skipped, placement=place, swap_op=chosen_op, model=model,
+                    apply_kwargs=dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype))
+    log.info("applied %d swap(s) with %d swap-in(s) (%d skipped), swap op %s, on %s", step.n_swap_outs,
+             step.n_swap_ins, len(skipped), chosen_op, place.describe())
+    if verify and applied:
+        from rewriter.verify import verify_first_call
+
+        step.verification = verify_first_call(step, verify_with)
+    return step

@@ -1,0 +1,131 @@
+"""Measure a training step: accelerator-side peak memory and step time, comparable with a ``Replay``.
+
+``measure(step, x, y)`` runs ``warmup`` steps, times ``repeats`` steps (median) and measures one more
+step's memory with the placement's method (``rewriter.placement``): on a GPU TensorFlow's
+``get_memory_info('GPU:0')['peak']``; on the CPU testbed the profiler's memory trace replayed without
+the swap-out (host) allocations. Like ``get_memory_info(...)['peak']`` the figure counts everything
+resident on the accelerator side during the step (weights, optimizer state, inputs) plus the
+step's own allocations. By default every variable is restored afterwards, so measuring does not
+train the model.
+
+The ``Measurement`` fields carry the names of ``simulator.replay.Replay``'s where they mean the same
+(``peak_bytes``, ``host_peak_bytes``, ``step_s``, ``d2h_bytes``, ``h2d_bytes``, ``n_swap_outs``,
+``n_swap_ins``, ``persistent_bytes``); ``compare(replay)`` puts them side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pandas as pd
+import tensorflow as tf
+
+from rewriter.placement import Placement, resolve as resolve_placement
+
+log = logging.getLogger(__name__)
+
+COMPARED_FIELDS = ("peak_bytes", "host_peak_bytes", "step_s", "d2h_bytes", "h2d_bytes", "n_swap_outs",
+                   "n_swap_ins", "persistent_bytes")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured step. Sizes in bytes, times in seconds.
+
+    ``peak_bytes``: accelerator-side peak in requested bytes (the allocator's chunk bytes on a GPU,
+    where requested bytes are not reported); ``allocator_peak_bytes``: the same peak in allocator
+    chunk bytes; ``persistent_bytes``: what was resident before the step (weights, optimizer state,
+    inputs; chunk bytes); ``host_peak_bytes``: peak of the swap-out copies (None where not measured);
+    ``step_s``: median of ``step_s_all``.
+    """
+
+    peak_bytes: int
+    allocator_peak_bytes: int
+    host_peak_bytes: int | None
+    step_s: float
+    d2h_bytes: int
+    h2d_bytes: int
+    n_swap_outs: int
+    n_swap_ins: int
+    persistent_bytes: int
+    measured_on: str
+    batch_size: int | None = None
+    step_s_all: tuple[float, ...] = field(default=(), repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["step_s_all"] = list(self.step_s_all)
+        return data
+
+    def compare(self, replay) -> pd.DataFrame:
+        """Predicted (a ``simulator.Replay``) against measured, field by field, with their ratio."""
+        rows = []
+        for name in COMPARED_FIELDS:
+            predicted = getattr(replay, name, None)
+            measured = getattr(self, name)
+            ratio = (predicted / measured) if predicted is not None and measured else float("nan")
+            rows.append({"field": name, "predicted": predicted, "measured": measured, "ratio": ratio})
+        return pd.DataFrame(rows).set_index("field")
+
+
+def _inputs(step, x, y) -> tuple[Any, list[tf.Tensor]]:
+    """(callable taking flat tensors, flat tensors) for a SwapStep or any step(x, y) callable."""
+    if hasattr(step, "run_flat") and hasattr(step, "_flat_inputs"):
+        return step.run_flat, step._flat_inputs(x, y)
+    xs = [tf.convert_to_tensor(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
+    ys = [tf.convert_to_tensor(v) for v in (y if isinstance(y, (list, tuple)) else [y])]
+    n_x = len(xs)
+
+    def call(*flat):
+        flat_x, flat_y = list(flat[:n_x]), list(flat[n_x:])
+        return step(flat_x[0] if n_x == 1 else flat_x, flat_y[0] if len(flat_y) == 1 else flat_y)
+
+    return call, xs + ys
+
+
+def _block(result: Any) -> None:
+    for tensor in tf.nest.flatten(result):
+        if hasattr(tensor, "numpy"):
+            tensor.numpy()
+
+
+def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placement | str | None = None,
+            restore: bool = True) -> Measurement:
+    """Measure ``step`` (a ``SwapStep`` or any ``step(x, y)`` callable) on one batch.
+
+    ``placement`` defaults to the step's own (a SwapStep) or ``placement.detect()``. With ``restore``
+    (default) every variable the step captures is put back afterwards (SwapStep only).
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError("warmup must be >= 0 and repeats >= 1")
+    place = resolve_placement(placement if placement is not None else getattr(step, "placement", None))
+    call, flat = _inputs(step, x, y)
+    snapshot = step.snapshot() if restore and hasattr(step, "snapshot") else None
+    try:
+        for _ in range(max(warmup, 1)):  # at least one: the first call optimizes the function
+            _block(call(*flat))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _block(call(*flat))
+            times.append(time.perf_counter() - start)
+        reading = place.measure_peak(call, *flat)
+    finally:
+        if snapshot is not None:
+            snapshot.restore()
+    verification = getattr(step, "verification", None)
+    n_outs = getattr(step, "n_swap_outs", 0)
+    n_ins = getattr(step, "n_swap_ins", 0)
+    if verification is not None and verification.collected:
+        n_outs, n_ins = verification.swap_outs, verification.swap_ins
+    return Measurement(
+        peak_bytes=reading.peak_bytes, allocator_peak_bytes=reading.allocator_peak_bytes,
+        host_peak_bytes=reading.host_peak_bytes, step_s=float(statistics.median(times)),
+        d2h_bytes=int(getattr(step, "swapped_bytes", 0)), h2d_bytes=int(getattr(step, "swapped_in_bytes", 0)),
+        n_swap_outs=int(n_outs), n_swap_ins=int(n_ins), persistent_bytes=reading.resident_bytes,
+        measured_on=place.measured_on, batch_size=getattr(step, "batch_size", None), step_s_all=tuple(times),
+    )

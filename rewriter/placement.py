@@ -1,0 +1,227 @@
+"""Where swap ops run and how the accelerator-side peak is measured: a real GPU or the CPU testbed.
+
+One small interface (``Placement``), two implementations:
+
+* ``GpuPlacement``: accelerator ``/device:GPU:0``, host ``/device:CPU:0``. The swap op is
+  ``Identity``: placed on the other device, the executor's cross-device copy *is* the transfer.
+  The peak is TensorFlow's own ``get_memory_info('GPU:0')['peak']`` after ``reset_memory_stats``.
+* ``CpuTestbedPlacement``: no GPU (DESIGN.md 4). ``/device:CPU:0`` plays the accelerator and
+  ``/device:CPU:1`` the host; the swap op is ``DeepCopy`` because ``Identity`` between two logical
+  CPUs shares the buffer. Both logical CPUs share one allocator, so the peak comes from replaying
+  the profiler's memory trace and leaving out the allocations made by swap-out ops
+  (``rewriter.memtrace``). When TensorFlow was initialised with one CPU device before the testbed
+  could be configured (the user built the model first), the single-device variant puts swap-outs
+  on ``CPU:0`` too: the copies are still separate buffers, told apart by the swap-out op names.
+
+``detect()`` chooses: a visible GPU, else the testbed (configured with two logical CPUs when that
+is still possible).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import tensorflow as tf
+
+log = logging.getLogger(__name__)
+
+SWAP_OUT_PREFIX = "swap_out/"
+SWAP_IN_PREFIX = "swap_in/"
+BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+@dataclass(frozen=True)
+class PeakReading:
+    """Memory of one measured call. ``peak_bytes`` is in requested bytes where the measurement
+    can tell (testbed), else the allocator's figure; ``None`` where a figure is not available."""
+
+    peak_bytes: int
+    allocator_peak_bytes: int
+    host_peak_bytes: int | None
+    resident_bytes: int
+
+
+def is_swap_out_op(name: str) -> bool:
+    """True for the swap-out nodes ``rewriter.apply`` adds (and their profiler ``tf_op`` names)."""
+    return name.startswith(SWAP_OUT_PREFIX)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Devices of the swap ops and how one call's accelerator-side peak is measured."""
+
+    accelerator: str
+    host: str
+    swap_op: str
+    measured_on: str  # "gpu" or "cpu-testbed" (Measurement.measured_on)
+
+    @property
+    def simulator_device(self) -> str | None:
+        """The ``simulator.devices`` preset that models this placement, if any."""
+        return None
+
+    def is_host_op(self, op_name: str) -> bool:
+        return is_swap_out_op(op_name)
+
+    def measure_peak(self, fn: Callable[..., Any], *args: Any) -> PeakReading:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.measured_on}: accelerator {self.accelerator}, host {self.host}, swap op {self.swap_op}"
+
+
+@dataclass(frozen=True)
+class GpuPlacement(Placement):
+    """A real GPU. Uses only TF's documented memory APIs (``get_memory_info``, ``reset_memory_stats``)."""
+
+    accelerator: str = "/device:GPU:0"
+    host: str = "/device:CPU:0"
+    swap_op: str = "Identity"
+    measured_on: str = "gpu"
+
+    def measure_peak(self, fn: Callable[..., Any], *args: Any) -> PeakReading:
+        device = self.accelerator.rsplit("device:", 1)[-1]  # "GPU:0"
+        tf.config.experimental.reset_memory_stats(device)
+        resident = int(tf.config.experimental.get_memory_info(device)["current"])
+        result = fn(*args)
+        _block(result)
+        peak = int(tf.config.experimental.get_memory_info(device)["peak"])
+        # the GPU allocator reports chunk bytes only: the same figure serves both fields
+        return PeakReading(peak_bytes=peak, allocator_peak_bytes=peak, host_peak_bytes=None, resident_bytes=resident)
+
+
+@dataclass(frozen=True)
+class CpuTestbedPlacement(Placement):
+    """The CPU testbed: ``CPU:0`` accelerator, ``CPU:1`` host (or ``CPU:0`` when only one exists)."""
+
+    accelerator: str = "/device:CPU:0"
+    host: str = "/device:CPU:1"
+    swap_op: str = "DeepCopy"
+    measured_on: str = "cpu-testbed"
+
+    @property
+    def single_device(self) -> bool:
+        return self.host == self.accelerator
+
+    @property
+    def simulator_device(self) -> str | None:
+        return "cpu-testbed"
+
+    def measure_peak(self, fn: Callable[..., Any], *args: Any) -> PeakReading:
+        from rewriter import memtrace
+
+        warn_if_allocations_hidden()
+        peak = memtrace.measure_call_peak(fn, *args, is_host_op=self.is_host_op, device="CPU:0")
+        return PeakReading(peak_bytes=int(peak.peak_requested_bytes), allocator_peak_bytes=int(peak.peak_allocated_bytes),
+                           host_peak_bytes=int(peak.host_peak_requested_bytes), resident_bytes=int(peak.resident_bytes))
+
+    def describe(self) -> str:
+        text = super().describe()
+        return text + (" (single-device testbed: host copies told apart by op name)" if self.single_device else "")
+
+
+def _block(result: Any) -> None:
+    """Wait for the call's outputs (eager results are ready when returned; numpy() forces it)."""
+    for tensor in tf.nest.flatten(result):
+        if hasattr(tensor, "numpy"):
+            tensor.numpy()
+
+
+_warned_bfc = False
+
+
+def warn_if_allocations_hidden() -> bool:
+    """Warn (once) when the CPU allocator may hide small allocations (DESIGN.md 4); True if so."""
+    global _warned_bfc
+    value = os.environ.get(BFC_ENV, "").strip().lower()
+    hidden = value not in ("true", "1")
+    if hidden and not _warned_bfc:
+        _warned_bfc = True
+        log.warning("%s=true was not set before TensorFlow started: the CPU allocator does not report "
+                    "allocations under 256 KiB, so measured peaks are too low. Set it in the environment "
+                    "before importing TensorFlow.", BFC_ENV)
+    return hidden
+
+
+def configure_testbed(n_devices: int = 2) -> bool:
+    """Split the CPU into ``n_devices`` logical devices (CPU:0 accelerator, CPU:1 host).
+
+    Only possible before TensorFlow's runtime is initialised (before any op or model is built);
+    returns whether the split is in effect. Does nothing when a GPU is visible.
+    """
+    if tf.config.list_physical_devices("GPU"):
+        return False
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) >= n_devices:
+        return True
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n_devices)
+    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
+        log.info("TensorFlow is already initialised with %d CPU device(s): using the single-device testbed",
+                 len(tf.config.list_logical_devices("CPU")))
+        return False
+    return True
+
+
+def detect(*, configure: bool = True) -> Placement:
+    """The placement for this process: a visible GPU, else the CPU testbed.
+
+    With ``configure`` (default) the testbed's second logical CPU is created when TensorFlow is not
+    initialised yet; otherwise (or when that is too late) the single-device testbed is used.
+    """
+    if tf.config.list_physical_devices("GPU"):
+        return GpuPlacement()
+    if configure:
+        configure_testbed()
+    names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if "/device:CPU:1" in names:
+        return CpuTestbedPlacement()
+    return CpuTestbedPlacement(host="/device:CPU:0")
+
+
+def gpu_memory() -> tuple[str, int] | None:
+    """(name, bytes TensorFlow may use) of GPU:0, or None without a GPU.
+
+    The bytes are the ``memory_limit`` of GPU:0's logical device configuration when one is set,
+    otherwise the usable budget of the ``simulator.devices`` preset matching the GPU's name (TF has no
+    documented API for a GPU's total memory); 0 when neither is known.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return None
+    details = tf.config.experimental.get_device_details(gpus[0]) or {}
+    name = str(details.get("device_name", gpus[0].name))
+    configs = tf.config.get_logical_device_configuration(gpus[0]) or []
+    limit = getattr(configs[0], "memory_limit", None) if configs else None
+    if limit:
+        return name, int(limit) * 2**20
+    from simulator.devices import DEVICES
+
+    lowered = name.lower().replace(" ", "")
+    for preset in DEVICES.values():
+        family = preset.name.split("-")[0]
+        if family != "cpu" and family in lowered and preset.name.split("-")[1].rstrip("gb") in lowered:
+            return name, int(preset.budget_bytes)
+    for preset in DEVICES.values():
+        if preset.name.split("-")[0] in lowered and preset.name.split("-")[0] != "cpu":
+            return name, int(preset.budget_bytes)
+    return name, 0
+
+
+def resolve(placement: Placement | str | None) -> Placement:
+    """``None``/"auto" -> ``detect()``; "gpu", "cpu-testbed", "cpu-testbed-1" by name; or as given."""
+    if placement is None or placement == "auto":
+        return detect()
+    if isinstance(placement, Placement):
+        return placement
+    if placement == "gpu":
+        return GpuPlacement()
+    if placement == "cpu-testbed":
+        return CpuTestbedPlacement()
+    if placement in ("cpu-testbed-1", "cpu-testbed-single"):
+        return CpuTestbedPlacement(host="/device:CPU:0")
+    raise ValueError(f"unknown placement {placement!r}: use 'auto', 'gpu', 'cpu-testbed' or 'cpu-testbed-1'")

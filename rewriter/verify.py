@@ -1,0 +1,284 @@
+"""What of a swap plan survived Grappler: swap nodes, trigger edges, rewired reads, transfers.
+
+TensorFlow optimises a function when it is first instantiated. With graph collection on
+(``context.context().enable_graph_collection()``) that first call records, per function, the
+post-optimization graph and the per-device partition graphs (``export_run_metadata()``). This module
+reads them back and counts, for the swap nodes ``rewriter.apply`` added:
+
+* swap-outs and swap-ins that survived (in the partition graphs: what really runs),
+* trigger control edges kept on their swap-in (a trigger op folded away or an edge dropped or moved
+  to another op is named),
+* consumer inputs that still read the swap-in (a consumer rewired back to the original buffer would
+  keep it alive),
+* cross-device transfers (``_Send``/``_Recv`` pairs) by direction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from rewriter.apply import Ancestry
+from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Verification:
+    """Counts and names of what ran compared with what the plan asked for."""
+
+    planned_swap_outs: int
+    planned_swap_ins: int
+    planned_triggers: int
+    planned_rewired_inputs: int
+    swap_outs: int = 0
+    swap_ins: int = 0
+    triggers_kept: int = 0  # triggered swap-ins whose planned trigger is still a direct control input
+    rewired_inputs: int = 0
+    transfers_to_host: int = 0  # _Recv nodes on the host device
+    transfers_to_accelerator: int = 0  # _Recv nodes on the accelerator device
+    sends: int = 0
+    recvs: int = 0
+    removed: list[str] = field(default_factory=list)  # swap nodes Grappler removed
+    triggers_dropped: list[str] = field(default_factory=list)  # "swap_in <- trigger": edge gone
+    triggers_moved: list[str] = field(default_factory=list)  # "swap_in <- trigger (now after: x, y)"
+    triggers_folded: list[str] = field(default_factory=list)  # control sources that no longer exist
+    triggers_replaced: list[str] = field(default_factory=list)  # planned trigger swapped for its inputs by
+    # apply (it could be fused with the consumer): informational, not a failure
+    planned_control_edges: int = 0  # control inputs apply gave the swap-ins (triggers, sync sources, after)
+    control_edges_kept: int = 0  # still a direct control input of the swap-in
+    control_edges_implied: int = 0  # removed as redundant, the swap-in still runs after the source
+    triggers_ordered: int = 0  # triggered swap-ins that still run after all their control sources
+    reads_lost: list[str] = field(default_factory=list)  # "consumer:slot" no longer reading its swap-in
+    reads_renamed: list[str] = field(default_factory=list)  # consumer rewritten/fused, new node reads the swap-in
+    devices: dict[str, int] = field(default_factory=dict)  # partition graph device -> node count
+    collected: bool = True  # False when the run metadata held no graph of the step
+
+    @property
+    def ok(self) -> bool:
+        return self.collected and not (self.removed or self.triggers_dropped or self.triggers_moved
+                                       or self.triggers_folded or self.reads_lost)
+
+    def problems(self) -> list[str]:
+        lines = []
+        if not self.collected:
+            lines.append("no optimized graph of the step was collected (it had run before verification)")
+        if self.removed:
+            lines.append(f"{len(self.removed)} swap node(s) removed: {', '.join(self.removed[:10])}")
+        if self.triggers_folded:
+            lines.append(f"{len(self.triggers_folded)} trigger op(s) folded away: {', '.join(self.triggers_folded[:10])}")
+        if self.triggers_dropped:
+            lines.append(f"{len(self.triggers_dropped)} trigger edge(s) dropped: {', '.join(self.triggers_dropped[:10])}")
+        if self.triggers_moved:
+            lines.append(f"{len(self.triggers_moved)} trigger edge(s) moved: {', '.join(self.triggers_moved[:10])}")
+        if self.reads_lost:
+            lines.append(f"{len(self.reads_lost)} consumer input(s) no longer read their swap-in: "
+                         f"{', '.join(self.reads_lost[:10])}")
+        return lines
+
+    def summary(self) -> str:
+        text = (f"swap-outs {self.swap_outs}/{self.planned_swap_outs}, swap-ins {self.swap_ins}/{self.planned_swap_ins}, "
+                f"trigger edges kept {self.triggers_kept}/{self.planned_triggers} (ordered "
+                f"{self.triggers_ordered}), control edges {self.control_edges_kept}+{self.control_edges_implied} implied"
+                f"/{self.planned_control_edges}, rewired reads "
+                f"{self.rewired_inputs}/{self.planned_rewired_inputs}, transfers to host {self.transfers_to_host}, "
+                f"to accelerator {self.transfers_to_accelerator}")
+        problems = self.problems()
+        return text + ("" if not problems else "; " + "; ".join(problems))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items()} | {"ok": self.ok}
+
+
+def _node_map(graph_def) -> dict[str, Any]:
+    return {node.name: node for node in graph_def.node}
+
+
+def _short(device: str) -> str:
+    return device.rsplit("device:", 1)[-1] if device else ""
+
+
+def _pick_function_graph(function_graphs, names: set[str]):
+    """The collected function whose optimized graph holds the most of our swap nodes."""
+    best, best_count = None, -1
+    for fg in function_graphs:
+        count = sum(1 for node in fg.post_optimization_graph.node if node.name in names)
+        for partition in fg.partition_graphs:
+            count += sum(1 for node in partition.node if node.name in names)
+        if count > best_count:
+            best, best_count = fg, count
+    return best if best_count > 0 else None
+
+
+def check(function_graphs, applied, *, accelerator: str = "", host: str = "") -> Verification:
+    """Compare the collected graphs of one step with the applied swaps (``SwapStep.applied``)."""
+    swap_ins = [item for swap in applied for item in swap.swap_ins]
+    names = {swap.swap_out for swap in applied} | {item.name for item in swap_ins}
+    result = Verification(
+        planned_swap_outs=len(applied), planned_swap_ins=len(swap_ins),
+        planned_triggers=sum(1 for item in swap_ins if item.trigger),
+        planned_rewired_inputs=sum(len(item.rewired) for item in swap_ins),
+    )
+    fg = _pick_function_graph(function_graphs, names)
+    if fg is None:
+        result.collected = False
+        return result
+    post = _node_map(fg.post_optimization_graph)
+    partitions: dict[str, Any] = {}
+    for partition in fg.partition_graphs:
+        for node in partition.node:
+            partitions[node.name] = node
+            result.devices[_short(node.device)] = result.devices.get(_short(node.device), 0) + 1
+            if node.op == "_Send":
+                result.sends += 1
+            elif node.op == "_Recv":
+                result.recvs += 1
+                if host and _short(node.device) == _short(host) and _short(host) != _short(accelerator):
+                    result.transfers_to_host += 1
+                elif accelerator and _short(node.device) == _short(accelerator):
+                    result.transfers_to_accelerator += 1
+    running = partitions or post
+    ancestry = Ancestry(fg.post_optimization_graph)
+
+    # readers of each swap-in in what runs (a _Recv may sit between on another device)
+    recv_source: dict[str, str] = {}
+    for node in running.values():
+        if node.op == "_Recv":
+            tensor = node.attr["tensor_name"].s.decode() if "tensor_name" in node.attr else ""
+            recv_source[node.name] = tensor.split(":")[0]
+    # (Grappler may reorder a commutative op's inputs: reads are counted per consumer, not per slot)
+    readers: dict[str, Counter] = {}
+    for node in running.values():
+        for ref in node.input:
+            if ref.startswith("^"):
+                continue
+            source = ref.split(":")[0]
+            source = recv_source.get(source, source)
+            if source.startswith(SWAP_IN_PREFIX):
+                readers.setdefault(source, Counter())[node.name] += 1
+
+    for swap in applied:
+        if swap.swap_out in running:
+            result.swap_outs += 1
+        else:
+            result.removed.append(swap.swap_out)
+        for item in swap.swap_ins:
+            node = running.get(item.name)
+            if node is None:
+                result.removed.append(item.name)
+                continue
+            result.swap_ins += 1
+            found = Counter(readers.get(item.name, Counter()))
+            unplanned = sum(count for name, count in found.items() if name not in item.consumers)
+            for consumer, slot in item.rewired:
+                if found[consumer] > 0:
+                    found[consumer] -= 1
+                    result.rewired_inputs += 1
+                elif unplanned > 0:  # the consumer was rewritten or fused under another name
+                    unplanned -= 1
+                    result.rewired_inputs += 1
+                    others = sorted(name for name in found if name not in item.consumers)
+                    result.reads_renamed.append(f"{consumer}:{slot} -> {', '.join(others[:2])}")
+                else:
+                    result.reads_lost.append(f"{consumer}:{slot}")
+            if not item.controls:
+                continue
+            direct = _controls(post.get(item.name), post, {}) | _controls(node, running, recv_source)
+            ordered = True
+            for source in item.controls:
+                result.planned_control_edges += 1
+                if source not in running and source not in post:
+                    result.triggers_folded.append(f"{item.name} <- {source}")
+                    ordered = False
+                elif source in direct:
+                    result.control_edges_kept += 1
+                elif ancestry.depends(item.name, source):
+                    result.control_edges_implied += 1  # Grappler dropped the edge as redundant: still ordered
+                else:
+                    ordered = False
+                    others = sorted(direct - set(item.controls))
+                    if others:
+                        result.triggers_moved.append(f"{item.name} <- {source} (now after: {', '.join(others[:3])})")
+                    else:
+                        result.triggers_dropped.append(f"{item.name} <- {source}")
+            if item.trigger:
+                if item.trigger in direct:
+                    result.triggers_kept += 1
+                if ordered:
+                    result.triggers_ordered += 1
+                if item.trigger not in item.controls:
+                    result.triggers_replaced.append(f"{item.name}: {item.trigger} -> {', '.join(item.controls)}")
+    return result
+
+
+def _controls(node, nodes, recv_source) -> set[str]:
+    if node is None:
+        return set()
+    found = set()
+    for ref in node.input:
+        if ref.startswith("^"):
+            name = ref[1:]
+            found.add(recv_source.get(name, name))
+    return found
+
+
+def collect_first_call(fn, *args) -> tuple[Any, list[Any]]:
+    """Run ``fn(*args)`` with graph collection on; return its result and the collected function graphs.
+
+    Only a function's first call (its instantiation) records graphs.
+    """
+    ctx = context.context()
+    ctx.export_run_metadata()  # drop anything collected before
+    ctx.enable_graph_collection()
+    try:
+        result = fn(*args)
+        for tensor in tf.nest.flatten(result):
+            if hasattr(tensor, "numpy"):
+                tensor.numpy()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_graph_collection()
+    return result, list(metadata.function_graphs) if metadata is not None else []
+
+
+def verify_first_call(step, example=None) -> Verification:
+    """Verify ``step`` on its first call (``apply`` does this), then restore every variable."""
+    flat = step._flat_inputs(*example) if example is not None else step.zeros()
+    snapshot = step.snapshot()
+    try:
+        _, graphs = collect_first_call(step.run_flat, *flat)
+    finally:
+        snapshot.restore()
+    result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host)
+    _report(result)
+    return result
+
+
+def verify(step, x=None, y=None) -> Verification:
+    """Re-verify a step: import its GraphDef afresh (so it is optimized again and collected), run it
+    once on (x, y) or zeros, and restore every variable. Leaves ``step`` itself untouched."""
+    from rewriter.apply import import_step
+
+    function = import_step(step.graph_def, step.traced)
+    flat = step._flat_inputs(x, y) if x is not None else step.zeros()
+    snapshot = step.snapshot()
+    try:
+        _, graphs = collect_first_call(function, *flat)
+    finally:
+        snapshot.restore()
+    result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host)
+    _report(result)
+    return result
+
+
+def _report(result: Verification) -> None:
+    if result.ok:
+        log.info("swap plan verified: %s", result.summary())
+    else:
+        log.warning("parts of the swap plan did not survive graph optimization: %s", "; ".join(result.problems()))

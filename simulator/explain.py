@@ -1,0 +1,47 @@
+"""What holds device memory at a given moment of a replay: for reports and for debugging plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from simulator.buffers import buffers
+from simulator.graph import PHASE_NAMES, OpGraph
+from simulator.ordering import execution_order
+from simulator.planning import SwapPlan
+from simulator.replay import Replay
+
+
+def live_buffers(g: OpGraph, plan: SwapPlan | None, result: Replay, slot: int | None = None) -> pd.DataFrame:
+    """Buffers live during execution ``slot`` (default: the peak), largest first.
+
+    Columns: tensor, op_type, phase, bytes, kind ("activation", "swapped", "swap-in"),
+    alloc_slot, free_slot. Resident memory (weights, optimizer state, inputs) is one row.
+    """
+    slot = result.peak_slot if slot is None else slot
+    info = buffers(g)
+    owners = np.flatnonzero(info.alloc_slot >= 0)
+    free = info.free_slot.copy()
+    kind = np.full(g.n_tensors, "activation", dtype=object)
+    if plan is not None and plan.n_swaps:
+        free[result.swapped_roots] = result.swapped_root_free_slot
+        kind[result.swapped_roots] = "swapped"
+    sizes = g.tensor_bytes
+    live = owners[(info.alloc_slot[owners] <= slot) & (free[owners] >= slot)]
+    rows = [{"tensor": g.tensor_name(t), "op_type": str(g.op_type[g.tensor_producer[t]]),
+             "phase": PHASE_NAMES[g.op_phase[g.tensor_producer[t]]], "bytes": int(sizes[t]), "kind": kind[t],
+             "alloc_slot": int(info.alloc_slot[t]), "free_slot": int(free[t])} for t in live]
+    if plan is not None and plan.n_swap_ins:
+        alive = np.flatnonzero((result.swap_in_alloc_slot <= slot) & (result.swap_in_free_slot >= slot))
+        for j in alive:
+            t = int(plan.tensor[plan.in_swap[j]])
+            rows.append({"tensor": g.tensor_name(t), "op_type": str(g.op_type[g.tensor_producer[t]]),
+                         "phase": PHASE_NAMES[g.op_phase[g.tensor_producer[t]]], "bytes": int(sizes[t]),
+                         "kind": "swap-in", "alloc_slot": int(result.swap_in_alloc_slot[j]),
+                         "free_slot": int(result.swap_in_free_slot[j])})
+    rows.append({"tensor": "(weights, optimizer state, inputs)", "op_type": "", "phase": "", "kind": "resident",
+                 "bytes": g.persistent_bytes, "alloc_slot": 0, "free_slot": g.n_ops - 1})
+    table = pd.DataFrame(rows).sort_values("bytes", ascending=False, ignore_index=True)
+    table.attrs["slot"] = slot
+    table.attrs["op"] = str(g.op_name[execution_order(g)[slot]]) if g.n_ops else ""
+    return table

@@ -1,0 +1,180 @@
+"""The command line: bad input ends in one line and exit 2, a report is always complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from autotune.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A small CNN saved compiled, the same saved uncompiled, and a file that is no model."""
+    import keras
+
+    from benchmarks.models import build_model
+
+    base = tmp_path_factory.mktemp("models")
+    good = base / "good"
+    good.mkdir()
+    build_model("small_cnn", image_size=32).save(good / "cnn.keras")
+    plain = base / "uncompiled"
+    plain.mkdir()
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.save(plain / "plain.keras")
+    fake = base / "fake"
+    fake.mkdir()
+    (fake / "model.keras").write_text("this is not a model")
+    two = base / "two"
+    two.mkdir()
+    for name in ("a.keras", "b.keras"):
+        (two / name).write_bytes((good / "cnn.keras").read_bytes())
+    (base / "empty").mkdir()
+    bad_toml = base / "bad_toml"
+    bad_toml.mkdir()
+    (bad_toml / "cnn.keras").write_bytes((good / "cnn.keras").read_bytes())
+    (bad_toml / "autotune.toml").write_text("batch_size = [oops\n")
+    return base
+
+
+def _run_main(capsys, *args):
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("case,extra,message", [
+    ("missing", [], "does not exist"),
+    ("empty", [], "no .keras model"),
+    ("fake", [], "could not be loaded"),
+    ("uncompiled", [], "not compiled"),
+    ("two", [], "holds 2 models"),
+    ("bad_toml", [], "not valid TOML"),
+    ("good", ["--memory", "lots"], "not a size"),
+    ("good", ["--memory=-3GiB"], "not a size"),
+    ("good", ["--memory"], "expected one argument"),
+    ("good", ["--device", "tpu-9000"], "invalid choice"),
+    ("good", ["--batch-size", "0"], "batch size must be positive"),
+])
+def test_bad_input_is_one_line_and_exit_2(models, capsys, tmp_path, case, extra, message):
+    args = [models / case, "--out", tmp_path / "out", "--no-measure", "--trials", "3"]
+    if "--batch-size" not in extra:
+        args += ["--batch-size", "4"]
+    code, _, err = _run_main(capsys, *args, *extra)
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("loading", "WARNING", "I0000"))]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_missing_batch_size(models, capsys, tmp_path):
+    code, _, err = _run_main(capsys, models / "good", "--out", tmp_path / "out", "--no-measure")
+    assert code == 2 and "batch size" in err
+
+
+def test_budget_below_the_weights_exits_3(models, capsys, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, err = _run_main(capsys, models / "good", "--batch-size", "4", "--memory", "10KiB", "--no-measure",
+                                  "--trials", "5", "--out", out, "--quiet")
+    assert code == 3, err
+    assert "weights" in stdout and "NO PLAN FITS" in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["feasible"] is False and summary["excess_bytes"] > 0
+    assert (out / "report.html").exists() and (out / "report.md").exists()
+
+
+def test_tuned_report_is_complete(models, capsys, tmp_path):
+    """A budget between the resident memory and the unswapped peak: a plan is needed and found."""
+    from autotune.tuning import tune_graph
+    from benchmarks.models import build_model
+    from rewriter.capture import capture
+
+    from simulator import SwapParams, plan_swaps, replay
+
+    graph = capture(build_model("small_cnn", image_size=32), 64)
+    unswapped = replay(graph, None, "cpu-testbed").peak_bytes
+    lowest = replay(graph, plan_swaps(graph, SwapParams(threshold=1, lb=1, ub=8, sync="both")), "cpu-testbed").peak_bytes
+    assert lowest < unswapped
+    budget = (lowest + unswapped) // 2
+    out = tmp_path / "out"
+    code, stdout, err = _run_main(capsys, models / "good", "--batch-size", "64", "--memory", str(budget),
+                                  "--device", "cpu-testbed", "--no-measure", "--trials", "40", "--out", out, "--quiet")
+    assert code == 0, err + stdout
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("params", "budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes", "predicted_step_s",
+                "baseline_step_s", "measured_peak_bytes", "measured_step_s", "measured_on", "batch_size", "feasible"):
+        assert key in summary
+    assert summary["feasible"] and summary["predicted_peak_bytes"] <= budget < summary["baseline_peak_bytes"]
+    for name in ("report.html", "report.md", "trials.csv", "plan.json", "memory_timeline.png", "distance_histogram.png",
+                 "optimization_history.png", "pareto_front.png"):
+        assert (out / name).stat().st_size > 0, name
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64," in html and "<img alt='memory_timeline.png'" in html
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["format"] == "swap-plan/1" and plan["swaps"]
+
+
+def test_resume_keeps_finished_trials(models, capsys, tmp_path):
+    import optuna
+
+    out = tmp_path / "out"
+    args = [models / "good", "--batch-size", "64", "--memory", "300KiB", "--device", "cpu-testbed", "--no-measure",
+            "--out", out, "--quiet", "--study-name", "resume-test"]
+    first = _run_main(capsys, *args, "--trials", "6")
+    second = _run_main(capsys, *args, "--trials", "5")
+    assert first[0] in (0, 3) and second[0] == first[0]
+    study = optuna.load_study(study_name="resume-test", storage=f"sqlite:///{out / 'study.db'}")
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) >= 11
+
+
+def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
+    """SIGINT in the middle of a search: exit 130, trials kept, the earlier report untouched."""
+    out = tmp_path / "out"
+    common = [sys.executable, "-m", "autotune", str(models / "good"), "--batch-size", "64", "--memory", "300KiB",
+              "--device", "cpu-testbed", "--no-measure", "--out", str(out), "--study-name", "sigint"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(common + ["--trials", "3", "--quiet"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 3), done.stderr
+    before = (out / "report.html").read_bytes()
+    process = subprocess.Popen(common + ["--trials", "100000"], env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 240
+    import optuna
+
+    storage = f"sqlite:///{out / 'study.db'}"
+    while time.monotonic() < deadline:  # wait until the second run has added trials
+        time.sleep(2)
+        try:
+            trials = optuna.load_study(study_name="sigint", storage=storage).trials
+        except Exception:
+            continue
+        if len([t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]) > 10:
+            break
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "resume" in err, err
+    assert (out / "report.html").read_bytes() == before
+    kept = [t for t in optuna.load_study(study_name="sigint", storage=storage).trials
+            if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(kept) > 10
+    again = subprocess.run(common + ["--trials", "2", "--quiet"], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode in (0, 3), again.stderr
+    resumed = optuna.load_study(study_name="sigint", storage=storage).trials
+    assert len([t for t in resumed if t.state == optuna.trial.TrialState.COMPLETE]) >= len(kept) + 2
