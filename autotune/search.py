@@ -36,9 +36,11 @@ class SearchSpace:
     window: tuple[int, ...]
     groupby: tuple[int, ...]
     sync: tuple[str, ...] = ("none", "out", "in", "both")
-    min_bytes: tuple[int, ...] = (0, 1 << 20, 16 << 20)
+    min_bytes: tuple[int, ...] = (4096, 1 << 20, 16 << 20)
+    order: tuple[str, ...] = ("cto", "memory")
 
     ORDERED = ("threshold", "lb", "window", "groupby", "min_bytes")
+    CATEGORICAL = ("sync", "order")
 
     @classmethod
     def for_graph(cls, g: OpGraph, *, points: int = 40) -> "SearchSpace":
@@ -55,38 +57,40 @@ class SearchSpace:
         )
 
     def size(self) -> int:
-        return math.prod(len(getattr(self, name)) for name in (*self.ORDERED, "sync"))
+        return math.prod(len(getattr(self, name)) for name in (*self.ORDERED, *self.CATEGORICAL))
 
     def params(self, choice: dict[str, Any]) -> SwapParams:
         """Grid indices (and a sync name) -> SwapParams."""
         lb = self.lb[choice["lb"]]
         return SwapParams(threshold=self.threshold[choice["threshold"]], lb=lb, ub=lb + self.window[choice["window"]],
                           groupby=self.groupby[choice["groupby"]], sync=choice["sync"],
-                          min_bytes=self.min_bytes[choice["min_bytes"]])
+                          min_bytes=self.min_bytes[choice["min_bytes"]], order=choice["order"])
 
     def choice(self, params: SwapParams) -> dict[str, Any] | None:
         """The grid point of ``params`` (None when they are off the grid)."""
         try:
             return {"threshold": self.threshold.index(params.threshold), "lb": self.lb.index(params.lb),
                     "window": self.window.index(params.ub - params.lb), "groupby": self.groupby.index(params.groupby),
-                    "sync": params.sync, "min_bytes": self.min_bytes.index(params.min_bytes)}
+                    "sync": params.sync, "min_bytes": self.min_bytes.index(params.min_bytes), "order": params.order}
         except ValueError:
             return None
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         dists: dict[str, optuna.distributions.BaseDistribution] = {
             name: optuna.distributions.IntDistribution(0, len(getattr(self, name)) - 1) for name in self.ORDERED}
-        dists["sync"] = optuna.distributions.CategoricalDistribution(self.sync)
+        for name in self.CATEGORICAL:
+            dists[name] = optuna.distributions.CategoricalDistribution(getattr(self, name))
         return dists
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
         choice = {name: trial.suggest_int(name, 0, len(getattr(self, name)) - 1) for name in self.ORDERED}
-        choice["sync"] = trial.suggest_categorical("sync", self.sync)
+        for name in self.CATEGORICAL:
+            choice[name] = trial.suggest_categorical(name, getattr(self, name))
         return choice
 
     def grid(self) -> Iterator[dict[str, Any]]:
-        names = (*self.ORDERED, "sync")
-        ranges = [range(len(getattr(self, name))) for name in self.ORDERED] + [self.sync]
+        names = (*self.ORDERED, *self.CATEGORICAL)
+        ranges = [range(len(getattr(self, name))) for name in self.ORDERED] + [getattr(self, n) for n in self.CATEGORICAL]
         for values in itertools.product(*ranges):
             yield dict(zip(names, values))
 
@@ -136,7 +140,9 @@ class TuningProblem:
             self.host_limit_bytes = self.device.host_memory_bytes
 
     def plan(self, params: SwapParams | None) -> SwapPlan:
-        return SwapPlan.empty(self.graph) if params is None else plan_swaps(self.graph, params)
+        if params is None:
+            return SwapPlan.empty(self.graph)
+        return plan_swaps(self.graph, params, kept_reads=self.device.kept_reads)
 
     def replay(self, params: SwapParams | None) -> Replay:
         return replay(self.graph, None if params is None else self.plan(params), self.device)

@@ -653,3 +653,36 @@ def example_batch(
     x = xs[0] if len(xs) == 1 else xs
     y = ys[0] if len(ys) == 1 else ys
     return x, y
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.models save NAME DIR [--option value ...]``: save a compiled model."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models",
+                                     description="Save one of the suite's compiled models as DIR/NAME.keras.")
+    parser.add_argument("command", choices=["save"])
+    parser.add_argument("name", choices=sorted(MODELS))
+    parser.add_argument("directory")
+    parser.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                        help="builder keyword argument, e.g. --option image_size 128 (integers only)")
+    args = parser.parse_args(argv)
+    try:
+        options = {key: int(value) for key, value in args.option}
+    except ValueError:
+        parser.error("--option values must be whole numbers")
+    directory = Path(args.directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{args.name}.keras"
+    build_model(args.name, **options).save(path)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

@@ -20,6 +20,7 @@ bodies (functions of the graph's library, not top-level nodes) are skipped with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,27 +33,37 @@ from typing import Any, Iterable
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.eager import context
 
 from rewriter.capture import BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, trace_keras_step
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
+from simulator.devices import ONEDNN_POOL_READS
 
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "swap-plan/1"
-# Ops that TF's graph passes may fuse with a neighbour (oneDNN's layout pass: Conv2D+BiasAdd, Pad+Conv2D,
-# Conv2DBackpropFilter+BiasAddGrad; Grappler's remapper: contraction+bias+add+activation, batch-norm
-# patterns). A fused node takes over the control edges of its parts, so a control edge from one part to
-# a swap-in that feeds another part becomes a cycle ("N nodes in a cycle" when the step is instantiated).
-FUSABLE_TYPES = frozenset({
-    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
-    "BiasAdd", "BiasAddV1", "BiasAddGrad", "Conv2DBackpropFilter", "Conv2DBackpropInput",
-    "Conv3DBackpropFilterV2", "Conv3DBackpropInputV2", "DepthwiseConv2dNativeBackpropFilter",
-    "DepthwiseConv2dNativeBackpropInput", "Pad", "MirrorPad", "FusedBatchNorm", "FusedBatchNormV2",
-    "FusedBatchNormV3", "FusedBatchNormGrad", "FusedBatchNormGradV3", "Relu", "Relu6", "Elu", "LeakyRelu",
-    "Selu", "Tanh", "Sigmoid", "Softplus", "Mul", "Add", "AddV2", "AddN", "Sub", "ReluGrad", "Relu6Grad",
-    "Square", "Rsqrt", "Mean", "SquaredDifference", "Erf", "Pow", "Maximum", "Minimum", "Transpose",
-})
+# Fusions TF's graph passes make (oneDNN's layout pass: Conv2D+BiasAdd, Pad+Conv2D,
+# Conv2DBackpropFilter+BiasAddGrad; Grappler's remapper: contraction+bias(+add)(+activation),
+# FusedBatchNorm+activation, Sigmoid+Mul). A fused node takes over the control edges of its parts, so a
+# control edge from one part to a swap-in that feeds a later part becomes a cycle ("N nodes in a cycle"
+# when the step is instantiated). CHAIN_TAILS: ops that can end (or sit inside) a fused chain;
+# CHAIN_PARTS: ops that can come before them in it; SIBLING_FUSIONS: ops fused with a reader of the same input.
+_ACTIVATIONS = {"Relu", "Relu6", "Elu", "LeakyRelu", "Selu", "Tanh", "Sigmoid", "Softplus", "Gelu"}
+_CONTRACTIONS = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2",
+                 "BatchMatMulV3"}
+CHAIN_TAILS = frozenset(_ACTIVATIONS | _CONTRACTIONS | {"BiasAdd", "BiasAddV1", "Add", "AddV2", "AddN",
+                                                        "FusedBatchNorm", "FusedBatchNormV3", "Mul"})
+CHAIN_PARTS = frozenset(_ACTIVATIONS | _CONTRACTIONS | {"BiasAdd", "BiasAddV1", "Add", "AddV2", "FusedBatchNorm",
+                                                        "FusedBatchNormV3", "Pad", "MirrorPad"})
+SIBLING_FUSIONS = frozenset({"Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter",
+                             "BiasAddGrad"})
 FUSION_HOPS = 3
+# oneDNN (CPU) pairs MaxPool with its gradient through a hidden workspace found by the direct edge
+# MaxPool -> MaxPoolGrad; a gradient that reads the pooled output through a swap-in loses the pairing and
+# routes gradients differently on ties (about 1% weight difference after 3 steps on a 3D U-Net).
+_POOLS = frozenset(pool for pool, _ in ONEDNN_POOL_READS)
+_POOL_GRADS = frozenset(grad for _, grad in ONEDNN_POOL_READS)
 # Sources of a control edge that tell nothing about timing (always ready).
 _ALWAYS_READY = frozenset({"Const", "Placeholder", "ReadVariableOp", "VarHandleOp", "NoOp"}) | SHAPE_TYPES
 SWAP_OPS = ("Identity", "DeepCopy")
@@ -105,6 +116,8 @@ def load_plan(plan: Any, graph: Any = None) -> dict[str, Any]:
     from simulator.planning import SwapPlan
 
     if isinstance(plan, SwapPlan):
+        if graph is None and plan.n_swaps == 0:
+            return dict(empty_plan(), batch_size=plan.batch_size)
         if graph is None:
             raise PlanError("a SwapPlan holds op indices: pass graph=, the OpGraph it was made on "
                             "(or pass the plan as JSON, SwapPlan.to_json(graph))")
@@ -165,6 +178,11 @@ class _GraphEditor:
     def __init__(self, graph_def: graph_pb2.GraphDef):
         self.graph_def = graph_def
         self.nodes = {node.name: node for node in graph_def.node}
+        self.loop_of: dict[str, str] = {}  # function name -> top-level While node running it
+        for node in graph_def.node:
+            for key in ("body", "cond", "then_branch", "else_branch", "f"):
+                if key in node.attr and node.attr[key].func.name:
+                    self.loop_of.setdefault(node.attr[key].func.name, node.name)
         self.library_nodes: dict[str, str] = {}  # node name (and "function/node") -> function name
         for function in graph_def.library.function:
             fname = function.signature.name
@@ -213,36 +231,36 @@ class _GraphEditor:
         return self._readers_cache
 
     def fusion_neighbourhood(self, consumers: Iterable[str]) -> set[str]:
-        """Ops a graph pass might fuse with one of ``consumers``: fusable ops up to FUSION_HOPS data edges
-        upstream through fusable ops, and fusable ops reading the same inputs (sibling fusions)."""
+        """Ops a graph pass might fuse with one of ``consumers``: chain parts up to FUSION_HOPS data
+        edges upstream (when the consumer can end a chain), and sibling fusions on a shared input."""
         danger: set[str] = set()
         readers = self._readers_index()
         for consumer in consumers:
             node = self.nodes.get(consumer)
-            if node is None or node.op not in FUSABLE_TYPES:
+            if node is None:
                 continue
-            frontier = [consumer]
-            for _ in range(FUSION_HOPS):
-                upper = []
-                for name in frontier:
-                    for source in self.sources(name):
-                        if self.nodes[source].op in FUSABLE_TYPES and source not in danger:
-                            danger.add(source)
-                            upper.append(source)
-                frontier = upper
-            for source in self.sources(consumer):
-                for sibling in readers.get(source, ()):
-                    if sibling != consumer and self.nodes.get(sibling) is not None \
-                            and self.nodes[sibling].op in FUSABLE_TYPES:
-                        danger.add(sibling)
+            if node.op in CHAIN_TAILS:
+                frontier = [consumer]
+                for _ in range(FUSION_HOPS):
+                    upper = []
+                    for name in frontier:
+                        for source in self.sources(name):
+                            if self.nodes[source].op in CHAIN_PARTS and source not in danger:
+                                danger.add(source)
+                                upper.append(source)
+                    frontier = upper
+            if node.op in SIBLING_FUSIONS:
+                for source in self.sources(consumer):
+                    for sibling in readers.get(source, ()):
+                        if sibling != consumer and self.nodes.get(sibling) is not None \
+                                and self.nodes[sibling].op in SIBLING_FUSIONS:
+                            danger.add(sibling)
         return danger
 
     def safe_controls(self, controls: list[str], consumers: Iterable[str]) -> list[str]:
         """Replace control sources that could be fused with a consumer by their own inputs' producers
         (a little earlier, never a cycle); sources that are always ready are dropped."""
         danger = self.fusion_neighbourhood(consumers)
-        if not any(name in danger for name in controls):
-            return list(dict.fromkeys(controls))
         result: list[str] = []
         pending = list(controls)
         seen: set[str] = set()
@@ -355,6 +373,42 @@ def _node_name(kind: str, tensor: tuple[str, int], j: int | None = None) -> str:
     return base if j is None else f"{base}/{j}"
 
 
+def _bypass_identity_n(graph_def: graph_pb2.GraphDef) -> None:
+    """Remove IdentityN nodes, wiring their readers to the matching inputs (what Grappler does
+    before the step runs). Keras' optimizer puts one over every (gradient, variable) pair; left in
+    place, chaining the step in the simulated order would make each update wait for all gradients
+    and close a cycle."""
+    nodes = {node.name: node for node in graph_def.node}
+    doomed = {name for name, node in nodes.items() if node.op == "IdentityN"}
+    if not doomed:
+        return
+    for node in graph_def.node:
+        if node.name in doomed:
+            continue
+        rewritten: list[str] = []
+        extra_controls: list[str] = []
+        for ref in node.input:
+            name, index = _parse(ref.lstrip("^"))
+            if name not in doomed:
+                rewritten.append(ref)
+                continue
+            source = nodes[name]
+            data = [r for r in source.input if not r.startswith("^")]
+            controls = [r for r in source.input if r.startswith("^")]
+            if ref.startswith("^"):
+                extra_controls += [f"^{_parse(r)[0]}" for r in data] + controls
+            else:
+                rewritten.append(data[index])
+                extra_controls += controls
+        rewritten += [c for c in dict.fromkeys(extra_controls) if c not in rewritten]
+        if list(node.input) != rewritten:
+            del node.input[:]
+            node.input.extend(rewritten)
+    kept = [node for node in graph_def.node if node.name not in doomed]
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
+
+
 def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placement: Placement, *, swap_op: str,
                    tensor_info: dict[str, tuple[Any, int]]) -> tuple[graph_pb2.GraphDef, list[AppliedSwap], list[SkippedSwap]]:
     """Return a copy of ``graph_def`` with the plan's swap nodes; raise PlanError on stale names.
@@ -379,11 +433,15 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
         in_loop = [n for n in names if n not in editor.nodes and n in editor.library_nodes]
         if in_loop:
             function = editor.library_nodes[in_loop[0]]
-            skipped.append(SkippedSwap(tensor_name, f"{in_loop[0]!r} is inside the function {function!r} "
-                                       "(a While loop or other function body), which a top-level rewrite "
-                                       "cannot swap"))
+            owner = editor.loop_of.get(function)
+            is_loop = (owner and editor.nodes[owner].op in ("While", "StatelessWhile")) or \
+                re.search(r"while_(body|cond)", function) is not None
+            kind = (f"the body of a While loop{f' {owner!r}' if owner else ''} (function {function!r})" if is_loop
+                    else f"the function {function!r}" + (f" called by {owner!r}" if owner else ""))
+            skipped.append(SkippedSwap(tensor_name, f"{in_loop[0]!r} is inside {kind}, which a top-level "
+                                       "rewrite cannot swap"))
             continue
-        absent = [n for n in names if not known(n)]
+        absent = [tensor_name if n == node_name else n for n in names if not known(n)]
         if absent:
             missing.extend(absent)
             continue
@@ -409,7 +467,23 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
         editor.add_node(out_name, swap_op, [_tensor_ref(*tensor)], placement.host, dtype)
         rewired_all: set[tuple[str, int]] = set()
         swap_ins = []
-        for j, item in enumerate(record["swap_ins"]):
+        groups = []
+        for item in record["swap_ins"]:
+            consumers = tuple(item["consumers"])
+            if placement.measured_on == "cpu-testbed" and editor.nodes[tensor[0]].op in _POOLS:
+                paired = tuple(c for c in consumers if editor.nodes[c].op in _POOL_GRADS)
+                for consumer in paired:
+                    skipped.append(SkippedSwap(record["tensor"], f"read by {consumer!r}: oneDNN pairs it with the "
+                                               "MaxPool through a workspace, so it keeps reading the original"))
+                    log.warning("swap-in of %s for %s skipped: %s", record["tensor"], consumer, skipped[-1].reason)
+                consumers = tuple(c for c in consumers if c not in paired)
+            if consumers:
+                groups.append(dict(item, consumers=list(consumers)))
+        if not groups:
+            editor.graph_def.node.pop()  # the swap-out just added: nothing reads it
+            del editor.nodes[out_name]
+            continue
+        for j, item in enumerate(groups):
             in_name = _node_name(SWAP_IN_PREFIX, tensor, j)
             consumers = tuple(item["consumers"])
             trigger, after = item.get("trigger"), item.get("after")
@@ -452,6 +526,14 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
                     editor.nodes[reader].input.append(f"^{out_name}")
         applied.append(AppliedSwap(record["tensor"], out_name, dtype.name, int(nbytes), bool(record.get("sync_out")),
                                    tuple(swap_ins), tuple(sync_controls)))
+    order = [name for name in plan.get("order", []) if name in editor.nodes and editor.nodes[name].op != "Placeholder"]
+    if order:
+        _bypass_identity_n(edited)
+        editor = _GraphEditor(edited)
+    for before, after in zip(order, order[1:]):  # run the step in the order the simulator assumed
+        node = editor.nodes[after]
+        if f"^{before}" not in node.input and before not in {_parse(ref)[0] for ref in node.input}:
+            node.input.append(f"^{before}")
     editor.check_acyclic()
     return edited, applied, skipped
 
@@ -496,6 +578,23 @@ def _handle_dtype(handle):
 
 
 # ---------------------------------------------------------------------- the rewritten step
+
+
+@contextlib.contextmanager
+def fixed_grappler_config():
+    """Run functions without Grappler's memory optimizer. Its AddN rewrite and its own swapping
+    depend on a static memory estimate against the device's size, which makes the executed graph
+    (and its peak) unpredictable; the plan already decides what leaves the device."""
+    ctx = context.context()
+    saved = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(saved.config_proto_serialized)
+    config.graph_options.rewrite_options.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    ctx.function_call_options = context.FunctionCallOptions(executor_type=saved.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
 
 
 class SwapStep:
@@ -588,7 +687,8 @@ class SwapStep:
         return int(first.shape[0])
 
     def run_flat(self, *flat):
-        outputs = self._function(*flat)
+        with fixed_grappler_config():
+            outputs = self._function(*flat)
         loss = outputs[-1]
         logs = tf.nest.pack_sequence_as(self._output_structure, list(outputs[:-1]))
         return logs, loss
@@ -652,14 +752,17 @@ def import_step(graph_def, traced: TracedStep):
 
 def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
           swap_op: str = "auto", input_shapes=None, label_shapes=None, label_dtype=None,
-          verify: bool = True, verify_with=None) -> SwapStep:
+          verify: bool = True, verify_with=None, serialize: bool = True) -> SwapStep:
     """Apply ``plan`` to ``model``'s training step and return the rewritten step.
 
     ``model``: a compiled Keras model (its ``train_step`` is traced at ``batch_size``), or a
     ``rewriter.capture.TracedStep`` of a hand-written step. ``plan``: a ``simulator.SwapPlan`` (with
     ``graph``), a plan dict, JSON text or a path to a plan JSON file. ``placement``: a ``Placement``,
     "auto"/None (``placement.detect()``), "gpu", "cpu-testbed" or "cpu-testbed-1". ``swap_op``:
-    "auto" (the placement's), "Identity" or "DeepCopy".
+    "auto" (the placement's), "Identity" or "DeepCopy". ``serialize`` (default) chains the ops in the
+    plan's ``order`` with control edges, so the step runs in the order the simulator assumed;
+    without it TF's executor picks its own order and the measured peak can differ from the
+    prediction by 10-30%.
 
     ``verify`` runs the step once with graph collection on, on ``verify_with`` = (x, y) or zeros,
     then restores every variable, and warns about swap nodes or trigger edges Grappler removed
@@ -667,6 +770,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     (nothing is changed), ``CaptureError`` for a model that cannot be traced.
     """
     plan_dict = load_plan(plan, graph)
+    if not serialize:
+        plan_dict = dict(plan_dict, order=[])
     place = resolve_placement(placement)
     chosen_op = place.swap_op if swap_op in (None, "auto") else swap_op
     if chosen_op not in SWAP_OPS:

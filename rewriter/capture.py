@@ -243,39 +243,52 @@ def _reduce(concrete, loss_op: str) -> _Reduced:
     kept = [op for op in ops if op.name in needed and op.name not in folded and op.type not in BYPASS_TYPES]
     kept_names = {op.name for op in kept}
 
-    def control_sources(op) -> list[str]:
-        found, stack, seen = [], list(op.control_inputs), set()
-        while stack:  # control edges through bypassed ops move to their sources (Grappler keeps them)
-            src = stack.pop()
-            if src.name in seen:
-                continue
-            seen.add(src.name)
-            if src.name in kept_names:
-                found.append(src.name)
-            elif src.type in BYPASS_TYPES:
-                stack.extend(src.control_inputs)
-                stack.extend(t.op for t in src.inputs)
-        return sorted(set(found))
+    through: dict[str, frozenset[str]] = {}
+
+    def kept_sources(op) -> frozenset[str]:
+        """The kept ops that must have run before ``op`` can (``op`` itself when kept): the step
+        runs after them, so the OpGraph keeps them as control edges (folded shape computations,
+        bypassed identities)."""
+        if op.name in kept_names:
+            return frozenset((op.name,))
+        if op.name not in through:
+            through[op.name] = frozenset()  # guards against revisits while this one is open
+            found: set[str] = set()
+            for tensor in op.inputs:
+                found |= tensor_sources(tensor)
+            for parent in op.control_inputs:
+                found |= kept_sources(parent)
+            through[op.name] = frozenset(found)
+        return through[op.name]
+
+    def tensor_sources(tensor) -> frozenset[str]:
+        """Like ``kept_sources`` for one tensor: through a bypassed op, only the input it passes on
+        (an optimizer's IdentityN must not make each update wait for every gradient)."""
+        found: set[str] = set()
+        while tensor.op.type in BYPASS_TYPES and tensor.op.inputs and tensor.op.name not in kept_names:
+            for parent in tensor.op.control_inputs:
+                found |= kept_sources(parent)
+            tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
+        return frozenset(found | kept_sources(tensor.op))
 
     inputs: dict[str, list[tuple[int, str, int]]] = {}
     controls: dict[str, list[str]] = {}
     constants: dict[str, Any] = {}
     for op in kept:
         resolved = []
-        extra_controls: list[str] = []
+        indirect: set[str] = set()
         for slot, tensor in enumerate(op.inputs):
             source = _resolve(tensor, folded)
             if source is not None and source.op.name in kept_names:
                 resolved.append((slot, source.op.name, source.value_index))
             elif source is None and _underlying(tensor).op.name not in resources:
                 constants[_underlying(tensor).name] = _underlying(tensor)
-            # control inputs of bypassed ops on the way are kept as control edges
-            walk = tensor
-            while walk.op.type in BYPASS_TYPES and walk.op.inputs:
-                extra_controls.extend(c.name for c in walk.op.control_inputs)
-                walk = walk.op.inputs[walk.value_index if walk.op.type == "IdentityN" else 0]
+            indirect |= tensor_sources(tensor)
+        for parent in op.control_inputs:
+            indirect |= kept_sources(parent)
         inputs[op.name] = resolved
-        controls[op.name] = sorted(set(control_sources(op)) | {c for c in extra_controls if c in kept_names})
+        data_sources = {src for _, src, _ in resolved}
+        controls[op.name] = sorted(indirect - data_sources - {op.name})
     outputs = []
     for tensor in concrete.outputs:
         source = _resolve(tensor, folded)

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import tensorflow as tf
 
@@ -87,6 +88,20 @@ def _inputs(step, x, y) -> tuple[Any, list[tf.Tensor]]:
     return call, xs + ys
 
 
+def _state_bytes(step, flat: list[tf.Tensor]) -> int | None:
+    """Bytes the step keeps between calls: the model's variables (weights, optimizer and metric
+    state) and the input batch. None when the step has no model to ask."""
+    model = getattr(step, "_model", None)
+    if model is None:
+        return None
+    seen: dict[int, Any] = {}
+    for variable in list(model.variables) + list(model.optimizer.variables) + list(
+            getattr(model, "metrics_variables", [])):
+        seen[id(variable)] = variable
+    state = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in seen.values())
+    return state + sum(int(np.prod(t.shape)) * t.dtype.size for t in flat)
+
+
 def _block(result: Any) -> None:
     for tensor in tf.nest.flatten(result):
         if hasattr(tensor, "numpy"):
@@ -113,7 +128,7 @@ def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placeme
             start = time.perf_counter()
             _block(call(*flat))
             times.append(time.perf_counter() - start)
-        reading = place.measure_peak(call, *flat)
+        reading = place.measure_peak(call, *flat, resident_bytes=_state_bytes(step, flat))
     finally:
         if snapshot is not None:
             snapshot.restore()

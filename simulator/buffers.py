@@ -157,6 +157,11 @@ def buffers(g: OpGraph) -> Buffers:
     return g.cached("buffers", _analyse, structural=True)
 
 
+def buffers_in_level_order(g: OpGraph) -> Buffers:
+    """The buffer analysis with ops in level order (what orderings start from)."""
+    return buffers(g.with_order("cto"))
+
+
 def ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(start, stop)`` for each pair, without a Python loop."""
     counts = stops - starts

@@ -71,6 +71,8 @@ class DeviceModel:
     compute_efficiency: float  # fraction of peak_flops real kernels reach
     bandwidth_efficiency: float  # fraction of mem bandwidth elementwise kernels reach
     source: str  # short citation string(s)
+    # (producer type, consumer type) reads a plan must not move to a swap-in on this device
+    kept_reads: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         positive = (
@@ -331,8 +333,15 @@ H200_141GB = DeviceModel(
 # (the range over clean runs is given with each figure).
 # Modelling caveat: unlike a GPU's copy engines, DeepCopy runs on the same two cores as the
 # "kernels", so on this testbed swaps do NOT overlap freely with compute.
+# oneDNN pairs MaxPool with its gradient through a hidden workspace found by the direct edge;
+# a gradient reading the pooled input through a copy loses the pairing and routes ties differently
+# (about 1% weight difference after 3 steps on a 3D U-Net). The read stays on the device.
+ONEDNN_POOL_READS = tuple((pool, grad) for pool, grad in (
+    ("MaxPool", "MaxPoolGrad"), ("MaxPoolV2", "MaxPoolGradV2"), ("MaxPool3D", "MaxPool3DGrad")))
+
 CPU_TESTBED = DeviceModel(
     name="cpu-testbed",
+    kept_reads=ONEDNN_POOL_READS,
     capacity_bytes=24 * GiB,  # this machine's RAM (MemTotal 24684096 kB ~ 23.5 GiB; nominal 24 GiB)
     usable_fraction=1.0,  # no driver/allocator reserve on a CPU device; the budget is set by the tool
     # measured: tf.linalg.matmul 2048x2048x2048 fp32, 204 GFLOP/s (clean-run range 196-215)

@@ -19,6 +19,8 @@ def live_buffers(g: OpGraph, plan: SwapPlan | None, result: Replay, slot: int | 
     alloc_slot, free_slot. Resident memory (weights, optimizer state, inputs) is one row.
     """
     slot = result.peak_slot if slot is None else slot
+    if plan is not None:
+        g = g.with_order(plan.order_name)
     info = buffers(g)
     owners = np.flatnonzero(info.alloc_slot >= 0)
     free = info.free_slot.copy()

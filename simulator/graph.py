@@ -82,6 +82,7 @@ class OpGraph:
     outputs: np.ndarray
     batch_size: int = 1
     meta: dict = field(default_factory=dict)
+    order: str = "cto"
     _structure_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
@@ -225,6 +226,20 @@ class OpGraph:
             raise GraphError(f"batch size must be >= 1, got {batch_size}")
         return dataclasses.replace(self, batch_size=int(batch_size), _structure_cache=self._structure_cache)
 
+    def with_order(self, order: str) -> "OpGraph":
+        """The same step executed in another order (see ``simulator.ordering.ORDERS``); analyses
+        that depend on the order are cached per order."""
+        if order == self.order:
+            return self
+        from simulator.ordering import ORDERS
+
+        if order not in ORDERS:
+            raise GraphError(f"unknown execution order {order!r}; known: {', '.join(ORDERS)}")
+        view = self.cached(("order", order), lambda graph: dataclasses.replace(
+            graph, order=order, _structure_cache={"levels": self.cached("levels", _levels, structural=True)}),
+            structural=True)
+        return view if view.batch_size == self.batch_size else view.with_batch(self.batch_size)
+
     def cached(self, key: str, compute, *, structural: bool):
         """Memoise an analysis of this graph: structural ones are shared by all batch sizes."""
         store = self._structure_cache if structural else self.__dict__.setdefault("_batch_cache", {})
@@ -296,6 +311,12 @@ class OpGraph:
         if header.get("format_version") != FORMAT_VERSION:
             raise GraphError(f"{path} has graph format {header.get('format_version')}, expected {FORMAT_VERSION}")
         return cls.build(**arrays, batch_size=header["batch_size"], meta=header.get("meta", {}))
+
+
+def _levels(g: "OpGraph") -> np.ndarray:
+    from simulator.ordering import categorized_levels
+
+    return categorized_levels(g)
 
 
 def _at_batch(coefficients: np.ndarray, batch_size: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 
 from simulator.buffers import baseline_slot_bytes, buffers, contains, rewired_lifetimes, slot_levels
 from simulator.devices import DeviceModel, get_device
-from simulator.graph import OpGraph
+from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
 
@@ -119,6 +119,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping)."""
     if isinstance(device, str):
         device = get_device(device)
+    if plan is not None and plan.order_name != g.order:
+        g = g.with_order(plan.order_name)
     position = position_of(g)
     duration, finish_plain, finish_plain_list = g.cached(("slot_times", device), lambda graph: _slot_times(graph, device),
                                                           structural=False)
@@ -132,8 +134,6 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
                        host_peak=0, d2h=0, h2d=0, plan=None, outs=(np.zeros(0), np.zeros(0)), ins=(np.zeros(0), np.zeros(0)),
                        position=position)
     if plan.graph_fingerprint and plan.graph_fingerprint != g.cached("fingerprint", OpGraph.fingerprint, structural=True):
-        from simulator.graph import GraphError
-
         raise GraphError("this plan was made for another graph")
 
     info = buffers(g)
@@ -173,8 +173,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     out_start, out_end, in_start, in_end, seg_slot, seg_shift = _schedule(
         finish_plain_list, out_ready_slot.tolist(), out_duration.tolist(), trigger_slot.tolist(),
         plan.in_swap.tolist(), in_duration.tolist(), need_slot.tolist(), sync_wait.tolist())
-    finish_all = finish_plain + np.repeat(seg_shift, np.diff(seg_slot + [len(duration)]))
     in_swap = plan.in_swap
+    finish_all = finish_plain + np.repeat(seg_shift, np.diff(seg_slot + [len(duration)]))
 
     # ---- device memory per slot: re-account swapped buffers, add swap-in buffers
     n_slots = len(duration)
@@ -196,13 +196,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     delta -= np.bincount(in_free_slot + 1, in_bytes, minlength=n_slots + 1)
     slot_bytes = slot_bytes + np.cumsum(delta[:-1])
 
-    # ---- host memory over time: a copy lives from its swap-out to its last swap-in
-    host_free = np.zeros(n_swaps)
-    np.maximum.at(host_free, in_swap, in_end)
-    times = np.concatenate([out_start, host_free])
-    sizes = np.concatenate([swap_bytes, -swap_bytes])
-    by_time = np.lexsort((sizes, times))  # frees before allocations at the same instant
-    host_peak = int(max(0.0, np.cumsum(sizes[by_time]).max())) if n_swaps else 0
+    host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
     result = _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
                      host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
@@ -211,23 +205,40 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
                                swap_in_alloc_slot=in_alloc_slot, swap_in_free_slot=in_free_slot)
 
 
-def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Per swapped tensor (where ``mask``): the first slot after its producer that still reads it
-    on the device (-1: none). Those readers wait for a synchronous swap-out."""
-    position = position_of(g)
+def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarray, in_end: np.ndarray) -> int:
+    """Host memory over time: a copy lives from its swap-out to its last swap-in."""
+    if len(swap_bytes) == 0:
+        return 0
+    host_free = np.zeros(len(swap_bytes))
+    np.maximum.at(host_free, in_swap, in_end)
+    times = np.concatenate([out_start, host_free])
+    sizes = np.concatenate([swap_bytes, -swap_bytes])
+    by_time = np.lexsort((sizes, times))  # frees before allocations at the same instant
+    return int(max(0.0, np.cumsum(sizes[by_time]).max()))
+
+
+def _remaining_readers(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    """Per swapped tensor (where ``mask``): the ops that still read it on the device; they wait for
+    a synchronous swap-out."""
     by_tensor = g.cached("edges_by_tensor", lambda graph: np.argsort(graph.edge_tensor, kind="stable"),
                          structural=True)
     edge_tensor = g.edge_tensor[by_tensor]
     starts = np.searchsorted(edge_tensor, tensor, side="left")
     stops = np.searchsorted(edge_tensor, tensor, side="right")
-    result = np.full(len(tensor), -1, dtype=np.int64)
     sorted_far = np.sort(far_keys)
+    result: list[list[int]] = [[] for _ in range(len(tensor))]
     for i in np.flatnonzero(mask):
-        edges = by_tensor[starts[i]:stops[i]]
-        keep = ~contains(sorted_far, tensor[i] * g.n_ops + g.edge_consumer[edges])
-        if keep.any():
-            result[i] = int(position[g.edge_consumer[edges[keep]]].min())
+        consumers = g.edge_consumer[by_tensor[starts[i]:stops[i]]]
+        keep = ~contains(sorted_far, tensor[i] * g.n_ops + consumers)
+        result[i] = sorted(set(consumers[keep].tolist()))
     return result
+
+
+def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device (-1: none)."""
+    position = position_of(g)
+    readers = _remaining_readers(g, tensor, far_keys, mask)
+    return np.asarray([int(position[r].min()) if r else -1 for r in readers], dtype=np.int64)
 
 
 def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot,
@@ -345,8 +356,13 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
             plan, outs, ins, position) -> Replay:
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
-        level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
-        level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
+        if g.order == "cto":  # slots sorted by level
+            level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
+            level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
+        else:
+            level_peak = np.zeros(int(levels_of_slot.max()) + 1)
+            np.maximum.at(level_peak, levels_of_slot, slot_bytes)
+            level_peak += persistent
         peak = int(round(slot_bytes[peak_slot])) + persistent
         peak_level = int(levels_of_slot[peak_slot])
         step_s = float(finish_all[-1])

@@ -37,7 +37,8 @@ def random_params(draw):
     lb = draw(st.integers(1, 4))
     return SwapParams(threshold=draw(st.integers(1, 6)), lb=lb, ub=draw(st.integers(lb, 10)),
                       groupby=draw(st.integers(0, 3)), sync=draw(st.sampled_from(["none", "out", "in", "both"])),
-                      trigger=draw(st.sampled_from(["ancestor", "level"])))
+                      trigger=draw(st.sampled_from(["ancestor", "level"])),
+                      order=draw(st.sampled_from(["cto", "memory"])))
 
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -60,18 +61,18 @@ def test_levels_are_a_topological_order(g):
 @SETTINGS
 @given(random_steps(), random_params())
 def test_threshold_beyond_the_levels_swaps_nothing(g, params):
-    big = SwapParams(threshold=n_levels(g), lb=params.lb, ub=params.ub)
+    big = SwapParams(threshold=n_levels(g), lb=params.lb, ub=params.ub, order=params.order)
     plan = plan_swaps(g, big)
     assert plan.n_swaps == 0
     device = unit_device()
-    assert replay(g, plan, device).as_dict() == replay(g, None, device).as_dict()
+    assert replay(g, plan, device).as_dict() == replay(g.with_order(params.order), None, device).as_dict()
 
 
 @SETTINGS
 @given(random_steps(), random_params())
 def test_free_transfers_never_raise_the_peak(g, params):
     device = unit_device(bandwidth_bytes_per_s=float("inf"))
-    base = replay(g, None, device)
+    base = replay(g.with_order(params.order), None, device)
     result = replay(g, plan_swaps(g, params), device)
     assert result.peak_bytes <= base.peak_bytes
 

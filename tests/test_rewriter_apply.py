@@ -1,0 +1,351 @@
+"""rewriter.apply on a small CNN: graph structure, bitwise equivalence, verification, bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import rewriter
+from benchmarks.models import build_model, example_batch
+from rewriter.apply import PlanError
+from rewriter.capture import CaptureError
+from simulator import SwapParams, SwapPlan, plan_swaps
+
+pytestmark = pytest.mark.tf
+
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def cnn_graph():
+    th.deterministic()
+    model = build_model("small_cnn", seed=0)
+    graph = rewriter.capture(model, BATCH)
+    # every activation of 4 KiB or more (the BN statistics vectors are left out: swapping those through
+    # Identity ops changes how Grappler's arithmetic optimizer rewrites the BN gamma gradient, ~1e-11)
+    plan = plan_swaps(graph, SwapParams(threshold=1, min_bytes=4096))
+    return graph, plan
+
+
+@pytest.fixture(scope="module")
+def full_plan(cnn_graph):
+    """Every far read of every forward tensor, however small."""
+    return plan_swaps(cnn_graph[0], SwapParams(threshold=1))
+
+
+def _pair():
+    return build_model("small_cnn", seed=0), build_model("small_cnn", seed=0)
+
+
+def _nodes(step):
+    return {node.name: node for node in step.graph_def.node}
+
+
+def test_graph_carries_the_plan(cnn_graph, full_plan):
+    graph, plan = cnn_graph[0], full_plan
+    model = build_model("small_cnn", seed=0)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=BATCH, swap_op="DeepCopy", verify=False)
+    data = plan.to_dict(graph)
+    nodes = _nodes(step)
+    # reads by MaxPool gradients stay on the device on the CPU testbed (oneDNN workspace pairing)
+    assert all("MaxPool" in item.reason for item in step.skipped)
+    kept = {a.tensor for a in step.applied}
+    assert step.n_swap_ins + len(step.skipped) == plan.n_swap_ins
+    for record, applied in zip([r for r in data["swaps"] if r["tensor"] in kept], step.applied, strict=True):
+        out = nodes[applied.swap_out]
+        producer, _, index = record["tensor"].partition(":")
+        assert applied.swap_out.startswith("swap_out/") and out.op == "DeepCopy"
+        assert out.device == "/device:CPU:1" and out.attr["_grappler_do_not_remove"].b
+        assert list(out.input) == [producer if index == "0" else record["tensor"]]
+        items = [i for i in record["swap_ins"] if set(i["consumers"]) & {c for s in applied.swap_ins for c in s.consumers}]
+        for item, swap_in in zip(items, applied.swap_ins, strict=True):
+            node = nodes[swap_in.name]
+            assert swap_in.name.startswith(f"{applied.swap_out.replace('swap_out/', 'swap_in/')}/")
+            assert node.device == "/device:CPU:0" and node.attr["_grappler_do_not_remove"].b
+            assert node.input[0] == applied.swap_out
+            controls = [ref[1:] for ref in node.input if ref.startswith("^")]
+            assert controls == list(swap_in.controls)
+            for consumer in item["consumers"]:
+                assert swap_in.name in nodes[consumer].input  # rewired in its own input slot
+            if item["trigger"]:
+                # the trigger, or its inputs when it could be fused with the consumer (apply.safe_controls)
+                assert controls
+
+
+def test_consumer_reading_through_identity_is_rewired_in_its_slot():
+    """A consumer that reads the tensor through bypassed ops (Identity...) gets the swap-in in that slot."""
+    model = build_model("small_cnn", seed=0)
+    traced = rewriter.trace_keras_step(model, BATCH)
+    graph_def = traced.concrete.graph.as_graph_def()
+    nodes = {n.name: n for n in graph_def.node}
+    # find a consumer input that goes through a bypassed op
+    from rewriter.apply import _GraphEditor
+
+    editor = _GraphEditor(graph_def)
+    found = None
+    for node in graph_def.node:
+        if node.op in rewriter.capture.BYPASS_TYPES:
+            continue
+        for slot, ref in editor.data_inputs(node):
+            source = ref.split(":")[0]
+            if nodes[source].op in rewriter.capture.BYPASS_TYPES:
+                resolved = editor.resolve(ref)
+                if nodes[resolved[0]].op not in ("Const", "Placeholder", "ReadVariableOp") \
+                        and nodes[resolved[0]].op not in rewriter.capture.BYPASS_TYPES:
+                    found = (node.name, slot, resolved)
+                    break
+        if found:
+            break
+    assert found, "small_cnn has no consumer reading through an Identity-like op"
+    consumer, slot, (producer, index) = found
+    tensor = f"{producer}:{index}"
+    plan = {"format": "swap-plan/1", "swaps": [{"tensor": tensor, "sync_out": False, "swap_ins": [
+        {"consumers": [consumer], "trigger": None, "after": producer}]}]}
+    step = rewriter.apply(model, plan, batch_size=BATCH, verify=False)
+    assert _nodes(step)[consumer].input[slot] == step.applied[0].swap_ins[0].name
+
+
+def _run_steps(step_fn, x, y, n=3):
+    return [float(step_fn(x, y)) for _ in range(n)]
+
+
+def test_identity_swaps_bitwise_equal(cnn_graph):
+    """Loss of every step, weights and optimizer slots after 3 steps: bitwise equal to the original
+    step (the same traced step without swaps, and Keras' own train_on_batch)."""
+    th.deterministic()
+    graph, plan = cnn_graph
+    plain, swapped = _pair()
+    keras_model = build_model("small_cnn", seed=0)
+    x, y = example_batch(plain, BATCH)
+    ref = rewriter.apply(plain, SwapPlan.empty(), batch_size=BATCH, verify=False)
+    # unserialized, so TF's optimizer treats the graph exactly as Keras' own step
+    step = rewriter.apply(swapped, plan, graph=graph, batch_size=BATCH, swap_op="Identity", serialize=False)
+    assert step.verification is not None and step.verification.ok, step.verification.summary()
+    losses_ref, losses_swap = _run_steps(ref, x, y), _run_steps(step, x, y)
+    losses_keras = [float(keras_model.train_on_batch(x, y)) for _ in range(3)]
+    assert losses_ref == losses_swap == losses_keras
+    assert th.bitwise_equal(th.weights_of(plain), th.weights_of(swapped))
+    assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(swapped))
+    assert th.bitwise_equal(th.weights_of(keras_model), th.weights_of(swapped))
+
+
+def test_serialized_swaps_bitwise_equal_to_the_serialized_step(cnn_graph):
+    """With the step chained in the plan's order (the default), swaps still change nothing; the
+    chain itself moves Grappler's rewrite of a few batch-norm gradients by ~1e-11."""
+    th.deterministic()
+    graph, plan = cnn_graph
+    plain, swapped = _pair()
+    keras_model = build_model("small_cnn", seed=0)
+    x, y = example_batch(plain, BATCH)
+    ref = rewriter.apply(plain, SwapPlan.empty(graph), graph=graph, batch_size=BATCH, verify=False)
+    step = rewriter.apply(swapped, plan, graph=graph, batch_size=BATCH, swap_op="Identity")
+    assert step.plan["order"] and step.verification.ok, step.verification.summary()
+    assert _run_steps(ref, x, y) == _run_steps(step, x, y)
+    assert th.bitwise_equal(th.weights_of(plain), th.weights_of(swapped))
+    assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(swapped))
+    for _ in range(3):
+        keras_model.train_on_batch(x, y)
+    assert th.max_relative_difference(th.weights_of(keras_model), th.weights_of(swapped)) <= 1e-6
+    assert th.max_relative_difference(th.optimizer_state(keras_model), th.optimizer_state(swapped)) <= 1e-6
+
+
+def test_gradients_bitwise_equal_after_one_step(cnn_graph):
+    """One SGD step: the weight change is -lr * gradient (+ momentum 0 on the first step)."""
+    th.deterministic()
+    graph, plan = cnn_graph
+    plain, swapped = _pair()
+    x, y = example_batch(plain, BATCH)
+    before = th.weights_of(plain)
+    ref = rewriter.apply(plain, SwapPlan.empty(), batch_size=BATCH, verify=False)
+    step = rewriter.apply(swapped, plan, graph=graph, batch_size=BATCH, swap_op="Identity", verify=False)
+    ref(x, y)
+    step(x, y)
+    grads_ref = [b - a for a, b in zip(th.weights_of(plain), before)]
+    grads_swap = [b - a for a, b in zip(th.weights_of(swapped), before)]
+    assert th.bitwise_equal(grads_ref, grads_swap)
+    assert any(np.abs(g).max() > 0 for g in grads_ref)
+
+
+@pytest.mark.parametrize("arithmetic", [True, False])
+def test_copying_swaps_equal(cnn_graph, full_plan, arithmetic):
+    th.deterministic()
+    graph, plan = cnn_graph[0], full_plan
+    with th.grappler_options(arithmetic_optimization=arithmetic):
+        plain, swapped = _pair()
+        x, y = example_batch(plain, BATCH)
+        ref = rewriter.apply(plain, SwapPlan.empty(), batch_size=BATCH, verify=False)
+        step = rewriter.apply(swapped, plan, graph=graph, batch_size=BATCH, swap_op="DeepCopy")
+        losses_ref, losses_swap = _run_steps(ref, x, y), _run_steps(step, x, y)
+    assert step.verification.ok, step.verification.summary()
+    assert np.allclose(losses_ref, losses_swap, rtol=1e-5, atol=0)
+    assert th.max_relative_difference(th.weights_of(plain), th.weights_of(swapped)) <= 1e-5
+    if not arithmetic:
+        assert losses_ref == losses_swap
+        assert th.bitwise_equal(th.weights_of(plain), th.weights_of(swapped))
+
+
+def test_verification_counts_every_swap_op(cnn_graph, full_plan):
+    graph, plan = cnn_graph[0], full_plan
+    model = build_model("small_cnn", seed=0)
+    before = th.weights_of(model)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=BATCH)
+    v = step.verification
+    assert v.collected and v.ok, v.summary()
+    assert (v.swap_outs, v.swap_ins) == (step.n_swap_outs, step.n_swap_ins)
+    assert step.n_swap_ins + len(step.skipped) == plan.n_swap_ins
+    assert v.rewired_inputs == v.planned_rewired_inputs
+    assert v.triggers_ordered == v.planned_triggers
+    assert v.control_edges_kept + v.control_edges_implied == v.planned_control_edges
+    # two logical CPUs: every swap-out receives from the accelerator, every swap-in from the host
+    assert v.transfers_to_host == step.n_swap_outs
+    assert v.transfers_to_accelerator >= step.n_swap_outs
+    assert th.bitwise_equal(before, th.weights_of(model)), "verification must not change the model"
+    again = rewriter.verify(step)
+    assert again.ok and again.swap_outs == v.swap_outs
+    assert "swap-outs" in v.summary()
+
+
+def test_plan_forms_and_step_interface(cnn_graph, tmp_path):
+    graph, plan = cnn_graph
+    model = build_model("small_cnn", seed=0)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json(graph))
+    for form in (plan.to_dict(graph), plan.to_json(graph), str(path), path):
+        step = rewriter.apply(model, form, batch_size=BATCH, verify=False)
+        assert step.n_swap_ins + len(step.skipped) == plan.n_swap_ins
+    step = rewriter.apply(model, path, verify=False)  # batch size from the plan
+    assert step.batch_size == BATCH and "SwapStep" in repr(step)
+    x, y = example_batch(model, BATCH)
+    logs = step.run(x, y)
+    assert set(logs) == {"loss"}
+    assert np.isfinite(float(step(tf.constant(x), tf.constant(y.astype(np.int64)))))  # dtype converted
+    with pytest.raises(ValueError, match="batch size 8"):
+        step(x[:4], y[:4])
+    small = step.for_batch(4)
+    assert small.batch_size == 4 and step.for_batch(4) is small and step.for_batch(BATCH) is step
+    assert np.isfinite(float(small(x[:4], y[:4])))
+    with pytest.raises(ValueError, match="input"):
+        step([x, x], y)
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_stale_plan_is_one_clear_error_and_model_untouched(cnn_graph):
+    graph, plan = cnn_graph
+    data = plan.to_dict(graph)
+    data["swaps"][0]["tensor"] = "old_model/conv9/Conv2D:0"
+    data["swaps"][1]["swap_ins"][0]["consumers"] = ["old_model/gradients/conv9_grad"]
+    model = build_model("small_cnn", seed=0)
+    before = th.weights_of(model)
+    function_before = model.train_function
+    with pytest.raises(PlanError, match=r"2 op\(s\)/tensor\(s\).*old_model/conv9/Conv2D:0") as info:
+        rewriter.apply(model, data, batch_size=BATCH)
+    assert isinstance(info.value, ValueError)
+    assert th.bitwise_equal(before, th.weights_of(model))
+    assert model.train_function is function_before
+    x, y = example_batch(model, BATCH)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # still trains normally
+    assert np.isfinite(history.history["loss"][0])
+    assert not th.bitwise_equal(before, th.weights_of(model))
+
+
+def test_plan_for_another_model_is_rejected(cnn_graph):
+    graph, plan = cnn_graph
+    other = build_model("mlp", seed=0)
+    with pytest.raises(PlanError, match="does not have"):
+        rewriter.apply(other, plan.to_dict(graph), batch_size=BATCH)
+
+
+def test_malformed_plans(cnn_graph):
+    model = build_model("small_cnn", seed=0)
+    with pytest.raises(PlanError, match="not a swap plan"):
+        rewriter.apply(model, {"swaps": []}, batch_size=BATCH)
+    with pytest.raises(PlanError, match="not valid JSON"):
+        rewriter.apply(model, "{nope", batch_size=BATCH)
+    with pytest.raises(PlanError, match="cannot read"):
+        rewriter.apply(model, "/nonexistent/plan.json", batch_size=BATCH)
+    with pytest.raises(PlanError, match="graph="):
+        rewriter.apply(model, cnn_graph[1], batch_size=BATCH)
+    bad = {"format": "swap-plan/1", "swaps": [{"tensor": "x:0", "swap_ins": [{"consumers": []}]}]}
+    with pytest.raises(PlanError, match="consumers"):
+        rewriter.apply(model, bad, batch_size=BATCH)
+
+
+def test_consumer_that_does_not_read_the_tensor(cnn_graph):
+    graph, plan = cnn_graph
+    data = plan.to_dict(graph)
+    record = data["swaps"][0]
+    record["swap_ins"][0]["consumers"] = [data["swaps"][1]["swap_ins"][0]["consumers"][0]]
+    if record["swap_ins"][0]["consumers"][0] in [c for item in data["swaps"][0]["swap_ins"][1:] for c in item["consumers"]]:
+        pytest.skip("consumer reads both tensors")
+    with pytest.raises(PlanError, match="does not read tensor"):
+        rewriter.apply(build_model("small_cnn", seed=0), data, batch_size=BATCH)
+
+
+def test_cyclic_trigger_is_rejected(cnn_graph):
+    graph, plan = cnn_graph
+    data = plan.to_dict(graph)
+    record = data["swaps"][-1]
+    # trigger = the loss: it depends on everything forward, including the consumer if that is forward
+    consumer = record["swap_ins"][0]["consumers"][0]
+    record["swap_ins"][0]["trigger"] = graph.meta["loss_op"]
+    model = build_model("small_cnn", seed=0)
+    traced = rewriter.trace_keras_step(model, BATCH)
+    forward = consumer in {op.name for op in traced.concrete.graph.get_operations()} and not consumer.startswith("gradient")
+    if not forward:
+        record["swap_ins"][0]["trigger"] = "AddN" if any(n.name == "AddN" for n in traced.concrete.graph.as_graph_def().node) else None
+    if record["swap_ins"][0]["trigger"] is None:
+        pytest.skip("no op downstream of the consumer found")
+    with pytest.raises(PlanError, match="cyclic"):
+        rewriter.apply(model, data, batch_size=BATCH)
+
+
+def _rnn_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 4))
+    hidden = keras.layers.SimpleRNN(8, name="rnn")(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax", name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_while_loop_tensors_are_skipped_with_a_reason(caplog):
+    model = _rnn_model()
+    graph = rewriter.capture(model, 4)
+    traced = rewriter.trace_keras_step(model, 4)
+    body = next(f for f in traced.concrete.graph.as_graph_def().library.function
+                if "while_body" in f.signature.name and "grad" not in f.signature.name)
+    inner = next(n.name for n in body.node_def if n.op == "MatMul")
+    plan = plan_swaps(graph, SwapParams(threshold=1))
+    data = plan.to_dict(graph) if plan.n_swaps else {"format": "swap-plan/1", "swaps": []}
+    data["swaps"].append({"tensor": f"{inner}:0", "sync_out": False,
+                          "swap_ins": [{"consumers": [inner], "trigger": None, "after": inner}]})
+    with caplog.at_level(logging.WARNING, logger="rewriter.apply"):
+        step = rewriter.apply(model, data, batch_size=4)
+    assert [s.tensor for s in step.skipped] == [f"{inner}:0"]
+    assert "While loop" in step.skipped[0].reason and "while_body" in step.skipped[0].reason
+    assert any("skipped" in r.message and inner in r.message for r in caplog.records)
+    assert step.n_swap_outs == len(data["swaps"]) - 1
+    x = np.random.default_rng(0).random((4, 6, 4), dtype=np.float32)
+    y = np.array([0, 1, 2, 0], dtype=np.int32)
+    assert np.isfinite(float(step(x, y)))
+
+
+def test_model_without_loss_is_a_capture_error():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    with pytest.raises(CaptureError, match="not compiled"):
+        rewriter.apply(model, {"format": "swap-plan/1", "swaps": []}, batch_size=2)
+    model.compile(optimizer="sgd")
+    with pytest.raises(CaptureError, match="loss"):
+        rewriter.apply(model, {"format": "swap-plan/1", "swaps": []}, batch_size=2)

@@ -1,0 +1,175 @@
+"""Measured peaks on the CPU testbed: agreement with TF's own figure, the saving from swapping,
+and the simulator's prediction against the measurement."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+
+import pandas as pd
+import pytest
+import tensorflow as tf
+
+import rewriter
+from benchmarks.models import build_model, example_batch
+from rewriter import placement as placement_module
+from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
+
+pytestmark = pytest.mark.tf
+MiB = 2**20
+
+# params of the plans compared with the simulator (at least 5 per model)
+PLANS = [
+    SwapParams(threshold=1),
+    SwapParams(threshold=5, ub=20),
+    SwapParams(threshold=20, lb=3, ub=30),
+    SwapParams(threshold=40, min_bytes=2**20),
+    SwapParams(threshold=10, sync="in"),
+]
+
+
+def test_measure_small_model_fields():
+    model = build_model("small_cnn", seed=0)
+    x, y = example_batch(model, 8)
+    graph = rewriter.capture(model, 8)
+    plan = plan_swaps(graph, SwapParams(threshold=1, min_bytes=4096))
+    step = rewriter.apply(model, plan, graph=graph, batch_size=8)
+    before = th.weights_of(model)
+    m = rewriter.measure(step, x, y, warmup=1, repeats=3)
+    assert th.bitwise_equal(before, th.weights_of(model)), "measure restores the model by default"
+    assert m.measured_on == "cpu-testbed" and m.batch_size == 8 and len(m.step_s_all) == 3
+    assert m.step_s > 0 and m.peak_bytes > m.persistent_bytes > 0 and m.allocator_peak_bytes >= m.peak_bytes
+    assert (m.n_swap_outs, m.n_swap_ins) == (step.n_swap_outs, step.n_swap_ins)
+    assert m.d2h_bytes == step.swapped_bytes and m.host_peak_bytes > 0
+    table = m.compare(replay(graph, plan, "cpu-testbed"))
+    assert list(table.index) == list(rewriter.measure.COMPARED_FIELDS)
+    assert table.loc["n_swap_outs", "measured"] == step.n_swap_outs
+
+
+def test_warns_when_small_allocations_are_hidden(monkeypatch, caplog):
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
+    monkeypatch.setattr(placement_module, "_warned_bfc", False)
+    with caplog.at_level(logging.WARNING, logger="rewriter.placement"):
+        assert placement_module.warn_if_allocations_hidden()
+    assert any("TF_CPU_ALLOCATOR_USE_BFC" in r.message for r in caplog.records)
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    assert not placement_module.warn_if_allocations_hidden()
+
+
+def test_detect_and_placements():
+    place = rewriter.detect()
+    assert isinstance(place, rewriter.CpuTestbedPlacement) and not place.single_device
+    assert (place.accelerator, place.host, place.swap_op) == ("/device:CPU:0", "/device:CPU:1", "DeepCopy")
+    assert place.is_host_op("swap_out/a/b_0") and not place.is_host_op("swap_in/a/b_0/0")
+    gpu = rewriter.GpuPlacement()
+    assert (gpu.accelerator, gpu.host, gpu.swap_op, gpu.measured_on) == ("/device:GPU:0", "/device:CPU:0",
+                                                                         "Identity", "gpu")
+    assert placement_module.gpu_memory() is None
+    with pytest.raises(ValueError):
+        placement_module.resolve("tpu")
+
+
+# ---------------------------------------------------------------------- fresh processes
+# The measured figure counts everything resident in the process (like get_memory_info on a GPU), so the
+# big measurements run in a fresh process holding only the model under test.
+
+_SCRIPT = """
+import json, sys
+import tests.tf_helpers as th
+import tensorflow as tf
+import rewriter
+from benchmarks.models import build_model, example_batch
+from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
+name, kwargs, batch = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+plans = [None] + [SwapParams.from_dict(p) for p in json.loads(sys.argv[4])]
+model = build_model(name, seed=0, **kwargs)
+x, y = example_batch(model, batch)
+out = {}
+if sys.argv[5] == "keras":
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.train_on_batch(x, y)
+    out["keras_peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+graph = rewriter.capture(model, batch)
+rows = []
+for params in plans:
+    plan = SwapPlan.empty(graph) if params is None else plan_swaps(graph, params, kept_reads=get_device("cpu-testbed").kept_reads)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=batch)
+    m = rewriter.measure(step, x, y, warmup=1, repeats=1)
+    r = replay(graph, plan, "cpu-testbed")
+    rows.append(dict(params=None if params is None else params.to_dict(), swaps=step.n_swap_outs,
+                     planned=plan.n_swaps, predicted=r.peak_bytes, measured=m.peak_bytes,
+                     allocator=m.allocator_peak_bytes, host=m.host_peak_bytes, step_s=m.step_s,
+                     verified=step.verification is None or step.verification.ok))
+out["rows"] = rows
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(name, kwargs, batch, plans, keras_peak=False):
+    result = th.run_python(
+        f"import sys; sys.argv = ['x', {name!r}, {json.dumps(kwargs)!r}, '{batch}', "
+        f"{json.dumps([p.to_dict() for p in plans])!r}, {'keras' if keras_peak else 'no'!r}]\n" + _SCRIPT,
+        timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def _table(name, rows):
+    table = pd.DataFrame([{
+        "model": name,
+        "params": "none" if r["params"] is None else ", ".join(
+            f"{k}={v}" for k, v in r["params"].items()
+            if k == "threshold" or v != SwapParams.__dataclass_fields__[k].default),
+        "swaps": r["swaps"], "predicted_MiB": r["predicted"] / MiB, "measured_MiB": r["measured"] / MiB,
+        "allocator_MiB": r["allocator"] / MiB, "ratio": r["predicted"] / r["measured"], "verified": r["verified"],
+    } for r in rows])
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print("\n" + table.round(3).to_string(index=False))
+    return table
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return _run("resnet50", {}, 8, PLANS, keras_peak=True)
+
+
+@pytest.mark.slow
+def test_unswapped_measurement_agrees_with_tensorflow(resnet):
+    """With no swaps, the testbed figure is TF's own get_memory_info('CPU:0')['peak'] of the plain
+    Keras step (allocator chunk bytes; requested bytes a little below)."""
+    unswapped, keras_peak = resnet["rows"][0], resnet["keras_peak"]
+    print(f"\nResNet-50 b8 unswapped: measured {unswapped['measured'] / MiB:.1f} MiB requested, "
+          f"{unswapped['allocator'] / MiB:.1f} MiB allocator; Keras step get_memory_info peak {keras_peak / MiB:.1f} MiB")
+    assert abs(unswapped["allocator"] - keras_peak) <= 0.05 * keras_peak
+    assert 0.85 * keras_peak <= unswapped["measured"] <= keras_peak
+
+
+@pytest.mark.slow
+def test_swapping_every_activation_cuts_resnet50_peak(resnet):
+    unswapped, swapped = resnet["rows"][0], resnet["rows"][1]  # PLANS[0]: threshold=1, every far read
+    assert swapped["params"]["threshold"] == 1
+    print(f"\nResNet-50 b8: unswapped {unswapped['measured'] / MiB:.1f} MiB, all activations swapped "
+          f"{swapped['measured'] / MiB:.1f} MiB ({swapped['measured'] / unswapped['measured']:.2f}); allocator "
+          f"{unswapped['allocator'] / MiB:.1f} -> {swapped['allocator'] / MiB:.1f} MiB; host copies "
+          f"{swapped['host'] / MiB:.1f} MiB; step {unswapped['step_s']:.2f} s -> {swapped['step_s']:.2f} s")
+    assert swapped["measured"] <= 0.60 * unswapped["measured"]
+    assert swapped["swaps"] > 0.9 * swapped["planned"]
+
+
+@pytest.mark.slow
+def test_prediction_matches_measurement_resnet50(resnet):
+    table = _table("resnet50", resnet["rows"])
+    assert len(table) >= 6
+    assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
+
+
+@pytest.mark.slow
+def test_prediction_matches_measurement_unet3d():
+    table = _table("unet3d", _run("unet3d", dict(size=48, base_filters=8, depth=3), 2, PLANS)["rows"])
+    assert len(table) >= 6
+    assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
