@@ -22,6 +22,7 @@ import optuna
 
 from autotune.search import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, constraints_func,
                              evaluation_from_trial, record_trial_attrs)
+
 from simulator import SwapParams, n_levels
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,17 @@ def _study_evaluations(study: optuna.Study, problem: TuningProblem) -> list[Eval
 
 
 class OptunaPolicy:
-    """Optuna's ask-and-tell loop over the grid indices; constraint-aware samplers see the budget."""
+    """Optuna over the grid indices, in phases that all count as trials of the study:
+
+    1. the tflms-v2 search (about 30 candidates): its memory-only binary searches find the
+       frontier of what fits, and its answer is kept as a candidate, so the result is never worse;
+    2. a binary search for the largest grid threshold that fits seeds the sampler there;
+    3. the sampler (TPE by default, seeing the budget through Optuna's constraints) explores;
+    4. the last quarter refines the best plan that fits: its grid neighbours, one parameter at a
+       time, until none improves.
+    """
+
+    REFINE_SHARE = 0.25
 
     def __init__(self, sampler: str = "tpe", seed: int | None = 0, name: str = "optuna") -> None:
         if sampler not in SAMPLERS:
@@ -78,22 +89,98 @@ class OptunaPolicy:
         return SAMPLERS[self.sampler_name](self.seed)
 
     def search(self, problem: TuningProblem, study: optuna.Study, budget: Budget) -> Outcome:
-        done = sum(1 for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE)
-        if done == 0:
-            for params in _starting_points(problem):  # known-good corners speed up the first feasible hit
-                study.enqueue_trial(problem.space.choice(params) or {}, skip_if_exists=True)
+        study.sampler = self.sampler()
+        guided = self.name == "optuna"
 
         def objective(trial: optuna.Trial) -> float:
             evaluation = problem.evaluate(problem.space.params(problem.space.suggest(trial)))
             record_trial_attrs(trial, evaluation, problem)
             return evaluation.step_s
 
-        if budget.trials is None or budget.trials > 0:
-            with _progress(budget, problem) as callback, _stop_on_interrupt() as stop:
-                study.optimize(objective, n_trials=budget.trials, timeout=budget.timeout_s,
-                               callbacks=[callback, stop], gc_after_trial=False)
+        left = [budget.trials]  # None: until the timeout
+        deadline = None if budget.timeout_s is None else time.monotonic() + budget.timeout_s
+
+        def run(n: int | None, *enqueue: dict) -> bool:
+            """Evaluate the enqueued choices, then up to n - len(enqueue) sampled ones; False when out of budget."""
+            if left[0] is not None:
+                n = min(n if n is not None else left[0], left[0])
+            if n is not None and n <= 0 or deadline is not None and time.monotonic() >= deadline:
+                return False
+            for choice in enqueue:
+                study.enqueue_trial(choice, skip_if_exists=True)
+            before = _complete(study)
+            study.optimize(objective, n_trials=n, timeout=None if deadline is None else deadline - time.monotonic(),
+                           callbacks=[callback, stop], gc_after_trial=False)
+            if left[0] is not None:
+                left[0] -= _complete(study) - before
+            return True
+
+        with _progress(budget, problem) as callback, _stop_on_interrupt() as stop:
+            if guided and _complete(study) == 0:
+                made = TflmsV2Policy().search(problem, study, budget).evaluations
+                if left[0] is not None:
+                    left[0] -= len(made)
+                for choice in _threshold_frontier(problem, study, run):
+                    study.enqueue_trial(choice, skip_if_exists=True)
+            refine = 0 if not guided or left[0] is None else int(left[0] * self.REFINE_SHARE)
+            run(None if left[0] is None else left[0] - refine)
+            if guided:
+                while refine > 0:
+                    best = best_of(_study_evaluations(study, problem))
+                    candidates = [] if best is None else _neighbours(problem, best)
+                    fresh = [c for c in candidates if problem.space.params(c) not in problem._cache][:refine]
+                    if not fresh or not run(len(fresh), *fresh):
+                        break
+                    refine -= len(fresh)
+                run(refine)  # whatever refinement did not use goes back to the sampler
         evaluations = _study_evaluations(study, problem)
         return Outcome(evaluations, best_of(evaluations))
+
+
+def _complete(study: optuna.Study) -> int:
+    return sum(1 for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+
+def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> list[dict]:
+    """Binary search (as trials) for the largest threshold index that fits with a middling window;
+    returns choices around it for the sampler's first steps."""
+    space = problem.space
+    base = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": 0, "min_bytes": 0,
+            "sync": space.sync[0], "order": space.order[0]}
+    low, high, best = 0, len(space.threshold) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        choice = dict(base, threshold=middle)
+        if not run(1, choice):
+            break
+        if problem.evaluate(space.params(choice)).feasible:
+            best, low = middle, middle + 1
+        else:
+            high = middle - 1
+    if best is None:
+        return [dict(base, threshold=0, sync=sync) for sync in space.sync[1:]]
+    around = {max(0, best - 1), best, min(len(space.threshold) - 1, best + 1)}
+    return [dict(base, threshold=t, order=order) for t in sorted(around) for order in space.order]
+
+
+def _neighbours(problem: TuningProblem, evaluation: Evaluation) -> list[dict]:
+    """Grid neighbours of a candidate: each ordered parameter one and two steps either way, each
+    categorical parameter switched; nearest first."""
+    space = problem.space
+    centre = space.choice(evaluation.params)
+    if centre is None:
+        return []
+    found: list[dict] = []
+    for step in (1, 2):
+        for name in space.ORDERED:
+            for sign in (-1, 1):
+                index = centre[name] + sign * step
+                if 0 <= index < len(getattr(space, name)):
+                    found.append(dict(centre, **{name: index}))
+        if step == 1:
+            for name in space.CATEGORICAL:
+                found += [dict(centre, **{name: value}) for value in getattr(space, name) if value != centre[name]]
+    return found
 
 
 @contextlib.contextmanager
@@ -138,13 +225,6 @@ def _progress(budget: Budget, problem: TuningProblem):
         yield callback
     finally:
         bar.close()
-
-
-def _starting_points(problem: TuningProblem) -> list[SwapParams]:
-    space = problem.space
-    middle = space.threshold[len(space.threshold) // 2]
-    return [SwapParams(threshold=space.threshold[0], lb=space.lb[0], ub=space.lb[0] + space.window[3]),
-            SwapParams(threshold=middle, lb=space.lb[1], ub=space.lb[1] + space.window[4])]
 
 
 class ExhaustivePolicy:

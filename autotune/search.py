@@ -204,9 +204,15 @@ def constraints_func(trial: optuna.trial.FrozenTrial) -> list[float]:
 
 
 def evaluation_from_trial(trial: optuna.trial.FrozenTrial, problem: TuningProblem) -> Evaluation | None:
-    if trial.state != optuna.trial.TrialState.COMPLETE or not trial.params:
+    """The candidate a finished trial stands for: its grid point, or (a candidate off the grid,
+    e.g. found by the tflms-v2 search) the parameters stored with it."""
+    if trial.state != optuna.trial.TrialState.COMPLETE:
         return None
-    return problem.evaluate(problem.space.params(trial.params))
+    if trial.params:
+        return problem.evaluate(problem.space.params(trial.params))
+    if "params" in trial.user_attrs:
+        return problem.evaluate(SwapParams.from_dict(trial.user_attrs["params"]))
+    return None
 
 
 def add_evaluation(study: optuna.Study, evaluation: Evaluation, problem: TuningProblem) -> None:

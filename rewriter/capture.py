@@ -583,3 +583,25 @@ def capture_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.Tensor
     first = trace_function_step(step_fn, specs_at, int(batch_size), optimizer=optimizer)
     second = trace_function_step(step_fn, specs_at, _second_batch(int(batch_size)), optimizer=optimizer)
     return build_opgraph(first, second, meta={"model": name})
+
+
+def synthetic_batch(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None, seed: int = 0):
+    """Random inputs and labels shaped as the captured step expects (for measured runs); integer
+    labels stay below the output's last dimension so sparse losses accept them."""
+    rng = np.random.default_rng(seed)
+    x_specs = _input_specs(model, batch_size, input_shapes)
+    y_specs = _label_specs(model, batch_size, label_shapes, label_dtype)
+    outputs = list(getattr(model, "outputs", None) or [])
+
+    def make(spec, high: int) -> np.ndarray:
+        shape = tuple(spec.shape)
+        if spec.dtype.is_integer:
+            return rng.integers(0, max(high, 1), size=shape).astype(spec.dtype.as_numpy_dtype)
+        if spec.dtype.is_bool:
+            return rng.random(shape) < 0.5
+        return rng.random(shape, dtype=np.float32).astype(spec.dtype.as_numpy_dtype)
+
+    xs = [make(spec, 2) for spec in x_specs]
+    classes = [int(o.shape[-1]) if o.shape[-1] is not None else 2 for o in outputs] or [2]
+    ys = [make(spec, classes[min(i, len(classes) - 1)]) for i, spec in enumerate(y_specs)]
+    return (xs[0] if len(xs) == 1 else xs), (ys[0] if len(ys) == 1 else ys)
