@@ -20,18 +20,18 @@ from typing import Callable, Protocol
 
 import optuna
 
-from autotune.search import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, constraints_func,
-                             evaluation_from_trial, record_trial_attrs)
+from autotune.search import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, evaluation_from_trial,
+                             record_trial_attrs)
 
 from simulator import SwapParams, n_levels
 
 log = logging.getLogger(__name__)
 
+# The budget reaches constraint-aware samplers through Trial.set_constraint (search.record_trial_attrs).
 SAMPLERS: dict[str, Callable[[int | None], optuna.samplers.BaseSampler]] = {
-    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, constraints_func=constraints_func, multivariate=True,
-                                                   n_startup_trials=16),
+    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=16),
     "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
-    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed, constraints_func=constraints_func),
+    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed),
     "qmc": lambda seed: optuna.samplers.QMCSampler(seed=seed, scramble=True),
 }
 
@@ -74,11 +74,11 @@ class OptunaPolicy:
        frontier of what fits, and its answer is kept as a candidate, so the result is never worse;
     2. a binary search for the largest grid threshold that fits seeds the sampler there;
     3. the sampler (TPE by default, seeing the budget through Optuna's constraints) explores;
-    4. the last quarter refines the best plan that fits: its grid neighbours, one parameter at a
-       time, until none improves.
+    4. the last third refines the best grid plan that fits by coordinate descent: other values of
+       one parameter at a time, until none improves.
     """
 
-    REFINE_SHARE = 0.25
+    REFINE_SHARE = 0.35
 
     def __init__(self, sampler: str = "tpe", seed: int | None = 0, name: str = "optuna") -> None:
         if sampler not in SAMPLERS:
@@ -125,16 +125,35 @@ class OptunaPolicy:
             refine = 0 if not guided or left[0] is None else int(left[0] * self.REFINE_SHARE)
             run(None if left[0] is None else left[0] - refine)
             if guided:
-                while refine > 0:
-                    best = best_of(_study_evaluations(study, problem))
-                    candidates = [] if best is None else _neighbours(problem, best)
-                    fresh = [c for c in candidates if problem.space.params(c) not in problem._cache][:refine]
-                    if not fresh or not run(len(fresh), *fresh):
-                        break
-                    refine -= len(fresh)
+                refine = self._refine(problem, study, run, refine)
                 run(refine)  # whatever refinement did not use goes back to the sampler
         evaluations = _study_evaluations(study, problem)
         return Outcome(evaluations, best_of(evaluations))
+
+    @staticmethod
+    def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int) -> int:
+        """Coordinate descent from the best plan that fits of each sync/order basin, best basin
+        first; returns the trials it did not use."""
+        space = problem.space
+        on_grid = [e for e in _study_evaluations(study, problem)
+                   if e.feasible and e.params is not None and space.choice(e.params) is not None]
+        basins: dict[tuple, Evaluation] = {}
+        for evaluation in on_grid:
+            key = (evaluation.params.sync, evaluation.params.order)
+            if key not in basins or evaluation.step_s < basins[key].step_s:
+                basins[key] = evaluation
+        for start in sorted(basins.values(), key=lambda e: e.step_s):
+            current = start
+            while budget > 0:
+                fresh = [c for c in _neighbours(problem, current) if space.params(c) not in problem._cache][:budget]
+                if not fresh or not run(len(fresh), *fresh):
+                    break
+                budget -= len(fresh)
+                better = best_of([current] + [problem.evaluate(space.params(c)) for c in fresh])
+                if better is current or better.step_s >= current.step_s:
+                    break
+                current = better
+        return budget
 
 
 def _complete(study: optuna.Study) -> int:
@@ -142,45 +161,55 @@ def _complete(study: optuna.Study) -> int:
 
 
 def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> list[dict]:
-    """Binary search (as trials) for the largest threshold index that fits with a middling window;
-    returns choices around it for the sampler's first steps."""
+    """For each sync mode and execution order, a binary search (as trials) for the largest grid
+    threshold that fits with a middling swap-in window: one feasible starting point per basin
+    (swapping many tensors asynchronously and swapping a few big ones synchronously are far apart)."""
     space = problem.space
-    base = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": 0, "min_bytes": 0,
-            "sync": space.sync[0], "order": space.order[0]}
-    low, high, best = 0, len(space.threshold) - 1, None
-    while low <= high:
-        middle = (low + high) // 2
-        choice = dict(base, threshold=middle)
-        if not run(1, choice):
-            break
-        if problem.evaluate(space.params(choice)).feasible:
-            best, low = middle, middle + 1
-        else:
-            high = middle - 1
-    if best is None:
-        return [dict(base, threshold=0, sync=sync) for sync in space.sync[1:]]
-    around = {max(0, best - 1), best, min(len(space.threshold) - 1, best + 1)}
-    return [dict(base, threshold=t, order=order) for t in sorted(around) for order in space.order]
+    frontier: list[dict] = []
+    for sync in space.sync:
+        for order in space.order:
+            base = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) // 2,
+                    "min_bytes": 0, "sync": sync, "order": order}
+            low, high, best = 0, len(space.threshold) - 1, None
+            while low <= high:
+                middle = (low + high) // 2
+                choice = dict(base, threshold=middle)
+                if not run(1, choice):
+                    return frontier
+                if problem.evaluate(space.params(choice)).feasible:
+                    best, low = middle, middle + 1
+                else:
+                    high = middle - 1
+            if best is not None:
+                frontier.append(dict(base, threshold=best))
+    return frontier
 
 
 def _neighbours(problem: TuningProblem, evaluation: Evaluation) -> list[dict]:
-    """Grid neighbours of a candidate: each ordered parameter one and two steps either way, each
-    categorical parameter switched; nearest first."""
+    """Moves from a candidate, nearest first: the threshold up to three grid steps either way,
+    every other value of each remaining parameter, and the swap-in window's start and width
+    together (they interact: a later start only pays with a wider window)."""
     space = problem.space
     centre = space.choice(evaluation.params)
     if centre is None:
         return []
-    found: list[dict] = []
-    for step in (1, 2):
-        for name in space.ORDERED:
-            for sign in (-1, 1):
-                index = centre[name] + sign * step
-                if 0 <= index < len(getattr(space, name)):
-                    found.append(dict(centre, **{name: index}))
-        if step == 1:
-            for name in space.CATEGORICAL:
-                found += [dict(centre, **{name: value}) for value in getattr(space, name) if value != centre[name]]
-    return found
+    moves: list[tuple[int, dict]] = []
+    for name in (*space.ORDERED, *space.CATEGORICAL):
+        values = getattr(space, name)
+        for index, value in enumerate(values):
+            if name in space.CATEGORICAL:
+                if value != centre[name]:
+                    moves.append((1, dict(centre, **{name: value})))
+                continue
+            distance = abs(index - centre[name])
+            if distance and (name != "threshold" or distance <= 3):
+                moves.append((distance, dict(centre, **{name: index})))
+    for lb in range(len(space.lb)):
+        for window in range(len(space.window)):
+            steps = (abs(lb - centre["lb"]), abs(window - centre["window"]))
+            if min(steps) > 0:
+                moves.append((max(steps) + 1, dict(centre, lb=lb, window=window)))
+    return [choice for _, choice in sorted(moves, key=lambda move: move[0])]
 
 
 @contextlib.contextmanager
@@ -313,20 +342,8 @@ class TflmsV2Policy:
         final = passing[-1] if passing else None
         for evaluation in made:
             if evaluation.params is not None:
-                _record_params_trial(study, evaluation, problem)
+                add_evaluation(study, evaluation, problem)
         return Outcome(made, final)
-
-
-def _record_params_trial(study: optuna.Study, evaluation: Evaluation, problem: TuningProblem) -> None:
-    """tflms-v2 settles on parameters off our grid; store them as attributes of a finished trial."""
-    choice = problem.space.choice(evaluation.params)
-    if choice is not None:
-        add_evaluation(study, evaluation, problem)
-        return
-    trial = optuna.trial.create_trial(params={}, distributions={}, value=evaluation.step_s)
-    record_trial_attrs(trial, evaluation, problem)
-    trial.set_user_attr("params", evaluation.params.to_dict())
-    study.add_trial(trial)
 
 
 class NoSwapPolicy:

@@ -186,21 +186,18 @@ def closest_of(evaluations: list[Evaluation]) -> Evaluation | None:
 # ---------------------------------------------------------------------- Optuna bookkeeping
 
 
-def record_trial_attrs(trial: optuna.Trial | optuna.trial.FrozenTrial, evaluation: Evaluation, problem: TuningProblem) -> None:
+def record_trial_attrs(trial: optuna.Trial, evaluation: Evaluation, problem: TuningProblem) -> None:
+    """What a trial predicted, and the budget as Optuna constraints (<= 0 means satisfied, in GiB)."""
     for name, value in evaluation.metrics.items():
         trial.set_user_attr(name, float(value))
     trial.set_user_attr("feasible", bool(evaluation.feasible))
-    trial.set_user_attr("constraint", constraint_values(evaluation, problem))
+    for name, value in constraint_values(evaluation, problem).items():
+        trial.set_constraint(name, value)
 
 
-def constraint_values(evaluation: Evaluation, problem: TuningProblem) -> list[float]:
-    """Optuna's convention: <= 0 means satisfied. In GiB so the numbers read well."""
-    return [float(evaluation.excess_bytes) / 2**30,
-            float(evaluation.metrics["host_peak_bytes"] - problem.host_limit_bytes) / 2**30]
-
-
-def constraints_func(trial: optuna.trial.FrozenTrial) -> list[float]:
-    return trial.user_attrs.get("constraint", [float("inf")])
+def constraint_values(evaluation: Evaluation, problem: TuningProblem) -> dict[str, float]:
+    return {"device_memory": float(evaluation.excess_bytes) / 2**30,
+            "host_memory": float(evaluation.metrics["host_peak_bytes"] - problem.host_limit_bytes) / 2**30}
 
 
 def evaluation_from_trial(trial: optuna.trial.FrozenTrial, problem: TuningProblem) -> Evaluation | None:
@@ -216,11 +213,14 @@ def evaluation_from_trial(trial: optuna.trial.FrozenTrial, problem: TuningProble
 
 
 def add_evaluation(study: optuna.Study, evaluation: Evaluation, problem: TuningProblem) -> None:
-    """Record a candidate found by a non-Optuna policy as a finished trial."""
+    """Record a candidate found by a non-Optuna policy as a finished trial (off the grid: with its
+    parameters as an attribute)."""
     choice = problem.space.choice(evaluation.params) if evaluation.params is not None else None
-    if choice is None:
-        return
-    trial = optuna.trial.create_trial(params=choice, distributions=problem.space.distributions(),
-                                      value=evaluation.step_s, user_attrs={})
-    record_trial_attrs(trial, evaluation, problem)
-    study.add_trial(trial)
+    user_attrs: dict = {name: float(value) for name, value in evaluation.metrics.items()}
+    user_attrs["feasible"] = bool(evaluation.feasible)
+    if choice is None and evaluation.params is not None:
+        user_attrs["params"] = evaluation.params.to_dict()
+    constraints = {f"constraints:{name}": value for name, value in constraint_values(evaluation, problem).items()}
+    study.add_trial(optuna.trial.create_trial(
+        params=choice or {}, distributions=problem.space.distributions() if choice else {},
+        value=evaluation.step_s, user_attrs=user_attrs, system_attrs=constraints))

@@ -9,33 +9,13 @@ plan + replay once per trial, so both are timed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import pandas as pd
 
 from benchmarks.common import per_second, write_results
-from simulator import OpGraph, SwapParams, plan_swaps, replay
-
-GRAPH_CACHE = "resnet50_b{batch}.npz"
-
-
-def resnet50_graph(batch: int) -> OpGraph:
-    """ResNet-50's step, captured once and cached under benchmarks/results/graphs/."""
-    from benchmarks.common import RESULTS_DIR
-
-    path = RESULTS_DIR / "graphs" / GRAPH_CACHE.format(batch=batch)
-    if path.exists():
-        return OpGraph.load(path)
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from benchmarks.models import build_model
-    from rewriter.capture import capture
-
-    graph = capture(build_model("resnet50"), batch, name="resnet50")
-    graph.save(path)
-    return graph
-
+from benchmarks.graphs import captured_graph
+from simulator import SwapParams, plan_swaps, replay
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="time spent per measurement")
     args = parser.parse_args(argv)
 
-    g = resnet50_graph(1).with_batch(args.batch)
+    g = captured_graph("resnet50").with_batch(args.batch)
     params = SwapParams(threshold=20, lb=2, ub=12, groupby=2)
     plan = plan_swaps(g, params)
     base = replay(g, None, "v100-16gb")

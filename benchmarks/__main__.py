@@ -1,0 +1,32 @@
+"""python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
+
+NAME: max-batch, fidelity, tuning, speed (``python -m benchmarks NAME --help`` for its options).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+BENCHMARKS = {
+    "max-batch": "benchmarks.max_batch",
+    "fidelity": "benchmarks.fidelity",
+    "tuning": "benchmarks.tuning",
+    "speed": "benchmarks.speed",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

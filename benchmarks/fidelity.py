@@ -1,0 +1,551 @@
+"""Simulator fidelity on the CPU testbed: predicted vs measured accelerator-side peak, per model and plan.
+
+    python -m benchmarks fidelity [--models resnet50,vgg16] [--quick] [--timeout 600] [--repeats 3]
+
+For every model (one fresh Python process each, so models and allocator state never mix) the
+training step is captured, then for every plan (no swapping, and ``SwapParams`` settings that
+exercise the threshold, the swap-in window lb/ub, groupby, the sync modes and both execution
+orders) the rewritten step is built with ``rewriter.apply`` (serialized in the plan's order, as by
+default) and measured with ``rewriter.measure`` on the CPU testbed (``CPU:0`` plays the accelerator,
+``CPU:1`` the host, swaps are ``DeepCopy``). Beside each measurement: the simulator's prediction
+(``simulator.replay(graph, plan, "cpu-testbed")``) and, for the unswapped step, Grappler's static
+estimate (``Cluster.DeterminePeakMemoryUsage`` on a MetaGraphDef of the traced step), the baseline
+the simulator must beat.
+
+Peaks are compared in *requested* bytes (DESIGN.md 4: on the testbed the host copies share the
+CPU's one allocator pool, which inflates the device-side chunk figure); the allocator (chunk) peak
+is reported beside it. Step times are reported too, but the cpu-testbed time model is only roughly
+calibrated and swaps compete with compute for the same two cores: the step-time error is
+informational, not a target.
+
+Writes ``benchmarks/results/fidelity.{csv,md}``, ``fidelity_scatter.png`` (predicted vs measured,
+y = x with +-5 % / +-10 % bands) and ``fidelity_errors.png`` (per-model errors); ``--quick`` (2
+models x 3 plans, a smoke run) writes ``fidelity_quick.*`` instead, so it never overwrites the
+full table. Target (DESIGN.md 5): median error within 5 %, worst within 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from benchmarks.common import RESULTS_DIR, write_results
+
+log = logging.getLogger(__name__)
+MiB = 2**20
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """A model at a size where one measured step takes a few seconds at most on the 2-core testbed."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    batch: int = 8
+
+    def describe(self) -> str:
+        options = ", ".join(f"{key}={value}" for key, value in self.kwargs.items())
+        return f"{self.name}({options}) b{self.batch}"
+
+
+MODELS: dict[str, ModelSetup] = {setup.name: setup for setup in (
+    ModelSetup("resnet50", {"image_size": 224}, 8),
+    ModelSetup("unet3d", {"size": 64, "base_filters": 16, "depth": 4}, 1),
+    ModelSetup("vgg16", {"image_size": 128}, 4),
+    ModelSetup("mobilenetv2", {"image_size": 160}, 8),
+    ModelSetup("densenet121", {"image_size": 128}, 4),
+    ModelSetup("transformer_encoder", {"seq_len": 128}, 8),
+)}
+
+# (label, SwapParams as a dict; None = no swapping). Together they exercise every rule of
+# DESIGN.md 1.4: thresholds from 1 (every far read) to 40, swap-in windows, groupby, the size
+# filter, the three sync modes, both trigger policies and both execution orders.
+PLANS: list[tuple[str, dict[str, Any] | None]] = [
+    ("none", None),
+    ("T1", dict(threshold=1)),
+    ("T5 lb2-ub20 g4 sync-out", dict(threshold=5, lb=2, ub=20, groupby=4, sync="out")),
+    ("T10 sync-in", dict(threshold=10, sync="in")),
+    ("T3 ub5 g2 sync-both mem", dict(threshold=3, lb=1, ub=5, groupby=2, sync="both", order="memory")),
+    ("T20 lb3-ub30 >=1MiB mem", dict(threshold=20, lb=3, ub=30, min_bytes=MiB, order="memory")),
+    ("T2 level-trigger mem", dict(threshold=2, lb=2, ub=8, trigger="level", order="memory")),
+]
+
+QUICK_MODELS = ("transformer_encoder", "vgg16")
+QUICK_PLANS = ("none", "T1", "T3 ub5 g2 sync-both mem")
+
+TARGET_MEDIAN, TARGET_WORST = 0.05, 0.10
+
+
+# ====================================================================== worker (one model, fresh process)
+
+
+def _grappler_estimate(model, batch: int) -> dict[str, Any]:
+    """Grappler's static peak (``Cluster.DeterminePeakMemoryUsage``) of the unswapped training step.
+
+    The step is traced as the rewriter traces it; its FuncGraph is exported as a MetaGraphDef
+    whose 'train_op' collection names the function's outputs (the fetch nodes; automatic control
+    dependencies tie every variable update to them), and estimated on the local single-machine
+    cluster. Grappler sees the variables only as resource handles, so its figure leaves out the
+    weights and optimizer state.
+    """
+    import tensorflow as tf
+    from tensorflow.python.grappler import cluster as gcluster
+    from tensorflow.python.grappler import item as gitem
+
+    from rewriter.capture import trace_keras_step
+
+    graph = trace_keras_step(model, batch).concrete.graph
+    with graph.as_default():  # export_meta_graph refuses to run eagerly
+        meta = tf.compat.v1.train.export_meta_graph(graph=graph)
+    fetches = meta.collection_def["train_op"].node_list.value
+    for tensor in graph.outputs:
+        fetches.append(tensor.op.name)
+    item = gitem.Item(meta, ignore_colocation=True)
+    cluster = gcluster.Cluster(allow_soft_placement=True, disable_detailed_stats=True, disable_timeline=True)
+    try:
+        peaks = cluster.DeterminePeakMemoryUsage(item)
+    finally:
+        cluster.Shutdown()
+    if not peaks:
+        raise RuntimeError("DeterminePeakMemoryUsage returned no device")
+    per_device = {str(device): int(peak) for device, (peak, _live) in peaks.items()}
+    accelerator = next((d for d in per_device if d.endswith("CPU:0")), next(iter(per_device)))
+    return {"grappler_device": accelerator, "grappler_bytes": per_device[accelerator],
+            "grappler_all_devices": per_device, "grappler_live_tensors": len(peaks[accelerator][1])}
+
+
+def _worker(spec_path: str, out_path: str) -> int:
+    """Measure one model under every plan of the spec; append one JSON line per result to out_path."""
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf  # noqa: F401 -- after the environment is set
+
+    from rewriter.placement import configure_testbed
+
+    configure_testbed()  # before TensorFlow's runtime starts: CPU:0 accelerator, CPU:1 host
+
+    import gc
+
+    import rewriter
+    from benchmarks.models import build_model, example_batch
+    from simulator import SwapParams, SwapPlan, get_device, n_levels, plan_swaps, replay
+
+    def emit(record: dict[str, Any]) -> None:
+        with open(out_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    place = rewriter.detect()
+    if place.single_device:
+        emit({"kind": "fatal", "error": "the two-device CPU testbed could not be configured"})
+        return 1
+    name, batch = spec["model"], int(spec["batch"])
+    model = build_model(name, seed=0, **spec["kwargs"])
+    x, y = example_batch(model, batch)
+    start = time.perf_counter()
+    graph = rewriter.capture(model, batch, name=name)
+    emit({"kind": "graph", "capture_s": time.perf_counter() - start, "ops": graph.n_ops,
+          "levels": n_levels(graph), "persistent_bytes": graph.persistent_bytes})
+    kept_reads = get_device("cpu-testbed").kept_reads
+    for label, params_dict in spec["plans"]:
+        record: dict[str, Any] = {"kind": "plan", "plan": label, "params": params_dict}
+        start = time.perf_counter()
+        try:
+            if params_dict is None:
+                plan = SwapPlan.empty(graph)
+            else:
+                plan = plan_swaps(graph, SwapParams.from_dict(params_dict), kept_reads=kept_reads)
+            predicted = replay(graph, plan, "cpu-testbed")
+            record.update(order=plan.order_name, planned_swaps=plan.n_swaps, planned_swap_ins=plan.n_swap_ins,
+                          planned_swapped_bytes=plan.swapped_bytes(graph), predicted_bytes=predicted.peak_bytes,
+                          predicted_step_s=predicted.step_s, predicted_compute_s=predicted.compute_s,
+                          predicted_persistent_bytes=predicted.persistent_bytes,
+                          predicted_host_peak_bytes=predicted.host_peak_bytes)
+            step = rewriter.apply(model, plan, graph=graph, batch_size=batch)
+            verification = step.verification
+            measured = rewriter.measure(step, x, y, warmup=1, repeats=int(spec["repeats"]))
+            record.update(applied_swaps=step.n_swap_outs, applied_swap_ins=step.n_swap_ins,
+                          skipped_swaps=len(getattr(step, "skipped", []) or []),
+                          surviving_swaps=measured.n_swap_outs,
+                          verified=None if verification is None else bool(verification.ok),
+                          measured_bytes=measured.peak_bytes, allocator_bytes=measured.allocator_peak_bytes,
+                          measured_persistent_bytes=measured.persistent_bytes,
+                          measured_host_peak_bytes=measured.host_peak_bytes, measured_step_s=measured.step_s,
+                          measured_step_s_all=list(measured.step_s_all))
+            del step
+        except Exception as error:  # one failed plan must not lose the others
+            record["error"] = f"{type(error).__name__}: {error}"
+        record["wall_s"] = time.perf_counter() - start
+        emit(record)
+        gc.collect()
+        if params_dict is None and spec.get("grappler", True):
+            start = time.perf_counter()
+            grappler: dict[str, Any] = {"kind": "grappler"}
+            try:
+                grappler.update(_grappler_estimate(model, batch))
+            except Exception as error:
+                grappler["grappler_error"] = f"{type(error).__name__}: {error}"
+            grappler["wall_s"] = time.perf_counter() - start
+            emit(grappler)
+    return 0
+
+
+# ====================================================================== parent (orchestration and results)
+
+
+def _run_model(setup: ModelSetup, plans: list[tuple[str, dict | None]], *, timeout: float, repeats: int,
+               grappler: bool) -> tuple[list[dict], dict[str, Any]]:
+    """Run the worker for one model in a fresh interpreter; return its records and a status."""
+    with tempfile.TemporaryDirectory(prefix="fidelity_") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.jsonl"
+        spec_path.write_text(json.dumps({"model": setup.name, "kwargs": setup.kwargs, "batch": setup.batch,
+                                         "plans": plans, "repeats": repeats, "grappler": grappler}))
+        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "benchmarks", "fidelity", "--worker", str(spec_path), str(out_path)]
+        start = time.perf_counter()
+        status: dict[str, Any] = {"model": setup.name}
+        try:
+            done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+            status["returncode"] = done.returncode
+            if done.returncode != 0:
+                status["stderr"] = done.stderr[-2000:]
+        except subprocess.TimeoutExpired:  # subprocess.run has killed the child
+            status["timeout"] = True
+        status["wall_s"] = time.perf_counter() - start
+        records = [json.loads(line) for line in out_path.read_text().splitlines()] if out_path.exists() else []
+    return records, status
+
+
+def _params_text(params: dict | None) -> str:
+    if params is None:
+        return "no swapping"
+    from simulator import SwapParams
+
+    defaults = SwapParams(threshold=1)
+    return ", ".join(f"{key}={value}" for key, value in params.items()
+                     if key == "threshold" or value != getattr(defaults, key))
+
+
+def build_table(setup: ModelSetup, records: list[dict], status: dict[str, Any],
+                plans: list[tuple[str, dict | None]]) -> tuple[list[dict], list[str]]:
+    """Rows of the results table for one model, and notes on what went wrong."""
+    notes = []
+    graph = next((r for r in records if r["kind"] == "graph"), {})
+    grappler = next((r for r in records if r["kind"] == "grappler"), None)
+    by_plan = {r["plan"]: r for r in records if r["kind"] == "plan"}
+    rows = []
+    for label, params in plans:
+        r = by_plan.get(label)
+        row: dict[str, Any] = {"model": setup.name, "setting": setup.describe(), "plan": label,
+                               "params": _params_text(params), "order": (params or {}).get("order", "cto")}
+        if r is None:
+            row["note"] = "not run: timeout" if status.get("timeout") else "not run: worker failed"
+            rows.append(row)
+            continue
+        if "error" in r and "measured_bytes" not in r:
+            row["note"] = r["error"][:300]
+        predicted, measured = r.get("predicted_bytes"), r.get("measured_bytes")
+        row.update({
+            "swaps": r.get("planned_swaps"), "swaps_applied": r.get("applied_swaps"),
+            "swaps_surviving": r.get("surviving_swaps"), "swap_ins": r.get("planned_swap_ins"),
+            "swapped_MiB": None if r.get("planned_swapped_bytes") is None else r["planned_swapped_bytes"] / MiB,
+            "predicted_MiB": None if predicted is None else predicted / MiB,
+            "measured_MiB": None if measured is None else measured / MiB,
+            "allocator_MiB": None if r.get("allocator_bytes") is None else r["allocator_bytes"] / MiB,
+            "ratio": predicted / measured if predicted and measured else None,
+            "pred_step_s": r.get("predicted_step_s"), "meas_step_s": r.get("measured_step_s"),
+            "step_ratio": (r["predicted_step_s"] / r["measured_step_s"]
+                           if r.get("predicted_step_s") and r.get("measured_step_s") else None),
+            "verified": r.get("verified"),
+            "resident_MiB": None if r.get("measured_persistent_bytes") is None else r["measured_persistent_bytes"] / MiB,
+            "ops": graph.get("ops"), "levels": graph.get("levels"),
+        })
+        if params is None:
+            if grappler is None:
+                row["note"] = "Grappler not run" + (" (timeout)" if status.get("timeout") else "")
+            elif "grappler_bytes" in grappler:
+                row["grappler_MiB"] = grappler["grappler_bytes"] / MiB
+                if measured:
+                    row["grappler_ratio"] = grappler["grappler_bytes"] / measured
+                    resident = r.get("measured_persistent_bytes") or 0
+                    row["grappler+resident_ratio"] = (grappler["grappler_bytes"] + resident) / measured
+            else:
+                row["note"] = f"Grappler failed: {grappler.get('grappler_error', '?')[:300]}"
+                notes.append(f"- {setup.name}: Grappler's DeterminePeakMemoryUsage failed: "
+                             f"`{grappler.get('grappler_error')}`")
+        rows.append(row)
+    if status.get("timeout"):
+        notes.append(f"- {setup.name}: the worker hit the per-model timeout after {status['wall_s']:.0f} s; "
+                     "plans without numbers were not measured.")
+    elif status.get("returncode"):
+        tail = status.get("stderr", "").strip().splitlines()[-3:]
+        notes.append(f"- {setup.name}: the worker exited with code {status['returncode']}: `{' / '.join(tail)}`")
+    for r in records:
+        if r["kind"] == "plan" and "error" in r:
+            notes.append(f"- {setup.name} / {r['plan']}: `{r['error'][:500]}`")
+    return rows, notes
+
+
+COLUMNS = ["model", "setting", "plan", "params", "order", "swaps", "swaps_applied", "swaps_surviving", "swap_ins",
+           "swapped_MiB", "predicted_MiB", "measured_MiB", "allocator_MiB", "ratio", "error_pct", "pred_step_s",
+           "meas_step_s", "step_ratio", "grappler_MiB", "grappler_ratio", "grappler+resident_ratio", "resident_MiB",
+           "verified", "ops", "levels", "note"]
+
+
+def _finish_table(rows: list[dict]) -> pd.DataFrame:
+    table = pd.DataFrame(rows)
+    for column in COLUMNS:
+        if column not in table:
+            table[column] = None
+    table["error_pct"] = (pd.to_numeric(table["ratio"], errors="coerce") - 1.0) * 100.0
+    return table[COLUMNS]
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Median and worst absolute error of the peak prediction: simulator (all plans, unswapped only)
+    and Grappler (unswapped only, as reported and with the resident state added)."""
+    def stats(ratios: pd.Series, what: str, rows: str) -> dict[str, Any]:
+        errors = (pd.to_numeric(ratios, errors="coerce").dropna() - 1.0).abs()
+        if errors.empty:
+            return {"estimator": what, "rows": rows, "n": 0, "median_abs_error_pct": None, "worst_abs_error_pct": None,
+                    "within_5pct": None, "within_10pct": None}
+        return {"estimator": what, "rows": rows, "n": len(errors), "median_abs_error_pct": 100 * errors.median(),
+                "worst_abs_error_pct": 100 * errors.max(), "within_5pct": int((errors <= 0.05).sum()),
+                "within_10pct": int((errors <= 0.10).sum())}
+
+    unswapped = table["plan"] == "none"
+    return pd.DataFrame([
+        stats(table["ratio"], "simulator", "all plans"),
+        stats(table.loc[~unswapped, "ratio"], "simulator", "swapped plans"),
+        stats(table.loc[unswapped, "ratio"], "simulator", "unswapped"),
+        stats(table.loc[unswapped, "grappler_ratio"], "Grappler DeterminePeakMemoryUsage", "unswapped"),
+        stats(table.loc[unswapped, "grappler+resident_ratio"], "Grappler + resident state", "unswapped"),
+        stats(table["step_ratio"], "simulator step time (informational)", "all plans"),
+    ])
+
+
+def plot(table: pd.DataFrame, directory: Path, name: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    data = table.dropna(subset=["predicted_MiB", "measured_MiB"])
+    models = list(dict.fromkeys(table["model"]))
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(models)}
+
+    # (1) predicted vs measured peak, y = x with +-5 % and +-10 % bands
+    fig, ax = plt.subplots(figsize=(7.5, 7))
+    if not data.empty:
+        low = 0.85 * float(min(data["predicted_MiB"].min(), data["measured_MiB"].min()))
+        high = 1.15 * float(max(data["predicted_MiB"].max(), data["measured_MiB"].max()))
+        line = np.geomspace(max(low, 1.0), high, 200)
+        ax.fill_between(line, 0.9 * line, 1.1 * line, color="0.9", label="±10 %")
+        ax.fill_between(line, 0.95 * line, 1.05 * line, color="0.8", label="±5 %")
+        ax.plot(line, line, "k-", lw=1, label="y = x")
+        for model in models:
+            part = data[data["model"] == model]
+            swapped = part["plan"] != "none"
+            ax.scatter(part.loc[swapped, "measured_MiB"], part.loc[swapped, "predicted_MiB"], color=colours[model],
+                       s=30, label=model, edgecolor="k", linewidth=0.4)
+            ax.scatter(part.loc[~swapped, "measured_MiB"], part.loc[~swapped, "predicted_MiB"], color=colours[model],
+                       s=70, marker="*", edgecolor="k", linewidth=0.4)
+        grappler = table.dropna(subset=["grappler_MiB", "measured_MiB"])
+        if not grappler.empty:
+            ax.scatter(grappler["measured_MiB"], grappler["grappler_MiB"], marker="x", color="k", s=40,
+                       label="Grappler estimate (unswapped)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(low, high)
+        ax.set_ylim(min(low, 0.85 * float(grappler["grappler_MiB"].min())) if not grappler.empty else low, high)
+    ax.set_xlabel("measured accelerator-side peak (MiB, requested bytes)")
+    ax.set_ylabel("predicted peak (MiB)")
+    ax.set_title("Simulator fidelity on the CPU testbed (★ = no swapping)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = directory / f"{name}_scatter.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(path)
+
+    # (2) per-model errors: every plan's signed error, the model's median and range, Grappler's
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), gridspec_kw={"height_ratios": [3, 2]})
+    plans = list(dict.fromkeys(table["plan"]))
+    width = 0.8 / max(len(plans), 1)
+    x = np.arange(len(models))
+    for k, plan in enumerate(plans):
+        values = [table.loc[(table["model"] == m) & (table["plan"] == plan), "error_pct"] for m in models]
+        values = [float(v.iloc[0]) if len(v) and pd.notna(v.iloc[0]) else np.nan for v in values]
+        top.bar(x - 0.4 + (k + 0.5) * width, values, width, label=plan)
+    for level, style in ((5, "--"), (10, ":")):
+        for sign in (1, -1):
+            top.axhline(sign * level, color="k", ls=style, lw=0.8)
+    top.axhline(0, color="k", lw=0.8)
+    top.set_xticks(x, models)
+    top.set_ylabel("simulator error (%)\n(predicted / measured - 1)")
+    top.set_title("Per-model peak error by plan (dashed ±5 %, dotted ±10 %)")
+    top.legend(fontsize=7, ncol=4)
+    errors = [pd.to_numeric(table.loc[table["model"] == m, "error_pct"], errors="coerce").dropna() for m in models]
+    medians = np.array([e.median() if len(e) else np.nan for e in errors])
+    lows = np.array([e.min() if len(e) else np.nan for e in errors])
+    highs = np.array([e.max() if len(e) else np.nan for e in errors])
+    bottom.errorbar(x - 0.1, medians, yerr=[medians - lows, highs - medians], fmt="o", capsize=5,
+                    label="simulator: median, min-max over plans")
+    grappler = [table.loc[(table["model"] == m) & (table["plan"] == "none"), "grappler_ratio"] for m in models]
+    grappler = [100 * (float(g.iloc[0]) - 1) if len(g) and pd.notna(g.iloc[0]) else np.nan for g in grappler]
+    bottom.scatter(x + 0.1, grappler, marker="x", color="k", s=50, label="Grappler static estimate (unswapped)")
+    for level, style in ((5, "--"), (10, ":")):
+        for sign in (1, -1):
+            bottom.axhline(sign * level, color="k", ls=style, lw=0.8)
+    bottom.axhline(0, color="k", lw=0.8)
+    bottom.set_xticks(x, models)
+    bottom.set_ylabel("error (%)")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    path = directory / f"{name}_errors.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks fidelity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated subset of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: {' and '.join(QUICK_MODELS)} x {len(QUICK_PLANS)} plans, "
+                             "written as fidelity_quick.*")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model (default 600)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per plan (median; default 3)")
+    parser.add_argument("--no-grappler", action="store_true", help="skip Grappler's baseline estimate")
+    parser.add_argument("--name", default=None, help="result file name (default fidelity, fidelity_quick)")
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(*args.worker)
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    names = list(QUICK_MODELS if args.quick else MODELS)
+    if args.models:
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+        unknown = [n for n in names if n not in MODELS]
+        if unknown:
+            print(f"unknown model(s): {', '.join(unknown)}; known: {', '.join(MODELS)}", file=sys.stderr)
+            return 2
+    plans = [p for p in PLANS if not args.quick or p[0] in QUICK_PLANS]
+    if args.timeout <= 0 or args.repeats < 1:
+        print("--timeout must be > 0 and --repeats >= 1", file=sys.stderr)
+        return 2
+    name = args.name or ("fidelity_quick" if args.quick else "fidelity")
+
+    started = time.perf_counter()
+    rows, notes, statuses = [], [], []
+    for model in names:
+        setup = MODELS[model]
+        log.info("%s: measuring %d plan(s) in a fresh process ...", setup.describe(), len(plans))
+        records, status = _run_model(setup, plans, timeout=args.timeout, repeats=args.repeats,
+                                     grappler=not args.no_grappler)
+        model_rows, model_notes = build_table(setup, records, status, plans)
+        rows += model_rows
+        notes += model_notes
+        statuses.append(status)
+        done = [r for r in model_rows if r.get("ratio") is not None]
+        log.info("  %d/%d plan(s) measured in %.0f s; ratios %s", len(done), len(plans), status["wall_s"],
+                 ", ".join(f"{r['ratio']:.3f}" for r in done))
+    runtime = time.perf_counter() - started
+
+    table = _finish_table(rows)
+    stats = summary(table)
+    all_stats = stats.iloc[0]
+    grappler_stats = stats.iloc[3]
+
+    def verdict(s) -> str:
+        if not s["n"]:
+            return "no data"
+        return (f"median {s['median_abs_error_pct']:.1f} %, worst {s['worst_abs_error_pct']:.1f} % over {s['n']} "
+                f"(model, plan) pair(s)")
+
+    misses = table[pd.to_numeric(table["error_pct"], errors="coerce").abs() > 100 * TARGET_WORST]
+    result_notes = [
+        "## Notes", "",
+        "- predicted_MiB: `simulator.replay(graph, plan, 'cpu-testbed').peak_bytes`; measured_MiB: "
+        "`rewriter.measure(step, x, y).peak_bytes` (accelerator-side peak in requested bytes, resident state "
+        "included, swap-out host copies left out); allocator_MiB: the same peak in BFC chunk bytes (inflated on "
+        "the testbed by the host copies sharing the one CPU allocator pool, DESIGN.md 4). ratio = predicted / "
+        "measured; error_pct = (ratio - 1) x 100.",
+        "- swaps: planned swap-outs; swaps_applied: inserted into the graph; swaps_surviving: swap-outs found "
+        "in the optimized graph after Grappler (verification).",
+        "- Step times (pred_step_s, meas_step_s, step_ratio) are informational: the cpu-testbed time model is "
+        "only roughly calibrated, and on the testbed DeepCopy swaps run on the same two cores as compute.",
+        "- grappler_MiB: `Cluster.DeterminePeakMemoryUsage` of the unswapped step (MetaGraphDef of "
+        "`trace_keras_step(model, batch).concrete.graph`, function outputs in the 'train_op' collection), for "
+        "the local cluster's CPU:0 (the device that plays the accelerator). It sees variables only as resource "
+        "handles, so it leaves out weights and optimizer state; grappler+resident_ratio adds the measured "
+        "resident state (resident_MiB) to it, a generous reading of the baseline.",
+        f"- Simulator (all plans): {verdict(all_stats)}; Grappler (unswapped): {verdict(grappler_stats)}. "
+        f"Target (DESIGN.md 5): median within {100 * TARGET_MEDIAN:.0f} %, worst within {100 * TARGET_WORST:.0f} %.",
+        f"- Runtime of this run: {runtime / 60:.1f} min.",
+        "", "## Summary", "", _markdown(stats), "",
+    ]
+    if len(misses):
+        result_notes += ["## Misses (|error| > 10 %)", ""]
+        result_notes += [f"- {r.model} / {r.plan}: predicted {r.predicted_MiB:.1f} MiB, measured "
+                         f"{r.measured_MiB:.1f} MiB ({r.error_pct:+.1f} %)" for r in misses.itertuples()]
+        result_notes += [""]
+    if notes:
+        result_notes += ["## Problems", ""] + notes
+    settings = {
+        "command": "python -m benchmarks " + " ".join(["fidelity", *(argv if argv is not None else sys.argv[2:])]),
+        "testbed": "CPU:0 accelerator, CPU:1 host (two logical CPUs), swaps as DeepCopy, TF_CPU_ALLOCATOR_USE_BFC=true",
+        "models": "; ".join(MODELS[n].describe() for n in names),
+        "plans": "; ".join(f"{label}: {_params_text(params)}" for label, params in plans),
+        "timing": f"warm-up 1, median of {args.repeats} steps; step serialized in the plan's order",
+        "runtime_s": round(runtime, 1),
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = write_results(name, table, settings=settings, notes=result_notes)
+    pictures = plot(table, RESULTS_DIR, name)
+
+    with pd.option_context("display.width", 250, "display.max_columns", 40, "display.max_colwidth", 40):
+        shown = ["model", "plan", "swaps", "swaps_surviving", "predicted_MiB", "measured_MiB", "allocator_MiB",
+                 "ratio", "error_pct", "pred_step_s", "meas_step_s", "grappler_MiB", "grappler_ratio", "note"]
+        print(table[shown].round(3).to_string(index=False))
+        print()
+        print(stats.round(2).to_string(index=False))
+    print()
+    print(f"peak error, simulator (all {all_stats['n']} plans): {verdict(all_stats)}")
+    print(f"peak error, Grappler (unswapped only):   {verdict(grappler_stats)}")
+    print(f"target: median <= {100 * TARGET_MEDIAN:.0f} %, worst <= {100 * TARGET_WORST:.0f} %  |  runtime "
+          f"{runtime / 60:.1f} min")
+    print(f"written {path}, {', '.join(str(p) for p in pictures)}")
+    if notes:
+        print("\n".join(notes))
+    return 0
+
+
+def _markdown(table: pd.DataFrame) -> str:
+    from autotune.report import markdown_table
+
+    return markdown_table(table, "{:.3g}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Captured training graphs of the suite's models, cached as .npz under benchmarks/results/graphs/
+so simulation-only benchmarks need TensorFlow once per model and size."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from benchmarks.common import RESULTS_DIR
+from simulator import OpGraph
+
+
+def captured_graph(name: str, **kwargs) -> OpGraph:
+    """``build_model(name, **kwargs)``'s step captured at batch 1 (sizes are linear in the batch)."""
+    key = "_".join([name] + [f"{k}{v}" for k, v in sorted(kwargs.items())])
+    path = RESULTS_DIR / "graphs" / f"{key}.npz"
+    if path.exists():
+        graph = OpGraph.load(path)
+        if graph.meta.get("build_kwargs") == json.loads(json.dumps(kwargs)):
+            return graph
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from benchmarks.models import build_model
+    from rewriter.capture import capture
+
+    graph = capture(build_model(name, **kwargs), 1, name=name)
+    graph.meta["build_kwargs"] = kwargs
+    graph.save(path)
+    return graph

@@ -1,0 +1,102 @@
+"""Simulator speed against graph size, and the end-to-end CLI time for ResNet-50.
+
+    python -m benchmarks speed [--seconds 2] [--no-cli]
+
+Replays (and plans) per second for synthetic training graphs of about 1k, 10k and 100k ops and for
+captured graphs (3D U-Net, ResNet-50, DenseNet-121), each with a plan that swaps a good share of
+the activations. Then ``python -m autotune`` on a saved ResNet-50 (batch 256, v100-16gb preset,
+200 trials, --no-measure) timed as a user would run it. Targets (DESIGN.md 5): about 1 ms per
+ResNet-50 replay; the whole CLI run in about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from benchmarks.common import RESULTS_DIR, per_second, write_results  # noqa: E402
+from benchmarks.graphs import captured_graph  # noqa: E402
+from simulator import SwapParams, plan_swaps, replay  # noqa: E402
+from simulator.synthetic import training_graph  # noqa: E402
+
+PARAMS = SwapParams(threshold=20, lb=2, ub=12, groupby=2, min_bytes=4096)
+
+
+def _graphs():
+    for layers in (250, 2500, 25000):
+        yield f"synthetic {layers} layers", training_graph(layers, batch_size=32)
+    yield "unet3d 64^3 (batch 4)", captured_graph("unet3d", size=64).with_batch(4)
+    yield "resnet50 (batch 32)", captured_graph("resnet50").with_batch(32)
+    yield "densenet121 (batch 32)", captured_graph("densenet121").with_batch(32)
+
+
+def _cli_seconds() -> tuple[float, str]:
+    """Wall time of the CLI on a freshly saved ResNet-50 (model saving not included)."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as directory:
+        subprocess.run([sys.executable, "-m", "benchmarks.models", "save", "resnet50", directory], check=True,
+                       capture_output=True, cwd=root)
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "autotune", directory, "--batch-size", "256", "--device",
+                               "v100-16gb", "--trials", "200", "--no-measure", "--quiet", "--out",
+                               str(Path(directory) / "out")], capture_output=True, text=True, cwd=root)
+        seconds = time.perf_counter() - start
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    return seconds, f"exit {done.returncode}: {last}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks speed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=2.0, help="time spent per measurement")
+    parser.add_argument("--no-cli", action="store_true", help="skip the end-to-end CLI run")
+    args = parser.parse_args(argv)
+
+    rows = []
+    for name, g in _graphs():
+        plan = plan_swaps(g, PARAMS)
+        replay(g, plan, "v100-16gb")  # warm the caches (levels, buffers): built once per graph
+        replays, _ = per_second(lambda: replay(g, plan, "v100-16gb"), min_seconds=args.seconds)
+        trials, _ = per_second(lambda: replay(g, plan_swaps(g, PARAMS), "v100-16gb"), min_seconds=args.seconds)
+        rows.append({"graph": name, "ops": g.n_ops, "swaps": plan.n_swaps, "swap_ins": plan.n_swap_ins,
+                     "ms_per_replay": 1e3 / replays, "replays_per_s": round(replays),
+                     "ms_per_plan_and_replay": 1e3 / trials})
+        print(rows[-1], flush=True)
+    table = pd.DataFrame(rows)
+    notes = ["Target: about 1 ms per replay of ResNet-50's graph (1,000 replays/s on one core)."]
+    if not args.no_cli:
+        seconds, tail = _cli_seconds()
+        notes.append(f"End-to-end `python -m autotune` on ResNet-50 (batch 256, v100-16gb, 200 trials, --no-measure): "
+                     f"{seconds:.0f} s wall time, including TensorFlow start-up, loading and capture ({tail}). "
+                     "Target: about a minute.")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.loglog(table["ops"], table["ms_per_replay"], "o-", label="replay")
+    ax.loglog(table["ops"], table["ms_per_plan_and_replay"], "s--", label="plan + replay (one trial)")
+    for _, row in table.iterrows():
+        ax.annotate(row["graph"].split(" (")[0], (row["ops"], row["ms_per_replay"]), fontsize=7)
+    ax.set_xlabel("ops in the graph")
+    ax.set_ylabel("milliseconds")
+    ax.set_title("Simulator speed (one core)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS_DIR / "speed.png", dpi=110)
+    path = write_results("speed", table, settings={"params": PARAMS.to_dict(), "device": "v100-16gb",
+                                                   "command": "python -m benchmarks speed"}, notes=notes)
+    print(table.to_string(index=False))
+    print("\n".join(notes))
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
