@@ -78,7 +78,7 @@ class OptunaPolicy:
        one parameter at a time, until none improves.
     """
 
-    REFINE_SHARE = 0.35
+    REFINE_SHARE = 0.6
 
     def __init__(self, sampler: str = "tpe", seed: int | None = 0, name: str = "optuna") -> None:
         if sampler not in SAMPLERS:
@@ -93,7 +93,10 @@ class OptunaPolicy:
         guided = self.name == "optuna"
 
         def objective(trial: optuna.Trial) -> float:
-            evaluation = problem.evaluate(problem.space.params(problem.space.suggest(trial)))
+            params = problem.space.params(problem.space.suggest(trial))
+            if guided and params in problem._cache and not trial.user_attrs:
+                raise optuna.TrialPruned("already simulated")  # samplers repeat points; spend trials on new ones
+            evaluation = problem.evaluate(params)
             record_trial_attrs(trial, evaluation, problem)
             return evaluation.step_s
 
@@ -123,7 +126,9 @@ class OptunaPolicy:
                 for choice in _threshold_frontier(problem, study, run):
                     study.enqueue_trial(choice, skip_if_exists=True)
             refine = 0 if not guided or left[0] is None else int(left[0] * self.REFINE_SHARE)
-            run(None if left[0] is None else left[0] - refine)
+            for _ in range(8):  # repeated points are pruned and not counted: top the sampler phase up
+                if left[0] is not None and left[0] <= refine or not run(None if left[0] is None else left[0] - refine):
+                    break
             if guided:
                 refine = self._refine(problem, study, run, refine)
                 run(refine)  # whatever refinement did not use goes back to the sampler
@@ -131,9 +136,9 @@ class OptunaPolicy:
         return Outcome(evaluations, best_of(evaluations))
 
     @staticmethod
-    def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int) -> int:
-        """Coordinate descent from the best plan that fits of each sync/order basin, best basin
-        first; returns the trials it did not use."""
+    def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int, per_round: int = 12) -> int:
+        """Coordinate descent from the best plan that fits of each sync/order basin, the basins
+        taking turns a few moves at a time; returns the trials it did not use."""
         space = problem.space
         on_grid = [e for e in _study_evaluations(study, problem)
                    if e.feasible and e.params is not None and space.choice(e.params) is not None]
@@ -142,17 +147,18 @@ class OptunaPolicy:
             key = (evaluation.params.sync, evaluation.params.order)
             if key not in basins or evaluation.step_s < basins[key].step_s:
                 basins[key] = evaluation
-        for start in sorted(basins.values(), key=lambda e: e.step_s):
-            current = start
-            while budget > 0:
-                fresh = [c for c in _neighbours(problem, current) if space.params(c) not in problem._cache][:budget]
+        active = sorted(basins, key=lambda key: basins[key].step_s)[:3]  # the most promising basins
+        while budget > 0 and active:
+            for key in list(active):
+                fresh = [c for c in _neighbours(problem, basins[key])
+                         if space.params(c) not in problem._cache][:min(per_round, budget)]
                 if not fresh or not run(len(fresh), *fresh):
-                    break
+                    active.remove(key)
+                    continue
                 budget -= len(fresh)
-                better = best_of([current] + [problem.evaluate(space.params(c)) for c in fresh])
-                if better is current or better.step_s >= current.step_s:
+                basins[key] = best_of([basins[key]] + [problem.evaluate(space.params(c)) for c in fresh])
+                if budget <= 0:
                     break
-                current = better
         return budget
 
 
@@ -168,7 +174,7 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     frontier: list[dict] = []
     for sync in space.sync:
         for order in space.order:
-            base = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) // 2,
+            base = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1,
                     "min_bytes": 0, "sync": sync, "order": order}
             low, high, best = 0, len(space.threshold) - 1, None
             while low <= high:

@@ -38,12 +38,13 @@ def test_optuna_within_one_percent_of_exhaustive(small_unet, fraction):
     budget = int(base * fraction)
     exhaustive = _search("exhaustive", g, budget, space, trials=None)
     assert len(exhaustive.evaluations) == space.size() and exhaustive.chosen is not None
-    tuned = _search("optuna", g, budget, space)
-    assert len(tuned.evaluations) <= 200 and tuned.chosen is not None
-    gap = tuned.chosen.step_s / exhaustive.chosen.step_s - 1
-    print(f"\nbudget {fraction:.0%} of the unswapped peak: exhaustive ({space.size()} plans) "
-          f"{exhaustive.chosen.step_s:.5f} s, optuna (200 trials) {tuned.chosen.step_s:.5f} s, gap {gap:+.2%}")
-    assert gap <= 0.01
+    for seed in (0, 1, 2):
+        tuned = _search("optuna", g, budget, space, seed=seed)
+        assert len(tuned.evaluations) <= 200 and tuned.chosen is not None
+        gap = tuned.chosen.step_s / exhaustive.chosen.step_s - 1
+        print(f"\nbudget {fraction:.0%} of the unswapped peak, seed {seed}: exhaustive ({space.size()} plans) "
+              f"{exhaustive.chosen.step_s:.5f} s, optuna (200 trials) {tuned.chosen.step_s:.5f} s, gap {gap:+.2%}")
+        assert gap <= 0.01
 
 
 @pytest.mark.slow
