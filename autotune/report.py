@@ -106,7 +106,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                                     "import keras, rewriter\n"
                                     "model = keras.models.load_model('model.keras')\n"
                                     f"step = rewriter.apply(model, '{plan_file}', batch_size={result.batch_size})\n"
-                                    "rewriter.use_in_fit(model, step)  # model.fit(...) now runs the swapping step\n"
+                                    "rewriter.use_swap_step(model, step)  # model.fit(...) now runs the swapping step\n"
                                     "# or, in a custom loop: loss = step(x, y)")))
     return sections
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +16,8 @@ import optuna
 
 from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
-from autotune.search import Evaluation, SearchSpace, TuningProblem, best_of, closest_of
-from simulator import DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
+from autotune.search import Evaluation, SearchSpace, TuningProblem, closest_of
+from simulator import DeviceModel, OpGraph, SwapPlan, get_device, replay
 from simulator.replay import Replay
 
 log = logging.getLogger(__name__)

@@ -57,6 +57,41 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
     lines += [f"{note}" for note in (notes or [])]
     path = directory / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")
+    if directory == RESULTS_DIR:
+        update_readme()
+    return path
+
+
+README_ORDER = ("max_batch", "fidelity", "tuning", "speed", "simulator_speed")
+README_INTRO = """# Benchmarks
+
+Every table below is the latest output of the command above it, run on the machine it names
+(`python -m benchmarks NAME` writes `results/NAME.csv`, `.md` and `.png`, then rebuilds this page).
+Targets are those of DESIGN.md section 5; where a number misses its target, the table says so and
+the notes say why.
+
+| benchmark | command | what it measures |
+|---|---|---|
+| max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping (simulated on V100 presets; measured on the CPU testbed) |
+| fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed, 6 models x several plans, beside Grappler's static estimate |
+| tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
+| speed | `python -m benchmarks speed` | simulator replays per second against graph size, and the CLI's end-to-end time |
+| simulator_speed | `python -m benchmarks.simulator_speed` | replays per second of ResNet-50's graph (batch 32) |
+"""
+
+
+def update_readme() -> Path:
+    """Rebuild benchmarks/README.md from the latest result pages."""
+    parts = [README_INTRO]
+    for name in README_ORDER:
+        page = RESULTS_DIR / f"{name}.md"
+        if page.exists():
+            body = page.read_text().split("\n", 1)[1] if page.read_text().startswith("# ") else page.read_text()
+            images = sorted(RESULTS_DIR.glob(f"{name}*.png"))
+            parts.append(f"## {name}\n" + body.replace("](", "](results/")
+                         + "".join(f"\n![{image.stem}](results/{image.name})\n" for image in images))
+    path = RESULTS_DIR.parent / "README.md"
+    path.write_text("\n".join(parts))
     return path
 
 

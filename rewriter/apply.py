@@ -26,7 +26,7 @@ import logging
 import os
 import re
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -503,7 +503,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
                 controls.append(trigger)
             else:  # synchronous: start when the first consumer's other inputs are ready
                 first = editor.nodes[consumers[0]]
-                for slot, ref in editor.data_inputs(first):
+                for _, ref in editor.data_inputs(first):
                     source = editor.resolve(ref)
                     if source != tensor and source[0] != in_name and source[0] in editor.nodes \
                             and source[0] not in controls:

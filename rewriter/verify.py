@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from rewriter.apply import Ancestry
-from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX
+from rewriter.placement import SWAP_IN_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -100,7 +100,6 @@ def test_budget_below_the_weights_exits_3(models, capsys, tmp_path):
 
 def test_tuned_report_is_complete(models, capsys, tmp_path):
     """A budget between the resident memory and the unswapped peak: a plan is needed and found."""
-    from autotune.tuning import tune_graph
     from benchmarks.models import build_model
     from rewriter.capture import capture
 

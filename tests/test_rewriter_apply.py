@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts

@@ -10,12 +10,11 @@ import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its r
 
 import pandas as pd
 import pytest
-import tensorflow as tf
 
 import rewriter
 from benchmarks.models import build_model, example_batch
 from rewriter import placement as placement_module
-from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
+from simulator import SwapParams, plan_swaps, replay
 
 pytestmark = pytest.mark.tf
 MiB = 2**20
