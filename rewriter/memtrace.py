@@ -160,9 +160,11 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
     if allocator is not None:
         events = events[events["allocator_name"] == allocator]
     live: dict[int, tuple[int, int, bool]] = {}  # addr -> (requested, allocated, host)
-    base = resident_bytes  # resident bytes not yet freed inside the trace
+    # resident bytes not yet freed inside the trace, in requested and in chunk terms: a free of a
+    # pre-existing buffer lowers each by its own measure (BFC may have given it a larger chunk)
+    base = base_chunks = resident_bytes
     req = alloc = host = untracked = 0
-    peak_req = peak_alloc = base
+    peak_req = peak_alloc = base_chunks
     peak_host, peak_time, peak_op = 0, 0, ""
     cols = events[["kind", "addr", "requested_bytes", "allocation_bytes", "tf_op", "time_ps"]]
     for kind, addr, r, a, op, t in cols.itertuples(index=False, name=None):
@@ -179,8 +181,8 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
                 req += r
                 alloc += a
                 peak_req = max(peak_req, base + req)
-                if base + alloc > peak_alloc:
-                    peak_alloc, peak_time, peak_op = base + alloc, int(t), op
+                if base_chunks + alloc > peak_alloc:
+                    peak_alloc, peak_time, peak_op = base_chunks + alloc, int(t), op
         else:
             old = live.pop(addr, None)
             if old is not None:
@@ -188,7 +190,8 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
             else:
                 untracked += a
                 if untracked_frees == "subtract":
-                    base = max(0, base - a)
+                    base = max(0, base - r)
+                    base_chunks = max(0, base_chunks - a)
     return MemoryPeak(peak_requested_bytes=peak_req, peak_allocated_bytes=peak_alloc,
                       host_peak_requested_bytes=peak_host, resident_bytes=resident_bytes,
                       untracked_free_bytes=untracked, peak_time_ps=peak_time, peak_op=peak_op)
