@@ -59,6 +59,8 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
         ("search", f"{result.policy}, {len(result.evaluations)} candidates simulated"),
         ("graph", f"{result.graph.n_ops} ops, {result.graph.n_tensors} tensors"),
         ("resident (weights, optimizer state, inputs)", format_bytes(result.graph.persistent_bytes)),
+        ("least peak any swap plan can reach (largest op's inputs and outputs + resident)",
+         format_bytes(summary["peak_lower_bound_bytes"])),
         ("largest batch without swapping", summary["max_batch_without_swap"]),
     ], columns=["setting", "value"])
     sections.append(Section("Result", [verdict] + result.notes, [settings]))

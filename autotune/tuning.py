@@ -12,12 +12,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import optuna
 
 from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, closest_of
 from simulator import DeviceModel, OpGraph, SwapPlan, get_device, replay
+from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
 from simulator.replay import Replay
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class TuneResult:
             "params": None if self.params is None else self.params.to_dict(),
             "closest_params": None if self.chosen or not shown or not shown.params else shown.params.to_dict(),
             "resident_bytes": self.graph.persistent_bytes,
+            "peak_lower_bound_bytes": peak_lower_bound_bytes(self.graph),
             "baseline_peak_bytes": self.baseline.peak_bytes,
             "baseline_step_s": self.baseline.step_s,
             "predicted_peak_bytes": None if shown is None else shown.peak_bytes,
@@ -174,10 +177,11 @@ def max_batch_without_swap(graph: OpGraph, budget_bytes: int, device: DeviceMode
     def fits(batch: int) -> bool:
         return replay(graph.with_batch(batch), None, device).peak_bytes <= budget_bytes
 
-    return _largest(fits)
+    return largest_batch(fits)
 
 
-def _largest(fits) -> int:
+def largest_batch(fits) -> int:
+    """The largest batch in 1..MAX_BATCH for which the monotone predicate ``fits`` holds (0: none)."""
     if not fits(1):
         return 0
     low, high = 1, 2
@@ -210,7 +214,7 @@ def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceMod
                 and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
         return bool(good)
 
-    return _largest(fits)
+    return largest_batch(fits)
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
@@ -261,6 +265,11 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         g = g.with_batch(best_batch)
     problem = TuningProblem(g, device_model, budget)
     baseline = problem.baseline()
+    lower_bound = peak_lower_bound_bytes(g)
+    if g.persistent_bytes <= budget < lower_bound:
+        op = int(np.argmax(op_working_set_bytes(g)))
+        notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
+                     f"device at once, {format_bytes(lower_bound)} with the resident memory")
     name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed)
     study = open_study(storage, name, g, problem.space)
     if baseline.feasible:

@@ -32,11 +32,12 @@ import pandas as pd  # noqa: E402
 
 from autotune.policies import Budget, make_policy  # noqa: E402
 from autotune.search import TuningProblem  # noqa: E402
-from autotune.tuning import largest_batch_with_swap, max_batch_without_swap  # noqa: E402
+from autotune.tuning import largest_batch, largest_batch_with_swap, max_batch_without_swap  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from benchmarks.graphs import captured_graph  # noqa: E402
 from benchmarks.models import unet3d_voxels  # noqa: E402
 from simulator import FORWARD, get_device, replay  # noqa: E402
+from simulator.buffers import peak_lower_bound_bytes  # noqa: E402
 
 UNET_SIZE = 64  # captured size; other sizes by batch scaling, then checked by a capture
 UNET_STEP = 16  # the U-Net's input must be divisible by 2**depth
@@ -70,6 +71,7 @@ def simulate(device_name: str) -> list[dict]:
         plain = max_batch_without_swap(graph, budget, device)
         swapped = largest_batch_with_swap(graph, budget, device, max_overhead=None, probe_trials=PROBE_TRIALS)
         capped = largest_batch_with_swap(graph, budget, device, max_overhead=0.3, probe_trials=PROBE_TRIALS)
+        bound_batch = largest_batch(lambda batch: peak_lower_bound_bytes(graph.with_batch(batch)) <= budget)
         chosen = tuned(graph.with_batch(swapped), device, budget) if swapped else None
         bound = overhead_lower_bound(graph.with_batch(swapped), device, budget) if swapped else np.nan
         overhead = np.nan if chosen is None else chosen.metrics["overhead"]
@@ -79,6 +81,8 @@ def simulate(device_name: str) -> list[dict]:
             "multiplier": swapped / plain if plain else np.nan,
             "overhead": overhead, "overhead_lower_bound": bound,
             "overhead_over_bound": overhead - bound if chosen is not None else np.nan,
+            "swap_bound": bound_batch * scale, "multiplier_bound": bound_batch / plain if plain else np.nan,
+            "share_of_bound": swapped / bound_batch if bound_batch else np.nan,
             "with_swap_30pct": capped * scale, "multiplier_30pct": capped / plain if plain else np.nan,
             "params": None if chosen is None or chosen.params is None else chosen.params.to_dict(),
         }
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "DESIGN.md asks for 6x.",
         "overhead: simulated slow-down of the tuned plan at the largest batch; overhead_lower_bound: the least "
         "any plan can have there (excess bytes over the link during the forward and the backward pass).",
+        "swap_bound: the largest size at which any swap plan could fit at all (resident memory plus the largest "
+        "op's inputs and outputs, which must be on the device together); share_of_bound: with_swap / swap_bound.",
     ]
     if not args.no_measured:
         budget = int(args.measured_budget)

@@ -234,3 +234,20 @@ def baseline_slot_bytes(g: OpGraph) -> np.ndarray:
 def slot_levels(g: OpGraph) -> np.ndarray:
     """Level of each execution slot (non-decreasing)."""
     return g.cached("slot_levels", lambda graph: categorized_levels(graph)[execution_order(graph)], structural=True)
+
+
+def op_working_set_bytes(g: OpGraph) -> np.ndarray:
+    """Per op: bytes of the non-resident buffers it reads or writes, which must all be on the
+    device while it runs whatever a plan swaps (shared buffers counted once)."""
+    info = buffers(g)
+    ops = np.concatenate([g.edge_consumer, g.tensor_producer])
+    tensors = np.concatenate([g.edge_tensor, np.arange(g.n_tensors)])
+    keep = ~info.persistent[tensors]
+    pairs = np.unique(np.stack([ops[keep], info.root[tensors[keep]]]), axis=1)
+    return np.bincount(pairs[0], g.tensor_bytes[pairs[1]].astype(np.float64), minlength=g.n_ops)
+
+
+def peak_lower_bound_bytes(g: OpGraph) -> int:
+    """The least peak any swap plan can reach: resident memory plus the largest op working set."""
+    working_set = op_working_set_bytes(g)
+    return int(g.persistent_bytes + (working_set.max() if len(working_set) else 0))

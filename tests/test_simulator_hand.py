@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from simulator import BACKWARD, FORWARD, GraphError, SwapParams, SwapPlan, categorized_levels, plan_swaps, replay
+from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
 from simulator.planning import Swap, SwapIn
 from simulator.synthetic import OpSpec, from_spec
 
@@ -150,6 +151,13 @@ def test_unet_skip_connection(unit):
     assert r.step_s == pytest.approx(12.5) and r.stall_s == pytest.approx(3.5)
     assert r.level_peak_bytes.tolist() == [200, 300, 350, 450, 550, 700, 500, 500, 260]
     assert r.peak_bytes == 700
+
+
+def test_peak_lower_bound_is_the_largest_op_working_set():
+    g = unet()
+    # gm reads g1 (100), m (50), e1 (100) and writes 50 B; g0 reads d0 (200), e0 (200), writes 200
+    assert op_working_set_bytes(g).tolist() == [200, 300, 150, 250, 500, 600, 400, 300, 260]
+    assert peak_lower_bound_bytes(g) == 600
 
 
 def test_hand_plan_round_trips_through_json(unit):

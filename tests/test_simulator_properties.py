@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simulator import BACKWARD, FORWARD, SwapParams, categorized_levels, edge_distances, n_levels, plan_swaps, replay
+from simulator.buffers import peak_lower_bound_bytes
 from simulator.synthetic import OpSpec, from_spec
 from tests.conftest import unit_device
 
@@ -75,6 +76,13 @@ def test_free_transfers_never_raise_the_peak(g, params):
     base = replay(g.with_order(params.order), None, device)
     result = replay(g, plan_swaps(g, params), device)
     assert result.peak_bytes <= base.peak_bytes
+
+
+@SETTINGS
+@given(random_steps(), random_params(), st.floats(1.0, 1000.0), st.floats(0.0, 2.0))
+def test_no_plan_goes_below_the_working_set_bound(g, params, bandwidth, latency):
+    result = replay(g, plan_swaps(g, params), unit_device(bandwidth, latency))
+    assert result.peak_bytes >= peak_lower_bound_bytes(g)
 
 
 @SETTINGS
