@@ -118,9 +118,10 @@ class OptunaPolicy:
                 left[0] -= _complete(study) - before
             return True
 
-        with _progress(budget, problem) as callback, _stop_on_interrupt() as stop:
+        with _progress(budget, problem) as (callback, advance), _stop_on_interrupt() as stop:
             if guided and _complete(study) == 0:
                 made = TflmsV2Policy().search(problem, study, budget).evaluations
+                advance(len(made))
                 if left[0] is not None:
                     left[0] -= len(made)
                 for choice in _threshold_frontier(problem, study, run):
@@ -243,7 +244,8 @@ def _stop_on_interrupt():
 @contextlib.contextmanager
 def _progress(budget: Budget, problem: TuningProblem):
     """A progress bar showing the best plan that fits so far (Optuna's own bar would show the
-    fastest trial even when it breaks the budget)."""
+    fastest trial even when it breaks the budget). Yields the study callback and a function that
+    counts trials added without ``study.optimize``."""
     from tqdm import tqdm
 
     bar = tqdm(total=budget.trials, disable=not budget.progress, desc="search", unit="trial", leave=False)
@@ -257,7 +259,7 @@ def _progress(budget: Budget, problem: TuningProblem):
         bar.update(1)
 
     try:
-        yield callback
+        yield callback, bar.update
     finally:
         bar.close()
 
