@@ -67,6 +67,7 @@ _POOL_GRADS = frozenset(grad for _, grad in ONEDNN_POOL_READS)
 # Sources of a control edge that tell nothing about timing (always ready).
 _ALWAYS_READY = frozenset({"Const", "Placeholder", "ReadVariableOp", "VarHandleOp", "NoOp"}) | SHAPE_TYPES
 SWAP_OPS = ("Identity", "DeepCopy")
+RESHAPE_LIKE = frozenset({"Reshape", "Squeeze", "ExpandDims", "BroadcastTo"})
 
 
 class PlanError(ValueError):
@@ -175,8 +176,9 @@ def _safe(name: str) -> str:
 class _GraphEditor:
     """The step's GraphDef with name lookups and input resolution through bypassed ops."""
 
-    def __init__(self, graph_def: graph_pb2.GraphDef):
+    def __init__(self, graph_def: graph_pb2.GraphDef, foldable: frozenset[str] = frozenset()):
         self.graph_def = graph_def
+        self.foldable = foldable
         self.nodes = {node.name: node for node in graph_def.node}
         self.loop_of: dict[str, str] = {}  # function name -> top-level While node running it
         for node in graph_def.node:
@@ -272,7 +274,7 @@ class _GraphEditor:
             node = self.nodes.get(name)
             if node is None or node.op in _ALWAYS_READY:
                 continue
-            if name in danger or node.op in BYPASS_TYPES:  # bypassed ops are removed by Grappler
+            if name in danger or node.op in BYPASS_TYPES or name in self.foldable:  # Grappler removes these
                 pending.extend(self.sources(name, raw=False))
             elif name not in result:
                 result.append(name)
@@ -410,14 +412,16 @@ def _bypass_identity_n(graph_def: graph_pb2.GraphDef) -> None:
 
 
 def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placement: Placement, *, swap_op: str,
-                   tensor_info: dict[str, tuple[Any, int]]) -> tuple[graph_pb2.GraphDef, list[AppliedSwap], list[SkippedSwap]]:
+                   tensor_info: dict[str, tuple[Any, int]], foldable: frozenset[str] = frozenset(),
+                   ) -> tuple[graph_pb2.GraphDef, list[AppliedSwap], list[SkippedSwap]]:
     """Return a copy of ``graph_def`` with the plan's swap nodes; raise PlanError on stale names.
 
-    ``tensor_info`` maps "op:k" to (dtype, bytes) of the traced step's tensors.
+    ``tensor_info`` maps "op:k" to (dtype, bytes) of the traced step's tensors; ``foldable`` names
+    ops Grappler removes (``noop_reshapes``), which must not carry a swap-in's control edge.
     """
     edited = graph_pb2.GraphDef()
     edited.CopyFrom(graph_def)
-    editor = _GraphEditor(edited)
+    editor = _GraphEditor(edited, foldable)
     missing: list[str] = []
     skipped: list[SkippedSwap] = []
     todo = []
@@ -529,7 +533,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
     order = [name for name in plan.get("order", []) if name in editor.nodes and editor.nodes[name].op != "Placeholder"]
     if order:
         _bypass_identity_n(edited)
-        editor = _GraphEditor(edited)
+        editor = _GraphEditor(edited, foldable)
     for before, after in zip(order, order[1:]):  # run the step in the order the simulator assumed
         node = editor.nodes[after]
         if f"^{before}" not in node.input and before not in {_parse(ref)[0] for ref in node.input}:
@@ -722,6 +726,18 @@ class SwapStep:
         return StateSnapshot(self.traced.concrete)
 
 
+def noop_reshapes(concrete) -> frozenset[str]:
+    """Shape ops whose output has the static shape of their input: Grappler's arithmetic optimizer
+    removes them (RemoveRedundantReshapeOrBroadcastTo), so a control edge from one would vanish."""
+    found = set()
+    for op in concrete.graph.get_operations():
+        if op.type in RESHAPE_LIKE and op.inputs and op.outputs:
+            before, after = op.inputs[0].shape, op.outputs[0].shape
+            if before.is_fully_defined() and after.is_fully_defined() and before == after:
+                found.add(op.name)
+    return frozenset(found)
+
+
 def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
     info = {}
     for op in concrete.graph.get_operations():
@@ -792,7 +808,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
                  planned_batch, traced.batch_size)
     concrete = traced.concrete
     graph_def, applied, skipped = edit_graph_def(concrete.graph.as_graph_def(), plan_dict, place, swap_op=chosen_op,
-                                                 tensor_info=_tensor_info(concrete))
+                                                 tensor_info=_tensor_info(concrete), foldable=noop_reshapes(concrete))
     function = import_step(graph_def, traced)
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=plan_dict, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,

@@ -211,6 +211,17 @@ def test_verification_counts_every_swap_op(cnn_graph, full_plan):
     assert "swap-outs" in v.summary()
 
 
+def test_sync_swap_ins_never_wait_on_a_reshape_grappler_removes():
+    """A layer norm's gradient reshapes its reduced sum to the shape it already has; Grappler drops
+    that Reshape, so a synchronous swap-in must not hang its control edge on it."""
+    model = build_model("transformer_encoder", seq_len=16, vocab=64, d_model=32, heads=2, ff=64, layers=1, seed=0)
+    graph = rewriter.capture(model, 4)
+    plan = plan_swaps(graph, SwapParams(threshold=3, ub=5, groupby=2, sync="both", order="memory"))
+    step = rewriter.apply(model, plan, graph=graph, batch_size=4)
+    assert step.verification.ok, step.verification.summary()
+    assert step.verification.triggers_ordered == step.verification.planned_triggers
+
+
 def test_plan_forms_and_step_interface(cnn_graph, tmp_path):
     graph, plan = cnn_graph
     model = build_model("small_cnn", seed=0)
