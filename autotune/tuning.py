@@ -19,6 +19,7 @@ from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, closest_of
 from simulator import DeviceModel, OpGraph, SwapPlan, get_device, replay
+from simulator.devices import preset_for_gpu
 from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
 from simulator.replay import Replay
 
@@ -143,7 +144,7 @@ def resolve_device(device: str | DeviceModel | None, memory: int | None) -> tupl
     gpu = _visible_gpu()
     if gpu is not None:
         name, limit = gpu
-        preset = get_device(_preset_for(name))
+        preset = get_device(preset_for_gpu(name) or DEFAULT_DEVICE)
         return preset, limit, f"the visible GPU {name} ({format_bytes(limit)} available to TensorFlow)"
     preset = get_device(DEFAULT_DEVICE)
     return preset, preset.budget_bytes, (f"no GPU visible and no budget given: the {DEFAULT_DEVICE} preset "
@@ -160,16 +161,6 @@ def _visible_gpu() -> tuple[str, int] | None:
 
     query = getattr(placement, "gpu_memory", None)
     return query() if query is not None else None
-
-
-def _preset_for(gpu_name: str) -> str:
-    lowered = gpu_name.lower()
-    for key, preset in (("h200", "h200-141gb"), ("h100", "h100-80gb"), ("a100", "a100-40gb"), ("v100", "v100-16gb")):
-        if key in lowered:
-            if preset == "a100-40gb" and "80" in lowered:
-                return "a100-80gb"
-            return preset
-    return DEFAULT_DEVICE
 
 
 def max_batch_without_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel) -> int:

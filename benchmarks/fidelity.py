@@ -7,8 +7,9 @@ training step is captured, then for every plan (no swapping, and ``SwapParams`` 
 exercise the threshold, the swap-in window lb/ub, groupby, the sync modes and both execution
 orders) the rewritten step is built with ``rewriter.apply`` (serialized in the plan's order, as by
 default) and measured with ``rewriter.measure`` on the CPU testbed (``CPU:0`` plays the accelerator,
-``CPU:1`` the host, swaps are ``DeepCopy``). Beside each measurement: the simulator's prediction
-(``simulator.replay(graph, plan, "cpu-testbed")``) and, for the unswapped step, Grappler's static
+``CPU:1`` the host, swaps are ``DeepCopy``), or on GPU:0 when one is visible (automatic). Beside each
+measurement: the simulator's prediction (``simulator.replay(graph, plan, device)``, with the
+``cpu-testbed`` preset or the visible GPU's) and, for the unswapped step, Grappler's static
 estimate (``Cluster.DeterminePeakMemoryUsage`` on a MetaGraphDef of the traced step), the baseline
 the simulator must beat.
 
@@ -160,24 +161,27 @@ def _worker(spec_path: str, out_path: str) -> int:
 
     import rewriter
     from benchmarks.models import build_model, example_batch
+    from autotune.tuning import DEFAULT_DEVICE
     from simulator import SwapParams, SwapPlan, get_device, n_levels, plan_swaps, replay
 
     def emit(record: dict[str, Any]) -> None:
         with open(out_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    place = rewriter.detect()
-    if place.single_device:
+    place = rewriter.detect()  # a visible GPU, else the testbed configured above
+    if place.measured_on == "cpu-testbed" and place.single_device:
         emit({"kind": "fatal", "error": "the two-device CPU testbed could not be configured"})
         return 1
+    device = get_device(place.simulator_device or DEFAULT_DEVICE)
     name, batch = spec["model"], int(spec["batch"])
     model = build_model(name, seed=0, **spec["kwargs"])
     x, y = example_batch(model, batch)
     start = time.perf_counter()
     graph = rewriter.capture(model, batch, name=name)
     emit({"kind": "graph", "capture_s": time.perf_counter() - start, "ops": graph.n_ops,
-          "levels": n_levels(graph), "persistent_bytes": graph.persistent_bytes})
-    kept_reads = get_device("cpu-testbed").kept_reads
+          "levels": n_levels(graph), "persistent_bytes": graph.persistent_bytes,
+          "measured_on": place.describe(), "device": device.name})
+    kept_reads = device.kept_reads
     for label, params_dict in spec["plans"]:
         record: dict[str, Any] = {"kind": "plan", "plan": label, "params": params_dict}
         start = time.perf_counter()
@@ -186,7 +190,7 @@ def _worker(spec_path: str, out_path: str) -> int:
                 plan = SwapPlan.empty(graph)
             else:
                 plan = plan_swaps(graph, SwapParams.from_dict(params_dict), kept_reads=kept_reads)
-            predicted = replay(graph, plan, "cpu-testbed")
+            predicted = replay(graph, plan, device)
             record.update(order=plan.order_name, planned_swaps=plan.n_swaps, planned_swap_ins=plan.n_swap_ins,
                           planned_swapped_bytes=plan.swapped_bytes(graph), predicted_bytes=predicted.peak_bytes,
                           predicted_step_s=predicted.step_s, predicted_compute_s=predicted.compute_s,
@@ -507,13 +511,15 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or ("fidelity_quick" if args.quick else "fidelity")
 
     started = time.perf_counter()
-    rows, notes, statuses = [], [], []
+    rows, notes, statuses, measured_on = [], [], [], set()
     for model in names:
         setup = MODELS[model]
         log.info("%s: measuring %d plan(s) in a fresh process ...", setup.describe(), len(plans))
         records, status = _run_model(setup, plans, timeout=args.timeout, repeats=args.repeats,
                                      peak_repeats=args.peak_repeats, grappler=not args.no_grappler)
         model_rows, model_notes = build_table(setup, records, status, plans)
+        measured_on.update(f"{r['measured_on']} (simulated as {r['device']})" for r in records
+                           if r["kind"] == "graph" and "measured_on" in r)
         rows += model_rows
         notes += model_notes
         statuses.append(status)
@@ -569,7 +575,9 @@ def main(argv: list[str] | None = None) -> int:
         result_notes += ["## Problems", ""] + notes
     settings = {
         "command": "python -m benchmarks " + " ".join(["fidelity", *(argv if argv is not None else sys.argv[2:])]),
-        "testbed": "CPU:0 accelerator, CPU:1 host (two logical CPUs), swaps as DeepCopy, TF_CPU_ALLOCATOR_USE_BFC=true",
+        "measured_on": "; ".join(sorted(measured_on)) or "nothing measured",
+        **({"testbed": "CPU:0 accelerator, CPU:1 host (two logical CPUs), swaps as DeepCopy, "
+                       "TF_CPU_ALLOCATOR_USE_BFC=true"} if any("cpu-testbed" in m for m in measured_on) else {}),
         "models": "; ".join(MODELS[n].describe() for n in names),
         "plans": "; ".join(f"{label}: {_params_text(params)}" for label, params in plans),
         "timing": f"warm-up 1, median of {args.repeats} steps; step serialized in the plan's order",

@@ -7,8 +7,9 @@ Simulated, per device preset: the largest ResNet-50 batch (224x224, fp32) and th
 the multiplier, the tuned plan's simulated overhead, the same with the overhead capped at 30%, and
 the lower bound on the overhead that transfer volume and link bandwidth impose (with the found
 overhead's excess over it). The U-Net size found by batch scaling is checked by capturing the
-model at that size. Measured counterpart (CPU testbed, 1 GiB accelerator-side budget): the
-largest ResNet-50 batch whose real step stays within it, without and with swapping.
+model at that size. Measured counterpart (1 GiB accelerator-side budget, on GPU:0 when one is
+visible, else the CPU testbed): the largest ResNet-50 batch whose real step stays within it,
+without and with swapping.
 The original LMS paper reports 4.9x (ResNet-50) and 5.6x (3D U-Net) on 16 GB V100s.
 """
 
@@ -118,12 +119,12 @@ MEASURE_SCRIPT = textwrap.dedent("""
     from autotune.tuning import tune_graph
     from benchmarks.models import build_model, example_batch
     from simulator import SwapPlan, get_device, plan_swaps, replay
-    batch, budget, swap = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "swap"
+    batch, budget, swap, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "swap", sys.argv[4]
     model = build_model("resnet50", seed=0)
     x, y = example_batch(model, batch)
     graph = rewriter.capture(model, batch)
     if swap:
-        result = tune_graph(graph, device="cpu-testbed", memory=budget, trials=200)
+        result = tune_graph(graph, device=device, memory=budget, trials=200)
         plan = result.plan if result.feasible else None
     else:
         plan = SwapPlan.empty(graph)
@@ -132,16 +133,17 @@ MEASURE_SCRIPT = textwrap.dedent("""
         sys.exit(0)
     step = rewriter.apply(model, plan, graph=graph, batch_size=batch)
     m = rewriter.measure(step, x, y, warmup=1, repeats=1)
-    r = replay(graph, plan, "cpu-testbed")
+    r = replay(graph, plan, device)
     print("RESULT " + json.dumps({"batch": batch, "predicted": r.peak_bytes, "measured": m.peak_bytes,
                                   "swaps": plan.n_swaps, "step_s": m.step_s, "fits_predicted": True}))
 """)
 
 
-def _measure(batch: int, budget: int, swap: bool) -> dict:
+def _measure(batch: int, budget: int, swap: bool, device: str) -> dict:
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root), TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, "-c", MEASURE_SCRIPT, str(batch), str(budget), "swap" if swap else "plain"],
+    done = subprocess.run([sys.executable, "-c", MEASURE_SCRIPT, str(batch), str(budget), "swap" if swap else "plain",
+                           device],
                           cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
@@ -149,18 +151,26 @@ def _measure(batch: int, budget: int, swap: bool) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def measured_device() -> str:
+    """The preset modelling where the measured part runs: the visible GPU's, else the CPU testbed."""
+    import rewriter
+    from autotune.tuning import DEFAULT_DEVICE
+
+    return rewriter.detect(configure=False).simulator_device or DEFAULT_DEVICE
+
+
 def measured(budget: int) -> list[dict]:
-    """Largest ResNet-50 batch whose real step stays within ``budget`` on the CPU testbed: start at
-    the simulator's answer and step down until the measurement agrees."""
-    testbed = get_device("cpu-testbed")
+    """Largest ResNet-50 batch whose real step stays within ``budget`` where ``rewriter.measure``
+    runs: start at the simulator's answer and step down until the measurement agrees."""
+    device = get_device(measured_device())
     graph = captured_graph("resnet50")
     rows = []
     for swap in (False, True):
-        predicted = (largest_batch_with_swap(graph, budget, testbed, max_overhead=None, probe_trials=PROBE_TRIALS)
-                     if swap else max_batch_without_swap(graph, budget, testbed))
+        predicted = (largest_batch_with_swap(graph, budget, device, max_overhead=None, probe_trials=PROBE_TRIALS)
+                     if swap else max_batch_without_swap(graph, budget, device))
         batch = predicted
         while batch >= 1:
-            result = _measure(batch, budget, swap)
+            result = _measure(batch, budget, swap, device.name)
             print(json.dumps(result), flush=True)
             if result.get("fits_predicted") and result.get("measured", budget + 1) <= budget:
                 break
@@ -175,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks max-batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", nargs="*", default=["v100-16gb", "v100-16gb-nvlink"])
-    parser.add_argument("--no-measured", action="store_true", help="skip the CPU-testbed measurement")
+    parser.add_argument("--no-measured", action="store_true",
+                        help="skip the measurement (on GPU:0 when one is visible, else the CPU testbed)")
     parser.add_argument("--measured-budget", default=str(2**30), help="accelerator-side budget for it, bytes")
     args = parser.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -194,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         measured_table = pd.DataFrame(measured(budget))
         from autotune.report import markdown_table
 
-        notes += ["", f"Measured on the CPU testbed with a {budget / 2**30:.2f} GiB accelerator-side budget "
+        where = "the CPU testbed" if measured_device() == "cpu-testbed" else f"GPU:0 ({measured_device()} preset)"
+        notes += ["", f"Measured on {where} with a {budget / 2**30:.2f} GiB accelerator-side budget "
                   "(ResNet-50, 224x224):", "", markdown_table(measured_table)]
         measured_table.to_csv(RESULTS_DIR / "max_batch_measured.csv", index=False)
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -85,6 +85,15 @@ class GpuPlacement(Placement):
     swap_op: str = "Identity"
     measured_on: str = "gpu"
 
+    @property
+    def simulator_device(self) -> str | None:
+        found = gpu_memory()
+        if found is None:
+            return None
+        from simulator.devices import preset_for_gpu
+
+        return preset_for_gpu(found[0])
+
     def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
         # on a GPU everything TF holds there counts, as get_memory_info reports it
         device = self.accelerator.rsplit("device:", 1)[-1]  # "GPU:0"
@@ -209,17 +218,10 @@ def gpu_memory() -> tuple[str, int] | None:
     limit = getattr(configs[0], "memory_limit", None) if configs else None
     if limit:
         return name, int(limit) * 2**20
-    from simulator.devices import DEVICES
+    from simulator.devices import get_device, preset_for_gpu
 
-    lowered = name.lower().replace(" ", "")
-    for preset in DEVICES.values():
-        family = preset.name.split("-")[0]
-        if family != "cpu" and family in lowered and preset.name.split("-")[1].rstrip("gb") in lowered:
-            return name, int(preset.budget_bytes)
-    for preset in DEVICES.values():
-        if preset.name.split("-")[0] in lowered and preset.name.split("-")[0] != "cpu":
-            return name, int(preset.budget_bytes)
-    return name, 0
+    preset = preset_for_gpu(name)
+    return name, 0 if preset is None else int(get_device(preset).budget_bytes)
 
 
 def resolve(placement: Placement | str | None) -> Placement:

@@ -401,4 +401,14 @@ def get_device(name: str) -> DeviceModel:
         raise UnknownDeviceError(f"unknown device {name!r}; known: {known}") from None
 
 
-__all__ = ["GiB", "GB", "DeviceModel", "DEVICES", "UnknownDeviceError", "get_device"]
+def preset_for_gpu(gpu_name: str) -> str | None:
+    """The preset modelling the GPU TensorFlow names ``gpu_name`` ("Tesla V100-SXM2-16GB",
+    "NVIDIA A100 80GB PCIe", ...), or None for a GPU without one."""
+    lowered = gpu_name.lower().replace(" ", "")
+    for family, preset in (("h200", "h200-141gb"), ("h100", "h100-80gb"), ("a100", "a100-40gb"), ("v100", "v100-16gb")):
+        if family in lowered:
+            return "a100-80gb" if family == "a100" and "80gb" in lowered else preset
+    return None
+
+
+__all__ = ["GiB", "GB", "DeviceModel", "DEVICES", "UnknownDeviceError", "get_device", "preset_for_gpu"]
