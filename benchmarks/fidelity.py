@@ -100,11 +100,6 @@ KNOWN_DEVIATIONS = [
     ("- Swap-out completion on the testbed (either sign, run to run): a device buffer is freed only when its "
     "host DeepCopy has read it; that copy runs on the same two cores as the serialized step and can start "
     "tens of ops late, keeping the buffer alive past the point the time model frees it."),
-    ("- Resident-state accounting in the measurement (measured peak biased low, varies run to run): optimizer "
-    "updates free variable buffers that existed before the step; rewriter.memtrace.accelerator_peak subtracts "
-    "those frees in allocator chunk bytes from a resident base that rewriter.measure computes in tensor "
-    "(requested) bytes, so where BFC had given a variable a larger chunk the measured requested peak drops by "
-    "the difference."),
 ]
 
 
