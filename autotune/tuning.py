@@ -19,8 +19,8 @@ from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, closest_of
 from simulator import DeviceModel, OpGraph, SwapPlan, get_device, replay
-from simulator.devices import preset_for_gpu
 from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
+from simulator.devices import preset_for_gpu
 from simulator.replay import Replay
 
 log = logging.getLogger(__name__)

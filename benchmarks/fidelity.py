@@ -155,8 +155,8 @@ def _worker(spec_path: str, out_path: str) -> int:
     import gc
 
     import rewriter
-    from benchmarks.models import build_model, example_batch
     from autotune.tuning import DEFAULT_DEVICE
+    from benchmarks.models import build_model, example_batch
     from simulator import SwapParams, SwapPlan, get_device, n_levels, plan_swaps, replay
 
     def emit(record: dict[str, Any]) -> None:
