@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                      "ms_per_plan_and_replay": 1e3 / trials})
         print(rows[-1], flush=True)
     table = pd.DataFrame(rows)
-    notes = ["Target: about 1 ms per replay of ResNet-50's graph (1,000 replays/s on one core)."]
+    notes = ["Target: about 1 ms per replay of ResNet-50's graph (1,000 replays/s on one core).",
+             f"Rates: the fastest of 5 timed rounds of about {args.seconds / 5:.1f} s each (timeit), one process."]
     if not args.no_cli:
         seconds, tail = _cli_seconds()
         notes.append(f"End-to-end `python -m autotune` on ResNet-50 (batch 256, v100-16gb, 200 trials, --no-measure): "

@@ -171,8 +171,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
 
     # ---- discrete-event pass over the few slots that wait for a transfer
     out_start, out_end, in_start, in_end, seg_slot, seg_shift = _schedule(
-        finish_plain_list, out_ready_slot.tolist(), out_duration.tolist(), trigger_slot.tolist(),
-        plan.in_swap.tolist(), in_duration.tolist(), need_slot.tolist(), sync_wait.tolist())
+        finish_plain, finish_plain_list, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration,
+        need_slot, sync_wait)
     in_swap = plan.in_swap
     finish_all = finish_plain + np.repeat(seg_shift, np.diff(seg_slot + [len(duration)]))
 
@@ -241,16 +241,17 @@ def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray
     return np.asarray([int(position[r].min()) if r else -1 for r in readers], dtype=np.int64)
 
 
-def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot,
-              sync_wait):
+def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger, in_swap_array, in_duration_array,
+              need, sync_wait_array):
     """Event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
     Finish times are plain finish + a piecewise-constant shift (``seg_slot``/``seg_shift``), so
     only the waiting slots cost Python work. Queues are FIFO by ready time; a transfer's ready
     time depends only on slots before the one waiting for it, so one pass suffices. Copies out
-    that become ready before the first waiting slot are scheduled in bulk (numpy).
+    that become ready before the first waiting slot are scheduled in bulk (numpy). Per-slot and
+    per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
     """
-    n_swaps, n_ins = len(out_ready_slot), len(trigger_slot)
+    n_swaps, n_ins = len(out_ready), len(trigger)
     in_start, in_end = [0.0] * n_ins, [0.0] * n_ins
     seg_slot, seg_shift = [0], [0.0]
     shift = 0.0  # the shift of the latest segment
@@ -262,26 +263,33 @@ def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap,
             return finish_plain[slot] + shift
         return finish_plain[slot] + seg_shift[bisect_right(seg_slot, slot) - 1]
 
-    waits = sorted([(slot, j) for j, slot in enumerate(need_slot)]
-                   + [(slot, -1 - i) for i, slot in enumerate(sync_wait) if slot >= 0])
-    first_wait = waits[0][0] if waits else len(finish_plain)
+    # waiting slots in order: swap-in consumers (item j >= 0), then sync swap-out readers (item -1 - i)
+    outs_waited = np.flatnonzero(sync_wait_array >= 0)
+    wait_slot = np.concatenate([need, sync_wait_array[outs_waited]])
+    wait_item = np.concatenate([np.arange(n_ins), -1 - outs_waited])
+    by_slot = np.lexsort((wait_item, wait_slot))
+    wait_slots, wait_items = wait_slot[by_slot].tolist(), wait_item[by_slot].tolist()
+    first_wait = wait_slots[0] if wait_slots else len(finish_plain)
 
     # copies out: FIFO in ready order; those ready before any stall are computed in bulk
-    out_queue = np.argsort(np.asarray(out_ready_slot), kind="stable")
-    ready_slots = np.asarray(out_ready_slot)[out_queue]
+    out_queue = np.argsort(out_ready, kind="stable")
+    ready_slots = out_ready[out_queue]
     early = int(np.searchsorted(ready_slots, first_wait, side="left"))
-    durations = np.asarray(out_duration)[out_queue[:early]]
-    ready = np.asarray(finish_plain)[ready_slots[:early]] if early else np.zeros(0)
+    durations = out_duration_array[out_queue[:early]]
+    ready = finish_array[ready_slots[:early]] if early else np.zeros(0)
     cumulative = np.cumsum(durations)
     ends = cumulative + np.maximum.accumulate(ready - (cumulative - durations)) if early else cumulative
-    out_end = [0.0] * n_swaps
-    out_start = [0.0] * n_swaps
-    for k, end, duration in zip(out_queue[:early].tolist(), ends.tolist(), durations.tolist()):
-        out_end[k], out_start[k] = end, end - duration
+    out_end_array = np.zeros(n_swaps)
+    out_end_array[out_queue[:early]] = ends
+    out_end = out_end_array.tolist()
+    out_start_array = out_end_array.copy()
+    out_start_array[out_queue[:early]] -= durations
+    out_start = out_start_array.tolist()
     out_done = [False] * n_swaps
     for k in out_queue[:early].tolist():
         out_done[k] = True
     out_queue = out_queue.tolist()
+    out_ready_slot, out_duration = out_ready.tolist(), out_duration_array.tolist()
     out_cursor = early
     d2h_free = float(ends[-1]) if early else 0.0
 
@@ -298,8 +306,10 @@ def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap,
             out_cursor += 1
         return out_end[i]
 
-    in_order = sorted(range(n_ins), key=trigger_slot.__getitem__)
-    release_slots = [trigger_slot[j] for j in in_order]
+    in_order_array = np.argsort(trigger, kind="stable")
+    release_slots = trigger[in_order_array].tolist()
+    in_order = in_order_array.tolist()
+    in_swap, in_duration = in_swap_array.tolist(), in_duration_array.tolist()
     in_cursor = 0
     in_done = [False] * n_ins
     heap: list[tuple[float, int]] = []
@@ -307,9 +317,9 @@ def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap,
     h2d_free = 0.0
     segment_start = 0  # first slot of the latest segment (whose shift is ``shift``)
     index = 0
-    n_waits = len(waits)
+    n_waits = len(wait_slots)
     while index < n_waits:
-        slot = waits[index][0]
+        slot = wait_slots[index]
         while in_cursor < n_ins and release_slots[in_cursor] < slot:  # triggers that have run
             j = in_order[in_cursor]
             p = release_slots[in_cursor]
@@ -324,8 +334,8 @@ def _schedule(finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap,
             push(heap, (ready if ready > data else data, j))
             in_cursor += 1
         required = 0.0
-        while index < n_waits and waits[index][0] == slot:
-            item = waits[index][1]
+        while index < n_waits and wait_slots[index] == slot:
+            item = wait_items[index]
             index += 1
             if item < 0:
                 done = swap_out_end(-1 - item)
