@@ -22,7 +22,6 @@ import optuna
 
 from autotune.search import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, evaluation_from_trial,
                              record_trial_attrs)
-
 from simulator import SwapParams, n_levels
 
 log = logging.getLogger(__name__)
@@ -74,8 +73,9 @@ class OptunaPolicy:
        frontier of what fits, and its answer is kept as a candidate, so the result is never worse;
     2. a binary search for the largest grid threshold that fits seeds the sampler there;
     3. the sampler (TPE by default, seeing the budget through Optuna's constraints) explores;
-    4. the last third refines the best grid plan that fits by coordinate descent: other values of
-       one parameter at a time, until none improves.
+    4. a share (REFINE_SHARE) of the trials left refines the best grid plan that fits in each of the
+       three most promising sync/order basins by coordinate descent: other values of one parameter
+       at a time, until none improves.
     """
 
     REFINE_SHARE = 0.6
@@ -94,7 +94,7 @@ class OptunaPolicy:
 
         def objective(trial: optuna.Trial) -> float:
             params = problem.space.params(problem.space.suggest(trial))
-            if guided and params in problem._cache and not trial.user_attrs:
+            if guided and problem.simulated(params) and not trial.user_attrs:
                 raise optuna.TrialPruned("already simulated")  # samplers repeat points; spend trials on new ones
             evaluation = problem.evaluate(params)
             record_trial_attrs(trial, evaluation, problem)
@@ -152,7 +152,7 @@ class OptunaPolicy:
         while budget > 0 and active:
             for key in list(active):
                 fresh = [c for c in _neighbours(problem, basins[key])
-                         if space.params(c) not in problem._cache][:min(per_round, budget)]
+                         if not problem.simulated(space.params(c))][:min(per_round, budget)]
                 if not fresh or not run(len(fresh), *fresh):
                     active.remove(key)
                     continue

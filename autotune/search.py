@@ -159,6 +159,10 @@ class TuningProblem:
         self._cache[params] = evaluation
         return evaluation
 
+    def simulated(self, params: SwapParams | None) -> bool:
+        """Whether ``evaluate(params)`` has run already (it would cost nothing now)."""
+        return params in self._cache
+
     def baseline(self) -> Evaluation:
         return self.evaluate(None)
 
@@ -186,11 +190,15 @@ def closest_of(evaluations: list[Evaluation]) -> Evaluation | None:
 # ---------------------------------------------------------------------- Optuna bookkeeping
 
 
+def _user_attrs(evaluation: Evaluation) -> dict[str, float | bool]:
+    """What a candidate predicted, as a trial's user attributes."""
+    return {**{name: float(value) for name, value in evaluation.metrics.items()}, "feasible": bool(evaluation.feasible)}
+
+
 def record_trial_attrs(trial: optuna.Trial, evaluation: Evaluation, problem: TuningProblem) -> None:
     """What a trial predicted, and the budget as Optuna constraints (<= 0 means satisfied, in GiB)."""
-    for name, value in evaluation.metrics.items():
-        trial.set_user_attr(name, float(value))
-    trial.set_user_attr("feasible", bool(evaluation.feasible))
+    for name, value in _user_attrs(evaluation).items():
+        trial.set_user_attr(name, value)
     for name, value in constraint_values(evaluation, problem).items():
         trial.set_constraint(name, value)
 
@@ -216,8 +224,7 @@ def add_evaluation(study: optuna.Study, evaluation: Evaluation, problem: TuningP
     """Record a candidate found by a non-Optuna policy as a finished trial (off the grid: with its
     parameters as an attribute)."""
     choice = problem.space.choice(evaluation.params) if evaluation.params is not None else None
-    user_attrs: dict = {name: float(value) for name, value in evaluation.metrics.items()}
-    user_attrs["feasible"] = bool(evaluation.feasible)
+    user_attrs: dict = _user_attrs(evaluation)
     if choice is None and evaluation.params is not None:
         user_attrs["params"] = evaluation.params.to_dict()
     constraints = {f"constraints:{name}": value for name, value in constraint_values(evaluation, problem).items()}

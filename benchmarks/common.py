@@ -72,8 +72,8 @@ the notes say why.
 
 | benchmark | command | what it measures |
 |---|---|---|
-| max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping (simulated on V100 presets; measured on the CPU testbed) |
-| fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed, 6 models x several plans, beside Grappler's static estimate |
+| max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping (simulated on V100 presets; measured on the CPU testbed, or on a visible GPU) |
+| fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models x several plans, beside Grappler's static estimate |
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays per second against graph size, and the CLI's end-to-end time |
 | simulator_speed | `python -m benchmarks.simulator_speed` | replays per second of ResNet-50's graph (batch 32) |
@@ -86,7 +86,8 @@ def update_readme() -> Path:
     for name in README_ORDER:
         page = RESULTS_DIR / f"{name}.md"
         if page.exists():
-            body = page.read_text().split("\n", 1)[1] if page.read_text().startswith("# ") else page.read_text()
+            text = page.read_text()
+            body = text.split("\n", 1)[1] if text.startswith("# ") else text
             images = sorted(RESULTS_DIR.glob(f"{name}*.png"))
             parts.append(f"## {name}\n" + body.replace("](", "](results/")
                          + "".join(f"\n![{image.stem}](results/{image.name})\n" for image in images))

@@ -371,6 +371,14 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     ])
 
 
+def _target_bands(ax) -> None:
+    """Zero, and dashed +-5 % / dotted +-10 % lines (the fidelity targets) on an error axis."""
+    for level, style in ((5, "--"), (10, ":")):
+        for sign in (1, -1):
+            ax.axhline(sign * level, color="k", ls=style, lw=0.8)
+    ax.axhline(0, color="k", lw=0.8)
+
+
 def plot(table: pd.DataFrame, directory: Path, name: str) -> list[Path]:
     import matplotlib
 
@@ -440,10 +448,7 @@ def plot(table: pd.DataFrame, directory: Path, name: str) -> list[Path]:
         yerr = np.nan_to_num(np.clip([values - low, high - values], 0, None))
         top.bar(x - 0.4 + (k + 0.5) * width, values, width, label=plan, yerr=yerr, capsize=1.5,
                 error_kw={"lw": 0.7})
-    for level, style in ((5, "--"), (10, ":")):
-        for sign in (1, -1):
-            top.axhline(sign * level, color="k", ls=style, lw=0.8)
-    top.axhline(0, color="k", lw=0.8)
+    _target_bands(top)
     top.set_xticks(x, models)
     top.set_ylabel("simulator error (%)\n(predicted / measured - 1)")
     top.set_title("Per-model peak error by plan (bars: range over the profiled steps; dashed ±5 %, dotted ±10 %)")
@@ -454,13 +459,9 @@ def plot(table: pd.DataFrame, directory: Path, name: str) -> list[Path]:
     highs = np.array([e.max() if len(e) else np.nan for e in errors])
     bottom.errorbar(x - 0.1, medians, yerr=[medians - lows, highs - medians], fmt="o", capsize=5,
                     label="simulator: median, min-max over plans")
-    grappler = [table.loc[(table["model"] == m) & (table["plan"] == "none"), "grappler_ratio"] for m in models]
-    grappler = [100 * (float(g.iloc[0]) - 1) if len(g) and pd.notna(g.iloc[0]) else np.nan for g in grappler]
+    grappler = [100 * (cell(m, "none", "grappler_ratio") - 1) for m in models]
     bottom.scatter(x + 0.1, grappler, marker="x", color="k", s=50, label="Grappler static estimate (unswapped)")
-    for level, style in ((5, "--"), (10, ":")):
-        for sign in (1, -1):
-            bottom.axhline(sign * level, color="k", ls=style, lw=0.8)
-    bottom.axhline(0, color="k", lw=0.8)
+    _target_bands(bottom)
     bottom.set_xticks(x, models)
     bottom.set_ylabel("error (%)")
     bottom.legend(fontsize=8)

@@ -159,10 +159,11 @@ def measured_device() -> str:
     return rewriter.detect(configure=False).simulator_device or DEFAULT_DEVICE
 
 
-def measured(budget: int) -> list[dict]:
+def measured(budget: int, device_name: str) -> list[dict]:
     """Largest ResNet-50 batch whose real step stays within ``budget`` where ``rewriter.measure``
-    runs: start at the simulator's answer and step down until the measurement agrees."""
-    device = get_device(measured_device())
+    runs (``device_name``: the preset modelling it): start at the simulator's answer and step down
+    until the measurement agrees."""
+    device = get_device(device_name)
     graph = captured_graph("resnet50")
     rows = []
     for swap in (False, True):
@@ -202,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.no_measured:
         budget = int(args.measured_budget)
-        measured_table = pd.DataFrame(measured(budget))
+        device_name = measured_device()
+        measured_table = pd.DataFrame(measured(budget, device_name))
         from autotune.report import markdown_table
 
-        where = "the CPU testbed" if measured_device() == "cpu-testbed" else f"GPU:0 ({measured_device()} preset)"
+        where = "the CPU testbed" if device_name == "cpu-testbed" else f"GPU:0 ({device_name} preset)"
         notes += ["", f"Measured on {where} with a {budget / 2**30:.2f} GiB accelerator-side budget "
                   "(ResNet-50, 224x224):", "", markdown_table(measured_table)]
         measured_table.to_csv(RESULTS_DIR / "max_batch_measured.csv", index=False)

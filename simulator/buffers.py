@@ -232,19 +232,23 @@ def baseline_slot_bytes(g: OpGraph) -> np.ndarray:
 
 
 def slot_levels(g: OpGraph) -> np.ndarray:
-    """Level of each execution slot (non-decreasing)."""
+    """Level of each execution slot (non-decreasing in the "cto" order only)."""
     return g.cached("slot_levels", lambda graph: categorized_levels(graph)[execution_order(graph)], structural=True)
 
 
 def op_working_set_bytes(g: OpGraph) -> np.ndarray:
     """Per op: bytes of the non-resident buffers it reads or writes, which must all be on the
     device while it runs whatever a plan swaps (shared buffers counted once)."""
-    info = buffers(g)
-    ops = np.concatenate([g.edge_consumer, g.tensor_producer])
-    tensors = np.concatenate([g.edge_tensor, np.arange(g.n_tensors)])
-    keep = ~info.persistent[tensors]
-    pairs = np.unique(np.stack([ops[keep], info.root[tensors[keep]]]), axis=1)
-    return np.bincount(pairs[0], g.tensor_bytes[pairs[1]].astype(np.float64), minlength=g.n_ops)
+
+    def compute(graph: OpGraph) -> np.ndarray:
+        info = buffers(graph)
+        ops = np.concatenate([graph.edge_consumer, graph.tensor_producer])
+        tensors = np.concatenate([graph.edge_tensor, np.arange(graph.n_tensors)])
+        keep = ~info.persistent[tensors]
+        pairs = np.unique(np.stack([ops[keep], info.root[tensors[keep]]]), axis=1)
+        return np.bincount(pairs[0], graph.tensor_bytes[pairs[1]].astype(np.float64), minlength=graph.n_ops)
+
+    return g.cached("op_working_set_bytes", compute, structural=False)
 
 
 def peak_lower_bound_bytes(g: OpGraph) -> int:
