@@ -124,8 +124,9 @@ def record_memory_events(fn: Callable[..., Any], *args: Any,
 class MemoryPeak:
     """Peak footprint of one call. Accelerator peaks INCLUDE ``resident_bytes``.
 
-    ``resident_bytes`` is in allocator chunk bytes (what ``get_memory_info`` reports), so
-    ``peak_requested_bytes`` = resident chunk bytes + requested bytes of the trace.
+    Both peaks count the resident part in the unit ``resident_bytes`` was given in (allocator
+    chunk bytes from ``get_memory_info``, or requested bytes of the step's own state): only the
+    trace's own allocations are known in both units, so ``peak_allocated_bytes >= peak_requested_bytes``.
     """
 
     peak_requested_bytes: int       # resident + max live accelerator bytes (requested sizes)
@@ -138,7 +139,7 @@ class MemoryPeak:
 
 
 def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
-                     resident_bytes: int = 0, untracked_frees: str = "subtract",
+                     resident_bytes: int = 0, resident_unit: str = "chunks", untracked_frees: str = "subtract",
                      allocator: str | None = None) -> MemoryPeak:
     """Replay ``events`` in time order, leaving out host-op allocations and their frees.
 
@@ -146,7 +147,8 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
     before the call: on a warmed-up Keras step these are variable buffers replaced by
     copy-on-write ``assign_sub`` or by ``AssignVariableOp`` (BatchNorm moving stats),
     i.e. part of ``resident_bytes``. With ``untracked_frees="subtract"`` (default) they
-    reduce the resident part, clamped at zero. That reproduces the allocator's own
+    reduce the resident part, clamped at zero, by their size in ``resident_unit`` ("chunks":
+    allocator chunk bytes, as ``get_memory_info`` counts; "requested": tensor bytes). That reproduces the allocator's own
     ``bytes_in_use`` exactly when ``resident_bytes`` is the allocator's ``current`` and
     there are no host ops, and it stays an upper bound with host ops: resident counts
     every pre-existing byte as accelerator-side, so subtracting a pre-existing host
@@ -157,14 +159,14 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
     """
     if untracked_frees not in ("subtract", "ignore"):
         raise ValueError(f"untracked_frees must be 'subtract' or 'ignore', not {untracked_frees!r}")
+    if resident_unit not in ("chunks", "requested"):
+        raise ValueError(f"resident_unit must be 'chunks' or 'requested', not {resident_unit!r}")
     if allocator is not None:
         events = events[events["allocator_name"] == allocator]
     live: dict[int, tuple[int, int, bool]] = {}  # addr -> (requested, allocated, host)
-    # resident bytes not yet freed inside the trace, in requested and in chunk terms: a free of a
-    # pre-existing buffer lowers each by its own measure (BFC may have given it a larger chunk)
-    base = base_chunks = resident_bytes
+    base = resident_bytes  # resident bytes not yet freed inside the trace, in resident_unit
     req = alloc = host = untracked = 0
-    peak_req = peak_alloc = base_chunks
+    peak_req = peak_alloc = base
     peak_host, peak_time, peak_op = 0, 0, ""
     cols = events[["kind", "addr", "requested_bytes", "allocation_bytes", "tf_op", "time_ps"]]
     for kind, addr, r, a, op, t in cols.itertuples(index=False, name=None):
@@ -181,8 +183,8 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
                 req += r
                 alloc += a
                 peak_req = max(peak_req, base + req)
-                if base_chunks + alloc > peak_alloc:
-                    peak_alloc, peak_time, peak_op = base_chunks + alloc, int(t), op
+                if base + alloc > peak_alloc:
+                    peak_alloc, peak_time, peak_op = base + alloc, int(t), op
         else:
             old = live.pop(addr, None)
             if old is not None:
@@ -190,8 +192,7 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
             else:
                 untracked += a
                 if untracked_frees == "subtract":
-                    base = max(0, base - r)
-                    base_chunks = max(0, base_chunks - a)
+                    base = max(0, base - (a if resident_unit == "chunks" else r))
     return MemoryPeak(peak_requested_bytes=peak_req, peak_allocated_bytes=peak_alloc,
                       host_peak_requested_bytes=peak_host, resident_bytes=resident_bytes,
                       untracked_free_bytes=untracked, peak_time_ps=peak_time, peak_op=peak_op)

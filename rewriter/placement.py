@@ -133,7 +133,8 @@ class CpuTestbedPlacement(Placement):
             # the CPU allocator also holds what other functions of the process left behind (the
             # constants TF materialised while optimising them): count only the step's own state
             events = memtrace.record_memory_events(fn, *args)
-            peak = memtrace.accelerator_peak(events, is_host_op=self.is_host_op, resident_bytes=resident_bytes)
+            peak = memtrace.accelerator_peak(events, is_host_op=self.is_host_op, resident_bytes=resident_bytes,
+                                             resident_unit="requested")
         return PeakReading(peak_bytes=int(peak.peak_requested_bytes), allocator_peak_bytes=int(peak.peak_allocated_bytes),
                            host_peak_bytes=int(peak.host_peak_requested_bytes), resident_bytes=int(peak.resident_bytes))
 
