@@ -148,13 +148,16 @@ class OptunaPolicy:
             key = (evaluation.params.sync, evaluation.params.order)
             if key not in basins or evaluation.step_s < basins[key].step_s:
                 basins[key] = evaluation
-        active = sorted(basins, key=lambda key: basins[key].step_s)[:3]  # the most promising basins
+        waiting = sorted(basins, key=lambda key: basins[key].step_s)
+        active, waiting = waiting[:3], waiting[3:]  # the most promising basins; the next when one converges
         while budget > 0 and active:
             for key in list(active):
                 fresh = [c for c in _neighbours(problem, basins[key])
                          if not problem.simulated(space.params(c))][:min(per_round, budget)]
                 if not fresh or not run(len(fresh), *fresh):
                     active.remove(key)
+                    if waiting:
+                        active.append(waiting.pop(0))
                     continue
                 budget -= len(fresh)
                 basins[key] = best_of([basins[key]] + [problem.evaluate(space.params(c)) for c in fresh])
@@ -170,48 +173,65 @@ def _complete(study: optuna.Study) -> int:
 def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> list[dict]:
     """For each sync mode and execution order, a binary search (as trials) for the largest grid
     threshold that fits with a middling swap-in window: one feasible starting point per basin
-    (swapping many tensors asynchronously and swapping a few big ones synchronously are far apart)."""
+    (swapping many tensors asynchronously and swapping a few big ones synchronously are far apart).
+    A basin where nothing fits that way is searched again, after the others, with the tightest
+    swap-ins (the earliest trigger window, of width 0, no grouping): under a tight budget, or near
+    the largest batch that fits at all, only plans that bring each tensor back just in time fit."""
     space = problem.space
+    middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1}
+    tightest = {"lb": 0, "window": 0, "groupby": 0}
     frontier: list[dict] = []
-    for sync in space.sync:
-        for order in space.order:
-            base = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1,
-                    "min_bytes": 0, "sync": sync, "order": order}
-            low, high, best = 0, len(space.threshold) - 1, None
-            while low <= high:
-                middle = (low + high) // 2
-                choice = dict(base, threshold=middle)
-                if not run(1, choice):
-                    return frontier
-                if problem.evaluate(space.params(choice)).feasible:
-                    best, low = middle, middle + 1
-                else:
-                    high = middle - 1
-            if best is not None:
-                frontier.append(dict(base, threshold=best))
+    basins = [(middling, sync, order) for sync in space.sync for order in space.order]
+    while basins:
+        swap_ins, sync, order = basins.pop(0)
+        base = dict(swap_ins, min_bytes=0, sync=sync, order=order)
+        low, high, best = 0, len(space.threshold) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            choice = dict(base, threshold=middle)
+            if not run(1, choice):
+                return frontier
+            if problem.evaluate(space.params(choice)).feasible:
+                best, low = middle, middle + 1
+            else:
+                high = middle - 1
+        if best is not None:
+            frontier.append(dict(base, threshold=best))
+        elif swap_ins is middling:
+            basins.append((tightest, sync, order))
     return frontier
 
 
 def _neighbours(problem: TuningProblem, evaluation: Evaluation) -> list[dict]:
     """Moves from a candidate, nearest first: the threshold up to three grid steps either way,
     every other value of each remaining parameter, and the swap-in window's start and width
-    together (they interact: a later start only pays with a wider window)."""
+    together (they interact: a later start only pays with a wider window).
+
+    Synchronous swap-ins ("in", "both") have no trigger window: there the window's start and width
+    change nothing and are not moved, and a move to an asynchronous mode tries every width (the
+    one the candidate happens to carry means nothing)."""
     space = problem.space
     centre = space.choice(evaluation.params)
     if centre is None:
         return []
+    windowed = centre["sync"] not in ("in", "both")
     moves: list[tuple[int, dict]] = []
     for name in (*space.ORDERED, *space.CATEGORICAL):
+        if not windowed and name in ("lb", "window"):
+            continue
         values = getattr(space, name)
         for index, value in enumerate(values):
             if name in space.CATEGORICAL:
                 if value != centre[name]:
                     moves.append((1, dict(centre, **{name: value})))
+                    if name == "sync" and not windowed and value not in ("in", "both"):
+                        moves += [(2, dict(centre, sync=value, window=w)) for w in range(len(space.window))
+                                  if w != centre["window"]]
                 continue
             distance = abs(index - centre[name])
             if distance and (name != "threshold" or distance <= 3):
                 moves.append((distance, dict(centre, **{name: index})))
-    for lb in range(len(space.lb)):
+    for lb in range(len(space.lb) if windowed else 0):
         for window in range(len(space.window)):
             steps = (abs(lb - centre["lb"]), abs(window - centre["window"]))
             if min(steps) > 0:

@@ -16,6 +16,7 @@ The original LMS paper reports 4.9x (ResNet-50) and 5.6x (3D U-Net) on 16 GB V10
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -72,6 +73,8 @@ def simulate(device_name: str) -> list[dict]:
         plain = max_batch_without_swap(graph, budget, device)
         swapped = largest_batch_with_swap(graph, budget, device, max_overhead=None, probe_trials=PROBE_TRIALS)
         capped = largest_batch_with_swap(graph, budget, device, max_overhead=0.3, probe_trials=PROBE_TRIALS)
+        any_host = largest_batch_with_swap(graph, budget, dataclasses.replace(device, host_memory_bytes=1 << 62),
+                                           max_overhead=None, probe_trials=PROBE_TRIALS)
         bound_batch = largest_batch(lambda batch: peak_lower_bound_bytes(graph.with_batch(batch)) <= budget)
         chosen = tuned(graph.with_batch(swapped), device, budget) if swapped else None
         bound = overhead_lower_bound(graph.with_batch(swapped), device, budget) if swapped else np.nan
@@ -85,6 +88,9 @@ def simulate(device_name: str) -> list[dict]:
             "swap_bound": bound_batch * scale, "multiplier_bound": bound_batch / plain if plain else np.nan,
             "share_of_bound": swapped / bound_batch if bound_batch else np.nan,
             "with_swap_30pct": capped * scale, "multiplier_30pct": capped / plain if plain else np.nan,
+            "host_peak_gib": np.nan if chosen is None else chosen.metrics["host_peak_bytes"] / 2**30,
+            "host_limit_gib": device.host_memory_bytes / 2**30,
+            "with_swap_any_host": any_host * scale, "multiplier_any_host": any_host / plain if plain else np.nan,
             "params": None if chosen is None or chosen.params is None else chosen.params.to_dict(),
         }
         if name == "unet3d":
@@ -200,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "any plan can have there (excess bytes over the link during the forward and the backward pass).",
         "swap_bound: the largest size at which any swap plan could fit at all (resident memory plus the largest "
         "op's inputs and outputs, which must be on the device together); share_of_bound: with_swap / swap_bound.",
+        "host_peak_gib: host memory the chosen plan's swapped tensors take, against the preset's host RAM per GPU "
+        "(host_limit_gib); with_swap_any_host: the largest size with no limit on host memory.",
     ]
     if not args.no_measured:
         budget = int(args.measured_budget)

@@ -34,7 +34,7 @@ class Replay:
 
     ``peak_bytes`` counts everything resident on the device (weights, optimizer state, inputs)
     plus the live activations at the worst slot, as ``get_memory_info(...)['peak']`` does.
-    ``level_peak_bytes[L]`` is the memory timeline over the categorized ordering.
+    ``level_peak_bytes[L]`` is the memory timeline over the plan's ``order_levels``.
     Per-op and per-transfer times are kept for checking and plotting.
     """
 
@@ -366,13 +366,9 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
             plan, outs, ins, position) -> Replay:
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
-        if g.order == "cto":  # slots sorted by level
-            level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
-            level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
-        else:
-            level_peak = np.zeros(int(levels_of_slot.max()) + 1)
-            np.maximum.at(level_peak, levels_of_slot, slot_bytes)
-            level_peak += persistent
+        # order levels never decrease along the slots: one reduceat gives each level's peak
+        level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
+        level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
         peak = int(round(slot_bytes[peak_slot])) + persistent
         peak_level = int(levels_of_slot[peak_slot])
         step_s = float(finish_all[-1])

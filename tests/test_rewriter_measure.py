@@ -99,6 +99,14 @@ for params in plans:
     step = rewriter.apply(model, plan, graph=graph, batch_size=batch)
     m = rewriter.measure(step, x, y, warmup=1, repeats=1)
     r = replay(graph, plan, "cpu-testbed")
+    if params is None:  # the trace's allocator figure against TF's own counter, for one and the same step
+        from rewriter import memtrace
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        current = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        events = memtrace.record_memory_events(step, x, y)
+        out["own_peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        out["own_trace_peak"] = int(memtrace.accelerator_peak(
+            events, is_host_op=step.placement.is_host_op, resident_bytes=current).peak_allocated_bytes)
     rows.append(dict(params=None if params is None else params.to_dict(), swaps=step.n_swap_outs,
                      planned=plan.n_swaps, predicted=r.peak_bytes, measured=m.peak_bytes,
                      allocator=m.allocator_peak_bytes, host=m.host_peak_bytes, step_s=m.step_s,
@@ -139,12 +147,23 @@ def resnet():
 
 @pytest.mark.slow
 def test_unswapped_measurement_agrees_with_tensorflow(resnet):
-    """With no swaps, the testbed figure is TF's own get_memory_info('CPU:0')['peak'] of the plain
-    Keras step (allocator chunk bytes; requested bytes a little below)."""
+    """With no swaps, the trace the testbed measures from gives TF's own get_memory_info('CPU:0')
+    peak of the same step (allocator chunk bytes, everything the process holds counted as resident),
+    and the measured figure (requested bytes, only the step's own state resident) lies below the
+    plain Keras step's peak, whose executor runs parallel branches together.
+
+    Peaks of different steps are not compared closely: they move by a few percent from step to step
+    (the BFC allocator leaves a free chunk unsplit when it is less than twice the request, so what is
+    counted depends on which chunks are free), the plain Keras step's also with the executor's
+    interleaving (986-1053 MiB over five steps of one process)."""
     unswapped, keras_peak = resnet["rows"][0], resnet["keras_peak"]
+    own_peak, own_trace_peak = resnet["own_peak"], resnet["own_trace_peak"]
     print(f"\nResNet-50 b8 unswapped: measured {unswapped['measured'] / MiB:.1f} MiB requested, "
-          f"{unswapped['allocator'] / MiB:.1f} MiB allocator; Keras step get_memory_info peak {keras_peak / MiB:.1f} MiB")
-    assert abs(unswapped["allocator"] - keras_peak) <= 0.05 * keras_peak
+          f"{unswapped['allocator'] / MiB:.1f} MiB allocator; one more step: get_memory_info peak "
+          f"{own_peak / MiB:.1f} MiB, from its trace {own_trace_peak / MiB:.1f} MiB; plain Keras step "
+          f"{keras_peak / MiB:.1f} MiB")
+    assert abs(own_trace_peak - own_peak) <= 0.01 * own_peak
+    assert unswapped["measured"] <= unswapped["allocator"]
     assert 0.85 * keras_peak <= unswapped["measured"] <= keras_peak
 
 

@@ -202,3 +202,26 @@ def test_gradient_op_writing_into_a_swapped_activation(unit):
     # holds s's output until b0
     assert r.swap_in_start_s.tolist() == [4.0]
     assert r.level_peak_bytes.tolist() == [100, 200, 200, 110, 110, 110]
+
+
+def test_memory_order_allocates_a_gradient_part_when_it_is_read(unit):
+    """The greedy pass runs x (9 per sample, the cheapest ready op) first and keeps it through the
+    chain c1 -> c2 -> c3 (c1 and c2 live together); the sinking pass moves x to just before its
+    reader, so the chain's 20 and x's 9 are never live together."""
+    g = from_spec([
+        OpSpec("s", "Op", FORWARD, [], ((0, 1),), flops=1),
+        OpSpec("c1", "Op", FORWARD, ["s"], ((0, 10),), flops=1),
+        OpSpec("c2", "Op", FORWARD, ["c1"], ((0, 10),), flops=1),
+        OpSpec("c3", "Op", FORWARD, ["c2"], ((0, 10),), flops=1, forwards_input=True),
+        OpSpec("x", "Tile", FORWARD, ["s"], ((0, 9),), flops=1),
+        OpSpec("end", "AddV2", FORWARD, ["x", "c3"], ((0, 10),), flops=1, forwards_input=True),
+    ], outputs=["end"])
+    from simulator.ordering import _greedy_memory_order, execution_order
+
+    names = lambda order: [str(g.op_name[op]) for op in order]  # noqa: E731
+    assert names(_greedy_memory_order(g)) == ["s", "x", "c1", "c2", "c3", "end"]
+    assert names(execution_order(g.with_order("memory"))) == ["s", "c1", "c2", "c3", "x", "end"]
+    # sunk: s 1 + c1 10 + c2 10 at c2, then c3 (in c2's buffer) 10 + x 9 + s 1 at x
+    assert replay(g.with_order("memory"), None, unit).peak_bytes == 21
+    # cto (like greedy) runs x next to c1: x 9 + c1 10 + c2 10 at c2 (s is gone by then)
+    assert replay(g, None, unit).peak_bytes == 29
