@@ -15,8 +15,7 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from simulator import FORWARD, edge_distances, execution_order  # noqa: E402
-from simulator.buffers import slot_levels  # noqa: E402
+from simulator import FORWARD, edge_distances  # noqa: E402
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -29,29 +28,24 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _level_share(g, order: str) -> np.ndarray:
-    """Where each of the order's levels starts, as the share of the step's ops run before it
-    (orders have different level counts; this puts them on one axis)."""
-    levels = slot_levels(g.with_order(order))
-    return np.flatnonzero(np.r_[True, levels[1:] != levels[:-1]]) / max(g.n_ops, 1)
-
-
 def memory_timeline(result, path: Path) -> Path:
-    """Device memory through the step, without and with the plan, against the budget."""
+    """Device memory over the categorized ordering, without and with the plan, against the budget."""
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    g = result.graph
     base = result.baseline_replay.level_peak_bytes / GiB
-    ax.plot(_level_share(g, g.order), base, color="tab:red", lw=1.2, label="without swapping")
+    ax.plot(np.arange(len(base)), base, color="tab:red", lw=1.2, label="without swapping")
     if result.replay is not None and result.plan is not None and result.plan.n_swaps:
-        ax.plot(_level_share(g, result.plan.order_name), result.replay.level_peak_bytes / GiB, color="tab:blue",
-                lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped, {result.plan.order_name} order)")
+        ax.plot(np.arange(len(result.replay.level_peak_bytes)), result.replay.level_peak_bytes / GiB,
+                color="tab:blue", lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped)")
     ax.axhline(result.budget_bytes / GiB, color="black", ls="--", lw=1, label=f"budget {result.budget_bytes / GiB:.2f} GiB")
-    ax.axhline(g.persistent_bytes / GiB, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
-    if (g.op_phase == FORWARD).any():
-        end = np.flatnonzero(g.op_phase[execution_order(g)] == FORWARD).max() / g.n_ops
+    ax.axhline(result.graph.persistent_bytes / GiB, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
+    forward_levels = result.graph.op_phase == FORWARD
+    if forward_levels.any():
+        from simulator import categorized_levels
+
+        end = int(categorized_levels(result.graph)[forward_levels].max())
         ax.axvline(end, color="grey", lw=0.8)
         ax.text(end, ax.get_ylim()[1] * 0.98, " end of forward", va="top", fontsize=8, color="grey")
-    ax.set_xlabel("share of the step's ops run (execution order)")
+    ax.set_xlabel("level of the categorized topological ordering")
     ax.set_ylabel("device memory (GiB)")
     ax.set_title(f"{result.model}, batch {result.batch_size}: predicted device memory")
     ax.legend(loc="upper left", fontsize=8)
@@ -60,9 +54,8 @@ def memory_timeline(result, path: Path) -> Path:
 
 
 def distance_histogram(result, path: Path) -> Path:
-    """How far apart producers and consumers of activations are: the long edges swapping splits
-    (in the levels of the chosen plan's order, where its threshold applies)."""
-    g = result.graph if result.params is None else result.graph.with_order(result.params.order)
+    """How far apart producers and consumers of activations are: the long edges swapping splits."""
+    g = result.graph
     distance = edge_distances(g)
     activation = (g.op_phase[g.tensor_producer[g.edge_tensor]] == FORWARD) & g.tensor_swappable[g.edge_tensor] \
         & ~g.tensor_persistent[g.edge_tensor]

@@ -7,7 +7,8 @@ returned ``SwapStep`` updates the same variables and optimizer slots in place:
 * one swap-out node per swapped tensor, on the host device, reading the tensor;
 * one swap-in node per swap-in group, on the accelerator, reading the swap-out, started by a control
   edge ``^trigger`` (or, synchronous, by control edges from the producers of its first consumer's
-  other inputs), never before ``after`` (the last device reader of the previous copy);
+  other inputs and from its control inputs), never before ``after`` (the last device reader of the
+  previous copy);
 * every listed consumer input that reads the tensor, directly or through ops the capture bypassed
   (Identity, IdentityN, StopGradient, ...), rewired to the swap-in output, in that input slot;
 * ``sync_out`` swaps: the tensor's remaining readers wait for the swap-out (control edges).
@@ -504,13 +505,18 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
             controls: list[str] = []
             if trigger:
                 controls.append(trigger)
-            else:  # synchronous: start when the first consumer's other inputs are ready
+            else:  # synchronous: start when the first consumer's other inputs (and control inputs) are ready
                 first = editor.nodes[consumers[0]]
                 for _, ref in editor.data_inputs(first):
                     source = editor.resolve(ref)
                     if source != tensor and source[0] != in_name and source[0] in editor.nodes \
                             and source[0] not in controls:
                         controls.append(source[0])
+                for ref in first.input:  # the step's own control edges, as the simulator counts them
+                    name = ref[1:] if ref.startswith("^") else None
+                    if name and name in editor.nodes and name not in controls \
+                            and not name.startswith((SWAP_OUT_PREFIX, SWAP_IN_PREFIX)):
+                        controls.append(name)
             if after and after not in controls and after != tensor[0]:
                 controls.append(after)
             controls = editor.safe_controls([c for c in controls if c != in_name], consumers)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.graph import OpGraph
-from simulator.ordering import execution_order, order_levels, position_of
+from simulator.ordering import categorized_levels, execution_order, position_of
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Buffers:
 def _analyse(g: OpGraph) -> Buffers:
     n_ops, n_tensors = g.n_ops, g.n_tensors
     position = position_of(g)
-    levels = order_levels(g)
+    levels = categorized_levels(g)
     parent = g.tensor_alias_of.copy()  # the tensor whose buffer a tensor joins (-1: owns one)
     link_op = np.where(parent >= 0, g.tensor_producer, -1)
     root = np.where(parent >= 0, parent, np.arange(n_tensors))
@@ -232,8 +232,8 @@ def baseline_slot_bytes(g: OpGraph) -> np.ndarray:
 
 
 def slot_levels(g: OpGraph) -> np.ndarray:
-    """``order_levels`` of each execution slot (non-decreasing in every order)."""
-    return g.cached("slot_levels", lambda graph: order_levels(graph)[execution_order(graph)], structural=True)
+    """Level of each execution slot (non-decreasing in the "cto" order only)."""
+    return g.cached("slot_levels", lambda graph: categorized_levels(graph)[execution_order(graph)], structural=True)
 
 
 def op_working_set_bytes(g: OpGraph) -> np.ndarray:

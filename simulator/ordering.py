@@ -56,40 +56,9 @@ def categorized_levels(g: OpGraph) -> np.ndarray:
     return g.cached("levels", _compute_levels, structural=True)
 
 
-def order_levels(g: OpGraph) -> np.ndarray:
-    """The levels the swap rules measure distances and trigger windows in, for ``g``'s order.
-
-    For "cto" these are the categorized levels. Another order runs ops out of level lockstep, so
-    a level window would span far-apart slots (a trigger "one level before" its consumer could run
-    a hundred ops earlier); its levels follow the execution order instead: walking the order, an op
-    opens a new level when it depends on an op of the current one. They are non-decreasing along
-    the order, every edge still spans >= 1 level, and for "cto" the rule gives the categorized
-    levels back.
-    """
-
-    def compute(graph: OpGraph) -> np.ndarray:
-        if graph.order == "cto":
-            return categorized_levels(graph)
-        src = np.concatenate([graph.tensor_producer[graph.edge_tensor], graph.control_src])
-        dst = np.concatenate([graph.edge_consumer, graph.control_dst])
-        by_dst = np.argsort(dst, kind="stable")
-        parents = src[by_dst].tolist()
-        bounds = np.searchsorted(dst[by_dst], np.arange(graph.n_ops + 1)).tolist()
-        levels = [0] * graph.n_ops
-        current = 0
-        for op in execution_order(graph).tolist():
-            for parent in parents[bounds[op]:bounds[op + 1]]:
-                if levels[parent] >= current:
-                    current = levels[parent] + 1
-            levels[op] = current
-        return np.asarray(levels, dtype=np.int64)
-
-    return g.cached("order_levels", compute, structural=True)
-
-
 def edge_distances(g: OpGraph) -> np.ndarray:
-    """Level distance of every data edge in ``order_levels``, indexed like ``g.edge_tensor``."""
-    levels = order_levels(g)
+    """Level distance of every data edge, indexed like ``g.edge_tensor``."""
+    levels = categorized_levels(g)
     return levels[g.edge_consumer] - levels[g.tensor_producer[g.edge_tensor]]
 
 
@@ -107,10 +76,10 @@ def memory_order(g: OpGraph) -> np.ndarray:
     together (two batch-norm backward passes of a ResNet block: 6 activation-sized buffers
     instead of 3). The greedy pass finishes one branch before the next, but it computes the
     cheap first parts of a gradient early and leaves them waiting while it runs a whole branch
-    that frees as it goes (ResNet-50 at batch 848: six buffers live in conv2_block1); the sinking
-    pass allocates them when they are read (five, and 15.9 -> 13.3 GiB with every activation
-    swapped). Sizes are per sample (the batch-proportional part), so the order serves every
-    batch size.
+    that frees as it goes (ResNet-50 at batch 848: six activation-sized buffers live in
+    conv2_block1's backward); the sinking pass allocates them when they are read (with every
+    activation swapped over a free link, 15.9 -> 10.8 GiB). Sizes are per sample (the
+    batch-proportional part), so the order serves every batch size.
     """
     return _sink_allocations(g, _greedy_memory_order(g))
 
@@ -164,8 +133,9 @@ def _greedy_memory_order(g: OpGraph) -> np.ndarray:
 
 
 def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:
-    """Move each op whose outputs outweigh the inputs it would keep alive to just before its first
-    successor (walked backwards, so chains move together)."""
+    """Move each op whose outputs weigh at least as much as the inputs it would keep alive to just
+    before its first successor (walked backwards, so chains move together). Ties move: an output
+    that waits costs as much as an input kept alive, but the input may be kept alive anyway."""
     from simulator.buffers import buffers_in_level_order
 
     info = buffers_in_level_order(g)
@@ -242,6 +212,5 @@ def position_of(g: OpGraph) -> np.ndarray:
 
 
 def n_levels(g: OpGraph) -> int:
-    """How many ``order_levels`` ``g`` has in its order (for "cto": its categorized levels)."""
-    levels = order_levels(g)
+    levels = categorized_levels(g)
     return int(levels.max()) + 1 if len(levels) else 0

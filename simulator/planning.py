@@ -14,7 +14,7 @@ import numpy as np
 
 from simulator.buffers import buffers, rewired_lifetimes
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
-from simulator.ordering import edge_distances, execution_order, n_levels, order_levels, position_of
+from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels, position_of
 
 SYNC_MODES = ("none", "out", "in", "both")
 TRIGGER_POLICIES = ("ancestor", "level")
@@ -38,9 +38,6 @@ class ParamsError(ValueError):
 @dataclass(frozen=True)
 class SwapParams:
     """The knobs of the swap rules; see DESIGN.md 1.4.
-
-    Levels are those of the execution order (``simulator.ordering.order_levels``: the categorized
-    levels for "cto", levels in step with the order for "memory").
 
     threshold: a consumer is far when its level distance from the producer is > threshold.
     lb, ub: the swap-in trigger lies between ``ub`` and ``lb`` levels before the far consumer.
@@ -298,7 +295,7 @@ class SwapPlan:
 def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
     """Reject plans the rewriter could not apply: a consumer that does not read the tensor, a trigger
     that runs after (or depends on) the consumer, a tensor that cannot live on the host."""
-    levels = order_levels(g)
+    levels = categorized_levels(g)
     reads = set(zip(g.edge_tensor.tolist(), g.edge_consumer.tolist()))
     if len(set(plan.tensor.tolist())) != plan.n_swaps:
         raise GraphError("a tensor is swapped twice in one plan")
@@ -360,7 +357,7 @@ def _trigger_candidates(g: OpGraph) -> np.ndarray:
 
 def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     """For every level L: the highest level <= L holding a trigger candidate, and that op (-1 if none)."""
-    levels = order_levels(g)
+    levels = categorized_levels(g)
     count = n_levels(g)
     candidates = _trigger_candidates(g)
     op_at_level = np.full(count, -1, dtype=np.int64)
@@ -381,7 +378,7 @@ def _ancestor_triggers(g: OpGraph, depth: int) -> dict[str, np.ndarray]:
     array sorted by (op, level) with ``key = op * span + level``, so one ``searchsorted`` finds,
     for many ops at once, the latest ancestor trigger at or below a level.
     """
-    levels = order_levels(g)
+    levels = categorized_levels(g)
     count = n_levels(g)
     candidates = _trigger_candidates(g)
     candidates = candidates[np.lexsort((candidates, levels[candidates]))]
@@ -463,7 +460,7 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     the device whatever their distance.
     """
     g = g.with_order(params.order)
-    levels = order_levels(g)
+    levels = categorized_levels(g)
     distance = edge_distances(g)
     candidate = _candidate_tensors(g, params)
     is_far = candidate[g.edge_tensor] & (distance > params.threshold) & (g.op_phase[g.edge_consumer] != UPDATE)

@@ -1,10 +1,10 @@
 """Replay a training step with a swap plan: peak device memory, host memory, step time, transfers.
 
-Time model (issue 2): ops run one after another on one compute stream in execution order (CTO
-level, then op index); one copy engine per direction, transfers queue in the order they become
-ready; a swapped-out buffer is freed when its device-to-host copy is done and its remaining readers
-have run; a swap-in allocates when it starts (trigger done, data on the host, engine free) and its
-consumers wait for it to finish.
+Time model (issue 2): ops run one after another on one compute stream in the plan's execution
+order; one copy engine per direction, transfers queue in the order they become ready; a
+swapped-out buffer is freed when its device-to-host copy is done and its remaining readers have
+run; a swap-in allocates when it becomes ready (trigger done, data on the host), even if the
+engine starts its copy later, and its consumers wait for the copy to finish.
 
 Memory is accounted per execution slot: a buffer is live from the slot that allocates it to the
 slot of its last reader; a transfer event at time t counts in the slot running at t. Only swapped
@@ -34,7 +34,7 @@ class Replay:
 
     ``peak_bytes`` counts everything resident on the device (weights, optimizer state, inputs)
     plus the live activations at the worst slot, as ``get_memory_info(...)['peak']`` does.
-    ``level_peak_bytes[L]`` is the memory timeline over the plan's ``order_levels``.
+    ``level_peak_bytes[L]`` is the memory timeline over the categorized ordering.
     Per-op and per-transfer times are kept for checking and plotting.
     """
 
@@ -170,7 +170,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         sync_wait = _first_remaining_reader(g, swap_tensor, far_keys, plan.sync_out)
 
     # ---- discrete-event pass over the few slots that wait for a transfer
-    out_start, out_end, in_start, in_end, seg_slot, seg_shift = _schedule(
+    out_start, out_end, in_ready, in_start, in_end, seg_slot, seg_shift = _schedule(
         finish_plain, finish_plain_list, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration,
         need_slot, sync_wait)
     in_swap = plan.in_swap
@@ -184,7 +184,10 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     root_bytes = tensor_bytes[roots].astype(np.float64)
     delta = np.bincount(info.free_slot[roots] + 1, root_bytes, minlength=n_slots + 1)
     delta -= np.bincount(new_free + 1, root_bytes, minlength=n_slots + 1)
-    in_alloc_slot = np.minimum(np.searchsorted(finish_all, in_start, side="right"), need_slot)
+    # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
+    # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
+    # queues the copy on the stream (GPU), or copies at once (CPU testbed)
+    in_alloc_slot = np.minimum(np.searchsorted(finish_all, in_ready, side="right"), need_slot)
     last_consumer = plan.in_consumers[plan.in_consumer_ptr[1:] - 1]
     in_free_slot = np.maximum(position[last_consumer], in_alloc_slot)
     if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
@@ -252,7 +255,7 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
     """
     n_swaps, n_ins = len(out_ready), len(trigger)
-    in_start, in_end = [0.0] * n_ins, [0.0] * n_ins
+    in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [0.0] * n_ins
     seg_slot, seg_shift = [0], [0.0]
     shift = 0.0  # the shift of the latest segment
 
@@ -331,7 +334,8 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
                 ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
             source = in_swap[j]
             data = out_end[source] if out_done[source] else swap_out_end(source)
-            push(heap, (ready if ready > data else data, j))
+            in_ready[j] = ready if ready > data else data
+            push(heap, (in_ready[j], j))
             in_cursor += 1
         required = 0.0
         while index < n_waits and wait_slots[index] == slot:
@@ -358,17 +362,21 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     for i in range(n_swaps):  # a swap-out nobody waited for still happens
         if not out_done[i]:
             swap_out_end(i)
-    return (np.asarray(out_start), np.asarray(out_end), np.asarray(in_start), np.asarray(in_end),
-            seg_slot, seg_shift)
+    return (np.asarray(out_start), np.asarray(out_end), np.asarray(in_ready), np.asarray(in_start),
+            np.asarray(in_end), seg_slot, seg_shift)
 
 
 def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s, *, host_peak, d2h, h2d,
             plan, outs, ins, position) -> Replay:
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
-        # order levels never decrease along the slots: one reduceat gives each level's peak
-        level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
-        level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
+        if g.order == "cto":  # slots sorted by level
+            level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
+            level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
+        else:
+            level_peak = np.zeros(int(levels_of_slot.max()) + 1)
+            np.maximum.at(level_peak, levels_of_slot, slot_bytes)
+            level_peak += persistent
         peak = int(round(slot_bytes[peak_slot])) + persistent
         peak_level = int(levels_of_slot[peak_slot])
         step_s = float(finish_all[-1])
