@@ -75,7 +75,7 @@ class OptunaPolicy:
     3. the sampler (TPE by default, seeing the budget through Optuna's constraints) explores;
     4. a share (REFINE_SHARE) of the trials left refines the best grid plan that fits in each of the
        three most promising sync/order basins by coordinate descent: other values of one parameter
-       at a time, until none improves.
+       at a time, until none improves (then the next basin in line takes its turn).
     """
 
     REFINE_SHARE = 0.6

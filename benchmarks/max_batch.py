@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "op's inputs and outputs, which must be on the device together); share_of_bound: with_swap / swap_bound.",
         "host_peak_gib: host memory the chosen plan's swapped tensors take, against the preset's host RAM per GPU "
         "(host_limit_gib); with_swap_any_host: the largest size with no limit on host memory.",
+        "Reading the table: where with_swap reaches swap_bound, no swap plan can do better on that graph; where "
+        "host_peak_gib reaches host_limit_gib and with_swap_any_host is larger, host RAM is what stops it.",
     ]
     if not args.no_measured:
         budget = int(args.measured_budget)
