@@ -40,8 +40,10 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
     sections = []
-    if result.feasible and result.plan is not None and result.plan.n_swaps:
-        verdict = (f"**Fits.** The plan swaps {result.plan.n_swaps} tensors and brings the predicted peak from "
+    if result.feasible and result.plan is not None and result.plan.changes_step:
+        how = (f"swaps {result.plan.n_swaps} tensors" if result.plan.n_swaps else
+               f"swaps nothing, runs the ops in the `{result.plan.order_name}` order,")
+        verdict = (f"**Fits.** The plan {how} and brings the predicted peak from "
                    f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
                    f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
                    f"{_seconds(shown.step_s)} ({_pct(shown.metrics['overhead'])} over computing alone).")
@@ -102,7 +104,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                                        f"{result.space.size():,} grid points."], [],
                             [n for n in ("optimization_history.png", "param_importances.png", "distance_histogram.png")
                              if n in images]))
-    if result.feasible and result.plan is not None and result.plan.n_swaps:
+    if result.feasible and result.plan is not None and result.plan.changes_step:
         sections.append(Section("Train with the plan", [f"`{plan_file}` holds the plan; apply it to the model:"],
                                 code=(
                                     "import keras, rewriter\n"
@@ -177,7 +179,7 @@ def write_report(result, out_dir: str | Path) -> dict[str, Path]:
         images = plots.draw_all(result, scratch)
         files: dict[str, Path] = dict(images)
         plan_file = "plan.json" if result.feasible else "closest_plan.json"
-        if result.plan is not None and result.plan.n_swaps:
+        if result.plan is not None and result.plan.changes_step:
             (scratch / plan_file).write_text(result.plan.to_json(result.graph))
             files[plan_file] = scratch / plan_file
         pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)

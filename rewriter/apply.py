@@ -117,7 +117,7 @@ def load_plan(plan: Any, graph: Any = None) -> dict[str, Any]:
     from simulator.planning import SwapPlan
 
     if isinstance(plan, SwapPlan):
-        if graph is None and plan.n_swaps == 0:
+        if graph is None and not plan.changes_step:
             return dict(empty_plan(), batch_size=plan.batch_size)
         if graph is None:
             raise PlanError("a SwapPlan holds op indices: pass graph=, the OpGraph it was made on "

@@ -194,6 +194,12 @@ class SwapPlan:
     def n_swap_ins(self) -> int:
         return len(self.in_swap)
 
+    @property
+    def changes_step(self) -> bool:
+        """Whether applying it does anything the unswapped prediction does not assume: swaps, or
+        the step run in another order than level order (the memory order alone can be the plan)."""
+        return bool(self.n_swaps) or self.order_name != "cto"
+
     def __len__(self) -> int:
         return self.n_swaps
 

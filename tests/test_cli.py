@@ -98,8 +98,34 @@ def test_budget_below_the_weights_exits_3(models, capsys, tmp_path):
     assert (out / "report.html").exists() and (out / "report.md").exists()
 
 
+def test_reordering_alone_can_be_the_plan(models, capsys, tmp_path):
+    """A budget the memory order meets without swapping: the plan is that order, and it is written
+    (a plan with no swaps is still a plan when it changes the order the step runs in)."""
+    from benchmarks.models import build_model
+    from rewriter.capture import capture
+
+    from simulator import replay
+
+    graph = capture(build_model("small_cnn", image_size=32), 64)
+    unswapped = replay(graph, None, "cpu-testbed").peak_bytes
+    reordered = replay(graph.with_order("memory"), None, "cpu-testbed").peak_bytes
+    assert reordered < unswapped
+    out = tmp_path / "out"
+    code, stdout, err = _run_main(capsys, models / "good", "--batch-size", "64", "--memory",
+                                  str((reordered + unswapped) // 2), "--device", "cpu-testbed", "--no-measure",
+                                  "--trials", "40", "--out", out, "--quiet")
+    assert code == 0, err + stdout
+    plan = json.loads((out / "plan.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["feasible"] and summary["predicted_peak_bytes"] < summary["baseline_peak_bytes"]
+    # nothing is faster than not swapping, and ties go to the plan moving the fewest bytes
+    assert plan["swaps"] == [] and plan["ordering"] == "memory" and len(plan["order"]) == graph.n_ops
+    assert "swaps nothing" in (out / "report.md").read_text()
+
+
 def test_tuned_report_is_complete(models, capsys, tmp_path):
-    """A budget between the resident memory and the unswapped peak: a plan is needed and found."""
+    """A budget between the lowest swapping peak and the unswapped one, reordered: a plan that swaps is
+    needed and found."""
     from benchmarks.models import build_model
     from rewriter.capture import capture
 
@@ -107,9 +133,10 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
 
     graph = capture(build_model("small_cnn", image_size=32), 64)
     unswapped = replay(graph, None, "cpu-testbed").peak_bytes
+    reordered = replay(graph.with_order("memory"), None, "cpu-testbed").peak_bytes  # no swaps, memory order
     lowest = replay(graph, plan_swaps(graph, SwapParams(threshold=1, lb=1, ub=8, sync="both")), "cpu-testbed").peak_bytes
-    assert lowest < unswapped
-    budget = (lowest + unswapped) // 2
+    assert lowest < reordered <= unswapped
+    budget = (lowest + reordered) // 2  # reordering alone is not enough: the plan must swap
     out = tmp_path / "out"
     code, stdout, err = _run_main(capsys, models / "good", "--batch-size", "64", "--memory", str(budget),
                                   "--device", "cpu-testbed", "--no-measure", "--trials", "40", "--out", out, "--quiet")
