@@ -276,7 +276,8 @@ def _progress(budget: Budget, problem: TuningProblem):
             if not best or trial.value < best[0]:
                 best[:] = [trial.value]
                 bar.set_postfix_str(f"best step {trial.value:.4g} s, peak {trial.user_attrs['peak_bytes'] / 2**30:.2f} GiB")
-        bar.update(1)
+        if trial.state == optuna.trial.TrialState.COMPLETE:  # pruned repeats do not count against the budget
+            bar.update(1)
 
     try:
         yield callback, bar.update
