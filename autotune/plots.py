@@ -35,7 +35,7 @@ def memory_timeline(result, path: Path) -> Path:
     ax.plot(np.arange(len(base)), base, color="tab:red", lw=1.2, label="without swapping")
     if result.replay is not None and result.plan is not None and result.plan.changes_step:
         ax.plot(np.arange(len(result.replay.level_peak_bytes)), result.replay.level_peak_bytes / GiB,
-                color="tab:blue", lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped)")
+                color="tab:blue", lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped, {result.plan.order_name} order)")
     ax.axhline(result.budget_bytes / GiB, color="black", ls="--", lw=1, label=f"budget {result.budget_bytes / GiB:.2f} GiB")
     ax.axhline(result.graph.persistent_bytes / GiB, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
     forward_levels = result.graph.op_phase == FORWARD

@@ -77,8 +77,8 @@ def memory_order(g: OpGraph) -> np.ndarray:
     instead of 3). The greedy pass finishes one branch before the next, but it computes the
     cheap first parts of a gradient early and leaves them waiting while it runs a whole branch
     that frees as it goes (ResNet-50 at batch 848: six activation-sized buffers live in
-    conv2_block1's backward); the sinking pass allocates them when they are read (with every
-    activation swapped over a free link, 15.9 -> 10.8 GiB). Sizes are per sample (the
+    conv2_block1's backward); the sinking pass allocates them when they are read (lowest peak of
+    plans swapping at thresholds 1-4 over a free link: 15.9 -> 10.8 GiB). Sizes are per sample (the
     batch-proportional part), so the order serves every batch size.
     """
     return _sink_allocations(g, _greedy_memory_order(g))
