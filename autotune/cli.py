@@ -221,7 +221,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
     lines = [f"model {result.model}, batch {result.batch_size}, budget {format_bytes(result.budget_bytes)} "
              f"({result.budget_source})",
              f"without swapping: peak {format_bytes(result.baseline.peak_bytes)}, step {result.baseline.step_s:.4g} s"]
-    if result.feasible and result.plan is not None and result.plan.changes_step:
+    if result.applies_plan:
         lines.append(f"with the plan:    peak {format_bytes(shown.peak_bytes)}, step {shown.step_s:.4g} s "
                      f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped, "
                      f"{result.plan.order_name} order")

@@ -23,6 +23,7 @@ import optuna
 from autotune.search import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, evaluation_from_trial,
                              record_trial_attrs)
 from simulator import SwapParams, n_levels
+from simulator.planning import SYNC_IN_MODES, SYNC_MODES
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ def _neighbours(problem: TuningProblem, evaluation: Evaluation) -> list[dict]:
     centre = space.choice(evaluation.params)
     if centre is None:
         return []
-    windowed = centre["sync"] not in ("in", "both")
+    windowed = centre["sync"] not in SYNC_IN_MODES
     moves: list[tuple[int, dict]] = []
     for name in (*space.ORDERED, *space.CATEGORICAL):
         if not windowed and name in ("lb", "window"):
@@ -224,7 +225,7 @@ def _neighbours(problem: TuningProblem, evaluation: Evaluation) -> list[dict]:
             if name in space.CATEGORICAL:
                 if value != centre[name]:
                     moves.append((1, dict(centre, **{name: value})))
-                    if name == "sync" and not windowed and value not in ("in", "both"):
+                    if name == "sync" and not windowed and value not in SYNC_IN_MODES:
                         moves += [(2, dict(centre, sync=value, window=w)) for w in range(len(space.window))
                                   if w != centre["window"]]
                 continue
@@ -320,7 +321,7 @@ class TflmsV2Policy:
     """
 
     name = "tflms-v2"
-    SYNC = ("none", "out", "in", "both")
+    SYNC = SYNC_MODES
 
     def search(self, problem: TuningProblem, study: optuna.Study, budget: Budget) -> Outcome:
         depth = n_levels(problem.graph)

@@ -40,7 +40,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
     sections = []
-    if result.feasible and result.plan is not None and result.plan.changes_step:
+    if result.applies_plan:
         how = (f"swaps {result.plan.n_swaps} tensors" if result.plan.n_swaps else
                f"swaps nothing, runs the ops in the `{result.plan.order_name}` order,")
         verdict = (f"**Fits.** The plan {how} and brings the predicted peak from "
@@ -104,7 +104,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                                        f"{result.space.size():,} grid points."], [],
                             [n for n in ("optimization_history.png", "param_importances.png", "distance_histogram.png")
                              if n in images]))
-    if result.feasible and result.plan is not None and result.plan.changes_step:
+    if result.applies_plan:
         sections.append(Section("Train with the plan", [f"`{plan_file}` holds the plan; apply it to the model:"],
                                 code=(
                                     "import keras, rewriter\n"

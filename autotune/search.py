@@ -17,6 +17,7 @@ import numpy as np
 import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
+from simulator.planning import SYNC_MODES
 from simulator.replay import Replay
 
 METRICS = ("peak_bytes", "step_s", "compute_s", "stall_s", "overhead", "d2h_bytes", "h2d_bytes", "host_peak_bytes",
@@ -35,7 +36,7 @@ class SearchSpace:
     lb: tuple[int, ...]
     window: tuple[int, ...]
     groupby: tuple[int, ...]
-    sync: tuple[str, ...] = ("none", "out", "in", "both")
+    sync: tuple[str, ...] = SYNC_MODES
     min_bytes: tuple[int, ...] = (4096, 1 << 20, 16 << 20)
     order: tuple[str, ...] = ("cto", "memory")
 

@@ -81,6 +81,11 @@ class TuneResult:
         return None if self.chosen is None else self.chosen.params
 
     @property
+    def applies_plan(self) -> bool:
+        """A plan fits and changes the step (swaps, or reorders it): there is something to apply."""
+        return self.feasible and self.plan is not None and self.plan.changes_step
+
+    @property
     def shown(self) -> Evaluation | None:
         """The chosen candidate, or the closest miss when nothing fits."""
         return self.chosen or self.closest

@@ -101,12 +101,9 @@ def _greedy_memory_order(g: OpGraph) -> np.ndarray:
     inputs_of: list[list[int]] = [[] for _ in range(g.n_ops)]
     for buffer, op in zip(pairs[0].tolist(), pairs[1].tolist()):
         inputs_of[op].append(buffer)
-    src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
-    dst = np.concatenate([g.edge_consumer, g.control_dst])
-    pending = np.bincount(dst, minlength=g.n_ops).tolist()
-    by_src = np.argsort(src, kind="stable")
-    bounds = np.searchsorted(src[by_src], np.arange(g.n_ops + 1)).tolist()
-    successors = dst[by_src].tolist()
+    ptr, successor_array = _successor_csr(g)
+    pending = np.bincount(successor_array, minlength=g.n_ops).tolist()
+    bounds, successors = ptr.tolist(), successor_array.tolist()
     levels = categorized_levels(g).tolist()
     sizes, alloc = size.tolist(), allocates.tolist()
     ready = [op for op in range(g.n_ops) if pending[op] == 0]
@@ -146,11 +143,8 @@ def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:
     root = info.root
     last_read = np.full(g.n_tensors, -1, dtype=np.int64)
     np.maximum.at(last_read, root[g.edge_tensor], position[g.edge_consumer])
-    src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
-    dst = np.concatenate([g.edge_consumer, g.control_dst])
-    by_src = np.argsort(src, kind="stable")
-    succ_bounds = np.searchsorted(src[by_src], np.arange(g.n_ops + 1)).tolist()
-    successors = dst[by_src].tolist()
+    ptr, successor_array = _successor_csr(g)
+    succ_bounds, successors = ptr.tolist(), successor_array.tolist()
     by_consumer = np.argsort(g.edge_consumer, kind="stable")
     in_bounds = np.searchsorted(g.edge_consumer[by_consumer], np.arange(g.n_ops + 1)).tolist()
     inputs = root[g.edge_tensor[by_consumer]].tolist()

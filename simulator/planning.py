@@ -17,6 +17,7 @@ from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels, position_of
 
 SYNC_MODES = ("none", "out", "in", "both")
+SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
 TRIGGER_POLICIES = ("ancestor", "level")
 
 # Backward ops heavy enough that Grappler neither folds them nor moves their control edges, so a
@@ -505,7 +506,7 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     hi = first_level - params.lb
     lo = np.maximum(first_level - params.ub, levels[g.tensor_producer[group_tensor]] + 1)
     trigger = np.full(n_groups, -1, dtype=np.int64)
-    if params.sync not in ("in", "both") and n_groups:
+    if params.sync not in SYNC_IN_MODES and n_groups:
         if params.trigger == "level":
             latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
             found_level = latest_level[np.maximum(hi, 0)]
