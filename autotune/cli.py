@@ -27,6 +27,7 @@ autotune.toml with defaults for the flags below, e.g.:
     device = "v100-16gb"          # or: memory = "16GiB"
     input_shapes = {image = [224, 224, 3]}   # where the model leaves dimensions open
     trials = 200
+    graph_rewrites = ["split-concat"]   # U-Nets: see --rewrite
 
 The tool captures the training step, simulates candidate swap plans (threshold, swap-in
 window, grouping, sync mode, size filter), searches them with Optuna, applies the winner to the
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="find the largest batch that fits with swapping, and tune for it")
     search.add_argument("--max-overhead", type=float,
                         help="with --maximize-batch: largest acceptable simulated slow-down, e.g. 0.3 for 30%%")
+    search.add_argument("--rewrite", action="append", metavar="NAME",
+                        help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
+                             "autotune.toml): split-concat splits a convolution reading a channel concatenation "
+                             "(U-Net decoders) into one per input, so the concatenation is never held")
     run = parser.add_argument_group("output")
     run.add_argument("--out", help="output directory (default: autotune-out)")
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
@@ -121,6 +126,14 @@ def _settings(args: argparse.Namespace):
         raise InputError(f"autotune.toml: policy {policy!r} is not one of {', '.join(POLICIES)}")
     if sampler not in SAMPLERS:
         raise InputError(f"autotune.toml: sampler {sampler!r} is not one of {', '.join(sorted(SAMPLERS))}")
+    graph_rewrites = list(dict.fromkeys(args.rewrite or config.graph_rewrites or []))
+    if graph_rewrites:  # the names live with the rewrites (importing them loads TensorFlow)
+        from rewriter.graph_rewrites import REWRITES
+
+        unknown = [r for r in graph_rewrites if r not in REWRITES]
+        if unknown:
+            where = "--rewrite" if args.rewrite else "autotune.toml: graph_rewrites"
+            raise InputError(f"{where}: unknown graph rewrite {unknown[0]!r}; known: {', '.join(REWRITES)}")
     if device is not None and device.lower().replace("_", "-") not in DEVICES:
         raise InputError(f"unknown device {device!r}; known: {', '.join(sorted(DEVICES))}")
     return {
@@ -135,6 +148,7 @@ def _settings(args: argparse.Namespace):
         "seed": args.seed if args.seed is not None else (config.seed if config.seed is not None else 0),
         "max_overhead": max_overhead,
         "input_shapes": _input_shapes(args.input_shape) or config.input_shapes,
+        "graph_rewrites": graph_rewrites,
         "label_shapes": config.label_shapes,
         "label_dtype": config.label_dtype,
         "out": Path(args.out or "autotune-out"),
@@ -190,10 +204,14 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     try:
         graph = capture(model, settings["batch_size"], input_shapes=settings["input_shapes"],
                         label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
-                        name=settings["model_file"].stem)
+                        name=settings["model_file"].stem, graph_rewrites=settings["graph_rewrites"])
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
     _say(quiet, f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
+    for rewrite in settings["graph_rewrites"]:
+        changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
+        _say(quiet, f"{rewrite}: {len(changed)} op(s) rewritten" if changed else
+             f"{rewrite}: nothing in this model to rewrite")
 
     from autotune.tuning import tune_graph
 
@@ -219,9 +237,14 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
 def _summary_text(result, report: Path, seconds: float) -> str:
     shown = result.shown
     lines = [f"model {result.model}, batch {result.batch_size}, budget {format_bytes(result.budget_bytes)} "
-             f"({result.budget_source})",
-             f"without swapping: peak {format_bytes(result.baseline.peak_bytes)}, step {result.baseline.step_s:.4g} s"]
-    if result.applies_plan:
+             f"({result.budget_source})"]
+    if result.graph_rewrites:
+        changes = result.graph.meta.get("graph_rewrite_changes", {})
+        lines.append("graph rewrites: " + ", ".join(f"{r} ({len(changes.get(r, []))} ops)" for r in result.graph_rewrites)
+                     + "; the figures below are of the rewritten step")
+    lines.append(f"without swapping: peak {format_bytes(result.baseline.peak_bytes)}, "
+                 f"step {result.baseline.step_s:.4g} s")
+    if result.applies_plan and result.plan.changes_step:
         lines.append(f"with the plan:    peak {format_bytes(shown.peak_bytes)}, step {shown.step_s:.4g} s "
                      f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped, "
                      f"{result.plan.order_name} order")
@@ -229,7 +252,8 @@ def _summary_text(result, report: Path, seconds: float) -> str:
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
                      f"min_bytes={p.min_bytes}")
     elif result.feasible:
-        lines.append("fits without swapping")
+        lines.append("fits without swapping" + (" (rewritten; plan.json applies the rewrites)"
+                                                if result.applies_plan else ""))
     else:
         miss = "" if shown is None else f"; closest plan peaks at {format_bytes(shown.peak_bytes)}"
         lines.append(f"NO PLAN FITS the budget{miss}")

@@ -66,6 +66,7 @@ class Config:
     policy: str | None = None
     seed: int | None = None
     max_overhead: float | None = None
+    graph_rewrites: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,7 +86,7 @@ def load_config(directory: Path) -> Config:
         raise InputError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     expected = {"batch_size": int, "trials": int, "seed": int, "timeout": (int, float), "max_overhead": (int, float),
                 "memory": (str, int), "device": str, "sampler": str, "policy": str, "label_dtype": str,
-                "input_shapes": (dict, list), "label_shapes": list}
+                "input_shapes": (dict, list), "label_shapes": list, "graph_rewrites": list}
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, expected[key]):
             raise InputError(f"{path}: {key} = {value!r} has the wrong type")

@@ -36,11 +36,16 @@ def _seconds(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g} s"
 
 
+def _rewrites_text(changes: dict[str, list[str]]) -> str:
+    return "; ".join(f"{name}: {len(ops)} op(s) ({', '.join(ops[:3])}{', ...' if len(ops) > 3 else ''})"
+                     for name, ops in changes.items())
+
+
 def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
     sections = []
-    if result.applies_plan:
+    if result.applies_plan and result.plan.changes_step:
         how = (f"swaps {result.plan.n_swaps} tensors" if result.plan.n_swaps else
                f"swaps nothing, runs the ops in the `{result.plan.order_name}` order,")
         verdict = (f"**Fits.** The plan {how} and brings the predicted peak from "
@@ -49,7 +54,8 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                    f"{_seconds(shown.step_s)} ({_pct(shown.metrics['overhead'])} over computing alone).")
     elif result.feasible:
         verdict = (f"**Fits without swapping.** The predicted peak is {format_bytes(result.baseline.peak_bytes)}, "
-                   f"within the budget of {format_bytes(result.budget_bytes)}.")
+                   f"within the budget of {format_bytes(result.budget_bytes)}"
+                   + (" (of the rewritten step; the plan applies the rewrites)." if result.applies_plan else "."))
     else:
         miss = "" if shown is None else (f" The closest plan found reaches {format_bytes(shown.peak_bytes)}, "
                                          f"{format_bytes(max(0, shown.excess_bytes))} over the budget.")
@@ -60,6 +66,8 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
         ("budget", f"{format_bytes(result.budget_bytes)}, from {result.budget_source}"),
         ("search", f"{result.policy}, {len(result.evaluations)} candidates simulated"),
         ("graph", f"{result.graph.n_ops} ops, {result.graph.n_tensors} tensors"),
+        ("graph rewrites (every figure is of the rewritten step)" if result.graph_rewrites else "graph rewrites",
+         _rewrites_text(summary["graph_rewrite_changes"]) or "none"),
         ("resident (weights, optimizer state, inputs)", format_bytes(result.graph.persistent_bytes)),
         ("least peak any swap plan can reach (largest op's inputs and outputs + resident)",
          format_bytes(summary["peak_lower_bound_bytes"])),
@@ -179,7 +187,7 @@ def write_report(result, out_dir: str | Path) -> dict[str, Path]:
         images = plots.draw_all(result, scratch)
         files: dict[str, Path] = dict(images)
         plan_file = "plan.json" if result.feasible else "closest_plan.json"
-        if result.plan is not None and result.plan.changes_step:
+        if result.plan is not None and (result.plan.changes_step or result.graph_rewrites):
             (scratch / plan_file).write_text(result.plan.to_json(result.graph))
             files[plan_file] = scratch / plan_file
         pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)

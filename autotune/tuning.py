@@ -81,9 +81,15 @@ class TuneResult:
         return None if self.chosen is None else self.chosen.params
 
     @property
+    def graph_rewrites(self) -> list[str]:
+        """Rewrites the step was captured with (``rewriter.graph_rewrites``): every figure here,
+        the unswapped ones too, is of the rewritten step, and the plan makes the rewriter redo them."""
+        return list(self.graph.meta.get("graph_rewrites", []))
+
+    @property
     def applies_plan(self) -> bool:
-        """A plan fits and changes the step (swaps, or reorders it): there is something to apply."""
-        return self.feasible and self.plan is not None and self.plan.changes_step
+        """A plan fits and changes the step (swaps, reorders or rewrites it): there is something to apply."""
+        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.graph_rewrites))
 
     @property
     def shown(self) -> Evaluation | None:
@@ -103,6 +109,8 @@ class TuneResult:
             "feasible": self.feasible,
             "params": None if self.params is None else self.params.to_dict(),
             "closest_params": None if self.chosen or not shown or not shown.params else shown.params.to_dict(),
+            "graph_rewrites": self.graph_rewrites,
+            "graph_rewrite_changes": self.graph.meta.get("graph_rewrite_changes", {}),
             "resident_bytes": self.graph.persistent_bytes,
             "peak_lower_bound_bytes": peak_lower_bound_bytes(self.graph),
             "baseline_peak_bytes": self.baseline.peak_bytes,
@@ -269,7 +277,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed)
     study = open_study(storage, name, g, problem.space)
     if baseline.feasible:
-        notes.append("the step fits without swapping: no plan needed")
+        notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"
+                     if g.meta.get("graph_rewrites") else "the step fits without swapping: no plan needed")
         outcome_evaluations, chosen = [baseline], baseline
     else:
         chosen_policy = make_policy(policy, sampler=sampler, seed=seed)
@@ -291,16 +300,18 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
 
 
 def tune(model, *, batch_size: int, device: str | DeviceModel | None = None, memory: int | None = None,
-         measure: bool = True, input_shapes=None, label_shapes=None, label_dtype=None, **search: Any) -> TuneResult:
+         measure: bool = True, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
+         **search: Any) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner.
 
+    ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
     ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
     Returns a TuneResult with params, plan, predictions and (``measure=True``) measurements.
     """
     from rewriter.capture import capture
 
     graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                    label_dtype=label_dtype, name=getattr(model, "name", None))
+                    label_dtype=label_dtype, name=getattr(model, "name", None), graph_rewrites=graph_rewrites)
     result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
     if measure and result.plan is not None:
         from autotune.measured import measure_result

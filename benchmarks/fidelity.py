@@ -56,15 +56,22 @@ class ModelSetup:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     batch: int = 8
+    graph_rewrites: tuple[str, ...] = ()  # rewriter.graph_rewrites made before the plans
+
+    @property
+    def key(self) -> str:
+        return "+".join((self.name,) + self.graph_rewrites)
 
     def describe(self) -> str:
         options = ", ".join(f"{key}={value}" for key, value in self.kwargs.items())
-        return f"{self.name}({options}) b{self.batch}"
+        rewrites = "".join(f" --rewrite {r}" for r in self.graph_rewrites)
+        return f"{self.name}({options}) b{self.batch}{rewrites}"
 
 
-MODELS: dict[str, ModelSetup] = {setup.name: setup for setup in (
+MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
     ModelSetup("resnet50", {"image_size": 224}, 8),
     ModelSetup("unet3d", {"size": 64, "base_filters": 16, "depth": 4}, 1),
+    ModelSetup("unet3d", {"size": 64, "base_filters": 16, "depth": 4}, 1, ("split-concat",)),
     ModelSetup("vgg16", {"image_size": 128}, 8),
     ModelSetup("mobilenetv2", {"image_size": 160}, 8),
     ModelSetup("densenet121", {"image_size": 128}, 4),
@@ -172,7 +179,7 @@ def _worker(spec_path: str, out_path: str) -> int:
     model = build_model(name, seed=0, **spec["kwargs"])
     x, y = example_batch(model, batch)
     start = time.perf_counter()
-    graph = rewriter.capture(model, batch, name=name)
+    graph = rewriter.capture(model, batch, name=name, graph_rewrites=spec.get("graph_rewrites", ()))
     emit({"kind": "graph", "capture_s": time.perf_counter() - start, "ops": graph.n_ops,
           "levels": n_levels(graph), "persistent_bytes": graph.persistent_bytes,
           "measured_on": place.describe(), "device": device.name})
@@ -236,13 +243,14 @@ def _run_model(setup: ModelSetup, plans: list[tuple[str, dict | None]], *, timeo
     with tempfile.TemporaryDirectory(prefix="fidelity_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.jsonl"
         spec_path.write_text(json.dumps({"model": setup.name, "kwargs": setup.kwargs, "batch": setup.batch,
+                                         "graph_rewrites": list(setup.graph_rewrites),
                                          "plans": plans, "repeats": repeats, "peak_repeats": peak_repeats,
                                          "grappler": grappler}))
         env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         command = [sys.executable, "-m", "benchmarks", "fidelity", "--worker", str(spec_path), str(out_path)]
         start = time.perf_counter()
-        status: dict[str, Any] = {"model": setup.name}
+        status: dict[str, Any] = {"model": setup.key}
         try:
             done = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True,
                                   timeout=timeout)
@@ -276,7 +284,7 @@ def build_table(setup: ModelSetup, records: list[dict], status: dict[str, Any],
     rows = []
     for label, params in plans:
         r = by_plan.get(label)
-        row: dict[str, Any] = {"model": setup.name, "setting": setup.describe(), "plan": label,
+        row: dict[str, Any] = {"model": setup.key, "setting": setup.describe(), "plan": label,
                                "params": _params_text(params), "order": (params or {}).get("order", "cto")}
         if r is None:
             row["note"] = "not run: timeout" if status.get("timeout") else "not run: worker failed"
@@ -318,18 +326,18 @@ def build_table(setup: ModelSetup, records: list[dict], status: dict[str, Any],
                     row["grappler+resident_ratio"] = (grappler["grappler_bytes"] + resident) / measured
             else:
                 row["note"] = f"Grappler failed: {grappler.get('grappler_error', '?')[:300]}"
-                notes.append(f"- {setup.name}: Grappler's DeterminePeakMemoryUsage failed: "
+                notes.append(f"- {setup.key}: Grappler's DeterminePeakMemoryUsage failed: "
                              f"`{grappler.get('grappler_error')}`")
         rows.append(row)
     if status.get("timeout"):
-        notes.append(f"- {setup.name}: the worker hit the per-model timeout after {status['wall_s']:.0f} s; "
+        notes.append(f"- {setup.key}: the worker hit the per-model timeout after {status['wall_s']:.0f} s; "
                      "plans without numbers were not measured.")
     elif status.get("returncode"):
         tail = status.get("stderr", "").strip().splitlines()[-3:]
-        notes.append(f"- {setup.name}: the worker exited with code {status['returncode']}: `{' / '.join(tail)}`")
+        notes.append(f"- {setup.key}: the worker exited with code {status['returncode']}: `{' / '.join(tail)}`")
     for r in records:
         if r["kind"] == "plan" and "error" in r:
-            notes.append(f"- {setup.name} / {r['plan']}: `{r['error'][:500]}`")
+            notes.append(f"- {setup.key} / {r['plan']}: `{r['error'][:500]}`")
     return rows, notes
 
 

@@ -10,9 +10,10 @@ from benchmarks.common import RESULTS_DIR
 from simulator import OpGraph
 
 
-def captured_graph(name: str, **kwargs) -> OpGraph:
-    """``build_model(name, **kwargs)``'s step captured at batch 1 (sizes are linear in the batch)."""
-    key = "_".join([name] + [f"{k}{v}" for k, v in sorted(kwargs.items())])
+def captured_graph(name: str, graph_rewrites: tuple[str, ...] = (), **kwargs) -> OpGraph:
+    """``build_model(name, **kwargs)``'s step captured at batch 1 (sizes are linear in the batch),
+    after ``graph_rewrites`` (``rewriter.capture``'s)."""
+    key = "_".join([name] + [f"{k}{v}" for k, v in sorted(kwargs.items())] + list(graph_rewrites))
     path = RESULTS_DIR / "graphs" / f"{key}.npz"
     if path.exists():
         graph = OpGraph.load(path)
@@ -23,7 +24,7 @@ def captured_graph(name: str, **kwargs) -> OpGraph:
     from benchmarks.models import build_model
     from rewriter.capture import capture
 
-    graph = capture(build_model(name, **kwargs), 1, name=name)
+    graph = capture(build_model(name, **kwargs), 1, name=name, graph_rewrites=graph_rewrites)
     graph.meta["build_kwargs"] = kwargs
     graph.save(path)
     return graph

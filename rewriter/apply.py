@@ -37,7 +37,8 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
-from rewriter.capture import BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, trace_keras_step
+from rewriter.capture import (BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, import_step,
+                              rewrite_graph_def, trace_keras_step)
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
 from simulator.devices import ONEDNN_POOL_READS
 
@@ -751,26 +752,6 @@ def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
     return info
 
 
-def import_step(graph_def, traced: TracedStep):
-    """Re-import an edited step GraphDef as a callable with the model's variables re-bound."""
-    concrete = traced.concrete
-    n_inputs = len(traced.input_names)
-    inputs = concrete.inputs[:n_inputs]
-    input_names = [t.name for t in inputs]
-    fetches = [t.name for t in concrete.outputs] + [f"{traced.loss_op}:0"]
-    captures = list(concrete.graph.captures)
-    specs = [tf.TensorSpec(t.shape, t.dtype, name=f"swapstep_input_{i}") for i, t in enumerate(inputs)]
-
-    def imported(*args):
-        graph = tf.compat.v1.get_default_graph()
-        input_map = dict(zip(input_names, args))
-        for external, internal in captures:
-            input_map[internal.name] = graph.capture(external)
-        return tf.graph_util.import_graph_def(graph_def, input_map=input_map, return_elements=fetches, name="")
-
-    return tf.compat.v1.wrap_function(imported, signature=specs)
-
-
 def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
           swap_op: str = "auto", input_shapes=None, label_shapes=None, label_dtype=None,
           verify: bool = True, verify_with=None, serialize: bool = True) -> SwapStep:
@@ -812,8 +793,17 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
         log.info("plan made at batch size %s applied at %d (names do not depend on it; sizes do)",
                  planned_batch, traced.batch_size)
     concrete = traced.concrete
-    graph_def, applied, skipped = edit_graph_def(concrete.graph.as_graph_def(), plan_dict, place, swap_op=chosen_op,
-                                                 tensor_info=_tensor_info(concrete), foldable=noop_reshapes(concrete))
+    rewritten = concrete
+    graph_def = concrete.graph.as_graph_def()
+    rewrites = plan_dict.get("graph_rewrites") or []
+    if rewrites:  # the plan was made on the rewritten step: rewrite it the same way first
+        try:
+            graph_def, _ = rewrite_graph_def(graph_def, rewrites, concrete.graph)
+        except ValueError as error:
+            raise PlanError(f"the plan asks for a graph rewrite this version does not have: {error}") from None
+        rewritten = import_step(graph_def, traced, keep_input_names=True)
+    graph_def, applied, skipped = edit_graph_def(graph_def, plan_dict, place, swap_op=chosen_op,
+                                                 tensor_info=_tensor_info(rewritten), foldable=noop_reshapes(concrete))
     function = import_step(graph_def, traced)
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=plan_dict, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,

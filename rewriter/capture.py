@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from rewriter.graph_rewrites import REWRITES, apply_rewrites
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,49 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
         raise CaptureError("the step function must return its loss tensor (or a dict with a 'loss' entry)")
     return TracedStep(concrete, batch_size, _underlying(loss).op.name, _optimizer_scope(optimizer),
                       [s.name for s in specs])
+
+
+def import_step(graph_def, traced: TracedStep, *, keep_input_names: bool = False):
+    """Re-import an edited step GraphDef as a callable with the model's variables re-bound.
+    ``keep_input_names``: its input placeholders take the traced step's names (for a capture of it)."""
+    concrete = traced.concrete
+    n_inputs = len(traced.input_names)
+    inputs = concrete.inputs[:n_inputs]
+    input_names = [t.name for t in inputs]
+    fetches = [t.name for t in concrete.outputs] + [f"{traced.loss_op}:0"]
+    captures = list(concrete.graph.captures)
+    specs = [tf.TensorSpec(t.shape, t.dtype, name=t.op.name if keep_input_names else f"swapstep_input_{i}")
+             for i, t in enumerate(inputs)]
+
+    def imported(*args):
+        graph = tf.compat.v1.get_default_graph()
+        input_map = dict(zip(input_names, args))
+        for external, internal in captures:
+            input_map[internal.name] = graph.capture(external)
+        return tf.graph_util.import_graph_def(graph_def, input_map=input_map, return_elements=fetches, name="")
+
+    return tf.compat.v1.wrap_function(imported, signature=specs)
+
+
+def rewrite_graph_def(graph_def, rewrites: Sequence[str], graph) -> tuple[Any, dict[str, list[str]]]:
+    """``rewriter.graph_rewrites`` on a step's GraphDef, with static shapes from its traced ``graph``."""
+    def shape_of(name: str) -> list[int] | None:
+        try:
+            shape = graph.get_tensor_by_name(name).shape
+        except (KeyError, ValueError):
+            return None
+        return shape.as_list() if shape.is_fully_defined() else None
+
+    return apply_rewrites(graph_def, rewrites, shape_of)
+
+
+def rewritten_step(traced: TracedStep, rewrites: Sequence[str]) -> tuple[TracedStep, dict[str, list[str]]]:
+    """The traced step with ``rewrites`` applied (itself when they change nothing)."""
+    graph_def, changed = rewrite_graph_def(traced.concrete.graph.as_graph_def(), rewrites, traced.concrete.graph)
+    if not any(changed.values()):
+        return traced, changed
+    function = import_step(graph_def, traced, keep_input_names=True)
+    return TracedStep(function, traced.batch_size, traced.loss_op, traced.optimizer_scope, traced.input_names), changed
 
 
 def _underlying(tensor):
@@ -561,28 +605,49 @@ def _second_batch(batch_size: int) -> int:
 
 
 def capture(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
-            name: str | None = None) -> OpGraph:
+            name: str | None = None, graph_rewrites: Sequence[str] = ()) -> OpGraph:
     """Capture a compiled Keras 3 model's training step (loss and optimizer from ``model.compile``).
 
     ``input_shapes`` (without the batch) is needed where the model leaves dimensions open;
     ``label_shapes``/``label_dtype`` override the labels inferred from the outputs and the loss.
+    ``graph_rewrites`` (``rewriter.graph_rewrites.REWRITES``): exact rewrites applied to the step
+    first; those that changed something are in ``meta["graph_rewrites"]``, and plans made on the
+    graph carry them to ``rewriter.apply``.
     """
     if batch_size is None or int(batch_size) < 1:
         raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
     kwargs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     first = trace_keras_step(model, int(batch_size), **kwargs)
     second = trace_keras_step(model, _second_batch(int(batch_size)), **kwargs)
-    return build_opgraph(first, second, meta={"model": name or getattr(model, "name", "model"),
-                                             "optimizer": type(model.optimizer).__name__})
+    meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__}
+    first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
+    return build_opgraph(first, second, meta=meta)
 
 
 def capture_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.TensorSpec]], batch_size: int, *,
-                 optimizer=None, name: str = "step") -> OpGraph:
+                 optimizer=None, name: str = "step", graph_rewrites: Sequence[str] = ()) -> OpGraph:
     """Capture a hand-written step: ``step_fn(*inputs)`` returns its loss; ``specs_at(batch)`` gives
-    the TensorSpecs of its inputs at a batch size; ``optimizer`` (optional) names the update scope."""
+    the TensorSpecs of its inputs at a batch size; ``optimizer`` (optional) names the update scope;
+    ``graph_rewrites`` as for ``capture``."""
     first = trace_function_step(step_fn, specs_at, int(batch_size), optimizer=optimizer)
     second = trace_function_step(step_fn, specs_at, _second_batch(int(batch_size)), optimizer=optimizer)
-    return build_opgraph(first, second, meta={"model": name})
+    first, second, meta = _with_rewrites(first, second, graph_rewrites, {"model": name})
+    return build_opgraph(first, second, meta=meta)
+
+
+def _with_rewrites(first: TracedStep, second: TracedStep, rewrites: Sequence[str], meta: dict):
+    """Both traces rewritten; the rewrites that changed something recorded in ``meta``."""
+    unknown = [r for r in rewrites if r not in REWRITES]
+    if unknown:
+        raise CaptureError(f"unknown graph rewrite {unknown[0]!r}; known: {', '.join(REWRITES)}")
+    if not rewrites:
+        return first, second, meta
+    first, changed = rewritten_step(first, rewrites)
+    second, _ = rewritten_step(second, rewrites)
+    done = [r for r in rewrites if changed.get(r)]
+    if done:
+        meta = dict(meta, graph_rewrites=done, graph_rewrite_changes={r: changed[r] for r in done})
+    return first, second, meta
 
 
 def synthetic_batch(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None, seed: int = 0):

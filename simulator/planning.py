@@ -236,7 +236,7 @@ class SwapPlan:
                     for swap_in in swap.swap_ins
                 ],
             })
-        return {
+        plan = {
             "format": "swap-plan/1",
             "graph_fingerprint": g.fingerprint(),
             "model": g.meta.get("model", ""),
@@ -246,6 +246,9 @@ class SwapPlan:
             "ordering": self.order_name,
             "order": [] if self.order is None else [str(name) for name in g.op_name[self.order]],
         }
+        if g.meta.get("graph_rewrites"):  # the graph is of the rewritten step: the rewriter redoes them
+            plan["graph_rewrites"] = list(g.meta["graph_rewrites"])
+        return plan
 
     def to_json(self, g: OpGraph, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(g), indent=kwargs.pop("indent", 1), **kwargs)

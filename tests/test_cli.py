@@ -46,6 +46,10 @@ def models(tmp_path_factory):
     bad_toml.mkdir()
     (bad_toml / "cnn.keras").write_bytes((good / "cnn.keras").read_bytes())
     (bad_toml / "autotune.toml").write_text("batch_size = [oops\n")
+    bad_rewrite = base / "bad_rewrite"
+    bad_rewrite.mkdir()
+    (bad_rewrite / "cnn.keras").write_bytes((good / "cnn.keras").read_bytes())
+    (bad_rewrite / "autotune.toml").write_text('graph_rewrites = ["fold-everything"]\n')
     return base
 
 
@@ -70,6 +74,8 @@ def _run_main(capsys, *args):
     ("good", ["--memory"], "expected one argument"),
     ("good", ["--device", "tpu-9000"], "invalid choice"),
     ("good", ["--batch-size", "0"], "batch size must be positive"),
+    ("good", ["--rewrite", "fold-everything"], "unknown graph rewrite"),
+    ("bad_rewrite", [], "autotune.toml: graph_rewrites: unknown graph rewrite"),
 ])
 def test_bad_input_is_one_line_and_exit_2(models, capsys, tmp_path, case, extra, message):
     args = [models / case, "--out", tmp_path / "out", "--no-measure", "--trials", "3"]
@@ -153,6 +159,36 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
     assert "data:image/png;base64," in html and "<img alt='memory_timeline.png'" in html
     plan = json.loads((out / "plan.json").read_text())
     assert plan["format"] == "swap-plan/1" and plan["swaps"]
+
+
+def test_split_concat_rewrite_end_to_end(capsys, tmp_path):
+    """--rewrite split-concat on a U-Net: the figures are of the rewritten step, the plan carries the
+    rewrite, and the measured run of it agrees with the prediction."""
+    from benchmarks.models import build_model
+    from rewriter.capture import capture
+
+    from simulator import SwapParams, plan_swaps, replay
+
+    model = build_model("unet3d", size=16, base_filters=4, depth=2)
+    graph = capture(model, 2, graph_rewrites=["split-concat"])
+    unswapped = replay(graph, None, "cpu-testbed").peak_bytes
+    lowest = replay(graph, plan_swaps(graph, SwapParams(threshold=1, sync="both")), "cpu-testbed").peak_bytes
+    assert lowest < unswapped
+    model_dir = tmp_path / "unet"
+    model_dir.mkdir()
+    model.save(model_dir / "unet.keras")
+    out = tmp_path / "out"
+    code, stdout, err = _run_main(capsys, model_dir, "--batch-size", "2", "--device", "cpu-testbed", "--memory",
+                                  str((lowest + unswapped) // 2), "--trials", "30", "--rewrite", "split-concat",
+                                  "--out", out, "--quiet")
+    assert code == 0, err + stdout
+    assert "graph rewrites: split-concat (2 ops)" in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["graph_rewrites"] == ["split-concat"] and summary["feasible"] and summary["swaps"] > 0
+    assert summary["baseline_peak_bytes"] == unswapped
+    assert json.loads((out / "plan.json").read_text())["graph_rewrites"] == ["split-concat"]
+    assert "split-concat: 2 op(s)" in (out / "report.md").read_text()
+    assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.15
 
 
 def test_resume_keeps_finished_trials(models, capsys, tmp_path):

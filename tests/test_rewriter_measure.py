@@ -92,7 +92,8 @@ if sys.argv[5] == "keras":
     tf.config.experimental.reset_memory_stats("CPU:0")
     model.train_on_batch(x, y)
     out["keras_peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-graph = rewriter.capture(model, batch)
+graph = rewriter.capture(model, batch, graph_rewrites=json.loads(sys.argv[6]) if len(sys.argv) > 6 else ())
+out["graph_rewrites"] = graph.meta.get("graph_rewrites", [])
 rows = []
 for params in plans:
     plan = SwapPlan.empty(graph) if params is None else plan_swaps(graph, params, kept_reads=get_device("cpu-testbed").kept_reads)
@@ -116,10 +117,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _run(name, kwargs, batch, plans, keras_peak=False):
+def _run(name, kwargs, batch, plans, keras_peak=False, graph_rewrites=()):
     result = th.run_python(
         f"import sys; sys.argv = ['x', {name!r}, {json.dumps(kwargs)!r}, '{batch}', "
-        f"{json.dumps([p.to_dict() for p in plans])!r}, {'keras' if keras_peak else 'no'!r}]\n" + _SCRIPT,
+        f"{json.dumps([p.to_dict() for p in plans])!r}, {'keras' if keras_peak else 'no'!r}, "
+        f"{json.dumps(list(graph_rewrites))!r}]\n" + _SCRIPT,
         timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
@@ -191,3 +193,19 @@ def test_prediction_matches_measurement_unet3d():
     table = _table("unet3d", _run("unet3d", dict(size=48, base_filters=8, depth=3), 2, PLANS)["rows"])
     assert len(table) >= 6
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
+
+
+@pytest.mark.slow
+def test_prediction_matches_measurement_unet3d_split_concat():
+    """The step rewritten by ``split-concat`` runs as the simulator predicts, swapped or not, and
+    without swapping its measured peak is below the plain step's (same model, batch and settings)."""
+    kwargs = dict(size=48, base_filters=8, depth=3)
+    plans = [SwapParams(threshold=1), SwapParams(threshold=3, ub=8, order="memory"), SwapParams(threshold=10, sync="in")]
+    result = _run("unet3d", kwargs, 2, plans, graph_rewrites=["split-concat"])
+    assert result["graph_rewrites"] == ["split-concat"]
+    table = _table("unet3d split-concat", result["rows"])
+    assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
+    assert table["verified"].all()
+    plain = _run("unet3d", kwargs, 2, [])["rows"][0]
+    print(f"unswapped: plain {plain['measured'] / MiB:.1f} MiB, split-concat {result['rows'][0]['measured'] / MiB:.1f} MiB")
+    assert result["rows"][0]["measured"] < plain["measured"]

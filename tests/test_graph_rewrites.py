@@ -1,0 +1,101 @@
+"""Exact graph rewrites (rewriter.graph_rewrites): what they change, and that the step still
+computes the same update."""
+
+from __future__ import annotations
+
+import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import rewriter
+from benchmarks.models import build_model, example_batch
+from rewriter.capture import CaptureError, capture, capture_step
+from simulator import SwapParams, SwapPlan, plan_swaps, replay
+from simulator.buffers import op_working_set_bytes
+
+pytestmark = pytest.mark.tf
+UNET = dict(size=16, base_filters=4, depth=2)
+
+
+def _state(model) -> list[np.ndarray]:
+    return th.weights_of(model) + th.optimizer_state(model)
+
+
+def _restore(model, state) -> None:
+    for variable, value in zip(list(model.weights) + list(model.optimizer.variables), state, strict=True):
+        variable.assign(value)
+
+
+def _update(model, plan, graph, x, y, start) -> list[np.ndarray]:
+    """The change one step of ``plan`` makes to every variable, from ``start``."""
+    _restore(model, start)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=len(x))
+    step(x, y)
+    return [after - before for after, before in zip(_state(model), start, strict=True)]
+
+
+def test_split_concat_removes_the_concatenations_and_keeps_the_update():
+    model = build_model("unet3d", seed=0, **UNET)
+    plain = capture(model, 2)
+    split = capture(model, 2, graph_rewrites=["split-concat"])
+    assert split.meta["graph_rewrites"] == ["split-concat"]
+    assert split.meta["graph_rewrite_changes"]["split-concat"] == ["unet3d_1/up1_concat_1/concat",
+                                                                   "unet3d_1/up0_concat_1/concat"]
+    assert "ConcatV2" in set(plain.op_type)
+    # the only ConcatV2 left join the per-part kernel gradients (weight-sized, no batch dimension)
+    joins = np.flatnonzero(split.op_type == "ConcatV2")
+    assert len(joins) == 2 and all(split.tensor_bytes_ab[np.flatnonzero(split.tensor_producer == op), 1].sum() == 0
+                                   for op in joins)
+    assert op_working_set_bytes(split).max() < op_working_set_bytes(plain).max()
+    assert replay(split, None, "cpu-testbed").peak_bytes < replay(plain, None, "cpu-testbed").peak_bytes
+    # readers of the replaced ops read tensors of the same names
+    assert "unet3d_1/up0_conv1_1/convolution:0" in split.tensor_index()
+
+    x, y = example_batch(model, 2)
+    start = _state(model)
+    reference = _update(model, SwapPlan.empty(plain), plain, x, y, start)
+    rewritten = _update(model, SwapPlan.empty(split), split, x, y, start)
+    swapped = _update(model, plan_swaps(split, SwapParams(threshold=1)), split, x, y, start)
+    # a wrong kernel slice or part order moves whole updates; float rounding moves them by ~1e-4
+    assert th.max_relative_difference(rewritten, reference) < 2e-3
+    assert th.max_relative_difference(swapped, reference) < 2e-3
+
+
+def test_split_concat_plan_carries_the_rewrite_and_apply_redoes_it():
+    model = build_model("unet3d", seed=0, **UNET)
+    split = capture(model, 2, graph_rewrites=["split-concat"])
+    plan = plan_swaps(split, SwapParams(threshold=2)).to_dict(split)
+    assert plan["graph_rewrites"] == ["split-concat"]
+    assert any("/part" in name for name in plan["order"])
+    step = rewriter.apply(model, plan, batch_size=2)
+    assert step.n_swap_outs > 0 and step.verification.ok
+    with pytest.raises(rewriter.PlanError, match="graph rewrite"):
+        rewriter.apply(model, dict(plan, graph_rewrites=["no-such-rewrite"]), batch_size=2)
+    with pytest.raises(CaptureError, match="unknown graph rewrite"):
+        capture(model, 2, graph_rewrites=["no-such-rewrite"])
+
+
+def test_a_concatenation_read_elsewhere_stays_whole():
+    """The rewrite needs the convolution (and its gradients) to be the concatenation's only readers."""
+    kernel = tf.Variable(tf.random.stateless_normal((3, 3, 4, 2), seed=(1, 2)))
+
+    def step_of(read_elsewhere: bool):
+        def step(a, b):
+            with tf.GradientTape() as tape:
+                joined = tf.concat([a * kernel[0, 0, 0, 0], b], axis=-1)
+                loss = tf.reduce_mean(tf.nn.conv2d(joined, kernel, 1, "SAME"))
+                if read_elsewhere:
+                    loss += tf.reduce_mean(joined)
+            kernel.assign_sub(0.1 * tape.gradient(loss, kernel))
+            return loss
+        return step
+
+    def specs(batch):
+        return [tf.TensorSpec((batch, 8, 8, 2), tf.float32)] * 2
+
+    alone = capture_step(step_of(False), specs, 2, graph_rewrites=["split-concat"])
+    assert alone.meta["graph_rewrites"] == ["split-concat"]
+    shared = capture_step(step_of(True), specs, 2, graph_rewrites=["split-concat"])
+    assert "graph_rewrites" not in shared.meta and "ConcatV2" in set(shared.op_type)
