@@ -132,15 +132,20 @@ class OptunaPolicy:
                 if left[0] is not None and left[0] <= refine or not run(None if left[0] is None else left[0] - refine):
                     break
             if guided:
-                refine = self._refine(problem, study, run, refine)
-                run(refine)  # whatever refinement did not use goes back to the sampler
+                self._refine(problem, study, run, refine)
+                # whatever refinement did not complete goes back to the sampler: counted in completed
+                # trials, as a resumed study may already hold (failed, waiting) trials of the points
+                # refinement enqueues, which Optuna then skips
+                for _ in range(8):
+                    if left[0] is not None and left[0] <= 0 or not run(left[0]):
+                        break
         evaluations = _study_evaluations(study, problem)
         return Outcome(evaluations, best_of(evaluations))
 
     @staticmethod
-    def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int, per_round: int = 12) -> int:
+    def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int, per_round: int = 12) -> None:
         """Coordinate descent from the best plan that fits of each sync/order basin, the basins
-        taking turns a few moves at a time; returns the trials it did not use."""
+        taking turns a few moves at a time, within ``budget`` trials."""
         space = problem.space
         on_grid = [e for e in _study_evaluations(study, problem)
                    if e.feasible and e.params is not None and space.choice(e.params) is not None]
@@ -164,7 +169,6 @@ class OptunaPolicy:
                 basins[key] = best_of([basins[key]] + [problem.evaluate(space.params(c)) for c in fresh])
                 if budget <= 0:
                     break
-        return budget
 
 
 def _complete(study: optuna.Study) -> int:

@@ -59,3 +59,21 @@ def test_optuna_no_worse_than_tflms_v2(name, kwargs, batch):
     print(f"\n{name} batch {batch}: tflms-v2 {tflms.chosen.step_s if tflms.chosen else float('nan'):.4f} s, "
           f"optuna {tuned.chosen.step_s:.4f} s")
     assert tflms.chosen is None or tuned.chosen.step_s <= tflms.chosen.step_s
+
+
+
+def test_trials_refinement_does_not_complete_go_back_to_the_sampler(small_unet, monkeypatch):
+    """Refinement can spend its share without completing trials: on a resumed study, Optuna skips
+    enqueuing points that failed or waited in the interrupted run, and the sampler's stand-ins may be
+    repeats (pruned). The search must still complete as many new trials as it was given (the CLI
+    promises "a resumed study adds this many"); here refinement completes none of its share."""
+    from autotune.policies import OptunaPolicy
+
+    monkeypatch.setattr(OptunaPolicy, "_refine", staticmethod(lambda problem, study, run, budget, per_round=12: 0))
+    g = small_unet
+    budget = int(replay(g, None, "v100-16gb").peak_bytes * 0.5)
+    study = optuna.create_study()
+    make_policy("optuna", seed=0).search(TuningProblem(g, get_device("v100-16gb"), budget), study, Budget(trials=40))
+    before = len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
+    make_policy("optuna", seed=0).search(TuningProblem(g, get_device("v100-16gb"), budget), study, Budget(trials=10))
+    assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) - before == 10
