@@ -61,7 +61,6 @@ def test_optuna_no_worse_than_tflms_v2(name, kwargs, batch):
     assert tflms.chosen is None or tuned.chosen.step_s <= tflms.chosen.step_s
 
 
-
 def test_trials_refinement_does_not_complete_go_back_to_the_sampler(small_unet, monkeypatch):
     """Refinement can spend its share without completing trials: on a resumed study, Optuna skips
     enqueuing points that failed or waited in the interrupted run, and the sampler's stand-ins may be
