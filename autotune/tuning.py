@@ -273,7 +273,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     if g.persistent_bytes <= budget < lower_bound:
         op = int(np.argmax(op_working_set_bytes(g)))
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
-                     f"device at once, {format_bytes(lower_bound)} with the resident memory")
+                     f"device at once, {format_bytes(lower_bound)} with the resident memory"
+                     + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
     name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed)
     study = open_study(storage, name, g, problem.space)
     if baseline.feasible:
@@ -297,6 +298,16 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         replay=None if shown is None else replay(g, plan, device_model), baseline_replay=replay(g, None, device_model),
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes,
     )
+
+
+def _splittable(g: OpGraph, op: int) -> bool:
+    """A concatenation a convolution reads, not yet rewritten: the case of ``--rewrite split-concat``
+    (which also needs the convolution to be its only reader; the capture checks the rest)."""
+    if g.op_type[op] != "ConcatV2" or "split-concat" in g.meta.get("graph_rewrites", []):
+        return False
+    outputs = np.flatnonzero(g.tensor_producer == op)
+    readers = g.edge_consumer[np.isin(g.edge_tensor, outputs)]
+    return bool(np.isin(g.op_type[readers], ["Conv2D", "Conv3D"]).any())
 
 
 def tune(model, *, batch_size: int, device: str | DeviceModel | None = None, memory: int | None = None,

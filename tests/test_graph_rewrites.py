@@ -99,3 +99,21 @@ def test_a_concatenation_read_elsewhere_stays_whole():
     assert alone.meta["graph_rewrites"] == ["split-concat"]
     shared = capture_step(step_of(True), specs, 2, graph_rewrites=["split-concat"])
     assert "graph_rewrites" not in shared.meta and "ConcatV2" in set(shared.op_type)
+
+
+def test_tuning_points_to_the_rewrite_when_a_concatenation_sets_the_floor():
+    """A budget below what any swap plan can reach because of a U-Net's concatenation: the note says
+    which op and that --rewrite split-concat removes it; on the rewritten graph it says no such thing."""
+    from autotune.tuning import tune_graph
+    from simulator.buffers import peak_lower_bound_bytes
+
+    model = build_model("unet3d", seed=0, **UNET)
+    plain = capture(model, 2)
+    budget = (plain.persistent_bytes + peak_lower_bound_bytes(plain)) // 2
+    result = tune_graph(plain, device="cpu-testbed", memory=budget, trials=5, progress=False)
+    assert any("ConcatV2" in n and "--rewrite split-concat" in n for n in result.notes), result.notes
+    split = capture(model, 2, graph_rewrites=["split-concat"])
+    budget = (split.persistent_bytes + peak_lower_bound_bytes(split)) // 2
+    result = tune_graph(split, device="cpu-testbed", memory=budget, trials=5, progress=False)
+    assert any("no swap plan can fit" in n for n in result.notes)
+    assert not any("--rewrite" in n for n in result.notes), result.notes
