@@ -119,6 +119,13 @@ class OptunaPolicy:
                 left[0] -= _complete(study) - before
             return True
 
+        def sample(keep: int) -> None:
+            """The sampler until ``keep`` trials are left: repeated points are pruned and not
+            counted, so it is topped up (a few rounds at most)."""
+            for _ in range(8):
+                if left[0] is not None and left[0] <= keep or not run(None if left[0] is None else left[0] - keep):
+                    break
+
         with _progress(budget, problem) as (callback, advance), _stop_on_interrupt() as stop:
             if guided and _complete(study) == 0:
                 made = TflmsV2Policy().search(problem, study, budget).evaluations
@@ -128,17 +135,13 @@ class OptunaPolicy:
                 for choice in _threshold_frontier(problem, study, run):
                     study.enqueue_trial(choice, skip_if_exists=True)
             refine = 0 if not guided or left[0] is None else int(left[0] * self.REFINE_SHARE)
-            for _ in range(8):  # repeated points are pruned and not counted: top the sampler phase up
-                if left[0] is not None and left[0] <= refine or not run(None if left[0] is None else left[0] - refine):
-                    break
+            sample(refine)
             if guided:
                 self._refine(problem, study, run, refine)
                 # whatever refinement did not complete goes back to the sampler: counted in completed
                 # trials, as a resumed study may already hold (failed, waiting) trials of the points
                 # refinement enqueues, which Optuna then skips
-                for _ in range(8):
-                    if left[0] is not None and left[0] <= 0 or not run(left[0]):
-                        break
+                sample(0)
         evaluations = _study_evaluations(study, problem)
         return Outcome(evaluations, best_of(evaluations))
 

@@ -19,7 +19,7 @@ from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, closest_of
 from simulator import DeviceModel, OpGraph, SwapPlan, get_device, replay
-from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
+from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
 from simulator.replay import Replay
 
@@ -271,7 +271,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     baseline = problem.baseline()
     lower_bound = peak_lower_bound_bytes(g)
     if g.persistent_bytes <= budget < lower_bound:
-        op = int(np.argmax(op_working_set_bytes(g)))
+        op = largest_working_set_op(g)
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))

@@ -41,7 +41,7 @@ from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from benchmarks.graphs import captured_graph  # noqa: E402
 from benchmarks.models import unet3d_voxels  # noqa: E402
 from simulator import FORWARD, get_device, replay  # noqa: E402
-from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes  # noqa: E402
+from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes  # noqa: E402
 
 UNET_SIZE = 64  # captured size; other sizes by batch scaling, then checked by a capture
 UNET_STEP = 16  # the U-Net's input must be divisible by 2**depth
@@ -84,7 +84,7 @@ def simulate(device_name: str) -> list[dict]:
         any_host = largest_batch_with_swap(graph, budget, dataclasses.replace(device, host_memory_bytes=1 << 62),
                                            max_overhead=None, probe_trials=PROBE_TRIALS)
         bound_batch = largest_batch(lambda batch: peak_lower_bound_bytes(graph.with_batch(batch)) <= budget)
-        bound_op = int(np.argmax(op_working_set_bytes(graph.with_batch(max(bound_batch, 1)))))
+        bound_op = largest_working_set_op(graph.with_batch(max(bound_batch, 1)))
         chosen = tuned(graph.with_batch(swapped), device, budget) if swapped else None
         bound = overhead_lower_bound(graph.with_batch(swapped), device, budget) if swapped else np.nan
         overhead = np.nan if chosen is None else chosen.metrics["overhead"]

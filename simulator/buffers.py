@@ -251,6 +251,11 @@ def op_working_set_bytes(g: OpGraph) -> np.ndarray:
     return g.cached("op_working_set_bytes", compute, structural=False)
 
 
+def largest_working_set_op(g: OpGraph) -> int:
+    """The op whose working set sets ``peak_lower_bound_bytes`` (what to name when it binds)."""
+    return int(np.argmax(op_working_set_bytes(g)))
+
+
 def peak_lower_bound_bytes(g: OpGraph) -> int:
     """The least peak any swap plan can reach: resident memory plus the largest op working set."""
     working_set = op_working_set_bytes(g)
