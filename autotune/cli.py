@@ -250,7 +250,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"{result.plan.order_name} order")
         p = shown.params
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
-                     f"min_bytes={p.min_bytes}")
+                     f"min_bytes={p.min_bytes} tensors={p.tensors}")
     elif result.feasible:
         lines.append("fits without swapping" + (" (rewritten; plan.json applies the rewrites)"
                                                 if result.applies_plan else ""))

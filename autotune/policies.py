@@ -180,11 +180,13 @@ def _complete(study: optuna.Study) -> int:
 
 def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> list[dict]:
     """For each sync mode and execution order, a binary search (as trials) for the largest grid
-    threshold that fits with a middling swap-in window: one feasible starting point per basin
-    (swapping many tensors asynchronously and swapping a few big ones synchronously are far apart).
+    threshold that fits the device with a middling swap-in window, kept if it also fits the host:
+    one feasible starting point per basin (swapping many tensors asynchronously and swapping a few
+    big ones synchronously are far apart).
     A basin where nothing fits that way is searched again, after the others, with the tightest
     swap-ins (the earliest trigger window, of width 0, no grouping): under a tight budget, or near
-    the largest batch that fits at all, only plans that bring each tensor back just in time fit."""
+    the largest batch that fits at all, only plans that bring each tensor back just in time (and
+    swap all the tensors they may, gradients too) fit."""
     space = problem.space
     middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1}
     tightest = {"lb": 0, "window": 0, "groupby": 0}
@@ -192,18 +194,23 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     basins = [(middling, sync, order) for sync in space.sync for order in space.order]
     while basins:
         swap_ins, sync, order = basins.pop(0)
-        base = dict(swap_ins, min_bytes=0, sync=sync, order=order)
+        # the second try swaps the widest set of tensors the space has (tensors="all"): the most any
+        # plan can swap
+        base = dict(swap_ins, min_bytes=0, sync=sync, order=order,
+                    tensors=space.tensors[-1] if swap_ins is tightest else space.tensors[0])
         low, high, best = 0, len(space.threshold) - 1, None
         while low <= high:
             middle = (low + high) // 2
             choice = dict(base, threshold=middle)
             if not run(1, choice):
                 return frontier
-            if problem.evaluate(space.params(choice)).feasible:
+            # on the device alone: a larger threshold swaps less, so it needs more device memory
+            # and less host memory; the largest that fits the device is the basin's best hope
+            if problem.evaluate(space.params(choice)).excess_bytes <= 0:
                 best, low = middle, middle + 1
             else:
                 high = middle - 1
-        if best is not None:
+        if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
             frontier.append(dict(base, threshold=best))
         elif swap_ins is middling:
             basins.append((tightest, sync, order))

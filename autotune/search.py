@@ -17,7 +17,7 @@ import numpy as np
 import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
-from simulator.planning import SYNC_MODES
+from simulator.planning import SWAP_SCOPES, SYNC_MODES
 from simulator.replay import Replay
 
 METRICS = ("peak_bytes", "step_s", "compute_s", "stall_s", "overhead", "d2h_bytes", "h2d_bytes", "host_peak_bytes",
@@ -39,9 +39,10 @@ class SearchSpace:
     sync: tuple[str, ...] = SYNC_MODES
     min_bytes: tuple[int, ...] = (4096, 1 << 20, 16 << 20)
     order: tuple[str, ...] = ("cto", "memory")
+    tensors: tuple[str, ...] = SWAP_SCOPES
 
     ORDERED = ("threshold", "lb", "window", "groupby", "min_bytes")
-    CATEGORICAL = ("sync", "order")
+    CATEGORICAL = ("sync", "order", "tensors")
 
     @classmethod
     def for_graph(cls, g: OpGraph, *, points: int = 40) -> "SearchSpace":
@@ -65,14 +66,16 @@ class SearchSpace:
         lb = self.lb[choice["lb"]]
         return SwapParams(threshold=self.threshold[choice["threshold"]], lb=lb, ub=lb + self.window[choice["window"]],
                           groupby=self.groupby[choice["groupby"]], sync=choice["sync"],
-                          min_bytes=self.min_bytes[choice["min_bytes"]], order=choice["order"])
+                          min_bytes=self.min_bytes[choice["min_bytes"]], order=choice["order"],
+                          tensors=choice.get("tensors", "activations"))  # absent in studies made before it
 
     def choice(self, params: SwapParams) -> dict[str, Any] | None:
         """The grid point of ``params`` (None when they are off the grid)."""
         try:
             return {"threshold": self.threshold.index(params.threshold), "lb": self.lb.index(params.lb),
                     "window": self.window.index(params.ub - params.lb), "groupby": self.groupby.index(params.groupby),
-                    "sync": params.sync, "min_bytes": self.min_bytes.index(params.min_bytes), "order": params.order}
+                    "sync": params.sync, "min_bytes": self.min_bytes.index(params.min_bytes), "order": params.order,
+                    "tensors": self.tensors[self.tensors.index(params.tensors)]}  # off the grid: raises
         except ValueError:
             return None
 

@@ -80,7 +80,8 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
 
 # (label, SwapParams as a dict; None = no swapping). Together they exercise every rule of
 # DESIGN.md 1.4: thresholds from 1 (every far read) to 40, swap-in windows, groupby, the size
-# filter, the three sync modes, both trigger policies and both execution orders.
+# filter, the three sync modes, both trigger policies, both execution orders and both sets of
+# swappable tensors.
 PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("none", None),
     ("T1", {"threshold": 1}),
@@ -89,6 +90,7 @@ PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("T3 ub5 g2 sync-both mem", {"threshold": 3, "lb": 1, "ub": 5, "groupby": 2, "sync": "both", "order": "memory"}),
     ("T20 lb3-ub30 >=1MiB mem", {"threshold": 20, "lb": 3, "ub": 30, "min_bytes": MiB, "order": "memory"}),
     ("T2 level-trigger mem", {"threshold": 2, "lb": 2, "ub": 8, "trigger": "level", "order": "memory"}),
+    ("T2 ub8 all tensors", {"threshold": 2, "ub": 8, "tensors": "all"}),
 ]
 
 QUICK_MODELS = ("transformer_encoder", "vgg16")

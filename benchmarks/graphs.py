@@ -3,11 +3,21 @@ so simulation-only benchmarks need TensorFlow once per model and size."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR
 from simulator import OpGraph
+
+# a cached graph is stale when the code that captured it changed
+CAPTURE_SOURCES = ("rewriter/capture.py", "rewriter/graph_rewrites.py")
+
+
+def _capture_code() -> str:
+    root = Path(__file__).resolve().parent.parent
+    return hashlib.sha256(b"".join((root / path).read_bytes() for path in CAPTURE_SOURCES)).hexdigest()[:16]
 
 
 def captured_graph(name: str, graph_rewrites: tuple[str, ...] = (), **kwargs) -> OpGraph:
@@ -17,7 +27,8 @@ def captured_graph(name: str, graph_rewrites: tuple[str, ...] = (), **kwargs) ->
     path = RESULTS_DIR / "graphs" / f"{key}.npz"
     if path.exists():
         graph = OpGraph.load(path)
-        if graph.meta.get("build_kwargs") == json.loads(json.dumps(kwargs)):
+        if (graph.meta.get("build_kwargs") == json.loads(json.dumps(kwargs))
+                and graph.meta.get("capture_code") == _capture_code()):
             return graph
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,5 +37,6 @@ def captured_graph(name: str, graph_rewrites: tuple[str, ...] = (), **kwargs) ->
 
     graph = capture(build_model(name, **kwargs), 1, name=name, graph_rewrites=graph_rewrites)
     graph.meta["build_kwargs"] = kwargs
+    graph.meta["capture_code"] = _capture_code()
     graph.save(path)
     return graph

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from rewriter.graph_rewrites import apply_rewrites
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
+from simulator.planning import FLOAT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,10 @@ FORWARDING_TYPES = frozenset({
 })
 SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Rank", "Size", "BroadcastGradientArgs"})
 WRITE_TYPES_PREFIX = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
+# what a swap may move: floats, and int64 (the labels Keras' sparse losses cast, as large as an
+# activation and kept from the forward pass's start to the loss; plans swap them with tensors="all");
+# int32 stays out, as TF keeps it in host memory beside a GPU
+SWAPPABLE_DTYPES = FLOAT_DTYPES | {"int64"}
 
 
 @dataclass
@@ -540,7 +544,7 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             bytes_ab.append(_linear_fit(one["bytes"][op.name][k], two["bytes"][op.name][k], b1, b2))
             is_input = op.type == "Placeholder"
             persistent.append(op.type == "ReadVariableOp" or is_input)
-            swappable.append(tensor.dtype.name in FLOAT_DTYPES and not is_input and op.type != "ReadVariableOp")
+            swappable.append(tensor.dtype.name in SWAPPABLE_DTYPES and not is_input and op.type != "ReadVariableOp")
             alias.append(-1)
     for op in ops:  # static aliases: input 0's buffer (resolved after all tensors are numbered)
         if op.type in ALIAS_TYPES and reduced.inputs[op.name] and reduced.inputs[op.name][0][0] == 0:

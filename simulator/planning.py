@@ -17,7 +17,9 @@ from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels, position_of
 
 SYNC_MODES = ("none", "out", "in", "both")
-SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
+SYNC_IN_MODES = ("in", "both")
+SWAP_SCOPES = ("activations", "all")  # SwapParams.tensors
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})  # swap-ins wait for the consumer's other inputs: no trigger window
 TRIGGER_POLICIES = ("ancestor", "level")
 
 # Backward ops heavy enough that Grappler neither folds them nor moves their control edges, so a
@@ -51,6 +53,10 @@ class SwapParams:
       real runs), "level" takes any valid op on the level.
     order: the execution order ("cto": level by level; "memory": a memory-aware topological
       order, see ``simulator.ordering``); the rewriter chains the real step in it.
+    tensors: what may be swapped. "activations": the float tensors the forward pass makes, as in
+      LMS. "all": also what the backward pass makes and reads much later (a U-Net's gradients that
+      wait across a skip connection for the branch that joins them) and integer tensors TF keeps
+      on the device (the labels Keras' sparse losses cast to int64).
     """
 
     threshold: int
@@ -64,8 +70,11 @@ class SwapParams:
     exclude_scopes: tuple[str, ...] = ()
     trigger: str = "ancestor"
     order: str = "cto"
+    tensors: str = "activations"
 
     def __post_init__(self) -> None:
+        if self.tensors not in SWAP_SCOPES:
+            raise ParamsError(f"tensors must be one of {SWAP_SCOPES}, got {self.tensors!r}")
         for name in ("threshold", "lb", "ub"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -345,9 +354,13 @@ def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
 
 
 def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
-    """Tensors the rules may swap: forward activations that can live on the host, after filters."""
+    """Tensors the rules may swap (``params.tensors``) that can live on the host, after filters."""
     producer = g.tensor_producer
-    ok = (g.op_phase[producer] == FORWARD) & g.tensor_swappable & ~g.tensor_persistent
+    ok = g.tensor_swappable & ~g.tensor_persistent
+    if params.tensors == "activations":
+        ok &= (g.op_phase[producer] == FORWARD) & np.isin(g.tensor_dtype, list(FLOAT_DTYPES))
+    else:
+        ok &= np.isin(g.op_phase[producer], (FORWARD, BACKWARD))
     if params.min_bytes:
         ok &= g.tensor_bytes >= params.min_bytes
     if params.include_types:

@@ -41,6 +41,20 @@ def test_phases_follow_the_loss(small_cnn_graph):
     assert "IdentityN" not in set(g.op_type) and "Const" not in set(g.op_type)
 
 
+def test_swappable_tensors(small_cnn_graph):
+    """Activations and the labels Keras' sparse loss casts to int64 may go to the host; inputs,
+    variables and int32 tensors (which TF keeps in host memory beside a GPU) may not."""
+    g = small_cnn_graph
+    swappable = {g.tensor_name(t): bool(g.tensor_swappable[t]) for t in range(g.n_tensors)}
+    dtype = {g.tensor_name(t): str(g.tensor_dtype[t]) for t in range(g.n_tensors)}
+    labels = [name for name in swappable if name.startswith("compile_loss/") and dtype[name] == "int64"]
+    assert labels and all(swappable[name] for name in labels)
+    assert not any(swappable[name] for name in swappable if dtype[name] == "int32")
+    assert not any(swappable[g.tensor_name(t)] for t in range(g.n_tensors) if g.tensor_persistent[t])
+    convs = [f"{n}:0" for n, t in zip(g.op_name, g.op_type) if t == "Conv2D"]
+    assert convs and all(swappable[name] for name in convs)
+
+
 def test_sizes_are_linear_in_the_batch(small_cnn_graph):
     """Sizes fitted from batches 4 and 8 predict a fresh capture at batch 12 exactly."""
     at_12 = capture(build_model("small_cnn"), 12)

@@ -200,12 +200,15 @@ def test_prediction_matches_measurement_unet3d_split_concat():
     """The step rewritten by ``split-concat`` runs as the simulator predicts, swapped or not, and
     without swapping its measured peak is below the plain step's (same model, batch and settings)."""
     kwargs = dict(size=48, base_filters=8, depth=3)
-    plans = [SwapParams(threshold=1), SwapParams(threshold=3, ub=8, order="memory"), SwapParams(threshold=10, sync="in")]
+    plans = [SwapParams(threshold=1), SwapParams(threshold=3, ub=8, order="memory"), SwapParams(threshold=10, sync="in"),
+             SwapParams(threshold=2, ub=8), SwapParams(threshold=2, ub=8, tensors="all")]
     result = _run("unet3d", kwargs, 2, plans, graph_rewrites=["split-concat"])
     assert result["graph_rewrites"] == ["split-concat"]
     table = _table("unet3d split-concat", result["rows"])
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
     assert table["verified"].all()
+    activations, everything = result["rows"][-2:]  # gradients and int64 labels also swapped: more swaps, all applied
+    assert everything["planned"] > activations["planned"] and everything["swaps"] == everything["planned"]
     plain = _run("unet3d", kwargs, 2, [])["rows"][0]
     print(f"unswapped: plain {plain['measured'] / MiB:.1f} MiB, split-concat {result['rows'][0]['measured'] / MiB:.1f} MiB")
     assert result["rows"][0]["measured"] < plain["measured"]

@@ -227,3 +227,62 @@ def test_memory_order_allocates_a_gradient_part_when_it_is_read(unit):
     assert replay(g.with_order("memory"), None, unit).peak_bytes == 21
     # cto (like greedy) runs x next to c1: x 9 + c1 10 + c2 10 at c2 (s is gone by then)
     assert replay(g, None, unit).peak_bytes == 29
+
+
+def skip_gradient():
+    """A gradient (gs) made early in the backward pass and read at its end, as a U-Net's skip
+    connection gradient waits for the branch that joins it: f -> gs, f -> b1 -> b2 -> b3 -> join(gs, b3)."""
+    return from_spec([
+        OpSpec("f", "Conv2D", FORWARD, [], (10,), flops=1),
+        OpSpec("gs", "MatMul", BACKWARD, ["f"], (100,), flops=1),
+        OpSpec("b1", "MatMul", BACKWARD, ["f"], (20,), flops=1),
+        OpSpec("b2", "MatMul", BACKWARD, ["b1"], (30,), flops=1),
+        OpSpec("b3", "MatMul", BACKWARD, ["b2"], (40,), flops=1),
+        OpSpec("join", "MatMul", BACKWARD, ["gs", "b3"], (5,), flops=1),
+    ], outputs=["join"])
+
+
+def test_all_tensors_swaps_backward_tensors(unit):
+    g = skip_gradient()
+    assert categorized_levels(g).tolist() == [0, 1, 1, 2, 3, 4]
+    # slot 4 (b3): f is dead after b1; gs (100) + b2 (30) + b3 (40)
+    assert replay(g, None, unit).peak_bytes == 170
+    activations = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=2))
+    assert activations.n_swaps == 0  # f's reads are all near, and gs is a gradient
+    plan = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=2, tensors="all"))
+    (swap,) = plan.swaps()
+    assert g.tensor_name(swap.tensor) == "gs:0"
+    (swap_in,) = swap.swap_ins
+    # join is on level 4: window levels 2..3, latest first -> b3 (an ancestor of join)
+    assert [g.op_name[c] for c in swap_in.consumers] == ["join"] and g.op_name[swap_in.trigger] == "b3"
+    r = replay(g, plan, unit)
+    # slots f gs b1 b2 b3 join, 1 s each: gs goes out 2..3 s (freed as b2 starts), comes back 5..6 s
+    # (b3 ends at 5), join waits 1 s; level 2 holds b1 + b2, level 4 gs + b3 + join
+    assert (r.swap_out_start_s.tolist(), r.swap_in_start_s.tolist()) == ([2.0], [5.0])
+    assert r.level_peak_bytes.tolist() == [10, 130, 50, 70, 145]
+    assert r.peak_bytes == 145 and r.step_s == pytest.approx(7.0) and r.stall_s == pytest.approx(1.0)
+    assert (r.d2h_bytes, r.h2d_bytes) == (100, 100)
+    assert SwapParams.from_dict(SwapParams(threshold=2, tensors="all").to_dict()).tensors == "all"
+    with pytest.raises(Exception, match="tensors"):
+        SwapParams(threshold=2, tensors="gradients")
+
+
+@pytest.mark.parametrize("dtype,swapped", [("float32", True), ("int64", False)])
+def test_activations_are_floats_all_tensors_takes_int64_too(dtype, swapped):
+    """Labels cast at the step's start and read by the loss at its end: a long edge whatever their
+    dtype, but only floats are activations."""
+    g = from_spec([
+        OpSpec("labels", "Cast", FORWARD, [], (100,), dtype=dtype),
+        OpSpec("f1", "Conv2D", FORWARD, [], (10,), flops=1),
+        OpSpec("f2", "Conv2D", FORWARD, ["f1"], (10,), flops=1),
+        OpSpec("f3", "Conv2D", FORWARD, ["f2"], (10,), flops=1),
+        OpSpec("loss", "Mul", FORWARD, ["f3", "labels"], (1,), flops=1),
+        OpSpec("b", "MatMul", BACKWARD, ["loss", "f1"], (10,), flops=1),
+    ], outputs=["b"])
+    labels = g.op_index()["labels"]
+
+    def swaps(tensors):
+        return {int(g.tensor_producer[s.tensor]) for s in plan_swaps(g, SwapParams(threshold=1, tensors=tensors)).swaps()}
+
+    assert (labels in swaps("activations")) == swapped
+    assert labels in swaps("all")

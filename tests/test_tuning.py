@@ -76,3 +76,45 @@ def test_trials_refinement_does_not_complete_go_back_to_the_sampler(small_unet, 
     before = len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
     make_policy("optuna", seed=0).search(TuningProblem(g, get_device("v100-16gb"), budget), study, Budget(trials=10))
     assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) - before == 10
+
+
+def test_threshold_frontier_finds_the_plans_host_memory_leaves(small_unet):
+    """A larger threshold swaps less: more device memory, less host memory. When host memory also
+    binds, only a window of thresholds fits; the frontier's binary search must look for the largest
+    that fits the device (then check the host), not for the largest that fits both, which steers
+    away from that window whenever it probes below it."""
+    from autotune.policies import _threshold_frontier
+
+    g = small_unet
+    default = SearchSpace.for_graph(g, points=24)
+    space = SearchSpace(threshold=default.threshold, lb=default.lb, window=default.window, groupby=default.groupby,
+                        sync=("none",), order=("cto",), tensors=("activations",), min_bytes=(4096,))
+    middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1}
+    device = get_device("v100-16gb")
+    probe = TuningProblem(g, device, 1 << 62, space=space)
+    runs = [probe.replay(space.params(dict(middling, threshold=i, sync="none", order="cto", min_bytes=0,
+                                           tensors="activations"))) for i in range(len(space.threshold))]
+    # a threshold above the binary search's first probe such that the device budget (the largest peak up
+    # to it) admits it and every smaller one, but no larger one, and the host limit (its host peak)
+    # admits it but no smaller one: the window is that one threshold
+    first_probe = (len(space.threshold) - 1) // 2
+    peak = [r.peak_bytes for r in runs]
+    host = [r.host_peak_bytes for r in runs]
+    index = next(i for i in range(first_probe + 1, len(runs) - 1)
+                 if min(peak[i + 1:]) > max(peak[:i + 1]) and host[i] > 0 and min(host[:i]) > host[i])
+    problem = TuningProblem(g, device, max(peak[:index + 1]), host_limit_bytes=host[index], space=space)
+    frontier = _threshold_frontier(problem, optuna.create_study(), lambda n, *choices: True)
+    assert frontier, "no starting point found"
+    assert all(problem.evaluate(space.params(choice)).feasible for choice in frontier)
+    assert frontier[0]["threshold"] == index
+
+
+def test_search_space_covers_both_sets_of_tensors(small_unet):
+    space = SearchSpace.for_graph(small_unet)
+    assert space.tensors == ("activations", "all")
+    choice = next(c for c in space.grid() if c["tensors"] == "all")
+    params = space.params(choice)
+    assert params.tensors == "all" and space.choice(params) == choice
+    older = {k: v for k, v in choice.items() if k != "tensors"}  # a trial of a study made before the option
+    assert space.params(older).tensors == "activations"
+    assert space.size() == len(list(space.grid()))
