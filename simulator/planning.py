@@ -17,9 +17,9 @@ from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels, position_of
 
 SYNC_MODES = ("none", "out", "in", "both")
-SYNC_IN_MODES = ("in", "both")
+SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
 SWAP_SCOPES = ("activations", "all")  # SwapParams.tensors
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})  # swap-ins wait for the consumer's other inputs: no trigger window
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
 TRIGGER_POLICIES = ("ancestor", "level")
 
 # Backward ops heavy enough that Grappler neither folds them nor moves their control edges, so a
