@@ -16,7 +16,7 @@ import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from simulator import FORWARD, edge_distances  # noqa: E402
-from simulator.planning import FLOAT_DTYPES  # noqa: E402
+from simulator.planning import is_activation  # noqa: E402
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -58,8 +58,7 @@ def distance_histogram(result, path: Path) -> Path:
     """How far apart producers and consumers of activations are: the long edges swapping splits."""
     g = result.graph
     distance = edge_distances(g)
-    activation = (g.op_phase[g.tensor_producer[g.edge_tensor]] == FORWARD) & g.tensor_swappable[g.edge_tensor] \
-        & ~g.tensor_persistent[g.edge_tensor] & np.isin(g.tensor_dtype[g.edge_tensor], list(FLOAT_DTYPES))
+    activation = is_activation(g)[g.edge_tensor]
     fig, ax = plt.subplots(figsize=(8, 3.8))
     values = distance[activation]
     if len(values):

@@ -353,14 +353,19 @@ def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
 # ---------------------------------------------------------------------- rules
 
 
+def is_activation(g: OpGraph) -> np.ndarray:
+    """Per tensor: a float the forward pass makes that can live on the host (what LMS swaps)."""
+    return (g.tensor_swappable & ~g.tensor_persistent & (g.op_phase[g.tensor_producer] == FORWARD)
+            & np.isin(g.tensor_dtype, list(FLOAT_DTYPES)))
+
+
 def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
     """Tensors the rules may swap (``params.tensors``) that can live on the host, after filters."""
     producer = g.tensor_producer
-    ok = g.tensor_swappable & ~g.tensor_persistent
     if params.tensors == "activations":
-        ok &= (g.op_phase[producer] == FORWARD) & np.isin(g.tensor_dtype, list(FLOAT_DTYPES))
+        ok = is_activation(g)
     else:
-        ok &= np.isin(g.op_phase[producer], (FORWARD, BACKWARD))
+        ok = g.tensor_swappable & ~g.tensor_persistent & np.isin(g.op_phase[producer], (FORWARD, BACKWARD))
     if params.min_bytes:
         ok &= g.tensor_bytes >= params.min_bytes
     if params.include_types:
