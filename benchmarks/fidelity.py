@@ -102,10 +102,6 @@ TARGET_MEDIAN, TARGET_WORST = 0.05, 0.10
 # its peak with simulator.explain.live_buffers at the same op). Printed under the table as context
 # for the errors; they are mechanisms, not numbers of any one run.
 KNOWN_DEVIATIONS = [
-    ("- Buffer forwarding after rewiring (over-prediction, reproducible): simulator.buffers decides which "
-    "ops write into an input buffer on the unswapped graph. Once a plan sends an activation's far reads to a "
-    "swap-in, a near consumer (e.g. a BatchNorm's moments/SquaredDifference) becomes the original buffer's "
-    "last reader and TF writes its output in place, while the replay still charges it a new buffer."),
     ("- Swap-out completion on the testbed (either sign, run to run): a device buffer is freed only when its "
     "host DeepCopy has read it; that copy runs on the same two cores as the serialized step and can start "
     "tens of ops late, keeping the buffer alive past the point the time model frees it."),

@@ -15,8 +15,10 @@ from simulator.replay import Replay
 def live_buffers(g: OpGraph, plan: SwapPlan | None, result: Replay, slot: int | None = None) -> pd.DataFrame:
     """Buffers live during execution ``slot`` (default: the peak), largest first.
 
-    Columns: tensor, op_type, phase, bytes, kind ("activation", "swapped", "swap-in"),
-    alloc_slot, free_slot. Resident memory (weights, optimizer state, inputs) is one row.
+    Columns: tensor, op_type, phase, bytes, kind ("activation", "swapped", "swap-in", "in place":
+    written into the swapped buffer its op read last, no bytes of its own in that slot),
+    alloc_slot, free_slot. Resident memory (weights, optimizer state, inputs) is one row;
+    the bytes sum to the replay's memory at ``slot``.
     """
     slot = result.peak_slot if slot is None else slot
     if plan is not None:
@@ -28,7 +30,9 @@ def live_buffers(g: OpGraph, plan: SwapPlan | None, result: Replay, slot: int | 
     if plan is not None and plan.n_swaps:
         free[result.swapped_roots] = result.swapped_root_free_slot
         kind[result.swapped_roots] = "swapped"
-    sizes = g.tensor_bytes
+    sizes = g.tensor_bytes.copy()
+    in_place = result.in_place_outputs[info.alloc_slot[result.in_place_outputs] == slot]
+    sizes[in_place], kind[in_place] = 0, "in place"
     live = owners[(info.alloc_slot[owners] <= slot) & (free[owners] >= slot)]
     rows = [{"tensor": g.tensor_name(t), "op_type": str(g.op_type[g.tensor_producer[t]]),
              "phase": PHASE_NAMES[g.op_phase[g.tensor_producer[t]]], "bytes": int(sizes[t]), "kind": kind[t],

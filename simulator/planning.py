@@ -584,7 +584,7 @@ def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers:
     far_keys = np.repeat(group_tensor, np.diff(ptr)) * g.n_ops + consumers
     swapped, first_group = np.unique(group_tensor, return_index=True)
     roots, root_of_swapped = np.unique(info.root[swapped], return_inverse=True)
-    root_last, _, _ = rewired_lifetimes(g, roots, far_keys)
+    root_last, _, _, _ = rewired_lifetimes(g, roots, far_keys)
     near_slot = root_last[root_of_swapped]
     group_last_slot = np.maximum.reduceat(position[consumers], ptr[:-1])
     after_slot = np.empty(n_groups, dtype=np.int64)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulator.buffers import baseline_slot_bytes, buffers, contains, rewired_lifetimes, slot_levels
+from simulator.buffers import (baseline_slot_bytes, buffers, contains, in_place_after_rewiring, rewired_lifetimes,
+                               slot_levels)
 from simulator.devices import DeviceModel, get_device
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
@@ -62,6 +63,7 @@ class Replay:
     swapped_root_free_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     swap_in_alloc_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     swap_in_free_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    in_place_outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
 
     @property
     def overhead(self) -> float:
@@ -162,7 +164,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     reads_per_in = np.diff(plan.in_consumer_ptr)
     far_keys = swap_tensor[plan.in_swap].repeat(reads_per_in) * g.n_ops + plan.in_consumers
     roots, swap_root = np.unique(info.root[swap_tensor], return_inverse=True)
-    root_last_slot, moved_links, moved_last = rewired_lifetimes(g, roots, far_keys)
+    root_last_slot, moved_links, moved_last, home_link = rewired_lifetimes(g, roots, far_keys, swap_tensor)
 
     # sync swap-out: the first op still reading the buffer after its producer waits for the copy
     sync_wait = np.full(n_swaps, -1, dtype=np.int64)
@@ -179,8 +181,15 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     # ---- device memory per slot: re-account swapped buffers, add swap-in buffers
     n_slots = len(duration)
     out_free_slot = np.minimum(np.searchsorted(finish_all, out_end, side="left"), n_slots - 1)
-    new_free = root_last_slot.copy()
-    np.maximum.at(new_free, swap_root, out_free_slot)
+    # a copy that ends while its slot's op still waits (a stall) frees the buffer before the op
+    # allocates anything: it does not count in that slot
+    out_free_slot -= out_end <= (finish_all - duration)[out_free_slot]
+    # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a
+    # rewired read carried it into (see rewired_lifetimes)
+    in_original = home_link < 0
+    copy_free_slot = np.full(len(roots), -1, dtype=np.int64)
+    np.maximum.at(copy_free_slot, swap_root[in_original], out_free_slot[in_original])
+    new_free = np.maximum(root_last_slot, copy_free_slot)
     root_bytes = tensor_bytes[roots].astype(np.float64)
     delta = np.bincount(info.free_slot[roots] + 1, root_bytes, minlength=n_slots + 1)
     delta -= np.bincount(new_free + 1, root_bytes, minlength=n_slots + 1)
@@ -195,8 +204,17 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         group_of_read = np.repeat(np.arange(n_ins), reads_per_in)[by_key]
         group = group_of_read[np.searchsorted(far_keys[by_key], moved_links)]
         np.maximum.at(in_free_slot, group, moved_last)
+        moved = ~in_original
+        group = group_of_read[np.searchsorted(far_keys[by_key], home_link[moved])]
+        np.maximum.at(in_free_slot, group, out_free_slot[moved])
     delta += np.bincount(in_alloc_slot, in_bytes, minlength=n_slots + 1)
     delta -= np.bincount(in_free_slot + 1, in_bytes, minlength=n_slots + 1)
+    in_place_slot, in_place_out = in_place_after_rewiring(g, roots, root_last_slot, copy_free_slot, far_keys,
+                                                          np.repeat(in_free_slot, reads_per_in))
+    if len(in_place_slot):  # the output shares the buffer its op was the last to read
+        in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
+        delta -= np.bincount(in_place_slot, in_place_bytes, minlength=n_slots + 1)
+        delta += np.bincount(in_place_slot + 1, in_place_bytes, minlength=n_slots + 1)
     slot_bytes = slot_bytes + np.cumsum(delta[:-1])
 
     host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
@@ -205,7 +223,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
                      host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                      outs=(out_start, out_end), ins=(in_start, in_end), position=position)
     return dataclasses.replace(result, swapped_roots=roots, swapped_root_free_slot=new_free,
-                               swap_in_alloc_slot=in_alloc_slot, swap_in_free_slot=in_free_slot)
+                               swap_in_alloc_slot=in_alloc_slot, swap_in_free_slot=in_free_slot,
+                               in_place_outputs=in_place_out)
 
 
 def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarray, in_end: np.ndarray) -> int:

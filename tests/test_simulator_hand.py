@@ -6,6 +6,7 @@ import pytest
 
 from simulator import BACKWARD, FORWARD, GraphError, SwapParams, SwapPlan, categorized_levels, plan_swaps, replay
 from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
+from simulator.explain import live_buffers
 from simulator.planning import Swap, SwapIn
 from simulator.synthetic import OpSpec, from_spec
 
@@ -204,6 +205,89 @@ def test_gradient_op_writing_into_a_swapped_activation(unit):
     # holds s's output until b0
     assert r.swap_in_start_s.tolist() == [4.0]
     assert r.level_peak_bytes.tolist() == [100, 200, 200, 110, 110, 110]
+
+
+def batch_norm_like(conv_bytes: int = 100):
+    """c -> m -> sq (elementwise, as a BatchNorm's mean and SquaredDifference) -> r, and the
+    backward b0 reads c again: sq cannot write into c's buffer while b0 still needs it."""
+    return from_spec([
+        OpSpec("c", "Conv2D", FORWARD, [], (conv_bytes,), flops=1),
+        OpSpec("m", "Mean", FORWARD, ["c"], (10,), flops=1),
+        OpSpec("sq", "SquaredDifference", FORWARD, ["c", "m"], (conv_bytes,), flops=1, forwards_input=True),
+        OpSpec("r", "Conv2D", FORWARD, ["sq"], (10,), flops=1),
+        OpSpec("b2", "MatMul", BACKWARD, ["r"], (10,), flops=1),
+        OpSpec("b1", "MatMul", BACKWARD, ["b2"], (10,), flops=1),
+        OpSpec("b0", "MatMul", BACKWARD, ["b1", "c"], (10,), flops=1),
+    ], outputs=["b0"])
+
+
+def test_swapping_lets_the_last_near_reader_write_in_place(unit):
+    g = batch_norm_like()
+    assert replay(g, None, unit).level_peak_bytes.tolist() == [100, 110, 210, 210, 120, 120, 120]
+    plan = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=1))
+    assert [g.tensor_name(s.tensor) for s in plan.swaps()] == ["c:0"]
+    r = replay(g, plan, unit)
+    # c's copy (1..2 s) is done when sq starts (2 s): sq is the buffer's last reader and writes
+    # its output into it (110, not 210); c comes back 6..7 s after b1 for b0 (100 + 10 + 10)
+    assert r.swap_out_end_s.tolist() == [2.0] and r.swap_in_end_s.tolist() == [7.0]
+    assert r.level_peak_bytes.tolist() == [100, 110, 110, 110, 20, 20, 120]
+    assert [g.tensor_name(t) for t in r.in_place_outputs] == ["sq:0"]
+    at_sq = live_buffers(g, plan, r, slot=2)
+    assert at_sq["bytes"].sum() == 110
+    assert dict(zip(at_sq["tensor"], at_sq["kind"]))["sq:0"] == "in place"
+
+
+def test_no_writing_in_place_while_the_copy_out_still_reads(unit):
+    g = batch_norm_like(conv_bytes=250)
+    r = replay(g, plan_swaps(g, SwapParams(threshold=2, lb=1, ub=1)), unit)
+    # c's copy takes 2.5 s (1..3.5 s), past sq's slot (2..3 s): sq needs its own 250, and c's
+    # buffer stays until the copy ends in r's slot
+    assert r.swap_out_end_s.tolist() == [3.5]
+    assert r.level_peak_bytes.tolist() == [250, 260, 510, 510, 20, 20, 270]
+    assert r.in_place_outputs.tolist() == []
+
+
+def test_copy_out_ending_in_a_stall_frees_before_the_op(unit):
+    """x (400) goes out 1..5 s; its far reader c waits for x to come back (5..9 s). The original
+    is gone at 5 s, before the swap-in allocates: the two never count together in c's slot."""
+    g = from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], (400,), flops=1),
+        OpSpec("p1", "Conv2D", FORWARD, ["x"], (10,), flops=1),
+        OpSpec("p2", "Conv2D", FORWARD, ["p1"], (10,), flops=1),
+        OpSpec("p3", "Conv2D", FORWARD, ["p2"], (10,), flops=1),
+        OpSpec("c", "MatMul", BACKWARD, ["p3", "x"], (10,), flops=1),
+    ], outputs=["c"])
+    r = replay(g, plan_swaps(g, SwapParams(threshold=2, lb=1, ub=1)), unit)
+    assert r.swap_out_end_s.tolist() == [5.0] and r.swap_in_start_s.tolist() == [5.0]
+    assert r.step_s == pytest.approx(10.0)
+    # x until p3's slot (its copy), then the swap-in 400 + p3 + c in c's slot
+    assert r.level_peak_bytes.tolist() == [400, 410, 420, 420, 420]
+
+
+def test_copy_out_of_a_tensor_written_into_a_swap_in(unit):
+    """s reads x far away and writes into x's buffer; once x is swapped, s writes into the swap-in
+    buffer, and s's own copy out (s is swapped for b) holds that buffer, not x's original."""
+    g = from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("a1", "Conv2D", FORWARD, [], (10,), flops=1),
+        OpSpec("a2", "Conv2D", FORWARD, ["a1"], (10,), flops=1),
+        OpSpec("a3", "Conv2D", FORWARD, ["a2"], (10,), flops=1),
+        OpSpec("s", "AddV2", FORWARD, ["x", "a3"], (100,), flops=1, forwards_input=True),
+        OpSpec("n", "Conv2D", FORWARD, ["s"], (10,), flops=1),
+        OpSpec("m1", "Conv2D", FORWARD, ["n"], (10,), flops=1),
+        OpSpec("m2", "Conv2D", FORWARD, ["m1"], (10,), flops=1),
+        OpSpec("b", "MatMul", BACKWARD, ["m2", "s"], (10,), flops=1),
+    ], outputs=["b"])
+    plan = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=1))
+    assert [g.tensor_name(s.tensor) for s in plan.swaps()] == ["x:0", "s:0"]
+    r = replay(g, plan, unit)
+    # no trigger in either one-level window (a3, m2: triggers are backward ops): x comes back 4..5 s
+    # once a3 is done, s runs 5..6 s; s goes out 6..7 s and back 9..10 s once m2 is done
+    assert r.swap_out_end_s.tolist() == [2.0, 7.0] and r.swap_in_end_s.tolist() == [5.0, 10.0]
+    # slots: x | a1 | a2 | a3 | s | n | m1 | m2 | b; x's original lives in slots 0-1 (its copy
+    # ends in slot 1), its swap-in (holding s) in slots 4-5 (n reads s and s's copy ends in
+    # slot 5), s's swap-in in slot 8
+    assert r.level_peak_bytes.tolist() == [110, 20, 20, 110, 110, 20, 20, 120]
 
 
 def test_memory_order_allocates_a_gradient_part_when_it_is_read(unit):
