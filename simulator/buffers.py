@@ -30,9 +30,10 @@ class Buffers:
     ``seg_ptr`` -> ``seg_head`` lists each root's segments (root segment first).
     Per segment head: ``link_key`` (``parent * n_ops + op`` of the read that made it, -1 for a
     root) and ``seg_parent`` (head of the parent segment).
-    ``late_slot``/``late_source``/``late_root``/``late_out``: forwards that only a later read
-    prevents; the op at ``late_slot`` could write ``late_out`` into the buffer it reads
-    ``late_source`` from (root ``late_root``) once a plan rewires reads (``in_place_after_rewiring``).
+    ``late_slot``/``late_key``/``late_root``/``late_out``: forwards that only a later read
+    prevents; the op at ``late_slot`` could write ``late_out`` into the buffer of the read
+    ``late_key`` (``tensor * n_ops + op``; root ``late_root``) once a plan rewires reads
+    (``in_place_after_rewiring``).
     """
 
     root: np.ndarray
@@ -49,7 +50,7 @@ class Buffers:
     link_key: np.ndarray
     seg_parent: np.ndarray
     late_slot: np.ndarray
-    late_source: np.ndarray
+    late_key: np.ndarray
     late_root: np.ndarray
     late_out: np.ndarray
 
@@ -166,7 +167,8 @@ def _analyse(g: OpGraph) -> Buffers:
                    use_ptr=use_ptr, use_slot=use_slot[order], use_key=use_key[order],
                    use_segment=segment[use_owner][order], seg_ptr=seg_ptr, seg_head=heads,
                    link_key=link_key, seg_parent=seg_parent,
-                   late_slot=late_slot, late_source=late_source, late_root=root[late_source], late_out=late_out)
+                   late_slot=late_slot, late_key=late_source * n_ops + execution_order(g)[late_slot],
+                   late_root=root[late_source], late_out=late_out)
 
 
 def buffers(g: OpGraph) -> Buffers:
@@ -242,7 +244,8 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
 
 
 def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.ndarray, copy_free_slot: np.ndarray,
-                            far_keys: np.ndarray, far_free_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                            sorted_far_keys: np.ndarray, far_free_slot: np.ndarray,
+                            tensor_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Forwards a plan makes possible. An op that could not write into an input's buffer because
     a later op still read it can once that read goes to a swap-in, as TF's
     forward_input_or_allocate_output does: into the original buffer when it is now its last
@@ -255,9 +258,10 @@ def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.nd
 
     ``roots`` (sorted) are the swapped buffers, ``root_last_slot`` the last slot that reads each
     under the plan and ``copy_free_slot`` the last slot its copies out hold it (-1: none);
-    ``far_keys`` the rewired reads (``tensor * n_ops + consumer``) and ``far_free_slot`` the
-    last slot of the swap-in each goes to. Returns the slots of the ops that write in place and
-    their outputs, which need no buffer of their own there.
+    ``sorted_far_keys`` the rewired reads (``tensor * n_ops + consumer``, sorted) and
+    ``far_free_slot`` the last slot of the swap-in each goes to; ``tensor_bytes`` is
+    ``g.tensor_bytes``, passed in because a replay computes it once. Returns the slots of the ops
+    that write in place and their outputs, which need no buffer of their own there.
     """
     info = buffers(g)
     if len(info.late_slot) == 0 or len(roots) == 0:
@@ -265,11 +269,10 @@ def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.nd
     where = np.minimum(np.searchsorted(roots, info.late_root), len(roots) - 1)
     into_original = ((roots[where] == info.late_root) & (root_last_slot[where] == info.late_slot)
                      & (copy_free_slot[where] <= info.late_slot))
-    by_key = np.argsort(far_keys, kind="stable")
-    read_keys = info.late_source * g.n_ops + execution_order(g)[info.late_slot]
-    where = np.minimum(np.searchsorted(far_keys[by_key], read_keys), len(far_keys) - 1)
-    into_swap_in = ((far_keys[by_key][where] == read_keys) & (far_free_slot[by_key][where] == info.late_slot)
-                    & (g.tensor_bytes[info.late_source] == g.tensor_bytes[info.late_out]))
+    where = np.minimum(np.searchsorted(sorted_far_keys, info.late_key), len(sorted_far_keys) - 1)
+    source = info.late_key // g.n_ops
+    into_swap_in = ((sorted_far_keys[where] == info.late_key) & (far_free_slot[where] == info.late_slot)
+                    & (tensor_bytes[source] == tensor_bytes[info.late_out]))
     in_place = into_original | into_swap_in
     return info.late_slot[in_place], info.late_out[in_place]
 

@@ -4,7 +4,8 @@ Time model (issue 2): ops run one after another on one compute stream in the pla
 order; one copy engine per direction, transfers queue in the order they become ready; a
 swapped-out buffer is freed when its device-to-host copy is done and its remaining readers have
 run; a swap-in allocates when it becomes ready (trigger done, data on the host), even if the
-engine starts its copy later, and its consumers wait for the copy to finish.
+engine starts its copy later, and its consumers wait for the copy to finish. Rewiring reads can
+let an op write its output in place (``buffers.in_place_after_rewiring``).
 
 Memory is accounted per execution slot: a buffer is live from the slot that allocates it to the
 slot of its last reader; a transfer event at time t counts in the slot running at t. Only swapped
@@ -199,18 +200,19 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     in_alloc_slot = np.minimum(np.searchsorted(finish_all, in_ready, side="right"), need_slot)
     last_consumer = plan.in_consumers[plan.in_consumer_ptr[1:] - 1]
     in_free_slot = np.maximum(position[last_consumer], in_alloc_slot)
+    by_key = np.argsort(far_keys, kind="stable")
+    sorted_far_keys = far_keys[by_key]
+    group_of_read = np.repeat(np.arange(n_ins), reads_per_in)[by_key]
     if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
-        by_key = np.argsort(far_keys, kind="stable")
-        group_of_read = np.repeat(np.arange(n_ins), reads_per_in)[by_key]
-        group = group_of_read[np.searchsorted(far_keys[by_key], moved_links)]
+        group = group_of_read[np.searchsorted(sorted_far_keys, moved_links)]
         np.maximum.at(in_free_slot, group, moved_last)
         moved = ~in_original
-        group = group_of_read[np.searchsorted(far_keys[by_key], home_link[moved])]
+        group = group_of_read[np.searchsorted(sorted_far_keys, home_link[moved])]
         np.maximum.at(in_free_slot, group, out_free_slot[moved])
     delta += np.bincount(in_alloc_slot, in_bytes, minlength=n_slots + 1)
     delta -= np.bincount(in_free_slot + 1, in_bytes, minlength=n_slots + 1)
-    in_place_slot, in_place_out = in_place_after_rewiring(g, roots, root_last_slot, copy_free_slot, far_keys,
-                                                          np.repeat(in_free_slot, reads_per_in))
+    in_place_slot, in_place_out = in_place_after_rewiring(g, roots, root_last_slot, copy_free_slot, sorted_far_keys,
+                                                          in_free_slot[group_of_read], tensor_bytes)
     if len(in_place_slot):  # the output shares the buffer its op was the last to read
         in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
         delta -= np.bincount(in_place_slot, in_place_bytes, minlength=n_slots + 1)
