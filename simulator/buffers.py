@@ -253,7 +253,7 @@ def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.nd
     swapped convolution output), or into the swap-in's buffer when its own read was rewired
     and it is that swap-in's last reader. "Within the slot" rather than "before the op starts":
     on the CPU testbed the first matches ResNet-50's measured peaks under the fidelity plans
-    (within 1.6 %), the second over-predicted two of them by 4.7 %; the two differ only for a
+    (within 0.6 %), the second over-predicted two of them by 4.7 %; the two differ only for a
     copy that ends while the op runs.
 
     ``roots`` (sorted) are the swapped buffers, ``root_last_slot`` the last slot that reads each
