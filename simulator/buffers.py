@@ -115,8 +115,8 @@ def _analyse(g: OpGraph) -> Buffers:
                     if (persistent_list[owner] or is_output[owner] or bytes_ab[owner] != bytes_ab[out]
                             or dtype[owner] != dtype[out] or inputs.count(source) > 1):
                         continue
-                    if last_list[owner] != slot:
-                        if last_list[owner] > slot and blocked_by_later_read < 0:
+                    if last_list[owner] != slot:  # a later op still reads the buffer
+                        if blocked_by_later_read < 0:
                             blocked_by_later_read = source
                         continue
                     root_list[out] = owner
