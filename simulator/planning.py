@@ -571,8 +571,8 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
 def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers: np.ndarray) -> np.ndarray:
     """Per swap-in group (groups of a tensor consecutive, in level order): the op it must follow.
 
-    The first group follows the last op that still reads the original buffer once the far reads
-    are rewired (its producer at least); each later group follows the last consumer of the group
+    The first group follows the last op that still reads the buffer the tensor lives in once the
+    far reads are rewired (its producer at least); each later group follows the last consumer of the group
     before it.
     """
     n_groups = len(group_tensor)
@@ -584,8 +584,14 @@ def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers:
     far_keys = np.repeat(group_tensor, np.diff(ptr)) * g.n_ops + consumers
     swapped, first_group = np.unique(group_tensor, return_index=True)
     roots, root_of_swapped = np.unique(info.root[swapped], return_inverse=True)
-    root_last, _, _, _ = rewired_lifetimes(g, roots, far_keys)
+    root_last, links, link_last, home_link = rewired_lifetimes(g, roots, far_keys, swapped)
     near_slot = root_last[root_of_swapped]
+    # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the
+    # device until that buffer's last reader, not the original's (which may be done before it exists)
+    moved = np.flatnonzero(home_link >= 0)
+    if len(moved):
+        by_link = np.argsort(links)
+        near_slot[moved] = link_last[by_link[np.searchsorted(links[by_link], home_link[moved])]]
     group_last_slot = np.maximum.reduceat(position[consumers], ptr[:-1])
     after_slot = np.empty(n_groups, dtype=np.int64)
     after_slot[1:] = group_last_slot[:-1]

@@ -290,6 +290,33 @@ def test_copy_out_of_a_tensor_written_into_a_swap_in(unit):
     assert r.level_peak_bytes.tolist() == [110, 20, 20, 110, 110, 20, 20, 120]
 
 
+def test_swap_in_of_a_tensor_written_into_a_swap_in_waits_for_its_home(unit):
+    """s lives in x's swap-in buffer (written in place); a synchronous swap-in of s must follow the
+    last reader of that buffer (n), not of x's original, which was done before s existed."""
+    g = from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("a1", "Conv2D", FORWARD, [], (10,), flops=1),
+        OpSpec("a2", "Conv2D", FORWARD, ["a1"], (10,), flops=1),
+        OpSpec("a3", "Conv2D", FORWARD, ["a2"], (10,), flops=1),
+        OpSpec("s", "AddV2", FORWARD, ["x", "a3"], (100,), flops=1, forwards_input=True),
+        OpSpec("n", "Conv2D", FORWARD, ["s"], (10,), flops=1),
+        OpSpec("b", "MatMul", BACKWARD, ["a1", "s"], (10,), flops=1),
+    ], outputs=["b"])
+    op = {str(name): k for k, name in enumerate(g.op_name)}
+    plan = SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((op["s"],), None),)),
+                                   Swap(4, False, (SwapIn((op["b"],), None),))])
+    assert [g.op_name[a] for a in plan.in_after] == ["x", "n"]
+    r = replay(g, plan, unit)
+    # x out 1..2 s, back 4..5 s once a3 is done; s runs 5..6 s in that buffer, n 6..7 s; s goes
+    # out 6..7 s and back 7..8 s (after n; its other input a1 was ready at 2 s); b 8..9 s
+    assert r.swap_out_end_s.tolist() == [2.0, 7.0] and r.swap_in_start_s.tolist() == [4.0, 7.0]
+    assert r.step_s == pytest.approx(9.0)
+    # slots x | a1 | a2 | a3 | s | n | b hold 100 | 110 | 20 | 30 | 120 | 120 | 120: a1 lives until
+    # b; x's swap-in holds s through n (and s's copy out, ending in n's slot); s's swap-in is
+    # allocated in b's slot. Per level (x and a1 on 0, n and b on 4):
+    assert r.level_peak_bytes.tolist() == [110, 20, 30, 120, 120]
+
+
 def test_memory_order_allocates_a_gradient_part_when_it_is_read(unit):
     """The greedy pass runs x (9 per sample, the cheapest ready op) first and keeps it through the
     chain c1 -> c2 -> c3 (c1 and c2 live together); the sinking pass moves x to just before its
