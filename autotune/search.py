@@ -71,11 +71,13 @@ class SearchSpace:
 
     def choice(self, params: SwapParams) -> dict[str, Any] | None:
         """The grid point of ``params`` (None when they are off the grid)."""
+        if any(getattr(params, name) not in getattr(self, name) for name in self.CATEGORICAL):
+            return None
         try:
             return {"threshold": self.threshold.index(params.threshold), "lb": self.lb.index(params.lb),
                     "window": self.window.index(params.ub - params.lb), "groupby": self.groupby.index(params.groupby),
-                    "sync": params.sync, "min_bytes": self.min_bytes.index(params.min_bytes), "order": params.order,
-                    "tensors": self.tensors[self.tensors.index(params.tensors)]}  # off the grid: raises
+                    "min_bytes": self.min_bytes.index(params.min_bytes),
+                    **{name: getattr(params, name) for name in self.CATEGORICAL}}
         except ValueError:
             return None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("tensorflow")
@@ -118,3 +120,14 @@ def test_search_space_covers_both_sets_of_tensors(small_unet):
     older = {k: v for k, v in choice.items() if k != "tensors"}  # a trial of a study made before the option
     assert space.params(older).tensors == "activations"
     assert space.size() == len(list(space.grid()))
+
+
+def test_parameters_off_a_narrowed_space_have_no_grid_point(small_unet):
+    """A policy's candidate (tflms-v2, a probe) enters a study only as a point of its space."""
+    full = SearchSpace.for_graph(small_unet)
+    narrow = dataclasses.replace(full, sync=("none",), order=("memory",))
+    choice = next(full.grid())
+    assert full.choice(full.params(choice)) == choice
+    assert narrow.choice(full.params(dict(choice, sync="out", order="memory"))) is None
+    assert narrow.choice(full.params(dict(choice, sync="none", order="cto"))) is None
+    assert narrow.choice(full.params(dict(choice, sync="none", order="memory"))) is not None
