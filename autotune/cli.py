@@ -30,9 +30,9 @@ autotune.toml with defaults for the flags below, e.g.:
     graph_rewrites = ["split-concat"]   # U-Nets: see --rewrite
 
 The tool captures the training step, simulates candidate swap plans (threshold, swap-in
-window, grouping, sync mode, size filter), searches them with Optuna, applies the winner to the
-real TensorFlow step, measures it, and writes report.html/report.md, plots, trials.csv,
-plan.json and summary.json into --out.
+window, grouping, sync mode, size filter, execution order, which tensors), searches them with
+Optuna, applies the winner to the real TensorFlow step, measures it, and writes
+report.html/report.md, plots, trials.csv, plan.json and summary.json into --out.
 """
 
 
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
                              "(U-Net decoders) into one per input, so the concatenation is never held")
     run = parser.add_argument_group("output")
-    run.add_argument("--out", help="output directory (default: autotune-out)")
+    run.add_argument("--out", help="output directory (default: autotune-out); a report already there is moved "
+                                   "to its previous/ folder")
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
     run.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
                      help="shape of an input without the batch, where the model leaves dimensions open (repeatable)")
@@ -230,6 +231,8 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     from autotune.report import write_report
 
     files = write_report(result, out)
+    if "previous" in files:
+        _say(quiet, f"the report that was in {out} is now in {files['previous']}")
     print(_summary_text(result, files["report.html"], time.monotonic() - started))
     return EXIT_OK if result.feasible else EXIT_NO_FIT
 

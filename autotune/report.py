@@ -1,6 +1,7 @@
 """The output directory: report.md, report.html (self-contained), plots, trials.csv, plan.json,
 summary.json. Files are built in a scratch folder and moved in one by one at the end, so an
-interrupted run never leaves a half-written report over a previous one."""
+interrupted run never leaves a half-written report over a previous one, and a previous report
+found there is moved under ``previous/``, not overwritten."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import html
 import json
 import os
 import shutil
+import re
 import tempfile
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
@@ -178,8 +181,39 @@ def _html(title: str, sections: list[Section], directory: Path) -> str:
     return "\n".join(parts)
 
 
+# every file a report may have; study.db is the Optuna storage, not part of it
+REPORT_FILES = ("report.md", "report.html", "summary.json", "trials.csv", "plan.json", "closest_plan.json",
+                *plots.FIGURES, *plots.STUDY_FIGURES)
+
+
+def _keep_previous(out_dir: Path) -> Path | None:
+    """Move the report already in ``out_dir`` (if any) to ``previous/<time>-<model>-b<batch>/``: it
+    is the user's, and may hold what this run does not (a measurement, another batch size)."""
+    found = [out_dir / name for name in REPORT_FILES if (out_dir / name).is_file()]
+    if not found:
+        return None
+    try:
+        old = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        old = {}
+    if not isinstance(old, dict):
+        old = {}
+    newest = max(path.stat().st_mtime for path in found)
+    stamp = datetime.fromtimestamp(newest, timezone.utc).strftime("%Y%m%d-%H%M%S")
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stamp}-{old.get('model', 'model')}-b{old.get('batch_size', '')}")
+    target, k = out_dir / "previous" / label, 1
+    while target.exists():
+        k += 1
+        target = out_dir / "previous" / f"{label}-{k}"
+    target.mkdir(parents=True)
+    for path in found:
+        os.replace(path, target / path.name)
+    return target
+
+
 def write_report(result, out_dir: str | Path) -> dict[str, Path]:
-    """Write every output file of ``result`` into ``out_dir``; returns them by name."""
+    """Write every output file of ``result`` into ``out_dir``; returns them by name (and under
+    ``"previous"`` where an earlier run's report was moved, if one was)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".partial-", dir=out_dir))
@@ -199,13 +233,14 @@ def write_report(result, out_dir: str | Path) -> dict[str, Path]:
         (scratch / "report.md").write_text(_markdown(title, sections))
         (scratch / "report.html").write_text(_html(title, sections, scratch))
         files["report.md"], files["report.html"] = scratch / "report.md", scratch / "report.html"
-        stale = {"plan.json", "closest_plan.json"} - set(files)
-        final = {}
+        previous = _keep_previous(out_dir)
+        stale = set(REPORT_FILES) - set(files)  # an earlier run's plan or figure must not pass for this run's
+        final = {} if previous is None else {"previous": previous}
         for name, path in files.items():  # each move is atomic; the report pages go last
             if name not in ("report.md", "report.html"):
                 os.replace(path, out_dir / name)
                 final[name] = out_dir / name
-        for name in stale:  # a plan from an earlier run must not pass for this run's
+        for name in stale:
             (out_dir / name).unlink(missing_ok=True)
         for name in ("report.md", "report.html"):
             os.replace(files[name], out_dir / name)

@@ -104,6 +104,7 @@ class TuneResult:
             "batch_size": self.batch_size,
             "device": self.device.name,
             "policy": self.policy,
+            "study_name": None if self.study is None else self.study.study_name,
             "budget_bytes": self.budget_bytes,
             "budget_source": self.budget_source,
             "feasible": self.feasible,

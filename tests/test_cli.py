@@ -205,6 +205,23 @@ def test_resume_keeps_finished_trials(models, capsys, tmp_path):
     assert len(complete) >= 11
 
 
+def test_a_second_run_keeps_the_first_report(models, capsys, tmp_path):
+    """Another batch size into the same --out: the first report moves to previous/, whole."""
+    out = tmp_path / "out"
+    common = [models / "good", "--memory", "300KiB", "--device", "cpu-testbed", "--no-measure", "--out", out,
+              "--trials", "3"]
+    first = _run_main(capsys, *common, "--batch-size", "64", "--quiet")
+    assert first[0] in (0, 3), first[2]
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file() and path.name != "study.db"}
+    assert "report.html" in before and json.loads(before["summary.json"])["batch_size"] == 64
+    second = _run_main(capsys, *common, "--batch-size", "32")
+    assert second[0] in (0, 3), second[2]
+    (kept,) = (out / "previous").iterdir()
+    assert kept.name.endswith("-cnn-b64") and "is now in" in second[2]
+    assert {path.name: path.read_bytes() for path in kept.iterdir()} == before
+    assert json.loads((out / "summary.json").read_text())["batch_size"] == 32
+
+
 def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
     """SIGINT in the middle of a search: exit 130, trials kept, the earlier report untouched."""
     out = tmp_path / "out"
