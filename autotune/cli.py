@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m autotune", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="directory with one .keras model, or the .keras file")
-    parser.add_argument("--batch-size", type=int, help="training batch size to tune for (required here or in autotune.toml)")
+    parser.add_argument("--batch-size", type=int, help="training batch size to tune for (required here or in "
+                                                       "autotune.toml, except with --maximize-batch)")
     budget = parser.add_argument_group("memory budget (default: the visible GPU; without one, the v100-16gb preset)")
     budget.add_argument("--memory", help="budget for the training step, e.g. 16GiB, 12GB, 800MiB")
     budget.add_argument("--device", choices=sorted(DEVICES),
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "compute and link speeds time the simulation")
     search = parser.add_argument_group("search")
     search.add_argument("--policy", choices=POLICIES, help="search policy (default optuna)")
-    search.add_argument("--trials", type=int, help="candidates to simulate (default 200; a resumed study adds this many)")
+    search.add_argument("--trials", type=int, help="candidates to simulate (default 200; a resumed study adds this many; "
+                                                   "the exhaustive policy walks its whole grid, --timeout stops it)")
     search.add_argument("--timeout", type=float, help="stop the search after this many seconds")
     search.add_argument("--sampler", choices=sorted(SAMPLERS), help="Optuna sampler (default tpe)")
     search.add_argument("--seed", type=int, help="random seed of the sampler (default 0)")
@@ -103,6 +105,8 @@ def _settings(args: argparse.Namespace):
     model_file = find_model_file(args.model_dir)
     config = load_config(model_file.parent)
     batch = args.batch_size if args.batch_size is not None else config.batch_size
+    if batch is None and args.maximize_batch:
+        batch = 1  # only where the capture starts: sizes are linear in the batch, the search picks it
     if batch is None:
         raise InputError("no batch size: give --batch-size or batch_size in autotune.toml")
     if batch < 1:
@@ -188,7 +192,10 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     out: Path = settings["out"]
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
     storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
 
     _say(quiet, f"loading {settings['model_file']} ...")
@@ -230,7 +237,11 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                                             label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"])
     from autotune.report import write_report
 
-    files = write_report(result, out)
+    try:
+        files = write_report(result, out)
+    except OSError as error:  # the study keeps the trials: the same command writes the report again
+        raise InputError(f"cannot write the report into {out}: {error.strerror or error} (the trials are kept "
+                         f"in the study; run the same command again once it is writable)") from None
     if "previous" in files:
         _say(quiet, f"the report that was in {out} is now in {files['previous']}")
     print(_summary_text(result, files["report.html"], time.monotonic() - started))

@@ -76,6 +76,7 @@ def _run_main(capsys, *args):
     ("good", ["--batch-size", "0"], "batch size must be positive"),
     ("good", ["--rewrite", "fold-everything"], "unknown graph rewrite"),
     ("bad_rewrite", [], "autotune.toml: graph_rewrites: unknown graph rewrite"),
+    ("good", ["--out", "/proc/autotune-test/out"], "cannot create --out"),
 ])
 def test_bad_input_is_one_line_and_exit_2(models, capsys, tmp_path, case, extra, message):
     args = [models / case, "--out", tmp_path / "out", "--no-measure", "--trials", "3"]
@@ -91,6 +92,19 @@ def test_bad_input_is_one_line_and_exit_2(models, capsys, tmp_path, case, extra,
 def test_missing_batch_size(models, capsys, tmp_path):
     code, _, err = _run_main(capsys, models / "good", "--out", tmp_path / "out", "--no-measure")
     assert code == 2 and "batch size" in err
+
+
+def test_maximize_batch_needs_no_batch_size_and_keeps_the_plan_it_found(models, capsys, tmp_path):
+    """The batch search's plan at the batch it picks is the answer even when --trials is too few
+    to find one again (3 trials here: on their own they find none at that batch)."""
+    code, out, err = _run_main(capsys, models / "good", "--maximize-batch", "--memory", "2MiB", "--device",
+                               "cpu-testbed", "--no-measure", "--out", tmp_path / "out", "--trials", "3", "--quiet")
+    assert code == 0, out + err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert f"largest batch that fits: {summary['batch_size']} " in out
+    assert summary["batch_size"] > summary["max_batch_without_swap"] >= 1
+    assert summary["feasible"] and summary["predicted_peak_bytes"] <= summary["budget_bytes"]
+    assert (tmp_path / "out" / "plan.json").exists()
 
 
 def test_budget_below_the_weights_exits_3(models, capsys, tmp_path):
