@@ -9,8 +9,8 @@ import base64
 import html
 import json
 import os
-import shutil
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone

@@ -572,8 +572,8 @@ def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers:
     """Per swap-in group (groups of a tensor consecutive, in level order): the op it must follow.
 
     The first group follows the last op that still reads the buffer the tensor lives in once the
-    far reads are rewired (its producer at least); each later group follows the last consumer of the group
-    before it.
+    far reads are rewired (its producer at least); each later group follows the last consumer of
+    the group before it.
     """
     n_groups = len(group_tensor)
     if n_groups == 0:
