@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 
 import optuna
 
+from autotune.inputs import format_bytes
 from autotune.search import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, evaluation_from_trial,
                              record_trial_attrs)
 from simulator import SwapParams, n_levels
@@ -290,7 +291,7 @@ def _progress(budget: Budget, problem: TuningProblem):
         if trial.user_attrs.get("feasible") and trial.value is not None:
             if not best or trial.value < best[0]:
                 best[:] = [trial.value]
-                bar.set_postfix_str(f"best step {trial.value:.4g} s, peak {trial.user_attrs['peak_bytes'] / 2**30:.2f} GiB")
+                bar.set_postfix_str(f"best step {trial.value:.4g} s, peak {format_bytes(trial.user_attrs['peak_bytes'])}")
         if trial.state == optuna.trial.TrialState.COMPLETE:  # pruned repeats do not count against the budget
             bar.update(1)
 

@@ -322,16 +322,22 @@ def _splittable(g: OpGraph, op: int) -> bool:
     return bool(np.isin(g.op_type[readers], ["Conv2D", "Conv3D"]).any())
 
 
-def tune(model, *, batch_size: int, device: str | DeviceModel | None = None, memory: int | None = None,
+def tune(model, *, batch_size: int | None = None, device: str | DeviceModel | None = None, memory: int | None = None,
          measure: bool = True, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
          **search: Any) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner.
 
+    ``batch_size`` may be left out with ``maximize_batch=True`` (the search picks it).
     ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
     ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
     Returns a TuneResult with params, plan, predictions and (``measure=True``) measurements.
     """
     from rewriter.capture import capture
+
+    if batch_size is None:
+        if not search.get("maximize_batch"):
+            raise ValueError("batch_size is required unless maximize_batch=True")
+        batch_size = 1  # only where the capture starts: sizes are linear in the batch
 
     graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
                     label_dtype=label_dtype, name=getattr(model, "name", None), graph_rewrites=graph_rewrites)

@@ -131,3 +131,17 @@ def test_parameters_off_a_narrowed_space_have_no_grid_point(small_unet):
     assert narrow.choice(full.params(dict(choice, sync="out", order="memory"))) is None
     assert narrow.choice(full.params(dict(choice, sync="none", order="cto"))) is None
     assert narrow.choice(full.params(dict(choice, sync="none", order="memory"))) is not None
+
+
+def test_python_api_tunes_a_keras_model_and_can_pick_the_batch():
+    """``autotune.tune`` as the README shows it, and with the batch left to the search."""
+    import autotune
+
+    model = build_model("small_cnn", image_size=32)
+    fixed = autotune.tune(model, batch_size=9, device="cpu-testbed", memory=2 << 20, measure=False, trials=40)
+    assert fixed.batch_size == 9 and fixed.feasible and fixed.plan is not None
+    assert fixed.shown.peak_bytes <= 2 << 20 < fixed.baseline.peak_bytes
+    picked = autotune.tune(model, device="cpu-testbed", memory=2 << 20, measure=False, trials=3, maximize_batch=True)
+    assert picked.feasible and picked.batch_size > picked.max_batch_without_swap >= 1
+    with pytest.raises(ValueError, match="batch_size is required"):
+        autotune.tune(model, device="cpu-testbed", memory=2 << 20, measure=False)
