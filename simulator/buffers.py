@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.graph import OpGraph
-from simulator.ordering import categorized_levels, execution_order, position_of
+from simulator.ordering import ORDERS, categorized_levels, execution_order, position_of
 
 
 @dataclass(frozen=True)
@@ -311,12 +311,34 @@ def op_working_set_bytes(g: OpGraph) -> np.ndarray:
     return g.cached("op_working_set_bytes", compute, structural=False)
 
 
+def least_working_set_bytes(g: OpGraph) -> np.ndarray:
+    """Per op, in ``g``'s order: its working set without the outputs a plan may let it write in
+    place (forwards only a later read prevented, see ``in_place_after_rewiring``)."""
+
+    def compute(graph: OpGraph) -> np.ndarray:
+        working_set = op_working_set_bytes(graph).copy()
+        info = buffers(graph)
+        if len(info.late_slot):
+            op_out = np.unique(np.stack([execution_order(graph)[info.late_slot], info.late_out]), axis=1)
+            working_set -= np.bincount(op_out[0], graph.tensor_bytes[op_out[1]].astype(np.float64),
+                                       minlength=graph.n_ops)
+        return working_set
+
+    return g.cached("least_working_set_bytes", compute, structural=False)
+
+
+def _binding_order(g: OpGraph) -> OpGraph:
+    """``g`` in the execution order (of those a plan may pick) whose largest working set is least."""
+    return min((g.with_order(name) for name in ORDERS), key=lambda h: least_working_set_bytes(h).max(initial=0))
+
+
 def largest_working_set_op(g: OpGraph) -> int:
     """The op whose working set sets ``peak_lower_bound_bytes`` (what to name when it binds)."""
-    return int(np.argmax(op_working_set_bytes(g)))
+    return int(np.argmax(least_working_set_bytes(_binding_order(g))))
 
 
 def peak_lower_bound_bytes(g: OpGraph) -> int:
-    """The least peak any swap plan can reach: resident memory plus the largest op working set."""
-    working_set = op_working_set_bytes(g)
-    return int(g.persistent_bytes + (working_set.max() if len(working_set) else 0))
+    """The least peak any swap plan can reach: resident memory plus the largest op working set.
+    A plan picks its execution order, and buffer forwarding depends on it, so the bound is taken
+    in the order where it is least; outputs a plan may let an op write in place do not count."""
+    return int(g.persistent_bytes + least_working_set_bytes(_binding_order(g)).max(initial=0))

@@ -163,6 +163,23 @@ def test_peak_lower_bound_is_the_largest_op_working_set():
     assert peak_lower_bound_bytes(g) == 600
 
 
+def test_working_set_bound_holds_in_every_order(unit):
+    """w forwards into x's buffer only where it is x's last reader: in the memory order (r runs
+    first), not in cto (r, one level later, still reads x). The bound is the least over the
+    orders a plan may pick, and a plan that rewired r's read would let w forward in cto too."""
+    g = from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], (1,), flops=1),
+        OpSpec("c", "Conv2D", BACKWARD, [], (0,), flops=1, control_inputs=["x"]),
+        OpSpec("r", "Conv2D", BACKWARD, ["x", "c"], (0,), flops=1),
+        OpSpec("z", "Conv2D", BACKWARD, [], (0,), flops=1),
+        OpSpec("w", "Conv2D", BACKWARD, ["x"], (1,), flops=1, forwards_input=True),
+    ], outputs=["w"])
+    assert replay(g.with_order("cto"), None, unit).peak_bytes == 2
+    assert replay(g.with_order("memory"), None, unit).peak_bytes == 1
+    assert op_working_set_bytes(g.with_order("cto"))[4] == 2
+    assert peak_lower_bound_bytes(g) == 1
+
+
 def test_hand_plan_round_trips_through_json(unit):
     g = chain()
     plan = SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((5,), 4),))])
