@@ -297,8 +297,9 @@ def slot_levels(g: OpGraph) -> np.ndarray:
 
 
 def op_working_set_bytes(g: OpGraph) -> np.ndarray:
-    """Per op: bytes of the non-resident buffers it reads or writes, which must all be on the
-    device while it runs whatever a plan swaps (shared buffers counted once)."""
+    """Per op, in ``g``'s order: bytes of the non-resident buffers it reads or writes (shared
+    buffers counted once), all on the device while it runs; a plan can only lower it by letting
+    the op write in place (``least_working_set_bytes``)."""
 
     def compute(graph: OpGraph) -> np.ndarray:
         info = buffers(graph)
