@@ -292,11 +292,10 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         chosen_policy = make_policy(policy, sampler=sampler, seed=seed)
         outcome = chosen_policy.search(problem, study, Budget(trials, timeout_s, progress))
         outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
-        probe_best = best_of(found)
-        if probe_best is not None and best_of([e for e in (chosen, probe_best) if e is not None]) is probe_best:
-            # a short search may miss what the batch search found: that plan counts, and enters the study
-            add_evaluation(study, probe_best, problem)
-            outcome_evaluations, chosen = outcome_evaluations + [probe_best], probe_best
+        best = best_of([e for e in (chosen, *found) if e is not None])
+        if best is not chosen:  # a short search may miss what the batch search found: it counts, and enters the study
+            add_evaluation(study, best, problem)
+            outcome_evaluations, chosen = outcome_evaluations + [best], best
         if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
             notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
                          f"over the {max_overhead:.0%} asked for")

@@ -328,18 +328,21 @@ def least_working_set_bytes(g: OpGraph) -> np.ndarray:
     return g.cached("least_working_set_bytes", compute, structural=False)
 
 
-def _binding_order(g: OpGraph) -> OpGraph:
-    """``g`` in the execution order (of those a plan may pick) whose largest working set is least."""
-    return min((g.with_order(name) for name in ORDERS), key=lambda h: least_working_set_bytes(h).max(initial=0))
+def _binding_working_set_bytes(g: OpGraph) -> np.ndarray:
+    """``least_working_set_bytes`` in the execution order (of those a plan may pick) whose largest
+    working set is least."""
+    return g.cached("binding_working_set_bytes", lambda graph: min(
+        (least_working_set_bytes(graph.with_order(name)) for name in ORDERS), key=lambda ws: ws.max(initial=0)),
+        structural=False)
 
 
 def largest_working_set_op(g: OpGraph) -> int:
     """The op whose working set sets ``peak_lower_bound_bytes`` (what to name when it binds)."""
-    return int(np.argmax(least_working_set_bytes(_binding_order(g))))
+    return int(np.argmax(_binding_working_set_bytes(g)))
 
 
 def peak_lower_bound_bytes(g: OpGraph) -> int:
     """The least peak any swap plan can reach: resident memory plus the largest op working set.
     A plan picks its execution order, and buffer forwarding depends on it, so the bound is taken
     in the order where it is least; outputs a plan may let an op write in place do not count."""
-    return int(g.persistent_bytes + least_working_set_bytes(_binding_order(g)).max(initial=0))
+    return int(g.persistent_bytes + _binding_working_set_bytes(g).max(initial=0))

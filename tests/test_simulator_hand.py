@@ -281,20 +281,26 @@ def test_copy_out_ending_in_a_stall_frees_before_the_op(unit):
     assert r.level_peak_bytes.tolist() == [400, 410, 420, 420, 420]
 
 
-def test_copy_out_of_a_tensor_written_into_a_swap_in(unit):
-    """s reads x far away and writes into x's buffer; once x is swapped, s writes into the swap-in
-    buffer, and s's own copy out (s is swapped for b) holds that buffer, not x's original."""
-    g = from_spec([
+def _written_into_x(*rest: OpSpec):
+    """x (100) read by s three levels later (after a1 -> a2 -> a3), which writes into x's buffer;
+    n reads s; ``rest`` ends with the step's output b."""
+    return from_spec([
         OpSpec("x", "Conv2D", FORWARD, [], (100,), flops=1),
         OpSpec("a1", "Conv2D", FORWARD, [], (10,), flops=1),
         OpSpec("a2", "Conv2D", FORWARD, ["a1"], (10,), flops=1),
         OpSpec("a3", "Conv2D", FORWARD, ["a2"], (10,), flops=1),
         OpSpec("s", "AddV2", FORWARD, ["x", "a3"], (100,), flops=1, forwards_input=True),
         OpSpec("n", "Conv2D", FORWARD, ["s"], (10,), flops=1),
-        OpSpec("m1", "Conv2D", FORWARD, ["n"], (10,), flops=1),
-        OpSpec("m2", "Conv2D", FORWARD, ["m1"], (10,), flops=1),
-        OpSpec("b", "MatMul", BACKWARD, ["m2", "s"], (10,), flops=1),
+        *rest,
     ], outputs=["b"])
+
+
+def test_copy_out_of_a_tensor_written_into_a_swap_in(unit):
+    """s reads x far away and writes into x's buffer; once x is swapped, s writes into the swap-in
+    buffer, and s's own copy out (s is swapped for b) holds that buffer, not x's original."""
+    g = _written_into_x(OpSpec("m1", "Conv2D", FORWARD, ["n"], (10,), flops=1),
+                        OpSpec("m2", "Conv2D", FORWARD, ["m1"], (10,), flops=1),
+                        OpSpec("b", "MatMul", BACKWARD, ["m2", "s"], (10,), flops=1))
     plan = plan_swaps(g, SwapParams(threshold=2, lb=1, ub=1))
     assert [g.tensor_name(s.tensor) for s in plan.swaps()] == ["x:0", "s:0"]
     r = replay(g, plan, unit)
@@ -310,15 +316,7 @@ def test_copy_out_of_a_tensor_written_into_a_swap_in(unit):
 def test_swap_in_of_a_tensor_written_into_a_swap_in_waits_for_its_home(unit):
     """s lives in x's swap-in buffer (written in place); a synchronous swap-in of s must follow the
     last reader of that buffer (n), not of x's original, which was done before s existed."""
-    g = from_spec([
-        OpSpec("x", "Conv2D", FORWARD, [], (100,), flops=1),
-        OpSpec("a1", "Conv2D", FORWARD, [], (10,), flops=1),
-        OpSpec("a2", "Conv2D", FORWARD, ["a1"], (10,), flops=1),
-        OpSpec("a3", "Conv2D", FORWARD, ["a2"], (10,), flops=1),
-        OpSpec("s", "AddV2", FORWARD, ["x", "a3"], (100,), flops=1, forwards_input=True),
-        OpSpec("n", "Conv2D", FORWARD, ["s"], (10,), flops=1),
-        OpSpec("b", "MatMul", BACKWARD, ["a1", "s"], (10,), flops=1),
-    ], outputs=["b"])
+    g = _written_into_x(OpSpec("b", "MatMul", BACKWARD, ["a1", "s"], (10,), flops=1))
     op = {str(name): k for k, name in enumerate(g.op_name)}
     plan = SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((op["s"],), None),)),
                                    Swap(4, False, (SwapIn((op["b"],), None),))])
