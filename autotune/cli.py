@@ -27,10 +27,11 @@ autotune.toml with defaults for the flags below, e.g.:
     device = "v100-16gb"          # or: memory = "16GiB"
     input_shapes = {image = [224, 224, 3]}   # where the model leaves dimensions open
     trials = 200
-    graph_rewrites = ["split-concat"]   # U-Nets: see --rewrite
+    graph_rewrites = ["split-concat", "elide-broadcasts"]   # U-Nets: see --rewrite
 
 The tool captures the training step, simulates candidate swap plans (threshold, swap-in
-window, grouping, sync mode, size filter, execution order, which tensors), searches them with
+window, grouping, sync mode, size filter, execution order, which tensors, distances in levels or
+execution steps, trigger policy), searches them with
 Optuna, applies the winner to the real TensorFlow step, measures it, and writes
 report.html/report.md, plots, trials.csv, plan.json and summary.json into --out.
 """
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
-                             "(U-Net decoders) into one per input, so the concatenation is never held")
+                             "(U-Net decoders) into one per input, so the concatenation is never held; "
+                             "elide-broadcasts lets elementwise ops broadcast per-channel gradients instead of "
+                             "tiling them to full size (batch normalisation's backward)")
     run = parser.add_argument_group("output")
     run.add_argument("--out", help="output directory (default: autotune-out); a report already there is moved "
                                    "to its previous/ folder")
@@ -264,7 +267,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"{result.plan.order_name} order")
         p = shown.params
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
-                     f"min_bytes={p.min_bytes} tensors={p.tensors}")
+                     f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}")
     elif result.feasible:
         lines.append("fits without swapping" + (" (rewritten; plan.json applies the rewrites)"
                                                 if result.applies_plan else ""))

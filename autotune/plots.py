@@ -16,6 +16,7 @@ import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from simulator import FORWARD, edge_distances  # noqa: E402
+from simulator.ordering import slot_levels_view  # noqa: E402
 from simulator.planning import is_activation  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,9 @@ def memory_timeline(result, path: Path) -> Path:
 def distance_histogram(result, path: Path) -> Path:
     """How far apart producers and consumers of activations are: the long edges swapping splits."""
     g = result.graph
-    distance = edge_distances(g)
+    in_slots = result.params is not None and result.params.distance == "slot"
+    # in the plan's units: execution steps of its order, or levels
+    distance = edge_distances(slot_levels_view(g.with_order(result.params.order)) if in_slots else g)
     activation = is_activation(g)[g.edge_tensor]
     fig, ax = plt.subplots(figsize=(8, 3.8))
     values = distance[activation]
@@ -69,7 +72,7 @@ def distance_histogram(result, path: Path) -> Path:
     if result.params is not None:
         ax.axvline(result.params.threshold, color="tab:red", ls="--", label=f"threshold {result.params.threshold}")
         ax.legend(fontsize=8)
-    ax.set_xlabel("edge distance (levels from producer to consumer)")
+    ax.set_xlabel(f"edge distance ({'execution steps' if in_slots else 'levels'} from producer to consumer)")
     ax.set_ylabel("GiB read over such edges")
     ax.set_title("Distances of activation reads (edges right of the threshold are swapped)")
     return _save(fig, path)

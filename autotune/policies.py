@@ -185,20 +185,23 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     one feasible starting point per basin (swapping many tensors asynchronously and swapping a few
     big ones synchronously are far apart).
     A basin where nothing fits that way is searched again, after the others, with the tightest
-    swap-ins (the earliest trigger window, of width 0, no grouping): under a tight budget, or near
-    the largest batch that fits at all, only plans that bring each tensor back just in time (and
-    swap all the tensors they may, gradients too) fit."""
+    swap-ins (the earliest trigger window, of width 0, no grouping) and every tensor the space may
+    swap, gradients too; and where that fails too, once more counting distances in steps of the
+    order (each tensor then comes back right before its reader). Under a tight budget, or near the
+    largest batch that fits at all, only such just-in-time plans fit."""
     space = problem.space
-    middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1}
-    tightest = {"lb": 0, "window": 0, "groupby": 0}
+    middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1,
+                "tensors": space.tensors[0]}
+    tightest = {"lb": 0, "window": 0, "groupby": 0, "tensors": space.tensors[-1]}
+    tries = [dict(middling, distance=space.distance[0], trigger=space.trigger[0]),
+             dict(tightest, distance=space.distance[0], trigger=space.trigger[0]),
+             dict(tightest, distance=space.distance[-1], trigger=space.trigger[-1])]
+    tries = [t for k, t in enumerate(tries) if t not in tries[:k]]  # a narrowed space may make two alike
     frontier: list[dict] = []
-    basins = [(middling, sync, order) for sync in space.sync for order in space.order]
+    basins = [(0, sync, order) for sync in space.sync for order in space.order]
     while basins:
-        swap_ins, sync, order = basins.pop(0)
-        # the second try swaps the widest set of tensors the space has (tensors="all"): the most any
-        # plan can swap
-        base = dict(swap_ins, min_bytes=0, sync=sync, order=order,
-                    tensors=space.tensors[-1] if swap_ins is tightest else space.tensors[0])
+        stage, sync, order = basins.pop(0)
+        base = dict(tries[stage], min_bytes=0, sync=sync, order=order)
         low, high, best = 0, len(space.threshold) - 1, None
         while low <= high:
             middle = (low + high) // 2
@@ -213,8 +216,8 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
                 high = middle - 1
         if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
             frontier.append(dict(base, threshold=best))
-        elif swap_ins is middling:
-            basins.append((tightest, sync, order))
+        elif stage + 1 < len(tries):
+            basins.append((stage + 1, sync, order))
     return frontier
 
 

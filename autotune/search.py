@@ -17,7 +17,7 @@ import numpy as np
 import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
-from simulator.planning import SWAP_SCOPES, SYNC_MODES
+from simulator.planning import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
 from simulator.replay import Replay
 
 METRICS = ("peak_bytes", "step_s", "compute_s", "stall_s", "overhead", "d2h_bytes", "h2d_bytes", "host_peak_bytes",
@@ -40,9 +40,11 @@ class SearchSpace:
     min_bytes: tuple[int, ...] = (4096, 1 << 20, 16 << 20)
     order: tuple[str, ...] = ("cto", "memory")
     tensors: tuple[str, ...] = SWAP_SCOPES
+    distance: tuple[str, ...] = DISTANCES
+    trigger: tuple[str, ...] = TRIGGER_POLICIES
 
     ORDERED = ("threshold", "lb", "window", "groupby", "min_bytes")
-    CATEGORICAL = ("sync", "order", "tensors")
+    CATEGORICAL = ("sync", "order", "tensors", "distance", "trigger")
 
     @classmethod
     def for_graph(cls, g: OpGraph, *, points: int = 40) -> "SearchSpace":
@@ -67,7 +69,9 @@ class SearchSpace:
         return SwapParams(threshold=self.threshold[choice["threshold"]], lb=lb, ub=lb + self.window[choice["window"]],
                           groupby=self.groupby[choice["groupby"]], sync=choice["sync"],
                           min_bytes=self.min_bytes[choice["min_bytes"]], order=choice["order"],
-                          tensors=choice.get("tensors", "activations"))  # absent in studies made before it
+                          # absent in studies made before they were searched
+                          tensors=choice.get("tensors", "activations"), distance=choice.get("distance", "level"),
+                          trigger=choice.get("trigger", "ancestor"))
 
     def choice(self, params: SwapParams) -> dict[str, Any] | None:
         """The grid point of ``params`` (None when they are off the grid)."""

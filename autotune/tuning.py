@@ -18,7 +18,7 @@ import optuna
 from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
-from simulator import DeviceModel, OpGraph, SwapPlan, get_device, replay
+from simulator import BACKWARD, DeviceModel, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
 from simulator.replay import Replay
@@ -299,6 +299,10 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
             notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
                          f"over the {max_overhead:.0%} asked for")
+    tiled = _broadcasts_left(g) if chosen is None else 0
+    if tiled:
+        notes.append(f"{tiled} gradients are tiled to an activation's full shape (batch "
+                     "normalisation's backward): --rewrite elide-broadcasts lets the ops that read them broadcast")
     closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
     shown = chosen or closest
     plan = problem.plan(shown.params) if shown is not None else None
@@ -309,6 +313,15 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         replay=None if shown is None else replay(g, plan, device_model), baseline_replay=replay(g, None, device_model),
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes,
     )
+
+
+def _broadcasts_left(g: OpGraph) -> int:
+    """Backward ``Tile``/``BroadcastTo`` ops whose output grows with the batch, not yet rewritten:
+    the case of ``--rewrite elide-broadcasts`` (the capture checks which of them it can drop)."""
+    if "elide-broadcasts" in g.meta.get("graph_rewrites", []):
+        return 0
+    ops = np.flatnonzero(np.isin(g.op_type, ["Tile", "BroadcastTo"]) & (g.op_phase == BACKWARD))
+    return int((g.tensor_bytes_ab[np.isin(g.tensor_producer, ops), 1] > 0).sum())
 
 
 def _splittable(g: OpGraph, op: int) -> bool:

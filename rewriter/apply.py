@@ -11,7 +11,8 @@ returned ``SwapStep`` updates the same variables and optimizer slots in place:
   previous copy);
 * every listed consumer input that reads the tensor, directly or through ops the capture bypassed
   (Identity, IdentityN, StopGradient, ...), rewired to the swap-in output, in that input slot;
-* ``sync_out`` swaps: the tensor's remaining readers wait for the swap-out (control edges).
+* ``sync_out`` swaps: the tensor's remaining readers wait for the swap-out (control edges); with
+  none left, the op the plan's order runs after its producer does.
 
 Swap nodes are named ``swap_out/<producer>_<k>`` and ``swap_in/<producer>_<k>/<j>``, carry explicit
 devices and ``_grappler_do_not_remove=True``. The plan is checked against the traced graph before
@@ -462,6 +463,9 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
     for item in skipped:
         log.warning("swap of %s skipped: %s", item.tensor, item.reason)
 
+    # the op the simulator runs after each one (what a synchronous swap-out with no reader left holds)
+    runnable = [name for name in plan.get("order", []) if name in editor.nodes and editor.nodes[name].op != "Placeholder"]
+    next_in_order = dict(zip(runnable, runnable[1:]))
     applied: list[AppliedSwap] = []
     for record in todo:
         tensor = _parse(record["tensor"])
@@ -533,7 +537,10 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
                     continue
                 if reader not in sync_controls:
                     sync_controls.append(reader)
-                    editor.nodes[reader].input.append(f"^{out_name}")
+            if not sync_controls and tensor[0] in next_in_order:  # no reader left: the op after the producer
+                sync_controls.append(next_in_order[tensor[0]])
+            for reader in sync_controls:
+                editor.nodes[reader].input.append(f"^{out_name}")
         applied.append(AppliedSwap(record["tensor"], out_name, dtype.name, int(nbytes), bool(record.get("sync_out")),
                                    tuple(swap_ins), tuple(sync_controls)))
     order = [name for name in plan.get("order", []) if name in editor.nodes and editor.nodes[name].op != "Placeholder"]

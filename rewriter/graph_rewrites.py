@@ -9,6 +9,16 @@ exists, so no op must hold its inputs and output at once: in a U-Net's decoder t
 working set of the step, the floor of any swap plan (``simulator.buffers.peak_lower_bound_bytes``).
 The sum is the same up to float rounding (the channel sum is split in two).
 
+``elide-broadcasts``: a ``Tile`` (or ``BroadcastTo``) whose output feeds only elementwise ops that
+broadcast their operands anyway is dropped; they read its input. TF's gradient of a mean (Keras'
+batch normalisation computes its moments with two) tiles the mean's per-channel gradient to the
+activation's full shape and divides that by the count; after the rewrite the division is made on
+the per-channel tensor and the sum of the batch-norm gradient's terms (an ``AddN``, which does not
+broadcast) becomes a chain of ``AddV2`` with the full-shape terms first. Two activation-sized
+buffers per batch normalisation never exist, so its backward holds two such buffers, not three
+(with the convolution's input swapped back in). The values are the same (the same elementwise
+operations on the same numbers); only the sum's order of additions can change its rounding.
+
 Names: an op the rewrite replaces keeps its name (the sum takes the convolution's, the per-part
 input gradients take the slices', the concatenated kernel gradient the filter gradient's), so the
 rest of the graph reads the same tensors; new ops are ``<conv>/part<k>`` and friends.
@@ -233,9 +243,117 @@ def split_concat_convs(graph_def: graph_pb2.GraphDef, shape_of: Callable[[str], 
     return rebuilt, split
 
 
+# elementwise ops whose two operands broadcast against each other (numpy rules)
+BROADCASTING_BINARY = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum",
+                                 "Minimum", "SquaredDifference"})
+BROADCAST_OPS = ("Tile", "BroadcastTo")
+
+
+def elide_broadcasts(graph_def: graph_pb2.GraphDef, shape_of: Callable[[str], list[int] | None]
+                     ) -> tuple[graph_pb2.GraphDef, list[str]]:
+    """Return a rewritten copy of ``graph_def`` and the names of the broadcasts dropped.
+
+    A broadcast is dropped when every op downstream of it, up to one whose output keeps its full
+    shape through another operand, is a broadcasting binary op or an ``AddN`` with a full-shape
+    input; anything else (another reader, an unknown shape) keeps it.
+    """
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    nodes = {node.name: node for node in out.node}
+    readers: dict[tuple[str, int], list[tuple[Any, int]]] = defaultdict(list)
+    for node in out.node:
+        for slot, ref in enumerate(node.input):
+            if not ref.startswith("^"):
+                readers[_parse(ref)].append((node, slot))
+
+    def shape(ref: str) -> tuple[int, ...] | None:
+        known = shape_of("%s:%d" % _parse(ref))
+        return None if known is None else tuple(known)
+
+    def is_full(ref: str, full_shape: tuple[int, ...], shrunk: set[str]) -> bool:
+        return shape(ref) == full_shape and _parse(ref)[0] not in shrunk and nodes[_parse(ref)[0]].op not in BROADCAST_OPS
+
+    dropped: list[str] = []
+    sums: set[str] = set()  # AddNs to rebuild as AddV2 chains (they do not broadcast)
+    shrunk: set[str] = set()  # ops whose output is now smaller than before
+    for broadcast in [node for node in out.node if node.op in BROADCAST_OPS]:
+        source = broadcast.input[0]
+        small, full = shape(source), shape(f"{broadcast.name}:0")
+        if small is None or full is None:
+            continue
+        try:
+            if np.broadcast_shapes(small, full) != full:
+                continue
+        except ValueError:
+            continue
+        # walk downstream while outputs are smaller than before: every reader must broadcast, and
+        # stops the walk when another operand gives its output the full shape again
+        walk, ok, new_shrunk, new_sums = [(broadcast.name, small)], True, set(), set()
+        while walk and ok:
+            name, now = walk.pop()
+            for reader, slot in readers[(name, 0)]:
+                before = shape(f"{reader.name}:0")
+                if before is None:
+                    ok = False
+                elif reader.op in BROADCASTING_BINARY:
+                    other = reader.input[1 - slot]
+                    other_shape = shape(other)
+                    if other_shape is None or _parse(other)[0] in shrunk | new_shrunk | {broadcast.name}:
+                        ok = False
+                        break
+                    after = np.broadcast_shapes(now, other_shape)
+                    if after != before:  # control edges from it still hold: the op stays
+                        new_shrunk.add(reader.name)
+                        walk.append((reader.name, after))
+                elif reader.op == "AddN":
+                    ok = any(is_full(ref, before, shrunk | new_shrunk) for ref in reader.input if ref[0] != "^")
+                    new_sums.add(reader.name)
+                else:
+                    ok = False
+                if not ok:
+                    break
+        if not ok:
+            continue
+        for reader, slot in readers[(broadcast.name, 0)]:
+            reader.input[slot] = source
+        shrunk |= new_shrunk
+        sums |= new_sums
+        dropped.append(broadcast.name)
+
+    if not dropped:
+        return out, dropped
+    stand_in = {f"^{name}": f"^{_parse(nodes[name].input[0])[0]}" for name in dropped}
+    rebuilt = graph_pb2.GraphDef()
+    rebuilt.CopyFrom(out)
+    del rebuilt.node[:]
+    for node in out.node:
+        if node.name in dropped:
+            continue
+        if any(ref in stand_in for ref in node.input):  # control edges from a dropped broadcast: from its input
+            refs = [stand_in.get(ref, ref) for ref in node.input]
+            del node.input[:]
+            node.input.extend(dict.fromkeys(refs))
+        if node.name not in sums:
+            rebuilt.node.append(node)
+            continue
+        before = shape(f"{node.name}:0")
+        terms = [ref for ref in node.input if not ref.startswith("^")]
+        full_terms = [ref for ref in terms if is_full(ref, before, shrunk)]
+        terms = full_terms + [ref for ref in terms if ref not in full_terms]
+        total = terms[0]
+        for k, term in enumerate(terms[1:], start=1):
+            name = node.name if k == len(terms) - 1 else f"{node.name}/add{k}"
+            controls = [ref for ref in node.input if ref.startswith("^")] if k == 1 else []
+            rebuilt.node.append(_node(name, "AddV2", [total, term] + controls, device=node.device,
+                                      T=_type_attr(node.attr["T"].type)))
+            total = name
+    return rebuilt, dropped
+
+
 # name (as given to --rewrite and kept in plans) -> rewrite(graph_def, shape_of) -> (graph_def, changed ops)
 REWRITES: dict[str, Callable[..., tuple[graph_pb2.GraphDef, list[str]]]] = {
     "split-concat": split_concat_convs,
+    "elide-broadcasts": elide_broadcasts,
 }
 
 

@@ -4,9 +4,10 @@ TF does not give every tensor its own memory: Identity/Reshape-like ops alias th
 such as Relu, AddN or BiasAdd write into an input buffer they are the last to read. Counting aliases
 as new buffers overestimates the peak by 5-15% (DESIGN.md 4), so memory is accounted per buffer.
 
-A buffer is a tree of tensors. Links that read their parent from two or more levels away could be
-rewired to a swap-in by a plan; such a link starts a *segment*, because once rewired, the segment
-(say, a gradient op writing into the activation it read) lives in the swap-in's buffer instead.
+A buffer is a tree of tensors. Links that read their parent from two or more levels (or execution
+slots) away could be rewired to a swap-in by a plan; such a link starts a *segment*, because once
+rewired, the segment (say, a gradient op writing into the activation it read) lives in the
+swap-in's buffer instead.
 """
 
 from __future__ import annotations
@@ -130,11 +131,13 @@ def _analyse(g: OpGraph) -> Buffers:
         buffer_last = np.asarray(last_list, dtype=np.int64)
         parent, link_op = np.asarray(parent_list, dtype=np.int64), np.asarray(link_list, dtype=np.int64)
 
-    # segments: a link that reads its parent from >= 2 levels away may be rewired by a plan
+    # segments: a link that reads its parent from >= 2 levels or execution slots away may be
+    # rewired by a plan (SwapParams.distance counts one or the other)
     has_parent = parent >= 0
     safe_parent = np.maximum(parent, 0)
-    distance = np.where(has_parent, levels[np.maximum(link_op, 0)] - levels[g.tensor_producer[safe_parent]], 0)
-    is_head = ~has_parent | (distance >= 2)
+    link_at, parent_at = np.maximum(link_op, 0), g.tensor_producer[safe_parent]
+    far = (levels[link_at] - levels[parent_at] >= 2) | (position[link_at] - position[parent_at] >= 2)
+    is_head = ~has_parent | far
     segment = np.where(is_head, np.arange(n_tensors), parent)
     for _ in range(64):
         nxt = np.where(is_head, segment, segment[segment])

@@ -7,6 +7,8 @@ edges are what make the memory peak, and a swap splits them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from simulator.graph import GraphError, OpGraph
@@ -203,6 +205,17 @@ def position_of(g: OpGraph) -> np.ndarray:
         return position
 
     return g.cached("position", compute, structural=True)
+
+
+def slot_levels_view(g: OpGraph) -> OpGraph:
+    """``g`` (same order, same batch) with every op on a level of its own, its execution slot, so
+    that rules counting levels count steps of the order (``SwapParams.distance="slot"``)."""
+    def compute(graph: OpGraph) -> OpGraph:
+        return dataclasses.replace(graph, _structure_cache={
+            "levels": position_of(graph), "execution_order": execution_order(graph)})
+
+    view = g.cached("slot_levels_view", compute, structural=True)
+    return view if view.batch_size == g.batch_size else view.with_batch(g.batch_size)
 
 
 def n_levels(g: OpGraph) -> int:

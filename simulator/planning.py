@@ -14,11 +14,13 @@ import numpy as np
 
 from simulator.buffers import buffers, rewired_lifetimes
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
-from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels, position_of
+from simulator.ordering import (categorized_levels, edge_distances, execution_order, n_levels, position_of,
+                                slot_levels_view)
 
 SYNC_MODES = ("none", "out", "in", "both")
 SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
 SWAP_SCOPES = ("activations", "all")  # SwapParams.tensors
+DISTANCES = ("level", "slot")  # SwapParams.distance
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
 TRIGGER_POLICIES = ("ancestor", "level")
 
@@ -45,8 +47,9 @@ class SwapParams:
     threshold: a consumer is far when its level distance from the producer is > threshold.
     lb, ub: the swap-in trigger lies between ``ub`` and ``lb`` levels before the far consumer.
     groupby: far consumers of one tensor within ``groupby`` levels of the group's first share a swap-in.
-    sync: "none", "out" (near consumers wait for the swap-out), "in" (no early trigger: the swap-in
-      waits for the consumer's other inputs) or "both".
+    sync: "none", "out" (near consumers wait for the swap-out; with none, the op after the producer
+      does, so the device buffer is free before the step goes on), "in" (no early trigger: the
+      swap-in waits for the consumer's other inputs) or "both".
     min_bytes: tensors smaller than this (at the plan's batch size) are never swapped.
     include_types/exclude_types/exclude_scopes: filter the producing ops by type or name prefix.
     trigger: "ancestor" takes triggers among the ancestors of the first far consumer (steadier in
@@ -57,6 +60,11 @@ class SwapParams:
       LMS. "all": also what the backward pass makes and reads much later (a U-Net's gradients that
       wait across a skip connection for the branch that joins them) and integer tensors TF keeps
       on the device (the labels Keras' sparse losses cast to int64).
+    distance: what threshold, lb, ub and groupby count. "level": CTO levels, as in LMS (ops of one
+      level are independent, so a level can hold many ops). "slot": steps of the execution order,
+      one op each: a swap-in can then be started by the op just before its reader, and reads of
+      one level that the order runs far apart (the parts of a split convolution's gradient, an op
+      the memory order sinks) are far.
     """
 
     threshold: int
@@ -71,10 +79,13 @@ class SwapParams:
     trigger: str = "ancestor"
     order: str = "cto"
     tensors: str = "activations"
+    distance: str = "level"
 
     def __post_init__(self) -> None:
         if self.tensors not in SWAP_SCOPES:
             raise ParamsError(f"tensors must be one of {SWAP_SCOPES}, got {self.tensors!r}")
+        if self.distance not in DISTANCES:
+            raise ParamsError(f"distance must be one of {DISTANCES}, got {self.distance!r}")
         for name in ("threshold", "lb", "ub"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -484,10 +495,13 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     read t through a swap-in. The swap-in of a group starts when its trigger w finishes:
     the latest valid op with level(c) - ub <= level(w) <= level(c) - lb, level(w) > level(u), searched
     from level(c) - lb downward; no valid trigger (or sync "in"/"both") makes it synchronous.
+    With ``params.distance == "slot"`` an op's level is its slot in the execution order.
     ``kept_reads`` (``DeviceModel.kept_reads``): (producer type, consumer type) reads that stay on
     the device whatever their distance.
     """
     g = g.with_order(params.order)
+    if params.distance == "slot":
+        g = slot_levels_view(g)
     levels = categorized_levels(g)
     distance = edge_distances(g)
     candidate = _candidate_tensors(g, params)

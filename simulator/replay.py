@@ -183,8 +183,9 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     n_slots = len(duration)
     out_free_slot = np.minimum(np.searchsorted(finish_all, out_end, side="left"), n_slots - 1)
     # a copy that ends while its slot's op still waits (a stall) frees the buffer before the op
-    # allocates anything: it does not count in that slot
-    out_free_slot -= out_end <= (finish_all - duration)[out_free_slot]
+    # allocates anything: it does not count in that slot (to a nanosecond: the op's start is
+    # finish - duration, which rounds differently from the copy's end it waited for)
+    out_free_slot -= out_end <= (finish_all - duration)[out_free_slot] + 1e-9
     # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a
     # rewired read carried it into (see rewired_lifetimes)
     in_original = home_link < 0
@@ -259,10 +260,14 @@ def _remaining_readers(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mas
 
 
 def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device (-1: none)."""
+    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device, or
+    when none does, the slot after its producer's (so the copy frees the buffer before the step
+    goes on); -1 where not ``mask`` or the producer runs last."""
     position = position_of(g)
     readers = _remaining_readers(g, tensor, far_keys, mask)
-    return np.asarray([int(position[r].min()) if r else -1 for r in readers], dtype=np.int64)
+    after_producer = position[g.tensor_producer[tensor]] + 1
+    first = [int(position[r].min()) if r else int(after_producer[i]) for i, r in enumerate(readers)]
+    return np.where(mask & (np.asarray(first) < g.n_ops), first, -1).astype(np.int64)
 
 
 def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger, in_swap_array, in_duration_array,

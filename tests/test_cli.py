@@ -175,16 +175,18 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
     assert plan["format"] == "swap-plan/1" and plan["swaps"]
 
 
-def test_split_concat_rewrite_end_to_end(capsys, tmp_path):
-    """--rewrite split-concat on a U-Net: the figures are of the rewritten step, the plan carries the
-    rewrite, and the measured run of it agrees with the prediction."""
+def test_graph_rewrites_end_to_end(capsys, tmp_path):
+    """--rewrite split-concat --rewrite elide-broadcasts on a U-Net: the figures are of the
+    rewritten step, the plan carries the rewrites, and the measured run of it agrees with the
+    prediction."""
     from benchmarks.models import build_model
     from rewriter.capture import capture
 
     from simulator import SwapParams, plan_swaps, replay
 
+    rewrites = ["split-concat", "elide-broadcasts"]
     model = build_model("unet3d", size=16, base_filters=4, depth=2)
-    graph = capture(model, 2, graph_rewrites=["split-concat"])
+    graph = capture(model, 2, graph_rewrites=rewrites)
     unswapped = replay(graph, None, "cpu-testbed").peak_bytes
     lowest = replay(graph, plan_swaps(graph, SwapParams(threshold=1, sync="both")), "cpu-testbed").peak_bytes
     assert lowest < unswapped
@@ -194,13 +196,14 @@ def test_split_concat_rewrite_end_to_end(capsys, tmp_path):
     out = tmp_path / "out"
     code, stdout, err = _run_main(capsys, model_dir, "--batch-size", "2", "--device", "cpu-testbed", "--memory",
                                   str((lowest + unswapped) // 2), "--trials", "30", "--rewrite", "split-concat",
-                                  "--out", out, "--quiet")
+                                  "--rewrite", "elide-broadcasts", "--out", out, "--quiet")
     assert code == 0, err + stdout
-    assert "graph rewrites: split-concat (2 ops)" in stdout
+    tiles = len(graph.meta["graph_rewrite_changes"]["elide-broadcasts"])
+    assert f"graph rewrites: split-concat (2 ops), elide-broadcasts ({tiles} ops)" in stdout and tiles > 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["graph_rewrites"] == ["split-concat"] and summary["feasible"] and summary["swaps"] > 0
+    assert summary["graph_rewrites"] == rewrites and summary["feasible"] and summary["swaps"] > 0
     assert summary["baseline_peak_bytes"] == unswapped
-    assert json.loads((out / "plan.json").read_text())["graph_rewrites"] == ["split-concat"]
+    assert json.loads((out / "plan.json").read_text())["graph_rewrites"] == rewrites
     assert "split-concat: 2 op(s)" in (out / "report.md").read_text()
     assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.15
 

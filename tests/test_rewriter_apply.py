@@ -78,6 +78,29 @@ def test_graph_carries_the_plan(cnn_graph, full_plan):
                 assert controls
 
 
+def test_sync_out_holds_a_reader_or_the_next_op(cnn_graph):
+    """sync "out": the ops still reading a swapped tensor wait for its copy; a tensor whose reads all
+    go through swap-ins holds the op the plan runs after its producer instead (as the replay has it)."""
+    graph = cnn_graph[0]
+    plan = plan_swaps(graph, SwapParams(threshold=1, sync="out", min_bytes=4096))
+    model = build_model("small_cnn", seed=0)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=BATCH)
+    assert step.verification.ok, step.verification.summary()
+    nodes = _nodes(step)
+    order = [str(name) for name in graph.op_name[plan.order]]
+    held_next = 0
+    for applied in step.applied:
+        assert applied.sync_out and applied.sync_controls
+        for name in applied.sync_controls:
+            assert f"^{applied.swap_out}" in nodes[name].input
+        producer = applied.tensor.partition(":")[0]
+        reads = {ref.split(":")[0] for name in applied.sync_controls for ref in nodes[name].input if ref[0] != "^"}
+        if producer not in reads:  # no device reader left: the next op in the order waits
+            assert applied.sync_controls == (order[order.index(producer) + 1],)
+            held_next += 1
+    assert held_next > 0
+
+
 def test_consumer_reading_through_identity_is_rewired_in_its_slot():
     """A consumer that reads the tensor through bypassed ops (Identity...) gets the swap-in in that slot."""
     model = build_model("small_cnn", seed=0)

@@ -412,3 +412,53 @@ def test_activations_are_floats_all_tensors_takes_int64_too(dtype, swapped):
 
     assert (labels in swaps("activations")) == swapped
     assert labels in swaps("all")
+
+
+def test_slot_distance_swaps_a_read_one_level_but_three_slots_away(unit):
+    """f0 -> c is one level long, but the order runs g0 and g1 in between: counted in slots it is
+    far. c writes its output into the buffer it reads (as Mul does): once rewired, into the swap-in's."""
+    g = from_spec([
+        OpSpec("f0", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("g0", "Conv2D", BACKWARD, [], (1,), flops=1),
+        OpSpec("g1", "Conv2D", BACKWARD, [], (1,), flops=1),
+        OpSpec("c", "Mul", BACKWARD, ["f0", "g0", "g1"], (100,), flops=1, forwards_input=True),
+    ], outputs=["c"])
+    assert categorized_levels(g).tolist() == [0, 0, 0, 1]
+    assert plan_swaps(g, SwapParams(threshold=1, lb=1, ub=1, trigger="level")).n_swaps == 0
+    baseline = replay(g, None, unit)
+    assert baseline.peak_bytes == 102  # slot 3: f0's buffer, now c's, and g0, g1
+    for trigger in ("level", "ancestor"):
+        plan = plan_swaps(g, SwapParams(threshold=1, lb=1, ub=1, trigger=trigger, distance="slot"))
+        assert [(g.tensor_name(s.tensor), [g.op_name[i.trigger] for i in s.swap_ins]) for s in plan.swaps()] == \
+            [("f0:0", ["g1"])]
+        r = replay(g, plan, unit)
+        # f0 out 1..2 s (f0's buffer freed after g0); in 3..4 s (after g1), c waits 1 s, ends at 5
+        assert r.swap_out_end_s.tolist() == [2.0] and r.swap_in_start_s.tolist() == [3.0]
+        assert r.step_s == pytest.approx(5.0)
+        # slot 2: g0 and g1 only; slot 3: the swap-in (c written into it) and g0, g1 -- not f0's
+        # original buffer as well, which a read rewired one level away would leave to c
+        assert r.level_peak_bytes.tolist() == [101, 102] and r.peak_bytes == 102
+        assert live_buffers(g, plan, r, slot=2)["bytes"].sum() == 2
+
+
+def test_sync_swap_out_without_a_reader_left_holds_the_next_op(unit):
+    """f0's only reader is far: with sync "out" the op after f0 waits for its copy, so f0's buffer is
+    gone before f1 allocates (without a waiting op, the copy would still hold it during f1)."""
+    g = from_spec([
+        OpSpec("f0", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("f1", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("f2", "Conv2D", FORWARD, ["f1"], (100,), flops=1),
+        OpSpec("b0", "MatMul", BACKWARD, ["f2", "f0"], (10,), flops=1),
+    ], outputs=["b0"])
+    assert categorized_levels(g).tolist() == [0, 0, 1, 2]
+    plan = plan_swaps(g, SwapParams(threshold=1, lb=1, ub=1, sync="out"))
+    assert [g.tensor_name(t) for t in plan.tensor] == ["f0:0"]
+    r = replay(g, plan, unit)
+    # f0 0..1 s, its copy 1..2 s; f1 waits for it: 2..3, f2 3..4; f0 back 4..5 (no backward op in
+    # the window: after b0's other input), b0 5..6
+    assert r.swap_out_end_s.tolist() == [2.0] and r.op_start_s.tolist() == [0.0, 2.0, 3.0, 5.0]
+    assert r.step_s == pytest.approx(6.0)
+    # slot 1 holds f1 alone; slot 3 the swap-in, f2 and b0
+    assert r.level_peak_bytes.tolist() == [100, 200, 210]
+    unwaited = replay(g, plan_swaps(g, SwapParams(threshold=1, lb=1, ub=1)), unit)
+    assert unwaited.level_peak_bytes.tolist() == [200, 200, 210] and unwaited.step_s == pytest.approx(5.0)

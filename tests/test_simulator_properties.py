@@ -41,7 +41,7 @@ def random_params(draw):
     return SwapParams(threshold=draw(st.integers(1, 6)), lb=lb, ub=draw(st.integers(lb, 10)),
                       groupby=draw(st.integers(0, 3)), sync=draw(st.sampled_from(["none", "out", "in", "both"])),
                       trigger=draw(st.sampled_from(["ancestor", "level"])),
-                      order=draw(st.sampled_from(["cto", "memory"])))
+                      order=draw(st.sampled_from(["cto", "memory"])), distance=draw(st.sampled_from(["level", "slot"])))
 
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -76,7 +76,8 @@ def test_every_order_is_topological(g):
 @SETTINGS
 @given(random_steps(), random_params())
 def test_threshold_beyond_the_levels_swaps_nothing(g, params):
-    big = SwapParams(threshold=n_levels(g), lb=params.lb, ub=params.ub, order=params.order)
+    beyond = n_levels(g) if params.distance == "level" else g.n_ops
+    big = SwapParams(threshold=beyond, lb=params.lb, ub=params.ub, order=params.order, distance=params.distance)
     plan = plan_swaps(g, big)
     assert plan.n_swaps == 0
     device = unit_device()

@@ -14,7 +14,7 @@ from autotune.policies import Budget, make_policy  # noqa: E402
 from autotune.search import SearchSpace, TuningProblem  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from rewriter.capture import capture  # noqa: E402
-from simulator import get_device, replay  # noqa: E402
+from simulator import get_device, plan_swaps, replay  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -120,6 +120,20 @@ def test_search_space_covers_both_sets_of_tensors(small_unet):
     older = {k: v for k, v in choice.items() if k != "tensors"}  # a trial of a study made before the option
     assert space.params(older).tensors == "activations"
     assert space.size() == len(list(space.grid()))
+
+
+def test_search_space_counts_distances_in_levels_or_slots(small_unet):
+    space = SearchSpace.for_graph(small_unet)
+    assert space.distance == ("level", "slot") and space.trigger == ("ancestor", "level")
+    choice = next(c for c in space.grid() if c["distance"] == "slot" and c["trigger"] == "level")
+    params = space.params(choice)
+    assert (params.distance, params.trigger) == ("slot", "level") and space.choice(params) == choice
+    older = {k: v for k, v in choice.items() if k not in ("distance", "trigger")}  # studies made before them
+    assert (space.params(older).distance, space.params(older).trigger) == ("level", "ancestor")
+    # the same rules, other units: the slot plan swaps reads of one level that the order runs apart
+    level_plan = plan_swaps(small_unet, dataclasses.replace(params, distance="level"))
+    slot_plan = plan_swaps(small_unet, params)
+    assert slot_plan.n_swap_ins > level_plan.n_swap_ins
 
 
 def test_parameters_off_a_narrowed_space_have_no_grid_point(small_unet):
