@@ -72,8 +72,8 @@ the notes say why.
 
 | benchmark | command | what it measures |
 |---|---|---|
-| max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping, the U-Net also with `--rewrite split-concat` (simulated on V100 presets; measured on the CPU testbed, or on a visible GPU) |
-| fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models (and the U-Net with `--rewrite split-concat`) x several plans, beside Grappler's static estimate |
+| max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping, the U-Net also with `--rewrite split-concat` and `elide-broadcasts` (simulated on V100 presets; measured on the CPU testbed, or on a visible GPU) |
+| fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models (and the U-Net with `--rewrite split-concat --rewrite elide-broadcasts`) x several plans, beside Grappler's static estimate |
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays per second against graph size, and the CLI's end-to-end time |
 | simulator_speed | `python -m benchmarks.simulator_speed` | replays per second of ResNet-50's graph (batch 32) |

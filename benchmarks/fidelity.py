@@ -71,7 +71,7 @@ class ModelSetup:
 MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
     ModelSetup("resnet50", {"image_size": 224}, 8),
     ModelSetup("unet3d", {"size": 64, "base_filters": 16, "depth": 4}, 1),
-    ModelSetup("unet3d", {"size": 64, "base_filters": 16, "depth": 4}, 1, ("split-concat",)),
+    ModelSetup("unet3d", {"size": 64, "base_filters": 16, "depth": 4}, 1, ("split-concat", "elide-broadcasts")),
     ModelSetup("vgg16", {"image_size": 128}, 8),
     ModelSetup("mobilenetv2", {"image_size": 160}, 8),
     ModelSetup("densenet121", {"image_size": 128}, 4),
@@ -80,8 +80,8 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
 
 # (label, SwapParams as a dict; None = no swapping). Together they exercise every rule of
 # DESIGN.md 1.4: thresholds from 1 (every far read) to 40, swap-in windows, groupby, the size
-# filter, the three sync modes, both trigger policies, both execution orders and both sets of
-# swappable tensors.
+# filter, the three sync modes, both trigger policies, both execution orders, both sets of
+# swappable tensors and both units of distance.
 PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("none", None),
     ("T1", {"threshold": 1}),
@@ -91,6 +91,7 @@ PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("T20 lb3-ub30 >=1MiB mem", {"threshold": 20, "lb": 3, "ub": 30, "min_bytes": MiB, "order": "memory"}),
     ("T2 level-trigger mem", {"threshold": 2, "lb": 2, "ub": 8, "trigger": "level", "order": "memory"}),
     ("T2 ub8 all tensors", {"threshold": 2, "ub": 8, "tensors": "all"}),
+    ("T1 slots ub1 all tensors", {"threshold": 1, "ub": 1, "trigger": "level", "tensors": "all", "distance": "slot"}),
 ]
 
 QUICK_MODELS = ("transformer_encoder", "vgg16")

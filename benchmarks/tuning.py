@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                 "gap_to_exhaustive": np.nan if chosen is None or optimum is None else chosen.step_s / optimum.step_s - 1,
                 "params": None if chosen is None or chosen.params is None else
                 f"t={chosen.params.threshold} lb={chosen.params.lb} ub={chosen.params.ub} g={chosen.params.groupby} "
-                f"{chosen.params.sync} {chosen.params.order} {chosen.params.tensors}",
+                f"{chosen.params.sync} {chosen.params.order} {chosen.params.tensors} {chosen.params.distance} "
+                f"{chosen.params.trigger}",
             })
             curve = _curve(outcome.evaluations)
             if policy in ("optuna", "random"):
