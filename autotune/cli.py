@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -189,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # see DESIGN.md 4: every allocation visible
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from rewriter.environment import prepare_environment  # before TensorFlow is imported (DESIGN.md 4)
+
+    prepare_environment()
     quiet = args.quiet
     out: Path = settings["out"]
     if out.exists() and not out.is_dir():

@@ -6,7 +6,6 @@ NAME: max-batch, fidelity, tuning, speed (``python -m benchmarks NAME --help`` f
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 BENCHMARKS = {
@@ -22,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from rewriter.environment import prepare_environment  # before TensorFlow is imported
+
+    prepare_environment()
     module = importlib.import_module(BENCHMARKS[argv[0]])
     return module.main(argv[1:])
 

@@ -150,8 +150,9 @@ def _grappler_estimate(model, batch: int) -> dict[str, Any]:
 def _worker(spec_path: str, out_path: str) -> int:
     """Measure one model under every plan of the spec; append one JSON line per result to out_path."""
     spec = json.loads(Path(spec_path).read_text())
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from rewriter.environment import prepare_environment
+
+    prepare_environment()
     import tensorflow as tf  # noqa: F401 -- after the environment is set
 
     from rewriter.placement import configure_testbed
@@ -245,8 +246,9 @@ def _run_model(setup: ModelSetup, plans: list[tuple[str, dict | None]], *, timeo
                                          "graph_rewrites": list(setup.graph_rewrites),
                                          "plans": plans, "repeats": repeats, "peak_repeats": peak_repeats,
                                          "grappler": grappler}))
-        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        from rewriter.environment import testbed_environment  # imports TensorFlow: not at module level
+
+        env = testbed_environment(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         command = [sys.executable, "-m", "benchmarks", "fidelity", "--worker", str(spec_path), str(out_path)]
         start = time.perf_counter()
         status: dict[str, Any] = {"model": setup.key}
@@ -576,11 +578,14 @@ def main(argv: list[str] | None = None) -> int:
     result_notes += ["## Known sources of deviation", ""] + KNOWN_DEVIATIONS + [""]
     if notes:
         result_notes += ["## Problems", ""] + notes
+    from rewriter.environment import TESTBED_ENV
+
+    testbed_env = ", ".join(f"{k}={v}" for k, v in TESTBED_ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL")
     settings = {
         "command": "python -m benchmarks " + " ".join(["fidelity", *(argv if argv is not None else sys.argv[2:])]),
         "measured_on": "; ".join(sorted(measured_on)) or "nothing measured",
-        **({"testbed": "CPU:0 accelerator, CPU:1 host (two logical CPUs), swaps as DeepCopy, "
-                       "TF_CPU_ALLOCATOR_USE_BFC=true"} if any("cpu-testbed" in m for m in measured_on) else {}),
+        **({"testbed": f"CPU:0 accelerator, CPU:1 host (two logical CPUs), swaps as DeepCopy, {testbed_env}"}
+           if any("cpu-testbed" in m for m in measured_on) else {}),
         "models": "; ".join(MODELS[n].describe() for n in names),
         "plans": "; ".join(f"{label}: {_params_text(params)}" for label, params in plans),
         "timing": f"warm-up 1, median of {args.repeats} steps; step serialized in the plan's order",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR
@@ -30,8 +29,9 @@ def captured_graph(name: str, graph_rewrites: tuple[str, ...] = (), **kwargs) ->
         if (graph.meta.get("build_kwargs") == json.loads(json.dumps(kwargs))
                 and graph.meta.get("capture_code") == _capture_code()):
             return graph
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from rewriter.environment import prepare_environment  # before TensorFlow is imported
+
+    prepare_environment()
     from benchmarks.models import build_model
     from rewriter.capture import capture
 

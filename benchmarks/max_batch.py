@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -163,7 +162,9 @@ MEASURE_SCRIPT = textwrap.dedent("""
 
 def _measure(batch: int, budget: int, swap: bool, device: str) -> dict:
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
+    from rewriter.environment import testbed_environment
+
+    env = testbed_environment(PYTHONPATH=str(root))
     done = subprocess.run([sys.executable, "-c", MEASURE_SCRIPT, str(batch), str(budget), "swap" if swap else "plain",
                            device],
                           cwd=root, env=env, capture_output=True, text=True, timeout=1200)

@@ -12,17 +12,23 @@ submodules and callables that run their namesake function.
 
 The CPU testbed (two logical CPUs) must be configured before TensorFlow initialises:
 ``rewriter.configure_testbed()`` first thing in the process, or the single-device testbed is used.
+``import rewriter`` before TensorFlow also sets the environment the testbed needs
+(``rewriter.environment``); imported after it, measurements warn about what missed.
 """
 
 import sys as _sys
 import types as _types
 
-from rewriter.apply import PlanError, StateSnapshot, SwapStep, load_plan
-from rewriter.capture import CaptureError, capture_step, trace_function_step, trace_keras_step
-from rewriter.keras import restore_train_function, swap_step_of, swapping, use_swap_step
-from rewriter.measure import Measurement
-from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect
-from rewriter.verify import Verification
+from rewriter.environment import prepare_environment
+
+prepare_environment()  # before the modules below import TensorFlow
+
+from rewriter.apply import PlanError, StateSnapshot, SwapStep, load_plan  # noqa: E402
+from rewriter.capture import CaptureError, capture_step, trace_function_step, trace_keras_step  # noqa: E402
+from rewriter.keras import restore_train_function, swap_step_of, swapping, use_swap_step  # noqa: E402
+from rewriter.measure import Measurement  # noqa: E402
+from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect  # noqa: E402
+from rewriter.verify import Verification  # noqa: E402
 
 
 class _CallableModule(_types.ModuleType):
@@ -43,6 +49,6 @@ verify = _sys.modules[f"{__name__}.verify"]
 __all__ = [
     "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "Measurement", "Placement", "PlanError", "StateSnapshot",
     "SwapStep", "Verification", "apply", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
-    "measure", "restore_train_function", "swap_step_of", "swapping", "trace_function_step", "trace_keras_step",
-    "use_swap_step", "verify",
+    "measure", "prepare_environment", "restore_train_function", "swap_step_of", "swapping", "trace_function_step",
+    "trace_keras_step", "use_swap_step", "verify",
 ]

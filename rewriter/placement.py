@@ -127,6 +127,7 @@ class CpuTestbedPlacement(Placement):
         from rewriter import memtrace
 
         warn_if_allocations_hidden()
+        warn_if_onednn_off()
         if resident_bytes is None:
             peak = memtrace.measure_call_peak(fn, *args, is_host_op=self.is_host_op, device="CPU:0")
         else:
@@ -151,6 +152,7 @@ def _block(result: Any) -> None:
 
 
 _warned_bfc = False
+_warned_onednn = False
 
 
 def warn_if_allocations_hidden() -> bool:
@@ -164,6 +166,28 @@ def warn_if_allocations_hidden() -> bool:
                     "allocations under 256 KiB, so measured peaks are too low. Set it in the environment "
                     "before importing TensorFlow.", BFC_ENV)
     return hidden
+
+
+def onednn_enabled() -> bool | None:
+    """Whether TensorFlow runs its oneDNN CPU kernels (fixed when it was imported); None if unknown."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:  # an internal module: a TF build without it cannot tell
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def warn_if_onednn_off() -> bool:
+    """Warn (once) when the testbed runs without oneDNN's CPU kernels (``rewriter.environment``); True if so."""
+    global _warned_onednn
+    off = onednn_enabled() is False
+    if off and not _warned_onednn:
+        _warned_onednn = True
+        log.warning("TensorFlow runs without its oneDNN CPU kernels (TF_ENABLE_ONEDNN_OPTS=1 was not set before "
+                    "it was imported, and this CPU does not turn them on by default): convolution gradients "
+                    "then hold large temporary buffers the cpu-testbed model does not count, so measured "
+                    "peaks are higher than predicted. Import rewriter first, or set TF_ENABLE_ONEDNN_OPTS=1.")
+    return off
 
 
 def configure_testbed(n_devices: int = 2) -> bool:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
-# Every allocation visible to the profiler and get_memory_info (DESIGN.md 4); must precede TF import.
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+try:
+    from rewriter.environment import prepare_environment
+except ImportError:  # no TensorFlow installed: the simulator's tests still run
+    def prepare_environment() -> None:
+        pass
+
+# The testbed's settings (every allocation visible, oneDNN kernels; DESIGN.md 4) must precede TF's import.
+prepare_environment()
 
 
 def unit_device(bandwidth_bytes_per_s: float = 100.0, latency_s: float = 0.0):

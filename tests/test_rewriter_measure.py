@@ -4,6 +4,9 @@ and the simulator's prediction against the measurement."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import logging
 
 import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
@@ -12,6 +15,7 @@ import pandas as pd
 import pytest
 
 import rewriter
+import rewriter.environment
 from benchmarks.models import build_model, example_batch
 from rewriter import placement as placement_module
 from simulator import SwapParams, plan_swaps, replay
@@ -55,6 +59,27 @@ def test_warns_when_small_allocations_are_hidden(monkeypatch, caplog):
     assert any("TF_CPU_ALLOCATOR_USE_BFC" in r.message for r in caplog.records)
     monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")
     assert not placement_module.warn_if_allocations_hidden()
+
+
+def test_warns_when_onednn_kernels_are_off(monkeypatch, caplog):
+    assert placement_module.onednn_enabled() is True, "import rewriter (tf_helpers) turns oneDNN on"
+    monkeypatch.setattr(placement_module, "onednn_enabled", lambda: False)
+    monkeypatch.setattr(placement_module, "_warned_onednn", False)
+    with caplog.at_level(logging.WARNING, logger="rewriter.placement"):
+        assert placement_module.warn_if_onednn_off()
+        assert placement_module.warn_if_onednn_off()
+    assert sum("TF_ENABLE_ONEDNN_OPTS=1" in r.message for r in caplog.records) == 1
+
+
+def test_import_rewriter_sets_the_testbed_environment_before_tensorflow():
+    env = {k: v for k, v in os.environ.items() if k not in rewriter.environment.TESTBED_ENV}
+    code = ("import os, rewriter\n"
+            "from tensorflow.python.util import _pywrap_util_port\n"
+            "print('RESULT', os.environ['TF_CPU_ALLOCATOR_USE_BFC'], _pywrap_util_port.IsMklEnabled())")
+    result = subprocess.run([sys.executable, "-c", code], cwd=th.REPO, env=dict(env, PYTHONPATH=str(th.REPO)),
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "RESULT true True" in result.stdout
 
 
 def test_detect_and_placements():

@@ -1,20 +1,21 @@
 """Shared set-up for the TensorFlow tests of the rewriter. Import it FIRST in a test module.
 
-It makes every allocation visible (``TF_CPU_ALLOCATOR_USE_BFC``) and splits the CPU into the
-testbed's two logical devices before TensorFlow's runtime initialises (it cannot be done later).
+It sets the testbed's environment (``rewriter.environment``: every allocation visible, oneDNN's CPU
+kernels) and splits the CPU into the testbed's two logical devices before TensorFlow's runtime
+initialises (it cannot be done later).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from rewriter.environment import prepare_environment, testbed_environment
+
+prepare_environment()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -65,7 +66,6 @@ def bitwise_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 
 def run_python(code: str, *, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter at the repository root (own TF runtime and devices)."""
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
-    full_env.update(env or {})
+    full_env = testbed_environment(PYTHONPATH=str(REPO), **(env or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
