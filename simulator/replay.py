@@ -8,9 +8,12 @@ engine starts its copy later, and its consumers wait for the copy to finish. Rew
 let an op write its output in place (``buffers.in_place_after_rewiring``).
 
 Memory is accounted per execution slot: a buffer is live from the slot that allocates it to the
-slot of its last reader; a transfer event at time t counts in the slot running at t. Only swapped
-tensors are re-accounted per plan, on top of a cached baseline, which keeps a replay around a
-millisecond for ResNet-50-sized graphs.
+slot of its last reader; a transfer event at time t counts in the slot running at t. One moment
+is not inside any op: while an op waits for its swap-ins, their buffers are allocated as each
+becomes ready, and a copy out that ends during the wait still holds its buffer until then; a
+slot's figure is the larger of its op's and its wait's (``wait_slots``). Only swapped tensors are
+re-accounted per plan, on top of a cached baseline, which keeps a replay around a millisecond for
+ResNet-50-sized graphs.
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ class Replay:
     swap_in_alloc_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     swap_in_free_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     in_place_outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    # when each swapped root's copies out are done, each swap-in's buffer is allocated (seconds), and
+    # the slots whose figure is the memory during their op's wait, at the moment given
+    swapped_root_copy_end_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    swap_in_alloc_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    wait_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    wait_moment_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
     @property
     def overhead(self) -> float:
@@ -181,17 +190,21 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
 
     # ---- device memory per slot: re-account swapped buffers, add swap-in buffers
     n_slots = len(duration)
+    start_all = finish_all - duration
     out_free_slot = np.minimum(np.searchsorted(finish_all, out_end, side="left"), n_slots - 1)
     # a copy that ends while its slot's op still waits (a stall) frees the buffer before the op
     # allocates anything: it does not count in that slot (to a nanosecond: the op's start is
-    # finish - duration, which rounds differently from the copy's end it waited for)
-    out_free_slot -= out_end <= (finish_all - duration)[out_free_slot] + 1e-9
+    # finish - duration, which rounds differently from the copy's end it waited for), only in
+    # the wait (_wait_peaks)
+    out_free_slot -= out_end <= start_all[out_free_slot] + 1e-9
     # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a
     # rewired read carried it into (see rewired_lifetimes)
     in_original = home_link < 0
     copy_free_slot = np.full(len(roots), -1, dtype=np.int64)
     np.maximum.at(copy_free_slot, swap_root[in_original], out_free_slot[in_original])
     new_free = np.maximum(root_last_slot, copy_free_slot)
+    copy_end = np.zeros(len(roots))
+    np.maximum.at(copy_end, swap_root[in_original], out_end[in_original])
     root_bytes = tensor_bytes[roots].astype(np.float64)
     delta = np.bincount(info.free_slot[roots] + 1, root_bytes, minlength=n_slots + 1)
     delta -= np.bincount(new_free + 1, root_bytes, minlength=n_slots + 1)
@@ -219,6 +232,9 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         delta -= np.bincount(in_place_slot, in_place_bytes, minlength=n_slots + 1)
         delta += np.bincount(in_place_slot + 1, in_place_bytes, minlength=n_slots + 1)
     slot_bytes = slot_bytes + np.cumsum(delta[:-1])
+    slot_bytes, wait_slots, wait_moment = _wait_peaks(
+        g, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready,
+        in_bytes, in_place_slot, in_place_out)
 
     host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
@@ -227,7 +243,70 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
                      outs=(out_start, out_end), ins=(in_start, in_end), position=position)
     return dataclasses.replace(result, swapped_roots=roots, swapped_root_free_slot=new_free,
                                swap_in_alloc_slot=in_alloc_slot, swap_in_free_slot=in_free_slot,
-                               in_place_outputs=in_place_out)
+                               in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
+                               swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment)
+
+
+def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end, in_alloc_slot,
+                in_ready, in_bytes, in_place_slot, in_place_out):
+    """Memory during the waits in which a copy out ends after a swap-in was allocated.
+
+    Before the op at slot s starts, its wait holds what lives on from slot s-1, the swap-ins
+    allocated so far (``in_ready``) and the swapped buffers whose copy out has not ended
+    (``copy_end``, where the copy frees the buffer: freed in slot s-1 by the rule above), but not
+    the op's own outputs. Returns ``slot_bytes`` with each such slot raised to its wait's peak
+    where that is larger, those slots and the moments of their peaks."""
+    none = (slot_bytes, np.zeros(0, np.int64), np.zeros(0))
+    n_slots = len(slot_bytes)
+    # roots whose copy out frees them after their last slot ended: in the next slot's wait
+    waiting = (copy_free_slot >= root_free_slot) & (root_free_slot + 1 < n_slots)
+    waiting &= copy_end > finish_all[np.minimum(root_free_slot, n_slots - 1)] + 1e-9
+    if not waiting.any() or not len(in_ready):
+        return none
+    wait_root = np.flatnonzero(waiting)
+    root_slot = root_free_slot[wait_root] + 1
+    in_wait = in_ready < start_all[in_alloc_slot] - 1e-9  # allocated before its slot's op starts
+    # slots where a swap-in is allocated in the wait before a copy out there ends
+    first_in = np.full(n_slots, np.inf)
+    np.minimum.at(first_in, in_alloc_slot[in_wait], in_ready[in_wait])
+    last_end = np.zeros(n_slots)
+    np.maximum.at(last_end, root_slot, copy_end[wait_root])
+    slots = np.flatnonzero(last_end > first_in + 1e-9)
+    if not len(slots):
+        return none
+
+    def compute(graph: OpGraph) -> np.ndarray:  # bytes the op at each slot allocates for its outputs
+        info = buffers(graph)
+        owners = np.flatnonzero(info.alloc_slot >= 0)
+        return np.bincount(info.alloc_slot[owners], graph.tensor_bytes[owners].astype(np.float64),
+                           minlength=graph.n_ops)
+
+    own_bytes = g.cached("own_alloc_bytes", compute, structural=False).copy()
+    if len(in_place_slot):
+        np.subtract.at(own_bytes, in_place_slot, g.tensor_bytes[in_place_out].astype(np.float64))
+    root_bytes = g.tensor_bytes[roots[wait_root]].astype(np.float64)
+    # each wait starts with what lives on from the slot before, and the buffers copied out in it
+    start_bytes = (slot_bytes[slots] - own_bytes[slots]
+                   - np.bincount(in_alloc_slot, in_bytes, minlength=n_slots)[slots]
+                   + np.bincount(root_slot, root_bytes, minlength=n_slots)[slots])
+    # then its events: swap-ins allocated, copies out ending (frees first at the same instant, to a ns)
+    held = contains(slots, root_slot)
+    allocated = in_wait & contains(slots, in_alloc_slot)
+    event_slot = np.concatenate([root_slot[held], in_alloc_slot[allocated]])
+    event_time = np.concatenate([copy_end[wait_root][held] - 1e-9, in_ready[allocated]])
+    event_bytes = np.concatenate([-root_bytes[held], in_bytes[allocated]])
+    by_time = np.lexsort((event_bytes, event_time, event_slot))
+    event_slot, event_time, event_bytes = event_slot[by_time], event_time[by_time], event_bytes[by_time]
+    group = np.searchsorted(slots, event_slot)
+    first = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    total = np.cumsum(event_bytes)
+    before = np.r_[0.0, total][first]  # the running sum where each wait's events start
+    running = total - np.repeat(before, np.diff(np.r_[first, len(total)])) + start_bytes[group]
+    best = np.lexsort((-running, group))[first]  # each wait's largest moment (groups are sorted)
+    higher = running[best] > slot_bytes[slots]
+    result = slot_bytes.copy()
+    result[slots[higher]] = running[best][higher]
+    return result, slots[higher].astype(np.int64), event_time[best][higher]
 
 
 def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarray, in_end: np.ndarray) -> int:

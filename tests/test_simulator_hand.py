@@ -9,6 +9,7 @@ from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
 from simulator.explain import live_buffers
 from simulator.planning import Swap, SwapIn
 from simulator.synthetic import OpSpec, from_spec
+from tests.conftest import unit_device
 
 
 def chain():
@@ -462,3 +463,33 @@ def test_sync_swap_out_without_a_reader_left_holds_the_next_op(unit):
     assert r.level_peak_bytes.tolist() == [100, 200, 210]
     unwaited = replay(g, plan_swaps(g, SwapParams(threshold=1, lb=1, ub=1)), unit)
     assert unwaited.level_peak_bytes.tolist() == [200, 200, 210] and unwaited.step_s == pytest.approx(5.0)
+
+
+def test_swap_in_allocated_while_a_copy_out_is_running_counts_both(unit):
+    """b1's output z (200) goes out 6..8 s; y (300) comes back for b2, allocated when its trigger b1
+    is done (6 s) and copied 6..9 s, while b2 waits. From 6 to 8 s both buffers are on the device,
+    though z's copy ends before b2 starts: the wait is the peak, in no op's own slot."""
+    g = from_spec([
+        OpSpec("y", "Conv2D", FORWARD, [], (300,), flops=1),
+        OpSpec("f1", "Conv2D", FORWARD, [], (10,), flops=1),
+        OpSpec("f2", "Conv2D", FORWARD, ["f1"], (10,), flops=1),
+        OpSpec("f3", "Conv2D", FORWARD, ["f2"], (10,), flops=1),
+        OpSpec("f4", "Conv2D", FORWARD, ["f3"], (10,), flops=1),
+        OpSpec("b1", "MatMul", BACKWARD, ["f4"], (200,), flops=1),
+        OpSpec("b2", "MatMul", BACKWARD, ["f4", "y"], (10,), flops=1, control_inputs=["b1"]),
+        OpSpec("b3", "MatMul", BACKWARD, ["b2", "b1"], (10,), flops=1),
+    ], outputs=["b3"])
+    plan = SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((6,), 5),)), Swap(5, False, (SwapIn((7,), 6),))])
+    r = replay(g, plan, unit)
+    assert r.swap_out_end_s.tolist() == [4.0, 8.0] and r.swap_in_start_s.tolist() == [6.0, 10.0]
+    assert r.op_start_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 12.0]
+    # y 300 with f-chain outputs until its copy ends; in the wait y's swap-in 300 + z 200 + f4 10
+    assert r.wait_slots.tolist() == [6] and r.wait_moment_s.tolist() == [6.0]
+    assert r.peak_bytes == 510 and r.peak_slot == 6
+    at_wait = live_buffers(g, plan, r)
+    assert at_wait["bytes"].sum() == 510 and at_wait.attrs["moment_s"] == 6.0
+    kinds = dict(zip(at_wait["tensor"], at_wait["kind"]))
+    assert kinds["b1:0"] == "copying out" and kinds["y:0"] == "swap-in" and "b2:0" not in kinds
+    # with free transfers z is gone as y's swap-in is allocated: no wait holds more than an op
+    free = replay(g, plan, unit_device(bandwidth_bytes_per_s=1e30))
+    assert free.wait_slots.tolist() == [] and free.peak_bytes == 320
