@@ -178,9 +178,11 @@ def _safe(name: str) -> str:
 class _GraphEditor:
     """The step's GraphDef with name lookups and input resolution through bypassed ops."""
 
-    def __init__(self, graph_def: graph_pb2.GraphDef, foldable: frozenset[str] = frozenset()):
+    def __init__(self, graph_def: graph_pb2.GraphDef, foldable: frozenset[str] = frozenset(),
+                 previous: dict[str, str] | None = None):
         self.graph_def = graph_def
         self.foldable = foldable
+        self.previous = previous or {}  # op -> the op before it in the order the step is chained in
         self.nodes = {node.name: node for node in graph_def.node}
         self.loop_of: dict[str, str] = {}  # function name -> top-level While node running it
         for node in graph_def.node:
@@ -276,7 +278,9 @@ class _GraphEditor:
             node = self.nodes.get(name)
             if node is None or node.op in _ALWAYS_READY:
                 continue
-            if name in danger or node.op in BYPASS_TYPES or name in self.foldable:  # Grappler removes these
+            if name in self.foldable and name in self.previous:  # Grappler removes it: the op before it
+                pending.append(self.previous[name])
+            elif name in danger or node.op in BYPASS_TYPES or name in self.foldable:  # Grappler removes these
                 pending.extend(self.sources(name, raw=False))
             elif name not in result:
                 result.append(name)
@@ -419,11 +423,16 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
     """Return a copy of ``graph_def`` with the plan's swap nodes; raise PlanError on stale names.
 
     ``tensor_info`` maps "op:k" to (dtype, bytes) of the traced step's tensors; ``foldable`` names
-    ops Grappler removes (``noop_reshapes``), which must not carry a swap-in's control edge.
+    ops Grappler removes (``foldable_ops``), which must not carry a swap-in's control edge: the op
+    before one in the plan's order (or its inputs' producers, without an order) carries it instead.
     """
     edited = graph_pb2.GraphDef()
     edited.CopyFrom(graph_def)
-    editor = _GraphEditor(edited, foldable)
+    node_op = {node.name: node.op for node in edited.node}
+    runnable = [name for name in plan.get("order", []) if node_op.get(name, "Placeholder") != "Placeholder"]
+    # the op the simulator runs after each one (what a synchronous swap-out with no reader left holds)
+    next_in_order = dict(zip(runnable, runnable[1:]))
+    editor = _GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)))
     missing: list[str] = []
     skipped: list[SkippedSwap] = []
     todo = []
@@ -463,9 +472,6 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
     for item in skipped:
         log.warning("swap of %s skipped: %s", item.tensor, item.reason)
 
-    # the op the simulator runs after each one (what a synchronous swap-out with no reader left holds)
-    runnable = [name for name in plan.get("order", []) if name in editor.nodes and editor.nodes[name].op != "Placeholder"]
-    next_in_order = dict(zip(runnable, runnable[1:]))
     applied: list[AppliedSwap] = []
     for record in todo:
         tensor = _parse(record["tensor"])
@@ -543,7 +549,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
                 editor.nodes[reader].input.append(f"^{out_name}")
         applied.append(AppliedSwap(record["tensor"], out_name, dtype.name, int(nbytes), bool(record.get("sync_out")),
                                    tuple(swap_ins), tuple(sync_controls)))
-    order = [name for name in plan.get("order", []) if name in editor.nodes and editor.nodes[name].op != "Placeholder"]
+    order = runnable
     if order:
         _bypass_identity_n(edited)
         editor = _GraphEditor(edited, foldable)
@@ -739,15 +745,20 @@ class SwapStep:
         return StateSnapshot(self.traced.concrete)
 
 
-def noop_reshapes(concrete) -> frozenset[str]:
-    """Shape ops whose output has the static shape of their input: Grappler's arithmetic optimizer
-    removes them (RemoveRedundantReshapeOrBroadcastTo), so a control edge from one would vanish."""
+def foldable_ops(concrete) -> frozenset[str]:
+    """Ops Grappler removes, so a control edge from one would vanish: shape ops whose output has
+    the static shape of their input (the arithmetic optimizer's RemoveRedundantReshapeOrBroadcastTo)
+    and ops computed from constants alone (constant folding: a loss's ``range`` of reduction axes)."""
     found = set()
-    for op in concrete.graph.get_operations():
+    for op in concrete.graph.get_operations():  # in creation order: inputs before their readers
         if op.type in RESHAPE_LIKE and op.inputs and op.outputs:
             before, after = op.inputs[0].shape, op.outputs[0].shape
             if before.is_fully_defined() and after.is_fully_defined() and before == after:
                 found.add(op.name)
+                continue
+        if op.inputs and not op.control_inputs and op.type not in _ALWAYS_READY and not op.op_def.is_stateful \
+                and all(t.op.type == "Const" or t.op.name in found for t in op.inputs):
+            found.add(op.name)
     return frozenset(found)
 
 
@@ -810,7 +821,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             raise PlanError(f"the plan asks for a graph rewrite this version does not have: {error}") from None
         rewritten = import_step(graph_def, traced, keep_input_names=True)
     graph_def, applied, skipped = edit_graph_def(graph_def, plan_dict, place, swap_op=chosen_op,
-                                                 tensor_info=_tensor_info(rewritten), foldable=noop_reshapes(concrete))
+                                                 tensor_info=_tensor_info(rewritten), foldable=foldable_ops(rewritten))
     function = import_step(graph_def, traced)
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=plan_dict, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,

@@ -382,3 +382,24 @@ def test_model_without_loss_is_a_capture_error():
     model.compile(optimizer="sgd")
     with pytest.raises(CaptureError, match="loss"):
         rewriter.apply(model, {"format": "swap-plan/1", "swaps": []}, batch_size=2)
+
+
+def test_a_trigger_grappler_folds_hands_its_edge_to_the_op_before_it():
+    """A loss's range of reduction axes is computed from constants: constant folding removes it, and
+    a swap-in's control edge from it with it. The op before it in the order carries the edge instead."""
+    from rewriter.apply import _GraphEditor, foldable_ops
+
+    @tf.function
+    def step(x):
+        squared = tf.square(x)
+        return tf.reduce_sum(squared, axis=tf.range(0, 2))
+
+    concrete = step.get_concrete_function(tf.TensorSpec([4, 4], tf.float32))
+    ops = {op.type: op.name for op in concrete.graph.get_operations()}
+    foldable = foldable_ops(concrete)
+    assert ops["Range"] in foldable and ops["Square"] not in foldable and ops["Sum"] not in foldable
+    graph_def = concrete.graph.as_graph_def()
+    ordered = _GraphEditor(graph_def, foldable, previous={ops["Range"]: ops["Square"]})
+    assert ordered.safe_controls([ops["Range"]], [ops["Sum"]]) == [ops["Square"]]
+    # without an order, its inputs' producers: constants, always ready, so no edge at all
+    assert _GraphEditor(graph_def, foldable).safe_controls([ops["Range"]], [ops["Sum"]]) == []
