@@ -40,6 +40,20 @@ CONVOLUTIONS = {
 CHANNELS_LAST = (b"NHWC", b"NDHWC")
 
 
+
+def _editable_copy(graph_def: graph_pb2.GraphDef) -> tuple[graph_pb2.GraphDef, dict[str, Any],
+                                                           dict[tuple[str, int], list[tuple[Any, int]]]]:
+    """A copy of ``graph_def`` to rewrite, its nodes by name, and the (node, slot) reading each tensor."""
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    nodes = {node.name: node for node in out.node}
+    readers: dict[tuple[str, int], list[tuple[Any, int]]] = defaultdict(list)
+    for node in out.node:
+        for slot, ref in enumerate(node.input):
+            if not ref.startswith("^"):
+                readers[_parse(ref)].append((node, slot))
+    return out, nodes, readers
+
 def _parse(ref: str) -> tuple[str, int]:
     name, _, index = ref.lstrip("^").partition(":")
     return name, int(index) if index else 0
@@ -98,14 +112,7 @@ def split_concat_convs(graph_def: graph_pb2.GraphDef, shape_of: Callable[[str], 
     convolution (as its input) and that convolution's filter gradients; anything else (another
     reader, an unknown shape, a grouped convolution) leaves it as it is.
     """
-    out = graph_pb2.GraphDef()
-    out.CopyFrom(graph_def)
-    nodes = {node.name: node for node in out.node}
-    readers: dict[tuple[str, int], list[tuple[Any, int]]] = defaultdict(list)
-    for node in out.node:
-        for slot, ref in enumerate(node.input):
-            if not ref.startswith("^"):
-                readers[_parse(ref)].append((node, slot))
+    out, nodes, readers = _editable_copy(graph_def)
     replaced: dict[str, list[Any]] = {}  # old name -> new nodes (same name first if kept)
     removed: set[str] = set()
     stand_in: dict[str, list[str]] = {}  # removed op -> control inputs that replace a control edge from it
@@ -257,14 +264,7 @@ def elide_broadcasts(graph_def: graph_pb2.GraphDef, shape_of: Callable[[str], li
     shape through another operand, is a broadcasting binary op or an ``AddN`` with a full-shape
     input; anything else (another reader, an unknown shape) keeps it.
     """
-    out = graph_pb2.GraphDef()
-    out.CopyFrom(graph_def)
-    nodes = {node.name: node for node in out.node}
-    readers: dict[tuple[str, int], list[tuple[Any, int]]] = defaultdict(list)
-    for node in out.node:
-        for slot, ref in enumerate(node.input):
-            if not ref.startswith("^"):
-                readers[_parse(ref)].append((node, slot))
+    out, nodes, readers = _editable_copy(graph_def)
 
     def shape(ref: str) -> tuple[int, ...] | None:
         known = shape_of("%s:%d" % _parse(ref))
