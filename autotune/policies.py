@@ -187,15 +187,17 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     A basin where nothing fits that way is searched again, after the others, with the tightest
     swap-ins (the earliest trigger window, of width 0, no grouping) and every tensor the space may
     swap, gradients too; and where that fails too, once more counting distances in steps of the
-    order (each tensor then comes back right before its reader). Under a tight budget, or near the
-    largest batch that fits at all, only such just-in-time plans fit."""
+    order, with each swap-in waiting for the copies out of its trigger's outputs (each tensor then
+    comes back right before its reader, and never beside the one copied out before it). Under a
+    tight budget, or near the largest batch that fits at all, only such just-in-time plans fit;
+    the search's moves from there try them without that wait."""
     space = problem.space
     middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1,
                 "tensors": space.tensors[0]}
     tightest = {"lb": 0, "window": 0, "groupby": 0, "tensors": space.tensors[-1]}
-    tries = [dict(middling, distance=space.distance[0], trigger=space.trigger[0]),
-             dict(tightest, distance=space.distance[0], trigger=space.trigger[0]),
-             dict(tightest, distance=space.distance[-1], trigger=space.trigger[-1])]
+    first = {"distance": space.distance[0], "trigger": space.trigger[0], "after_copies_out": space.after_copies_out[0]}
+    last = {"distance": space.distance[-1], "trigger": space.trigger[-1], "after_copies_out": space.after_copies_out[-1]}
+    tries = [{**middling, **first}, {**tightest, **first}, {**tightest, **last}]
     tries = [t for k, t in enumerate(tries) if t not in tries[:k]]  # a narrowed space may make two alike
     frontier: list[dict] = []
     basins = [(0, sync, order) for sync in space.sync for order in space.order]

@@ -42,9 +42,10 @@ class SearchSpace:
     tensors: tuple[str, ...] = SWAP_SCOPES
     distance: tuple[str, ...] = DISTANCES
     trigger: tuple[str, ...] = TRIGGER_POLICIES
+    after_copies_out: tuple[bool, ...] = (False, True)
 
     ORDERED = ("threshold", "lb", "window", "groupby", "min_bytes")
-    CATEGORICAL = ("sync", "order", "tensors", "distance", "trigger")
+    CATEGORICAL = ("sync", "order", "tensors", "distance", "trigger", "after_copies_out")
 
     @classmethod
     def for_graph(cls, g: OpGraph, *, points: int = 40) -> "SearchSpace":
@@ -71,7 +72,8 @@ class SearchSpace:
                           min_bytes=self.min_bytes[choice["min_bytes"]], order=choice["order"],
                           # absent in studies made before they were searched
                           tensors=choice.get("tensors", "activations"), distance=choice.get("distance", "level"),
-                          trigger=choice.get("trigger", "ancestor"))
+                          trigger=choice.get("trigger", "ancestor"),
+                          after_copies_out=choice.get("after_copies_out", False))
 
     def choice(self, params: SwapParams) -> dict[str, Any] | None:
         """The grid point of ``params`` (None when they are off the grid)."""

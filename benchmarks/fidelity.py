@@ -81,7 +81,7 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
 # (label, SwapParams as a dict; None = no swapping). Together they exercise every rule of
 # DESIGN.md 1.4: thresholds from 1 (every far read) to 40, swap-in windows, groupby, the size
 # filter, the three sync modes, both trigger policies, both execution orders, both sets of
-# swappable tensors and both units of distance.
+# swappable tensors, both units of distance, and swap-ins after their trigger's copies out.
 PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("none", None),
     ("T1", {"threshold": 1}),
@@ -92,6 +92,8 @@ PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("T2 level-trigger mem", {"threshold": 2, "lb": 2, "ub": 8, "trigger": "level", "order": "memory"}),
     ("T2 ub8 all tensors", {"threshold": 2, "ub": 8, "tensors": "all"}),
     ("T1 slots ub1 all tensors", {"threshold": 1, "ub": 1, "trigger": "level", "tensors": "all", "distance": "slot"}),
+    ("T1 slots ub1 all after copies", {"threshold": 1, "ub": 1, "trigger": "level", "tensors": "all", "distance": "slot",
+                                       "after_copies_out": True}),
 ]
 
 QUICK_MODELS = ("transformer_encoder", "vgg16")

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -549,6 +549,23 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
                 editor.nodes[reader].input.append(f"^{out_name}")
         applied.append(AppliedSwap(record["tensor"], out_name, dtype.name, int(nbytes), bool(record.get("sync_out")),
                                    tuple(swap_ins), tuple(sync_controls)))
+    if plan.get("after_copies_out"):  # a swap-in waits for the copies out of what the op it starts after made
+        copies_of: dict[str, list[str]] = defaultdict(list)
+        for swap in applied:
+            copies_of[_parse(swap.tensor)[0]].append(swap.swap_out)
+        position = {name: k for k, name in enumerate(runnable)}
+        for k, swap in enumerate(applied):
+            swap_ins = []
+            for item in swap.swap_ins:
+                # the op it starts after, as the replay has it: the trigger, or the last control source
+                sources = [item.trigger] if item.trigger else [c for c in item.controls if c in position]
+                last = max(sources, key=lambda name: position.get(name, -1), default="")
+                waits = tuple(name for name in copies_of.get(last, ()) if name not in item.controls)
+                if waits:
+                    editor.nodes[item.name].input.extend(f"^{name}" for name in waits)
+                    item = replace(item, controls=item.controls + waits)
+                swap_ins.append(item)
+            applied[k] = replace(swap, swap_ins=tuple(swap_ins))
     order = runnable
     if order:
         _bypass_identity_n(edited)

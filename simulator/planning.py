@@ -65,6 +65,11 @@ class SwapParams:
       one op each: a swap-in can then be started by the op just before its reader, and reads of
       one level that the order runs far apart (the parts of a split convolution's gradient, an op
       the memory order sinks) are far.
+    after_copies_out: a swap-in starts only once the op it starts after (its trigger; for a
+      synchronous one, the last of its consumer's other inputs) has its own swapped outputs copied
+      out, instead of beside those copies: while an op waits for its swap-ins, the buffers its
+      predecessor's outputs are copied out of and the swap-ins' buffers are then never on the
+      device together (a later start: more waiting, less memory).
     """
 
     threshold: int
@@ -80,6 +85,7 @@ class SwapParams:
     order: str = "cto"
     tensors: str = "activations"
     distance: str = "level"
+    after_copies_out: bool = False
 
     def __post_init__(self) -> None:
         if self.tensors not in SWAP_SCOPES:
@@ -94,6 +100,9 @@ class SwapParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ParamsError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.after_copies_out, (bool, np.bool_)):
+            raise ParamsError(f"after_copies_out must be true or false, got {self.after_copies_out!r}")
+        object.__setattr__(self, "after_copies_out", bool(self.after_copies_out))
         if self.lb > self.ub:
             raise ParamsError(f"lb ({self.lb}) must not exceed ub ({self.ub})")
         if self.sync not in SYNC_MODES:
@@ -151,6 +160,9 @@ class SwapPlan:
     tensor) or the last consumer of the previous swap-in, so one tensor never has two device
     copies at once; a synchronous swap-in carries it as a control edge.
 
+    With ``after_copies_out`` a swap-in also waits for the copies out of what the op it starts
+    after made (``SwapParams.after_copies_out``).
+
     ``order`` is the execution order the replay assumed (op indices). The rewriter chains the real
     step in this order with control edges: left to itself, TF's executor picks its own order among
     ready ops, which moves the peak by 10-30% once swaps are in the graph (measured on the CPU
@@ -169,6 +181,7 @@ class SwapPlan:
     graph_fingerprint: str = ""
     params: SwapParams | None = None
     batch_size: int | None = None
+    after_copies_out: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -180,7 +193,8 @@ class SwapPlan:
                    batch_size=None if g is None else g.batch_size)
 
     @classmethod
-    def from_swaps(cls, g: OpGraph, swaps: list[Swap], params: SwapParams | None = None) -> "SwapPlan":
+    def from_swaps(cls, g: OpGraph, swaps: list[Swap], params: SwapParams | None = None,
+                   after_copies_out: bool | None = None) -> "SwapPlan":
         """Build a plan from readable records (hand-made plans, JSON, tests)."""
         position = position_of(g)
         tensors, sync_out, in_swap, in_trigger, ptr, consumers = [], [], [], [], [0], []
@@ -201,7 +215,9 @@ class SwapPlan:
         plan = cls(tensor, np.asarray(sync_out, bool), in_swap_array, np.asarray(in_trigger, np.int64),
                    _after_ops(g, tensor[in_swap_array], ptr_array, consumer_array), ptr_array, consumer_array,
                    order=execution_order(g), order_name=g.order, graph_fingerprint=g.fingerprint(), params=params,
-                   batch_size=g.batch_size)
+                   batch_size=g.batch_size,
+                   after_copies_out=bool(params is not None and params.after_copies_out
+                                         if after_copies_out is None else after_copies_out))
         validate_plan(g, plan)
         return plan
 
@@ -263,6 +279,7 @@ class SwapPlan:
             "batch_size": self.batch_size if self.batch_size is not None else g.batch_size,
             "params": None if self.params is None else self.params.to_dict(),
             "swaps": swaps,
+            "after_copies_out": self.after_copies_out,
             "ordering": self.order_name,
             "order": [] if self.order is None else [str(name) for name in g.op_name[self.order]],
         }
@@ -309,7 +326,7 @@ class SwapPlan:
             g = g.with_order(data.get("ordering", "cto"))
         except GraphError as error:
             raise GraphError(f"the plan's ordering is not known: {error}") from None
-        plan = cls.from_swaps(g, swaps, params)
+        plan = cls.from_swaps(g, swaps, params, after_copies_out=bool(data.get("after_copies_out", False)))
         object.__setattr__(plan, "batch_size", data.get("batch_size"))
         return plan
 
@@ -579,6 +596,7 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
         graph_fingerprint=g.cached("fingerprint", OpGraph.fingerprint, structural=True),
         params=params,
         batch_size=g.batch_size,
+        after_copies_out=params.after_copies_out,
     )
 
 

@@ -182,9 +182,14 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         sync_wait = _first_remaining_reader(g, swap_tensor, far_keys, plan.sync_out)
 
     # ---- discrete-event pass over the few slots that wait for a transfer
+    # a swap-in after the copies out of what the op it starts after made: the swaps made at each slot
+    outs_at_slot: dict[int, list[int]] = {}
+    if plan.after_copies_out:
+        for i, slot in enumerate(out_ready_slot.tolist()):
+            outs_at_slot.setdefault(slot, []).append(i)
     out_start, out_end, in_ready, in_start, in_end, seg_slot, seg_shift = _schedule(
         finish_plain, finish_plain_list, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration,
-        need_slot, sync_wait)
+        need_slot, sync_wait, outs_at_slot)
     in_swap = plan.in_swap
     finish_all = finish_plain + np.repeat(seg_shift, np.diff(seg_slot + [len(duration)]))
 
@@ -350,7 +355,7 @@ def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray
 
 
 def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger, in_swap_array, in_duration_array,
-              need, sync_wait_array):
+              need, sync_wait_array, outs_at_slot):
     """Event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
     Finish times are plain finish + a piecewise-constant shift (``seg_slot``/``seg_shift``), so
@@ -358,6 +363,8 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     time depends only on slots before the one waiting for it, so one pass suffices. Copies out
     that become ready before the first waiting slot are scheduled in bulk (numpy). Per-slot and
     per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
+    ``outs_at_slot``: slot -> swaps its op makes, which the swap-ins released there wait for
+    (``SwapPlan.after_copies_out``; empty otherwise).
     """
     n_swaps, n_ins = len(out_ready), len(trigger)
     in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [0.0] * n_ins
@@ -439,6 +446,10 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
                 ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
             source = in_swap[j]
             data = out_end[source] if out_done[source] else swap_out_end(source)
+            for other in outs_at_slot.get(p, ()):
+                copied = out_end[other] if out_done[other] else swap_out_end(other)
+                if copied > data:
+                    data = copied
             in_ready[j] = ready if ready > data else data
             push(heap, (in_ready[j], j))
             in_cursor += 1

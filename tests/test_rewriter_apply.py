@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
@@ -99,6 +100,34 @@ def test_sync_out_holds_a_reader_or_the_next_op(cnn_graph):
             assert applied.sync_controls == (order[order.index(producer) + 1],)
             held_next += 1
     assert held_next > 0
+
+
+def test_swap_ins_after_copies_out_wait_for_their_triggers_copies(cnn_graph):
+    """after_copies_out: a swap-in whose trigger makes a swapped tensor also waits for that copy out,
+    as the replay has it; the edges survive Grappler."""
+    graph = cnn_graph[0]
+    params = SwapParams(threshold=1, ub=1, trigger="level", tensors="all", distance="slot", after_copies_out=True)
+    plan = plan_swaps(graph, params)
+    model = build_model("small_cnn", seed=0)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=BATCH)
+    assert step.verification.ok, step.verification.summary()
+    assert step.plan["after_copies_out"] is True
+    nodes = _nodes(step)
+    copies_of = {}
+    for applied in step.applied:
+        copies_of.setdefault(applied.tensor.partition(":")[0], []).append(applied.swap_out)
+    waiting = 0
+    for applied in step.applied:
+        for item in applied.swap_ins:
+            for copy in copies_of.get(item.trigger or "", []):
+                assert copy in item.controls and f"^{copy}" in nodes[item.name].input
+                waiting += 1
+    assert waiting > 0
+    # without the flag, no swap-in waits for a copy out
+    plain = rewriter.apply(model, plan_swaps(graph, dataclasses.replace(params, after_copies_out=False)), graph=graph,
+                           batch_size=BATCH, verify=False)
+    assert not any(ref.startswith("^swap_out/") for name, node in _nodes(plain).items()
+                   if name.startswith("swap_in/") for ref in node.input)
 
 
 def test_consumer_reading_through_identity_is_rewired_in_its_slot():

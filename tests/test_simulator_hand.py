@@ -493,3 +493,12 @@ def test_swap_in_allocated_while_a_copy_out_is_running_counts_both(unit):
     # with free transfers z is gone as y's swap-in is allocated: no wait holds more than an op
     free = replay(g, plan, unit_device(bandwidth_bytes_per_s=1e30))
     assert free.wait_slots.tolist() == [] and free.peak_bytes == 320
+    # after_copies_out: y's swap-in waits for the copy of its trigger b1's output (ends 8 s): 8..11 s,
+    # b2 at 11 s; z back 12..14 s, b3 at 14 s. One more second, and z and y never meet
+    waiting = SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((6,), 5),)), Swap(5, False, (SwapIn((7,), 6),))],
+                                  after_copies_out=True)
+    r = replay(g, waiting, unit)
+    assert r.swap_in_start_s.tolist() == [8.0, 12.0] and r.op_start_s[6:].tolist() == [11.0, 14.0]
+    assert r.wait_slots.tolist() == [] and r.peak_bytes == 320 and r.step_s == pytest.approx(15.0)
+    again = SwapPlan.from_json(g, waiting.to_json(g))
+    assert again.after_copies_out and replay(g, again, unit).step_s == r.step_s

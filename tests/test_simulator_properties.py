@@ -41,7 +41,8 @@ def random_params(draw):
     return SwapParams(threshold=draw(st.integers(1, 6)), lb=lb, ub=draw(st.integers(lb, 10)),
                       groupby=draw(st.integers(0, 3)), sync=draw(st.sampled_from(["none", "out", "in", "both"])),
                       trigger=draw(st.sampled_from(["ancestor", "level"])),
-                      order=draw(st.sampled_from(["cto", "memory"])), distance=draw(st.sampled_from(["level", "slot"])))
+                      order=draw(st.sampled_from(["cto", "memory"])), distance=draw(st.sampled_from(["level", "slot"])),
+                      after_copies_out=draw(st.booleans()))
 
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -113,5 +114,8 @@ def test_consumers_wait_for_their_swap_in(g, params, bandwidth, latency):
         assert r.swap_in_start_s[j] >= r.swap_out_end_s[swap] - 1e-9
         if plan.in_trigger[j] >= 0:
             assert r.swap_in_start_s[j] >= r.op_end_s[plan.in_trigger[j]] - 1e-9
+            if plan.after_copies_out:  # and after the copies out of what its trigger made
+                made = g.tensor_producer[plan.tensor] == plan.in_trigger[j]
+                assert np.all(r.swap_in_start_s[j] >= r.swap_out_end_s[made] - 1e-9)
     assert r.step_s >= r.compute_s - 1e-9
     assert r.peak_bytes >= g.persistent_bytes

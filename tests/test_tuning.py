@@ -35,8 +35,9 @@ def test_optuna_within_one_percent_of_exhaustive(small_unet, fraction):
     g = small_unet
     base = replay(g, None, "v100-16gb").peak_bytes
     default = SearchSpace.for_graph(g, points=12)
+    # every rule's dimension, some narrowed to keep the exhaustive walk short
     space = SearchSpace(threshold=default.threshold, lb=(1, 2, 4, 8), window=(0, 4, 16, 64), groupby=(0, 4, 16),
-                        min_bytes=(4096, 1 << 20))
+                        min_bytes=(4096,))
     budget = int(base * fraction)
     exhaustive = _search("exhaustive", g, budget, space, trials=None)
     assert len(exhaustive.evaluations) == space.size() and exhaustive.chosen is not None
@@ -125,11 +126,16 @@ def test_search_space_covers_both_sets_of_tensors(small_unet):
 def test_search_space_counts_distances_in_levels_or_slots(small_unet):
     space = SearchSpace.for_graph(small_unet)
     assert space.distance == ("level", "slot") and space.trigger == ("ancestor", "level")
-    choice = next(c for c in space.grid() if c["distance"] == "slot" and c["trigger"] == "level")
+    assert space.after_copies_out == (False, True)
+    choice = next(c for c in space.grid() if c["distance"] == "slot" and c["trigger"] == "level"
+                  and c["after_copies_out"])
     params = space.params(choice)
-    assert (params.distance, params.trigger) == ("slot", "level") and space.choice(params) == choice
-    older = {k: v for k, v in choice.items() if k not in ("distance", "trigger")}  # studies made before them
+    assert (params.distance, params.trigger, params.after_copies_out) == ("slot", "level", True)
+    assert space.choice(params) == choice
+    older = {k: v for k, v in choice.items() if k not in ("distance", "trigger", "after_copies_out")}  # studies
+    # made before them
     assert (space.params(older).distance, space.params(older).trigger) == ("level", "ancestor")
+    assert space.params(older).after_copies_out is False
     # the same rules, other units: the slot plan swaps reads of one level that the order runs apart
     level_plan = plan_swaps(small_unet, dataclasses.replace(params, distance="level"))
     slot_plan = plan_swaps(small_unet, params)
