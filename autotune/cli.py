@@ -30,7 +30,7 @@ autotune.toml with defaults for the flags below, e.g.:
 
 The tool captures the training step, simulates candidate swap plans (threshold, swap-in
 window, grouping, sync mode, size filter, execution order, which tensors, distances in levels or
-execution steps, trigger policy), searches them with
+execution steps, trigger policy, swap-ins after copies out), searches them with
 Optuna, applies the winner to the real TensorFlow step, measures it, and writes
 report.html/report.md, plots, trials.csv, plan.json and summary.json into --out.
 """
