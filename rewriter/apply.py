@@ -70,6 +70,7 @@ _POOL_GRADS = frozenset(grad for _, grad in ONEDNN_POOL_READS)
 _ALWAYS_READY = frozenset({"Const", "Placeholder", "ReadVariableOp", "VarHandleOp", "NoOp"}) | SHAPE_TYPES
 SWAP_OPS = ("Identity", "DeepCopy")
 RESHAPE_LIKE = frozenset({"Reshape", "Squeeze", "ExpandDims", "BroadcastTo"})
+REDUCTIONS = frozenset({"Sum", "Mean", "Prod", "Max", "Min", "All", "Any"})
 
 
 class PlanError(ValueError):
@@ -763,19 +764,22 @@ class SwapStep:
 
 
 def foldable_ops(concrete) -> frozenset[str]:
-    """Ops Grappler removes, so a control edge from one would vanish: shape ops whose output has
-    the static shape of their input (the arithmetic optimizer's RemoveRedundantReshapeOrBroadcastTo)
-    and ops computed from constants alone (constant folding: a loss's ``range`` of reduction axes)."""
-    found = set()
+    """Ops Grappler removes, so a control edge from one would vanish: shape ops and reductions whose
+    output has the static shape of their input (the arithmetic optimizer's
+    RemoveRedundantReshapeOrBroadcastTo; a gradient's Sum over the axes BroadcastGradientArgs found
+    to be none) and ops computed from constants alone (constant folding: a loss's ``range`` of
+    reduction axes)."""
+    found, constant = set(), set()
     for op in concrete.graph.get_operations():  # in creation order: inputs before their readers
-        if op.type in RESHAPE_LIKE and op.inputs and op.outputs:
+        if op.inputs and not op.control_inputs and op.type not in _ALWAYS_READY and not op.op_def.is_stateful \
+                and all(t.op.type == "Const" or t.op.name in constant for t in op.inputs):
+            constant.add(op.name)
+            found.add(op.name)
+            continue
+        if op.type in RESHAPE_LIKE | REDUCTIONS and op.inputs and op.outputs:
             before, after = op.inputs[0].shape, op.outputs[0].shape
             if before.is_fully_defined() and after.is_fully_defined() and before == after:
                 found.add(op.name)
-                continue
-        if op.inputs and not op.control_inputs and op.type not in _ALWAYS_READY and not op.op_def.is_stateful \
-                and all(t.op.type == "Const" or t.op.name in found for t in op.inputs):
-            found.add(op.name)
     return frozenset(found)
 
 
