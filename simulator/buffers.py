@@ -280,15 +280,27 @@ def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.nd
     return info.late_slot[in_place], info.late_out[in_place]
 
 
+def alloc_slot_bytes(g: OpGraph) -> np.ndarray:
+    """Bytes of the non-resident buffers each execution slot allocates (its op's outputs), length n_ops + 1."""
+
+    def compute(graph: OpGraph) -> np.ndarray:
+        info = buffers(graph)
+        owners = np.flatnonzero(info.alloc_slot >= 0)
+        return np.bincount(info.alloc_slot[owners], graph.tensor_bytes[owners].astype(np.float64),
+                           minlength=graph.n_ops + 1)
+
+    return g.cached("alloc_slot_bytes", compute, structural=False)
+
+
 def baseline_slot_bytes(g: OpGraph) -> np.ndarray:
     """Bytes of non-resident buffers live during each execution slot, without any swap."""
 
     def compute(graph: OpGraph) -> np.ndarray:
         info = buffers(graph)
         owners = np.flatnonzero(info.alloc_slot >= 0)
-        size = graph.tensor_bytes[owners].astype(np.float64)
-        delta = np.bincount(info.alloc_slot[owners], size, minlength=graph.n_ops + 1)
-        delta -= np.bincount(info.free_slot[owners] + 1, size, minlength=graph.n_ops + 1)
+        delta = alloc_slot_bytes(graph).copy()
+        delta -= np.bincount(info.free_slot[owners] + 1, graph.tensor_bytes[owners].astype(np.float64),
+                             minlength=graph.n_ops + 1)
         return np.cumsum(delta[:-1])
 
     return g.cached("baseline_slot_bytes", compute, structural=False)

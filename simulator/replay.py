@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulator.buffers import (baseline_slot_bytes, buffers, contains, in_place_after_rewiring, rewired_lifetimes,
-                               slot_levels)
+from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, in_place_after_rewiring,
+                               rewired_lifetimes, slot_levels)
 from simulator.devices import DeviceModel, get_device
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
@@ -279,14 +279,7 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
     slots = np.flatnonzero(last_end > first_in + 1e-9)
     if not len(slots):
         return none
-
-    def compute(graph: OpGraph) -> np.ndarray:  # bytes the op at each slot allocates for its outputs
-        info = buffers(graph)
-        owners = np.flatnonzero(info.alloc_slot >= 0)
-        return np.bincount(info.alloc_slot[owners], graph.tensor_bytes[owners].astype(np.float64),
-                           minlength=graph.n_ops)
-
-    own_bytes = g.cached("own_alloc_bytes", compute, structural=False).copy()
+    own_bytes = alloc_slot_bytes(g)[:n_slots].copy()  # what the op at each slot allocates for its outputs
     if len(in_place_slot):
         np.subtract.at(own_bytes, in_place_slot, g.tensor_bytes[in_place_out].astype(np.float64))
     root_bytes = g.tensor_bytes[roots[wait_root]].astype(np.float64)
