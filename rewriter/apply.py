@@ -42,26 +42,13 @@ from rewriter.capture import (BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedSte
                               rewrite_graph_def, trace_keras_step)
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
 from simulator.devices import ONEDNN_POOL_READS
+from simulator.fusion import CHAIN_TAILS, FUSION_HOPS, SIBLING_FUSIONS, fused_as_siblings, may_fuse_into
 
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "swap-plan/1"
-# Fusions TF's graph passes make (oneDNN's layout pass: Conv2D+BiasAdd, Pad+Conv2D,
-# Conv2DBackpropFilter+BiasAddGrad; Grappler's remapper: contraction+bias(+add)(+activation),
-# FusedBatchNorm+activation, Sigmoid+Mul). A fused node takes over the control edges of its parts, so a
-# control edge from one part to a swap-in that feeds a later part becomes a cycle ("N nodes in a cycle"
-# when the step is instantiated). CHAIN_TAILS: ops that can end (or sit inside) a fused chain;
-# CHAIN_PARTS: ops that can come before them in it; SIBLING_FUSIONS: ops fused with a reader of the same input.
-_ACTIVATIONS = {"Relu", "Relu6", "Elu", "LeakyRelu", "Selu", "Tanh", "Sigmoid", "Softplus", "Gelu"}
-_CONTRACTIONS = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2",
-                 "BatchMatMulV3"}
-CHAIN_TAILS = frozenset(_ACTIVATIONS | _CONTRACTIONS | {"BiasAdd", "BiasAddV1", "Add", "AddV2", "AddN",
-                                                        "FusedBatchNorm", "FusedBatchNormV3", "Mul"})
-CHAIN_PARTS = frozenset(_ACTIVATIONS | _CONTRACTIONS | {"BiasAdd", "BiasAddV1", "Add", "AddV2", "FusedBatchNorm",
-                                                        "FusedBatchNormV3", "Pad", "MirrorPad"})
-SIBLING_FUSIONS = frozenset({"Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter",
-                             "BiasAddGrad"})
-FUSION_HOPS = 3
+# Fusions TF's graph passes make, and why a swap-in cannot wait for a part of its consumer's fused
+# chain: simulator.fusion (the replay applies the same rule to predict when such a swap-in starts).
 # MaxPool reads that must stay on the device on the CPU testbed (why: simulator.devices.ONEDNN_POOL_READS);
 # the planner leaves them out for the cpu-testbed preset, and apply skips them in plans made for another device.
 _POOLS = frozenset(pool for pool, _ in ONEDNN_POOL_READS)
@@ -252,7 +239,7 @@ class _GraphEditor:
                     upper = []
                     for name in frontier:
                         for source in self.sources(name):
-                            if self.nodes[source].op in CHAIN_PARTS and source not in danger:
+                            if source not in danger and may_fuse_into(self.nodes[source].op, self.nodes[name].op):
                                 danger.add(source)
                                 upper.append(source)
                     frontier = upper
@@ -260,7 +247,7 @@ class _GraphEditor:
                 for source in self.sources(consumer):
                     for sibling in readers.get(source, ()):
                         if sibling != consumer and self.nodes.get(sibling) is not None \
-                                and self.nodes[sibling].op in SIBLING_FUSIONS:
+                                and fused_as_siblings(node.op, self.nodes[sibling].op):
                             danger.add(sibling)
         return danger
 

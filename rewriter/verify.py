@@ -16,6 +16,7 @@ reads them back and counts, for the swap nodes ``rewriter.apply`` added:
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,10 @@ from rewriter.apply import Ancestry
 from rewriter.placement import SWAP_IN_PREFIX
 
 log = logging.getLogger(__name__)
+
+# A node a Grappler optimizer rewrote under a new name: "ArithmeticOptimizer/AddOpsRewrite_AddN_3"
+# (the 3D U-Net's gradient sums, once elide-broadcasts made them AddV2 chains, are merged that way)
+_RENAMED = re.compile(r"^[A-Za-z]+Optimizer/[A-Za-z]+_(.+)$")
 
 
 @dataclass
@@ -145,6 +150,7 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
                     result.transfers_to_accelerator += 1
     running = partitions or post
     ancestry = Ancestry(fg.post_optimization_graph)
+    renamed = {match.group(1): name for name in post if (match := _RENAMED.match(name))}
 
     # readers of each swap-in in what runs (a _Recv may sit between on another device)
     recv_source: dict[str, str] = {}
@@ -193,6 +199,8 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
             ordered = True
             for source in item.controls:
                 result.planned_control_edges += 1
+                if source not in running and source not in post and source in renamed:
+                    source = renamed[source]  # the op still runs, under Grappler's name
                 if source not in running and source not in post:
                     result.triggers_folded.append(f"{item.name} <- {source}")
                     ordered = False
@@ -208,7 +216,7 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
                     else:
                         result.triggers_dropped.append(f"{item.name} <- {source}")
             if item.trigger:
-                if item.trigger in direct:
+                if item.trigger in direct or renamed.get(item.trigger) in direct:
                     result.triggers_kept += 1
                 if ordered:
                     result.triggers_ordered += 1

@@ -4,8 +4,10 @@ Time model (issue 2): ops run one after another on one compute stream in the pla
 order; one copy engine per direction, transfers queue in the order they become ready; a
 swapped-out buffer is freed when its device-to-host copy is done and its remaining readers have
 run; a swap-in allocates when it becomes ready (trigger done, data on the host), even if the
-engine starts its copy later, and its consumers wait for the copy to finish. Rewiring reads can
-let an op write its output in place (``buffers.in_place_after_rewiring``).
+engine starts its copy later, and its consumers wait for the copy to finish. A swap-in whose trigger
+(or, synchronous, whose consumer's other input) may be fused into its consumer starts after that
+op's own inputs instead, as the rewriter builds it (``simulator.fusion``). Rewiring reads can let an
+op write its output in place (``buffers.in_place_after_rewiring``).
 
 Memory is accounted per execution slot: a buffer is live from the slot that allocates it to the
 slot of its last reader; a transfer event at time t counts in the slot running at t. One moment
@@ -28,6 +30,7 @@ import numpy as np
 from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, in_place_after_rewiring,
                                rewired_lifetimes, slot_levels)
 from simulator.devices import DeviceModel, get_device
+from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
@@ -169,6 +172,13 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         other = np.where(max1_tensor[first_consumer] == in_tensor, max2[first_consumer], max1[first_consumer])
         sync_slot = np.maximum(other, position[plan.in_after])
         trigger_slot = np.where(sync_in, sync_slot, trigger_slot)
+    # a swap-in the rewriter cannot have wait for an op fused with its consumer starts before that op
+    fused_wait, safe_slot = safe_wait_slots(g, position, swap_tensor[plan.in_swap], plan.in_trigger, plan.in_after,
+                                            plan.in_consumer_ptr, plan.in_consumers)
+    trigger_slot = np.where(fused_wait, safe_slot, trigger_slot)
+    # with after_copies_out, the copies it waits for: its trigger's own (as planned), or those of the
+    # op a synchronous one now starts after (the rewriter's rule)
+    copies_slot = np.where(plan.in_trigger >= 0, position[np.maximum(plan.in_trigger, 0)], trigger_slot)
 
     # far reads rewired per swapped buffer; the original buffer's remaining readers
     reads_per_in = np.diff(plan.in_consumer_ptr)
@@ -189,7 +199,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
             outs_at_slot.setdefault(slot, []).append(i)
     out_start, out_end, in_ready, in_start, in_end, seg_slot, seg_shift = _schedule(
         finish_plain, finish_plain_list, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration,
-        need_slot, sync_wait, outs_at_slot)
+        need_slot, sync_wait, outs_at_slot, copies_slot)
     in_swap = plan.in_swap
     finish_all = finish_plain + np.repeat(seg_shift, np.diff(seg_slot + [len(duration)]))
 
@@ -348,7 +358,7 @@ def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray
 
 
 def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger, in_swap_array, in_duration_array,
-              need, sync_wait_array, outs_at_slot):
+              need, sync_wait_array, outs_at_slot, copies_slot):
     """Event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
     Finish times are plain finish + a piecewise-constant shift (``seg_slot``/``seg_shift``), so
@@ -356,7 +366,7 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     time depends only on slots before the one waiting for it, so one pass suffices. Copies out
     that become ready before the first waiting slot are scheduled in bulk (numpy). Per-slot and
     per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
-    ``outs_at_slot``: slot -> swaps its op makes, which the swap-ins released there wait for
+    ``outs_at_slot``: slot -> swaps its op makes; swap-in j waits for those of ``copies_slot[j]``
     (``SwapPlan.after_copies_out``; empty otherwise).
     """
     n_swaps, n_ins = len(out_ready), len(trigger)
@@ -418,6 +428,7 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     release_slots = trigger[in_order_array].tolist()
     in_order = in_order_array.tolist()
     in_swap, in_duration = in_swap_array.tolist(), in_duration_array.tolist()
+    copies_of = copies_slot.tolist() if outs_at_slot else []
     in_cursor = 0
     in_done = [False] * n_ins
     heap: list[tuple[float, int]] = []
@@ -439,7 +450,7 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
                 ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
             source = in_swap[j]
             data = out_end[source] if out_done[source] else swap_out_end(source)
-            for other in outs_at_slot.get(p, ()):
+            for other in (outs_at_slot.get(copies_of[j], ()) if outs_at_slot else ()):
                 copied = out_end[other] if out_done[other] else swap_out_end(other)
                 if copied > data:
                     data = copied

@@ -434,3 +434,33 @@ def test_a_trigger_grappler_folds_hands_its_edge_to_the_op_before_it():
     assert ordered.safe_controls([ops["Range"]], [ops["Sum"]]) == [ops["Square"]]
     # without an order, its inputs' producers: constants, always ready, so no edge at all
     assert _GraphEditor(graph_def, foldable).safe_controls([ops["Range"]], [ops["Sum"]]) == []
+
+
+def test_verification_follows_a_trigger_grappler_renamed():
+    """Grappler's arithmetic optimizer rewrites an add chain under a new name
+    ("ArithmeticOptimizer/AddOpsRewrite_<name>"): a control edge from the old name is then ordered
+    through the renamed op, not folded away; an edge lost outright still is reported."""
+    from types import SimpleNamespace
+
+    from tensorflow.core.framework import graph_pb2
+
+    from rewriter.apply import AppliedSwap, AppliedSwapIn
+    from rewriter.verify import check
+
+    post = graph_pb2.GraphDef()
+    for name, op, inputs in [
+        ("x", "Placeholder", []),
+        ("ArithmeticOptimizer/AddOpsRewrite_add", "AddV2", ["x", "x"]),
+        ("swap_out/x_0", "DeepCopy", ["x"]),
+        ("swap_out/add_0", "DeepCopy", ["ArithmeticOptimizer/AddOpsRewrite_add"]),
+        ("swap_in/x_0/0", "DeepCopy", ["swap_out/x_0", "^swap_out/add_0"]),
+        ("swap_in/x_0/1", "DeepCopy", ["swap_out/x_0"]),
+        ("use", "Mul", ["swap_in/x_0/0", "swap_in/x_0/1"]),
+    ]:
+        post.node.add(name=name, op=op, input=inputs)
+    collected = [SimpleNamespace(post_optimization_graph=post, partition_graphs=[])]
+    renamed = AppliedSwapIn("swap_in/x_0/0", ("use",), "add", None, ("add",), (("use", 0),))
+    lost = AppliedSwapIn("swap_in/x_0/1", ("use",), "gone", None, ("gone",), (("use", 1),))
+    result = check(collected, [AppliedSwap("x:0", "swap_out/x_0", "float32", 4, False, (renamed, lost))])
+    assert result.control_edges_implied == 1 and result.triggers_ordered == 1
+    assert result.triggers_folded == ["swap_in/x_0/1 <- gone"] and not result.ok

@@ -169,7 +169,9 @@ def _table(name, rows):
 
 @pytest.fixture(scope="module")
 def resnet():
-    return _run("resnet50", {}, 8, PLANS, keras_peak=True)
+    # three of the plans (every far read; a window with a lower bound; sync-in): a ResNet-50 step
+    # takes about 45 s per plan here, and ``python -m benchmarks fidelity`` measures ten
+    return _run("resnet50", {}, 8, [PLANS[0], PLANS[2], PLANS[4]], keras_peak=True)
 
 
 @pytest.mark.slow
@@ -209,7 +211,7 @@ def test_swapping_every_activation_cuts_resnet50_peak(resnet):
 @pytest.mark.slow
 def test_prediction_matches_measurement_resnet50(resnet):
     table = _table("resnet50", resnet["rows"])
-    assert len(table) >= 6
+    assert len(table) >= 4
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
 
 

@@ -290,7 +290,7 @@ def _written_into_x(*rest: OpSpec):
         OpSpec("a1", "Conv2D", FORWARD, [], (10,), flops=1),
         OpSpec("a2", "Conv2D", FORWARD, ["a1"], (10,), flops=1),
         OpSpec("a3", "Conv2D", FORWARD, ["a2"], (10,), flops=1),
-        OpSpec("s", "AddV2", FORWARD, ["x", "a3"], (100,), flops=1, forwards_input=True),
+        OpSpec("s", "Mul", FORWARD, ["x", "a3"], (100,), flops=1, forwards_input=True),  # not fused with a3
         OpSpec("n", "Conv2D", FORWARD, ["s"], (10,), flops=1),
         *rest,
     ], outputs=["b"])
@@ -502,3 +502,53 @@ def test_swap_in_allocated_while_a_copy_out_is_running_counts_both(unit):
     assert r.wait_slots.tolist() == [] and r.peak_bytes == 320 and r.step_s == pytest.approx(15.0)
     again = SwapPlan.from_json(g, waiting.to_json(g))
     assert again.after_copies_out and replay(g, again, unit).step_s == r.step_s
+
+
+def test_sync_swap_in_cannot_wait_for_an_op_fused_into_its_consumer(unit):
+    """s = p0 + p1 (a split convolution's halves): p0's sync swap-in would wait for p1, but a graph
+    pass may fuse p1 (a contraction) into s (an add), so the rewriter has it wait for p1's input u
+    instead (simulator.fusion): it comes back during p1, not after."""
+    g = from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("p0", "Conv2D", FORWARD, ["x"], (100,), flops=1),
+        OpSpec("u", "MaxPool", FORWARD, ["x"], (100,), flops=1),
+        OpSpec("p1", "Conv2D", FORWARD, ["u"], (100,), flops=1),
+        OpSpec("s", "AddV2", FORWARD, ["p0", "p1"], (100,), flops=1),
+    ], outputs=["s"])
+    ops = {name: k for k, name in enumerate(g.op_name)}
+    plan = SwapPlan.from_swaps(g, [Swap(ops["p0"], False, (SwapIn((ops["s"],), None),))])
+    r = replay(g, plan, unit)
+    # p0 out 2..3 s; back 3..4 s (after u, during p1), so s runs 4..5 s without a stall
+    assert r.op_start_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert r.swap_out_end_s.tolist() == [3.0] and r.swap_in_start_s.tolist() == [3.0]
+    # during p1: u, p1's output and the swap-in (p0's original went with its copy)
+    at_p1 = live_buffers(g, plan, r, slot=3)
+    assert set(at_p1["tensor"][at_p1["bytes"] > 0]) == {"p0:0", "p1:0", "u:0"} and at_p1["bytes"].sum() == 300
+    # were s a reader nothing fuses with, the swap-in would wait for p1: 4..5 s, s stalls a second
+    unfused = from_spec([OpSpec(spec.name, "Concat" if spec.name == "s" else spec.type, FORWARD, spec.inputs,
+                                (100,), flops=1) for spec in (
+        OpSpec("x"), OpSpec("p0", inputs=["x"], type="Conv2D"), OpSpec("u", "MaxPool", inputs=["x"]),
+        OpSpec("p1", "Conv2D", inputs=["u"]), OpSpec("s", inputs=["p0", "p1"]))], outputs=["s"])
+    unfused_plan = SwapPlan.from_swaps(unfused, [Swap(ops["p0"], False, (SwapIn((ops["s"],), None),))])
+    waited = replay(unfused, unfused_plan, unit)
+    assert waited.swap_in_start_s.tolist() == [4.0] and waited.step_s == pytest.approx(6.0)
+    assert live_buffers(unfused, unfused_plan, waited, slot=3)["bytes"].sum() == 200  # u and p1 only
+
+
+@pytest.mark.parametrize(("sibling", "start_s"), [("BiasAddGrad", 2.0), ("Conv2DBackpropFilter", 3.0)])
+def test_swap_in_triggered_by_a_sibling_it_may_be_fused_with(unit, sibling, start_s):
+    """y comes back for the filter gradient w1, triggered by w0, which reads the same gradient g.
+    A bias gradient may be fused with w1 (then y waits for g, the trigger's input); another filter
+    gradient never is, and the trigger holds."""
+    g = from_spec([
+        OpSpec("y", "Conv2D", FORWARD, [], (100,), flops=1),
+        OpSpec("g", "Conv2D", BACKWARD, [], (10,), flops=1),
+        OpSpec("w0", sibling, BACKWARD, ["g"], (1,), flops=1),
+        OpSpec("w1", "Conv2DBackpropFilter", BACKWARD, ["y", "g"], (1,), flops=1),
+    ], outputs=["w0", "w1"])
+    assert g.op_name.tolist() == ["y", "g", "w0", "w1"]
+    plan = SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((3,), 2),))])
+    r = replay(g, plan, unit)
+    # y out 1..2 s; back from start_s for a second; w1 at 3 s or after the copy
+    assert r.swap_out_end_s.tolist() == [2.0] and r.swap_in_start_s.tolist() == [start_s]
+    assert r.op_start_s[3] == pytest.approx(max(3.0, start_s + 1.0))
