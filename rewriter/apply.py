@@ -172,6 +172,9 @@ class _GraphEditor:
         self.foldable = foldable
         self.previous = previous or {}  # op -> the op before it in the order the step is chained in
         self.nodes = {node.name: node for node in graph_def.node}
+        # swap-in node -> the tensor it brings back: the fusion walk sees the step as the simulator's
+        # graph has it, where a rewired read is still a read of the original producer
+        self.swapped_reads: dict[str, str] = {}
         self.loop_of: dict[str, str] = {}  # function name -> top-level While node running it
         for node in graph_def.node:
             for key in ("body", "cond", "then_branch", "else_branch", "f"):
@@ -210,6 +213,7 @@ class _GraphEditor:
             return []
         found = []
         for _, ref in self.data_inputs(node):
+            ref = self.swapped_reads.get(_parse(ref)[0], ref)
             for source in ((_parse(ref)[0], self.resolve(ref)[0]) if raw else (self.resolve(ref)[0],)):
                 if source in self.nodes and source not in found:
                     found.append(source)
@@ -220,7 +224,7 @@ class _GraphEditor:
             index: dict[str, list[str]] = defaultdict(list)
             for node in self.graph_def.node:
                 for _, ref in self.data_inputs(node):
-                    index[self.resolve(ref)[0]].append(node.name)
+                    index[self.resolve(self.swapped_reads.get(_parse(ref)[0], ref))[0]].append(node.name)
             self._readers_cache = index
         return self._readers_cache
 
@@ -238,8 +242,11 @@ class _GraphEditor:
                 for _ in range(FUSION_HOPS):
                     upper = []
                     for name in frontier:
-                        for source in self.sources(name):
-                            if source not in danger and may_fuse_into(self.nodes[source].op, self.nodes[name].op):
+                        sources = self.sources(name)
+                        source_types = [self.nodes[source].op for source in sources]
+                        for source in sources:
+                            if source not in danger and may_fuse_into(self.nodes[source].op, self.nodes[name].op,
+                                                                      source_types):
                                 danger.add(source)
                                 upper.append(source)
                     frontier = upper
@@ -491,6 +498,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
             consumers = tuple(item["consumers"])
             trigger, after = item.get("trigger"), item.get("after")
             rewired = []
+            editor.swapped_reads[in_name] = _tensor_ref(*tensor)
             for consumer in consumers:
                 node = editor.nodes[consumer]
                 slots = [slot for slot, ref in editor.data_inputs(node) if editor.resolve(ref) == tensor]

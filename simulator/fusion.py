@@ -15,6 +15,8 @@ Plain arrays only (no TensorFlow): the rewriter imports the type lists from here
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from simulator.graph import OpGraph
@@ -33,11 +35,20 @@ CHAIN_TAILS = frozenset(set(_STAGE) - {"Pad", "MirrorPad"} | {"Mul"})  # ops tha
 FUSION_HOPS = 4  # data edges upstream of a chain tail that may belong to its chain (Pad->Conv->Bias->Add->Relu)
 
 
-def may_fuse_into(part: str, tail: str) -> bool:
-    """Whether an op of type ``part`` whose output ``tail`` reads may be fused into it."""
+def may_fuse_into(part: str, tail: str, tail_sources: Iterable[str] = ()) -> bool:
+    """Whether an op of type ``part`` whose output ``tail`` reads may be fused into it
+    (``tail_sources``: the types of the ops ``tail`` reads).
+
+    A contraction goes straight into an add only as its bias add (an Add/AddV2 with a bias operand:
+    Keras 3 adds biases that way); an add of two contractions' outputs is none, and counting it
+    fusable brought one half of the 3D U-Net's split convolution back during the other: three
+    full-resolution maps at once where the plan has two.
+    """
     if tail == "Mul":
         return part == "Sigmoid"  # swish
     if part in _ACTIVATIONS or part not in _STAGE or tail not in _STAGE:
+        return False
+    if part in _CONTRACTIONS and tail in _ADDS and sum(kind in _CONTRACTIONS for kind in tail_sources) > 1:
         return False
     return _STAGE[part] < _STAGE[tail] or (part in _ADDS and tail in _ADDS)
 
@@ -88,8 +99,9 @@ class _Neighbourhoods:
             for _ in range(FUSION_HOPS):
                 upper = []
                 for op in frontier:
+                    source_types = [self.op_type[source] for source in self.sources[op]]
                     for source in self.sources[op]:
-                        if source not in danger and may_fuse_into(self.op_type[source], self.op_type[op]):
+                        if source not in danger and may_fuse_into(self.op_type[source], self.op_type[op], source_types):
                             danger.add(source)
                             upper.append(source)
                 frontier = upper

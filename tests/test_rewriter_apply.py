@@ -464,3 +464,37 @@ def test_verification_follows_a_trigger_grappler_renamed():
     result = check(collected, [AppliedSwap("x:0", "swap_out/x_0", "float32", 4, False, (renamed, lost))])
     assert result.control_edges_implied == 1 and result.triggers_ordered == 1
     assert result.triggers_folded == ["swap_in/x_0/1 <- gone"] and not result.ok
+
+
+def test_sum_of_two_convolutions_waits_for_the_other_half():
+    """An Add of two bias-free convolutions (the split concatenation's sum) is no fusion: a sync
+    swap-in of one half waits for the other half itself, not its inputs, in the rewritten graph
+    as in the replay (simulator.fusion); the step keeps that edge and runs."""
+    from simulator import get_device, replay
+    from simulator.fusion import safe_wait_slots
+    from simulator.ordering import position_of
+    from simulator.planning import Swap, SwapIn
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 4))
+    half0 = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="half0")(inputs)
+    pooled = keras.layers.MaxPooling2D(1, name="pooled")(inputs)
+    half1 = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="half1")(pooled)
+    total = keras.layers.Add(name="total")([half0, half1])
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling2D()(total))
+    model.compile(optimizer="sgd", loss="mse")
+    graph = rewriter.capture(model, 2)
+    names = {kind: next(str(n) for n in graph.op_name if str(n).endswith(suffix))
+             for kind, suffix in (("half0", "half0_1/convolution"), ("half1", "half1_1/convolution"),
+                                  ("total", "total_1/Add"))}
+    ops = graph.op_index()
+    tensor = next(t for t in range(graph.n_tensors) if graph.tensor_producer[t] == ops[names["half0"]])
+    plan = SwapPlan.from_swaps(graph, [Swap(tensor, False, (SwapIn((ops[names["total"]],), None),))])
+    fused, _ = safe_wait_slots(graph, position_of(graph), plan.tensor[plan.in_swap], plan.in_trigger, plan.in_after,
+                               plan.in_consumer_ptr, plan.in_consumers)
+    assert not fused.any()
+    step = rewriter.apply(model, plan, graph=graph, batch_size=2)
+    assert step.verification.ok, step.verification.summary()
+    (swap_in,) = step.applied[0].swap_ins
+    assert names["half1"] in swap_in.controls
+    assert replay(graph, plan, get_device("cpu-testbed")).n_swap_ins == 1
