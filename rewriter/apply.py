@@ -42,7 +42,7 @@ from rewriter.capture import (BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedSte
                               rewrite_graph_def, trace_keras_step)
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
 from simulator.devices import ONEDNN_POOL_READS
-from simulator.fusion import CHAIN_TAILS, FUSION_HOPS, SIBLING_FUSIONS, fused_as_siblings, may_fuse_into
+from simulator.fusion import fusion_neighbourhood
 
 log = logging.getLogger(__name__)
 
@@ -229,33 +229,18 @@ class _GraphEditor:
         return self._readers_cache
 
     def fusion_neighbourhood(self, consumers: Iterable[str]) -> set[str]:
-        """Ops a graph pass might fuse with one of ``consumers``: chain parts up to FUSION_HOPS data
-        edges upstream (when the consumer can end a chain), and sibling fusions on a shared input."""
-        danger: set[str] = set()
+        """Ops a graph pass might fuse with one of ``consumers`` (``simulator.fusion``, the same walk
+        as the replay's)."""
         readers = self._readers_index()
+
+        def op_type(name: str) -> str:
+            node = self.nodes.get(name)
+            return "" if node is None else node.op
+
+        danger: set[str] = set()
         for consumer in consumers:
-            node = self.nodes.get(consumer)
-            if node is None:
-                continue
-            if node.op in CHAIN_TAILS:
-                frontier = [consumer]
-                for _ in range(FUSION_HOPS):
-                    upper = []
-                    for name in frontier:
-                        sources = self.sources(name)
-                        source_types = [self.nodes[source].op for source in sources]
-                        for source in sources:
-                            if source not in danger and may_fuse_into(self.nodes[source].op, self.nodes[name].op,
-                                                                      source_types):
-                                danger.add(source)
-                                upper.append(source)
-                    frontier = upper
-            if node.op in SIBLING_FUSIONS:
-                for source in self.sources(consumer):
-                    for sibling in readers.get(source, ()):
-                        if sibling != consumer and self.nodes.get(sibling) is not None \
-                                and fused_as_siblings(node.op, self.nodes[sibling].op):
-                            danger.add(sibling)
+            if consumer in self.nodes:
+                danger |= fusion_neighbourhood(consumer, op_type, self.sources, lambda name: readers.get(name, ()))
         return danger
 
     def safe_controls(self, controls: list[str], consumers: Iterable[str]) -> list[str]:

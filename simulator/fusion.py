@@ -15,7 +15,8 @@ Plain arrays only (no TensorFlow): the rewriter imports the type lists from here
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -65,6 +66,36 @@ def fused_as_siblings(kind: str, other: str) -> bool:
     return kind in SIBLING_FUSIONS and other in SIBLING_FUSIONS and (kind == "BiasAddGrad") != (other == "BiasAddGrad")
 
 
+Op = TypeVar("Op", int, str)
+
+
+def fusion_neighbourhood(consumer: Op, op_type: Callable[[Op], str], sources: Callable[[Op], Sequence[Op]],
+                         readers: Callable[[Op], Iterable[Op]]) -> set[Op]:
+    """Ops a graph pass might fuse with ``consumer``: chain parts up to FUSION_HOPS data edges
+    upstream (when it can end a chain), and sibling fusions on a shared input. One walk for both
+    graph forms: the replay's op indices and the rewriter's GraphDef node names."""
+    danger: set[Op] = set()
+    kind = op_type(consumer)
+    if kind in CHAIN_TAILS:
+        frontier = [consumer]
+        for _ in range(FUSION_HOPS):
+            upper = []
+            for op in frontier:
+                found = sources(op)
+                types = [op_type(source) for source in found]
+                for source, source_type in zip(found, types):
+                    if source not in danger and may_fuse_into(source_type, op_type(op), types):
+                        danger.add(source)
+                        upper.append(source)
+            frontier = upper
+    if kind in SIBLING_FUSIONS:
+        for source in sources(consumer):
+            for sibling in readers(source):
+                if sibling != consumer and fused_as_siblings(kind, op_type(sibling)):
+                    danger.add(sibling)
+    return danger
+
+
 class _Neighbourhoods:
     """Per-graph index: each op's data sources and each op's readers, and the fusion neighbourhoods
     already computed (structural: shared by every replay of the graph)."""
@@ -88,28 +119,12 @@ class _Neighbourhoods:
         self.safe_memo: dict[tuple, tuple[int, ...] | bool] = {}  # safe_wait_slots' answers per swap-in
 
     def danger(self, consumer: int) -> frozenset[int]:
-        """Ops a graph pass might fuse with ``consumer`` (rewriter.apply's fusion_neighbourhood)."""
+        """``fusion_neighbourhood`` of ``consumer``, computed once per graph."""
         found = self._danger.get(consumer)
         if found is not None:
             return found
-        danger: set[int] = set()
-        kind = self.op_type[consumer]
-        if kind in CHAIN_TAILS:
-            frontier = [consumer]
-            for _ in range(FUSION_HOPS):
-                upper = []
-                for op in frontier:
-                    source_types = [self.op_type[source] for source in self.sources[op]]
-                    for source in self.sources[op]:
-                        if source not in danger and may_fuse_into(self.op_type[source], self.op_type[op], source_types):
-                            danger.add(source)
-                            upper.append(source)
-                frontier = upper
-        if kind in SIBLING_FUSIONS:
-            for source in self.sources[consumer]:
-                for sibling in self.readers[source]:
-                    if sibling != consumer and fused_as_siblings(kind, self.op_type[sibling]):
-                        danger.add(sibling)
+        danger = fusion_neighbourhood(consumer, self.op_type.__getitem__, self.sources.__getitem__,
+                                      self.readers.__getitem__)
         self._danger[consumer] = result = frozenset(danger)
         return result
 
