@@ -504,44 +504,33 @@ def test_swap_in_allocated_while_a_copy_out_is_running_counts_both(unit):
     assert again.after_copies_out and replay(g, again, unit).step_s == r.step_s
 
 
-def test_sync_swap_in_cannot_wait_for_an_op_fused_into_its_consumer(unit):
-    """s = p0 + p1 where p1 is a bias add: p0's sync swap-in would wait for p1, but a graph pass may
-    fuse p1 into s (contraction + bias + add), so the rewriter has it wait for p1's input u instead
-    (simulator.fusion): it comes back during p1, not after."""
+@pytest.mark.parametrize("second", ["BiasAdd", "Conv2D"])
+def test_sync_swap_in_cannot_wait_for_an_op_fused_into_its_consumer(unit, second):
+    """s = p0 + p1: p0's sync swap-in waits for p1. Where p1 is a bias add, a graph pass may fuse it
+    into s (contraction + bias + add), so the rewriter has the swap-in wait for p1's input u instead
+    (simulator.fusion): it comes back during p1, not after. Where p1 is a convolution too (the 3D
+    U-Net's split concatenation), nothing fuses into that sum: the swap-in waits for p1 and s stalls."""
     g = from_spec([
         OpSpec("x", "Conv2D", FORWARD, [], (100,), flops=1),
         OpSpec("p0", "Conv2D", FORWARD, ["x"], (100,), flops=1),
         OpSpec("u", "MaxPool", FORWARD, ["x"], (100,), flops=1),
-        OpSpec("p1", "BiasAdd", FORWARD, ["u"], (100,), flops=1),
+        OpSpec("p1", second, FORWARD, ["u"], (100,), flops=1),
         OpSpec("s", "AddV2", FORWARD, ["p0", "p1"], (100,), flops=1),
     ], outputs=["s"])
     ops = {name: k for k, name in enumerate(g.op_name)}
     plan = SwapPlan.from_swaps(g, [Swap(ops["p0"], False, (SwapIn((ops["s"],), None),))])
     r = replay(g, plan, unit)
-    # p0 out 2..3 s; back 3..4 s (after u, during p1), so s runs 4..5 s without a stall
-    assert r.op_start_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert r.swap_out_end_s.tolist() == [3.0] and r.swap_in_start_s.tolist() == [3.0]
-    # during p1: u, p1's output and the swap-in (p0's original went with its copy)
     at_p1 = live_buffers(g, plan, r, slot=3)
-    assert set(at_p1["tensor"][at_p1["bytes"] > 0]) == {"p0:0", "p1:0", "u:0"} and at_p1["bytes"].sum() == 300
-
-
-def test_sum_of_two_convolutions_is_no_fusion(unit):
-    """s = p0 + p1 with both halves convolutions (the 3D U-Net's split concatenation): no graph pass
-    fuses a contraction into an add of two whole maps, so p0's sync swap-in waits for p1 itself:
-    during p1 only u and p1's output live, and s stalls for the copy back."""
-    g = from_spec([
-        OpSpec("x", "Conv2D", FORWARD, [], (100,), flops=1),
-        OpSpec("p0", "Conv2D", FORWARD, ["x"], (100,), flops=1),
-        OpSpec("u", "MaxPool", FORWARD, ["x"], (100,), flops=1),
-        OpSpec("p1", "Conv2D", FORWARD, ["u"], (100,), flops=1),
-        OpSpec("s", "AddV2", FORWARD, ["p0", "p1"], (100,), flops=1),
-    ], outputs=["s"])
-    ops = {name: k for k, name in enumerate(g.op_name)}
-    plan = SwapPlan.from_swaps(g, [Swap(ops["p0"], False, (SwapIn((ops["s"],), None),))])
-    r = replay(g, plan, unit)
-    assert r.swap_in_start_s.tolist() == [4.0] and r.step_s == pytest.approx(6.0)
-    assert live_buffers(g, plan, r, slot=3)["bytes"].sum() == 200  # u and p1 only
+    assert r.swap_out_end_s.tolist() == [3.0]
+    if second == "BiasAdd":
+        # p0 out 2..3 s; back 3..4 s (after u, during p1), so s runs 4..5 s without a stall
+        assert r.op_start_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and r.swap_in_start_s.tolist() == [3.0]
+        # during p1: u, p1's output and the swap-in (p0's original went with its copy)
+        assert set(at_p1["tensor"][at_p1["bytes"] > 0]) == {"p0:0", "p1:0", "u:0"} and at_p1["bytes"].sum() == 300
+    else:
+        # back 4..5 s, after p1: s waits a second for it
+        assert r.swap_in_start_s.tolist() == [4.0] and r.step_s == pytest.approx(6.0)
+        assert at_p1["bytes"].sum() == 200  # u and p1 only
 
 
 @pytest.mark.parametrize(("sibling", "start_s"), [("BiasAddGrad", 2.0), ("Conv2DBackpropFilter", 3.0)])
