@@ -6,11 +6,13 @@ FusedBatchNorm+activation, Sigmoid+Mul). A fused node takes over the control edg
 a control edge from one part to a swap-in that feeds a later part would become a cycle. The rewriter
 (``rewriter.apply``) therefore makes such a swap-in wait for the inputs of that part instead: it
 starts one op or so earlier than the plan says, with its buffer live during that op. The replay
-applies the same rule (``safe_wait_slots``) so that it predicts the step the rewriter builds: on a
-3D U-Net whose concat is split, the forward sum of the two convolution halves waits for one half
-that way, and the replay without this rule under-predicted the measured peak by 11.6 %.
+applies the same rule (``safe_wait_slots``) so that it predicts the step the rewriter builds (a
+replay without it under-predicted a measured peak by 11.6 %). Both walk the same neighbourhood
+(``fusion_neighbourhood``); the rule errs on the side of fusion, which costs memory, never a cycle,
+but where it names a fusion no pass makes (it once took the 3D U-Net's sum of two convolution
+halves for one) the swap-in comes back early for nothing and the largest size that fits shrinks.
 
-Plain arrays only (no TensorFlow): the rewriter imports the type lists from here.
+Plain arrays only (no TensorFlow): the rewriter imports the walk and the type lists from here.
 """
 
 from __future__ import annotations
