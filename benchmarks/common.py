@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import time
 import timeit
 from importlib import metadata
 from pathlib import Path
@@ -19,6 +20,7 @@ import pandas as pd
 from autotune.report import markdown_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+STARTED_S = time.perf_counter()  # each benchmark is its own process: its runtime is counted from here
 
 
 def machine() -> dict[str, Any]:
@@ -52,7 +54,9 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
     directory.mkdir(parents=True, exist_ok=True)
     table.to_csv(directory / f"{name}.csv", index=False)
     lines = [f"# {name}", ""]
-    lines += [f"- {key}: {value}" for key, value in {**machine(), **settings}.items()]
+    # the budget is 30 minutes per benchmark: every table says what its run took
+    runtime = {"runtime_s": round(time.perf_counter() - STARTED_S, 1)}
+    lines += [f"- {key}: {value}" for key, value in {**machine(), **runtime, **settings}.items()]
     lines += ["", markdown_table(table, float_format), ""]
     lines += [f"{note}" for note in (notes or [])]
     path = directory / f"{name}.md"
