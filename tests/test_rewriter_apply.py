@@ -497,4 +497,5 @@ def test_sum_of_two_convolutions_waits_for_the_other_half():
     assert step.verification.ok, step.verification.summary()
     (swap_in,) = step.applied[0].swap_ins
     assert names["half1"] in swap_in.controls
-    assert replay(graph, plan, get_device("cpu-testbed")).n_swap_ins == 1
+    predicted = replay(graph, plan, get_device("cpu-testbed"))
+    assert predicted.swap_in_start_s[0] >= predicted.op_end_s[ops[names["half1"]]]  # after the other half
