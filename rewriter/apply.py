@@ -206,6 +206,10 @@ class _GraphEditor:
             name, index = _parse(data[pick][1])
         return name, index
 
+    def unswapped(self, ref: str) -> str:
+        """The tensor a read of a swap-in stands for (the read itself otherwise)."""
+        return self.swapped_reads.get(_parse(ref)[0], ref)
+
     def sources(self, name: str, *, raw: bool = True) -> list[str]:
         """Producers of a node's data inputs, resolved through bypassed ops (and as written, with ``raw``)."""
         node = self.nodes.get(name)
@@ -213,7 +217,7 @@ class _GraphEditor:
             return []
         found = []
         for _, ref in self.data_inputs(node):
-            ref = self.swapped_reads.get(_parse(ref)[0], ref)
+            ref = self.unswapped(ref)
             for source in ((_parse(ref)[0], self.resolve(ref)[0]) if raw else (self.resolve(ref)[0],)):
                 if source in self.nodes and source not in found:
                     found.append(source)
@@ -224,7 +228,7 @@ class _GraphEditor:
             index: dict[str, list[str]] = defaultdict(list)
             for node in self.graph_def.node:
                 for _, ref in self.data_inputs(node):
-                    index[self.resolve(self.swapped_reads.get(_parse(ref)[0], ref))[0]].append(node.name)
+                    index[self.resolve(self.unswapped(ref))[0]].append(node.name)
             self._readers_cache = index
         return self._readers_cache
 
