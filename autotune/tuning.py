@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DEVICE = "v100-16gb"
 MAX_BATCH = 1 << 16
+HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
 
 
 @dataclass
@@ -202,28 +203,68 @@ def largest_batch(fits) -> int:
     return low
 
 
+class SwapProbes:
+    """Swap searches at each batch size of one graph, kept so that several questions about it
+    (the largest batch, the largest under an overhead cap) share the searches they have in common:
+    a probe's search does not depend on the question, only which of its plans count does."""
+
+    def __init__(self, graph: OpGraph, budget_bytes: int, device: DeviceModel, *, probe_trials: int = 80,
+                 seed: int | None = 0) -> None:
+        self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
+        self.probe_trials, self.seed = probe_trials, seed
+        # batch -> every plan the search evaluated there; None: the step fits without swapping,
+        # [] when not even its resident memory fits
+        self.evaluations_at: dict[int, list[Evaluation] | None] = {}
+
+    def at(self, batch: int) -> list[Evaluation] | None:
+        if batch not in self.evaluations_at:
+            problem = TuningProblem(self.graph.with_batch(batch), self.device, self.budget_bytes)
+            if problem.resident_bytes > self.budget_bytes:
+                found = []
+            elif problem.baseline().feasible:
+                found = None
+            else:
+                study = optuna.create_study(direction="minimize")
+                found = make_policy("optuna", seed=self.seed).search(problem, study,
+                                                                    Budget(trials=self.probe_trials)).evaluations
+            self.evaluations_at[batch] = found
+        return self.evaluations_at[batch]
+
+    def good_at(self, batch: int, max_overhead: float | None = None) -> list[Evaluation] | None:
+        """The plans that fit at ``batch`` (None: no plan needed)."""
+        found = self.at(batch)
+        if found is None:
+            return None
+        return [e for e in found if e.feasible and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
+
+    def largest(self, max_overhead: float | None = None) -> tuple[int, list[Evaluation]]:
+        """As :func:`largest_batch_with_swap`."""
+        def fits(batch: int) -> bool:
+            good = self.good_at(batch, max_overhead)
+            return good is None or bool(good)
+
+        batch = largest_batch(fits)
+        return batch, (self.good_at(batch, max_overhead) or []) if batch else []
+
+    def host_unlimited(self) -> SwapProbes:
+        """The same probes with no limit on host memory. A search where no plan went over the host
+        limit runs the same way without it (samplers see only violated constraints), so those
+        probes carry over; the others are searched again when asked."""
+        device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
+        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed)
+        limit = self.device.host_memory_bytes
+        for batch, found in self.evaluations_at.items():
+            if found is None or all(e.metrics["host_peak_bytes"] <= limit for e in found):
+                other.evaluations_at[batch] = found
+        return other
+
+
 def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel, *, max_overhead: float | None,
                             probe_trials: int = 80, seed: int | None = 0) -> tuple[int, list[Evaluation]]:
     """The largest batch for which the search finds a plan that fits (and, if given, whose
     simulated overhead stays under ``max_overhead``), and the plans that did there (none when the
     step fits without swapping)."""
-    good_at: dict[int, list[Evaluation]] = {}
-
-    def fits(batch: int) -> bool:
-        problem = TuningProblem(graph.with_batch(batch), device, budget_bytes)
-        if problem.resident_bytes > budget_bytes:
-            return False
-        baseline = problem.baseline()
-        if baseline.feasible:
-            return True
-        study = optuna.create_study(direction="minimize")
-        outcome = make_policy("optuna", seed=seed).search(problem, study, Budget(trials=probe_trials))
-        good_at[batch] = [e for e in outcome.evaluations if e.feasible
-                          and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
-        return bool(good_at[batch])
-
-    batch = largest_batch(fits)
-    return batch, good_at.get(batch, [])
+    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed).largest(max_overhead)
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,

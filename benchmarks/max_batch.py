@@ -20,11 +20,11 @@ The original LMS paper reports 4.9x (ResNet-50) and 5.6x (3D U-Net) on 16 GB V10
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import matplotlib
@@ -37,8 +37,8 @@ import pandas as pd  # noqa: E402
 
 from autotune.policies import Budget, make_policy  # noqa: E402
 from autotune.search import TuningProblem, best_of  # noqa: E402
-from autotune.tuning import largest_batch, largest_batch_with_swap, max_batch_without_swap  # noqa: E402
-from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
+from autotune.tuning import SwapProbes, largest_batch, largest_batch_with_swap, max_batch_without_swap  # noqa: E402
+from benchmarks.common import RESULTS_DIR, STARTED_S, write_results  # noqa: E402
 from benchmarks.graphs import captured_graph  # noqa: E402
 from benchmarks.models import unet3d_voxels  # noqa: E402
 from simulator import FORWARD, get_device, replay  # noqa: E402
@@ -82,10 +82,10 @@ def simulate(device_name: str) -> list[dict]:
         # the baseline is always the step as the user has it: rewritten rows are measured against it
         plain = max_batch_without_swap(baseline or graph, budget, device)
         rewritten_plain = max_batch_without_swap(graph, budget, device) if baseline else plain
-        swapped, found = largest_batch_with_swap(graph, budget, device, max_overhead=None, probe_trials=PROBE_TRIALS)
-        capped, _ = largest_batch_with_swap(graph, budget, device, max_overhead=0.3, probe_trials=PROBE_TRIALS)
-        any_host, _ = largest_batch_with_swap(graph, budget, dataclasses.replace(device, host_memory_bytes=1 << 62),
-                                              max_overhead=None, probe_trials=PROBE_TRIALS)
+        probes = SwapProbes(graph, budget, device, probe_trials=PROBE_TRIALS)  # shared by the three questions
+        swapped, found = probes.largest()
+        capped, _ = probes.largest(max_overhead=0.3)
+        any_host, _ = probes.host_unlimited().largest()
         bound_batch = largest_batch(lambda batch: peak_lower_bound_bytes(graph.with_batch(batch)) <= budget)
         bound_op = largest_working_set_op(graph.with_batch(max(bound_batch, 1)))
         chosen = None
@@ -111,7 +111,8 @@ def simulate(device_name: str) -> list[dict]:
         if name == "unet3d":
             row.update(_unet_sizes(plain * scale, swapped * scale, device, budget, rewrites))
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "params"}, default=str), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "params"}, default=str),
+              f"({time.perf_counter() - STARTED_S:.0f} s since start)", flush=True)
     return rows
 
 

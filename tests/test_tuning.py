@@ -166,3 +166,33 @@ def test_python_api_tunes_a_keras_model_and_can_pick_the_batch():
     assert picked.feasible and picked.batch_size > picked.max_batch_without_swap >= 1
     with pytest.raises(ValueError, match="batch_size is required"):
         autotune.tune(model, device="cpu-testbed", memory=2 << 20, measure=False)
+
+
+def test_batch_probes_are_shared_without_changing_answers():
+    """The max-batch benchmark asks three questions of one set of probes (largest batch, largest
+    under a 30 % overhead cap, largest with host memory unlimited). Each must get the answer its
+    own search gets; probes where no plan went over the host limit carry over to the unlimited
+    question unchanged, the others are searched again."""
+    from autotune.tuning import HOST_UNLIMITED_BYTES, SwapProbes, largest_batch_with_swap
+    from simulator.synthetic import training_graph
+
+    g = training_graph(40, batch_size=1)
+    plain_peak = replay(g.with_batch(64), None, "v100-16gb").peak_bytes
+    budget = plain_peak // 2
+    device = dataclasses.replace(get_device("v100-16gb"), host_memory_bytes=2 * plain_peak)
+    unlimited = dataclasses.replace(device, host_memory_bytes=HOST_UNLIMITED_BYTES)
+    probes = SwapProbes(g, budget, device, probe_trials=30)
+    swapped, _ = probes.largest()
+    capped, _ = probes.largest(max_overhead=0.3)
+    any_host = probes.host_unlimited()
+    assert swapped == largest_batch_with_swap(g, budget, device, max_overhead=None, probe_trials=30)[0]
+    assert capped == largest_batch_with_swap(g, budget, device, max_overhead=0.3, probe_trials=30)[0]
+    assert any_host.largest()[0] == largest_batch_with_swap(g, budget, unlimited, max_overhead=None,
+                                                            probe_trials=30)[0] > swapped
+    carried = [b for b, found in probes.evaluations_at.items() if any_host.evaluations_at.get(b, 0) is found]
+    searched_again = [b for b in probes.evaluations_at if b not in carried and b in any_host.evaluations_at]
+    assert searched_again, "no probe hit the host limit: the test does not exercise the re-search"
+    batch = max(b for b in carried if probes.evaluations_at[b])  # a probe that searched and stayed under the limit
+    fresh = SwapProbes(g, budget, unlimited, probe_trials=30).at(batch)
+    assert [(e.params, e.step_s, e.feasible) for e in fresh] == [
+        (e.params, e.step_s, e.feasible) for e in probes.evaluations_at[batch]]
