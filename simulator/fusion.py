@@ -193,17 +193,30 @@ def safe_wait_slots(g: OpGraph, position: np.ndarray, tensor: np.ndarray, trigge
     memo = index.safe_memo
     if len(memo) > 200_000:  # a long search: keep the memo's memory bounded
         memo.clear()
-    made_by = g.tensor_producer[tensor].tolist()
-    first = consumers[starts].tolist()
-    for j in candidates.tolist():
-        key = (int(tensor[j]), int(trigger[j]), int(after[j]), tuple(consumers[consumer_ptr[j]:consumer_ptr[j + 1]].tolist()))
+    # plain lists for the per-candidate keys (numpy scalar indexing costs more than the memo lookup)
+    reads = consumers.tolist()
+    bounds = consumer_ptr.tolist()
+    candidate_list = candidates.tolist()
+    made_by = g.tensor_producer[tensor[candidates]].tolist()
+    first = consumers[starts[candidates]].tolist()
+    waited: list[int] = []  # the changed candidates that still wait for some op, and those ops
+    waited_ops: list[int] = []
+    waited_count: list[int] = []
+    for j, t, w, a, made, head in zip(candidate_list, tensor[candidates].tolist(), trigger[candidates].tolist(),
+                                      after[candidates].tolist(), made_by, first):
+        key = (t, w, a, tuple(reads[bounds[j]:bounds[j + 1]]))
         found = memo.get(key)
         if found is None:
-            found = memo[key] = _safe_waits(index, key, made_by[j], first[j])
+            found = memo[key] = _safe_waits(index, key, made, head)
         if found is not False:
             changed[j] = True
             if found:
-                slots[j] = int(position[list(found)].max())
+                waited.append(j)
+                waited_ops.extend(found)
+                waited_count.append(len(found))
+    if waited:  # the latest slot among each one's ops, in one reduction
+        offsets = np.cumsum(waited_count) - waited_count
+        slots[waited] = np.maximum.reduceat(position[waited_ops], offsets)
     return changed, slots
 
 

@@ -20,7 +20,6 @@ ResNet-50-sized graphs.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -152,7 +151,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         raise GraphError("this plan was made for another graph")
 
     info = buffers(g)
-    tensor_bytes = g.tensor_bytes
+    tensor_bytes = g.cached("tensor_bytes", lambda graph: graph.tensor_bytes, structural=False)  # read-only
     swap_tensor = plan.tensor
     swap_bytes = tensor_bytes[swap_tensor].astype(np.float64)
     n_swaps, n_ins = plan.n_swaps, plan.n_swap_ins
@@ -248,22 +247,21 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         delta += np.bincount(in_place_slot + 1, in_place_bytes, minlength=n_slots + 1)
     slot_bytes = slot_bytes + np.cumsum(delta[:-1])
     slot_bytes, wait_slots, wait_moment = _wait_peaks(
-        g, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready,
+        g, tensor_bytes, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready,
         in_bytes, in_place_slot, in_place_out)
 
     host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
-    result = _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
-                     host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
-                     outs=(out_start, out_end), ins=(in_start, in_end), position=position)
-    return dataclasses.replace(result, swapped_roots=roots, swapped_root_free_slot=new_free,
-                               swap_in_alloc_slot=in_alloc_slot, swap_in_free_slot=in_free_slot,
-                               in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
-                               swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment)
+    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
+                   host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
+                   outs=(out_start, out_end), ins=(in_start, in_end), position=position,
+                   swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
+                   swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
+                   swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment)
 
 
-def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end, in_alloc_slot,
-                in_ready, in_bytes, in_place_slot, in_place_out):
+def _wait_peaks(g, tensor_bytes, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end,
+                in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
     """Memory during the waits in which a copy out ends after a swap-in was allocated.
 
     Before the op at slot s starts, its wait holds what lives on from slot s-1, the swap-ins
@@ -291,8 +289,8 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
         return none
     own_bytes = alloc_slot_bytes(g)[:n_slots].copy()  # what the op at each slot allocates for its outputs
     if len(in_place_slot):
-        np.subtract.at(own_bytes, in_place_slot, g.tensor_bytes[in_place_out].astype(np.float64))
-    root_bytes = g.tensor_bytes[roots[wait_root]].astype(np.float64)
+        np.subtract.at(own_bytes, in_place_slot, tensor_bytes[in_place_out].astype(np.float64))
+    root_bytes = tensor_bytes[roots[wait_root]].astype(np.float64)
     # each wait starts with what lives on from the slot before, and the buffers copied out in it
     start_bytes = (slot_bytes[slots] - own_bytes[slots]
                    - np.bincount(in_alloc_slot, in_bytes, minlength=n_slots)[slots]
@@ -306,10 +304,10 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
     by_time = np.lexsort((event_bytes, event_time, event_slot))
     event_slot, event_time, event_bytes = event_slot[by_time], event_time[by_time], event_bytes[by_time]
     group = np.searchsorted(slots, event_slot)
-    first = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    first = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
     total = np.cumsum(event_bytes)
-    before = np.r_[0.0, total][first]  # the running sum where each wait's events start
-    running = total - np.repeat(before, np.diff(np.r_[first, len(total)])) + start_bytes[group]
+    before = np.concatenate(([0.0], total))[first]  # the running sum where each wait's events start
+    running = total - np.repeat(before, np.diff(np.append(first, len(total)))) + start_bytes[group]
     best = np.lexsort((-running, group))[first]  # each wait's largest moment (groups are sorted)
     higher = running[best] > slot_bytes[slots]
     result = slot_bytes.copy()
@@ -486,13 +484,22 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
             np.asarray(in_end), seg_slot, seg_shift)
 
 
+def _level_starts(g: OpGraph) -> np.ndarray:
+    """First slot of each level, in the "cto" order (where slots are sorted by level)."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        levels_of_slot = slot_levels(graph)
+        return np.flatnonzero(np.concatenate(([True], levels_of_slot[1:] != levels_of_slot[:-1])))
+    return g.cached("level_starts", compute, structural=True)
+
+
 def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s, *, host_peak, d2h, h2d,
-            plan, outs, ins, position) -> Replay:
+            plan, outs, ins, position, **details) -> Replay:
+    """The Replay of a step whose slot memory and finish times are known; ``details``: the
+    plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
         if g.order == "cto":  # slots sorted by level
-            level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
-            level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
+            level_peak = np.maximum.reduceat(slot_bytes, _level_starts(g)) + persistent
         else:
             level_peak = np.zeros(int(levels_of_slot.max()) + 1)
             np.maximum.at(level_peak, levels_of_slot, slot_bytes)
@@ -502,8 +509,7 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
         step_s = float(finish_all[-1])
     else:
         level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
-    op_end = np.empty(len(position))
-    op_end[:] = finish_all[position] if len(position) else 0.0
+    op_end = finish_all[position] if len(position) else np.empty(0)
     op_start = op_end - duration[position] if len(position) else op_end
     return Replay(
         peak_bytes=peak, host_peak_bytes=host_peak, step_s=step_s, compute_s=compute_s,
@@ -511,5 +517,5 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
         n_swap_outs=0 if plan is None else plan.n_swaps, n_swap_ins=0 if plan is None else plan.n_swap_ins,
         persistent_bytes=persistent, peak_level=peak_level, level_peak_bytes=level_peak,
         op_start_s=op_start, op_end_s=op_end, swap_out_start_s=outs[0], swap_out_end_s=outs[1],
-        swap_in_start_s=ins[0], swap_in_end_s=ins[1], peak_slot=peak_slot if len(slot_bytes) else 0,
+        swap_in_start_s=ins[0], swap_in_end_s=ins[1], peak_slot=peak_slot if len(slot_bytes) else 0, **details,
     )
