@@ -23,6 +23,7 @@ from typing import TypeVar
 import numpy as np
 
 from simulator.graph import OpGraph
+from simulator.ordering import position_of
 
 _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Selu", "Tanh", "Sigmoid", "Softplus", "Gelu"})
 _CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2",
@@ -118,7 +119,7 @@ class _Neighbourhoods:
             self.controls[consumer].append(source)
         self.op_type = g.op_type.tolist()
         self._danger: dict[int, frozenset[int]] = {}
-        self.safe_memo: dict[tuple, tuple[int, ...] | bool] = {}  # safe_wait_slots' answers per swap-in
+        self.safe_memo: dict[tuple, int | bool] = {}  # safe_wait_slots' answers per swap-in
 
     def danger(self, consumer: int) -> frozenset[int]:
         """``fusion_neighbourhood`` of ``consumer``, computed once per graph."""
@@ -166,7 +167,7 @@ def _fusable_ops(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     return g.cached("fusable_ops", compute, structural=True)
 
 
-def safe_wait_slots(g: OpGraph, position: np.ndarray, tensor: np.ndarray, trigger: np.ndarray, after: np.ndarray,
+def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: np.ndarray,
                     consumer_ptr: np.ndarray, consumers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per swap-in of ``tensor[j]`` (a SwapPlan's in_trigger/in_after/in_consumer_ptr/in_consumers
     arrays): whether an op it waits for may be fused with one of its consumers, and if so the latest
@@ -199,24 +200,22 @@ def safe_wait_slots(g: OpGraph, position: np.ndarray, tensor: np.ndarray, trigge
     candidate_list = candidates.tolist()
     made_by = g.tensor_producer[tensor[candidates]].tolist()
     first = consumers[starts[candidates]].tolist()
-    waited: list[int] = []  # the changed candidates that still wait for some op, and those ops
-    waited_ops: list[int] = []
-    waited_count: list[int] = []
+    changed_list: list[int] = []
+    changed_slot: list[int] = []
     for j, t, w, a, made, head in zip(candidate_list, tensor[candidates].tolist(), trigger[candidates].tolist(),
                                       after[candidates].tolist(), made_by, first):
         key = (t, w, a, tuple(reads[bounds[j]:bounds[j + 1]]))
         found = memo.get(key)
         if found is None:
-            found = memo[key] = _safe_waits(index, key, made, head)
+            found = _safe_waits(index, key, made, head)
+            if found is not False:  # the latest slot among them (the memo is per order: slots are fixed)
+                found = int(position_of(g)[list(found)].max()) if found else -1
+            memo[key] = found
         if found is not False:
-            changed[j] = True
-            if found:
-                waited.append(j)
-                waited_ops.extend(found)
-                waited_count.append(len(found))
-    if waited:  # the latest slot among each one's ops, in one reduction
-        offsets = np.cumsum(waited_count) - waited_count
-        slots[waited] = np.maximum.reduceat(position[waited_ops], offsets)
+            changed_list.append(j)
+            changed_slot.append(found)
+    changed[changed_list] = True
+    slots[changed_list] = changed_slot
     return changed, slots
 
 

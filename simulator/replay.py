@@ -172,7 +172,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         sync_slot = np.maximum(other, position[plan.in_after])
         trigger_slot = np.where(sync_in, sync_slot, trigger_slot)
     # a swap-in the rewriter cannot have wait for an op fused with its consumer starts before that op
-    fused_wait, safe_slot = safe_wait_slots(g, position, swap_tensor[plan.in_swap], plan.in_trigger, plan.in_after,
+    fused_wait, safe_slot = safe_wait_slots(g, swap_tensor[plan.in_swap], plan.in_trigger, plan.in_after,
                                             plan.in_consumer_ptr, plan.in_consumers)
     trigger_slot = np.where(fused_wait, safe_slot, trigger_slot)
     # with after_copies_out, the copies it waits for: its trigger's own (as planned), or those of the
