@@ -219,9 +219,6 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     new_free = np.maximum(root_last_slot, copy_free_slot)
     copy_end = np.zeros(len(roots))
     np.maximum.at(copy_end, swap_root[in_original], out_end[in_original])
-    root_bytes = tensor_bytes[roots].astype(np.float64)
-    delta = np.bincount(info.free_slot[roots] + 1, root_bytes, minlength=n_slots + 1)
-    delta -= np.bincount(new_free + 1, root_bytes, minlength=n_slots + 1)
     # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
     # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
     # queues the copy on the stream (GPU), or copies at once (CPU testbed)
@@ -237,15 +234,17 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         moved = ~in_original
         group = group_of_read[np.searchsorted(sorted_far_keys, home_link[moved])]
         np.maximum.at(in_free_slot, group, out_free_slot[moved])
-    delta += np.bincount(in_alloc_slot, in_bytes, minlength=n_slots + 1)
-    delta -= np.bincount(in_free_slot + 1, in_bytes, minlength=n_slots + 1)
     in_place_slot, in_place_out = in_place_after_rewiring(g, roots, root_last_slot, copy_free_slot, sorted_far_keys,
                                                           in_free_slot[group_of_read], tensor_bytes)
-    if len(in_place_slot):  # the output shares the buffer its op was the last to read
-        in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
-        delta -= np.bincount(in_place_slot, in_place_bytes, minlength=n_slots + 1)
-        delta += np.bincount(in_place_slot + 1, in_place_bytes, minlength=n_slots + 1)
-    slot_bytes = slot_bytes + np.cumsum(delta[:-1])
+    # the changes to the baseline, counted in one go (whole byte counts: exact in float64 in any
+    # order): swapped buffers freed earlier, swap-in buffers, and outputs that share the buffer
+    # their op was the last to read (in place) need none of their own in that slot
+    root_bytes = tensor_bytes[roots].astype(np.float64)
+    in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
+    change_slot = np.concatenate([info.free_slot[roots] + 1, new_free + 1, in_alloc_slot, in_free_slot + 1,
+                                  in_place_slot, in_place_slot + 1])
+    change_bytes = np.concatenate([root_bytes, -root_bytes, in_bytes, -in_bytes, -in_place_bytes, in_place_bytes])
+    slot_bytes = slot_bytes + np.cumsum(np.bincount(change_slot, change_bytes, minlength=n_slots + 1)[:-1])
     slot_bytes, wait_slots, wait_moment = _wait_peaks(
         g, tensor_bytes, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready,
         in_bytes, in_place_slot, in_place_out)
