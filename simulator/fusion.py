@@ -119,7 +119,9 @@ class _Neighbourhoods:
             self.controls[consumer].append(source)
         self.op_type = g.op_type.tolist()
         self._danger: dict[int, frozenset[int]] = {}
-        self.safe_memo: dict[tuple, int | bool] = {}  # safe_wait_slots' answers per swap-in
+        # safe_wait_slots' answer per swap-in: False (no fused wait) or the slot it waits for instead
+        # (-1: none); slots are fixed, as this index is per execution order
+        self.safe_memo: dict[tuple, int | bool] = {}
 
     def danger(self, consumer: int) -> frozenset[int]:
         """``fusion_neighbourhood`` of ``consumer``, computed once per graph."""
@@ -205,15 +207,13 @@ def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: 
     for j, t, w, a, made, head in zip(candidate_list, tensor[candidates].tolist(), trigger[candidates].tolist(),
                                       after[candidates].tolist(), made_by, first):
         key = (t, w, a, tuple(reads[bounds[j]:bounds[j + 1]]))
-        found = memo.get(key)
-        if found is None:
-            found = _safe_waits(index, key, made, head)
-            if found is not False:  # the latest slot among them (the memo is per order: slots are fixed)
-                found = int(position_of(g)[list(found)].max()) if found else -1
-            memo[key] = found
-        if found is not False:
+        answer = memo.get(key)
+        if answer is None:
+            waits = _safe_waits(index, key, made, head)
+            answer = memo[key] = False if waits is False else int(position_of(g)[list(waits)].max()) if waits else -1
+        if answer is not False:
             changed_list.append(j)
-            changed_slot.append(found)
+            changed_slot.append(answer)
     changed[changed_list] = True
     slots[changed_list] = changed_slot
     return changed, slots

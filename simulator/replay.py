@@ -246,8 +246,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     change_bytes = np.concatenate([root_bytes, -root_bytes, in_bytes, -in_bytes, -in_place_bytes, in_place_bytes])
     slot_bytes = slot_bytes + np.cumsum(np.bincount(change_slot, change_bytes, minlength=n_slots + 1)[:-1])
     slot_bytes, wait_slots, wait_moment = _wait_peaks(
-        g, tensor_bytes, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready,
-        in_bytes, in_place_slot, in_place_out)
+        g, tensor_bytes, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot,
+        in_ready, in_bytes, in_place_slot, in_place_out)
 
     host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
