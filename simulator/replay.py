@@ -435,10 +435,10 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
         return out_end[i]
 
     in_order_array = np.argsort(trigger, kind="stable")
-    release_slots = trigger[in_order_array].tolist()
+    release_slots = trigger[in_order_array].tolist() + [len(finish_plain)]  # a sentinel after the last
     in_order = in_order_array.tolist()
     in_swap, in_duration = in_swap_array.tolist(), in_duration_array.tolist()
-    copies_of = copies_slot.tolist() if outs_at_slot else []
+    copies_of = copies_slot.tolist() if outs_at_slot else None
     in_cursor = 0
     in_done = [False] * n_ins
     heap: list[tuple[float, int]] = []
@@ -447,9 +447,10 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     segment_start = 0  # first slot of the latest segment (whose shift is ``shift``)
     index = 0
     n_waits = len(wait_slots)
+    wait_slots.append(-1)  # a sentinel after the last
     while index < n_waits:
         slot = wait_slots[index]
-        while in_cursor < n_ins and release_slots[in_cursor] < slot:  # triggers that have run
+        while release_slots[in_cursor] < slot:  # triggers that have run
             j = in_order[in_cursor]
             p = release_slots[in_cursor]
             if p < 0:
@@ -460,17 +461,18 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
                 ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
             source = in_swap[j]
             data = out_end[source] if out_done[source] else swap_out_end(source)
-            for other in (outs_at_slot.get(copies_of[j], ()) if outs_at_slot else ()):
-                copied = out_end[other] if out_done[other] else swap_out_end(other)
-                if copied > data:
-                    data = copied
+            if copies_of is not None:
+                for other in outs_at_slot.get(copies_of[j], ()):
+                    copied = out_end[other] if out_done[other] else swap_out_end(other)
+                    if copied > data:
+                        data = copied
             if data > ready:
                 ready = data
             in_ready[j] = ready
             push(heap, (ready, j))
             in_cursor += 1
         required = 0.0
-        while index < n_waits and wait_slots[index] == slot:
+        while wait_slots[index] == slot:
             item = wait_items[index]
             index += 1
             if item < 0:
