@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, in_place_after_rewiring,
-                               rewired_lifetimes, slot_levels)
+                               ranges, rewired_lifetimes, slot_levels)
 from simulator.devices import DeviceModel, get_device
 from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
@@ -180,7 +180,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     copies_slot = np.where(plan.in_trigger >= 0, position[np.maximum(plan.in_trigger, 0)], trigger_slot)
 
     # far reads rewired per swapped buffer; the original buffer's remaining readers
-    reads_per_in = np.diff(plan.in_consumer_ptr)
+    reads_per_in = plan.in_consumer_ptr[1:] - plan.in_consumer_ptr[:-1]
     far_keys = swap_tensor[plan.in_swap].repeat(reads_per_in) * g.n_ops + plan.in_consumers
     roots, swap_root = _unique_inverse(info.root[swap_tensor])
     root_last_slot, moved_links, moved_last, home_link = rewired_lifetimes(g, roots, far_keys, swap_tensor)
@@ -200,7 +200,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         finish_plain, finish_plain_list, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration,
         need_slot, sync_wait, outs_at_slot, copies_slot)
     in_swap = plan.in_swap
-    finish_all = finish_plain + np.repeat(np.asarray(seg_shift), np.diff(np.asarray(seg_slot + [len(duration)])))
+    seg_bounds = _array(seg_slot + [len(duration)], np.int64)
+    finish_all = finish_plain + _array(seg_shift).repeat(seg_bounds[1:] - seg_bounds[:-1])
 
     # ---- device memory per slot: re-account swapped buffers, add swap-in buffers
     n_slots = len(duration)
@@ -318,7 +319,8 @@ def _wait_peaks(g, tensor_bytes, slot_bytes, start_all, finish_all, roots, root_
     first = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
     total = np.cumsum(event_bytes)
     before = np.concatenate(([0.0], total))[first]  # the running sum where each wait's events start
-    running = total - np.repeat(before, np.diff(np.append(first, len(total)))) + start_bytes[group]
+    stops = np.append(first[1:], len(total))
+    running = total - before.repeat(stops - first) + start_bytes[group]
     best = np.lexsort((-running, group))[first]  # each wait's largest moment (groups are sorted)
     higher = running[best] > slot_bytes[slots]
     result = slot_bytes.copy()
@@ -338,32 +340,26 @@ def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarra
     return int(max(0.0, np.cumsum(sizes[by_time]).max()))
 
 
-def _remaining_readers(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> list[list[int]]:
-    """Per swapped tensor (where ``mask``): the ops that still read it on the device; they wait for
-    a synchronous swap-out."""
+def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device (its
+    reads not rewired to a swap-in; they wait for a synchronous swap-out), or when none does, the
+    slot after its producer's (so the copy frees the buffer before the step goes on); -1 where not
+    ``mask`` or the producer runs last."""
+    position = position_of(g)
     by_tensor = g.cached("edges_by_tensor", lambda graph: np.argsort(graph.edge_tensor, kind="stable"),
                          structural=True)
+    waited = np.flatnonzero(mask)
     edge_tensor = g.edge_tensor[by_tensor]
-    starts = np.searchsorted(edge_tensor, tensor, side="left")
-    stops = np.searchsorted(edge_tensor, tensor, side="right")
-    sorted_far = np.sort(far_keys)
-    result: list[list[int]] = [[] for _ in range(len(tensor))]
-    for i in np.flatnonzero(mask):
-        consumers = g.edge_consumer[by_tensor[starts[i]:stops[i]]]
-        keep = ~contains(sorted_far, tensor[i] * g.n_ops + consumers)
-        result[i] = sorted(set(consumers[keep].tolist()))
-    return result
-
-
-def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device, or
-    when none does, the slot after its producer's (so the copy frees the buffer before the step
-    goes on); -1 where not ``mask`` or the producer runs last."""
-    position = position_of(g)
-    readers = _remaining_readers(g, tensor, far_keys, mask)
-    after_producer = position[g.tensor_producer[tensor]] + 1
-    first = [int(position[r].min()) if r else int(after_producer[i]) for i, r in enumerate(readers)]
-    return np.where(mask & (np.asarray(first) < g.n_ops), first, -1).astype(np.int64)
+    starts = np.searchsorted(edge_tensor, tensor[waited], side="left")
+    stops = np.searchsorted(edge_tensor, tensor[waited], side="right")
+    consumers = g.edge_consumer[by_tensor[ranges(starts, stops)]]
+    owner = np.repeat(np.arange(len(waited)), stops - starts)  # index into ``waited`` of each read
+    kept = ~contains(np.sort(far_keys), tensor[waited][owner] * g.n_ops + consumers)
+    first = position[g.tensor_producer[tensor]] + 1  # no reader left: the slot after the producer's
+    earliest = np.full(len(waited), g.n_ops, dtype=np.int64)
+    np.minimum.at(earliest, owner[kept], position[consumers[kept]])
+    first[waited] = np.where(earliest < g.n_ops, earliest, first[waited])
+    return np.where(mask & (first < g.n_ops), first, -1).astype(np.int64)
 
 
 def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger, in_swap_array, in_duration_array,
@@ -496,8 +492,13 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     for i in range(n_swaps):  # a swap-out nobody waited for still happens
         if not out_done[i]:
             swap_out_end(i)
-    return (np.asarray(out_start), np.asarray(out_end), np.asarray(in_ready), np.asarray(in_start),
-            np.asarray(in_end), seg_slot, seg_shift)
+    return (_array(out_start), _array(out_end), _array(in_ready), _array(in_start), _array(in_end), seg_slot,
+            seg_shift)
+
+
+def _array(values: list, dtype=np.float64) -> np.ndarray:
+    """A list of Python numbers as an array (np.fromiter: about half np.asarray's cost on lists)."""
+    return np.fromiter(values, dtype, len(values))
 
 
 def _level_starts(g: OpGraph) -> np.ndarray:
