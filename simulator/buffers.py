@@ -231,13 +231,15 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
     np.maximum.at(segment_last, local[info.use_segment[uses]], slots)
     links = info.link_key[heads]
     cut = contains(far_keys, links)
-    owner = np.arange(n_segments)
-    parent_local = np.where(info.seg_parent[heads] >= 0, local[np.maximum(info.seg_parent[heads], 0)], -1)
-    for _ in range(n_segments):  # segment trees are shallow; a few rounds settle ownership
-        inherited = np.where((parent_local >= 0) & ~cut, owner[np.maximum(parent_local, 0)], owner)
-        if np.array_equal(inherited, owner):
+    # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut,
+    # or the root's: follow parent links that were not cut, doubling the stride each round
+    parent = info.seg_parent[heads]
+    owner = np.where((parent >= 0) & ~cut, local[parent], np.arange(n_segments))
+    while True:
+        jumped = owner[owner]
+        if (jumped == owner).all():
             break
-        owner = inherited
+        owner = jumped
     owner_last = np.full(n_segments, -1, dtype=np.int64)
     np.maximum.at(owner_last, owner, segment_last)
     root_segment = local[roots]

@@ -23,6 +23,7 @@ from typing import TypeVar
 import numpy as np
 
 from simulator.graph import OpGraph
+from simulator.ordering import position_of
 
 _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Selu", "Tanh", "Sigmoid", "Softplus", "Gelu"})
 _CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMul", "BatchMatMulV2",
@@ -118,7 +119,9 @@ class _Neighbourhoods:
             self.controls[consumer].append(source)
         self.op_type = g.op_type.tolist()
         self._danger: dict[int, frozenset[int]] = {}
-        self.safe_memo: dict[tuple, tuple[int, ...] | bool] = {}  # safe_wait_slots' answers per swap-in
+        # safe_wait_slots' answer per swap-in: False (no fused wait) or the slot it waits for instead
+        # (-1: none); slots are fixed, as this index is per execution order
+        self.safe_memo: dict[tuple, int | bool] = {}
 
     def danger(self, consumer: int) -> frozenset[int]:
         """``fusion_neighbourhood`` of ``consumer``, computed once per graph."""
@@ -166,7 +169,7 @@ def _fusable_ops(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     return g.cached("fusable_ops", compute, structural=True)
 
 
-def safe_wait_slots(g: OpGraph, position: np.ndarray, tensor: np.ndarray, trigger: np.ndarray, after: np.ndarray,
+def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: np.ndarray,
                     consumer_ptr: np.ndarray, consumers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per swap-in of ``tensor[j]`` (a SwapPlan's in_trigger/in_after/in_consumer_ptr/in_consumers
     arrays): whether an op it waits for may be fused with one of its consumers, and if so the latest
@@ -193,17 +196,26 @@ def safe_wait_slots(g: OpGraph, position: np.ndarray, tensor: np.ndarray, trigge
     memo = index.safe_memo
     if len(memo) > 200_000:  # a long search: keep the memo's memory bounded
         memo.clear()
-    made_by = g.tensor_producer[tensor].tolist()
-    first = consumers[starts].tolist()
-    for j in candidates.tolist():
-        key = (int(tensor[j]), int(trigger[j]), int(after[j]), tuple(consumers[consumer_ptr[j]:consumer_ptr[j + 1]].tolist()))
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = _safe_waits(index, key, made_by[j], first[j])
-        if found is not False:
-            changed[j] = True
-            if found:
-                slots[j] = int(position[list(found)].max())
+    # plain lists for the per-candidate keys (numpy scalar indexing costs more than the memo lookup)
+    reads = consumers.tolist()
+    bounds = consumer_ptr.tolist()
+    candidate_list = candidates.tolist()
+    made_by = g.tensor_producer[tensor[candidates]].tolist()
+    first = consumers[starts[candidates]].tolist()
+    changed_list: list[int] = []
+    changed_slot: list[int] = []
+    for j, t, w, a, made, head in zip(candidate_list, tensor[candidates].tolist(), trigger[candidates].tolist(),
+                                      after[candidates].tolist(), made_by, first):
+        key = (t, w, a, tuple(reads[bounds[j]:bounds[j + 1]]))
+        answer = memo.get(key)
+        if answer is None:
+            waits = _safe_waits(index, key, made, head)
+            answer = memo[key] = False if waits is False else int(position_of(g)[list(waits)].max()) if waits else -1
+        if answer is not False:
+            changed_list.append(j)
+            changed_slot.append(answer)
+    changed[changed_list] = True
+    slots[changed_list] = changed_slot
     return changed, slots
 
 

@@ -20,7 +20,6 @@ ResNet-50-sized graphs.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, in_place_after_rewiring,
-                               rewired_lifetimes, slot_levels)
+                               ranges, rewired_lifetimes, slot_levels)
 from simulator.devices import DeviceModel, get_device
 from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
@@ -141,7 +140,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
                                                           structural=False)
     compute_s = float(finish_plain[-1]) if len(finish_plain) else 0.0
     slot_bytes = baseline_slot_bytes(g)
-    persistent = g.persistent_bytes
+    persistent = g.cached("persistent_bytes", lambda graph: graph.persistent_bytes, structural=False)
     levels_of_slot = slot_levels(g)
 
     if plan is None or plan.n_swaps == 0:
@@ -152,7 +151,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         raise GraphError("this plan was made for another graph")
 
     info = buffers(g)
-    tensor_bytes = g.tensor_bytes
+    tensor_bytes = g.cached("tensor_bytes", lambda graph: graph.tensor_bytes, structural=False)  # read-only
     swap_tensor = plan.tensor
     swap_bytes = tensor_bytes[swap_tensor].astype(np.float64)
     n_swaps, n_ins = plan.n_swaps, plan.n_swap_ins
@@ -173,7 +172,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         sync_slot = np.maximum(other, position[plan.in_after])
         trigger_slot = np.where(sync_in, sync_slot, trigger_slot)
     # a swap-in the rewriter cannot have wait for an op fused with its consumer starts before that op
-    fused_wait, safe_slot = safe_wait_slots(g, position, swap_tensor[plan.in_swap], plan.in_trigger, plan.in_after,
+    fused_wait, safe_slot = safe_wait_slots(g, swap_tensor[plan.in_swap], plan.in_trigger, plan.in_after,
                                             plan.in_consumer_ptr, plan.in_consumers)
     trigger_slot = np.where(fused_wait, safe_slot, trigger_slot)
     # with after_copies_out, the copies it waits for: its trigger's own (as planned), or those of the
@@ -181,9 +180,9 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     copies_slot = np.where(plan.in_trigger >= 0, position[np.maximum(plan.in_trigger, 0)], trigger_slot)
 
     # far reads rewired per swapped buffer; the original buffer's remaining readers
-    reads_per_in = np.diff(plan.in_consumer_ptr)
+    reads_per_in = plan.in_consumer_ptr[1:] - plan.in_consumer_ptr[:-1]
     far_keys = swap_tensor[plan.in_swap].repeat(reads_per_in) * g.n_ops + plan.in_consumers
-    roots, swap_root = np.unique(info.root[swap_tensor], return_inverse=True)
+    roots, swap_root = _unique_inverse(info.root[swap_tensor])
     root_last_slot, moved_links, moved_last, home_link = rewired_lifetimes(g, roots, far_keys, swap_tensor)
 
     # sync swap-out: the first op still reading the buffer after its producer waits for the copy
@@ -201,7 +200,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         finish_plain, finish_plain_list, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration,
         need_slot, sync_wait, outs_at_slot, copies_slot)
     in_swap = plan.in_swap
-    finish_all = finish_plain + np.repeat(seg_shift, np.diff(seg_slot + [len(duration)]))
+    seg_bounds = _array(seg_slot + [len(duration)], np.int64)
+    finish_all = finish_plain + _array(seg_shift).repeat(seg_bounds[1:] - seg_bounds[:-1])
 
     # ---- device memory per slot: re-account swapped buffers, add swap-in buffers
     n_slots = len(duration)
@@ -220,9 +220,6 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     new_free = np.maximum(root_last_slot, copy_free_slot)
     copy_end = np.zeros(len(roots))
     np.maximum.at(copy_end, swap_root[in_original], out_end[in_original])
-    root_bytes = tensor_bytes[roots].astype(np.float64)
-    delta = np.bincount(info.free_slot[roots] + 1, root_bytes, minlength=n_slots + 1)
-    delta -= np.bincount(new_free + 1, root_bytes, minlength=n_slots + 1)
     # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
     # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
     # queues the copy on the stream (GPU), or copies at once (CPU testbed)
@@ -238,32 +235,45 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         moved = ~in_original
         group = group_of_read[np.searchsorted(sorted_far_keys, home_link[moved])]
         np.maximum.at(in_free_slot, group, out_free_slot[moved])
-    delta += np.bincount(in_alloc_slot, in_bytes, minlength=n_slots + 1)
-    delta -= np.bincount(in_free_slot + 1, in_bytes, minlength=n_slots + 1)
     in_place_slot, in_place_out = in_place_after_rewiring(g, roots, root_last_slot, copy_free_slot, sorted_far_keys,
                                                           in_free_slot[group_of_read], tensor_bytes)
-    if len(in_place_slot):  # the output shares the buffer its op was the last to read
-        in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
-        delta -= np.bincount(in_place_slot, in_place_bytes, minlength=n_slots + 1)
-        delta += np.bincount(in_place_slot + 1, in_place_bytes, minlength=n_slots + 1)
-    slot_bytes = slot_bytes + np.cumsum(delta[:-1])
+    # the changes to the baseline, counted in one go (whole byte counts: exact in float64 in any
+    # order): swapped buffers freed earlier, swap-in buffers, and outputs that share the buffer
+    # their op was the last to read (in place) need none of their own in that slot
+    root_bytes = tensor_bytes[roots].astype(np.float64)
+    in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
+    change_slot = np.concatenate([info.free_slot[roots] + 1, new_free + 1, in_alloc_slot, in_free_slot + 1,
+                                  in_place_slot, in_place_slot + 1])
+    change_bytes = np.concatenate([root_bytes, -root_bytes, in_bytes, -in_bytes, -in_place_bytes, in_place_bytes])
+    slot_bytes = slot_bytes + np.cumsum(np.bincount(change_slot, change_bytes, minlength=n_slots + 1)[:-1])
     slot_bytes, wait_slots, wait_moment = _wait_peaks(
-        g, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready,
-        in_bytes, in_place_slot, in_place_out)
+        g, tensor_bytes, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot,
+        in_ready, in_bytes, in_place_slot, in_place_out)
 
     host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
-    result = _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
-                     host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
-                     outs=(out_start, out_end), ins=(in_start, in_end), position=position)
-    return dataclasses.replace(result, swapped_roots=roots, swapped_root_free_slot=new_free,
-                               swap_in_alloc_slot=in_alloc_slot, swap_in_free_slot=in_free_slot,
-                               in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
-                               swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment)
+    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
+                   host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
+                   outs=(out_start, out_end), ins=(in_start, in_end), position=position,
+                   swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
+                   swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
+                   swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment)
 
 
-def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end, in_alloc_slot,
-                in_ready, in_bytes, in_place_slot, in_place_out):
+def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for a short 1-d array, at a third of its overhead."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    new = np.empty(len(ordered), bool)
+    new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    inverse = np.empty(len(ordered), np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return ordered[new], inverse
+
+
+def _wait_peaks(g, tensor_bytes, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end,
+                in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
     """Memory during the waits in which a copy out ends after a swap-in was allocated.
 
     Before the op at slot s starts, its wait holds what lives on from slot s-1, the swap-ins
@@ -291,8 +301,8 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
         return none
     own_bytes = alloc_slot_bytes(g)[:n_slots].copy()  # what the op at each slot allocates for its outputs
     if len(in_place_slot):
-        np.subtract.at(own_bytes, in_place_slot, g.tensor_bytes[in_place_out].astype(np.float64))
-    root_bytes = g.tensor_bytes[roots[wait_root]].astype(np.float64)
+        np.subtract.at(own_bytes, in_place_slot, tensor_bytes[in_place_out].astype(np.float64))
+    root_bytes = tensor_bytes[roots[wait_root]].astype(np.float64)
     # each wait starts with what lives on from the slot before, and the buffers copied out in it
     start_bytes = (slot_bytes[slots] - own_bytes[slots]
                    - np.bincount(in_alloc_slot, in_bytes, minlength=n_slots)[slots]
@@ -306,10 +316,11 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
     by_time = np.lexsort((event_bytes, event_time, event_slot))
     event_slot, event_time, event_bytes = event_slot[by_time], event_time[by_time], event_bytes[by_time]
     group = np.searchsorted(slots, event_slot)
-    first = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    first = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
     total = np.cumsum(event_bytes)
-    before = np.r_[0.0, total][first]  # the running sum where each wait's events start
-    running = total - np.repeat(before, np.diff(np.r_[first, len(total)])) + start_bytes[group]
+    before = np.concatenate(([0.0], total))[first]  # the running sum where each wait's events start
+    stops = np.append(first[1:], len(total))
+    running = total - before.repeat(stops - first) + start_bytes[group]
     best = np.lexsort((-running, group))[first]  # each wait's largest moment (groups are sorted)
     higher = running[best] > slot_bytes[slots]
     result = slot_bytes.copy()
@@ -329,32 +340,26 @@ def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarra
     return int(max(0.0, np.cumsum(sizes[by_time]).max()))
 
 
-def _remaining_readers(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> list[list[int]]:
-    """Per swapped tensor (where ``mask``): the ops that still read it on the device; they wait for
-    a synchronous swap-out."""
+def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device (its
+    reads not rewired to a swap-in; they wait for a synchronous swap-out), or when none does, the
+    slot after its producer's (so the copy frees the buffer before the step goes on); -1 where not
+    ``mask`` or the producer runs last."""
+    position = position_of(g)
     by_tensor = g.cached("edges_by_tensor", lambda graph: np.argsort(graph.edge_tensor, kind="stable"),
                          structural=True)
+    waited = np.flatnonzero(mask)
     edge_tensor = g.edge_tensor[by_tensor]
-    starts = np.searchsorted(edge_tensor, tensor, side="left")
-    stops = np.searchsorted(edge_tensor, tensor, side="right")
-    sorted_far = np.sort(far_keys)
-    result: list[list[int]] = [[] for _ in range(len(tensor))]
-    for i in np.flatnonzero(mask):
-        consumers = g.edge_consumer[by_tensor[starts[i]:stops[i]]]
-        keep = ~contains(sorted_far, tensor[i] * g.n_ops + consumers)
-        result[i] = sorted(set(consumers[keep].tolist()))
-    return result
-
-
-def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device, or
-    when none does, the slot after its producer's (so the copy frees the buffer before the step
-    goes on); -1 where not ``mask`` or the producer runs last."""
-    position = position_of(g)
-    readers = _remaining_readers(g, tensor, far_keys, mask)
-    after_producer = position[g.tensor_producer[tensor]] + 1
-    first = [int(position[r].min()) if r else int(after_producer[i]) for i, r in enumerate(readers)]
-    return np.where(mask & (np.asarray(first) < g.n_ops), first, -1).astype(np.int64)
+    starts = np.searchsorted(edge_tensor, tensor[waited], side="left")
+    stops = np.searchsorted(edge_tensor, tensor[waited], side="right")
+    consumers = g.edge_consumer[by_tensor[ranges(starts, stops)]]
+    owner = np.repeat(np.arange(len(waited)), stops - starts)  # index into ``waited`` of each read
+    kept = ~contains(np.sort(far_keys), tensor[waited][owner] * g.n_ops + consumers)
+    first = position[g.tensor_producer[tensor]] + 1  # no reader left: the slot after the producer's
+    earliest = np.full(len(waited), g.n_ops, dtype=np.int64)
+    np.minimum.at(earliest, owner[kept], position[consumers[kept]])
+    first[waited] = np.where(earliest < g.n_ops, earliest, first[waited])
+    return np.where(mask & (first < g.n_ops), first, -1).astype(np.int64)
 
 
 def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger, in_swap_array, in_duration_array,
@@ -374,19 +379,16 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     seg_slot, seg_shift = [0], [0.0]
     shift = 0.0  # the shift of the latest segment
 
-    def finish(slot: int) -> float:
-        if slot < 0:
-            return 0.0
-        if slot >= seg_slot[-1]:
-            return finish_plain[slot] + shift
-        return finish_plain[slot] + seg_shift[bisect_right(seg_slot, slot) - 1]
-
     # waiting slots in order: swap-in consumers (item j >= 0), then sync swap-out readers (item -1 - i)
     outs_waited = np.flatnonzero(sync_wait_array >= 0)
-    wait_slot = np.concatenate([need, sync_wait_array[outs_waited]])
-    wait_item = np.concatenate([np.arange(n_ins), -1 - outs_waited])
-    by_slot = np.lexsort((wait_item, wait_slot))
-    wait_slots, wait_items = wait_slot[by_slot].tolist(), wait_item[by_slot].tolist()
+    if len(outs_waited):
+        wait_slot = np.concatenate([need, sync_wait_array[outs_waited]])
+        wait_item = np.concatenate([np.arange(n_ins), -1 - outs_waited])
+        by_slot = np.lexsort((wait_item, wait_slot))
+        wait_slots, wait_items = wait_slot[by_slot].tolist(), wait_item[by_slot].tolist()
+    else:  # the same order: swap-ins by slot, then index
+        by_slot = np.argsort(need, kind="stable")
+        wait_slots, wait_items = need[by_slot].tolist(), by_slot.tolist()
     first_wait = wait_slots[0] if wait_slots else len(finish_plain)
 
     # copies out: FIFO in ready order; those ready before any stall are computed in bulk
@@ -415,7 +417,11 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
         nonlocal out_cursor, d2h_free
         while not out_done[i]:
             k = out_queue[out_cursor]
-            start = finish(out_ready_slot[k])
+            slot = out_ready_slot[k]  # before the waiting slot at hand: its finish is settled
+            if slot >= seg_slot[-1]:
+                start = finish_plain[slot] + shift
+            else:
+                start = finish_plain[slot] + seg_shift[bisect_right(seg_slot, slot) - 1]
             if d2h_free > start:
                 start = d2h_free
             out_start[k] = start
@@ -425,10 +431,10 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
         return out_end[i]
 
     in_order_array = np.argsort(trigger, kind="stable")
-    release_slots = trigger[in_order_array].tolist()
+    release_slots = trigger[in_order_array].tolist() + [len(finish_plain)]  # a sentinel after the last
     in_order = in_order_array.tolist()
     in_swap, in_duration = in_swap_array.tolist(), in_duration_array.tolist()
-    copies_of = copies_slot.tolist() if outs_at_slot else []
+    copies_of = copies_slot.tolist() if outs_at_slot else None
     in_cursor = 0
     in_done = [False] * n_ins
     heap: list[tuple[float, int]] = []
@@ -437,9 +443,10 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     segment_start = 0  # first slot of the latest segment (whose shift is ``shift``)
     index = 0
     n_waits = len(wait_slots)
+    wait_slots.append(-1)  # a sentinel after the last
     while index < n_waits:
         slot = wait_slots[index]
-        while in_cursor < n_ins and release_slots[in_cursor] < slot:  # triggers that have run
+        while release_slots[in_cursor] < slot:  # triggers that have run
             j = in_order[in_cursor]
             p = release_slots[in_cursor]
             if p < 0:
@@ -450,15 +457,18 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
                 ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
             source = in_swap[j]
             data = out_end[source] if out_done[source] else swap_out_end(source)
-            for other in (outs_at_slot.get(copies_of[j], ()) if outs_at_slot else ()):
-                copied = out_end[other] if out_done[other] else swap_out_end(other)
-                if copied > data:
-                    data = copied
-            in_ready[j] = ready if ready > data else data
-            push(heap, (in_ready[j], j))
+            if copies_of is not None:
+                for other in outs_at_slot.get(copies_of[j], ()):
+                    copied = out_end[other] if out_done[other] else swap_out_end(other)
+                    if copied > data:
+                        data = copied
+            if data > ready:
+                ready = data
+            in_ready[j] = ready
+            push(heap, (ready, j))
             in_cursor += 1
         required = 0.0
-        while index < n_waits and wait_slots[index] == slot:
+        while wait_slots[index] == slot:
             item = wait_items[index]
             index += 1
             if item < 0:
@@ -482,17 +492,31 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     for i in range(n_swaps):  # a swap-out nobody waited for still happens
         if not out_done[i]:
             swap_out_end(i)
-    return (np.asarray(out_start), np.asarray(out_end), np.asarray(in_ready), np.asarray(in_start),
-            np.asarray(in_end), seg_slot, seg_shift)
+    return (_array(out_start), _array(out_end), _array(in_ready), _array(in_start), _array(in_end), seg_slot,
+            seg_shift)
+
+
+def _array(values: list, dtype=np.float64) -> np.ndarray:
+    """A list of Python numbers as an array (np.fromiter: about half np.asarray's cost on lists)."""
+    return np.fromiter(values, dtype, len(values))
+
+
+def _level_starts(g: OpGraph) -> np.ndarray:
+    """First slot of each level, in the "cto" order (where slots are sorted by level)."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        levels_of_slot = slot_levels(graph)
+        return np.flatnonzero(np.concatenate(([True], levels_of_slot[1:] != levels_of_slot[:-1])))
+    return g.cached("level_starts", compute, structural=True)
 
 
 def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s, *, host_peak, d2h, h2d,
-            plan, outs, ins, position) -> Replay:
+            plan, outs, ins, position, **details) -> Replay:
+    """The Replay of a step whose slot memory and finish times are known; ``details``: the
+    plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
         if g.order == "cto":  # slots sorted by level
-            level_starts = np.flatnonzero(np.r_[True, levels_of_slot[1:] != levels_of_slot[:-1]])
-            level_peak = np.maximum.reduceat(slot_bytes, level_starts) + persistent
+            level_peak = np.maximum.reduceat(slot_bytes, _level_starts(g)) + persistent
         else:
             level_peak = np.zeros(int(levels_of_slot.max()) + 1)
             np.maximum.at(level_peak, levels_of_slot, slot_bytes)
@@ -502,8 +526,7 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
         step_s = float(finish_all[-1])
     else:
         level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
-    op_end = np.empty(len(position))
-    op_end[:] = finish_all[position] if len(position) else 0.0
+    op_end = finish_all[position] if len(position) else np.empty(0)
     op_start = op_end - duration[position] if len(position) else op_end
     return Replay(
         peak_bytes=peak, host_peak_bytes=host_peak, step_s=step_s, compute_s=compute_s,
@@ -511,5 +534,5 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
         n_swap_outs=0 if plan is None else plan.n_swaps, n_swap_ins=0 if plan is None else plan.n_swap_ins,
         persistent_bytes=persistent, peak_level=peak_level, level_peak_bytes=level_peak,
         op_start_s=op_start, op_end_s=op_end, swap_out_start_s=outs[0], swap_out_end_s=outs[1],
-        swap_in_start_s=ins[0], swap_in_end_s=ins[1], peak_slot=peak_slot if len(slot_bytes) else 0,
+        swap_in_start_s=ins[0], swap_in_end_s=ins[1], peak_slot=peak_slot if len(slot_bytes) else 0, **details,
     )

@@ -472,7 +472,6 @@ def test_sum_of_two_convolutions_waits_for_the_other_half():
     as in the replay (simulator.fusion); the step keeps that edge and runs."""
     from simulator import get_device, replay
     from simulator.fusion import safe_wait_slots
-    from simulator.ordering import position_of
     from simulator.planning import Swap, SwapIn
 
     keras.utils.set_random_seed(0)
@@ -490,7 +489,7 @@ def test_sum_of_two_convolutions_waits_for_the_other_half():
     ops = graph.op_index()
     tensor = next(t for t in range(graph.n_tensors) if graph.tensor_producer[t] == ops[names["half0"]])
     plan = SwapPlan.from_swaps(graph, [Swap(tensor, False, (SwapIn((ops[names["total"]],), None),))])
-    fused, _ = safe_wait_slots(graph, position_of(graph), plan.tensor[plan.in_swap], plan.in_trigger, plan.in_after,
+    fused, _ = safe_wait_slots(graph, plan.tensor[plan.in_swap], plan.in_trigger, plan.in_after,
                                plan.in_consumer_ptr, plan.in_consumers)
     assert not fused.any()
     step = rewriter.apply(model, plan, graph=graph, batch_size=2)

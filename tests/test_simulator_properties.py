@@ -94,7 +94,7 @@ def test_free_transfers_never_raise_the_peak(g, params):
     plan = plan_swaps(g, params)
     result = replay(g, plan, device)
     ordered = g.with_order(plan.order_name)
-    fused, _ = safe_wait_slots(ordered, position_of(ordered), plan.tensor[plan.in_swap], plan.in_trigger,
+    fused, _ = safe_wait_slots(ordered, plan.tensor[plan.in_swap], plan.in_trigger,
                                plan.in_after, plan.in_consumer_ptr, plan.in_consumers)
     # unless a swap-in had to start before the op it would wait for, which may be fused into its
     # consumer (test_sync_swap_in_cannot_wait_for_an_op_fused_into_its_consumer): then it can
@@ -117,7 +117,7 @@ def test_consumers_wait_for_their_swap_in(g, params, bandwidth, latency):
     r = replay(g, plan, unit_device(bandwidth, latency))
     ordered = g.with_order(plan.order_name)
     # a trigger that may be fused into a consumer is replaced by the op the rewriter waits for
-    fused, safe_slot = safe_wait_slots(ordered, position_of(ordered), plan.tensor[plan.in_swap], plan.in_trigger,
+    fused, safe_slot = safe_wait_slots(ordered, plan.tensor[plan.in_swap], plan.in_trigger,
                                        plan.in_after, plan.in_consumer_ptr, plan.in_consumers)
     for j in range(plan.n_swap_ins):
         consumers = plan.in_consumers[plan.in_consumer_ptr[j]:plan.in_consumer_ptr[j + 1]]
