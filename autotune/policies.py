@@ -111,8 +111,7 @@ class OptunaPolicy:
                 n = min(n if n is not None else left[0], left[0])
             if n is not None and n <= 0 or deadline is not None and time.monotonic() >= deadline:
                 return False
-            for choice in enqueue:
-                study.enqueue_trial(choice, skip_if_exists=True)
+            _enqueue_new(study, enqueue)
             before = _complete(study)
             study.optimize(objective, n_trials=n, timeout=None if deadline is None else deadline - time.monotonic(),
                            callbacks=[callback, stop], gc_after_trial=False)
@@ -133,8 +132,7 @@ class OptunaPolicy:
                 advance(len(made))
                 if left[0] is not None:
                     left[0] -= len(made)
-                for choice in _threshold_frontier(problem, study, run):
-                    study.enqueue_trial(choice, skip_if_exists=True)
+                _enqueue_new(study, _threshold_frontier(problem, study, run))
             refine = 0 if not guided or left[0] is None else int(left[0] * self.REFINE_SHARE)
             sample(refine)
             if guided:
@@ -173,6 +171,24 @@ class OptunaPolicy:
                 basins[key] = best_of([basins[key]] + [problem.evaluate(space.params(c)) for c in fresh])
                 if budget <= 0:
                     break
+
+
+def _enqueue_new(study: optuna.Study, choices) -> None:
+    """Enqueue the choices no trial of the study has had or waits for, as ``enqueue_trial``'s
+    ``skip_if_exists`` does; that compares each with every trial through ``np.isclose``, which took
+    40 % of a 200-trial search on ResNet-50. Grid choices are ints and labels: equality is exact."""
+    seen = None
+    for choice in choices:
+        if seen is None:
+            seen = {_choice_key(t.system_attrs.get("fixed_params", t.params)) for t in study.get_trials(deepcopy=False)}
+        key = _choice_key(choice)
+        if key not in seen:
+            seen.add(key)
+            study.enqueue_trial(choice)
+
+
+def _choice_key(choice: dict) -> tuple:
+    return tuple(sorted(choice.items()))
 
 
 def _complete(study: optuna.Study) -> int:
