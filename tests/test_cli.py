@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from autotune.cli import main  # noqa: E402
+from autotune.tuning import optuna_storage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,9 +218,32 @@ def test_resume_keeps_finished_trials(models, capsys, tmp_path):
     first = _run_main(capsys, *args, "--trials", "6")
     second = _run_main(capsys, *args, "--trials", "5")
     assert first[0] in (0, 3) and second[0] == first[0]
-    study = optuna.load_study(study_name="resume-test", storage=f"sqlite:///{out / 'study.db'}")
+    study = optuna.load_study(study_name="resume-test", storage=optuna_storage(str(out / "study.log")))
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) >= 11
+
+
+def test_study_storage_defaults_to_a_journal_and_resumes_an_sqlite_study(models, capsys, tmp_path):
+    """The default study is a journal file in --out; a study.db an earlier version wrote there is
+    resumed (and a database given as a plain path is opened as a database, never appended to)."""
+    import optuna
+
+    def complete(storage, name):
+        return sum(t.state == optuna.trial.TrialState.COMPLETE
+                   for t in optuna.load_study(study_name=name, storage=optuna_storage(storage)).trials)
+
+    common = [models / "good", "--batch-size", "64", "--memory", "300KiB", "--device", "cpu-testbed", "--no-measure",
+              "--quiet", "--trials", "4"]
+    fresh = tmp_path / "fresh"
+    assert _run_main(capsys, *common, "--out", fresh, "--study-name", "j")[0] in (0, 3)
+    assert complete(str(fresh / "study.log"), "j") >= 4 and not (fresh / "study.db").exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    database = old / "study.db"
+    assert _run_main(capsys, *common, "--out", old, "--study-name", "s", "--storage", f"sqlite:///{database}")[0] in (0, 3)
+    first = complete(f"sqlite:///{database}", "s")
+    assert _run_main(capsys, *common, "--out", old, "--study-name", "s")[0] in (0, 3)
+    assert complete(str(database), "s") >= first + 4 and not (old / "study.log").exists()
 
 
 def test_a_second_run_keeps_the_first_report(models, capsys, tmp_path):
@@ -229,7 +253,7 @@ def test_a_second_run_keeps_the_first_report(models, capsys, tmp_path):
               "--trials", "3"]
     first = _run_main(capsys, *common, "--batch-size", "64", "--quiet")
     assert first[0] in (0, 3), first[2]
-    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file() and path.name != "study.db"}
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file() and path.name != "study.log"}
     assert "report.html" in before and json.loads(before["summary.json"])["batch_size"] == 64
     second = _run_main(capsys, *common, "--batch-size", "32")
     assert second[0] in (0, 3), second[2]
@@ -253,7 +277,7 @@ def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
     deadline = time.monotonic() + 240
     import optuna
 
-    storage = f"sqlite:///{out / 'study.db'}"
+    storage = optuna_storage(str(out / "study.log"))
     while time.monotonic() < deadline:  # wait until the second run has added trials
         time.sleep(2)
         try:
