@@ -36,7 +36,7 @@ import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from autotune.policies import Budget, make_policy  # noqa: E402
-from autotune.search import TuningProblem, best_of  # noqa: E402
+from autotune.search import SearchSpace, TuningProblem, best_of  # noqa: E402
 from autotune.tuning import SwapProbes, largest_batch, largest_batch_with_swap, max_batch_without_swap  # noqa: E402
 from benchmarks.common import RESULTS_DIR, STARTED_S, write_results  # noqa: E402
 from benchmarks.graphs import captured_graph  # noqa: E402
@@ -63,6 +63,19 @@ def overhead_lower_bound(graph, device, budget_bytes: int) -> float:
     return stall / base.compute_s
 
 
+def fills_device_and_host(graph, device) -> int:
+    """The largest batch whose unswapped step's live set, in the better of the search's execution
+    orders, fits the device budget and the host RAM together. Every live tensor is on one side or
+    both, so no swap plan fits more, short of the few bytes rewiring lets ops write in place."""
+    room = device.budget_bytes + device.host_memory_bytes
+
+    def fits(batch: int) -> bool:
+        return any(replay(graph.with_order(order).with_batch(batch), None, device).peak_bytes <= room
+                   for order in SearchSpace.order)
+
+    return largest_batch(fits)
+
+
 def tuned(graph, device, budget_bytes: int, seed: int = 0):
     problem = TuningProblem(graph, device, budget_bytes)
     return make_policy("optuna", seed=seed).search(problem, optuna.create_study(), Budget(trials=TRIALS)).chosen
@@ -87,6 +100,7 @@ def simulate(device_name: str) -> list[dict]:
         capped, _ = probes.largest(max_overhead=0.3)
         any_host, _ = probes.host_unlimited().largest()
         bound_batch = largest_batch(lambda batch: peak_lower_bound_bytes(graph.with_batch(batch)) <= budget)
+        room_batch = fills_device_and_host(graph, device)
         bound_op = largest_working_set_op(graph.with_batch(max(bound_batch, 1)))
         chosen = None
         if swapped:  # as the CLI does: the fastest of a tuning run there and of what the batch search found
@@ -106,6 +120,8 @@ def simulate(device_name: str) -> list[dict]:
             "host_peak_gib": np.nan if chosen is None else chosen.metrics["host_peak_bytes"] / 2**30,
             "host_limit_gib": device.host_memory_bytes / 2**30,
             "with_swap_any_host": any_host * scale, "multiplier_any_host": any_host / plain if plain else np.nan,
+            "device_and_host_bound": room_batch * scale,
+            "multiplier_device_and_host": room_batch / plain if plain else np.nan,
             "params": None if chosen is None or chosen.params is None else chosen.params.to_dict(),
         }
         if name == "unet3d":
@@ -225,10 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         "swap_bound: the largest size at which any swap plan could fit at all (resident memory plus the largest "
         "op's inputs and outputs, which must be on the device together); share_of_bound: with_swap / swap_bound.",
         "host_peak_gib: host memory the chosen plan's swapped tensors take, against the preset's host RAM per GPU "
-        "(host_limit_gib); with_swap_any_host: the largest size with no limit on host memory.",
+        "(host_limit_gib); with_swap_any_host: the largest size with no limit on host memory; "
+        "device_and_host_bound: the largest size whose unswapped step's live set fits the device budget and the host "
+        "RAM together (no plan can keep more alive).",
         "Reading the table: where with_swap reaches swap_bound, no swap plan can do better on that graph; where "
-        "host_peak_gib reaches host_limit_gib and with_swap_any_host is larger, host RAM is what stops it. "
-        "bound_op: the op whose inputs and outputs set swap_bound.",
+        "host_peak_gib reaches host_limit_gib and with_swap_any_host is larger, host RAM is what stops it: at "
+        "device_and_host_bound the machine's memory is full, below it the plans hold tensors on the host that the "
+        "device had room for (a tensor is copied out right after it is made and its host copy lives until its last "
+        "swap-in). bound_op: the op whose inputs and outputs set swap_bound.",
     ]
     notes.append("graph_rewrites: rewrites made before swapping (`--rewrite`); such a row's without_swap is the "
                  "plain model's, so its multiplier is what the rewrite and swapping give together; "
