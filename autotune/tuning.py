@@ -8,6 +8,7 @@ real training step and measures it.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -283,10 +284,17 @@ def optuna_storage(storage: str | None):
     if storage is None or "://" in storage:
         return storage
     path = Path(storage)
-    if path.is_file():
+    if path.is_file() and path.stat().st_size:  # never append to a file that is not a journal
         with path.open("rb") as file:
-            if file.read(16) == b"SQLite format 3\x00":  # a database given as a path: never append to it
-                return f"sqlite:///{path.resolve()}"
+            first = file.readline()
+        if first.startswith(b"SQLite format 3\x00"):  # a database given as a path
+            return f"sqlite:///{path.resolve()}"
+        try:
+            is_journal = "op_code" in json.loads(first)
+        except (ValueError, TypeError):
+            is_journal = False
+        if not is_journal:
+            raise InputError("it is neither an Optuna journal nor an SQLite database (it is left as it is)")
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 

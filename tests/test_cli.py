@@ -90,6 +90,15 @@ def test_bad_input_is_one_line_and_exit_2(models, capsys, tmp_path, case, extra,
     assert "Traceback" not in err
 
 
+def test_a_storage_file_that_is_no_study_is_refused_and_left_alone(models, capsys, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    code, _, err = _run_main(capsys, models / "good", "--batch-size", "4", "--out", tmp_path / "out", "--no-measure",
+                             "--quiet", "--storage", notes)
+    assert code == 2 and "neither an Optuna journal nor an SQLite database" in err and "Traceback" not in err, err
+    assert notes.read_text() == "my notes\n"
+
+
 def test_missing_batch_size(models, capsys, tmp_path):
     code, _, err = _run_main(capsys, models / "good", "--out", tmp_path / "out", "--no-measure")
     assert code == 2 and "batch size" in err
