@@ -249,8 +249,7 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
 
 
 def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.ndarray, copy_free_slot: np.ndarray,
-                            sorted_far_keys: np.ndarray, far_free_slot: np.ndarray,
-                            tensor_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                            sorted_far_keys: np.ndarray, far_free_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Forwards a plan makes possible. An op that could not write into an input's buffer because
     a later op still read it can once that read goes to a swap-in, as TF's
     forward_input_or_allocate_output does: into the original buffer when it is now its last
@@ -264,8 +263,7 @@ def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.nd
     ``roots`` (sorted) are the swapped buffers, ``root_last_slot`` the last slot that reads each
     under the plan and ``copy_free_slot`` the last slot its copies out hold it (-1: none);
     ``sorted_far_keys`` the rewired reads (``tensor * n_ops + consumer``, sorted) and
-    ``far_free_slot`` the last slot of the swap-in each goes to; ``tensor_bytes`` is
-    ``g.tensor_bytes``, passed in because a replay computes it once. Returns the slots of the ops
+    ``far_free_slot`` the last slot of the swap-in each goes to. Returns the slots of the ops
     that write in place and their outputs, which need no buffer of their own there.
     """
     info = buffers(g)
@@ -277,7 +275,7 @@ def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.nd
     where = np.minimum(np.searchsorted(sorted_far_keys, info.late_key), len(sorted_far_keys) - 1)
     source = info.late_key // g.n_ops
     into_swap_in = ((sorted_far_keys[where] == info.late_key) & (far_free_slot[where] == info.late_slot)
-                    & (tensor_bytes[source] == tensor_bytes[info.late_out]))
+                    & (g.tensor_bytes[source] == g.tensor_bytes[info.late_out]))
     in_place = into_original | into_swap_in
     return info.late_slot[in_place], info.late_out[in_place]
 

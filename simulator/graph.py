@@ -204,8 +204,14 @@ class OpGraph:
 
     @property
     def tensor_bytes(self) -> np.ndarray:
-        """Bytes of each tensor at this graph's batch size."""
-        return _at_batch(self.tensor_bytes_ab, self.batch_size).astype(np.int64)
+        """Bytes of each tensor at this graph's batch size (computed once per batch size, read-only:
+        every replay and plan reads it)."""
+        def compute(graph: OpGraph) -> np.ndarray:
+            sizes = _at_batch(graph.tensor_bytes_ab, graph.batch_size).astype(np.int64)
+            sizes.flags.writeable = False
+            return sizes
+
+        return self.cached("tensor_bytes", compute, structural=False)
 
     @property
     def op_flops(self) -> np.ndarray:

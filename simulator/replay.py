@@ -140,7 +140,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
                                                           structural=False)
     compute_s = float(finish_plain[-1]) if len(finish_plain) else 0.0
     slot_bytes = baseline_slot_bytes(g)
-    persistent = g.cached("persistent_bytes", lambda graph: graph.persistent_bytes, structural=False)
+    persistent = g.persistent_bytes
     levels_of_slot = slot_levels(g)
 
     if plan is None or plan.n_swaps == 0:
@@ -151,7 +151,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         raise GraphError("this plan was made for another graph")
 
     info = buffers(g)
-    tensor_bytes = g.cached("tensor_bytes", lambda graph: graph.tensor_bytes, structural=False)  # read-only
+    tensor_bytes = g.tensor_bytes
     swap_tensor = plan.tensor
     swap_bytes = tensor_bytes[swap_tensor].astype(np.float64)
     n_swaps, n_ins = plan.n_swaps, plan.n_swap_ins
@@ -236,7 +236,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         group = group_of_read[np.searchsorted(sorted_far_keys, home_link[moved])]
         np.maximum.at(in_free_slot, group, out_free_slot[moved])
     in_place_slot, in_place_out = in_place_after_rewiring(g, roots, root_last_slot, copy_free_slot, sorted_far_keys,
-                                                          in_free_slot[group_of_read], tensor_bytes)
+                                                          in_free_slot[group_of_read])
     # the changes to the baseline, counted in one go (whole byte counts: exact in float64 in any
     # order): swapped buffers freed earlier, swap-in buffers, and outputs that share the buffer
     # their op was the last to read (in place) need none of their own in that slot
@@ -247,7 +247,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     change_bytes = np.concatenate([root_bytes, -root_bytes, in_bytes, -in_bytes, -in_place_bytes, in_place_bytes])
     slot_bytes = slot_bytes + np.cumsum(np.bincount(change_slot, change_bytes, minlength=n_slots + 1)[:-1])
     slot_bytes, wait_slots, wait_moment = _wait_peaks(
-        g, tensor_bytes, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot,
+        g, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot,
         in_ready, in_bytes, in_place_slot, in_place_out)
 
     host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
@@ -272,7 +272,7 @@ def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[new], inverse
 
 
-def _wait_peaks(g, tensor_bytes, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end,
+def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end,
                 in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
     """Memory during the waits in which a copy out ends after a swap-in was allocated.
 
@@ -301,8 +301,8 @@ def _wait_peaks(g, tensor_bytes, slot_bytes, start_all, finish_all, roots, root_
         return none
     own_bytes = alloc_slot_bytes(g)[:n_slots].copy()  # what the op at each slot allocates for its outputs
     if len(in_place_slot):
-        np.subtract.at(own_bytes, in_place_slot, tensor_bytes[in_place_out].astype(np.float64))
-    root_bytes = tensor_bytes[roots[wait_root]].astype(np.float64)
+        np.subtract.at(own_bytes, in_place_slot, g.tensor_bytes[in_place_out].astype(np.float64))
+    root_bytes = g.tensor_bytes[roots[wait_root]].astype(np.float64)
     # each wait starts with what lives on from the slot before, and the buffers copied out in it
     start_bytes = (slot_bytes[slots] - own_bytes[slots]
                    - np.bincount(in_alloc_slot, in_bytes, minlength=n_slots)[slots]
