@@ -276,7 +276,8 @@ def _summary_text(result, report: Path, seconds: float) -> str:
         p = shown.params
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"
-                     f"{' after_copies_out' if p.after_copies_out else ''}")
+                     f"{' after_copies_out' if p.after_copies_out else ''}"
+                     f"{f'; {len(p.keep_tensors)} tensors kept on the device for host room' if p.keep_tensors else ''}")
     elif result.feasible:
         lines.append("fits without swapping" + (" (rewritten; plan.json applies the rewrites)"
                                                 if result.applies_plan else ""))

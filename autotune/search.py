@@ -17,6 +17,7 @@ import numpy as np
 import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
+from simulator.host_room import fit_host
 from simulator.planning import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
 from simulator.replay import Replay
 
@@ -160,16 +161,31 @@ class TuningProblem:
         return replay(self.graph, None if params is None else self.plan(params), self.device)
 
     def evaluate(self, params: SwapParams | None) -> Evaluation:
-        """Simulate ``params`` (None: no swapping); results are memoised per parameter set."""
+        """Simulate ``params`` (None: no swapping); results are memoised per parameter set. A plan
+        that fits the device but overflows the host is evaluated as ``simulator.host_room.fit_host``
+        mends it, when it can: the evaluation then carries the mended parameters (``keep_tensors``)."""
         if params in self._cache:
             return self._cache[params]
-        result = self.replay(params)
+        plan = self.plan(params)
+        result = replay(self.graph, plan, self.device)
+        if (params is not None and result.host_peak_bytes > self.host_limit_bytes
+                and result.peak_bytes <= self.budget_bytes):
+            # fits the device but not the host: keep on the device what the host has no room for
+            fit = fit_host(self.graph, params, self.device, self.budget_bytes, self.host_limit_bytes,
+                           plan=plan, result=result)
+            if fit is not None:
+                evaluation = self._evaluation(fit.params, fit.result)
+                self._cache[params] = self._cache[fit.params] = evaluation
+                return evaluation
+        evaluation = self._evaluation(params, result)
+        self._cache[params] = evaluation
+        return evaluation
+
+    def _evaluation(self, params: SwapParams | None, result: Replay) -> Evaluation:
         metrics = {name: getattr(result, name) for name in METRICS}
         excess = int(result.peak_bytes - self.budget_bytes)
         feasible = excess <= 0 and result.host_peak_bytes <= self.host_limit_bytes
-        evaluation = Evaluation(params, metrics, feasible, excess)
-        self._cache[params] = evaluation
-        return evaluation
+        return Evaluation(params, metrics, feasible, excess)
 
     def simulated(self, params: SwapParams | None) -> bool:
         """Whether ``evaluate(params)`` has run already (it would cost nothing now)."""

@@ -250,13 +250,15 @@ class SwapProbes:
 
     def host_unlimited(self) -> SwapProbes:
         """The same probes with no limit on host memory. A search where no plan went over the host
-        limit runs the same way without it (samplers see only violated constraints), so those
-        probes carry over; the others are searched again when asked."""
+        limit, nor was mended to fit it (``keep_tensors``), runs the same way without it (samplers
+        see only violated constraints), so those probes carry over; the others are searched again
+        when asked."""
         device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
         other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed)
         limit = self.device.host_memory_bytes
         for batch, found in self.evaluations_at.items():
-            if found is None or all(e.metrics["host_peak_bytes"] <= limit for e in found):
+            if found is None or all(e.metrics["host_peak_bytes"] <= limit and not (e.params and e.params.keep_tensors)
+                                    for e in found):
                 other.evaluations_at[batch] = found
         return other
 
@@ -371,6 +373,10 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     if tiled:
         notes.append(f"{tiled} gradients are tiled to an activation's full shape (batch "
                      "normalisation's backward): --rewrite elide-broadcasts lets the ops that read them broadcast")
+    if chosen is not None and chosen.params is not None and chosen.params.keep_tensors:
+        notes.append(f"{len(chosen.params.keep_tensors)} tensors the swap rules pick stay on the device: the host's "
+                     f"{format_bytes(problem.host_limit_bytes)} of RAM cannot hold every copy at once "
+                     "(keep_tensors in the parameters)")
     closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
     shown = chosen or closest
     plan = problem.plan(shown.params) if shown is not None else None

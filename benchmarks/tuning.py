@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 "params": None if chosen is None or chosen.params is None else
                 f"t={chosen.params.threshold} lb={chosen.params.lb} ub={chosen.params.ub} g={chosen.params.groupby} "
                 f"{chosen.params.sync} {chosen.params.order} {chosen.params.tensors} {chosen.params.distance} "
-                f"{chosen.params.trigger}{' after-copies-out' if chosen.params.after_copies_out else ''}",
+                f"{chosen.params.trigger}{' after-copies-out' if chosen.params.after_copies_out else ''}"
+                f"{f' keep={len(chosen.params.keep_tensors)}' if chosen.params.keep_tensors else ''}",
             })
             curve = _curve(outcome.evaluations)
             if policy in ("optuna", "random"):

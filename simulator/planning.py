@@ -65,6 +65,8 @@ class SwapParams:
       one op each: a swap-in can then be started by the op just before its reader, and reads of
       one level that the order runs far apart (the parts of a split convolution's gradient, an op
       the memory order sinks) are far.
+    keep_tensors: tensors (by name, "op:output") never swapped whatever the rules say; the host-
+      room pass (``simulator.host_room``) names there what it keeps on the device for the host's sake.
     after_copies_out: a swap-in starts only once the op it starts after (its trigger; for a
       synchronous one, the last of its consumer's other inputs) has its own swapped outputs copied
       out, instead of beside those copies: while an op waits for its swap-ins, the buffers its
@@ -86,6 +88,7 @@ class SwapParams:
     tensors: str = "activations"
     distance: str = "level"
     after_copies_out: bool = False
+    keep_tensors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tensors not in SWAP_SCOPES:
@@ -113,8 +116,11 @@ class SwapParams:
 
         if self.order not in ORDERS:
             raise ParamsError(f"order must be one of {tuple(ORDERS)}, got {self.order!r}")
-        for name in ("include_types", "exclude_types", "exclude_scopes"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("include_types", "exclude_types", "exclude_scopes", "keep_tensors"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(item, str) for item in value):
+                raise ParamsError(f"{name} must be a list of names, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
         for name in ("threshold", "lb", "ub", "groupby", "min_bytes"):
             object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -342,7 +348,7 @@ class SwapPlan:
 def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
     """Reject plans the rewriter could not apply: a consumer that does not read the tensor, a trigger
     that runs after (or depends on) the consumer, a tensor that cannot live on the host."""
-    levels = categorized_levels(g)
+    position = position_of(g)
     reads = set(zip(g.edge_tensor.tolist(), g.edge_consumer.tolist()))
     if len(set(plan.tensor.tolist())) != plan.n_swaps:
         raise GraphError("a tensor is swapped twice in one plan")
@@ -350,7 +356,7 @@ def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
         name = g.tensor_name(swap.tensor)
         if g.tensor_persistent[swap.tensor] or not g.tensor_swappable[swap.tensor]:
             raise GraphError(f"tensor {name} cannot be swapped (variable, or a dtype/placement without a host copy)")
-        producer_level = levels[g.tensor_producer[swap.tensor]]
+        producer_slot = position[g.tensor_producer[swap.tensor]]
         seen: set[int] = set()
         for swap_in in swap.swap_ins:
             for consumer in swap_in.consumers:
@@ -359,9 +365,10 @@ def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
                 if consumer in seen:
                     raise GraphError(f"op {g.op_name[consumer]} is fed by two swap-ins of {name}")
                 seen.add(consumer)
-            if swap_in.trigger is not None and not levels[swap_in.trigger] > producer_level:
+            # in execution order (the rewriter chains the step in it): a plan made with slot
+            # distances may take a trigger from its producer's level
+            if swap_in.trigger is not None and not position[swap_in.trigger] > producer_slot:
                 raise GraphError(f"trigger {g.op_name[swap_in.trigger]} of {name} does not run after its producer")
-    position = position_of(g)
     after_slot = position[plan.in_after]
     first_slot = position[plan.in_consumers[plan.in_consumer_ptr[:-1]]] if plan.n_swap_ins else after_slot
     for j in np.flatnonzero(after_slot >= first_slot):
@@ -404,6 +411,13 @@ def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
         names = g.op_name[producer]
         for scope in params.exclude_scopes:
             ok &= ~np.char.startswith(names, scope)
+    if params.keep_tensors:
+        index = g.cached("tensor_index", OpGraph.tensor_index, structural=True)
+        unknown = [name for name in params.keep_tensors if name not in index]
+        if unknown:
+            raise GraphError(f"keep_tensors names {len(unknown)} tensor(s) this graph does not have "
+                             f"(e.g. {unknown[0]})")
+        ok[[index[name] for name in params.keep_tensors]] = False
     return ok
 
 

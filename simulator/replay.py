@@ -76,6 +76,7 @@ class Replay:
     swap_in_alloc_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     wait_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     wait_moment_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    host_peak_s: float = 0.0  # when the host holds host_peak_bytes
 
     @property
     def overhead(self) -> float:
@@ -250,14 +251,14 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         g, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot,
         in_ready, in_bytes, in_place_slot, in_place_out)
 
-    host_peak = _host_peak(swap_bytes, out_start, in_swap, in_end)
+    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
     return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                    outs=(out_start, out_end), ins=(in_start, in_end), position=position,
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
                    swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
-                   swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment)
+                   swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
 
 
 def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -328,16 +329,25 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
     return result, slots[higher].astype(np.int64), event_time[best][higher]
 
 
-def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarray, in_end: np.ndarray) -> int:
-    """Host memory over time: a copy lives from its swap-out to its last swap-in."""
+def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarray,
+               in_end: np.ndarray) -> tuple[int, float]:
+    """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in."""
     if len(swap_bytes) == 0:
-        return 0
-    host_free = np.zeros(len(swap_bytes))
-    np.maximum.at(host_free, in_swap, in_end)
+        return 0, 0.0
+    host_free = host_free_s(len(swap_bytes), in_swap, in_end)
     times = np.concatenate([out_start, host_free])
     sizes = np.concatenate([swap_bytes, -swap_bytes])
     by_time = np.lexsort((sizes, times))  # frees before allocations at the same instant
-    return int(max(0.0, np.cumsum(sizes[by_time]).max()))
+    running = np.cumsum(sizes[by_time])
+    top = int(np.argmax(running))
+    return int(max(0.0, running[top])), float(times[by_time[top]])
+
+
+def host_free_s(n_swaps: int, in_swap: np.ndarray, in_end: np.ndarray) -> np.ndarray:
+    """Per swap: when its host copy is freed (its last swap-in done)."""
+    host_free = np.zeros(n_swaps)
+    np.maximum.at(host_free, in_swap, in_end)
+    return host_free
 
 
 def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -440,6 +440,9 @@ def test_slot_distance_swaps_a_read_one_level_but_three_slots_away(unit):
         # original buffer as well, which a read rewired one level away would leave to c
         assert r.level_peak_bytes.tolist() == [101, 102] and r.peak_bytes == 102
         assert live_buffers(g, plan, r, slot=2)["bytes"].sum() == 2
+        # its trigger g1 shares f0's level but runs after it: the plan round-trips through JSON
+        again = SwapPlan.from_json(g, plan.to_json(g))
+        assert again.in_trigger.tolist() == plan.in_trigger.tolist() and replay(g, again, unit).step_s == r.step_s
 
 
 def test_sync_swap_out_without_a_reader_left_holds_the_next_op(unit):
