@@ -87,8 +87,9 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
             ("host memory for swapped tensors", "0", format_bytes(shown.metrics["host_peak_bytes"]) if shown else "n/a")]
     label = "with the plan" if result.feasible else "closest plan"
     predicted = pd.DataFrame(rows, columns=["predicted", "without swapping", label])
-    params = pd.DataFrame(sorted((k, str(v)) for k, v in (shown.params.to_dict().items() if shown and shown.params
-                                                          else [])), columns=["parameter", "value"])
+    params = pd.DataFrame(sorted((k, ", ".join(v) if isinstance(v, list) else str(v))
+                                 for k, v in (shown.params.to_dict().items() if shown and shown.params else [])),
+                          columns=["parameter", "value"])
     sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model."],
                             [predicted] + ([params] if len(params) else []),
                             [n for n in ("memory_timeline.png", "pareto_front.png") if n in images]))
