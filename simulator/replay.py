@@ -382,10 +382,10 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     that become ready before the first waiting slot are scheduled in bulk (numpy). Per-slot and
     per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
     ``outs_at_slot``: slot -> swaps its op makes; swap-in j waits for those of ``copies_slot[j]``
-    (``SwapPlan.after_copies_out``; empty otherwise).
+    (``SwapPlan.after_copies_out``; empty otherwise). Times not known yet are -1.0 in the lists.
     """
     n_swaps, n_ins = len(out_ready), len(trigger)
-    in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [0.0] * n_ins
+    in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [-1.0] * n_ins
     seg_slot, seg_shift = [0], [0.0]
     shift = 0.0  # the shift of the latest segment
 
@@ -401,56 +401,50 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
         wait_slots, wait_items = need[by_slot].tolist(), by_slot.tolist()
     first_wait = wait_slots[0] if wait_slots else len(finish_plain)
 
-    # copies out: FIFO in ready order; those ready before any stall are computed in bulk
+    # copies out: FIFO in ready order; those ready before any stall are computed in bulk, the rest
+    # in the pass (their ready slots, durations and indices in queue order, from ``early`` on)
     out_queue = np.argsort(out_ready, kind="stable")
     ready_slots = out_ready[out_queue]
     early = int(np.searchsorted(ready_slots, first_wait, side="left"))
-    durations = out_duration_array[out_queue[:early]]
-    ready = finish_array[ready_slots[:early]] if early else np.zeros(0)
-    cumulative = np.cumsum(durations)
-    ends = cumulative + np.maximum.accumulate(ready - (cumulative - durations)) if early else cumulative
-    out_end_array = np.zeros(n_swaps)
+    durations = out_duration_array[out_queue]
+    cumulative = np.cumsum(durations[:early])
+    ends = cumulative + np.maximum.accumulate(finish_array[ready_slots[:early]] - (cumulative - durations[:early]))
+    out_end_array = np.full(n_swaps, -1.0)
     out_end_array[out_queue[:early]] = ends
     out_end = out_end_array.tolist()
-    out_start_array = out_end_array.copy()
-    out_start_array[out_queue[:early]] -= durations
-    out_start = out_start_array.tolist()
-    out_done = [False] * n_swaps
-    for k in out_queue[:early].tolist():
-        out_done[k] = True
-    out_queue = out_queue.tolist()
-    out_ready_slot, out_duration = out_ready.tolist(), out_duration_array.tolist()
-    out_cursor = early
+    late_queue, late_slot, late_duration = out_queue[early:], ready_slots[early:].tolist(), durations[early:].tolist()
+    late_index = late_queue.tolist()
+    late_start: list[float] = []
+    out_cursor = 0  # into the late copies out
     d2h_free = float(ends[-1]) if early else 0.0
 
     def swap_out_end(i: int) -> float:
         nonlocal out_cursor, d2h_free
-        while not out_done[i]:
-            k = out_queue[out_cursor]
-            slot = out_ready_slot[k]  # before the waiting slot at hand: its finish is settled
+        while out_end[i] < 0.0:
+            slot = late_slot[out_cursor]  # before the waiting slot at hand: its finish is settled
             if slot >= seg_slot[-1]:
                 start = finish_plain[slot] + shift
             else:
                 start = finish_plain[slot] + seg_shift[bisect_right(seg_slot, slot) - 1]
             if d2h_free > start:
                 start = d2h_free
-            out_start[k] = start
-            out_end[k] = d2h_free = start + out_duration[k]
-            out_done[k] = True
+            late_start.append(start)
+            out_end[late_index[out_cursor]] = d2h_free = start + late_duration[out_cursor]
             out_cursor += 1
         return out_end[i]
 
+    # swap-ins in trigger order; all whose trigger runs before a waiting slot are released at that
+    # slot, after the stalls of the slots before: the current shift is their trigger's
     in_order_array = np.argsort(trigger, kind="stable")
     release_slots = trigger[in_order_array].tolist() + [len(finish_plain)]  # a sentinel after the last
+    release_finish = np.where(trigger >= 0, finish_array[np.maximum(trigger, 0)], 0.0)[in_order_array].tolist()
     in_order = in_order_array.tolist()
     in_swap, in_duration = in_swap_array.tolist(), in_duration_array.tolist()
     copies_of = copies_slot.tolist() if outs_at_slot else None
     in_cursor = 0
-    in_done = [False] * n_ins
     heap: list[tuple[float, int]] = []
     push, pop = heapq.heappush, heapq.heappop
     h2d_free = 0.0
-    segment_start = 0  # first slot of the latest segment (whose shift is ``shift``)
     index = 0
     n_waits = len(wait_slots)
     wait_slots.append(-1)  # a sentinel after the last
@@ -458,25 +452,20 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
         slot = wait_slots[index]
         while release_slots[in_cursor] < slot:  # triggers that have run
             j = in_order[in_cursor]
-            p = release_slots[in_cursor]
-            if p < 0:
-                ready = 0.0
-            elif p >= segment_start:
-                ready = finish_plain[p] + shift
-            else:
-                ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
-            source = in_swap[j]
-            data = out_end[source] if out_done[source] else swap_out_end(source)
+            ready = release_finish[in_cursor] + shift
+            in_cursor += 1
+            data = out_end[in_swap[j]]
+            if data < 0.0:
+                data = swap_out_end(in_swap[j])
             if copies_of is not None:
                 for other in outs_at_slot.get(copies_of[j], ()):
-                    copied = out_end[other] if out_done[other] else swap_out_end(other)
+                    copied = out_end[other] if out_end[other] >= 0.0 else swap_out_end(other)
                     if copied > data:
                         data = copied
             if data > ready:
                 ready = data
             in_ready[j] = ready
             push(heap, (ready, j))
-            in_cursor += 1
         required = 0.0
         while wait_slots[index] == slot:
             item = wait_items[index]
@@ -484,12 +473,12 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
             if item < 0:
                 done = swap_out_end(-1 - item)
             else:
-                while not in_done[item]:
+                while in_end[item] < 0.0:
                     ready, j = pop(heap)
-                    start = ready if ready > h2d_free else h2d_free
-                    in_start[j] = start
-                    in_end[j] = h2d_free = start + in_duration[j]
-                    in_done[j] = True
+                    if h2d_free > ready:
+                        ready = h2d_free
+                    in_start[j] = ready
+                    in_end[j] = h2d_free = ready + in_duration[j]
                 done = in_end[item]
             if done > required:
                 required = done
@@ -498,11 +487,12 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
             shift += required - previous_finish
             seg_slot.append(slot)
             seg_shift.append(shift)
-            segment_start = slot
-    for i in range(n_swaps):  # a swap-out nobody waited for still happens
-        if not out_done[i]:
-            swap_out_end(i)
-    return (_array(out_start), _array(out_end), _array(in_ready), _array(in_start), _array(in_end), seg_slot,
+    if len(late_index):  # a swap-out nobody waited for still happens
+        swap_out_end(late_index[-1])
+    out_start_array = out_end_array  # reused: the early ones' ends become starts, the late ones are set
+    out_start_array[out_queue[:early]] -= durations[:early]
+    out_start_array[late_queue] = late_start
+    return (out_start_array, _array(out_end), _array(in_ready), _array(in_start), _array(in_end), seg_slot,
             seg_shift)
 
 
