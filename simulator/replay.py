@@ -152,37 +152,38 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         raise GraphError("this plan was made for another graph")
 
     info = buffers(g)
-    tensor_bytes = g.tensor_bytes
     swap_tensor = plan.tensor
-    swap_bytes = tensor_bytes[swap_tensor].astype(np.float64)
+    float_bytes = _float_bytes(g)
+    swap_bytes = float_bytes[swap_tensor]
     n_swaps, n_ins = plan.n_swaps, plan.n_swap_ins
+    in_tensor = swap_tensor[plan.in_swap]
     in_bytes = swap_bytes[plan.in_swap]
-    out_duration = np.asarray(device.transfer_seconds(swap_bytes, "d2h"), dtype=np.float64) * np.ones(n_swaps)
-    in_duration = np.asarray(device.transfer_seconds(in_bytes, "h2d"), dtype=np.float64) * np.ones(n_ins)
+    out_duration = _per_transfer(device.transfer_seconds(swap_bytes, "d2h"), n_swaps)
+    in_duration = _per_transfer(device.transfer_seconds(in_bytes, "h2d"), n_ins)
 
     # ---- when each transfer may start, in slot terms
     out_ready_slot = position[g.tensor_producer[swap_tensor]]
     first_consumer = plan.in_consumers[plan.in_consumer_ptr[:-1]]
     need_slot = position[first_consumer]
-    trigger_slot = np.where(plan.in_trigger >= 0, position[np.maximum(plan.in_trigger, 0)], -1)
     sync_in = plan.in_trigger < 0
+    planned_slot = position[np.maximum(plan.in_trigger, 0)]  # the trigger's, where there is one
+    trigger_slot = np.where(sync_in, -1, planned_slot)
     if sync_in.any():
         max1, max1_tensor, max2 = g.cached("other_input_slots", _other_input_slots, structural=True)
-        in_tensor = swap_tensor[plan.in_swap]
         other = np.where(max1_tensor[first_consumer] == in_tensor, max2[first_consumer], max1[first_consumer])
         sync_slot = np.maximum(other, position[plan.in_after])
         trigger_slot = np.where(sync_in, sync_slot, trigger_slot)
     # a swap-in the rewriter cannot have wait for an op fused with its consumer starts before that op
-    fused_wait, safe_slot = safe_wait_slots(g, swap_tensor[plan.in_swap], plan.in_trigger, plan.in_after,
+    fused_wait, safe_slot = safe_wait_slots(g, in_tensor, plan.in_trigger, plan.in_after,
                                             plan.in_consumer_ptr, plan.in_consumers)
     trigger_slot = np.where(fused_wait, safe_slot, trigger_slot)
     # with after_copies_out, the copies it waits for: its trigger's own (as planned), or those of the
     # op a synchronous one now starts after (the rewriter's rule)
-    copies_slot = np.where(plan.in_trigger >= 0, position[np.maximum(plan.in_trigger, 0)], trigger_slot)
+    copies_slot = np.where(sync_in, trigger_slot, planned_slot)
 
     # far reads rewired per swapped buffer; the original buffer's remaining readers
     reads_per_in = plan.in_consumer_ptr[1:] - plan.in_consumer_ptr[:-1]
-    far_keys = swap_tensor[plan.in_swap].repeat(reads_per_in) * g.n_ops + plan.in_consumers
+    far_keys = in_tensor.repeat(reads_per_in) * g.n_ops + plan.in_consumers
     roots, swap_root = _unique_inverse(info.root[swap_tensor])
     root_last_slot, moved_links, moved_last, home_link = rewired_lifetimes(g, roots, far_keys, swap_tensor)
 
@@ -241,8 +242,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     # the changes to the baseline, counted in one go (whole byte counts: exact in float64 in any
     # order): swapped buffers freed earlier, swap-in buffers, and outputs that share the buffer
     # their op was the last to read (in place) need none of their own in that slot
-    root_bytes = tensor_bytes[roots].astype(np.float64)
-    in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
+    root_bytes = float_bytes[roots]
+    in_place_bytes = float_bytes[in_place_out]
     change_slot = np.concatenate([info.free_slot[roots] + 1, new_free + 1, in_alloc_slot, in_free_slot + 1,
                                   in_place_slot, in_place_slot + 1])
     change_bytes = np.concatenate([root_bytes, -root_bytes, in_bytes, -in_bytes, -in_place_bytes, in_place_bytes])
@@ -259,6 +260,18 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
                    swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
                    swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
+
+
+def _float_bytes(g: OpGraph) -> np.ndarray:
+    """``g.tensor_bytes`` as float64 (what byte sums are taken in), once per batch size."""
+    return g.cached("float_tensor_bytes", lambda graph: graph.tensor_bytes.astype(np.float64), structural=False)
+
+
+def _per_transfer(seconds, n: int) -> np.ndarray:
+    """A device's transfer times as a float64 array of length ``n`` (a model may give a scalar)."""
+    if isinstance(seconds, np.ndarray) and seconds.dtype == np.float64 and seconds.shape == (n,):
+        return seconds
+    return np.asarray(seconds, dtype=np.float64) * np.ones(n)
 
 
 def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -302,8 +315,8 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
         return none
     own_bytes = alloc_slot_bytes(g)[:n_slots].copy()  # what the op at each slot allocates for its outputs
     if len(in_place_slot):
-        np.subtract.at(own_bytes, in_place_slot, g.tensor_bytes[in_place_out].astype(np.float64))
-    root_bytes = g.tensor_bytes[roots[wait_root]].astype(np.float64)
+        np.subtract.at(own_bytes, in_place_slot, _float_bytes(g)[in_place_out])
+    root_bytes = _float_bytes(g)[roots[wait_root]]
     # each wait starts with what lives on from the slot before, and the buffers copied out in it
     start_bytes = (slot_bytes[slots] - own_bytes[slots]
                    - np.bincount(in_alloc_slot, in_bytes, minlength=n_slots)[slots]
