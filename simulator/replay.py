@@ -145,7 +145,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     levels_of_slot = slot_levels(g)
 
     if plan is None or plan.n_swaps == 0:
-        return _result(g, slot_bytes, levels_of_slot, persistent, finish_plain, duration, compute_s,
+        return _result(g, slot_bytes, levels_of_slot, persistent, finish_plain, op_seconds(g, device), compute_s,
                        host_peak=0, d2h=0, h2d=0, plan=None, outs=(np.zeros(0), np.zeros(0)), ins=(np.zeros(0), np.zeros(0)),
                        position=position)
     if plan.graph_fingerprint and plan.graph_fingerprint != g.cached("fingerprint", OpGraph.fingerprint, structural=True):
@@ -217,11 +217,15 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a
     # rewired read carried it into (see rewired_lifetimes)
     in_original = home_link < 0
+    if in_original.all():
+        held_root, held_free, held_end = swap_root, out_free_slot, out_end
+    else:
+        held_root, held_free, held_end = swap_root[in_original], out_free_slot[in_original], out_end[in_original]
     copy_free_slot = np.full(len(roots), -1, dtype=np.int64)
-    np.maximum.at(copy_free_slot, swap_root[in_original], out_free_slot[in_original])
+    np.maximum.at(copy_free_slot, held_root, held_free)
     new_free = np.maximum(root_last_slot, copy_free_slot)
     copy_end = np.zeros(len(roots))
-    np.maximum.at(copy_end, swap_root[in_original], out_end[in_original])
+    np.maximum.at(copy_end, held_root, held_end)
     # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
     # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
     # queues the copy on the stream (GPU), or copies at once (CPU testbed)
@@ -254,7 +258,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
 
     host_peak, host_peak_s = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
-    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
+    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                    outs=(out_start, out_end), ins=(in_start, in_end), position=position,
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
@@ -522,10 +526,10 @@ def _level_starts(g: OpGraph) -> np.ndarray:
     return g.cached("level_starts", compute, structural=True)
 
 
-def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s, *, host_peak, d2h, h2d,
+def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, compute_s, *, host_peak, d2h, h2d,
             plan, outs, ins, position, **details) -> Replay:
-    """The Replay of a step whose slot memory and finish times are known; ``details``: the
-    plan's per-buffer fields (see Replay)."""
+    """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
+    ``op_seconds``); ``details``: the plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
         if g.order == "cto":  # slots sorted by level
@@ -540,7 +544,7 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
     else:
         level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
     op_end = finish_all[position] if len(position) else np.empty(0)
-    op_start = op_end - duration[position] if len(position) else op_end
+    op_start = op_end - op_duration if len(position) else op_end
     return Replay(
         peak_bytes=peak, host_peak_bytes=host_peak, step_s=step_s, compute_s=compute_s,
         stall_s=max(0.0, step_s - compute_s), d2h_bytes=d2h, h2d_bytes=h2d,
