@@ -201,6 +201,31 @@ def contains(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return sorted_keys[where] == keys
 
 
+def _read_ids(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The read keys a plan may rewire (uses' and segment links', sorted, unique), and each use's
+    and segment head's index among them (-1: none): a plan's rewired reads become a table to
+    look up, not a search per use."""
+    def compute(graph: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        info = buffers(graph)
+        keys = np.unique(np.concatenate([info.use_key, info.link_key]))
+        keys = keys[keys >= 0]
+        use_id = np.where(info.use_key >= 0, np.searchsorted(keys, info.use_key), -1)
+        link_id = np.where(info.link_key >= 0, np.searchsorted(keys, info.link_key), -1)
+        return keys, use_id, link_id
+    return g.cached("read_ids", compute, structural=True)
+
+
+def _rewired_table(g: OpGraph, far_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per read id (and a last entry for -1, no read): whether it is among ``far_keys``; with the
+    use and link ids of ``_read_ids``."""
+    keys, use_id, link_id = _read_ids(g)
+    where = np.searchsorted(keys, far_keys)
+    found = where[keys[np.minimum(where, len(keys) - 1)] == far_keys] if len(keys) else where[:0]
+    table = np.zeros(len(keys) + 1, bool)
+    table[found] = True
+    return table, use_id, link_id
+
+
 def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
                       tensors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Last slots once the reads ``far_keys`` (``tensor * n_ops + consumer``) go to swap-ins.
@@ -213,10 +238,10 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
     """
     info = buffers(g)
     tensors = np.zeros(0, np.int64) if tensors is None else tensors
-    far_keys = np.sort(far_keys)
+    rewired, use_id, link_id = _rewired_table(g, far_keys)
     starts, stops = info.use_ptr[roots], info.use_ptr[roots + 1]
     uses = ranges(starts, stops)
-    slots = np.where(contains(far_keys, info.use_key[uses]), -1, info.use_slot[uses])
+    slots = np.where(rewired[use_id[uses]], -1, info.use_slot[uses])
     seg_starts, seg_stops = info.seg_ptr[roots], info.seg_ptr[roots + 1]
     if np.all(seg_stops - seg_starts == 1):  # no segments to re-home: one max per root
         counts = stops - starts
@@ -230,7 +255,7 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
     segment_last = np.full(n_segments, -1, dtype=np.int64)
     np.maximum.at(segment_last, local[info.use_segment[uses]], slots)
     links = info.link_key[heads]
-    cut = contains(far_keys, links)
+    cut = rewired[link_id[heads]]
     # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut,
     # or the root's: follow parent links that were not cut, doubling the stride each round
     parent = info.seg_parent[heads]

@@ -145,44 +145,45 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     levels_of_slot = slot_levels(g)
 
     if plan is None or plan.n_swaps == 0:
-        return _result(g, slot_bytes, levels_of_slot, persistent, finish_plain, duration, compute_s,
+        return _result(g, slot_bytes, levels_of_slot, persistent, finish_plain, op_seconds(g, device), compute_s,
                        host_peak=0, d2h=0, h2d=0, plan=None, outs=(np.zeros(0), np.zeros(0)), ins=(np.zeros(0), np.zeros(0)),
                        position=position)
     if plan.graph_fingerprint and plan.graph_fingerprint != g.cached("fingerprint", OpGraph.fingerprint, structural=True):
         raise GraphError("this plan was made for another graph")
 
     info = buffers(g)
-    tensor_bytes = g.tensor_bytes
     swap_tensor = plan.tensor
-    swap_bytes = tensor_bytes[swap_tensor].astype(np.float64)
+    float_bytes = _float_bytes(g)
+    swap_bytes = float_bytes[swap_tensor]
     n_swaps, n_ins = plan.n_swaps, plan.n_swap_ins
+    in_tensor = swap_tensor[plan.in_swap]
     in_bytes = swap_bytes[plan.in_swap]
-    out_duration = np.asarray(device.transfer_seconds(swap_bytes, "d2h"), dtype=np.float64) * np.ones(n_swaps)
-    in_duration = np.asarray(device.transfer_seconds(in_bytes, "h2d"), dtype=np.float64) * np.ones(n_ins)
+    out_duration = _per_transfer(device.transfer_seconds(swap_bytes, "d2h"), n_swaps)
+    in_duration = _per_transfer(device.transfer_seconds(in_bytes, "h2d"), n_ins)
 
     # ---- when each transfer may start, in slot terms
     out_ready_slot = position[g.tensor_producer[swap_tensor]]
     first_consumer = plan.in_consumers[plan.in_consumer_ptr[:-1]]
     need_slot = position[first_consumer]
-    trigger_slot = np.where(plan.in_trigger >= 0, position[np.maximum(plan.in_trigger, 0)], -1)
     sync_in = plan.in_trigger < 0
+    planned_slot = position[np.maximum(plan.in_trigger, 0)]  # the trigger's, where there is one
+    trigger_slot = np.where(sync_in, -1, planned_slot)
     if sync_in.any():
         max1, max1_tensor, max2 = g.cached("other_input_slots", _other_input_slots, structural=True)
-        in_tensor = swap_tensor[plan.in_swap]
         other = np.where(max1_tensor[first_consumer] == in_tensor, max2[first_consumer], max1[first_consumer])
         sync_slot = np.maximum(other, position[plan.in_after])
         trigger_slot = np.where(sync_in, sync_slot, trigger_slot)
     # a swap-in the rewriter cannot have wait for an op fused with its consumer starts before that op
-    fused_wait, safe_slot = safe_wait_slots(g, swap_tensor[plan.in_swap], plan.in_trigger, plan.in_after,
+    fused_wait, safe_slot = safe_wait_slots(g, in_tensor, plan.in_trigger, plan.in_after,
                                             plan.in_consumer_ptr, plan.in_consumers)
     trigger_slot = np.where(fused_wait, safe_slot, trigger_slot)
     # with after_copies_out, the copies it waits for: its trigger's own (as planned), or those of the
     # op a synchronous one now starts after (the rewriter's rule)
-    copies_slot = np.where(plan.in_trigger >= 0, position[np.maximum(plan.in_trigger, 0)], trigger_slot)
+    copies_slot = np.where(sync_in, trigger_slot, planned_slot)
 
     # far reads rewired per swapped buffer; the original buffer's remaining readers
     reads_per_in = plan.in_consumer_ptr[1:] - plan.in_consumer_ptr[:-1]
-    far_keys = swap_tensor[plan.in_swap].repeat(reads_per_in) * g.n_ops + plan.in_consumers
+    far_keys = in_tensor.repeat(reads_per_in) * g.n_ops + plan.in_consumers
     roots, swap_root = _unique_inverse(info.root[swap_tensor])
     root_last_slot, moved_links, moved_last, home_link = rewired_lifetimes(g, roots, far_keys, swap_tensor)
 
@@ -216,11 +217,15 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a
     # rewired read carried it into (see rewired_lifetimes)
     in_original = home_link < 0
+    if in_original.all():
+        held_root, held_free, held_end = swap_root, out_free_slot, out_end
+    else:
+        held_root, held_free, held_end = swap_root[in_original], out_free_slot[in_original], out_end[in_original]
     copy_free_slot = np.full(len(roots), -1, dtype=np.int64)
-    np.maximum.at(copy_free_slot, swap_root[in_original], out_free_slot[in_original])
+    np.maximum.at(copy_free_slot, held_root, held_free)
     new_free = np.maximum(root_last_slot, copy_free_slot)
     copy_end = np.zeros(len(roots))
-    np.maximum.at(copy_end, swap_root[in_original], out_end[in_original])
+    np.maximum.at(copy_end, held_root, held_end)
     # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
     # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
     # queues the copy on the stream (GPU), or copies at once (CPU testbed)
@@ -241,8 +246,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     # the changes to the baseline, counted in one go (whole byte counts: exact in float64 in any
     # order): swapped buffers freed earlier, swap-in buffers, and outputs that share the buffer
     # their op was the last to read (in place) need none of their own in that slot
-    root_bytes = tensor_bytes[roots].astype(np.float64)
-    in_place_bytes = tensor_bytes[in_place_out].astype(np.float64)
+    root_bytes = float_bytes[roots]
+    in_place_bytes = float_bytes[in_place_out]
     change_slot = np.concatenate([info.free_slot[roots] + 1, new_free + 1, in_alloc_slot, in_free_slot + 1,
                                   in_place_slot, in_place_slot + 1])
     change_bytes = np.concatenate([root_bytes, -root_bytes, in_bytes, -in_bytes, -in_place_bytes, in_place_bytes])
@@ -253,12 +258,24 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
 
     host_peak, host_peak_s = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
-    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s,
+    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                    outs=(out_start, out_end), ins=(in_start, in_end), position=position,
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
                    swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
                    swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
+
+
+def _float_bytes(g: OpGraph) -> np.ndarray:
+    """``g.tensor_bytes`` as float64 (what byte sums are taken in), once per batch size."""
+    return g.cached("float_tensor_bytes", lambda graph: graph.tensor_bytes.astype(np.float64), structural=False)
+
+
+def _per_transfer(seconds, n: int) -> np.ndarray:
+    """A device's transfer times as a float64 array of length ``n`` (a model may give a scalar)."""
+    if isinstance(seconds, np.ndarray) and seconds.dtype == np.float64 and seconds.shape == (n,):
+        return seconds
+    return np.asarray(seconds, dtype=np.float64) * np.ones(n)
 
 
 def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -302,8 +319,8 @@ def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, cop
         return none
     own_bytes = alloc_slot_bytes(g)[:n_slots].copy()  # what the op at each slot allocates for its outputs
     if len(in_place_slot):
-        np.subtract.at(own_bytes, in_place_slot, g.tensor_bytes[in_place_out].astype(np.float64))
-    root_bytes = g.tensor_bytes[roots[wait_root]].astype(np.float64)
+        np.subtract.at(own_bytes, in_place_slot, _float_bytes(g)[in_place_out])
+    root_bytes = _float_bytes(g)[roots[wait_root]]
     # each wait starts with what lives on from the slot before, and the buffers copied out in it
     start_bytes = (slot_bytes[slots] - own_bytes[slots]
                    - np.bincount(in_alloc_slot, in_bytes, minlength=n_slots)[slots]
@@ -382,10 +399,10 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     that become ready before the first waiting slot are scheduled in bulk (numpy). Per-slot and
     per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
     ``outs_at_slot``: slot -> swaps its op makes; swap-in j waits for those of ``copies_slot[j]``
-    (``SwapPlan.after_copies_out``; empty otherwise).
+    (``SwapPlan.after_copies_out``; empty otherwise). Times not known yet are -1.0 in the lists.
     """
     n_swaps, n_ins = len(out_ready), len(trigger)
-    in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [0.0] * n_ins
+    in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [-1.0] * n_ins
     seg_slot, seg_shift = [0], [0.0]
     shift = 0.0  # the shift of the latest segment
 
@@ -401,56 +418,50 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
         wait_slots, wait_items = need[by_slot].tolist(), by_slot.tolist()
     first_wait = wait_slots[0] if wait_slots else len(finish_plain)
 
-    # copies out: FIFO in ready order; those ready before any stall are computed in bulk
+    # copies out: FIFO in ready order; those ready before any stall are computed in bulk, the rest
+    # in the pass (their ready slots, durations and indices in queue order, from ``early`` on)
     out_queue = np.argsort(out_ready, kind="stable")
     ready_slots = out_ready[out_queue]
     early = int(np.searchsorted(ready_slots, first_wait, side="left"))
-    durations = out_duration_array[out_queue[:early]]
-    ready = finish_array[ready_slots[:early]] if early else np.zeros(0)
-    cumulative = np.cumsum(durations)
-    ends = cumulative + np.maximum.accumulate(ready - (cumulative - durations)) if early else cumulative
-    out_end_array = np.zeros(n_swaps)
+    durations = out_duration_array[out_queue]
+    cumulative = np.cumsum(durations[:early])
+    ends = cumulative + np.maximum.accumulate(finish_array[ready_slots[:early]] - (cumulative - durations[:early]))
+    out_end_array = np.full(n_swaps, -1.0)
     out_end_array[out_queue[:early]] = ends
     out_end = out_end_array.tolist()
-    out_start_array = out_end_array.copy()
-    out_start_array[out_queue[:early]] -= durations
-    out_start = out_start_array.tolist()
-    out_done = [False] * n_swaps
-    for k in out_queue[:early].tolist():
-        out_done[k] = True
-    out_queue = out_queue.tolist()
-    out_ready_slot, out_duration = out_ready.tolist(), out_duration_array.tolist()
-    out_cursor = early
+    late_queue, late_slot, late_duration = out_queue[early:], ready_slots[early:].tolist(), durations[early:].tolist()
+    late_index = late_queue.tolist()
+    late_start: list[float] = []
+    out_cursor = 0  # into the late copies out
     d2h_free = float(ends[-1]) if early else 0.0
 
     def swap_out_end(i: int) -> float:
         nonlocal out_cursor, d2h_free
-        while not out_done[i]:
-            k = out_queue[out_cursor]
-            slot = out_ready_slot[k]  # before the waiting slot at hand: its finish is settled
+        while out_end[i] < 0.0:
+            slot = late_slot[out_cursor]  # before the waiting slot at hand: its finish is settled
             if slot >= seg_slot[-1]:
                 start = finish_plain[slot] + shift
             else:
                 start = finish_plain[slot] + seg_shift[bisect_right(seg_slot, slot) - 1]
             if d2h_free > start:
                 start = d2h_free
-            out_start[k] = start
-            out_end[k] = d2h_free = start + out_duration[k]
-            out_done[k] = True
+            late_start.append(start)
+            out_end[late_index[out_cursor]] = d2h_free = start + late_duration[out_cursor]
             out_cursor += 1
         return out_end[i]
 
+    # swap-ins in trigger order; all whose trigger runs before a waiting slot are released at that
+    # slot, after the stalls of the slots before: the current shift is their trigger's
     in_order_array = np.argsort(trigger, kind="stable")
     release_slots = trigger[in_order_array].tolist() + [len(finish_plain)]  # a sentinel after the last
+    release_finish = np.where(trigger >= 0, finish_array[np.maximum(trigger, 0)], 0.0)[in_order_array].tolist()
     in_order = in_order_array.tolist()
     in_swap, in_duration = in_swap_array.tolist(), in_duration_array.tolist()
     copies_of = copies_slot.tolist() if outs_at_slot else None
     in_cursor = 0
-    in_done = [False] * n_ins
     heap: list[tuple[float, int]] = []
     push, pop = heapq.heappush, heapq.heappop
     h2d_free = 0.0
-    segment_start = 0  # first slot of the latest segment (whose shift is ``shift``)
     index = 0
     n_waits = len(wait_slots)
     wait_slots.append(-1)  # a sentinel after the last
@@ -458,25 +469,20 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
         slot = wait_slots[index]
         while release_slots[in_cursor] < slot:  # triggers that have run
             j = in_order[in_cursor]
-            p = release_slots[in_cursor]
-            if p < 0:
-                ready = 0.0
-            elif p >= segment_start:
-                ready = finish_plain[p] + shift
-            else:
-                ready = finish_plain[p] + seg_shift[bisect_right(seg_slot, p) - 1]
-            source = in_swap[j]
-            data = out_end[source] if out_done[source] else swap_out_end(source)
+            ready = release_finish[in_cursor] + shift
+            in_cursor += 1
+            data = out_end[in_swap[j]]
+            if data < 0.0:
+                data = swap_out_end(in_swap[j])
             if copies_of is not None:
                 for other in outs_at_slot.get(copies_of[j], ()):
-                    copied = out_end[other] if out_done[other] else swap_out_end(other)
+                    copied = out_end[other] if out_end[other] >= 0.0 else swap_out_end(other)
                     if copied > data:
                         data = copied
             if data > ready:
                 ready = data
             in_ready[j] = ready
             push(heap, (ready, j))
-            in_cursor += 1
         required = 0.0
         while wait_slots[index] == slot:
             item = wait_items[index]
@@ -484,12 +490,12 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
             if item < 0:
                 done = swap_out_end(-1 - item)
             else:
-                while not in_done[item]:
+                while in_end[item] < 0.0:
                     ready, j = pop(heap)
-                    start = ready if ready > h2d_free else h2d_free
-                    in_start[j] = start
-                    in_end[j] = h2d_free = start + in_duration[j]
-                    in_done[j] = True
+                    if h2d_free > ready:
+                        ready = h2d_free
+                    in_start[j] = ready
+                    in_end[j] = h2d_free = ready + in_duration[j]
                 done = in_end[item]
             if done > required:
                 required = done
@@ -498,11 +504,12 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
             shift += required - previous_finish
             seg_slot.append(slot)
             seg_shift.append(shift)
-            segment_start = slot
-    for i in range(n_swaps):  # a swap-out nobody waited for still happens
-        if not out_done[i]:
-            swap_out_end(i)
-    return (_array(out_start), _array(out_end), _array(in_ready), _array(in_start), _array(in_end), seg_slot,
+    if len(late_index):  # a swap-out nobody waited for still happens
+        swap_out_end(late_index[-1])
+    out_start_array = out_end_array  # reused: the early ones' ends become starts, the late ones are set
+    out_start_array[out_queue[:early]] -= durations[:early]
+    out_start_array[late_queue] = late_start
+    return (out_start_array, _array(out_end), _array(in_ready), _array(in_start), _array(in_end), seg_slot,
             seg_shift)
 
 
@@ -519,10 +526,10 @@ def _level_starts(g: OpGraph) -> np.ndarray:
     return g.cached("level_starts", compute, structural=True)
 
 
-def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, compute_s, *, host_peak, d2h, h2d,
+def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, compute_s, *, host_peak, d2h, h2d,
             plan, outs, ins, position, **details) -> Replay:
-    """The Replay of a step whose slot memory and finish times are known; ``details``: the
-    plan's per-buffer fields (see Replay)."""
+    """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
+    ``op_seconds``); ``details``: the plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
         if g.order == "cto":  # slots sorted by level
@@ -537,7 +544,7 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, duration, com
     else:
         level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
     op_end = finish_all[position] if len(position) else np.empty(0)
-    op_start = op_end - duration[position] if len(position) else op_end
+    op_start = op_end - op_duration if len(position) else op_end
     return Replay(
         peak_bytes=peak, host_peak_bytes=host_peak, step_s=step_s, compute_s=compute_s,
         stall_s=max(0.0, step_s - compute_s), d2h_bytes=d2h, h2d_bytes=h2d,
