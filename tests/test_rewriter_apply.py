@@ -263,6 +263,19 @@ def test_verification_counts_every_swap_op(cnn_graph, full_plan):
     assert "swap-outs" in v.summary()
 
 
+def test_tensors_kept_on_the_device_get_no_swap_nodes(cnn_graph):
+    """Parameters that keep tensors on the device (``keep_tensors``, what the host-room pass adds)
+    make a plan without them; the rewriter applies it as any other, and it verifies."""
+    graph, plan = cnn_graph
+    names = tuple(graph.tensor_name(t) for t in plan.tensor[:2])
+    kept = plan_swaps(graph, dataclasses.replace(plan.params, keep_tensors=names))
+    assert kept.n_swaps == plan.n_swaps - 2
+    step = rewriter.apply(build_model("small_cnn", seed=0), kept, graph=graph, batch_size=BATCH)
+    assert step.verification.ok, step.verification.summary()
+    applied = {a.tensor for a in step.applied}
+    assert applied and applied <= {graph.tensor_name(t) for t in kept.tensor} and not applied & set(names)
+
+
 def test_sync_swap_ins_never_wait_on_a_reshape_grappler_removes():
     """A layer norm's gradient reshapes its reduced sum to the shape it already has; Grappler drops
     that Reshape, so a synchronous swap-in must not hang its control edge on it."""
