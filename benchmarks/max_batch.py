@@ -248,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         "host_peak_gib reaches host_limit_gib and with_swap_any_host is larger, host RAM is what stops it: at "
         "device_and_host_bound the machine's memory is full, below it the plans hold tensors on the host that the "
         "device had room for (a tensor is copied out right after it is made and its host copy lives until its last "
-        "swap-in). bound_op: the op whose inputs and outputs set swap_bound.",
+        "swap-in; a plan over the host limit keeps the tensors copied out most briefly at the host's peak on the "
+        "device while the device budget allows, simulator.host_room). bound_op: the op whose inputs and outputs set "
+        "swap_bound.",
     ]
     notes.append("graph_rewrites: rewrites made before swapping (`--rewrite`); such a row's without_swap is the "
                  "plain model's, so its multiplier is what the rewrite and swapping give together; "
