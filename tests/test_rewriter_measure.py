@@ -169,9 +169,10 @@ def _table(name, rows):
 
 @pytest.fixture(scope="module")
 def resnet():
-    # three of the plans (every far read; a window with a lower bound; sync-in): a ResNet-50 step
-    # takes about 45 s per plan here, and ``python -m benchmarks fidelity`` measures ten
-    return _run("resnet50", {}, 8, [PLANS[0], PLANS[2], PLANS[4]], keras_peak=True)
+    # two of the plans (every far read; a window with a lower bound): a ResNet-50 step takes about
+    # 45 s per plan here (the suite's largest item), the U-Net tests below run all five, sync-in
+    # among them, and ``python -m benchmarks fidelity`` measures ten on ResNet-50
+    return _run("resnet50", {}, 8, [PLANS[0], PLANS[2]], keras_peak=True)
 
 
 @pytest.mark.slow
@@ -211,7 +212,7 @@ def test_swapping_every_activation_cuts_resnet50_peak(resnet):
 @pytest.mark.slow
 def test_prediction_matches_measurement_resnet50(resnet):
     table = _table("resnet50", resnet["rows"])
-    assert len(table) >= 4
+    assert len(table) >= 3
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
 
 
