@@ -44,6 +44,13 @@ def _rewrites_text(changes: dict[str, list[str]]) -> str:
                      for name, ops in changes.items())
 
 
+def _listed(names: list[str], shown: int = 5) -> str:
+    """A list parameter in a table cell: the first few names and how many (plan.json has them all)."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{len(names)}: " + ", ".join(names[:shown]) + ", ..."
+
+
 def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
@@ -87,7 +94,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
             ("host memory for swapped tensors", "0", format_bytes(shown.metrics["host_peak_bytes"]) if shown else "n/a")]
     label = "with the plan" if result.feasible else "closest plan"
     predicted = pd.DataFrame(rows, columns=["predicted", "without swapping", label])
-    params = pd.DataFrame(sorted((k, ", ".join(v) if isinstance(v, list) else str(v))
+    params = pd.DataFrame(sorted((k, _listed(v) if isinstance(v, list) else str(v))
                                  for k, v in (shown.params.to_dict().items() if shown and shown.params else [])),
                           columns=["parameter", "value"])
     sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model."],

@@ -77,7 +77,8 @@ class SearchSpace:
                           after_copies_out=choice.get("after_copies_out", False))
 
     def choice(self, params: SwapParams) -> dict[str, Any] | None:
-        """The grid point of ``params`` (None when they are off the grid)."""
+        """The grid point of ``params`` (None when they are off the grid). ``keep_tensors`` is not
+        part of it: ``TuningProblem.evaluate`` derives it again from the grid point."""
         if any(getattr(params, name) not in getattr(self, name) for name in self.CATEGORICAL):
             return None
         try:

@@ -34,13 +34,13 @@ class HostFit:
     result: Replay
 
 
-def on_host_at_peak(g: OpGraph, plan: SwapPlan, result: Replay) -> np.ndarray:
+def on_host_at_peak(plan: SwapPlan, result: Replay) -> np.ndarray:
     """The swapped tensors whose host copy exists at the host's peak moment, the briefest away first."""
     host_free = host_free_s(plan.n_swaps, plan.in_swap, result.swap_in_end_s)
     moment = result.host_peak_s
     held = np.flatnonzero((result.swap_out_start_s <= moment) & (host_free > moment))
     away_s = host_free[held] - result.swap_out_start_s[held]
-    return plan.tensor[held[np.lexsort((held, away_s))]]
+    return plan.tensor[held[np.argsort(away_s, kind="stable")]]
 
 
 def fit_host(g: OpGraph, params: SwapParams, device: DeviceModel, budget_bytes: int, host_limit_bytes: int, *,
@@ -58,7 +58,7 @@ def fit_host(g: OpGraph, params: SwapParams, device: DeviceModel, budget_bytes: 
     while result.host_peak_bytes > host_limit_bytes:
         if result.peak_bytes > budget_bytes:
             return None
-        for tensor in on_host_at_peak(g, plan, result).tolist():
+        for tensor in on_host_at_peak(plan, result).tolist():
             if replays >= max_replays:
                 return None
             kept = replace(params, keep_tensors=params.keep_tensors + (g.tensor_name(tensor),))

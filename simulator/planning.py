@@ -118,9 +118,13 @@ class SwapParams:
             raise ParamsError(f"order must be one of {tuple(ORDERS)}, got {self.order!r}")
         for name in ("include_types", "exclude_types", "exclude_scopes", "keep_tensors"):
             value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(item, str) for item in value):
-                raise ParamsError(f"{name} must be a list of names, got {value!r}")
-            object.__setattr__(self, name, tuple(value))
+            try:
+                items = tuple(value) if not isinstance(value, str) else None
+            except TypeError:
+                items = None
+            if items is None or not all(isinstance(item, str) for item in items):
+                raise ParamsError(f"{name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, items)
         for name in ("threshold", "lb", "ub", "groupby", "min_bytes"):
             object.__setattr__(self, name, int(getattr(self, name)))
 

@@ -399,7 +399,7 @@ def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger
     that become ready before the first waiting slot are scheduled in bulk (numpy). Per-slot and
     per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
     ``outs_at_slot``: slot -> swaps its op makes; swap-in j waits for those of ``copies_slot[j]``
-    (``SwapPlan.after_copies_out``; empty otherwise). Times not known yet are -1.0 in the lists.
+    (``SwapPlan.after_copies_out``; empty otherwise). Transfer ends not known yet are -1.0.
     """
     n_swaps, n_ins = len(out_ready), len(trigger)
     in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [-1.0] * n_ins
