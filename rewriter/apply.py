@@ -137,6 +137,8 @@ def load_plan(plan: Any, graph: Any = None) -> dict[str, Any]:
         if not isinstance(record, dict) or not isinstance(record.get("tensor"), str) \
                 or not isinstance(record.get("swap_ins"), list):
             raise PlanError(f"swap {i} of the plan is malformed (needs 'tensor' and 'swap_ins')")
+        if not record["swap_ins"]:  # the simulator would count a copy out that nothing reads back
+            raise PlanError(f"the swap of {record['tensor']} has no swap-in: a swapped tensor must be read back")
         for item in record["swap_ins"]:
             if not isinstance(item, dict) or not isinstance(item.get("consumers"), list) or not item["consumers"]:
                 raise PlanError(f"a swap-in of {record['tensor']} is malformed (needs a non-empty 'consumers' list)")

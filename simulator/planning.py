@@ -360,6 +360,8 @@ def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
         name = g.tensor_name(swap.tensor)
         if g.tensor_persistent[swap.tensor] or not g.tensor_swappable[swap.tensor]:
             raise GraphError(f"tensor {name} cannot be swapped (variable, or a dtype/placement without a host copy)")
+        if not swap.swap_ins:  # the rewriter adds no copy out that nothing reads back
+            raise GraphError(f"the swap of {name} has no swap-in: a swapped tensor must be read back")
         producer_slot = position[g.tensor_producer[swap.tensor]]
         seen: set[int] = set()
         for swap_in in swap.swap_ins:

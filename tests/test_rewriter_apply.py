@@ -352,6 +352,9 @@ def test_malformed_plans(cnn_graph):
     bad = {"format": "swap-plan/1", "swaps": [{"tensor": "x:0", "swap_ins": [{"consumers": []}]}]}
     with pytest.raises(PlanError, match="consumers"):
         rewriter.apply(model, bad, batch_size=BATCH)
+    bad["swaps"][0]["swap_ins"] = []
+    with pytest.raises(PlanError, match="no swap-in"):
+        rewriter.apply(model, bad, batch_size=BATCH)
 
 
 def test_consumer_that_does_not_read_the_tensor(cnn_graph):

@@ -195,6 +195,8 @@ def test_hand_plan_with_trigger_before_release_is_rejected():
         SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((5,), 1),))])  # f1 still reads f0
     with pytest.raises(GraphError, match="does not read"):
         SwapPlan.from_swaps(g, [Swap(0, False, (SwapIn((4,), None),))])
+    with pytest.raises(GraphError, match="no swap-in"):
+        SwapPlan.from_swaps(g, [Swap(0, False, ())])
 
 
 def test_plan_from_another_graph_is_refused(unit):
