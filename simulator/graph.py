@@ -262,7 +262,10 @@ class OpGraph:
         return {name: i for i, name in enumerate(self.op_name.tolist())}
 
     def tensor_index(self) -> dict[str, int]:
-        return {self.tensor_name(t): t for t in range(self.n_tensors)}
+        """Tensor name ("op:output") -> index, built once per structure (plans name their tensors):
+        shared, so do not modify it."""
+        return self.cached("tensor_index", lambda graph: {graph.tensor_name(t): t for t in range(graph.n_tensors)},
+                           structural=True)
 
     def fingerprint(self) -> str:
         """Identifies the structure (names, types, edges), not sizes: plans carry it to catch stale use."""

@@ -418,7 +418,7 @@ def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
         for scope in params.exclude_scopes:
             ok &= ~np.char.startswith(names, scope)
     if params.keep_tensors:
-        index = g.cached("tensor_index", OpGraph.tensor_index, structural=True)
+        index = g.tensor_index()
         unknown = [name for name in params.keep_tensors if name not in index]
         if unknown:
             raise GraphError(f"keep_tensors names {len(unknown)} tensor(s) this graph does not have "
