@@ -2,11 +2,15 @@
 
 ``tune(model, batch_size=...)`` captures the training step, searches swap parameters with
 Optuna (or another policy from policies.py) against the simulator, applies the winner to the
-real step and measures it. ``python -m autotune MODEL_DIR`` does the same from the shell.
+real step and measures it until a measured run confirms it (``result.verdict``).
+``python -m autotune MODEL_DIR`` does the same from the shell.
 """
 
 from autotune.inputs import InputError
 from autotune.search import Evaluation, SearchSpace, TuningProblem
-from autotune.tuning import Measurement, TuneResult, tune, tune_graph
+from autotune.confirm import tune
+from autotune.tuning import Measurement, TuneResult, tune_graph
+from autotune.verdict import Verdict
 
-__all__ = ["Evaluation", "InputError", "Measurement", "SearchSpace", "TuneResult", "TuningProblem", "tune", "tune_graph"]
+__all__ = ["Evaluation", "InputError", "Measurement", "SearchSpace", "TuneResult", "TuningProblem", "Verdict", "tune",
+           "tune_graph"]

@@ -1,6 +1,7 @@
 """python -m autotune MODEL_DIR: tune activation swapping for a saved Keras model.
 
-Exit codes: 0 done; 2 bad input; 3 no plan fits the budget (the report is still written);
+Exit codes: 0 done (a plan fits, confirmed by a measured run unless --no-measure); 2 bad input;
+3 no plan fits the budget, or none was confirmed by a measured run (the report is still written);
 130 interrupted (finished trials stay in the study; run the same command again to resume).
 """
 
@@ -223,7 +224,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     try:
         graph = capture(model, settings["batch_size"], input_shapes=settings["input_shapes"],
                         label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
-                        name=settings["model_file"].stem, graph_rewrites=settings["graph_rewrites"])
+                        name=getattr(model, "name", None) or settings["model_file"].stem, graph_rewrites=settings["graph_rewrites"])
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
     _say(quiet, f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
@@ -232,20 +233,23 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         _say(quiet, f"{rewrite}: {len(changed)} op(s) rewritten" if changed else
              f"{rewrite}: nothing in this model to rewrite")
 
-    from autotune.tuning import tune_graph
+    search = dict(batch_size=settings["batch_size"], device=settings["device"], memory=settings["memory"],
+                  policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
+                  timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
+                  study_name=args.study_name, maximize_batch=args.maximize_batch,
+                  max_overhead=settings["max_overhead"], progress=not quiet)
+    if args.no_measure:
+        from autotune.tuning import tune_graph
 
-    result = tune_graph(graph, batch_size=settings["batch_size"], device=settings["device"], memory=settings["memory"],
-                        policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
-                        timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
-                        study_name=args.study_name, maximize_batch=args.maximize_batch,
-                        max_overhead=settings["max_overhead"], progress=not quiet)
+        result = tune_graph(graph, **search)
+    else:
+        from autotune.confirm import confirm
+
+        _say(quiet, "searching, then measuring the chosen plan on the real training step ...")
+        result = confirm(model, graph, say=lambda text: _say(quiet, f"measured: {text}"),
+                         input_shapes=settings["input_shapes"], label_shapes=settings["label_shapes"],
+                         label_dtype=settings["label_dtype"], **search)
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
-    if not args.no_measure and result.plan is not None:
-        from autotune.measured import measure_result
-
-        _say(quiet, "measuring the plan on the real training step ...")
-        result.measurement = measure_result(model, result, input_shapes=settings["input_shapes"],
-                                            label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"])
     from autotune.report import write_report
 
     try:
@@ -256,7 +260,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     if "previous" in files:
         _say(quiet, f"the report that was in {out} is now in {files['previous']}")
     print(_summary_text(result, files["report.html"], time.monotonic() - started))
-    return EXIT_OK if result.feasible else EXIT_NO_FIT
+    return EXIT_OK if result.verdict.ok else EXIT_NO_FIT
 
 
 def _summary_text(result, report: Path, seconds: float) -> str:
@@ -278,16 +282,12 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"
                      f"{' after_copies_out' if p.after_copies_out else ''}"
                      f"{f'; {len(p.keep_tensors)} tensors kept on the device for host room' if p.keep_tensors else ''}")
-    elif result.feasible:
-        lines.append("fits without swapping" + (" (rewritten; plan.json applies the rewrites)"
-                                                if result.applies_plan else ""))
-    else:
-        miss = "" if shown is None else f"; closest plan peaks at {format_bytes(shown.peak_bytes)}"
-        lines.append(f"NO PLAN FITS the budget{miss}")
     lines += [f"note: {note}" for note in result.notes]
     m = result.measurement
     if m is not None:
-        lines.append(f"measured on {m.measured_on} at batch {m.batch_size}: peak {format_bytes(m.peak_bytes)} "
+        peak = "out of memory" if m.out_of_memory else f"peak {format_bytes(m.peak_bytes)}"
+        lines.append(f"measured on {m.measured_on} at batch {m.batch_size}: {peak} "
                      f"(predicted {format_bytes(m.predicted_peak_bytes)}), step {m.step_s:.4g} s")
+    lines.append(f"verdict: {result.verdict.headline}")
     lines.append(f"report: {report}   ({seconds:.0f} s)")
     return "\n".join(lines)

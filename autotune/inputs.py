@@ -43,11 +43,23 @@ def parse_bytes(text: str | int | float, what: str = "memory") -> int:
     return size
 
 
+_BINARY_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+
+
 def format_bytes(size: float) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, scale in _BINARY_UNITS:
         if abs(size) >= scale:
             return f"{size / scale:.2f} {unit}"
     return f"{int(size)} B"
+
+
+def byte_unit(size: float) -> tuple[str, int]:
+    """(name, bytes per unit) of the unit ``format_bytes`` would show ``size`` in: an axis of a
+    small model's figure reads in KiB or MiB, not "0.01 GiB"."""
+    for unit, scale in _BINARY_UNITS:
+        if abs(size) >= scale:
+            return unit, scale
+    return "B", 1
 
 
 @dataclass

@@ -52,21 +52,45 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     predicted_base = replay(graph, None, device)
     x, y = synthetic_batch(model, batch, input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     step = rewriter.apply(model, plan, graph=graph, batch_size=batch, placement=placement, verify_with=(x, y))
-    measured = rewriter.measure(step, x, y, warmup=1, repeats=3)
-    baseline = None
-    if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
-        reference = rewriter.apply(model, SwapPlan.empty(graph), graph=graph, batch_size=batch, placement=placement,
-                                   verify=False)
-        baseline = rewriter.measure(reference, x, y, warmup=1, repeats=3)
+    measured, out_of_memory = _measure(step, x, y)
+    baseline = plain = None
+    if plan.n_swaps:
+        if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
+            reference = rewriter.apply(model, SwapPlan.empty(graph), graph=graph, batch_size=batch,
+                                       placement=placement, verify=False)
+            baseline, _ = _measure(reference, x, y)
+    else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
+        plain, plain_oom = _measure(rewriter.KerasStep(model), x, y)
+        if plain_oom:
+            log.info("model.fit's own step ran out of memory at batch %d", batch)
     verification = step.verification
-    log.info("measured at batch %d: peak %s (predicted %s)", batch, format_bytes(measured.peak_bytes),
-             format_bytes(predicted.peak_bytes))
+    if measured is not None:
+        log.info("measured at batch %d: peak %s (predicted %s)", batch, format_bytes(measured.peak_bytes),
+                 format_bytes(predicted.peak_bytes))
     return Measurement(
-        measured_on=measured.measured_on, batch_size=batch, peak_bytes=measured.peak_bytes, step_s=measured.step_s,
+        measured_on=placement.measured_on if measured is None else measured.measured_on, batch_size=batch,
+        peak_bytes=0 if measured is None else measured.peak_bytes,
+        step_s=float("nan") if measured is None else measured.step_s,
         baseline_peak_bytes=None if baseline is None else baseline.peak_bytes,
         baseline_step_s=None if baseline is None else baseline.step_s,
         predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s,
-        predicted_baseline_peak_bytes=predicted_base.peak_bytes, allocator_peak_bytes=measured.allocator_peak_bytes,
+        predicted_baseline_peak_bytes=predicted_base.peak_bytes,
+        allocator_peak_bytes=None if measured is None else measured.allocator_peak_bytes,
         note=note, swaps_survived=None if verification is None else verification.swap_outs,
-        swaps_planned=plan.n_swaps,
+        swaps_planned=plan.n_swaps, plain_peak_bytes=None if plain is None else plain.peak_bytes,
+        out_of_memory=out_of_memory,
     )
+
+
+def _measure(step, x, y):
+    """(measurement, False), or (None, True) when the step runs out of memory: on a GPU whose
+    memory limit is the budget, that is a measured "does not fit", not a crash."""
+    import tensorflow as tf
+
+    import rewriter
+
+    try:
+        return rewriter.measure(step, x, y, warmup=1, repeats=3), False
+    except tf.errors.ResourceExhaustedError as error:
+        log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+        return None, True

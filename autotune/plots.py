@@ -15,12 +15,12 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from autotune.inputs import byte_unit  # noqa: E402
 from simulator import FORWARD, edge_distances  # noqa: E402
 from simulator.ordering import slot_levels_view  # noqa: E402
 from simulator.planning import is_activation  # noqa: E402
 
 log = logging.getLogger(__name__)
-GiB = 2**30
 
 
 def _save(fig, path: Path) -> Path:
@@ -33,13 +33,15 @@ def _save(fig, path: Path) -> Path:
 def memory_timeline(result, path: Path) -> Path:
     """Device memory over the categorized ordering, without and with the plan, against the budget."""
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    base = result.baseline_replay.level_peak_bytes / GiB
+    unit, scale = byte_unit(max(result.budget_bytes, result.baseline.peak_bytes))
+    base = result.baseline_replay.level_peak_bytes / scale
     ax.plot(np.arange(len(base)), base, color="tab:red", lw=1.2, label="without swapping")
     if result.replay is not None and result.plan is not None and result.plan.changes_step:
-        ax.plot(np.arange(len(result.replay.level_peak_bytes)), result.replay.level_peak_bytes / GiB,
+        ax.plot(np.arange(len(result.replay.level_peak_bytes)), result.replay.level_peak_bytes / scale,
                 color="tab:blue", lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped, {result.plan.order_name} order)")
-    ax.axhline(result.budget_bytes / GiB, color="black", ls="--", lw=1, label=f"budget {result.budget_bytes / GiB:.2f} GiB")
-    ax.axhline(result.graph.persistent_bytes / GiB, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
+    ax.axhline(result.budget_bytes / scale, color="black", ls="--", lw=1,
+               label=f"budget {result.budget_bytes / scale:.2f} {unit}")
+    ax.axhline(result.graph.persistent_bytes / scale, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
     forward_levels = result.graph.op_phase == FORWARD
     if forward_levels.any():
         from simulator import categorized_levels
@@ -48,7 +50,7 @@ def memory_timeline(result, path: Path) -> Path:
         ax.axvline(end, color="grey", lw=0.8)
         ax.text(end, ax.get_ylim()[1] * 0.98, " end of forward", va="top", fontsize=8, color="grey")
     ax.set_xlabel("level of the categorized topological ordering")
-    ax.set_ylabel("device memory (GiB)")
+    ax.set_ylabel(f"device memory ({unit})")
     ax.set_title(f"{result.model}, batch {result.batch_size}: predicted device memory")
     ax.legend(loc="upper left", fontsize=8)
     ax.set_ylim(bottom=0)
@@ -64,16 +66,18 @@ def distance_histogram(result, path: Path) -> Path:
     activation = is_activation(g)[g.edge_tensor]
     fig, ax = plt.subplots(figsize=(8, 3.8))
     values = distance[activation]
+    read_bytes = g.tensor_bytes[g.edge_tensor[activation]]
+    unit, scale = byte_unit(read_bytes.sum() if len(values) else 0)
     if len(values):
         bins = np.unique(np.geomspace(1, max(values.max(), 2), 40).astype(int))
         ax.hist(values, bins=bins, color="tab:blue", alpha=0.8,
-                weights=g.tensor_bytes[g.edge_tensor[activation]] / GiB)
+                weights=read_bytes / scale)
         ax.set_xscale("log")
     if result.params is not None:
         ax.axvline(result.params.threshold, color="tab:red", ls="--", label=f"threshold {result.params.threshold}")
         ax.legend(fontsize=8)
     ax.set_xlabel(f"edge distance ({'execution steps' if in_slots else 'levels'} from producer to consumer)")
-    ax.set_ylabel("GiB read over such edges")
+    ax.set_ylabel(f"{unit} read over such edges")
     ax.set_title("Distances of activation reads (edges right of the threshold are swapped)")
     return _save(fig, path)
 
@@ -114,24 +118,25 @@ def pareto_front(result, path: Path) -> Path | None:
         return None
     rows = rows.drop_duplicates(subset=["peak_bytes", "step_s"])
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    unit, scale = byte_unit(max(result.budget_bytes, float(rows["peak_bytes"].max())))
     fits = rows["feasible"].astype(bool)
-    ax.scatter(rows.loc[~fits, "step_s"], rows.loc[~fits, "peak_bytes"] / GiB, s=10, color="tab:grey", alpha=0.5,
+    ax.scatter(rows.loc[~fits, "step_s"], rows.loc[~fits, "peak_bytes"] / scale, s=10, color="tab:grey", alpha=0.5,
                label="over the budget")
-    ax.scatter(rows.loc[fits, "step_s"], rows.loc[fits, "peak_bytes"] / GiB, s=12, color="tab:blue", alpha=0.7,
+    ax.scatter(rows.loc[fits, "step_s"], rows.loc[fits, "peak_bytes"] / scale, s=12, color="tab:blue", alpha=0.7,
                label="fits")
     ordered = rows.sort_values(["step_s", "peak_bytes"])
     peaks = ordered["peak_bytes"].astype(float)
     front = ordered[peaks < peaks.cummin().shift(fill_value=np.inf)]
-    ax.step(front["step_s"], front["peak_bytes"] / GiB, where="post", color="tab:green", lw=1.5, label="Pareto front")
-    ax.axhline(result.budget_bytes / GiB, color="black", ls="--", lw=1, label="budget")
+    ax.step(front["step_s"], front["peak_bytes"] / scale, where="post", color="tab:green", lw=1.5, label="Pareto front")
+    ax.axhline(result.budget_bytes / scale, color="black", ls="--", lw=1, label="budget")
     base = result.baseline
-    ax.scatter([base.step_s], [base.peak_bytes / GiB], marker="s", color="tab:red", s=40, label="no swapping", zorder=3)
+    ax.scatter([base.step_s], [base.peak_bytes / scale], marker="s", color="tab:red", s=40, label="no swapping", zorder=3)
     if result.shown is not None:
-        ax.scatter([result.shown.step_s], [result.shown.peak_bytes / GiB], marker="*", color="gold", edgecolor="black",
+        ax.scatter([result.shown.step_s], [result.shown.peak_bytes / scale], marker="*", color="gold", edgecolor="black",
                    s=160, label="chosen" if result.chosen else "closest miss", zorder=4)
     ax.set_xlabel("simulated step time (s)")
-    ax.set_ylabel("predicted peak memory (GiB)")
-    ax.set_title(f"{len(rows)} distinct candidates simulated")
+    ax.set_ylabel(f"predicted peak memory ({unit})")
+    ax.set_title(f"{len(rows)} distinct candidates simulated (same peak and time counted once)")
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -140,17 +145,18 @@ def measured_vs_predicted(result, path: Path) -> Path | None:
     m = result.measurement
     if m is None:
         return None
-    labels, predicted, measured = ["with the plan"], [m.predicted_peak_bytes / GiB], [m.peak_bytes / GiB]
+    unit, scale = byte_unit(max(m.predicted_peak_bytes, m.peak_bytes))
+    labels, predicted, measured = ["with the plan"], [m.predicted_peak_bytes / scale], [m.peak_bytes / scale]
     if m.baseline_peak_bytes is not None:
         labels.insert(0, "without swapping")
-        predicted.insert(0, m.predicted_baseline_peak_bytes / GiB)
-        measured.insert(0, m.baseline_peak_bytes / GiB)
+        predicted.insert(0, m.predicted_baseline_peak_bytes / scale)
+        measured.insert(0, m.baseline_peak_bytes / scale)
     x = np.arange(len(labels))
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.bar(x - 0.2, predicted, 0.4, label="predicted", color="tab:blue")
     ax.bar(x + 0.2, measured, 0.4, label=f"measured ({m.measured_on})", color="tab:orange")
     ax.set_xticks(x, labels)
-    ax.set_ylabel("peak device memory (GiB)")
+    ax.set_ylabel(f"peak device memory ({unit})")
     ax.set_title(f"Batch {m.batch_size}: predicted and measured")
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -55,26 +55,38 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
     sections = []
-    if result.applies_plan and result.plan.changes_step:
+    verdict = [f"**{result.verdict.headline}**"]
+    if result.feasible and result.plan is not None and result.plan.changes_step:
         how = (f"swaps {result.plan.n_swaps} tensors" if result.plan.n_swaps else
                f"swaps nothing, runs the ops in the `{result.plan.order_name}` order,")
-        verdict = (f"**Fits.** The plan {how} and brings the predicted peak from "
-                   f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
-                   f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
-                   f"{_seconds(shown.step_s)} ({_pct(shown.metrics['overhead'])} over computing alone).")
+        verdict.append(f"The plan {how} and brings the predicted peak from "
+                       f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
+                       f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
+                       f"{_seconds(shown.step_s)} ({_pct(shown.metrics['overhead'])} over computing alone).")
     elif result.feasible:
-        verdict = (f"**Fits without swapping.** The predicted peak is {format_bytes(result.baseline.peak_bytes)}, "
-                   f"within the budget of {format_bytes(result.budget_bytes)}"
-                   + (" (of the rewritten step; the plan applies the rewrites)." if result.applies_plan else "."))
-    else:
-        miss = "" if shown is None else (f" The closest plan found reaches {format_bytes(shown.peak_bytes)}, "
-                                         f"{format_bytes(max(0, shown.excess_bytes))} over the budget.")
-        verdict = (f"**Does not fit.** No plan brings the peak of {format_bytes(result.baseline.peak_bytes)} under the "
-                   f"budget of {format_bytes(result.budget_bytes)}.{miss}")
+        verdict.append(f"The predicted peak without swapping is {format_bytes(result.baseline.peak_bytes)}, within "
+                       f"the budget of {format_bytes(result.budget_bytes)}"
+                       + (" (of the rewritten step; the plan applies the rewrites)." if result.graph_rewrites else "."))
+    else:  # peaks as corrected by measured runs, where there were any (the same as predicted otherwise)
+        correction, resident = result.correction, result.graph.persistent_bytes
+        base = correction.corrected(result.baseline.peak_bytes, resident)
+        miss = ""
+        if shown is not None:
+            closest = correction.corrected(shown.peak_bytes, resident)
+            miss = (f" The closest plan found reaches {format_bytes(closest)}, "
+                    f"{format_bytes(max(0, closest - result.budget_bytes))} over it.")
+        corrected = "" if correction.is_identity else (f" (corrected from measured runs: "
+                                                       f"{correction.describe()}; predicted "
+                                                       f"{format_bytes(result.baseline.peak_bytes)})")
+        verdict.append(f"No plan brings the peak of {format_bytes(base)}{corrected} under the "
+                       f"budget of {format_bytes(result.budget_bytes)}.{miss}")
     settings = pd.DataFrame([
         ("model", result.model), ("batch size", result.batch_size), ("device model", result.device.name),
         ("budget", f"{format_bytes(result.budget_bytes)}, from {result.budget_source}"),
-        ("search", f"{result.policy}, {len(result.evaluations)} candidates simulated"),
+        ("search", f"{result.policy}, {len(result.evaluations)} candidates simulated"
+                   + ("" if result.search_budget_bytes in (None, result.budget_bytes) else
+                      f", predicted peaks held to {format_bytes(result.search_budget_bytes)} (corrected from "
+                      "measured runs)")),
         ("graph", f"{result.graph.n_ops} ops, {result.graph.n_tensors} tensors"),
         ("graph rewrites (every figure is of the rewritten step)" if result.graph_rewrites else "graph rewrites",
          _rewrites_text(summary["graph_rewrite_changes"]) or "none"),
@@ -83,7 +95,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
          format_bytes(summary["peak_lower_bound_bytes"])),
         ("largest batch without swapping", summary["max_batch_without_swap"]),
     ], columns=["setting", "value"])
-    sections.append(Section("Result", [verdict] + result.notes, [settings]))
+    sections.append(Section("Result", verdict + result.notes, [settings]))
 
     rows = [("peak device memory", format_bytes(result.baseline.peak_bytes),
              format_bytes(shown.peak_bytes) if shown else "n/a"),
@@ -103,23 +115,39 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
 
     m = result.measurement
     if m is not None:
-        table = pd.DataFrame([
-            ("peak device memory", format_bytes(m.predicted_peak_bytes), format_bytes(m.peak_bytes),
-             f"{m.predicted_peak_bytes / m.peak_bytes:.3f}" if m.peak_bytes else "n/a"),
-            ("step time", _seconds(m.predicted_step_s), _seconds(m.step_s), ""),
-        ] + ([("peak without swapping", format_bytes(m.predicted_baseline_peak_bytes),
-               format_bytes(m.baseline_peak_bytes), f"{m.predicted_baseline_peak_bytes / m.baseline_peak_bytes:.3f}")]
-             if m.baseline_peak_bytes else []),
-            columns=["", "predicted", "measured", "predicted / measured"])
+        measured_peak = "out of memory" if m.out_of_memory else format_bytes(m.peak_bytes)
+        rows = [("peak device memory", format_bytes(m.predicted_peak_bytes), measured_peak,
+                 f"{m.predicted_peak_bytes / m.peak_bytes:.3f}" if m.peak_bytes else "n/a"),
+                ("step time", _seconds(m.predicted_step_s), _seconds(m.step_s), "")]
+        if m.baseline_peak_bytes:
+            rows.append(("peak without swapping", format_bytes(m.predicted_baseline_peak_bytes),
+                         format_bytes(m.baseline_peak_bytes),
+                         f"{m.predicted_baseline_peak_bytes / m.baseline_peak_bytes:.3f}"))
+        if m.plain_peak_bytes:
+            rows.append(("peak of model.fit's own step (Keras' train_step, TF's op order)", "",
+                         format_bytes(m.plain_peak_bytes), ""))
+        table = pd.DataFrame(rows, columns=["", "predicted", "measured", "predicted / measured"])
         text = [f"Measured on {m.measured_on} at batch {m.batch_size}. {m.note}".strip()]
-        if m.swaps_planned is not None:
+        if m.swaps_planned and m.swaps_survived is not None:
             text.append(f"{m.swaps_survived} of {m.swaps_planned} swaps survived TensorFlow's graph optimizer.")
+        rounds = result.verdict.checks
+        if rounds:
+            text.append("The measured run decides the verdict: a plan counts as confirmed when its measured peak is "
+                        f"within {rounds[0].tolerance:.0%} of the prediction and within the budget (carried to the "
+                        "requested batch when it ran at a smaller one); otherwise the miss corrects the next search.")
+            text += [check.describe() + "." for check in rounds]
         sections.append(Section("Measured run", text, [table],
                                 [n for n in ("measured_vs_predicted.png",) if n in images]))
-    elif result.plan is not None:
-        sections.append(Section("Measured run", ["Not measured (--no-measure)."]))
+    elif result.plan is not None and not result.verdict.measured:
+        sections.append(Section("Measured run", ["Not measured (--no-measure): the verdict is the simulator's "
+                                                 "prediction only."]))
+    elif result.verdict.measured:
+        sections.append(Section("Measured run", [result.verdict.headline]))
 
-    sections.append(Section("Search", [f"{len(result.evaluations)} candidates; the search space has "
+    distinct = len({(e.peak_bytes, e.step_s) for e in result.evaluations})
+    sections.append(Section("Search", [f"{len(result.evaluations)} candidates simulated, {distinct} of them distinct "
+                                       "(different parameters often make the same plan: the same predicted peak and "
+                                       "step time); the search space has "
                                        f"{result.space.size():,} grid points."], [],
                             [n for n in ("optimization_history.png", "param_importances.png", "distance_histogram.png")
                              if n in images]))
@@ -229,7 +257,7 @@ def write_report(result, out_dir: str | Path) -> dict[str, Path]:
         images = plots.draw_all(result, scratch)
         files: dict[str, Path] = dict(images)
         plan_file = "plan.json" if result.feasible else "closest_plan.json"
-        if result.plan is not None and (result.plan.changes_step or result.graph_rewrites):
+        if result.plan is not None and (result.plan.changes_step or result.applies_plan):
             (scratch / plan_file).write_text(result.plan.to_json(result.graph))
             files[plan_file] = scratch / plan_file
         pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)

@@ -1,8 +1,8 @@
 """The tuning run: pick a budget, search swap parameters by simulation, check the winner for real.
 
 ``tune_graph`` works on a captured OpGraph and never needs TensorFlow (benchmarks use it);
-``tune`` captures a Keras model first and, unless told not to, applies the winning plan to the
-real training step and measures it.
+``autotune.confirm.tune`` captures a Keras model first and, unless told not to, applies the winning
+plan to the real training step and measures it until a measured run confirms it (``autotune.verdict``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import optuna
 from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
+from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, predicted
 from simulator import BACKWARD, DeviceModel, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
@@ -49,6 +50,9 @@ class Measurement:
     note: str = ""
     swaps_survived: int | None = None
     swaps_planned: int | None = None
+    # without swapping: the step a plain model.fit runs (Keras' own train_step, TF's executor order)
+    plain_peak_bytes: int | None = None
+    out_of_memory: bool = False  # the plan's run raised ResourceExhausted (peak_bytes is then 0)
 
 
 @dataclass
@@ -74,6 +78,11 @@ class TuneResult:
     max_batch_without_swap: int | None = None
     measurement: Measurement | None = None
     notes: list[str] = field(default_factory=list)
+    # the budget the search held predicted peaks to: the budget less what measured runs showed the
+    # simulator misses on this model (``correction``); equal to budget_bytes before any measured run
+    search_budget_bytes: int | None = None
+    correction: PeakCorrection = field(default_factory=PeakCorrection)
+    verdict: Verdict | None = None
 
     @property
     def feasible(self) -> bool:
@@ -91,8 +100,11 @@ class TuneResult:
 
     @property
     def applies_plan(self) -> bool:
-        """A plan fits and changes the step (swaps, reorders or rewrites it): there is something to apply."""
-        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.graph_rewrites))
+        """A plan fits and changes the step (swaps, reorders or rewrites it), or only the tool's
+        serialized step fits: there is something to apply."""
+        serialized = self.verdict is not None and self.verdict.train_with == SERIALIZED_STEP
+        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.graph_rewrites)
+                                                            or serialized)
 
     @property
     def shown(self) -> Evaluation | None:
@@ -110,6 +122,9 @@ class TuneResult:
             "study_name": None if self.study is None else self.study.study_name,
             "budget_bytes": self.budget_bytes,
             "budget_source": self.budget_source,
+            **(self.verdict.to_dict() if self.verdict is not None else {}),
+            "search_budget_bytes": self.search_budget_bytes,
+            "peak_correction": {"factor": self.correction.factor, "excess_bytes": self.correction.excess_bytes},
             "feasible": self.feasible,
             "params": None if self.params is None else self.params.to_dict(),
             "closest_params": None if self.chosen or not shown or not shown.params else shown.params.to_dict(),
@@ -138,6 +153,8 @@ class TuneResult:
             "measured_baseline_step_s": None if m is None else m.baseline_step_s,
             "predicted_peak_bytes_at_measured_batch": None if m is None else m.predicted_peak_bytes,
             "predicted_step_s_at_measured_batch": None if m is None else m.predicted_step_s,
+            "measured_plain_fit_peak_bytes": None if m is None else m.plain_peak_bytes,
+            "measured_out_of_memory": None if m is None else m.out_of_memory,
             "notes": self.notes,
         }
 
@@ -325,12 +342,26 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
                memory: int | None = None, policy: str = "optuna", sampler: str = "tpe", trials: int | None = 200,
                timeout_s: float | None = None, seed: int | None = 0, storage: str | None = None,
                study_name: str | None = None, maximize_batch: bool = False, max_overhead: float | None = None,
-               progress: bool = False) -> TuneResult:
-    """Search swap parameters for ``graph`` by simulation (no TensorFlow needed)."""
-    device_model, budget, source = resolve_device(device, memory)
+               progress: bool = False, correction: PeakCorrection | None = None, measured: bool = False) -> TuneResult:
+    """Search swap parameters for ``graph`` by simulation (no TensorFlow needed).
+
+    ``correction``: what measured runs showed the simulator misses on this model; the search holds
+    corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
+    waits for it instead of calling the prediction final)."""
+    device_model, user_budget, source = resolve_device(device, memory)
+    correction = correction or PeakCorrection()
     notes: list[str] = []
     g = graph.with_batch(batch_size or graph.batch_size)
-    if g.persistent_bytes > budget:
+    budget = correction.search_budget(user_budget, g.persistent_bytes)
+    if not correction.is_identity and budget <= g.persistent_bytes:
+        notes.append(f"measured runs showed the simulator short on this model ({correction.describe()}): with "
+                     f"that correction not even the resident memory leaves room in the budget of "
+                     f"{format_bytes(user_budget)}, so no plan can fit")
+    elif not correction.is_identity:
+        notes.append(f"measured runs showed the simulator short on this model ({correction.describe()}): the "
+                     f"search held predicted peaks to {format_bytes(budget)} so that the corrected peak fits "
+                     f"the budget of {format_bytes(user_budget)}")
+    elif g.persistent_bytes > budget:
         notes.append(f"the model's weights, optimizer state and inputs alone take {format_bytes(g.persistent_bytes)}, "
                      f"more than the budget of {format_bytes(budget)}: no swap plan can fit")
     no_swap_max = max_batch_without_swap(g, budget, device_model)
@@ -371,8 +402,9 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
                          f"over the {max_overhead:.0%} asked for")
     tiled = _broadcasts_left(g) if chosen is None else 0
     if tiled:
-        notes.append(f"{tiled} gradients are tiled to an activation's full shape (batch "
-                     "normalisation's backward): --rewrite elide-broadcasts lets the ops that read them broadcast")
+        notes.append(f"{tiled} gradients are tiled to an activation's full shape (the gradient of a mean, as in "
+                     "batch normalisation's backward): --rewrite elide-broadcasts lets the ops that read them "
+                     "broadcast")
     if chosen is not None and chosen.params is not None and chosen.params.keep_tensors:
         notes.append(f"{len(chosen.params.keep_tensors)} tensors the swap rules pick stay on the device: the host's "
                      f"{format_bytes(problem.host_limit_bytes)} of RAM cannot hold every copy at once "
@@ -380,12 +412,17 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
     shown = chosen or closest
     plan = problem.plan(shown.params) if shown is not None else None
+    shown_replay = None if shown is None else replay(g, plan, device_model)
+    verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and plan.n_swaps),
+                        peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
+                        budget_bytes=user_budget, measured=measured)
     return TuneResult(
-        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, device=device_model, budget_bytes=budget,
+        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, device=device_model, budget_bytes=user_budget,
         budget_source=source, graph=g, policy=policy, baseline=baseline, chosen=chosen, closest=closest,
         evaluations=outcome_evaluations, study=study, plan=plan,
-        replay=None if shown is None else replay(g, plan, device_model), baseline_replay=replay(g, None, device_model),
-        space=problem.space, max_batch_without_swap=no_swap_max, notes=notes,
+        replay=shown_replay, baseline_replay=replay(g, None, device_model),
+        space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,
+        correction=correction, verdict=verdict,
     )
 
 
@@ -406,31 +443,3 @@ def _splittable(g: OpGraph, op: int) -> bool:
     outputs = np.flatnonzero(g.tensor_producer == op)
     readers = g.edge_consumer[np.isin(g.edge_tensor, outputs)]
     return bool(np.isin(g.op_type[readers], ["Conv2D", "Conv3D"]).any())
-
-
-def tune(model, *, batch_size: int | None = None, device: str | DeviceModel | None = None, memory: int | None = None,
-         measure: bool = True, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
-         **search: Any) -> TuneResult:
-    """Capture ``model``'s training step, search swap parameters, and measure the winner.
-
-    ``batch_size`` may be left out with ``maximize_batch=True`` (the search picks it).
-    ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
-    ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
-    Returns a TuneResult with params, plan, predictions and (``measure=True``) measurements.
-    """
-    from rewriter.capture import capture
-
-    if batch_size is None:
-        if not search.get("maximize_batch"):
-            raise ValueError("batch_size is required unless maximize_batch=True")
-        batch_size = 1  # only where the capture starts: sizes are linear in the batch
-
-    graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                    label_dtype=label_dtype, name=getattr(model, "name", None), graph_rewrites=graph_rewrites)
-    result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
-    if measure and result.plan is not None:
-        from autotune.measured import measure_result
-
-        result.measurement = measure_result(model, result, input_shapes=input_shapes, label_shapes=label_shapes,
-                                            label_dtype=label_dtype)
-    return result

@@ -25,7 +25,7 @@ prepare_environment()  # before the modules below import TensorFlow
 
 from rewriter.apply import PlanError, StateSnapshot, SwapStep, load_plan  # noqa: E402
 from rewriter.capture import CaptureError, capture_step, trace_function_step, trace_keras_step  # noqa: E402
-from rewriter.keras import restore_train_function, swap_step_of, swapping, use_swap_step  # noqa: E402
+from rewriter.keras import KerasStep, restore_train_function, swap_step_of, swapping, use_swap_step  # noqa: E402
 from rewriter.measure import Measurement  # noqa: E402
 from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect  # noqa: E402
 from rewriter.verify import Verification  # noqa: E402
@@ -47,7 +47,7 @@ measure = _sys.modules[f"{__name__}.measure"]
 verify = _sys.modules[f"{__name__}.verify"]
 
 __all__ = [
-    "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "Measurement", "Placement", "PlanError", "StateSnapshot",
+    "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "KerasStep", "Measurement", "Placement", "PlanError", "StateSnapshot",
     "SwapStep", "Verification", "apply", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
     "measure", "prepare_environment", "restore_train_function", "swap_step_of", "swapping", "trace_function_step",
     "trace_keras_step", "use_swap_step", "verify",

@@ -115,3 +115,35 @@ def swapping(model, step_or_plan, *, batch_size: int | None = None, **apply_kwar
         yield step
     finally:
         restore_train_function(model)
+
+
+class KerasStep:
+    """Keras' own ``train_step`` in a ``tf.function``, as a plain ``model.fit`` runs it without XLA:
+    TF's executor picks the op order and Grappler runs as configured. This is the step a user trains
+    with when not using the tool's, so "fits without swapping" is measured on it too (its peak can be
+    well above the serialized step's). ``rewriter.measure`` takes it like a ``SwapStep``."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self._function = tf.function(lambda x, y: model.train_step((x, y)), autograph=False)
+
+    def __call__(self, x, y):
+        return self._function(x, y)
+
+    def snapshot(self) -> "ModelSnapshot":
+        return ModelSnapshot(self._model)
+
+
+class ModelSnapshot:
+    """Host copies of a model's weights, optimizer state and metric state, put back by ``restore()``."""
+
+    def __init__(self, model) -> None:
+        seen = {}
+        for variable in (list(model.variables) + list(model.optimizer.variables)
+                         + list(getattr(model, "metrics_variables", []))):
+            seen[id(variable)] = variable
+        self._values = [(v, v.numpy()) for v in seen.values()]
+
+    def restore(self) -> None:
+        for variable, value in self._values:
+            variable.assign(value)

@@ -122,7 +122,7 @@ def test_budget_below_the_weights_exits_3(models, capsys, tmp_path):
     code, stdout, err = _run_main(capsys, models / "good", "--batch-size", "4", "--memory", "10KiB", "--no-measure",
                                   "--trials", "5", "--out", out, "--quiet")
     assert code == 3, err
-    assert "weights" in stdout and "NO PLAN FITS" in stdout
+    assert "weights" in stdout and "verdict: Does not fit" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["feasible"] is False and summary["excess_bytes"] > 0
     assert (out / "report.html").exists() and (out / "report.md").exists()
@@ -265,7 +265,8 @@ def test_a_second_run_keeps_the_first_report(models, capsys, tmp_path):
     second = _run_main(capsys, *common, "--batch-size", "32")
     assert second[0] in (0, 3), second[2]
     (kept,) = (out / "previous").iterdir()
-    assert kept.name.endswith("-cnn-b64") and "is now in" in second[2]
+    model_name = json.loads(before["summary.json"])["model"]  # the model's own name, not the file's
+    assert kept.name.endswith(f"-{model_name}-b64") and "is now in" in second[2]
     assert {path.name: path.read_bytes() for path in kept.iterdir()} == before
     assert json.loads((out / "summary.json").read_text())["batch_size"] == 32
 

@@ -1,0 +1,104 @@
+"""Tune a Keras model, then measure the chosen plan until a measured run confirms it.
+
+The search runs on the simulator; the measured run decides (``autotune.verdict``). A run whose peak
+is above the prediction, or over the budget, turns into a correction the next search budgets for,
+and the new plan is measured again, ``MAX_ROUNDS`` times at most. The result's ``verdict`` says
+whether a measured run confirmed the plan; the CLI and ``tune()`` both come through here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from autotune.measured import measure_result
+from autotune.tuning import TuneResult, tune_graph
+from autotune.verdict import MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed
+
+log = logging.getLogger(__name__)
+
+
+def _check(result: TuneResult, round_: int, measured_bytes: int | None, correction: PeakCorrection) -> Check:
+    m = result.measurement
+    return check_run(round=round_, measured_on=m.measured_on, measured_bytes=measured_bytes,
+                     predicted_bytes=m.predicted_peak_bytes,
+                     resident_bytes=result.graph.with_batch(m.batch_size).persistent_bytes,
+                     predicted_at_request_bytes=result.shown.peak_bytes,
+                     resident_at_request_bytes=result.graph.persistent_bytes, measured_batch=m.batch_size,
+                     requested_batch=result.batch_size, budget_bytes=result.budget_bytes, correction=correction)
+
+
+def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None] = log.info,
+            input_shapes=None, label_shapes=None, label_dtype=None, study_name: str | None = None,
+            **search: Any) -> TuneResult:
+    """Search plans for ``graph`` (captured from ``model``), measure the winner, and repeat with a
+    correction from the measurement until one is confirmed or ``rounds`` measured runs are spent.
+    ``search`` takes ``tune_graph``'s keyword arguments."""
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
+    correction = PeakCorrection()
+    checks: list[Check] = []
+    measured_plans: dict = {}  # (params, batch) -> Measurement: a plan chosen again is not run again
+    inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
+    for round_ in range(1, rounds + 1):
+        # a corrected search is another search: its own study, so stored trials keep the budget they were made for
+        name = study_name if round_ == 1 or study_name is None else f"{study_name}-corrected-{round_ - 1}"
+        result = tune_graph(graph, correction=correction, measured=True, study_name=name, **search)
+        if result.plan is None:  # not even a closest plan (e.g. the resident memory alone is over the budget)
+            result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
+            return result
+        key = (result.shown.params, result.batch_size)
+        try:
+            if key not in measured_plans:
+                measured_plans[key] = measure_result(model, result, **inputs)
+            result.measurement = measured_plans[key]
+        except Exception as error:  # never a success without a measurement; the report says what failed
+            log.debug("measured run failed", exc_info=True)
+            reason = f"the measured run failed ({type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''})"
+            result.verdict = not_confirmed(checks, reason=reason)
+            return result
+        m = result.measurement
+        check = _check(result, round_, None if m.out_of_memory else m.peak_bytes, correction)
+        checks.append(check)
+        say(check.describe())
+        if not result.feasible:  # the closest miss, measured for the report: nothing to confirm
+            result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
+            return result
+        if check.confirmed:
+            plain = None
+            if not result.plan.n_swaps:
+                plain = _check(result, round_, m.plain_peak_bytes, PeakCorrection())
+            result.verdict = confirmed(result.verdict, checks, plain=plain)
+            return result
+        correction = next_correction(check, correction, result.graph.with_batch(m.batch_size).persistent_bytes)
+        if round_ < rounds:
+            say(f"the measured run contradicts the prediction: re-tuning with a correction "
+                f"({correction.describe()})")
+    result.verdict = not_confirmed(checks, reason=f"{len(checks)} measured runs and none confirmed a plan; the last, "
+                                                  f"{checks[-1].describe()}")
+    return result
+
+
+def tune(model, *, batch_size: int | None = None, device=None, memory: int | None = None, measure: bool = True,
+         input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(), rounds: int = MAX_ROUNDS,
+         **search: Any) -> TuneResult:
+    """Capture ``model``'s training step, search swap parameters, and measure the winner until a
+    measured run confirms it (``result.verdict``).
+
+    ``batch_size`` may be left out with ``maximize_batch=True`` (the search picks it).
+    ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
+    ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
+    ``measure=False``: the simulator's answer alone (the verdict says it is a prediction only).
+    """
+    from rewriter.capture import capture  # TensorFlow only when a model is tuned
+
+    if batch_size is None:
+        if not search.get("maximize_batch"):
+            raise ValueError("batch_size is required unless maximize_batch=True")
+        batch_size = 1  # only where the capture starts: sizes are linear in the batch
+    graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
+                    label_dtype=label_dtype, name=getattr(model, "name", None), graph_rewrites=graph_rewrites)
+    if not measure:
+        return tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
+    return confirm(model, graph, rounds=rounds, input_shapes=input_shapes, label_shapes=label_shapes,
+                   label_dtype=label_dtype, batch_size=batch_size, device=device, memory=memory, **search)
