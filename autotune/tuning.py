@@ -400,6 +400,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
             notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
                          f"over the {max_overhead:.0%} asked for")
+    notes += _capture_notes(g)
     tiled = _broadcasts_left(g) if chosen is None else 0
     if tiled:
         notes.append(f"{tiled} gradients are tiled to an activation's full shape (the gradient of a mean, as in "
@@ -424,6 +425,23 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,
         correction=correction, verdict=verdict,
     )
+
+
+def _capture_notes(g: OpGraph) -> list[str]:
+    """What the capture could not size or no plan can move (``graph.meta``), said where it applies."""
+    notes = []
+    held = g.meta.get("unswappable") or {}
+    if held.get("bytes"):
+        names = ", ".join(item["tensor"] for item in held.get("tensors", [])[:3])
+        notes.append(f"{format_bytes(held['bytes'])} (at batch {held.get('batch')}) is held inside loops no plan can "
+                     f"swap ({names}{', ...' if len(held.get('tensors', [])) > 3 else ''}): {held.get('reason', '')}")
+    unresolved = g.meta.get("unresolved_tensors") or []
+    if unresolved:
+        names = ", ".join(str(item.get("tensor", item)) if isinstance(item, dict) else str(item)
+                          for item in unresolved[:3])
+        notes.append(f"{len(unresolved)} tensor(s) of unknown size are counted as 0 bytes ({names}"
+                     f"{', ...' if len(unresolved) > 3 else ''}): the measured run is what shows what they take")
+    return notes
 
 
 def _broadcasts_left(g: OpGraph) -> int:
