@@ -33,7 +33,8 @@ def _save(fig, path: Path) -> Path:
 def memory_timeline(result, path: Path) -> Path:
     """Device memory over the categorized ordering, without and with the plan, against the budget."""
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    unit, scale = byte_unit(max(result.budget_bytes, result.baseline.peak_bytes))
+    measured = result.measurement.peak_bytes if result.measurement is not None else 0
+    unit, scale = byte_unit(max(result.budget_bytes, result.baseline.peak_bytes, measured))
     base = result.baseline_replay.level_peak_bytes / scale
     ax.plot(np.arange(len(base)), base, color="tab:red", lw=1.2, label="without swapping")
     if result.replay is not None and result.plan is not None and result.plan.changes_step:
@@ -41,6 +42,10 @@ def memory_timeline(result, path: Path) -> Path:
                 color="tab:blue", lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped, {result.plan.order_name} order)")
     ax.axhline(result.budget_bytes / scale, color="black", ls="--", lw=1,
                label=f"budget {result.budget_bytes / scale:.2f} {unit}")
+    m = result.measurement
+    if m is not None and m.batch_size == result.batch_size and not m.out_of_memory:
+        ax.axhline(m.peak_bytes / scale, color="tab:orange", ls="-.", lw=1,
+                   label=f"measured peak of the plan ({m.measured_on})")
     ax.axhline(result.graph.persistent_bytes / scale, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
     forward_levels = result.graph.op_phase == FORWARD
     if forward_levels.any():
