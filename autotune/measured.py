@@ -51,12 +51,13 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     predicted = replay(graph, plan, device)
     predicted_base = replay(graph, None, device)
     x, y = synthetic_batch(model, batch, input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    step = rewriter.apply(model, plan, graph=graph, batch_size=batch, placement=placement, verify_with=(x, y))
+    shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)  # as captured
+    step = rewriter.apply(model, plan, graph=graph, batch_size=batch, placement=placement, verify_with=(x, y), **shapes)
     measured = rewriter.measure(step, x, y, warmup=1, repeats=3)
     baseline = None
     if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
         reference = rewriter.apply(model, SwapPlan.empty(graph), graph=graph, batch_size=batch, placement=placement,
-                                   verify=False)
+                                   verify=False, **shapes)
         baseline = rewriter.measure(reference, x, y, warmup=1, repeats=3)
     verification = step.verification
     log.info("measured at batch %d: peak %s (predicted %s)", batch, format_bytes(measured.peak_bytes),
