@@ -148,7 +148,8 @@ def load_user_model(settings: dict):
 def model_notes(model) -> list[str]:
     """What the user should know about how the tool treats this model (for the summary and report)."""
     notes = []
-    if getattr(model, "jit_compile", False) is True:
+    compiled_with = getattr(getattr(model, "_compile_config", None), "config", None) or {}
+    if getattr(model, "jit_compile", False) is True or compiled_with.get("jit_compile") is True:  # Keras may drop it
         notes.append("the model is compiled with jit_compile=True, but the swapping step runs without XLA: swap "
                      "ops must stay separate ops (an XLA cluster would fuse them away), so the figures here and "
                      "model.fit with rewriter.use_swap_step are of the step without XLA; it may be slower than the "
