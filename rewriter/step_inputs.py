@@ -222,7 +222,7 @@ def label_specs(model, batch_size: int, x_structure, x_specs, label_shapes=None,
         dtype = None if label_dtype is None else _per_output(label_dtype, names, i, "label_dtype")
         dtype = tf.as_dtype(dtype) if dtype else (tf.int32 if sparse else tf.float32)
         specs.append(tf.TensorSpec((batch_size,) + tuple(shape), dtype,
-                                   name=spec_name(f"y_{name}") if len(names) > 1 else "y"))
+                                   name=f"y{i}" if len(names) > 1 else "y"))
     return structure, names, specs
 
 

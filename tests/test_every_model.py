@@ -271,10 +271,11 @@ def test_dict_inputs_and_outputs_with_losses_by_name(saved, capsys, tmp_path):
     _, dirs, _ = saved
     model = _multi_output()
     graph = capture(model, BATCH)
-    assert graph.meta["inputs"] == ["a_meta", "z_image", "y_cls", "y_reg"]  # flat order: dict keys sorted
+    assert graph.meta["inputs"] == ["a_meta", "z_image", "y0", "y1"]  # flat order: dict keys sorted
     step = rewriter.trace_keras_step(model, BATCH)
+    assert step.inputs.y_names == ("cls", "reg") and step.inputs.x_names == ("a_meta", "z_image")
     specs = {s.name: (tuple(s.shape), s.dtype.name) for s in step.inputs.y_specs}
-    assert specs == {"y_cls": ((BATCH,), "int32"), "y_reg": ((BATCH, 2), "float32")}  # each its own loss's label
+    assert specs == {"y0": ((BATCH,), "int32"), "y1": ((BATCH, 2), "float32")}  # each its own loss's label
     out, _, _ = _measured(capsys, tmp_path, dirs["multi"], memory=_swapping_budget(model, BATCH))
     x, y = synthetic_batch(model, 3 * BATCH, seed=2)
     x = {"z_image": x["z_image"], "a_meta": x["a_meta"]}  # the user's key order
