@@ -58,8 +58,8 @@ class Config:
     memory: str | None = None
     device: str | None = None
     input_shapes: dict[str, list[int]] | list[list[int]] | None = None
-    label_shapes: list[list[int]] | None = None
-    label_dtype: str | None = None
+    label_shapes: list[list[int]] | dict[str, list[int]] | None = None  # per output: by position or name
+    label_dtype: str | dict[str, str] | None = None
     trials: int | None = None
     timeout: float | None = None
     sampler: str | None = None

@@ -77,6 +77,10 @@ def _optimizer_scope(optimizer) -> str | None:
     return re.escape(str(name)) if name else None
 
 
+TRACE_HINT = ("the step is traced once into a graph with fixed shapes, without autograph: Python branches on "
+              "tensor values, .numpy() and other eager-only code in train_step or call() cannot be captured")
+
+
 def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> TracedStep:
     """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
     (``rewriter.step_loss``); inputs and labels by name (``rewriter.step_inputs``)."""
@@ -97,7 +101,8 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
         except CaptureError:
             raise
         except Exception as error:  # anything Keras/TF raises while tracing is a capture failure
-            raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error}") from error
+            raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error} ({TRACE_HINT})") \
+                from error
     loss = recorded.loss()
     if loss is None:
         raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "

@@ -238,7 +238,7 @@ def build_if_needed(model, step: StepInputs) -> None:
     (inside the traced step TF would refuse to create them)."""
     if getattr(model, "built", True) and model.weights:
         return
-    zeros = [tf.zeros(spec.shape, spec.dtype) for spec in step.x_specs]
+    zeros = [tf.zeros((1,) + tuple(spec.shape)[1:], spec.dtype) for spec in step.x_specs]  # batch 1: cheap
     try:
         model(keras.tree.pack_sequence_as(step.x_structure, zeros))
     except Exception as error:  # the model's own code failed on these shapes
