@@ -67,7 +67,8 @@ def import_user_code(imports: list[UserImport], model_dir: Path) -> None:
                 _import_file(item.path)
         except Exception as error:  # the user's module raised: name it, with its own message
             text = " ".join(str(error).split())[:300]
-            raise InputError(f"{item.where} {item.entry}: importing it failed: {type(error).__name__}: {text}") from None
+            raise InputError(f"{item.where} {item.entry}: importing it failed: {type(error).__name__}: {text}") \
+                from None
 
 
 def _import_file(path: Path) -> None:

@@ -18,9 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from rewriter.graph_rewrites import apply_rewrites
-from rewriter.step_inputs import CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs
+from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
+                                  synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.step_loss import recording_losses
-from rewriter.step_inputs import synthetic_batch  # noqa: F401 -- re-exported: measured runs use it from here
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
 
