@@ -145,10 +145,10 @@ def input_specs(model, batch_size: int, input_shapes=None) -> tuple[Any, list[st
     specs = []
     for name, declared, dtype, shape in zip(names, declared_shapes or [None] * len(names), dtypes, given):
         if declared is None and shape is None:
-            raise CaptureError(f"the model has no defined inputs (a subclassed model never built): give the shape of "
-                               f"its input {name!r} without the batch (--input-shape {name}=D1,D2,... or "
-                               f"input_shapes = {{{name} = [...]}} in autotune.toml), or call the model once "
-                               "before saving it")
+            raise CaptureError(f"the model has no defined inputs (never built: subclassed, or Sequential without "
+                               f"an Input): give the shape of its input {name!r} without the batch (--input-shape "
+                               f"{name}=D1,D2,... or input_shapes = {{{name} = [...]}} in autotune.toml), or call "
+                               "the model once before saving it")
         if shape is not None:
             shape = tuple(int(d) for d in shape)
             if declared is not None and (len(shape) != len(declared)
