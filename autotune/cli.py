@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "to its previous/ folder")
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
     run.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
-                     help="shape of an input without the batch, where the model leaves dimensions open (repeatable)")
+                     help="shape of an input without the batch, where the model leaves dimensions open or has no "
+                          "defined inputs (a subclassed model never built: NAME is its call()'s first argument, "
+                          "usually inputs) (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress bar, only the result")
     return parser
 

@@ -347,3 +347,13 @@ def test_a_train_step_without_a_loss_is_refused():
     model.compile("sgd", "mse")
     with pytest.raises(rewriter.CaptureError, match="computed no loss: its train_step neither called self.compute_"):
         capture(model, BATCH)
+
+
+def test_a_user_module_that_raises_is_one_line(saved, capsys, tmp_path):
+    _, dirs, _ = saved
+    (dirs["custom"] / "broken_layers.py").write_text("raise RuntimeError('the layers need a licence key')\n")
+    code, _, err = _run(capsys, dirs["custom"], "--batch-size", BATCH, "--no-measure", "--import", "broken_layers.py",
+                        "--out", tmp_path / "out")
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "--import broken_layers.py: importing it failed: RuntimeError: the layers need a licence key" in lines[0]
