@@ -28,6 +28,7 @@ autotune.toml with defaults for the flags below, e.g.:
     input_shapes = {image = [224, 224, 3]}   # where the model leaves dimensions open
     trials = 200
     graph_rewrites = ["split-concat", "elide-broadcasts"]   # U-Nets: see --rewrite
+    imports = ["my_layers"]       # the model's custom objects: see --import
 
 The tool captures the training step, simulates candidate swap plans (threshold, swap-in
 window, grouping, sync mode, size filter, execution order, which tensors, distances in levels or
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m autotune", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="directory with one .keras model, or the .keras file")
+    parser.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                        help="module with the model's custom layers, losses or model class, imported before the model "
+                             "is loaded (repeatable; also imports in autotune.toml): found in MODEL_DIR first, then on "
+                             "the Python path; a path to a .py file works too")
     parser.add_argument("--batch-size", type=int, help="training batch size to tune for (required here or in "
                                                        "autotune.toml, except with --maximize-batch)")
     budget = parser.add_argument_group("memory budget (default: the visible GPU; without one, the v100-16gb preset)")
@@ -84,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "to its previous/ folder")
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
     run.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
-                     help="shape of an input without the batch, where the model leaves dimensions open (repeatable)")
+                     help="shape of an input without the batch, where the model leaves dimensions open or has no "
+                          "defined inputs (a subclassed model never built: NAME is its call()'s first argument, "
+                          "usually inputs) (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress bar, only the result")
     return parser
 
@@ -104,9 +111,11 @@ def _input_shapes(entries: list[str]):
 
 def _settings(args: argparse.Namespace):
     """Flags over autotune.toml over defaults, all checked before anything slow happens."""
+    from autotune.imports import check_model_archive, resolve_imports
     from autotune.inputs import find_model_file, load_config
 
     model_file = find_model_file(args.model_dir)
+    check_model_archive(model_file)
     config = load_config(model_file.parent)
     batch = args.batch_size if args.batch_size is not None else config.batch_size
     if batch is None and args.maximize_batch:
@@ -117,8 +126,10 @@ def _settings(args: argparse.Namespace):
         raise InputError(f"batch size must be positive, got {batch}")
     memory = args.memory if args.memory is not None else config.memory
     trials = args.trials if args.trials is not None else (config.trials if config.trials is not None else 200)
-    if trials < 0:
-        raise InputError(f"--trials must not be negative, got {trials}")
+    if trials < 1:
+        raise InputError(f"--trials must be at least 1, got {trials}")
+    if args.seed is not None and args.seed < 0:
+        raise InputError(f"--seed must not be negative, got {args.seed}")
     timeout = args.timeout if args.timeout is not None else config.timeout
     if timeout is not None and timeout <= 0:
         raise InputError(f"--timeout must be positive, got {timeout}")
@@ -145,8 +156,11 @@ def _settings(args: argparse.Namespace):
             raise InputError(f"{where}: unknown graph rewrite {unknown[0]!r}; known: {', '.join(REWRITES)}")
     if device is not None and device.lower().replace("_", "-") not in DEVICES:
         raise InputError(f"unknown device {device!r}; known: {', '.join(sorted(DEVICES))}")
+    imports = resolve_imports([(entry, "autotune.toml: imports") for entry in config.imports or []]
+                              + [(entry, "--import") for entry in args.imports or []], model_file.parent)
     return {
         "model_file": model_file,
+        "imports": imports,
         "batch_size": int(batch),
         "memory": None if memory is None else parse_bytes(memory, "--memory"),
         "device": device,
@@ -157,6 +171,7 @@ def _settings(args: argparse.Namespace):
         "seed": args.seed if args.seed is not None else (config.seed if config.seed is not None else 0),
         "max_overhead": max_overhead,
         "input_shapes": _input_shapes(args.input_shape) or config.input_shapes,
+        "input_shapes_from": "--input-shape" if args.input_shape else "autotune.toml: input_shapes",
         "graph_rewrites": graph_rewrites,
         "label_shapes": config.label_shapes,
         "label_dtype": config.label_dtype,
@@ -211,13 +226,13 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     storage = args.storage or default_storage(out)
 
     _say(quiet, f"loading {settings['model_file']} ...")
-    from autotune.inputs import load_model
+    from autotune.imports import load_user_model, model_notes
 
     if not args.no_measure:
         from rewriter.placement import configure_testbed
 
         configure_testbed()  # before TF's runtime starts: two logical CPUs when there is no GPU
-    model = load_model(settings["model_file"])
+    model = load_user_model(settings)  # the user's --import modules first
     from rewriter.capture import CaptureError, capture
 
     _say(quiet, f"capturing the training step at batch {settings['batch_size']} ...")
@@ -249,6 +264,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         result = confirm(model, graph, say=lambda text: _say(quiet, f"measured: {text}"),
                          input_shapes=settings["input_shapes"], label_shapes=settings["label_shapes"],
                          label_dtype=settings["label_dtype"], **search)
+    result.notes += model_notes(model)
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
     from autotune.report import write_report
 

@@ -9,11 +9,13 @@ whether a measured run confirmed the plan; the CLI and ``tune()`` both come thro
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable
 
 from autotune.measured import measure_result
 from autotune.tuning import TuneResult, tune_graph
-from autotune.verdict import MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed
+from autotune.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
+                              predicted)
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,19 @@ def _check(result: TuneResult, round_: int, measured_bytes: int | None, correcti
                      predicted_at_request_bytes=result.shown.peak_bytes,
                      resident_at_request_bytes=result.graph.persistent_bytes, measured_batch=m.batch_size,
                      requested_batch=result.batch_size, budget_bytes=result.budget_bytes, correction=correction)
+
+
+def _promote_closest(result: TuneResult, check: Check) -> None:
+    """The measured run overrules the correction too: a closest miss whose measured peak is within
+    the budget (and agrees with its corrected prediction) is the plan."""
+    measured_excess = check.projected_bytes - check.budget_bytes  # <= 0: the check is within the budget
+    result.chosen, result.closest = replace(result.closest, feasible=True, excess_bytes=measured_excess), None
+    result.notes.append("the corrected search found no plan under its stricter limit, but the closest plan's "
+                        "measured peak is within the budget: the measurement decides")
+    result.verdict = predicted(fits=True, swaps=bool(result.plan.n_swaps),
+                               peak_bytes=result.correction.corrected(result.chosen.peak_bytes,
+                                                                      result.graph.persistent_bytes),
+                               budget_bytes=result.budget_bytes, measured=True)
 
 
 def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None] = log.info,
@@ -61,14 +76,16 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
         check = _check(result, round_, None if m.out_of_memory else m.peak_bytes, correction)
         checks.append(check)
         say(check.describe())
-        if not result.feasible:  # the closest miss, measured for the report: nothing to confirm
-            result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
-            return result
         if check.confirmed:
+            if not result.feasible:  # the corrected search found none, but the closest plan measured within the budget
+                _promote_closest(result, check)
             plain = None
             if not result.plan.n_swaps:
                 plain = _check(result, round_, m.plain_peak_bytes, PeakCorrection())
             result.verdict = confirmed(result.verdict, checks, plain=plain)
+            return result
+        if not result.feasible:  # the closest miss, measured for the report, did not fit either
+            result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
             return result
         correction = next_correction(check, correction, result.graph.with_batch(m.batch_size).persistent_bytes)
         if round_ < rounds:

@@ -70,8 +70,8 @@ class Config:
     memory: str | None = None
     device: str | None = None
     input_shapes: dict[str, list[int]] | list[list[int]] | None = None
-    label_shapes: list[list[int]] | None = None
-    label_dtype: str | None = None
+    label_shapes: list[list[int]] | dict[str, list[int]] | None = None  # per output: by position or name
+    label_dtype: str | dict[str, str] | None = None
     trials: int | None = None
     timeout: float | None = None
     sampler: str | None = None
@@ -79,6 +79,7 @@ class Config:
     seed: int | None = None
     max_overhead: float | None = None
     graph_rewrites: list[str] | None = None
+    imports: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -97,12 +98,53 @@ def load_config(directory: Path) -> Config:
     if unknown:
         raise InputError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     expected = {"batch_size": int, "trials": int, "seed": int, "timeout": (int, float), "max_overhead": (int, float),
-                "memory": (str, int), "device": str, "sampler": str, "policy": str, "label_dtype": str,
-                "input_shapes": (dict, list), "label_shapes": list, "graph_rewrites": list}
+                "memory": (str, int), "device": str, "sampler": str, "policy": str,
+                "input_shapes": (dict, list), "label_shapes": (dict, list), "graph_rewrites": list,
+                "imports": list, "label_dtype": (str, dict)}
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, expected[key]):
             raise InputError(f"{path}: {key} = {value!r} has the wrong type")
+        check_config_value(f"{path}: {key}", key, value)
     return Config(**data)
+
+
+# the dtypes a label may have (TensorFlow's names; checked here without importing it)
+LABEL_DTYPES = ("bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                "uint32", "uint64", "bool", "complex64", "complex128")
+
+
+def check_config_value(where: str, key: str, value) -> None:
+    """One ``autotune.toml`` value, checked as the flag it stands for is (``where`` names it in the file)."""
+    positive = {"batch_size": 1, "trials": 1, "seed": 0}
+    if key in positive and value < positive[key]:
+        raise InputError(f"{where} must be {'positive' if positive[key] else 'non-negative'}, got {value}")
+    if key == "timeout" and value <= 0:
+        raise InputError(f"{where} must be positive, got {value}")
+    if key == "max_overhead" and value < 0:
+        raise InputError(f"{where} must not be negative, got {value}")
+    if key == "memory":
+        parse_bytes(value, where)
+    if key == "device":
+        from simulator.devices import DEVICES
+
+        if value.lower().replace("_", "-") not in DEVICES:
+            raise InputError(f"{where}: unknown device {value!r}; known: {', '.join(sorted(DEVICES))}")
+    if key in ("input_shapes", "label_shapes"):
+        shapes = value.items() if isinstance(value, dict) else \
+            ([("", value)] if value and not isinstance(value[0], list) else [(str(i), s) for i, s in enumerate(value)])
+        for name, shape in shapes:
+            if not isinstance(shape, list) or (not shape and key == "input_shapes") or \
+                    not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+                label = f"{where}.{name}" if isinstance(value, dict) else where
+                raise InputError(f"{label} = {shape!r}: expected a list of positive whole numbers (the shape "
+                                 f"without the batch), e.g. [224, 224, 3]")
+    if key == "label_dtype":
+        for name, dtype in (value.items() if isinstance(value, dict) else [("", value)]):
+            if dtype not in LABEL_DTYPES:
+                label = f"{where}.{name}" if isinstance(value, dict) else where
+                raise InputError(f"{label} = {dtype!r} is not a dtype; use one of {', '.join(LABEL_DTYPES)}")
+    if key in ("imports", "graph_rewrites") and not all(isinstance(v, str) and v.strip() for v in value):
+        raise InputError(f"{where} = {value!r}: expected a list of names")
 
 
 def find_model_file(path: str | Path) -> Path:
@@ -123,15 +165,17 @@ def find_model_file(path: str | Path) -> Path:
     return models[0]
 
 
-def load_model(path: Path):
-    """Load a compiled Keras model, or explain why it cannot be used."""
+def load_model(path: Path, describe_error=None):
+    """Load a compiled Keras model, or explain why it cannot be used (``describe_error(error)``: the
+    message, by default Keras' first line)."""
     import keras
 
     try:
         model = keras.models.load_model(path)
     except Exception as error:  # Keras raises many kinds for a broken or foreign file
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(f"{path} could not be loaded as a Keras model: {first[:300]}") from None
+        text = describe_error(error) if describe_error is not None else first[:300]
+        raise InputError(f"{path} could not be loaded as a Keras model: {text}") from None
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None or model.loss is None:
         raise InputError(f"{path} holds a model that is not compiled with an optimizer and a loss: "
                          "call model.compile(optimizer=..., loss=...) before model.save(...)")

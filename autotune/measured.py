@@ -51,13 +51,14 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     predicted = replay(graph, plan, device)
     predicted_base = replay(graph, None, device)
     x, y = synthetic_batch(model, batch, input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    step = rewriter.apply(model, plan, graph=graph, batch_size=batch, placement=placement, verify_with=(x, y))
+    shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)  # as captured
+    step = rewriter.apply(model, plan, graph=graph, batch_size=batch, placement=placement, verify_with=(x, y), **shapes)
     measured, out_of_memory = _measure(step, x, y)
     baseline = plain = None
     if plan.n_swaps:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             reference = rewriter.apply(model, SwapPlan.empty(graph), graph=graph, batch_size=batch,
-                                       placement=placement, verify=False)
+                                       placement=placement, verify=False, **shapes)
             baseline, _ = _measure(reference, x, y)
     else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
         plain, plain_oom = _measure(rewriter.KerasStep(model), x, y)

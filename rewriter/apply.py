@@ -41,6 +41,7 @@ from tensorflow.python.eager import context
 from rewriter.capture import (BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, import_step,
                               rewrite_graph_def, trace_keras_step)
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
+from rewriter.step_inputs import planned_step_inputs
 from simulator.devices import ONEDNN_POOL_READS
 from simulator.fusion import fusion_neighbourhood
 
@@ -690,10 +691,13 @@ class SwapStep:
     # -------------------------------------------------------------- running
 
     def _flat_inputs(self, x, y) -> list[tf.Tensor]:
-        xs = list(x) if isinstance(x, (list, tuple)) else [x]
-        ys = list(y) if isinstance(y, (list, tuple)) else [y]
-        if isinstance(x, dict) or isinstance(y, dict):
-            raise TypeError("dict inputs are not supported: pass lists in the model's input/output order")
+        if self.traced.inputs is not None:  # a Keras step: dicts by name (any key order), lists in flat order
+            xs, ys = self.traced.inputs.flatten(x, y)
+        else:
+            xs = list(x) if isinstance(x, (list, tuple)) else [x]
+            ys = list(y) if isinstance(y, (list, tuple)) else [y]
+        if isinstance(x, dict) and self.traced.inputs is None:
+            raise TypeError("dict inputs are not supported by a traced function's step: pass a list")
         if len(xs) != self._n_x or len(ys) != self._n_y:
             raise ValueError(f"the step takes {self._n_x} input(s) and {self._n_y} label(s), "
                              f"got {len(xs)} and {len(ys)}")
@@ -710,7 +714,7 @@ class SwapStep:
         return flat
 
     def batch_of(self, x) -> int:
-        first = x[0] if isinstance(x, (list, tuple)) else x
+        first = next(iter(x.values())) if isinstance(x, dict) else x[0] if isinstance(x, (list, tuple)) else x
         return int(first.shape[0])
 
     def run_flat(self, *flat):
@@ -797,6 +801,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     (nothing is changed), ``CaptureError`` for a model that cannot be traced.
     """
     plan_dict = load_plan(plan, graph)
+    input_shapes, label_shapes, label_dtype = planned_step_inputs(plan_dict, input_shapes, label_shapes, label_dtype)
     if not serialize:
         plan_dict = dict(plan_dict, order=[])
     place = resolve_placement(placement)

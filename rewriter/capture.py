@@ -18,14 +18,13 @@ import numpy as np
 import tensorflow as tf
 
 from rewriter.graph_rewrites import apply_rewrites
+from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
+                                  synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
+from rewriter.step_loss import recording_losses
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
 
 log = logging.getLogger(__name__)
-
-
-class CaptureError(ValueError):
-    """The model or step cannot be captured (not compiled, open dimensions, no loss...)."""
 
 
 # Ops whose output is their input (Grappler removes them): consumers read the input directly.
@@ -57,66 +56,10 @@ class TracedStep:
     loss_op: str
     optimizer_scope: str | None
     input_names: list[str] = field(default_factory=list)
+    inputs: StepInputs | None = None  # names and structures of a Keras step's inputs and labels
 
 
 # ---------------------------------------------------------------------- Keras entry point
-
-
-def _input_specs(model, batch_size: int, input_shapes) -> list[tf.TensorSpec]:
-    inputs = list(getattr(model, "inputs", None) or [])
-    if not inputs:
-        raise CaptureError("the model has no defined inputs: build it (call it once or use keras.Input) first")
-    if isinstance(input_shapes, dict):
-        given = [input_shapes.get(getattr(t, "name", ""), input_shapes.get(str(i))) for i, t in enumerate(inputs)]
-    elif input_shapes is not None and len(inputs) == 1 and input_shapes and not isinstance(input_shapes[0], (list, tuple)):
-        given = [input_shapes]
-    else:
-        given = list(input_shapes) if input_shapes is not None else [None] * len(inputs)
-    specs = []
-    for tensor, shape in zip(inputs, given):
-        declared = tuple(tensor.shape)[1:]
-        if shape is not None:
-            shape = tuple(int(d) for d in shape)
-            if len(shape) != len(declared) or any(d is not None and d != s for d, s in zip(declared, shape)):
-                raise CaptureError(f"input {tensor.name!r}: shape {shape} does not match the model's {declared}")
-            declared = shape
-        if any(d is None for d in declared):
-            raise CaptureError(f"input {tensor.name!r} has open dimensions {('batch',) + declared}: "
-                               f"give its shape without the batch (e.g. input_shapes={{'{tensor.name}': (...)}})")
-        specs.append(tf.TensorSpec((batch_size,) + declared, tf.as_dtype(str(tensor.dtype)), name=_spec_name(tensor.name)))
-    return specs
-
-
-def _spec_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", name) or "x"
-
-
-def _is_sparse_loss(loss) -> bool:
-    text = loss if isinstance(loss, str) else type(loss).__name__ + " " + str(getattr(loss, "name", ""))
-    text = getattr(loss, "__name__", text) if callable(loss) and not hasattr(loss, "name") else text
-    return "sparse" in str(text).lower()
-
-
-def _label_specs(model, batch_size: int, label_shapes, label_dtype) -> list[tf.TensorSpec]:
-    outputs = list(getattr(model, "outputs", None) or [])
-    losses = model.loss if isinstance(model.loss, (list, tuple)) else [model.loss] * len(outputs)
-    if isinstance(model.loss, dict):
-        losses = [model.loss.get(getattr(o, "name", ""), next(iter(model.loss.values()))) for o in outputs]
-    if label_shapes is not None and len(outputs) == 1 and label_shapes and not isinstance(label_shapes[0], (list, tuple)):
-        label_shapes = [label_shapes]
-    specs = []
-    for i, (output, loss) in enumerate(zip(outputs, losses)):
-        shape = tuple(output.shape)[1:]
-        sparse = _is_sparse_loss(loss)
-        if label_shapes is not None:
-            shape = tuple(label_shapes[i])
-        elif sparse:
-            shape = shape[:-1]
-        if any(d is None for d in shape):
-            raise CaptureError(f"output {i} has open dimensions {shape}: give label_shapes")
-        dtype = tf.as_dtype(label_dtype) if label_dtype else (tf.int32 if sparse else tf.float32)
-        specs.append(tf.TensorSpec((batch_size,) + shape, dtype, name=f"y{i}" if len(outputs) > 1 else "y"))
-    return specs
 
 
 def check_compiled(model) -> None:
@@ -134,40 +77,38 @@ def _optimizer_scope(optimizer) -> str | None:
     return re.escape(str(name)) if name else None
 
 
+TRACE_HINT = ("the step is traced once into a graph with fixed shapes, without autograph: Python branches on "
+              "tensor values, .numpy() and other eager-only code in train_step or call() cannot be captured")
+
+
 def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> TracedStep:
-    """Trace ``model.train_step`` at ``batch_size``; the loss is what ``_compute_loss`` returns."""
+    """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
+    (``rewriter.step_loss``); inputs and labels by name (``rewriter.step_inputs``)."""
     check_compiled(model)
-    x_specs = _input_specs(model, batch_size, input_shapes)
-    y_specs = _label_specs(model, batch_size, label_shapes, label_dtype)
+    inputs = step_inputs(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
+                         label_dtype=label_dtype)
+    build_if_needed(model, inputs)
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
-    recorded: list[Any] = []
-    original = model._compute_loss
-
-    def compute_loss(*args, **kwargs):
-        loss = original(*args, **kwargs)
-        recorded.append(loss)
-        return loss
-
-    single_x, single_y = len(x_specs) == 1, len(y_specs) == 1
 
     def step(x, y):
-        return model.train_step((x[0] if single_x else list(x), y[0] if single_y else list(y)))
+        return model.train_step(inputs.pack(x, y))
 
-    function = tf.function(step, input_signature=[tuple(x_specs), tuple(y_specs)], autograph=False)
-    model._compute_loss = compute_loss
-    try:
-        concrete = function.get_concrete_function()
-    except CaptureError:
-        raise
-    except Exception as error:  # anything Keras/TF raises while tracing is a capture failure
-        raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error}") from error
-    finally:
-        del model._compute_loss
-    if not recorded:
-        raise CaptureError("the training step computed no loss")
-    return TracedStep(concrete, batch_size, recorded[-1].op.name, _optimizer_scope(model.optimizer),
-                      [s.name for s in x_specs + y_specs])
+    function = tf.function(step, input_signature=[inputs.x_specs, inputs.y_specs], autograph=False)
+    with recording_losses(model) as recorded:
+        try:
+            concrete = function.get_concrete_function()
+        except CaptureError:
+            raise
+        except Exception as error:  # anything Keras/TF raises while tracing is a capture failure
+            raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error} ({TRACE_HINT})") \
+                from error
+    loss = recorded.loss()
+    if loss is None:
+        raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "
+                           "nor took a gradient of a scalar loss (tape.gradient)")
+    return TracedStep(concrete, batch_size, loss.op.name, _optimizer_scope(model.optimizer),
+                      [s.name for s in inputs.x_specs + inputs.y_specs], inputs)
 
 
 def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.TensorSpec]], batch_size: int,
@@ -227,7 +168,8 @@ def rewritten_step(traced: TracedStep, rewrites: Sequence[str]) -> tuple[TracedS
     if not any(changed.values()):
         return traced, changed
     function = import_step(graph_def, traced, keep_input_names=True)
-    return TracedStep(function, traced.batch_size, traced.loss_op, traced.optimizer_scope, traced.input_names), changed
+    return TracedStep(function, traced.batch_size, traced.loss_op, traced.optimizer_scope, traced.input_names,
+                      traced.inputs), changed
 
 
 def _underlying(tensor):
@@ -624,6 +566,8 @@ def capture(model, batch_size: int, *, input_shapes=None, label_shapes=None, lab
     first = trace_keras_step(model, int(batch_size), **kwargs)
     second = trace_keras_step(model, _second_batch(int(batch_size)), **kwargs)
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__}
+    if given_step_inputs(**kwargs):  # plans made on the graph are applied at these shapes
+        meta["step_inputs"] = given_step_inputs(**kwargs)
     first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
     return build_opgraph(first, second, meta=meta)
 
@@ -652,25 +596,3 @@ def _with_rewrites(first: TracedStep, second: TracedStep, rewrites: Sequence[str
     if done:
         meta = dict(meta, graph_rewrites=done, graph_rewrite_changes={r: changed[r] for r in done})
     return first, second, meta
-
-
-def synthetic_batch(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None, seed: int = 0):
-    """Random inputs and labels shaped as the captured step expects (for measured runs); integer
-    labels stay below the output's last dimension so sparse losses accept them."""
-    rng = np.random.default_rng(seed)
-    x_specs = _input_specs(model, batch_size, input_shapes)
-    y_specs = _label_specs(model, batch_size, label_shapes, label_dtype)
-    outputs = list(getattr(model, "outputs", None) or [])
-
-    def make(spec, high: int) -> np.ndarray:
-        shape = tuple(spec.shape)
-        if spec.dtype.is_integer:
-            return rng.integers(0, max(high, 1), size=shape).astype(spec.dtype.as_numpy_dtype)
-        if spec.dtype.is_bool:
-            return rng.random(shape) < 0.5
-        return rng.random(shape, dtype=np.float32).astype(spec.dtype.as_numpy_dtype)
-
-    xs = [make(spec, 2) for spec in x_specs]
-    classes = [int(o.shape[-1]) if o.shape[-1] is not None else 2 for o in outputs] or [2]
-    ys = [make(spec, classes[min(i, len(classes) - 1)]) for i, spec in enumerate(y_specs)]
-    return (xs[0] if len(xs) == 1 else xs), (ys[0] if len(ys) == 1 else ys)

@@ -77,15 +77,13 @@ def _inputs(step, x, y) -> tuple[Any, list[tf.Tensor]]:
     """(callable taking flat tensors, flat tensors) for a SwapStep or any step(x, y) callable."""
     if hasattr(step, "run_flat") and hasattr(step, "_flat_inputs"):
         return step.run_flat, step._flat_inputs(x, y)
-    xs = [tf.convert_to_tensor(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
-    ys = [tf.convert_to_tensor(v) for v in (y if isinstance(y, (list, tuple)) else [y])]
-    n_x = len(xs)
+    structure = (x, y)  # arrays, lists or dicts of them, as the step takes them
+    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
 
-    def call(*flat):
-        flat_x, flat_y = list(flat[:n_x]), list(flat[n_x:])
-        return step(flat_x[0] if n_x == 1 else flat_x, flat_y[0] if len(flat_y) == 1 else flat_y)
+    def call(*tensors):
+        return step(*tf.nest.pack_sequence_as(structure, list(tensors)))
 
-    return call, xs + ys
+    return call, flat
 
 
 def _state_bytes(step, flat: list[tf.Tensor]) -> int | None:

@@ -295,6 +295,8 @@ class SwapPlan:
         }
         if g.meta.get("graph_rewrites"):  # the graph is of the rewritten step: the rewriter redoes them
             plan["graph_rewrites"] = list(g.meta["graph_rewrites"])
+        if g.meta.get("step_inputs"):  # the shapes it was captured at (open dimensions): the rewriter uses them
+            plan["step_inputs"] = dict(g.meta["step_inputs"])
         return plan
 
     def to_json(self, g: OpGraph, **kwargs: Any) -> str:

@@ -66,7 +66,7 @@ def _run_main(capsys, *args):
 @pytest.mark.parametrize("case,extra,message", [
     ("missing", [], "does not exist"),
     ("empty", [], "no .keras model"),
-    ("fake", [], "could not be loaded"),
+    ("fake", [], "is not a Keras model archive"),
     ("uncompiled", [], "not compiled"),
     ("two", [], "holds 2 models"),
     ("bad_toml", [], "not valid TOML"),
