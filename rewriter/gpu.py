@@ -12,7 +12,6 @@ make of it on a GPU, the device memory limit, the memory a GPU reports, XLA and 
   on a GPU of that size.
 * ``jit_compile_note(model)``: whether the user's own ``model.fit`` compiles with XLA, and what that
   means for the plan.
-* ``warn_if_gpu_without_cuda()``: a GPU on the machine but a TensorFlow built without CUDA.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
 from rewriter.apply import apply, swap_grappler_config
-from rewriter.placement import GpuPlacement, Placement, gpu_present
+from rewriter.placement import GpuPlacement, Placement
 
 log = logging.getLogger(__name__)
 
@@ -100,19 +99,6 @@ def limit_device_memory(budget_bytes: int) -> bool:
                     "limit: the measured run may use more than the budget and cannot show that a plan does not fit",
                     budget_bytes / 2**30)
         return False
-    return True
-
-
-def warn_if_gpu_without_cuda() -> bool:
-    """Warn when the machine has a GPU that TensorFlow does not see; True if so."""
-    if tf.config.list_physical_devices("GPU") or not gpu_present():
-        return False
-    if not tf.test.is_built_with_cuda():
-        log.warning("this machine has a GPU, but the installed TensorFlow was built without CUDA (tensorflow-cpu): "
-                    "everything runs on the CPU testbed. Install the GPU build: scripts/setup --gpu")
-    else:
-        log.warning("this machine has a GPU, but TensorFlow sees none (CUDA libraries or driver missing, or "
-                    "CUDA_VISIBLE_DEVICES hides it): everything runs on the CPU testbed")
     return True
 
 

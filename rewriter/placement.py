@@ -15,7 +15,8 @@ One small interface (``Placement``), two implementations:
   on ``CPU:0`` too: the copies are still separate buffers, told apart by the swap-out op names.
 
 ``detect()`` chooses: a visible GPU, else the testbed (configured with two logical CPUs when that
-is still possible).
+is still possible), with a warning when the machine has a GPU TensorFlow does not see (a CPU-only
+TensorFlow: ``scripts/setup --gpu`` installs the GPU build into its own environment).
 """
 
 from __future__ import annotations
@@ -252,6 +253,7 @@ def detect(*, configure: bool = True) -> Placement:
     """
     if tf.config.list_physical_devices("GPU"):
         return GpuPlacement()
+    warn_if_gpu_without_cuda()
     if configure:
         configure_testbed()
     names = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -295,6 +297,26 @@ def gpu_present() -> bool:
     """A GPU on this machine, whatever TensorFlow sees (the NVIDIA driver's device list)."""
     nvidia = Path("/proc/driver/nvidia/gpus")
     return (nvidia.is_dir() and any(nvidia.iterdir())) or bool(_nvidia_smi("-L"))
+
+
+_checked_gpu: list[bool] = []  # the answer of warn_if_gpu_without_cuda, once per process
+
+
+def warn_if_gpu_without_cuda() -> bool:
+    """Warn (once) when the machine has a GPU that TensorFlow does not see; True if so."""
+    if _checked_gpu:
+        return _checked_gpu[0]
+    _checked_gpu.append(False)
+    if tf.config.list_physical_devices("GPU") or not gpu_present():
+        return False
+    _checked_gpu[0] = True
+    if not tf.test.is_built_with_cuda():
+        log.warning("this machine has a GPU, but the installed TensorFlow was built without CUDA (tensorflow-cpu): "
+                    "everything runs on the CPU testbed. Install the GPU build: scripts/setup --gpu")
+    else:
+        log.warning("this machine has a GPU, but TensorFlow sees none (CUDA libraries or driver missing, or "
+                    "CUDA_VISIBLE_DEVICES hides it): everything runs on the CPU testbed")
+    return True
 
 
 def gpu_memory() -> tuple[str, int] | None:
