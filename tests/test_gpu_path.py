@@ -119,3 +119,15 @@ def test_gpu_graph_def_waits_on_the_host_and_grappler_for_a_gpu_inserts_nothing(
     ours = gpu.optimize_for_gpu(graph_def, fetches)
     assert not any(node.op == "Transpose" for node in ours.node)
     assert between(ours) == []
+
+
+@pytest.mark.tf
+def test_gpu_check_dry_run_builds_and_checks_the_gpu_graph_def(tmp_path, capsys):
+    from benchmarks import gpu_check
+
+    assert gpu_check.main(["--dry-run", "--model", "small_cnn", "--batch", "8", "--swaps", "6",
+                           "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "gpu_check_dry.md").read_text()
+    assert "| swaps |" in text and "_host` (/device:CPU:0), which waits for" in text
+    assert "problem:" not in text and "0 host-side problem(s)" in capsys.readouterr().out
+    assert gpu_check.main(["--model", "small_cnn"]) == 2  # no GPU here: says so, exit code 2
