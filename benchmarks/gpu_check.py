@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import rewriter
     from benchmarks.models import build_model, example_batch
-    from rewriter.gpu import jit_compile_note, limit_device_memory, optimize_for_gpu
+    from rewriter.gpu import jit_compile_note, optimize_for_gpu
+    from rewriter.placement import limit_device_memory
     from simulator import SwapPlan, get_device, replay
 
     if not tf.config.list_physical_devices("GPU") and not args.dry_run:

@@ -45,6 +45,7 @@ from tensorflow.python.eager import context
 
 from rewriter.capture import (BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, import_step,
                               rewrite_graph_def, trace_keras_step)
+from rewriter.host_memory import warn_if_pinned_limit_short
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
 from simulator.devices import ONEDNN_POOL_READS
 from simulator.fusion import fusion_neighbourhood
@@ -864,6 +865,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
                     apply_kwargs=dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype))
     log.info("applied %d swap(s) with %d swap-in(s) (%d skipped), swap op %s, on %s", step.n_swap_outs,
              step.n_swap_ins, len(skipped), chosen_op, place.describe())
+    if place.measured_on == "gpu":  # copies out land in TF's pinned host allocator, which has a limit
+        warn_if_pinned_limit_short(step.swapped_bytes)
     if verify and applied:
         from rewriter.verify import verify_first_call
 

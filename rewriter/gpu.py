@@ -7,9 +7,9 @@ make of it on a GPU, the device memory limit, the memory a GPU reports, XLA and 
   with one GPU (``tf_optimizer.OptimizeGraph``), with the rewritten step's configuration
   (``apply.swap_grappler_config``) or another: what a GPU's graph passes (the layout optimizer, which
   runs only for GPUs) do to the swap nodes, seen on a CPU.
-* ``limit_device_memory(budget_bytes)``: the budget as GPU:0's memory limit, before TensorFlow's runtime
-  starts (before the model is loaded), so that a plan that does not fit runs out of memory as it would
-  on a GPU of that size.
+* ``limit_device_memory(budget_bytes)`` (``rewriter.placement``, re-exported): the budget as GPU:0's
+  memory limit, before TensorFlow's runtime starts (before the model is loaded), so that a plan that
+  does not fit runs out of memory as it would on a GPU of that size.
 * ``jit_compile_note(model)``: whether the user's own ``model.fit`` compiles with XLA, and what that
   means for the plan.
 """
@@ -26,7 +26,7 @@ from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
 from rewriter.apply import apply, swap_grappler_config
-from rewriter.placement import GpuPlacement, Placement
+from rewriter.placement import GpuPlacement, Placement, limit_device_memory  # noqa: F401 -- re-exported
 
 log = logging.getLogger(__name__)
 
@@ -80,26 +80,6 @@ def optimize_for_gpu(graph_def: graph_pb2.GraphDef, fetches: Iterable[str], *,
     if config is None:
         config = swap_grappler_config(config_pb2.ConfigProto())
     return tf_optimizer.OptimizeGraph(config, meta, cluster=cluster or virtual_gpu_cluster())
-
-
-def limit_device_memory(budget_bytes: int) -> bool:
-    """Make ``budget_bytes`` GPU:0's memory limit (a logical device of that size). Only possible before
-    TensorFlow's runtime starts, i.e. before the model is loaded; returns whether it is in effect."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return False
-    limit_mib = max(1, int(budget_bytes) // 2**20)
-    current = tf.config.get_logical_device_configuration(gpus[0])
-    if current and getattr(current[0], "memory_limit", None) == limit_mib:
-        return True
-    try:
-        tf.config.set_logical_device_configuration(gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)])
-    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
-        log.warning("TensorFlow's runtime had started before the budget of %.2f GiB could be set as GPU:0's memory "
-                    "limit: the measured run may use more than the budget and cannot show that a plan does not fit",
-                    budget_bytes / 2**30)
-        return False
-    return True
 
 
 def jit_compile_note(model) -> tuple[bool | None, str]:

@@ -48,14 +48,14 @@ def raise_pinned_limit(environ: MutableMapping[str, str] | None = None, physical
 
 
 def pinned_limit_source(environ: MutableMapping[str, str] | None = None) -> str:
-    """"default" (unset), "raised" (by ``raise_pinned_limit`` before TensorFlow was imported) or
-    "environment" (set by the user, or raised after TensorFlow was imported)."""
+    """"default" (unset), "raised" (by ``raise_pinned_limit`` before TensorFlow was imported), "raised
+    late" (after: in force only if TensorFlow's GPU runtime had not started) or "environment" (the user's)."""
     env = os.environ if environ is None else environ
     value = env.get(PINNED_LIMIT_ENV)
     if value is None or not value.strip():
         return "default"
-    if environ is None and _raised.get("value") == value and _raised.get("before_tensorflow"):
-        return "raised"
+    if environ is None and _raised.get("value") == value:
+        return "raised" if _raised.get("before_tensorflow") else "raised late"
     return "environment"
 
 

@@ -224,13 +224,36 @@ def warn_if_onednn_off() -> bool:
     return off
 
 
-def configure_testbed(n_devices: int = 2) -> bool:
+def limit_device_memory(budget_bytes: int) -> bool:
+    """Make ``budget_bytes`` GPU:0's memory limit (a logical device of that size). Only possible before
+    TensorFlow's runtime starts, i.e. before the model is loaded; returns whether it is in effect."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return False
+    limit_mib = max(1, int(budget_bytes) // 2**20)
+    current = tf.config.get_logical_device_configuration(gpus[0])
+    if current and getattr(current[0], "memory_limit", None) == limit_mib:
+        return True
+    try:
+        tf.config.set_logical_device_configuration(gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)])
+    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
+        log.warning("TensorFlow's runtime had started before the budget of %.2f GiB could be set as GPU:0's memory "
+                    "limit: the measured run may use more than the budget and cannot show that a plan does not fit",
+                    budget_bytes / 2**30)
+        return False
+    return True
+
+
+def configure_testbed(n_devices: int = 2, *, gpu_memory_limit_bytes: int | None = None) -> bool:
     """Split the CPU into ``n_devices`` logical devices (CPU:0 accelerator, CPU:1 host).
 
     Only possible before TensorFlow's runtime is initialised (before any op or model is built);
-    returns whether the split is in effect. Does nothing when a GPU is visible.
+    returns whether the split is in effect. When a GPU is visible it splits nothing and, given
+    ``gpu_memory_limit_bytes`` (the budget), makes that GPU:0's memory limit (``limit_device_memory``).
     """
     if tf.config.list_physical_devices("GPU"):
+        if gpu_memory_limit_bytes:
+            limit_device_memory(gpu_memory_limit_bytes)
         return False
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)

@@ -226,7 +226,7 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
                 result.planned_control_edges += 1
                 if source not in running and source not in post and source in renamed:
                     source = renamed[source]  # the op still runs, under Grappler's name
-                for copy in copies:  # what really has to wait: the accelerator-side copy
+                for copy in copies if source in waits.nodes else ():  # what has to wait: the accelerator-side copy
                     result.copies_checked += 1
                     if waits.depends(copy, source):
                         result.copies_waiting += 1

@@ -449,7 +449,9 @@ class HostBudget:
     preset_bytes: int  # the device preset's host RAM per GPU
     pinned_limit_bytes: int  # TensorFlow's pinned-memory limit in force
     usable_bytes: int  # this machine's physical RAM less a margin
-    pinned_limit_source: str = "default"  # "default", "environment" (set by the user) or "raised" (by the tool)
+    # "default", "environment" (set by the user), "raised" (by the tool before TensorFlow started) or
+    # "raised late" (after TensorFlow was imported: in force only if its GPU runtime had not started)
+    pinned_limit_source: str = "default"
 
     @property
     def bytes(self) -> int:
@@ -471,6 +473,9 @@ class HostBudget:
             text += (f"; the machine has more: set {PINNED_LIMIT_ENV}={wanted} before TensorFlow starts to use it"
                      + (" (it was set in the environment, so the tool left it)" if self.pinned_limit_source == "environment"
                         else " (TensorFlow had started before the tool could raise it)"))
+        elif self.pinned_limit_source == "raised late":
+            text += (f"; {PINNED_LIMIT_ENV} was raised after TensorFlow was imported: if its GPU runtime had started, "
+                     f"the limit in force is {DEFAULT_PINNED_LIMIT_BYTES / GiB:.0f} GiB (import rewriter first)")
         return text
 
 

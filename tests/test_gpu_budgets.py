@@ -230,3 +230,36 @@ def test_what_the_copy_in_waits_for(copy_reads, waits):
     assert found.depends("copy/_6", "conv")  # the data itself, either way
     assert found.waits_of("swap_in/conv_0/0_host") == ["trigger"]
     assert found.carries_control("trigger/_3") and not found.carries_control("conv/_4")
+
+
+@pytest.mark.tf
+def test_budget_as_the_gpu_memory_limit(monkeypatch, caplog):
+    import rewriter.placement as placement
+
+    tf = placement.tf
+    assert placement.limit_device_memory(8 * GiB) is False  # no GPU here
+    device = tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")
+    calls = []
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: [device] if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda gpu: None)
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration", lambda gpu, configs: calls.append(configs))
+    assert placement.configure_testbed(gpu_memory_limit_bytes=int(14.08 * GiB)) is False  # a GPU: no CPU split
+    assert [c[0].memory_limit for c in calls] == [int(14.08 * GiB) // MiB]
+
+    def too_late(gpu, configs):
+        raise RuntimeError("Virtual devices cannot be modified after being initialized")
+
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration", too_late)
+    with caplog.at_level("WARNING"):
+        assert placement.limit_device_memory(8 * GiB) is False
+    assert "before the budget" in caplog.text
+
+
+@pytest.mark.tf
+def test_a_plan_copying_more_than_the_pinned_limit_is_told(caplog):
+    from rewriter.host_memory import warn_if_pinned_limit_short
+
+    with caplog.at_level("WARNING"):
+        assert warn_if_pinned_limit_short(2 * GiB, environ={PINNED_LIMIT_ENV: "4096"}) is False
+        assert warn_if_pinned_limit_short(6 * GiB, environ={PINNED_LIMIT_ENV: "4096"}) is True
+    assert "ResourceExhausted" in caplog.text and PINNED_LIMIT_ENV in caplog.text
