@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from rewriter.gpu import jit_compile_note
 from rewriter.placement import Placement, resolve as resolve_placement
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,9 @@ def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placeme
 
 
 def _jit_compile(step) -> bool | None:
+    """The Keras model's resolved ``jit_compile`` (None without one); said when the user's fit differs."""
     model = getattr(step, "_model", None)
     value = getattr(model, "jit_compile", None) if model is not None else None
+    if value:
+        log.info("%s", jit_compile_note(model)[1])
     return None if value is None else bool(value)
