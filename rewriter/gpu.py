@@ -1,5 +1,5 @@
 """The GPU path, built and checked without a GPU: the GraphDef a placement runs, what Grappler would
-make of it on a GPU, the device memory limit, the memory a GPU reports, XLA and CUDA builds.
+make of it on a GPU, the device memory limit, and what XLA means for the plan.
 
 * ``rewritten_graph_def(model, plan, placement=GpuPlacement())``: the rewritten step's GraphDef as the
   placement would run it (swap nodes on its devices); needs no such device.
@@ -16,10 +16,8 @@ make of it on a GPU, the device memory limit, the memory a GPU reports, XLA and 
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterable
 
-import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2
 from tensorflow.python.grappler import cluster as gcluster
@@ -27,8 +25,6 @@ from tensorflow.python.grappler import tf_optimizer
 
 from rewriter.apply import apply, swap_grappler_config
 from rewriter.placement import GpuPlacement, Placement, limit_device_memory  # noqa: F401 -- re-exported
-
-log = logging.getLogger(__name__)
 
 GPU_DEVICE = "/job:localhost/replica:0/task:0/device:GPU:0"
 CPU_DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"

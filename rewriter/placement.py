@@ -178,13 +178,6 @@ def gpu_reading(events, device: str, *, allocator_peak_bytes: int, current_bytes
                        host_peak_bytes=int(host_peak), resident_bytes=resident)
 
 
-def _block(result: Any) -> None:
-    """Wait for the call's outputs (eager results are ready when returned; numpy() forces it)."""
-    for tensor in tf.nest.flatten(result):
-        if hasattr(tensor, "numpy"):
-            tensor.numpy()
-
-
 _warned_bfc = False
 _warned_onednn = False
 
