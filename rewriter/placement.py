@@ -109,7 +109,13 @@ class GpuPlacement(Placement):
         device = self.accelerator.rsplit("device:", 1)[-1]  # "GPU:0"
         tf.config.experimental.reset_memory_stats(device)
         current = int(tf.config.experimental.get_memory_info(device)["current"])
-        events = memtrace.record_memory_events(fn, *args)
+
+        def call(*inputs: Any) -> Any:  # GPU kernels run asynchronously: wait for the outputs in the trace
+            result = fn(*inputs)
+            _block(result)
+            return result
+
+        events = memtrace.record_memory_events(call, *args)
         allocator_peak = int(tf.config.experimental.get_memory_info(device)["peak"])
         return gpu_reading(events, device, allocator_peak_bytes=allocator_peak, current_bytes=current,
                            resident_bytes=resident_bytes)
@@ -176,6 +182,13 @@ def gpu_reading(events, device: str, *, allocator_peak_bytes: int, current_bytes
     host_peak = memtrace.accelerator_peak(host, is_host_op=lambda name: False).peak_requested_bytes if len(host) else 0
     return PeakReading(peak_bytes=int(peak.peak_requested_bytes), allocator_peak_bytes=int(allocator_peak_bytes),
                        host_peak_bytes=int(host_peak), resident_bytes=resident)
+
+
+def _block(result: Any) -> None:
+    """Wait for the call's outputs (eager results are ready when returned; numpy() forces it)."""
+    for tensor in tf.nest.flatten(result):
+        if hasattr(tensor, "numpy"):
+            tensor.numpy()
 
 
 _warned_bfc = False

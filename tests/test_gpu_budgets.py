@@ -263,3 +263,28 @@ def test_a_plan_copying_more_than_the_pinned_limit_is_told(caplog):
         assert warn_if_pinned_limit_short(2 * GiB, environ={PINNED_LIMIT_ENV: "4096"}) is False
         assert warn_if_pinned_limit_short(6 * GiB, environ={PINNED_LIMIT_ENV: "4096"}) is True
     assert "ResourceExhausted" in caplog.text and PINNED_LIMIT_ENV in caplog.text
+
+
+@pytest.mark.tf
+def test_gpu_measure_peak_runs_the_profiled_call(monkeypatch, caplog):
+    """GpuPlacement.measure_peak end to end on CPU (TF's memory APIs stubbed): the call runs under the
+    profiler; with no GPU allocator in the trace the allocator figure is reported, and said so."""
+    import rewriter.placement as placement
+
+    tf = placement.tf
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda device: None)
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda device: {"current": 100, "peak": 5000})
+    calls = []
+
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(tf.square(x))
+
+    def run(x):
+        calls.append(1)
+        return step(x)
+
+    with caplog.at_level("WARNING"):
+        reading = placement.GpuPlacement().measure_peak(run, tf.ones([64, 64]))
+    assert calls == [1] and reading.peak_bytes == reading.allocator_peak_bytes == 5000
+    assert reading.resident_bytes == 100 and "no allocation of GPU:0" in caplog.text
