@@ -131,3 +131,22 @@ def test_gpu_check_dry_run_builds_and_checks_the_gpu_graph_def(tmp_path, capsys)
     assert "| swaps |" in text and "_host` (/device:CPU:0), which waits for" in text
     assert "problem:" not in text and "0 host-side problem(s)" in capsys.readouterr().out
     assert gpu_check.main(["--model", "small_cnn"]) == 2  # no GPU here: says so, exit code 2
+
+
+@pytest.mark.tf
+def test_the_rewritten_step_runs_with_the_swap_configuration():
+    from tensorflow.python.eager import context
+
+    from rewriter.apply import fixed_grappler_config
+
+    with fixed_grappler_config():
+        config = config_pb2.ConfigProto()
+        config.ParseFromString(context.context().function_call_options.config_proto_serialized)
+    rewrite = config.graph_options.rewrite_options
+    off = rewriter_config_pb2.RewriterConfig.OFF
+    assert rewrite.layout_optimizer == off and rewrite.pin_to_host_optimization == off
+    assert rewrite.memory_optimization == rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    assert config.graph_options.optimizer_options.global_jit_level == config_pb2.OptimizerOptions.OFF
+    outside = config_pb2.ConfigProto()
+    outside.ParseFromString(context.context().function_call_options.config_proto_serialized)
+    assert outside.graph_options.rewrite_options.layout_optimizer != off  # restored afterwards
