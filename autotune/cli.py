@@ -186,6 +186,17 @@ def default_storage(out: Path) -> str:
     return f"sqlite:///{sqlite.resolve()}" if sqlite.is_file() else str((out / "study.log").resolve())
 
 
+def _given_budget_bytes(settings: dict) -> int | None:
+    """The budget the user named (--memory, else --device's preset), or None: the visible GPU's own."""
+    if settings["memory"] is not None:
+        return int(settings["memory"])
+    if settings["device"] is not None:
+        from simulator.devices import get_device
+
+        return get_device(settings["device"]).budget_bytes
+    return None
+
+
 def _say(quiet: bool, text: str) -> None:
     if not quiet:
         print(text, file=sys.stderr, flush=True)
@@ -231,7 +242,9 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     if not args.no_measure:
         from rewriter.placement import configure_testbed
 
-        configure_testbed()  # before TF's runtime starts: two logical CPUs when there is no GPU
+        # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
+        # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
+        configure_testbed(gpu_memory_limit_bytes=_given_budget_bytes(settings))
     model = load_user_model(settings)  # the user's --import modules first
     from rewriter.capture import CaptureError, capture
 

@@ -160,7 +160,10 @@ class TuneResult:
 
 
 def resolve_device(device: str | DeviceModel | None, memory: int | None) -> tuple[DeviceModel, int, str]:
-    """Device model for timings and the memory budget, with a sentence saying where they came from."""
+    """Device model for timings and the memory budget, with a sentence saying where they came from.
+
+    Beside a visible GPU the host RAM for copies is the least of the preset's, TensorFlow's pinned-memory
+    limit in force and this machine's RAM less a margin (``rewriter.host_memory.host_budget``)."""
     if isinstance(device, DeviceModel):
         model = device
     elif device:
@@ -170,31 +173,49 @@ def resolve_device(device: str | DeviceModel | None, memory: int | None) -> tupl
             raise InputError(str(error).strip("'\"")) from None
     else:
         model = None
+    gpu = _visible_gpu()
     if memory is not None:
         model = model or get_device(DEFAULT_DEVICE)
-        return model, int(memory), f"--memory {format_bytes(memory)} (timings from the {model.name} preset)"
+        model, host = _with_host_budget(model, gpu)
+        return model, int(memory), f"--memory {format_bytes(memory)} (timings from the {model.name} preset){host}"
     if model is not None:
-        return model, model.budget_bytes, f"the {model.name} preset ({format_bytes(model.budget_bytes)} usable)"
-    gpu = _visible_gpu()
+        model, host = _with_host_budget(model, gpu)
+        return model, model.budget_bytes, f"the {model.name} preset ({format_bytes(model.budget_bytes)} usable){host}"
     if gpu is not None:
-        name, limit = gpu
-        preset = get_device(preset_for_gpu(name) or DEFAULT_DEVICE)
-        return preset, limit, f"the visible GPU {name} ({format_bytes(limit)} available to TensorFlow)"
+        name, limit, _ = gpu
+        known = preset_for_gpu(name)
+        if limit <= 0:
+            raise InputError(f"the visible GPU {name} has no preset and its memory could not be read (nvidia-smi): "
+                             "give the budget with --memory (and timings with --device)")
+        preset, host = _with_host_budget(get_device(known or DEFAULT_DEVICE), gpu)
+        timings = "" if known else f"; no preset for it, timings from {DEFAULT_DEVICE}"
+        return preset, limit, f"the visible GPU {name} ({format_bytes(limit)} available to TensorFlow{timings}){host}"
     preset = get_device(DEFAULT_DEVICE)
     return preset, preset.budget_bytes, (f"no GPU visible and no budget given: the {DEFAULT_DEVICE} preset "
                                          f"({format_bytes(preset.budget_bytes)} usable)")
 
 
-def _visible_gpu() -> tuple[str, int] | None:
-    """(name, bytes TensorFlow may use) of GPU:0, or None. Only asks TF when it is already imported."""
+def _with_host_budget(model: DeviceModel, gpu) -> tuple[DeviceModel, str]:
+    """``model`` with the host budget of the visible GPU's machine, and a clause saying it (unchanged
+    without a GPU)."""
+    if gpu is None:
+        return model, ""
+    budget = gpu[2](model.host_memory_bytes)
+    return replace(model, host_memory_bytes=budget.bytes), f"; {budget.describe()}"
+
+
+def _visible_gpu():
+    """(name, bytes TensorFlow may use, host budget for a preset's host bytes) of GPU:0, or None.
+    Only asks TF when it is already imported."""
     import sys
 
     if "tensorflow" not in sys.modules:
         return None
+    import rewriter.host_memory as host_memory
     import rewriter.placement as placement
 
-    query = getattr(placement, "gpu_memory", None)
-    return query() if query is not None else None
+    found = placement.gpu_memory()
+    return None if found is None else (found[0], found[1], host_memory.host_budget)
 
 
 def max_batch_without_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel) -> int:

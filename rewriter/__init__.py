@@ -6,6 +6,8 @@
     step.verification                                          # what survived Grappler
     rewriter.measure(step, x, y)                               # peak bytes, step seconds
     rewriter.use_swap_step(model, step); model.fit(...)        # train with it
+    rewriter.rewritten_graph_def(model, plan, graph=g, batch_size=8,
+                                 placement=rewriter.GpuPlacement())  # what a GPU would run, without one
 
 ``rewriter.apply``, ``rewriter.capture``, ``rewriter.measure`` and ``rewriter.verify`` are both the
 submodules and callables that run their namesake function.
@@ -28,6 +30,7 @@ from rewriter.capture import CaptureError, capture_step, trace_function_step, tr
 from rewriter.keras import KerasStep, restore_train_function, swap_step_of, swapping, use_swap_step  # noqa: E402
 from rewriter.measure import Measurement  # noqa: E402
 from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect  # noqa: E402
+from rewriter.gpu import rewritten_graph_def  # noqa: E402
 from rewriter.verify import Verification  # noqa: E402
 
 
@@ -49,6 +52,6 @@ verify = _sys.modules[f"{__name__}.verify"]
 __all__ = [
     "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "KerasStep", "Measurement", "Placement", "PlanError", "StateSnapshot",
     "SwapStep", "Verification", "apply", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
-    "measure", "prepare_environment", "restore_train_function", "swap_step_of", "swapping", "trace_function_step",
+    "measure", "prepare_environment", "restore_train_function", "rewritten_graph_def", "swap_step_of", "swapping", "trace_function_step",
     "trace_keras_step", "use_swap_step", "verify",
 ]

@@ -5,10 +5,15 @@ edits the step's ``GraphDef`` by name and re-imports it with the model's variabl
 returned ``SwapStep`` updates the same variables and optimizer slots in place:
 
 * one swap-out node per swapped tensor, on the host device, reading the tensor;
-* one swap-in node per swap-in group, on the accelerator, reading the swap-out, started by a control
-  edge ``^trigger`` (or, synchronous, by control edges from the producers of its first consumer's
-  other inputs and from its control inputs), never before ``after`` (the last device reader of the
-  previous copy);
+* one swap-in per swap-in group, as two nodes (TFLMS' construction): ``<swap-in>_host``, an
+  ``Identity`` on the host reading the swap-out, started by a control edge ``^trigger`` (or,
+  synchronous, by control edges from the producers of its first consumer's other inputs and from its
+  control inputs), never before ``after`` (the last device reader of the previous copy); and the
+  swap-in itself on the accelerator, reading it. The copy to the accelerator is the ``_Recv`` between
+  the two, and TensorFlow gives a cross-device ``_Recv`` no control inputs (``graph_partition.cc``):
+  it starts the copy when its ``_Send`` runs, i.e. when the host-side node has run, after the trigger.
+  A control edge on the accelerator-side node would only delay an op that forwards a buffer already
+  copied (``rewriter.verify`` checks what the accelerator-side copy waits for);
 * every listed consumer input that reads the tensor, directly or through ops the capture bypassed
   (Identity, IdentityN, StopGradient, ...), rewired to the swap-in output, in that input slot;
 * ``sync_out`` swaps: the tensor's remaining readers wait for the swap-out (control edges); with
@@ -40,6 +45,7 @@ from tensorflow.python.eager import context
 
 from rewriter.capture import (BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, import_step,
                               rewrite_graph_def, trace_keras_step)
+from rewriter.host_memory import warn_if_pinned_limit_short
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
 from rewriter.step_inputs import planned_step_inputs
 from simulator.devices import ONEDNN_POOL_READS
@@ -57,6 +63,8 @@ _POOL_GRADS = frozenset(grad for _, grad in ONEDNN_POOL_READS)
 # Sources of a control edge that tell nothing about timing (always ready).
 _ALWAYS_READY = frozenset({"Const", "Placeholder", "ReadVariableOp", "VarHandleOp", "NoOp"}) | SHAPE_TYPES
 SWAP_OPS = ("Identity", "DeepCopy")
+HOST_SWAP_IN_OP = "Identity"  # the host-side half of a swap-in forwards the host copy (no allocation)
+HOST_SWAP_IN_SUFFIX = "_host"
 RESHAPE_LIKE = frozenset({"Reshape", "Squeeze", "ExpandDims", "BroadcastTo"})
 REDUCTIONS = frozenset({"Sum", "Mean", "Prod", "Max", "Min", "All", "Any"})
 
@@ -78,6 +86,7 @@ class AppliedSwapIn:
     after: str | None
     controls: tuple[str, ...]  # every control input given to the node (trigger / sync sources, after)
     rewired: tuple[tuple[str, int], ...]  # (consumer node, input slot) now reading the swap-in
+    host_node: str = ""  # the host-side node that carries ``controls`` (the swap-in reads it)
 
 
 @dataclass(frozen=True)
@@ -522,8 +531,11 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
             if trigger and trigger not in controls:
                 log.debug("trigger %s of %s could be fused with its consumer: the swap-in waits for %s instead",
                           trigger, in_name, controls)
-            editor.add_node(in_name, swap_op, [out_name] + [f"^{c}" for c in controls], placement.accelerator, dtype)
-            swap_ins.append(AppliedSwapIn(in_name, consumers, trigger, after, tuple(controls), tuple(rewired)))
+            host_name = in_name + HOST_SWAP_IN_SUFFIX  # waits on the host: the copy in starts after it
+            editor.add_node(host_name, HOST_SWAP_IN_OP, [out_name] + [f"^{c}" for c in controls], placement.host, dtype)
+            editor.add_node(in_name, swap_op, [host_name], placement.accelerator, dtype)
+            swap_ins.append(AppliedSwapIn(in_name, consumers, trigger, after, tuple(controls), tuple(rewired),
+                                          host_name))
         sync_controls: list[str] = []
         if record.get("sync_out"):
             for reader, slot in editor.readers(tensor):
@@ -550,7 +562,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
                 last = max(sources, key=lambda name: position.get(name, -1), default="")
                 waits = tuple(name for name in copies_of.get(last, ()) if name not in item.controls)
                 if waits:
-                    editor.nodes[item.name].input.extend(f"^{name}" for name in waits)
+                    editor.nodes[item.host_node or item.name].input.extend(f"^{name}" for name in waits)
                     item = replace(item, controls=item.controls + waits)
                 swap_ins.append(item)
             applied[k] = replace(swap, swap_ins=tuple(swap_ins))
@@ -608,16 +620,34 @@ def _handle_dtype(handle):
 # ---------------------------------------------------------------------- the rewritten step
 
 
+def swap_grappler_config(config: config_pb2.ConfigProto) -> config_pb2.ConfigProto:
+    """Switch off, in ``config``, the graph passes that would move or copy swapped tensors (in place).
+
+    * the memory optimizer: its AddN rewrite and its own swapping depend on a static memory estimate
+      against the device's size, which makes the executed graph (and its peak) unpredictable; the
+      plan already decides what leaves the device;
+    * the layout optimizer: on a GPU it turns fp32 NHWC convolutions into NCHW with ``Transpose``s
+      between a producer and its swap-out and between a swap-in and its reader, full-size buffers
+      outside the plan (it does nothing on the CPU testbed, so the testbed runs what a GPU would);
+    * pin-to-host: it may move small ops, a swap node among them, to the other device;
+    * XLA auto-clustering: a cluster would swallow the swap nodes and their control edges.
+    """
+    rewrite = config.graph_options.rewrite_options
+    rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    rewrite.layout_optimizer = rewriter_config_pb2.RewriterConfig.OFF
+    rewrite.pin_to_host_optimization = rewriter_config_pb2.RewriterConfig.OFF
+    config.graph_options.optimizer_options.global_jit_level = config_pb2.OptimizerOptions.OFF
+    return config
+
+
 @contextlib.contextmanager
 def fixed_grappler_config():
-    """Run functions without Grappler's memory optimizer. Its AddN rewrite and its own swapping
-    depend on a static memory estimate against the device's size, which makes the executed graph
-    (and its peak) unpredictable; the plan already decides what leaves the device."""
+    """Run functions with the Grappler configuration of ``swap_grappler_config``."""
     ctx = context.context()
     saved = ctx.function_call_options
     config = config_pb2.ConfigProto()
     config.ParseFromString(saved.config_proto_serialized)
-    config.graph_options.rewrite_options.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    swap_grappler_config(config)
     ctx.function_call_options = context.FunctionCallOptions(executor_type=saved.executor_type, config_proto=config)
     try:
         yield
@@ -681,7 +711,7 @@ class SwapStep:
         names = []
         for swap in self.applied:
             names.append(swap.swap_out)
-            names.extend(item.name for item in swap.swap_ins)
+            names.extend(name for item in swap.swap_ins for name in (item.host_node, item.name) if name)
         return names
 
     def __repr__(self) -> str:
@@ -840,6 +870,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
                     apply_kwargs=dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype))
     log.info("applied %d swap(s) with %d swap-in(s) (%d skipped), swap op %s, on %s", step.n_swap_outs,
              step.n_swap_ins, len(skipped), chosen_op, place.describe())
+    if place.measured_on == "gpu":  # copies out land in TF's pinned host allocator, which has a limit
+        warn_if_pinned_limit_short(step.swapped_bytes)
     if verify and applied:
         from rewriter.verify import verify_first_call
 

@@ -9,6 +9,8 @@ runtime starts, so they must be in the environment before that (DESIGN.md 4).
   ``cpu-testbed`` model does not have, and MaxPool has no workspace: the testbed would measure
   another program than the one it was calibrated on, depending on the machine.
 * ``TF_CPP_MIN_LOG_LEVEL=2``: TensorFlow's C++ info and warning lines stay out of the output.
+* ``TF_GPU_HOST_MEM_LIMIT_IN_MB``: beside a GPU, raised (when unset) to the machine's RAM less a margin,
+  so that a plan's host copies are not cut at TensorFlow's 128 GiB default (``rewriter.host_memory``).
 
 This module imports nothing of TensorFlow; ``import rewriter`` calls ``prepare_environment()``
 before the rest of the package imports TensorFlow.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+
+from rewriter.host_memory import raise_pinned_limit
 
 TESTBED_ENV: Mapping[str, str] = {
     "TF_CPU_ALLOCATOR_USE_BFC": "true",
@@ -31,6 +35,7 @@ def prepare_environment() -> None:
     is imported (``rewriter.placement`` warns when a measurement depends on a setting that missed)."""
     for name, value in TESTBED_ENV.items():
         os.environ.setdefault(name, value)
+    raise_pinned_limit()
 
 
 def testbed_environment(**extra: str) -> dict[str, str]:

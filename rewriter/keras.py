@@ -84,6 +84,10 @@ def use_swap_step(model, step_or_plan, *, batch_size: int | None = None, **apply
             raise ValueError("this SwapStep was built for another model")
     else:
         step = apply(model, step_or_plan, batch_size=batch_size, **apply_kwargs)
+    if getattr(model, "jit_compile", False):
+        log.warning("%s: model.fit now runs the swap-rewritten step without XLA, where Keras compiled its own "
+                    "train_step with XLA (jit_compile=True, its default on a GPU): the plan was made and measured "
+                    "for the step without XLA", getattr(model, "name", "model"))
     if not hasattr(model, _ORIGINAL):
         setattr(model, _ORIGINAL, model.train_function)
     model.train_function = make_train_function(model, step)

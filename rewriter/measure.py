@@ -1,10 +1,10 @@
 """Measure a training step: accelerator-side peak memory and step time, comparable with a ``Replay``.
 
 ``measure(step, x, y)`` runs ``warmup`` steps, times ``repeats`` steps (median) and measures one more
-step's memory with the placement's method (``rewriter.placement``): on a GPU TensorFlow's
-``get_memory_info('GPU:0')['peak']``; on the CPU testbed the profiler's memory trace replayed without
-the swap-out (host) allocations. Like ``get_memory_info(...)['peak']`` the figure counts everything
-resident on the accelerator side during the step (weights, optimizer state, inputs) plus the
+step's memory with the placement's method (``rewriter.placement``): on a GPU the profiler's trace
+of the GPU's allocator in requested bytes, beside TensorFlow's ``get_memory_info('GPU:0')['peak']``;
+on the CPU testbed the profiler's memory trace replayed without the swap-out (host) allocations.
+Like ``get_memory_info(...)['peak']`` the figure counts everything resident on the accelerator side during the step (weights, optimizer state, inputs) plus the
 step's own allocations. By default every variable is restored afterwards, so measuring does not
 train the model.
 
@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from rewriter.gpu import jit_compile_note
 from rewriter.placement import Placement, resolve as resolve_placement
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,12 @@ COMPARED_FIELDS = ("peak_bytes", "host_peak_bytes", "step_s", "d2h_bytes", "h2d_
 class Measurement:
     """One measured step. Sizes in bytes, times in seconds.
 
-    ``peak_bytes``: accelerator-side peak in requested bytes (the allocator's chunk bytes on a GPU,
-    where requested bytes are not reported); ``allocator_peak_bytes``: the same peak in allocator
+    ``peak_bytes``: accelerator-side peak in requested bytes (the allocator's chunk bytes on a GPU
+    whose profiler trace holds no allocator events); ``allocator_peak_bytes``: the same peak in allocator
     chunk bytes; ``persistent_bytes``: what was resident before the step (weights, optimizer state,
     inputs; chunk bytes); ``host_peak_bytes``: peak of the swap-out copies (None where not measured);
-    ``step_s``: median of ``step_s_all``.
+    ``step_s``: median of ``step_s_all``; ``jit_compile``: whether the model's own ``fit`` compiles
+    with XLA (``rewriter.gpu.jit_compile_note``), None without a Keras model.
     """
 
     peak_bytes: int
@@ -56,6 +58,7 @@ class Measurement:
     measured_on: str
     batch_size: int | None = None
     step_s_all: tuple[float, ...] = field(default=(), repr=False)
+    jit_compile: bool | None = None  # the model's Keras jit_compile (its own fit uses XLA; the step measured does not)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -141,4 +144,14 @@ def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placeme
         d2h_bytes=int(getattr(step, "swapped_bytes", 0)), h2d_bytes=int(getattr(step, "swapped_in_bytes", 0)),
         n_swap_outs=int(n_outs), n_swap_ins=int(n_ins), persistent_bytes=reading.resident_bytes,
         measured_on=place.measured_on, batch_size=getattr(step, "batch_size", None), step_s_all=tuple(times),
+        jit_compile=_jit_compile(step),
     )
+
+
+def _jit_compile(step) -> bool | None:
+    """The Keras model's resolved ``jit_compile`` (None without one); said when the user's fit differs."""
+    model = getattr(step, "_model", None)
+    value = getattr(model, "jit_compile", None) if model is not None else None
+    if value:
+        log.info("%s", jit_compile_note(model)[1])
+    return None if value is None else bool(value)

@@ -4,7 +4,8 @@ One small interface (``Placement``), two implementations:
 
 * ``GpuPlacement``: accelerator ``/device:GPU:0``, host ``/device:CPU:0``. The swap op is
   ``Identity``: placed on the other device, the executor's cross-device copy *is* the transfer.
-  The peak is TensorFlow's own ``get_memory_info('GPU:0')['peak']`` after ``reset_memory_stats``.
+  The peak is replayed from the profiler's trace of the GPU's allocator in requested bytes (the
+  prediction's unit), beside TensorFlow's own ``get_memory_info('GPU:0')['peak']``.
 * ``CpuTestbedPlacement``: no GPU (DESIGN.md 4). ``/device:CPU:0`` plays the accelerator and
   ``/device:CPU:1`` the host; the swap op is ``DeepCopy`` because ``Identity`` between two logical
   CPUs shares the buffer. Both logical CPUs share one allocator, so the peak comes from replaying
@@ -14,14 +15,18 @@ One small interface (``Placement``), two implementations:
   on ``CPU:0`` too: the copies are still separate buffers, told apart by the swap-out op names.
 
 ``detect()`` chooses: a visible GPU, else the testbed (configured with two logical CPUs when that
-is still possible).
+is still possible), with a warning when the machine has a GPU TensorFlow does not see (a CPU-only
+TensorFlow: ``scripts/setup --gpu`` installs the GPU build into its own environment).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -95,15 +100,25 @@ class GpuPlacement(Placement):
         return preset_for_gpu(found[0])
 
     def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
-        # on a GPU everything TF holds there counts, as get_memory_info reports it
+        """One profiled call: ``peak_bytes`` in requested bytes from the profiler's trace of the GPU's
+        allocator (the prediction's unit, as on the testbed), ``allocator_peak_bytes`` TensorFlow's own
+        ``get_memory_info`` peak (BFC chunks, cuDNN workspaces included) of the same call; host copies
+        (the pinned ``gpu_host_bfc`` allocator) are left out by allocator, and counted as the host peak."""
+        from rewriter import memtrace
+
         device = self.accelerator.rsplit("device:", 1)[-1]  # "GPU:0"
         tf.config.experimental.reset_memory_stats(device)
-        resident = int(tf.config.experimental.get_memory_info(device)["current"])
-        result = fn(*args)
-        _block(result)
-        peak = int(tf.config.experimental.get_memory_info(device)["peak"])
-        # the GPU allocator reports chunk bytes only: the same figure serves both fields
-        return PeakReading(peak_bytes=peak, allocator_peak_bytes=peak, host_peak_bytes=None, resident_bytes=resident)
+        current = int(tf.config.experimental.get_memory_info(device)["current"])
+
+        def call(*inputs: Any) -> Any:  # GPU kernels run asynchronously: wait for the outputs in the trace
+            result = fn(*inputs)
+            _block(result)
+            return result
+
+        events = memtrace.record_memory_events(call, *args)
+        allocator_peak = int(tf.config.experimental.get_memory_info(device)["peak"])
+        return gpu_reading(events, device, allocator_peak_bytes=allocator_peak, current_bytes=current,
+                           resident_bytes=resident_bytes)
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,31 @@ class CpuTestbedPlacement(Placement):
     def describe(self) -> str:
         text = super().describe()
         return text + (" (single-device testbed: host copies told apart by op name)" if self.single_device else "")
+
+
+def gpu_reading(events, device: str, *, allocator_peak_bytes: int, current_bytes: int,
+                resident_bytes: int | None = None) -> PeakReading:
+    """A GPU call's ``PeakReading`` from its profiler memory events (``memtrace.parse_xspace``): the
+    allocator named after the device ("GPU_0_bfc") is the device, "gpu_host_bfc" the host copies. When
+    the trace holds no event of the device's allocator, the allocator's figure is all there is."""
+    from rewriter import memtrace
+
+    index = device.rsplit(":", 1)[-1]
+    names = {str(name) for name in events["allocator_name"].unique()} if len(events) else set()
+    ours = sorted(name for name in names if name.upper().startswith(f"GPU_{index}_"))
+    if not ours:
+        log.warning("the profiler recorded no allocation of %s's allocator: the peak is TensorFlow's allocator "
+                    "figure (chunk bytes), not requested bytes", device)
+        return PeakReading(peak_bytes=allocator_peak_bytes, allocator_peak_bytes=allocator_peak_bytes,
+                           host_peak_bytes=None, resident_bytes=current_bytes)
+    resident = current_bytes if resident_bytes is None else int(resident_bytes)
+    unit = "chunks" if resident_bytes is None else "requested"
+    peak = memtrace.accelerator_peak(events, is_host_op=lambda name: False, resident_bytes=resident,
+                                     resident_unit=unit, allocator=ours[0])
+    host = events[events["allocator_name"] == "gpu_host_bfc"]
+    host_peak = memtrace.accelerator_peak(host, is_host_op=lambda name: False).peak_requested_bytes if len(host) else 0
+    return PeakReading(peak_bytes=int(peak.peak_requested_bytes), allocator_peak_bytes=int(allocator_peak_bytes),
+                       host_peak_bytes=int(host_peak), resident_bytes=resident)
 
 
 def _block(result: Any) -> None:
@@ -190,13 +230,36 @@ def warn_if_onednn_off() -> bool:
     return off
 
 
-def configure_testbed(n_devices: int = 2) -> bool:
+def limit_device_memory(budget_bytes: int) -> bool:
+    """Make ``budget_bytes`` GPU:0's memory limit (a logical device of that size). Only possible before
+    TensorFlow's runtime starts, i.e. before the model is loaded; returns whether it is in effect."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return False
+    limit_mib = max(1, int(budget_bytes) // 2**20)
+    current = tf.config.get_logical_device_configuration(gpus[0])
+    if current and getattr(current[0], "memory_limit", None) == limit_mib:
+        return True
+    try:
+        tf.config.set_logical_device_configuration(gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)])
+    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
+        log.warning("TensorFlow's runtime had started before the budget of %.2f GiB could be set as GPU:0's memory "
+                    "limit: the measured run may use more than the budget and cannot show that a plan does not fit",
+                    budget_bytes / 2**30)
+        return False
+    return True
+
+
+def configure_testbed(n_devices: int = 2, *, gpu_memory_limit_bytes: int | None = None) -> bool:
     """Split the CPU into ``n_devices`` logical devices (CPU:0 accelerator, CPU:1 host).
 
     Only possible before TensorFlow's runtime is initialised (before any op or model is built);
-    returns whether the split is in effect. Does nothing when a GPU is visible.
+    returns whether the split is in effect. When a GPU is visible it splits nothing and, given
+    ``gpu_memory_limit_bytes`` (the budget), makes that GPU:0's memory limit (``limit_device_memory``).
     """
     if tf.config.list_physical_devices("GPU"):
+        if gpu_memory_limit_bytes:
+            limit_device_memory(gpu_memory_limit_bytes)
         return False
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
@@ -219,6 +282,7 @@ def detect(*, configure: bool = True) -> Placement:
     """
     if tf.config.list_physical_devices("GPU"):
         return GpuPlacement()
+    warn_if_gpu_without_cuda()
     if configure:
         configure_testbed()
     names = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -227,12 +291,71 @@ def detect(*, configure: bool = True) -> Placement:
     return CpuTestbedPlacement(host="/device:CPU:0")
 
 
+def _nvidia_smi(*query: str) -> list[list[str]]:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        result = subprocess.run(["nvidia-smi", *query], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if result.returncode != 0:
+        return []
+    return [[part.strip() for part in line.split(",")] for line in result.stdout.splitlines() if line.strip()]
+
+
+def parse_gpu_memory(rows: list[list[str]], name: str) -> int | None:
+    """Total memory (bytes) of the GPUs called ``name`` in ``nvidia-smi --query-gpu=name,memory.total``
+    rows (MiB); the least where several differ; None when none matches."""
+    wanted = name.strip().lower()
+    sizes = []
+    for row in rows:
+        if len(row) >= 2 and row[0].lower() == wanted:
+            try:
+                sizes.append(int(float(row[1])) * 2**20)
+            except ValueError:
+                continue
+    return min(sizes) if sizes else None
+
+
+def reported_gpu_memory(name: str) -> int | None:
+    """The total memory the driver reports for the GPU called ``name``; None when it cannot be read."""
+    return parse_gpu_memory(_nvidia_smi("--query-gpu=name,memory.total", "--format=csv,noheader,nounits"), name)
+
+
+def gpu_present() -> bool:
+    """A GPU on this machine, whatever TensorFlow sees (the NVIDIA driver's device list)."""
+    nvidia = Path("/proc/driver/nvidia/gpus")
+    return (nvidia.is_dir() and any(nvidia.iterdir())) or bool(_nvidia_smi("-L"))
+
+
+_checked_gpu: list[bool] = []  # the answer of warn_if_gpu_without_cuda, once per process
+
+
+def warn_if_gpu_without_cuda() -> bool:
+    """Warn (once) when the machine has a GPU that TensorFlow does not see; True if so."""
+    if _checked_gpu:
+        return _checked_gpu[0]
+    _checked_gpu.append(False)
+    if tf.config.list_physical_devices("GPU") or not gpu_present():
+        return False
+    _checked_gpu[0] = True
+    if not tf.test.is_built_with_cuda():
+        log.warning("this machine has a GPU, but the installed TensorFlow was built without CUDA (tensorflow-cpu): "
+                    "everything runs on the CPU testbed. Install the GPU build: scripts/setup --gpu")
+    else:
+        log.warning("this machine has a GPU, but TensorFlow sees none (CUDA libraries or driver missing, or "
+                    "CUDA_VISIBLE_DEVICES hides it): everything runs on the CPU testbed")
+    return True
+
+
 def gpu_memory() -> tuple[str, int] | None:
     """(name, bytes TensorFlow may use) of GPU:0, or None without a GPU.
 
     The bytes are the ``memory_limit`` of GPU:0's logical device configuration when one is set,
-    otherwise the usable budget of the ``simulator.devices`` preset matching the GPU's name (TF has no
-    documented API for a GPU's total memory); 0 when neither is known.
+    otherwise the usable budget of the ``simulator.devices`` preset matching the GPU's name, otherwise
+    (a GPU without a preset) the usable part of the total memory the driver reports
+    (``simulator.devices.usable_gpu_bytes``; TF has no documented API for a GPU's total memory);
+    0 when none of them is known.
     """
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
@@ -243,10 +366,14 @@ def gpu_memory() -> tuple[str, int] | None:
     limit = getattr(configs[0], "memory_limit", None) if configs else None
     if limit:
         return name, int(limit) * 2**20
-    from simulator.devices import get_device, preset_for_gpu
+    from simulator.devices import get_device, preset_for_gpu, usable_gpu_bytes
 
     preset = preset_for_gpu(name)
-    return name, 0 if preset is None else int(get_device(preset).budget_bytes)
+    if preset is not None:
+        return name, int(get_device(preset).budget_bytes)
+    total = reported_gpu_memory(name)
+    major = (details.get("compute_capability") or (None,))[0]
+    return name, 0 if total is None else usable_gpu_bytes(total, major)
 
 
 def resolve(placement: Placement | str | None) -> Placement:

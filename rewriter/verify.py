@@ -10,7 +10,13 @@ reads them back and counts, for the swap nodes ``rewriter.apply`` added:
   to another op is named),
 * consumer inputs that still read the swap-in (a consumer rewired back to the original buffer would
   keep it alive),
-* cross-device transfers (``_Send``/``_Recv`` pairs) by direction.
+* cross-device transfers (``_Send``/``_Recv`` pairs) by direction,
+* what each copy to the accelerator waits for, the property that decides whether a swap-in saves
+  memory: TensorFlow starts a cross-device ``_Recv``'s copy (and allocates its device buffer) as soon
+  as its ``_Send`` has run, and gives that ``_Recv`` no control inputs (``graph_partition.cc`` adds
+  them only for ref-typed edges), so the copy waits for the trigger only if the host-side node it is
+  sent from does. The partition graphs are joined at their ``_Send``/``_Recv`` pairs and each
+  accelerator-side ``_Recv`` carrying a swap-in must depend on every control source apply gave it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 
 from rewriter.apply import Ancestry
@@ -50,6 +57,7 @@ class Verification:
     transfers_to_accelerator: int = 0  # _Recv nodes on the accelerator device
     sends: int = 0
     recvs: int = 0
+    control_transfers: int = 0  # _Recv nodes carrying a control edge between devices (not counted above)
     removed: list[str] = field(default_factory=list)  # swap nodes Grappler removed
     triggers_dropped: list[str] = field(default_factory=list)  # "swap_in <- trigger": edge gone
     triggers_moved: list[str] = field(default_factory=list)  # "swap_in <- trigger (now after: x, y)"
@@ -62,13 +70,17 @@ class Verification:
     triggers_ordered: int = 0  # triggered swap-ins that still run after all their control sources
     reads_lost: list[str] = field(default_factory=list)  # "consumer:slot" no longer reading its swap-in
     reads_renamed: list[str] = field(default_factory=list)  # consumer rewritten/fused, new node reads the swap-in
+    copies_checked: int = 0  # (accelerator-side copy, control source) pairs checked in the partition graphs
+    copies_waiting: int = 0  # of those, the copy depends on the source (it cannot start before it)
+    copies_early: list[str] = field(default_factory=list)  # "swap_in: copy <- source": the copy need not wait
+    copy_waits: dict[str, list[str]] = field(default_factory=dict)  # swap-in -> ops its copy in waits for
     devices: dict[str, int] = field(default_factory=dict)  # partition graph device -> node count
     collected: bool = True  # False when the run metadata held no graph of the step
 
     @property
     def ok(self) -> bool:
         return self.collected and not (self.removed or self.triggers_dropped or self.triggers_moved
-                                       or self.triggers_folded or self.reads_lost)
+                                       or self.triggers_folded or self.reads_lost or self.copies_early)
 
     def problems(self) -> list[str]:
         lines = []
@@ -82,6 +94,9 @@ class Verification:
             lines.append(f"{len(self.triggers_dropped)} trigger edge(s) dropped: {', '.join(self.triggers_dropped[:10])}")
         if self.triggers_moved:
             lines.append(f"{len(self.triggers_moved)} trigger edge(s) moved: {', '.join(self.triggers_moved[:10])}")
+        if self.copies_early:
+            lines.append(f"{len(self.copies_early)} copy(ies) to the accelerator need not wait for their trigger: "
+                         f"{', '.join(self.copies_early[:10])}")
         if self.reads_lost:
             lines.append(f"{len(self.reads_lost)} consumer input(s) no longer read their swap-in: "
                          f"{', '.join(self.reads_lost[:10])}")
@@ -93,7 +108,8 @@ class Verification:
                 f"{self.triggers_ordered}), control edges {self.control_edges_kept}+{self.control_edges_implied} implied"
                 f"/{self.planned_control_edges}, rewired reads "
                 f"{self.rewired_inputs}/{self.planned_rewired_inputs}, transfers to host {self.transfers_to_host}, "
-                f"to accelerator {self.transfers_to_accelerator}")
+                f"to accelerator {self.transfers_to_accelerator}, copies in waiting for their sources "
+                f"{self.copies_waiting}/{self.copies_checked}")
         problems = self.problems()
         return text + ("" if not problems else "; " + "; ".join(problems))
 
@@ -136,6 +152,7 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
         return result
     post = _node_map(fg.post_optimization_graph)
     partitions: dict[str, Any] = {}
+    waits = CopyWaits(fg.partition_graphs, post, accelerator=accelerator)
     for partition in fg.partition_graphs:
         for node in partition.node:
             partitions[node.name] = node
@@ -144,7 +161,9 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
                 result.sends += 1
             elif node.op == "_Recv":
                 result.recvs += 1
-                if host and _short(node.device) == _short(host) and _short(host) != _short(accelerator):
+                if waits.carries_control(node.name):  # a control edge across devices: a dummy value, no copy
+                    result.control_transfers += 1
+                elif host and _short(node.device) == _short(host) and _short(host) != _short(accelerator):
                     result.transfers_to_host += 1
                 elif accelerator and _short(node.device) == _short(accelerator):
                     result.transfers_to_accelerator += 1
@@ -179,6 +198,10 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
             if node is None:
                 result.removed.append(item.name)
                 continue
+            host_node = item.host_node or item.name
+            if host_node not in running:
+                result.removed.append(host_node)
+                continue
             result.swap_ins += 1
             found = Counter(readers.get(item.name, Counter()))
             unplanned = sum(count for name, count in found.items() if name not in item.consumers)
@@ -195,18 +218,26 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
                     result.reads_lost.append(f"{consumer}:{slot}")
             if not item.controls:
                 continue
-            direct = _controls(post.get(item.name), post, {}) | _controls(node, running, recv_source)
+            direct = _controls(post.get(host_node), post, {}) | _controls(running[host_node], running, recv_source)
             ordered = True
+            copies = waits.copies_of(item.name)
+            result.copy_waits[item.name] = waits.waits_of(host_node)
             for source in item.controls:
                 result.planned_control_edges += 1
                 if source not in running and source not in post and source in renamed:
                     source = renamed[source]  # the op still runs, under Grappler's name
+                for copy in copies if source in waits.nodes else ():  # what has to wait: the accelerator-side copy
+                    result.copies_checked += 1
+                    if waits.depends(copy, source):
+                        result.copies_waiting += 1
+                    else:
+                        result.copies_early.append(f"{item.name}: {copy} <- {source}")
                 if source not in running and source not in post:
                     result.triggers_folded.append(f"{item.name} <- {source}")
                     ordered = False
                 elif source in direct:
                     result.control_edges_kept += 1
-                elif ancestry.depends(item.name, source):
+                elif ancestry.depends(host_node, source):
                     result.control_edges_implied += 1  # Grappler dropped the edge as redundant: still ordered
                 else:
                     ordered = False
@@ -223,6 +254,92 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
                 if item.trigger not in item.controls:
                     result.triggers_replaced.append(f"{item.name}: {item.trigger} -> {', '.join(item.controls)}")
     return result
+
+
+class CopyWaits:
+    """The partition graphs of one function joined into one dependency graph: every ``_Recv`` also
+    depends on its ``_Send`` (same ``tensor_name``, ``send_device`` and ``recv_device``), which is when
+    TensorFlow starts the copy. Answers which accelerator-side node copies a swap-in to the accelerator
+    and what that copy waits for."""
+
+    def __init__(self, partition_graphs, post: dict[str, Any], *, accelerator: str = ""):
+        self.post = post
+        self.accelerator = _short(accelerator)
+        merged = graph_pb2.GraphDef()
+        sends: dict[tuple[str, str, str], str] = {}
+        for partition in partition_graphs:
+            merged.node.extend(partition.node)
+        for node in merged.node:
+            if node.op == "_Send":
+                sends[_link(node)] = node.name
+        self.nodes = {node.name: node for node in merged.node}
+        self.send_of: dict[str, str] = {}
+        for node in merged.node:
+            if node.op == "_Recv" and _link(node) in sends:
+                self.send_of[node.name] = sends[_link(node)]
+                node.input.append(f"^{sends[_link(node)]}")
+        self.readers: dict[str, list[str]] = {}
+        for node in merged.node:
+            for ref in node.input:
+                self.readers.setdefault(ref.lstrip("^").split(":")[0], []).append(node.name)
+        self._ancestry = Ancestry(merged) if merged.node else None
+
+    def copies_of(self, swap_in: str) -> list[str]:
+        """The accelerator-side nodes that make the swap-in's device copy: the ``_Recv``s on the
+        accelerator it reads (whatever sends them); the swap-in itself when it reads no ``_Recv``
+        (both sides one device, as on the single-device testbed)."""
+        node = self.nodes.get(swap_in)
+        if node is None:
+            return []
+        found = []
+        for ref in node.input:
+            if ref.startswith("^"):
+                continue
+            source = self.nodes.get(ref.split(":")[0])
+            if source is not None and source.op == "_Recv" and _short(source.device) == self.accelerator:
+                found.append(source.name)
+        return found or [swap_in]
+
+    def carries_control(self, recv: str) -> bool:
+        """True for a ``_Recv`` that partitioning added for a control edge: its ``_Send`` sends a
+        constant that is not an op of the step."""
+        send = self.nodes.get(self.send_of.get(recv, ""))
+        if send is None:
+            return False
+        data = [ref for ref in send.input if not ref.startswith("^")]
+        source = self.nodes.get(data[0].split(":")[0]) if data else None
+        return source is not None and source.op == "Const" and source.name not in self.post
+
+    def depends(self, node: str, on: str) -> bool:
+        return self._ancestry is not None and self._ancestry.depends(node, on)
+
+    def waits_of(self, name: str) -> list[str]:
+        """The ops of the step (post-optimization names) that ``name`` waits for by control edges,
+        looked up through the nodes partitioning added (``_Recv``, ``_Send``, dummy constants)."""
+        node = self.nodes.get(name)
+        if node is None:
+            return []
+        found: list[str] = []
+        pending = [ref[1:] for ref in node.input if ref.startswith("^")]
+        seen: set[str] = set()
+        while pending:
+            source = pending.pop().split(":")[0]
+            if source in seen:
+                continue
+            seen.add(source)
+            if source in self.post or source not in self.nodes:
+                if source not in found:
+                    found.append(source)
+                continue
+            pending.extend(ref.lstrip("^") for ref in self.nodes[source].input)  # partitioning's own node
+        return sorted(found)
+
+
+def _link(node) -> tuple[str, str, str]:
+    attr = node.attr
+    return (attr["tensor_name"].s.decode() if "tensor_name" in attr else "",
+            _short(attr["send_device"].s.decode()) if "send_device" in attr else "",
+            _short(attr["recv_device"].s.decode()) if "recv_device" in attr else "")
 
 
 def _controls(node, nodes, recv_source) -> set[str]:

@@ -66,11 +66,13 @@ def test_graph_carries_the_plan(cnn_graph, full_plan):
         assert list(out.input) == [producer if index == "0" else record["tensor"]]
         items = [i for i in record["swap_ins"] if set(i["consumers"]) & {c for s in applied.swap_ins for c in s.consumers}]
         for item, swap_in in zip(items, applied.swap_ins, strict=True):
-            node = nodes[swap_in.name]
+            node, host = nodes[swap_in.name], nodes[swap_in.host_node]
             assert swap_in.name.startswith(f"{applied.swap_out.replace('swap_out/', 'swap_in/')}/")
             assert node.device == "/device:CPU:0" and node.attr["_grappler_do_not_remove"].b
-            assert node.input[0] == applied.swap_out
-            controls = [ref[1:] for ref in node.input if ref.startswith("^")]
+            # the wait is on the host side (TFLMS): the accelerator-side copy reads it and waits for nothing else
+            assert host.op == "Identity" and host.device == "/device:CPU:1" and host.attr["_grappler_do_not_remove"].b
+            assert host.input[0] == applied.swap_out and list(node.input) == [swap_in.host_node]
+            controls = [ref[1:] for ref in host.input if ref.startswith("^")]
             assert controls == list(swap_in.controls)
             for consumer in item["consumers"]:
                 assert swap_in.name in nodes[consumer].input  # rewired in its own input slot
@@ -120,7 +122,7 @@ def test_swap_ins_after_copies_out_wait_for_their_triggers_copies(cnn_graph):
     for applied in step.applied:
         for item in applied.swap_ins:
             for copy in copies_of.get(item.trigger or "", []):
-                assert copy in item.controls and f"^{copy}" in nodes[item.name].input
+                assert copy in item.controls and f"^{copy}" in nodes[item.host_node].input
                 waiting += 1
     assert waiting > 0
     # without the flag, no swap-in waits for a copy out
