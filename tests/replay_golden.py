@@ -13,6 +13,7 @@ Arrays are kept as SHA-256 digests of their dtype, shape and bytes; scalars exac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -44,7 +45,11 @@ PLAN_FIELDS = ("tensor", "sync_out", "in_swap", "in_trigger", "in_after", "in_co
                "order", "order_name", "after_copies_out")
 
 
-def load_graph(name: str) -> OpGraph:
+@functools.cache
+def load_graph(name: str, batch: int = 1) -> OpGraph:
+    """One graph object per file and batch, so its caches (orders, buffers) are built once."""
+    if batch != 1:
+        return load_graph(name).with_batch(batch)
     return OpGraph.load(DATA_DIR / f"{name}.npz")
 
 
@@ -119,7 +124,7 @@ def generate() -> list[dict]:
 
 def recompute(case: dict) -> dict:
     """The fields of one case with the code as it is now."""
-    g = load_graph(case["graph"]).with_batch(case["batch"])
+    g = load_graph(case["graph"], case["batch"])
     device = get_device(case["device"])
     if case["params"] is None:
         return record(SwapPlan.empty(g), replay(g, None, device))
