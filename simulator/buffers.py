@@ -165,7 +165,8 @@ def _analyse(g: OpGraph) -> Buffers:
     owners = np.flatnonzero((root == np.arange(n_tensors)) & ~persistent)
     alloc_slot[owners] = produced[owners]
     free_slot[owners] = np.maximum(buffer_last[owners], produced[owners])
-    late_slot, late_source, late_out = np.asarray(late, dtype=np.int64).reshape(-1, 3).T
+    # contiguous columns: the compiled replay takes them as they are (one machine-code version)
+    late_slot, late_source, late_out = np.ascontiguousarray(np.asarray(late, dtype=np.int64).reshape(-1, 3).T)
     return Buffers(root=root, persistent=persistent, segment=segment, alloc_slot=alloc_slot, free_slot=free_slot,
                    use_ptr=use_ptr, use_slot=use_slot[order], use_key=use_key[order],
                    use_segment=segment[use_owner][order], seg_ptr=seg_ptr, seg_head=heads,

@@ -33,6 +33,7 @@ from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
+from simulator.replay_kernels import account, schedule
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,71 +193,21 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     if plan.sync_out.any():
         sync_wait = _first_remaining_reader(g, swap_tensor, far_keys, plan.sync_out)
 
-    # ---- discrete-event pass over the few slots that wait for a transfer
-    # a swap-in after the copies out of what the op it starts after made: the swaps made at each slot
-    outs_at_slot: dict[int, list[int]] = {}
-    if plan.after_copies_out:
-        for i, slot in enumerate(out_ready_slot.tolist()):
-            outs_at_slot.setdefault(slot, []).append(i)
-    out_start, out_end, in_ready, in_start, in_end, seg_slot, seg_shift = _schedule(
-        finish_plain, finish_plain_list, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration,
-        need_slot, sync_wait, outs_at_slot, copies_slot)
+    # ---- discrete-event pass over the few slots that wait for a transfer (compiled)
+    out_start, out_end, in_ready, in_start, in_end, finish_all = schedule(
+        finish_plain, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration, need_slot, sync_wait,
+        plan.after_copies_out, copies_slot)
     in_swap = plan.in_swap
-    seg_bounds = _array(seg_slot + [len(duration)], np.int64)
-    finish_all = finish_plain + _array(seg_shift).repeat(seg_bounds[1:] - seg_bounds[:-1])
 
-    # ---- device memory per slot: re-account swapped buffers, add swap-in buffers
-    n_slots = len(duration)
-    start_all = finish_all - duration
-    out_free_slot = np.minimum(np.searchsorted(finish_all, out_end, side="left"), n_slots - 1)
-    # a copy that ends while its slot's op still waits (a stall) frees the buffer before the op
-    # allocates anything: it does not count in that slot (to a nanosecond: the op's start is
-    # finish - duration, which rounds differently from the copy's end it waited for), only in
-    # the wait (_wait_peaks)
-    out_free_slot -= out_end <= start_all[out_free_slot] + 1e-9
-    # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a
-    # rewired read carried it into (see rewired_lifetimes)
-    in_original = home_link < 0
-    if in_original.all():
-        held_root, held_free, held_end = swap_root, out_free_slot, out_end
-    else:
-        held_root, held_free, held_end = swap_root[in_original], out_free_slot[in_original], out_end[in_original]
-    copy_free_slot = np.full(len(roots), -1, dtype=np.int64)
-    np.maximum.at(copy_free_slot, held_root, held_free)
-    new_free = np.maximum(root_last_slot, copy_free_slot)
-    copy_end = np.zeros(len(roots))
-    np.maximum.at(copy_end, held_root, held_end)
-    # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
-    # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
-    # queues the copy on the stream (GPU), or copies at once (CPU testbed)
-    in_alloc_slot = np.minimum(np.searchsorted(finish_all, in_ready, side="right"), need_slot)
-    last_consumer = plan.in_consumers[plan.in_consumer_ptr[1:] - 1]
-    in_free_slot = np.maximum(position[last_consumer], in_alloc_slot)
-    by_key = np.argsort(far_keys, kind="stable")
-    sorted_far_keys = far_keys[by_key]
-    group_of_read = np.repeat(np.arange(n_ins), reads_per_in)[by_key]
-    if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
-        group = group_of_read[np.searchsorted(sorted_far_keys, moved_links)]
-        np.maximum.at(in_free_slot, group, moved_last)
-        moved = ~in_original
-        group = group_of_read[np.searchsorted(sorted_far_keys, home_link[moved])]
-        np.maximum.at(in_free_slot, group, out_free_slot[moved])
-    in_place_slot, in_place_out = in_place_after_rewiring(g, roots, root_last_slot, copy_free_slot, sorted_far_keys,
-                                                          in_free_slot[group_of_read])
-    # the changes to the baseline, counted in one go (whole byte counts: exact in float64 in any
-    # order): swapped buffers freed earlier, swap-in buffers, and outputs that share the buffer
-    # their op was the last to read (in place) need none of their own in that slot
-    root_bytes = float_bytes[roots]
-    in_place_bytes = float_bytes[in_place_out]
-    change_slot = np.concatenate([info.free_slot[roots] + 1, new_free + 1, in_alloc_slot, in_free_slot + 1,
-                                  in_place_slot, in_place_slot + 1])
-    change_bytes = np.concatenate([root_bytes, -root_bytes, in_bytes, -in_bytes, -in_place_bytes, in_place_bytes])
-    slot_bytes = slot_bytes + np.cumsum(np.bincount(change_slot, change_bytes, minlength=n_slots + 1)[:-1])
-    slot_bytes, wait_slots, wait_moment = _wait_peaks(
-        g, slot_bytes, start_all, finish_all, roots, new_free, copy_free_slot, copy_end, in_alloc_slot,
-        in_ready, in_bytes, in_place_slot, in_place_out)
-
-    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, in_swap, in_end)
+    # ---- device memory per slot: swapped buffers re-accounted, swap-in buffers added (compiled; the
+    # kernel's comments give the rules), and the host's peak
+    (slot_bytes, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots, wait_moment, host_peak,
+     host_peak_s) = account(
+        slot_bytes, alloc_slot_bytes(g), float_bytes, duration, finish_all, position, g.n_ops, out_start, out_end,
+        swap_root, home_link, swap_bytes, roots, info.free_slot[roots], root_last_slot, moved_links, moved_last,
+        in_swap, in_ready, in_end, in_bytes, need_slot, plan.in_consumer_ptr, plan.in_consumers, far_keys,
+        info.late_slot, info.late_key, info.late_root, info.late_out)
+    host_peak, host_peak_s = int(host_peak), float(host_peak_s)
 
     return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,

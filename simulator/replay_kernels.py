@@ -1,0 +1,452 @@
+"""The replay's per-plan loops, compiled with numba (issue 23): the event pass over waits and stalls,
+and the memory accounting around it.
+
+Each kernel does, operation for operation, what the numpy code it replaced did (the same float
+additions in the same order, the same tie-breaking), so results are bit-identical to it: the golden
+set (tests/test_simulator_golden.py) holds them to that. ``cache=True`` keeps the machine code under
+``__pycache__``, so a new process loads it instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def _heap_less(time_a, index_a, time_b, index_b):
+    return time_a < time_b or (time_a == time_b and index_a < index_b)
+
+
+@njit(cache=True, nogil=True)
+def _heap_push(times, items, size, time, item):
+    """Push (time, item) onto the binary min-heap in ``times``/``items[:size]``; returns the new size."""
+    position = size
+    times[position], items[position] = time, item
+    while position > 0:
+        parent = (position - 1) // 2
+        if _heap_less(times[position], items[position], times[parent], items[parent]):
+            times[position], times[parent] = times[parent], times[position]
+            items[position], items[parent] = items[parent], items[position]
+            position = parent
+        else:
+            break
+    return size + 1
+
+
+@njit(cache=True, nogil=True)
+def _heap_pop(times, items, size):
+    """Remove the least (time, item) (ties by item, as heapq's tuples); returns it and the new size."""
+    time, item = times[0], items[0]
+    size -= 1
+    times[0], items[0] = times[size], items[size]
+    position = 0
+    while True:
+        left = 2 * position + 1
+        if left >= size:
+            break
+        least = left
+        right = left + 1
+        if right < size and _heap_less(times[right], items[right], times[left], items[left]):
+            least = right
+        if _heap_less(times[least], items[least], times[position], items[position]):
+            times[position], times[least] = times[least], times[position]
+            items[position], items[least] = items[least], items[position]
+            position = least
+        else:
+            break
+    return time, item, size
+
+
+@njit(cache=True, nogil=True)
+def _bisect_right(values, count, x):
+    """``bisect.bisect_right(values[:count], x)``."""
+    lo, hi = 0, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < values[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start, finish_plain,
+                  seg_slot, seg_shift, seg_count, shift):
+    """The end of copy out ``i``, scheduling the late copies out in queue order up to it
+    (``cursor[0]``: the next late copy out; ``d2h_free[0]``: when the d2h engine is free)."""
+    while out_end[i] < 0.0:
+        k = cursor[0]
+        slot = late_slot[k]  # before the waiting slot at hand: its finish is settled
+        if slot >= seg_slot[seg_count - 1]:
+            start = finish_plain[slot] + shift
+        else:
+            start = finish_plain[slot] + seg_shift[_bisect_right(seg_slot, seg_count, slot) - 1]
+        if d2h_free[0] > start:
+            start = d2h_free[0]
+        late_start[k] = start
+        d2h_free[0] = start + late_duration[k]
+        out_end[late_queue[k]] = d2h_free[0]
+        cursor[0] = k + 1
+    return out_end[i]
+
+
+@njit(cache=True, nogil=True)
+def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duration, need, sync_wait,
+             after_copies_out, copies_slot):
+    """The event pass (see ``replay._schedule``, which documents the model): walk the slots that
+    wait for a transfer in order, shifting later ops by the stall. Returns the copies' start and
+    end times, each swap-in's ready time, and every slot's finish time with the stalls."""
+    n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
+    in_ready = np.zeros(n_ins)
+    in_start = np.zeros(n_ins)
+    in_end = np.full(n_ins, -1.0)
+
+    # waiting slots in order: swap-ins' consumers (item j >= 0), then sync swap-out readers (item -1 - i)
+    n_out_waits = 0
+    for i in range(n_swaps):
+        if sync_wait[i] >= 0:
+            n_out_waits += 1
+    n_waits = n_ins + n_out_waits
+    wait_slot = np.empty(n_waits, np.int64)
+    wait_item = np.empty(n_waits, np.int64)
+    wait_slot[:n_ins] = need
+    for j in range(n_ins):
+        wait_item[j] = j
+    k = n_ins
+    for i in range(n_swaps):
+        if sync_wait[i] >= 0:
+            wait_slot[k] = sync_wait[i]
+            wait_item[k] = -1 - i
+            k += 1
+    # by slot, then item (np.lexsort((wait_item, wait_slot)))
+    by_item = np.argsort(wait_item, kind="mergesort")
+    by_slot = by_item[np.argsort(wait_slot[by_item], kind="mergesort")]
+    wait_slots = np.empty(n_waits + 1, np.int64)
+    wait_slots[:n_waits] = wait_slot[by_slot]
+    wait_slots[n_waits] = -1  # a sentinel after the last
+    wait_items = wait_item[by_slot]
+    first_wait = wait_slots[0] if n_waits else n_slots
+
+    seg_slot = np.empty(n_waits + 1, np.int64)
+    seg_shift = np.empty(n_waits + 1)
+    seg_slot[0], seg_shift[0] = 0, 0.0
+    seg_count = 1
+    shift = 0.0  # the shift of the latest segment
+
+    # copies out: FIFO in ready order; those ready before any stall in bulk, the rest in the pass
+    out_queue = np.argsort(out_ready, kind="mergesort")
+    ready_slots = out_ready[out_queue]
+    early = np.searchsorted(ready_slots, first_wait, side="left")
+    durations = out_duration[out_queue]
+    out_end = np.full(n_swaps, -1.0)
+    out_start = np.empty(n_swaps)
+    cumulative = 0.0
+    latest = -np.inf
+    end = 0.0
+    for k in range(early):
+        cumulative += durations[k]
+        candidate = finish_plain[ready_slots[k]] - (cumulative - durations[k])
+        if candidate > latest or k == 0:
+            latest = candidate
+        end = cumulative + latest
+        out_end[out_queue[k]] = end
+        out_start[out_queue[k]] = end - durations[k]
+    late_queue = out_queue[early:]
+    late_slot = ready_slots[early:]
+    late_duration = durations[early:]
+    late_start = np.empty(len(late_queue))
+    cursor = np.zeros(1, np.int64)
+    d2h_free = np.zeros(1)
+    d2h_free[0] = end if early else 0.0
+
+    # a swap-in after the copies out of the op it starts after: the swaps made at each slot (CSR)
+    outs_order = np.argsort(out_ready, kind="mergesort")
+    outs_slots = out_ready[outs_order]
+
+    # swap-ins in trigger order; all whose trigger runs before a waiting slot are released at that slot
+    in_order = np.argsort(trigger, kind="mergesort")
+    release_slots = np.empty(n_ins + 1, np.int64)
+    release_finish = np.empty(n_ins)
+    for k in range(n_ins):
+        j = in_order[k]
+        release_slots[k] = trigger[j]
+        release_finish[k] = finish_plain[trigger[j]] if trigger[j] >= 0 else 0.0
+    release_slots[n_ins] = n_slots  # a sentinel after the last
+    in_cursor = 0
+    heap_times = np.empty(max(n_ins, 1))
+    heap_items = np.empty(max(n_ins, 1), np.int64)
+    heap_size = 0
+    h2d_free = 0.0
+    index = 0
+    while index < n_waits:
+        slot = wait_slots[index]
+        while release_slots[in_cursor] < slot:  # triggers that have run
+            j = in_order[in_cursor]
+            ready = release_finish[in_cursor] + shift
+            in_cursor += 1
+            source = in_swap[j]
+            data = out_end[source]
+            if data < 0.0:
+                data = _swap_out_end(source, out_end, cursor, d2h_free, late_queue, late_slot, late_duration,
+                                     late_start, finish_plain, seg_slot, seg_shift, seg_count, shift)
+            if after_copies_out:
+                lo = np.searchsorted(outs_slots, copies_slot[j], side="left")
+                hi = np.searchsorted(outs_slots, copies_slot[j], side="right")
+                for m in range(lo, hi):
+                    other = outs_order[m]
+                    copied = out_end[other]
+                    if copied < 0.0:
+                        copied = _swap_out_end(other, out_end, cursor, d2h_free, late_queue, late_slot,
+                                               late_duration, late_start, finish_plain, seg_slot, seg_shift,
+                                               seg_count, shift)
+                    if copied > data:
+                        data = copied
+            if data > ready:
+                ready = data
+            in_ready[j] = ready
+            heap_size = _heap_push(heap_times, heap_items, heap_size, ready, j)
+        required = 0.0
+        while wait_slots[index] == slot:
+            item = wait_items[index]
+            index += 1
+            if item < 0:
+                done = _swap_out_end(-1 - item, out_end, cursor, d2h_free, late_queue, late_slot, late_duration,
+                                     late_start, finish_plain, seg_slot, seg_shift, seg_count, shift)
+            else:
+                while in_end[item] < 0.0:
+                    ready, j, heap_size = _heap_pop(heap_times, heap_items, heap_size)
+                    if h2d_free > ready:
+                        ready = h2d_free
+                    in_start[j] = ready
+                    h2d_free = ready + in_duration[j]
+                    in_end[j] = h2d_free
+                done = in_end[item]
+            if done > required:
+                required = done
+        previous_finish = (finish_plain[slot - 1] + shift) if slot > 0 else 0.0
+        if required > previous_finish:
+            shift += required - previous_finish
+            seg_slot[seg_count] = slot
+            seg_shift[seg_count] = shift
+            seg_count += 1
+    if len(late_queue):  # a swap-out nobody waited for still happens
+        _swap_out_end(late_queue[-1], out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start,
+                      finish_plain, seg_slot, seg_shift, seg_count, shift)
+    for k in range(len(late_queue)):
+        out_start[late_queue[k]] = late_start[k]
+    finish_all = np.empty(n_slots)
+    for s in range(seg_count):
+        stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
+        for slot in range(seg_slot[s], stop):
+            finish_all[slot] = finish_plain[slot] + seg_shift[s]
+    return out_start, out_end, in_ready, in_start, in_end, finish_all
+
+
+@njit(cache=True, nogil=True)
+def _stable_order(primary, secondary):
+    """Indices sorted by ``primary``, then ``secondary``, then index (``np.lexsort((secondary, primary))``)."""
+    by_secondary = np.argsort(secondary, kind="mergesort")
+    return by_secondary[np.argsort(primary[by_secondary], kind="mergesort")]
+
+
+@njit(cache=True, nogil=True)
+def _find_sorted(sorted_values, value):
+    """Index of ``value`` in ``sorted_values`` (the first), or -1."""
+    where = np.searchsorted(sorted_values, value)
+    if where < len(sorted_values) and sorted_values[where] == value:
+        return where
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, position, n_ops,
+            out_start, out_end, swap_root, home_link, swap_bytes,
+            roots, root_base_free_slot, root_last_slot, moved_links, moved_last,
+            in_swap, in_ready, in_end, in_bytes, need_slot, in_consumer_ptr, in_consumers, far_keys,
+            late_slot, late_key, late_root, late_out):
+    """Device memory per slot once the transfers are timed (see ``replay.replay``, whose comments
+    give the rules): swapped buffers freed earlier, swap-in buffers, outputs written in place, the
+    waits' peaks; and the host's peak. All byte figures are whole numbers in float64, so sums are
+    exact in any order; times are compared as the numpy code compared them."""
+    n_slots, n_swaps, n_ins, n_roots = len(duration), len(out_end), len(in_ready), len(roots)
+    start_all = finish_all - duration
+    # a copy out frees its buffer in the slot running when it ends; one that ends while the slot's
+    # op still waits (a stall) frees it before the op allocates anything
+    out_free_slot = np.empty(n_swaps, np.int64)
+    for i in range(n_swaps):
+        slot = min(np.searchsorted(finish_all, out_end[i], side="left"), n_slots - 1)
+        if out_end[i] <= start_all[slot] + 1e-9:
+            slot -= 1
+        out_free_slot[i] = slot
+    # a copy out holds the buffer its tensor lives in: the original, or a swap-in's
+    copy_free_slot = np.full(n_roots, -1, np.int64)
+    copy_end = np.zeros(n_roots)
+    for i in range(n_swaps):
+        if home_link[i] < 0:
+            r = swap_root[i]
+            copy_free_slot[r] = max(copy_free_slot[r], out_free_slot[i])
+            copy_end[r] = max(copy_end[r], out_end[i])
+    new_free = np.maximum(root_last_slot, copy_free_slot)
+    # a swap-in's buffer exists from when the copy op may run (trigger done, host copy there)
+    in_alloc_slot = np.empty(n_ins, np.int64)
+    in_free_slot = np.empty(n_ins, np.int64)
+    for j in range(n_ins):
+        in_alloc_slot[j] = min(np.searchsorted(finish_all, in_ready[j], side="right"), need_slot[j])
+        in_free_slot[j] = max(position[in_consumers[in_consumer_ptr[j + 1] - 1]], in_alloc_slot[j])
+    n_reads = len(far_keys)
+    by_key = np.argsort(far_keys, kind="mergesort")
+    sorted_far_keys = far_keys[by_key]
+    group_of_read = np.empty(n_reads, np.int64)
+    for j in range(n_ins):
+        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
+            group_of_read[k] = j
+    group_of_read = group_of_read[by_key]
+    if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
+        for k in range(len(moved_links)):
+            group = group_of_read[np.searchsorted(sorted_far_keys, moved_links[k])]
+            in_free_slot[group] = max(in_free_slot[group], moved_last[k])
+        for i in range(n_swaps):
+            if home_link[i] >= 0:
+                group = group_of_read[np.searchsorted(sorted_far_keys, home_link[i])]
+                in_free_slot[group] = max(in_free_slot[group], out_free_slot[i])
+
+    # forwards the plan makes possible (see in_place_after_rewiring's rules in the replay's docstring)
+    n_late = len(late_slot) if n_roots else 0
+    in_place = np.zeros(n_late, np.bool_)
+    for k in range(n_late):
+        where = min(np.searchsorted(roots, late_root[k]), n_roots - 1)
+        if (roots[where] == late_root[k] and root_last_slot[where] == late_slot[k]
+                and copy_free_slot[where] <= late_slot[k]):
+            in_place[k] = True
+        elif n_reads:
+            where = min(np.searchsorted(sorted_far_keys, late_key[k]), n_reads - 1)
+            source = late_key[k] // n_ops
+            if (sorted_far_keys[where] == late_key[k] and in_free_slot[group_of_read[where]] == late_slot[k]
+                    and tensor_bytes[source] == tensor_bytes[late_out[k]]):
+                in_place[k] = True
+    in_place_slot = late_slot[:n_late][in_place]
+    in_place_out = late_out[:n_late][in_place]
+
+    # the changes to the baseline, counted in one go
+    delta = np.zeros(n_slots + 1)
+    for r in range(n_roots):
+        size = tensor_bytes[roots[r]]
+        delta[root_base_free_slot[r] + 1] += size
+        delta[new_free[r] + 1] -= size
+    for j in range(n_ins):
+        delta[in_alloc_slot[j]] += in_bytes[j]
+        delta[in_free_slot[j] + 1] -= in_bytes[j]
+    for k in range(len(in_place_slot)):
+        delta[in_place_slot[k]] -= tensor_bytes[in_place_out[k]]
+        delta[in_place_slot[k] + 1] += tensor_bytes[in_place_out[k]]
+    slot_bytes = baseline_bytes + np.cumsum(delta[:n_slots])
+    wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, roots,
+                                          new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
+                                          in_place_slot, in_place_out)
+    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, in_swap, in_end)
+    return (slot_bytes, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots, wait_moment,
+            host_peak, host_peak_s)
+
+
+@njit(cache=True, nogil=True)
+def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, roots, root_free_slot,
+                copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
+    """Memory during the waits in which a copy out ends after a swap-in was allocated (before the op
+    at slot s starts, its wait holds what lives on from slot s-1, the swap-ins allocated so far and the
+    swapped buffers whose copy out has not ended, not the op's own outputs). Raises ``slot_bytes`` in
+    place where a wait's peak is larger; returns those slots and the moments of their peaks."""
+    n_slots, n_roots, n_ins = len(slot_bytes), len(roots), len(in_ready)
+    # roots whose copy out frees them after their last slot ended: in the next slot's wait
+    root_slot = np.full(n_roots, -1, np.int64)
+    n_waiting = 0
+    for r in range(n_roots):
+        if (copy_free_slot[r] >= root_free_slot[r] and root_free_slot[r] + 1 < n_slots
+                and copy_end[r] > finish_all[min(root_free_slot[r], n_slots - 1)] + 1e-9):
+            root_slot[r] = root_free_slot[r] + 1
+            n_waiting += 1
+    if n_waiting == 0 or n_ins == 0:
+        return np.zeros(0, np.int64), np.zeros(0)
+    in_wait = np.zeros(n_ins, np.bool_)
+    first_in = np.full(n_slots, np.inf)
+    for j in range(n_ins):
+        if in_ready[j] < start_all[in_alloc_slot[j]] - 1e-9:  # allocated before its slot's op starts
+            in_wait[j] = True
+            first_in[in_alloc_slot[j]] = min(first_in[in_alloc_slot[j]], in_ready[j])
+    last_end = np.zeros(n_slots)
+    for r in range(n_roots):
+        if root_slot[r] >= 0:
+            last_end[root_slot[r]] = max(last_end[root_slot[r]], copy_end[r])
+    is_wait = last_end > first_in + 1e-9
+    n_waits = 0
+    for s in range(n_slots):
+        n_waits += is_wait[s]
+    if n_waits == 0:
+        return np.zeros(0, np.int64), np.zeros(0)
+    # each wait starts with what lives on from the slot before, and the buffers copied out in it
+    start_bytes = slot_bytes - alloc_bytes[:n_slots]
+    for k in range(len(in_place_slot)):
+        start_bytes[in_place_slot[k]] += tensor_bytes[in_place_out[k]]
+    for j in range(n_ins):
+        start_bytes[in_alloc_slot[j]] -= in_bytes[j]
+    # then its events: copies out ending (frees first at the same instant, to a ns), swap-ins allocated
+    n_events = 0
+    for r in range(n_roots):
+        if root_slot[r] >= 0:
+            start_bytes[root_slot[r]] += tensor_bytes[roots[r]]
+            n_events += is_wait[root_slot[r]]
+    for j in range(n_ins):
+        n_events += in_wait[j] and is_wait[in_alloc_slot[j]]
+    event_slot = np.empty(n_events, np.int64)
+    event_time = np.empty(n_events)
+    event_bytes = np.empty(n_events)
+    k = 0
+    for r in range(n_roots):
+        if root_slot[r] >= 0 and is_wait[root_slot[r]]:
+            event_slot[k], event_time[k], event_bytes[k] = root_slot[r], copy_end[r] - 1e-9, -tensor_bytes[roots[r]]
+            k += 1
+    for j in range(n_ins):
+        if in_wait[j] and is_wait[in_alloc_slot[j]]:
+            event_slot[k], event_time[k], event_bytes[k] = in_alloc_slot[j], in_ready[j], in_bytes[j]
+            k += 1
+    by_bytes = np.argsort(event_bytes, kind="mergesort")
+    by_time = by_bytes[np.argsort(event_time[by_bytes], kind="mergesort")]
+    by_slot = by_time[np.argsort(event_slot[by_time], kind="mergesort")]
+    wait_slots = np.empty(n_waits, np.int64)
+    wait_moment = np.empty(n_waits)
+    n_higher = 0
+    k = 0
+    while k < n_events:  # one wait (slot) at a time, its events in time order: its largest moment
+        slot = event_slot[by_slot[k]]
+        running = start_bytes[slot]
+        best, best_time = -np.inf, 0.0
+        while k < n_events and event_slot[by_slot[k]] == slot:
+            running += event_bytes[by_slot[k]]
+            if running > best:
+                best, best_time = running, event_time[by_slot[k]]
+            k += 1
+        if best > slot_bytes[slot]:
+            slot_bytes[slot] = best
+            wait_slots[n_higher], wait_moment[n_higher] = slot, best_time
+            n_higher += 1
+    return wait_slots[:n_higher], wait_moment[:n_higher]
+
+
+@njit(cache=True, nogil=True)
+def _host_peak(swap_bytes, out_start, in_swap, in_end):
+    """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in
+    (frees before allocations at the same instant)."""
+    n_swaps = len(swap_bytes)
+    if n_swaps == 0:
+        return 0.0, 0.0
+    host_free = np.zeros(n_swaps)
+    for j in range(len(in_swap)):
+        host_free[in_swap[j]] = max(host_free[in_swap[j]], in_end[j])
+    times = np.concatenate((out_start, host_free))
+    sizes = np.concatenate((swap_bytes, -swap_bytes))
+    by_size = np.argsort(sizes, kind="mergesort")
+    by_time = by_size[np.argsort(times[by_size], kind="mergesort")]
+    running = np.cumsum(sizes[by_time])
+    top = np.argmax(running)
+    return max(0.0, running[top]), times[by_time[top]]
