@@ -194,7 +194,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         sync_wait = _first_remaining_reader(g, swap_tensor, far_keys, plan.sync_out)
 
     # ---- discrete-event pass over the few slots that wait for a transfer (compiled)
-    out_start, out_end, in_ready, in_start, in_end, finish_all = schedule(
+    out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue = schedule(
         finish_plain, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration, need_slot, sync_wait,
         plan.after_copies_out, copies_slot)
     in_swap = plan.in_swap
@@ -204,7 +204,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     (slot_bytes, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots, wait_moment, host_peak,
      host_peak_s) = account(
         slot_bytes, alloc_slot_bytes(g), float_bytes, duration, finish_all, position, g.n_ops, out_start, out_end,
-        swap_root, home_link, swap_bytes, roots, info.free_slot[roots], root_last_slot, moved_links, moved_last,
+        out_queue, swap_root, home_link, swap_bytes, roots, info.free_slot[roots], root_last_slot, moved_links, moved_last,
         in_swap, in_ready, in_end, in_bytes, need_slot, plan.in_consumer_ptr, plan.in_consumers, far_keys,
         info.late_slot, info.late_key, info.late_root, info.late_out)
     host_peak, host_peak_s = int(host_peak), float(host_peak_s)

@@ -72,6 +72,79 @@ def _bisect_right(values, count, x):
 
 
 @njit(cache=True, nogil=True)
+def _before(p, s, i, q, t, j):
+    """(p, s, i) < (q, t, j): by primary key, then secondary, then index."""
+    return p < q or (p == q and (s < t or (s == t and i < j)))
+
+
+@njit(cache=True, nogil=True)
+def _lexsort(primary, secondary, start):
+    """Indices sorted by ``primary``, then ``secondary``, then index (``np.lexsort((secondary,
+    primary))``; a total order, so any correct sort gives numpy's answer), starting from the
+    permutation ``start`` (a guess: the closer to sorted, the faster). Keys are sorted together with
+    their indices (no indirection): insertion sort of runs of 16, then bottom-up merges that skip
+    runs already in order, so a nearly sorted start costs about one pass."""
+    n = len(primary)
+    p, s, order = primary[start], secondary[start], start.copy()
+    for lo in range(0, n, 16):
+        for k in range(lo + 1, min(lo + 16, n)):
+            pk, sk, ok = p[k], s[k], order[k]
+            m = k
+            while m > lo and _before(pk, sk, ok, p[m - 1], s[m - 1], order[m - 1]):
+                p[m], s[m], order[m] = p[m - 1], s[m - 1], order[m - 1]
+                m -= 1
+            p[m], s[m], order[m] = pk, sk, ok
+    p2, s2, order2 = np.empty_like(p), np.empty_like(s), np.empty_like(order)
+    width = 16
+    while width < n:
+        for lo in range(0, n - width, 2 * width):
+            mid, hi = lo + width, min(lo + 2 * width, n)
+            if not _before(p[mid], s[mid], order[mid], p[mid - 1], s[mid - 1], order[mid - 1]):
+                continue  # already in order
+            a, b, k = lo, mid, lo
+            while a < mid and b < hi:
+                if _before(p[b], s[b], order[b], p[a], s[a], order[a]):
+                    p2[k], s2[k], order2[k] = p[b], s[b], order[b]
+                    b += 1
+                else:
+                    p2[k], s2[k], order2[k] = p[a], s[a], order[a]
+                    a += 1
+                k += 1
+            while a < mid:
+                p2[k], s2[k], order2[k] = p[a], s[a], order[a]
+                a += 1
+                k += 1
+            while b < hi:
+                p2[k], s2[k], order2[k] = p[b], s[b], order[b]
+                b += 1
+                k += 1
+            p[lo:hi], s[lo:hi], order[lo:hi] = p2[lo:hi], s2[lo:hi], order2[lo:hi]
+        width *= 2
+    return order
+
+
+@njit(cache=True, nogil=True)
+def stable_argsort(keys):
+    """``np.argsort(keys, kind="stable")``."""
+    return _lexsort(keys, keys, np.arange(len(keys)))
+
+
+@njit(cache=True, nogil=True)
+def _slot_argsort(slots, n_slots):
+    """``np.argsort(slots, kind="stable")`` for slots in -1 .. n_slots - 1 (a counting sort)."""
+    count = np.zeros(n_slots + 2, np.int64)
+    for slot in slots:
+        count[slot + 2] += 1
+    for k in range(1, n_slots + 2):
+        count[k] += count[k - 1]
+    order = np.empty(len(slots), np.int64)
+    for i in range(len(slots)):
+        order[count[slots[i] + 1]] = i
+        count[slots[i] + 1] += 1
+    return order
+
+
+@njit(cache=True, nogil=True)
 def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start, finish_plain,
                   seg_slot, seg_shift, seg_count, shift):
     """The end of copy out ``i``, scheduling the late copies out in queue order up to it
@@ -97,7 +170,8 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
              after_copies_out, copies_slot):
     """The event pass (see ``replay._schedule``, which documents the model): walk the slots that
     wait for a transfer in order, shifting later ops by the stall. Returns the copies' start and
-    end times, each swap-in's ready time, and every slot's finish time with the stalls."""
+    end times, each swap-in's ready time, every slot's finish time with the stalls, and the copies
+    out in queue order."""
     n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
     in_ready = np.zeros(n_ins)
     in_start = np.zeros(n_ins)
@@ -109,20 +183,21 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
         if sync_wait[i] >= 0:
             n_out_waits += 1
     n_waits = n_ins + n_out_waits
+    # in ascending item order (copies out from the last swap down, then swap-ins), so that a stable
+    # sort by slot orders by slot, then item (np.lexsort((wait_item, wait_slot)))
     wait_slot = np.empty(n_waits, np.int64)
     wait_item = np.empty(n_waits, np.int64)
-    wait_slot[:n_ins] = need
-    for j in range(n_ins):
-        wait_item[j] = j
-    k = n_ins
-    for i in range(n_swaps):
+    k = 0
+    for i in range(n_swaps - 1, -1, -1):
         if sync_wait[i] >= 0:
             wait_slot[k] = sync_wait[i]
             wait_item[k] = -1 - i
             k += 1
-    # by slot, then item (np.lexsort((wait_item, wait_slot)))
-    by_item = np.argsort(wait_item, kind="mergesort")
-    by_slot = by_item[np.argsort(wait_slot[by_item], kind="mergesort")]
+    for j in range(n_ins):
+        wait_slot[k] = need[j]
+        wait_item[k] = j
+        k += 1
+    by_slot = _slot_argsort(wait_slot, n_slots)
     wait_slots = np.empty(n_waits + 1, np.int64)
     wait_slots[:n_waits] = wait_slot[by_slot]
     wait_slots[n_waits] = -1  # a sentinel after the last
@@ -136,7 +211,7 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
     shift = 0.0  # the shift of the latest segment
 
     # copies out: FIFO in ready order; those ready before any stall in bulk, the rest in the pass
-    out_queue = np.argsort(out_ready, kind="mergesort")
+    out_queue = _slot_argsort(out_ready, n_slots)
     ready_slots = out_ready[out_queue]
     early = np.searchsorted(ready_slots, first_wait, side="left")
     durations = out_duration[out_queue]
@@ -162,11 +237,10 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
     d2h_free[0] = end if early else 0.0
 
     # a swap-in after the copies out of the op it starts after: the swaps made at each slot (CSR)
-    outs_order = np.argsort(out_ready, kind="mergesort")
-    outs_slots = out_ready[outs_order]
+    outs_order, outs_slots = out_queue, ready_slots
 
     # swap-ins in trigger order; all whose trigger runs before a waiting slot are released at that slot
-    in_order = np.argsort(trigger, kind="mergesort")
+    in_order = _slot_argsort(trigger, n_slots)
     release_slots = np.empty(n_ins + 1, np.int64)
     release_finish = np.empty(n_ins)
     for k in range(n_ins):
@@ -241,28 +315,12 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
         stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
         for slot in range(seg_slot[s], stop):
             finish_all[slot] = finish_plain[slot] + seg_shift[s]
-    return out_start, out_end, in_ready, in_start, in_end, finish_all
-
-
-@njit(cache=True, nogil=True)
-def _stable_order(primary, secondary):
-    """Indices sorted by ``primary``, then ``secondary``, then index (``np.lexsort((secondary, primary))``)."""
-    by_secondary = np.argsort(secondary, kind="mergesort")
-    return by_secondary[np.argsort(primary[by_secondary], kind="mergesort")]
-
-
-@njit(cache=True, nogil=True)
-def _find_sorted(sorted_values, value):
-    """Index of ``value`` in ``sorted_values`` (the first), or -1."""
-    where = np.searchsorted(sorted_values, value)
-    if where < len(sorted_values) and sorted_values[where] == value:
-        return where
-    return -1
+    return out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue
 
 
 @njit(cache=True, nogil=True)
 def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, position, n_ops,
-            out_start, out_end, swap_root, home_link, swap_bytes,
+            out_start, out_end, out_queue, swap_root, home_link, swap_bytes,
             roots, root_base_free_slot, root_last_slot, moved_links, moved_last,
             in_swap, in_ready, in_end, in_bytes, need_slot, in_consumer_ptr, in_consumers, far_keys,
             late_slot, late_key, late_root, late_out):
@@ -296,7 +354,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
         in_alloc_slot[j] = min(np.searchsorted(finish_all, in_ready[j], side="right"), need_slot[j])
         in_free_slot[j] = max(position[in_consumers[in_consumer_ptr[j + 1] - 1]], in_alloc_slot[j])
     n_reads = len(far_keys)
-    by_key = np.argsort(far_keys, kind="mergesort")
+    by_key = stable_argsort(far_keys)
     sorted_far_keys = far_keys[by_key]
     group_of_read = np.empty(n_reads, np.int64)
     for j in range(n_ins):
@@ -345,7 +403,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, roots,
                                           new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
                                           in_place_slot, in_place_out)
-    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, in_swap, in_end)
+    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end)
     return (slot_bytes, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots, wait_moment,
             host_peak, host_peak_s)
 
@@ -410,9 +468,8 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, ro
         if in_wait[j] and is_wait[in_alloc_slot[j]]:
             event_slot[k], event_time[k], event_bytes[k] = in_alloc_slot[j], in_ready[j], in_bytes[j]
             k += 1
-    by_bytes = np.argsort(event_bytes, kind="mergesort")
-    by_time = by_bytes[np.argsort(event_time[by_bytes], kind="mergesort")]
-    by_slot = by_time[np.argsort(event_slot[by_time], kind="mergesort")]
+    by_time = _lexsort(event_time, event_bytes, np.arange(n_events))
+    by_slot = by_time[_slot_argsort(event_slot[by_time], n_slots)]  # by slot, time, bytes, index
     wait_slots = np.empty(n_waits, np.int64)
     wait_moment = np.empty(n_waits)
     n_higher = 0
@@ -434,9 +491,10 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, ro
 
 
 @njit(cache=True, nogil=True)
-def _host_peak(swap_bytes, out_start, in_swap, in_end):
+def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end):
     """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in
-    (frees before allocations at the same instant)."""
+    (frees before allocations at the same instant). The copies out start in queue order
+    (``out_queue``) and are mostly back in the reverse order: the sort starts from that guess."""
     n_swaps = len(swap_bytes)
     if n_swaps == 0:
         return 0.0, 0.0
@@ -445,8 +503,8 @@ def _host_peak(swap_bytes, out_start, in_swap, in_end):
         host_free[in_swap[j]] = max(host_free[in_swap[j]], in_end[j])
     times = np.concatenate((out_start, host_free))
     sizes = np.concatenate((swap_bytes, -swap_bytes))
-    by_size = np.argsort(sizes, kind="mergesort")
-    by_time = by_size[np.argsort(times[by_size], kind="mergesort")]
+    guess = np.concatenate((out_queue, n_swaps + out_queue[::-1]))
+    by_time = _lexsort(times, sizes, guess)
     running = np.cumsum(sizes[by_time])
     top = np.argmax(running)
     return max(0.0, running[top]), times[by_time[top]]
