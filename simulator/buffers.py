@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from simulator import kernels
 from simulator.graph import OpGraph
 from simulator.ordering import ORDERS, categorized_levels, execution_order, position_of
 
@@ -216,17 +217,6 @@ def _read_ids(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return g.cached("read_ids", compute, structural=True)
 
 
-def _rewired_table(g: OpGraph, far_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per read id (and a last entry for -1, no read): whether it is among ``far_keys``; with the
-    use and link ids of ``_read_ids``."""
-    keys, use_id, link_id = _read_ids(g)
-    where = np.searchsorted(keys, far_keys)
-    found = where[keys[np.minimum(where, len(keys) - 1)] == far_keys] if len(keys) else where[:0]
-    table = np.zeros(len(keys) + 1, bool)
-    table[found] = True
-    return table, use_id, link_id
-
-
 def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
                       tensors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Last slots once the reads ``far_keys`` (``tensor * n_ops + consumer``) go to swap-ins.
@@ -235,43 +225,16 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
     original buffer (its producer at least); the rewired links that carried a segment away
     (``link_keys``) with the last slot of what now lives in the swap-in buffer (``link_last``);
     and for each of ``tensors`` (whose roots are among ``roots``) the link that carried it into a
-    swap-in's buffer, -1 where it stays in the original buffer.
+    swap-in's buffer, -1 where it stays in the original buffer. A segment lives in the buffer of
+    its nearest ancestor (itself included) whose link was cut, or the root's. Compiled
+    (``simulator.kernels``): the planner and the replay call it once per plan.
     """
     info = buffers(g)
-    tensors = np.zeros(0, np.int64) if tensors is None else tensors
-    rewired, use_id, link_id = _rewired_table(g, far_keys)
-    starts, stops = info.use_ptr[roots], info.use_ptr[roots + 1]
-    uses = ranges(starts, stops)
-    slots = np.where(rewired[use_id[uses]], -1, info.use_slot[uses])
-    seg_starts, seg_stops = info.seg_ptr[roots], info.seg_ptr[roots + 1]
-    if np.all(seg_stops - seg_starts == 1):  # no segments to re-home: one max per root
-        counts = stops - starts
-        return (np.maximum.reduceat(slots, np.cumsum(counts) - counts), np.zeros(0, np.int64),
-                np.zeros(0, np.int64), np.full(len(tensors), -1, np.int64))
-    seg_index = ranges(seg_starts, seg_stops)
-    heads = info.seg_head[seg_index]  # grouped by root, parents before children
-    n_segments = len(heads)
-    local = np.full(g.n_tensors, -1, dtype=np.int64)
-    local[heads] = np.arange(n_segments)
-    segment_last = np.full(n_segments, -1, dtype=np.int64)
-    np.maximum.at(segment_last, local[info.use_segment[uses]], slots)
-    links = info.link_key[heads]
-    cut = rewired[link_id[heads]]
-    # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut,
-    # or the root's: follow parent links that were not cut, doubling the stride each round
-    parent = info.seg_parent[heads]
-    owner = np.where((parent >= 0) & ~cut, local[parent], np.arange(n_segments))
-    while True:
-        jumped = owner[owner]
-        if (jumped == owner).all():
-            break
-        owner = jumped
-    owner_last = np.full(n_segments, -1, dtype=np.int64)
-    np.maximum.at(owner_last, owner, segment_last)
-    root_segment = local[roots]
-    home = owner[local[info.segment[tensors]]]
-    home_link = np.where(cut[home], links[home], -1)
-    return owner_last[root_segment], links[cut], owner_last[np.flatnonzero(cut)], home_link
+    keys, use_id, link_id = _read_ids(g)
+    return kernels.rewired_lifetimes(
+        info.use_ptr, info.use_slot, use_id, info.use_segment, info.seg_ptr, info.seg_head, info.link_key, link_id,
+        info.seg_parent, info.segment, keys, g.n_tensors, roots, far_keys,
+        np.zeros(0, np.int64) if tensors is None else tensors)
 
 
 def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.ndarray, copy_free_slot: np.ndarray,

@@ -33,7 +33,7 @@ from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
-from simulator.replay_kernels import account, schedule
+from simulator.kernels import account, schedule
 
 
 @dataclass(frozen=True, eq=False)

@@ -508,3 +508,66 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end):
     running = np.cumsum(sizes[by_time])
     top = np.argmax(running)
     return max(0.0, running[top]), times[by_time[top]]
+
+
+@njit(cache=True, nogil=True)
+def rewired_lifetimes(use_ptr, use_slot, use_id, use_segment, seg_ptr, seg_head, link_key, link_id, seg_parent,
+                      segment, read_keys, n_tensors, roots, far_keys, tensors):
+    """``buffers.rewired_lifetimes`` (which documents it) on the arrays of ``buffers.Buffers`` and
+    ``buffers._read_ids``: per root the last slot still reading the original buffer, the cut links
+    with the last slot of what lives past them, and per tensor the link that carried it away."""
+    # which read ids the plan rewires (the last entry: id -1, no read)
+    n_keys = len(read_keys)
+    rewired = np.zeros(n_keys + 1, np.bool_)
+    for key in far_keys:
+        where = np.searchsorted(read_keys, key)
+        if where < n_keys and read_keys[where] == key:
+            rewired[where] = True
+    n_roots = len(roots)
+    # segments of the roots, grouped by root, parents before children; their local numbers
+    n_segments = 0
+    for r in range(n_roots):
+        n_segments += seg_ptr[roots[r] + 1] - seg_ptr[roots[r]]
+    local = np.full(n_tensors, -1, np.int64)
+    heads = np.empty(n_segments, np.int64)
+    k = 0
+    for r in range(n_roots):
+        for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
+            heads[k] = seg_head[m]
+            local[seg_head[m]] = k
+            k += 1
+    segment_last = np.full(n_segments, -1, np.int64)
+    for r in range(n_roots):
+        for u in range(use_ptr[roots[r]], use_ptr[roots[r] + 1]):
+            slot = -1 if rewired[use_id[u]] else use_slot[u]
+            s = local[use_segment[u]]
+            if slot > segment_last[s]:
+                segment_last[s] = slot
+    # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut, or
+    # the root's: parents come first, so one pass settles each
+    cut = np.empty(n_segments, np.bool_)
+    owner = np.empty(n_segments, np.int64)
+    n_cut = 0
+    for s in range(n_segments):
+        cut[s] = rewired[link_id[heads[s]]]
+        n_cut += cut[s]
+        parent = seg_parent[heads[s]]
+        owner[s] = owner[local[parent]] if parent >= 0 and not cut[s] else s
+    owner_last = np.full(n_segments, -1, np.int64)
+    for s in range(n_segments):
+        owner_last[owner[s]] = max(owner_last[owner[s]], segment_last[s])
+    root_last = np.empty(n_roots, np.int64)
+    for r in range(n_roots):
+        root_last[r] = owner_last[local[roots[r]]]
+    cut_links = np.empty(n_cut, np.int64)
+    cut_last = np.empty(n_cut, np.int64)
+    k = 0
+    for s in range(n_segments):
+        if cut[s]:
+            cut_links[k], cut_last[k] = link_key[heads[s]], owner_last[s]
+            k += 1
+    home_link = np.empty(len(tensors), np.int64)
+    for i in range(len(tensors)):
+        home = owner[local[segment[tensors[i]]]]
+        home_link[i] = link_key[heads[home]] if cut[home] else -1
+    return root_last, cut_links, cut_last, home_link
