@@ -35,7 +35,7 @@ class Buffers:
     ``late_slot``/``late_key``/``late_root``/``late_out``: forwards that only a later read
     prevents; the op at ``late_slot`` could write ``late_out`` into the buffer of the read
     ``late_key`` (``tensor * n_ops + op``; root ``late_root``) once a plan rewires reads
-    (``in_place_after_rewiring``).
+    (``kernels.account``).
     """
 
     root: np.ndarray
@@ -237,38 +237,6 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
         np.zeros(0, np.int64) if tensors is None else tensors)
 
 
-def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.ndarray, copy_free_slot: np.ndarray,
-                            sorted_far_keys: np.ndarray, far_free_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Forwards a plan makes possible. An op that could not write into an input's buffer because
-    a later op still read it can once that read goes to a swap-in, as TF's
-    forward_input_or_allocate_output does: into the original buffer when it is now its last
-    reader and the copy out is done within its slot (a BatchNorm's SquaredDifference on a
-    swapped convolution output), or into the swap-in's buffer when its own read was rewired
-    and it is that swap-in's last reader. "Within the slot" rather than "before the op starts":
-    on the CPU testbed the first matches ResNet-50's measured peaks under the fidelity plans
-    (within 0.6 %), the second over-predicted two of them by 4.7 %; the two differ only for a
-    copy that ends while the op runs.
-
-    ``roots`` (sorted) are the swapped buffers, ``root_last_slot`` the last slot that reads each
-    under the plan and ``copy_free_slot`` the last slot its copies out hold it (-1: none);
-    ``sorted_far_keys`` the rewired reads (``tensor * n_ops + consumer``, sorted) and
-    ``far_free_slot`` the last slot of the swap-in each goes to. Returns the slots of the ops
-    that write in place and their outputs, which need no buffer of their own there.
-    """
-    info = buffers(g)
-    if len(info.late_slot) == 0 or len(roots) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    where = np.minimum(np.searchsorted(roots, info.late_root), len(roots) - 1)
-    into_original = ((roots[where] == info.late_root) & (root_last_slot[where] == info.late_slot)
-                     & (copy_free_slot[where] <= info.late_slot))
-    where = np.minimum(np.searchsorted(sorted_far_keys, info.late_key), len(sorted_far_keys) - 1)
-    source = info.late_key // g.n_ops
-    into_swap_in = ((sorted_far_keys[where] == info.late_key) & (far_free_slot[where] == info.late_slot)
-                    & (g.tensor_bytes[source] == g.tensor_bytes[info.late_out]))
-    in_place = into_original | into_swap_in
-    return info.late_slot[in_place], info.late_out[in_place]
-
-
 def alloc_slot_bytes(g: OpGraph) -> np.ndarray:
     """Bytes of the non-resident buffers each execution slot allocates (its op's outputs), length n_ops + 1."""
 
@@ -318,7 +286,7 @@ def op_working_set_bytes(g: OpGraph) -> np.ndarray:
 
 def least_working_set_bytes(g: OpGraph) -> np.ndarray:
     """Per op, in ``g``'s order: its working set without the outputs a plan may let it write in
-    place (forwards only a later read prevented, see ``in_place_after_rewiring``)."""
+    place (forwards only a later read prevented, see ``kernels.account``)."""
 
     def compute(graph: OpGraph) -> np.ndarray:
         working_set = op_working_set_bytes(graph).copy()

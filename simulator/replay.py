@@ -7,7 +7,7 @@ run; a swap-in allocates when it becomes ready (trigger done, data on the host),
 engine starts its copy later, and its consumers wait for the copy to finish. A swap-in whose trigger
 (or, synchronous, whose consumer's other input) may be fused into its consumer starts after that
 op's own inputs instead, as the rewriter builds it (``simulator.fusion``). Rewiring reads can let an
-op write its output in place (``buffers.in_place_after_rewiring``).
+op write its output in place (``kernels.account``).
 
 Memory is accounted per execution slot: a buffer is live from the slot that allocates it to the
 slot of its last reader; a transfer event at time t counts in the slot running at t. One moment
@@ -20,14 +20,12 @@ ResNet-50-sized graphs.
 
 from __future__ import annotations
 
-import heapq
-from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, in_place_after_rewiring,
-                               ranges, rewired_lifetimes, slot_levels)
+from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, ranges, rewired_lifetimes,
+                               slot_levels)
 from simulator.devices import DeviceModel, get_device
 from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
@@ -102,11 +100,10 @@ def op_seconds(g: OpGraph, device: DeviceModel) -> np.ndarray:
         device.op_seconds(graph.op_flops, graph.op_touched_bytes), dtype=np.float64), structural=False)
 
 
-def _slot_times(g: OpGraph, device: DeviceModel) -> tuple[np.ndarray, np.ndarray, list[float]]:
-    """Per execution slot: op duration and finish time without stalls (and the latter as a list)."""
+def _slot_times(g: OpGraph, device: DeviceModel) -> tuple[np.ndarray, np.ndarray]:
+    """Per execution slot: op duration and finish time without stalls."""
     duration = op_seconds(g, device)[execution_order(g)]
-    finish = np.cumsum(duration)
-    return duration, finish, finish.tolist()
+    return duration, np.cumsum(duration)
 
 
 def _other_input_slots(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -138,8 +135,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     if plan is not None and plan.order_name != g.order:
         g = g.with_order(plan.order_name)
     position = position_of(g)
-    duration, finish_plain, finish_plain_list = g.cached(("slot_times", device), lambda graph: _slot_times(graph, device),
-                                                          structural=False)
+    duration, finish_plain = g.cached(("slot_times", device), lambda graph: _slot_times(graph, device),
+                                      structural=False)
     compute_s = float(finish_plain[-1]) if len(finish_plain) else 0.0
     slot_bytes = baseline_slot_bytes(g)
     persistent = g.persistent_bytes
@@ -241,76 +238,6 @@ def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[new], inverse
 
 
-def _wait_peaks(g, slot_bytes, start_all, finish_all, roots, root_free_slot, copy_free_slot, copy_end,
-                in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
-    """Memory during the waits in which a copy out ends after a swap-in was allocated.
-
-    Before the op at slot s starts, its wait holds what lives on from slot s-1, the swap-ins
-    allocated so far (``in_ready``) and the swapped buffers whose copy out has not ended
-    (``copy_end``, where the copy frees the buffer: freed in slot s-1 by the rule above), but not
-    the op's own outputs. Returns ``slot_bytes`` with each such slot raised to its wait's peak
-    where that is larger, those slots and the moments of their peaks."""
-    none = (slot_bytes, np.zeros(0, np.int64), np.zeros(0))
-    n_slots = len(slot_bytes)
-    # roots whose copy out frees them after their last slot ended: in the next slot's wait
-    waiting = (copy_free_slot >= root_free_slot) & (root_free_slot + 1 < n_slots)
-    waiting &= copy_end > finish_all[np.minimum(root_free_slot, n_slots - 1)] + 1e-9
-    if not waiting.any() or not len(in_ready):
-        return none
-    wait_root = np.flatnonzero(waiting)
-    root_slot = root_free_slot[wait_root] + 1
-    in_wait = in_ready < start_all[in_alloc_slot] - 1e-9  # allocated before its slot's op starts
-    # slots where a swap-in is allocated in the wait before a copy out there ends
-    first_in = np.full(n_slots, np.inf)
-    np.minimum.at(first_in, in_alloc_slot[in_wait], in_ready[in_wait])
-    last_end = np.zeros(n_slots)
-    np.maximum.at(last_end, root_slot, copy_end[wait_root])
-    slots = np.flatnonzero(last_end > first_in + 1e-9)
-    if not len(slots):
-        return none
-    own_bytes = alloc_slot_bytes(g)[:n_slots].copy()  # what the op at each slot allocates for its outputs
-    if len(in_place_slot):
-        np.subtract.at(own_bytes, in_place_slot, _float_bytes(g)[in_place_out])
-    root_bytes = _float_bytes(g)[roots[wait_root]]
-    # each wait starts with what lives on from the slot before, and the buffers copied out in it
-    start_bytes = (slot_bytes[slots] - own_bytes[slots]
-                   - np.bincount(in_alloc_slot, in_bytes, minlength=n_slots)[slots]
-                   + np.bincount(root_slot, root_bytes, minlength=n_slots)[slots])
-    # then its events: swap-ins allocated, copies out ending (frees first at the same instant, to a ns)
-    held = contains(slots, root_slot)
-    allocated = in_wait & contains(slots, in_alloc_slot)
-    event_slot = np.concatenate([root_slot[held], in_alloc_slot[allocated]])
-    event_time = np.concatenate([copy_end[wait_root][held] - 1e-9, in_ready[allocated]])
-    event_bytes = np.concatenate([-root_bytes[held], in_bytes[allocated]])
-    by_time = np.lexsort((event_bytes, event_time, event_slot))
-    event_slot, event_time, event_bytes = event_slot[by_time], event_time[by_time], event_bytes[by_time]
-    group = np.searchsorted(slots, event_slot)
-    first = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
-    total = np.cumsum(event_bytes)
-    before = np.concatenate(([0.0], total))[first]  # the running sum where each wait's events start
-    stops = np.append(first[1:], len(total))
-    running = total - before.repeat(stops - first) + start_bytes[group]
-    best = np.lexsort((-running, group))[first]  # each wait's largest moment (groups are sorted)
-    higher = running[best] > slot_bytes[slots]
-    result = slot_bytes.copy()
-    result[slots[higher]] = running[best][higher]
-    return result, slots[higher].astype(np.int64), event_time[best][higher]
-
-
-def _host_peak(swap_bytes: np.ndarray, out_start: np.ndarray, in_swap: np.ndarray,
-               in_end: np.ndarray) -> tuple[int, float]:
-    """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in."""
-    if len(swap_bytes) == 0:
-        return 0, 0.0
-    host_free = host_free_s(len(swap_bytes), in_swap, in_end)
-    times = np.concatenate([out_start, host_free])
-    sizes = np.concatenate([swap_bytes, -swap_bytes])
-    by_time = np.lexsort((sizes, times))  # frees before allocations at the same instant
-    running = np.cumsum(sizes[by_time])
-    top = int(np.argmax(running))
-    return int(max(0.0, running[top])), float(times[by_time[top]])
-
-
 def host_free_s(n_swaps: int, in_swap: np.ndarray, in_end: np.ndarray) -> np.ndarray:
     """Per swap: when its host copy is freed (its last swap-in done)."""
     host_free = np.zeros(n_swaps)
@@ -338,135 +265,6 @@ def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray
     np.minimum.at(earliest, owner[kept], position[consumers[kept]])
     first[waited] = np.where(earliest < g.n_ops, earliest, first[waited])
     return np.where(mask & (first < g.n_ops), first, -1).astype(np.int64)
-
-
-def _schedule(finish_array, finish_plain, out_ready, out_duration_array, trigger, in_swap_array, in_duration_array,
-              need, sync_wait_array, outs_at_slot, copies_slot):
-    """Event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
-
-    Finish times are plain finish + a piecewise-constant shift (``seg_slot``/``seg_shift``), so
-    only the waiting slots cost Python work. Queues are FIFO by ready time; a transfer's ready
-    time depends only on slots before the one waiting for it, so one pass suffices. Copies out
-    that become ready before the first waiting slot are scheduled in bulk (numpy). Per-slot and
-    per-transfer inputs come as arrays (``finish_plain`` also as a list, for scalar lookups).
-    ``outs_at_slot``: slot -> swaps its op makes; swap-in j waits for those of ``copies_slot[j]``
-    (``SwapPlan.after_copies_out``; empty otherwise). Transfer ends not known yet are -1.0.
-    """
-    n_swaps, n_ins = len(out_ready), len(trigger)
-    in_ready, in_start, in_end = [0.0] * n_ins, [0.0] * n_ins, [-1.0] * n_ins
-    seg_slot, seg_shift = [0], [0.0]
-    shift = 0.0  # the shift of the latest segment
-
-    # waiting slots in order: swap-in consumers (item j >= 0), then sync swap-out readers (item -1 - i)
-    outs_waited = np.flatnonzero(sync_wait_array >= 0)
-    if len(outs_waited):
-        wait_slot = np.concatenate([need, sync_wait_array[outs_waited]])
-        wait_item = np.concatenate([np.arange(n_ins), -1 - outs_waited])
-        by_slot = np.lexsort((wait_item, wait_slot))
-        wait_slots, wait_items = wait_slot[by_slot].tolist(), wait_item[by_slot].tolist()
-    else:  # the same order: swap-ins by slot, then index
-        by_slot = np.argsort(need, kind="stable")
-        wait_slots, wait_items = need[by_slot].tolist(), by_slot.tolist()
-    first_wait = wait_slots[0] if wait_slots else len(finish_plain)
-
-    # copies out: FIFO in ready order; those ready before any stall are computed in bulk, the rest
-    # in the pass (their ready slots, durations and indices in queue order, from ``early`` on)
-    out_queue = np.argsort(out_ready, kind="stable")
-    ready_slots = out_ready[out_queue]
-    early = int(np.searchsorted(ready_slots, first_wait, side="left"))
-    durations = out_duration_array[out_queue]
-    cumulative = np.cumsum(durations[:early])
-    ends = cumulative + np.maximum.accumulate(finish_array[ready_slots[:early]] - (cumulative - durations[:early]))
-    out_end_array = np.full(n_swaps, -1.0)
-    out_end_array[out_queue[:early]] = ends
-    out_end = out_end_array.tolist()
-    late_queue, late_slot, late_duration = out_queue[early:], ready_slots[early:].tolist(), durations[early:].tolist()
-    late_index = late_queue.tolist()
-    late_start: list[float] = []
-    out_cursor = 0  # into the late copies out
-    d2h_free = float(ends[-1]) if early else 0.0
-
-    def swap_out_end(i: int) -> float:
-        nonlocal out_cursor, d2h_free
-        while out_end[i] < 0.0:
-            slot = late_slot[out_cursor]  # before the waiting slot at hand: its finish is settled
-            if slot >= seg_slot[-1]:
-                start = finish_plain[slot] + shift
-            else:
-                start = finish_plain[slot] + seg_shift[bisect_right(seg_slot, slot) - 1]
-            if d2h_free > start:
-                start = d2h_free
-            late_start.append(start)
-            out_end[late_index[out_cursor]] = d2h_free = start + late_duration[out_cursor]
-            out_cursor += 1
-        return out_end[i]
-
-    # swap-ins in trigger order; all whose trigger runs before a waiting slot are released at that
-    # slot, after the stalls of the slots before: the current shift is their trigger's
-    in_order_array = np.argsort(trigger, kind="stable")
-    release_slots = trigger[in_order_array].tolist() + [len(finish_plain)]  # a sentinel after the last
-    release_finish = np.where(trigger >= 0, finish_array[np.maximum(trigger, 0)], 0.0)[in_order_array].tolist()
-    in_order = in_order_array.tolist()
-    in_swap, in_duration = in_swap_array.tolist(), in_duration_array.tolist()
-    copies_of = copies_slot.tolist() if outs_at_slot else None
-    in_cursor = 0
-    heap: list[tuple[float, int]] = []
-    push, pop = heapq.heappush, heapq.heappop
-    h2d_free = 0.0
-    index = 0
-    n_waits = len(wait_slots)
-    wait_slots.append(-1)  # a sentinel after the last
-    while index < n_waits:
-        slot = wait_slots[index]
-        while release_slots[in_cursor] < slot:  # triggers that have run
-            j = in_order[in_cursor]
-            ready = release_finish[in_cursor] + shift
-            in_cursor += 1
-            data = out_end[in_swap[j]]
-            if data < 0.0:
-                data = swap_out_end(in_swap[j])
-            if copies_of is not None:
-                for other in outs_at_slot.get(copies_of[j], ()):
-                    copied = out_end[other] if out_end[other] >= 0.0 else swap_out_end(other)
-                    if copied > data:
-                        data = copied
-            if data > ready:
-                ready = data
-            in_ready[j] = ready
-            push(heap, (ready, j))
-        required = 0.0
-        while wait_slots[index] == slot:
-            item = wait_items[index]
-            index += 1
-            if item < 0:
-                done = swap_out_end(-1 - item)
-            else:
-                while in_end[item] < 0.0:
-                    ready, j = pop(heap)
-                    if h2d_free > ready:
-                        ready = h2d_free
-                    in_start[j] = ready
-                    in_end[j] = h2d_free = ready + in_duration[j]
-                done = in_end[item]
-            if done > required:
-                required = done
-        previous_finish = (finish_plain[slot - 1] + shift) if slot > 0 else 0.0
-        if required > previous_finish:
-            shift += required - previous_finish
-            seg_slot.append(slot)
-            seg_shift.append(shift)
-    if len(late_index):  # a swap-out nobody waited for still happens
-        swap_out_end(late_index[-1])
-    out_start_array = out_end_array  # reused: the early ones' ends become starts, the late ones are set
-    out_start_array[out_queue[:early]] -= durations[:early]
-    out_start_array[late_queue] = late_start
-    return (out_start_array, _array(out_end), _array(in_ready), _array(in_start), _array(in_end), seg_slot,
-            seg_shift)
-
-
-def _array(values: list, dtype=np.float64) -> np.ndarray:
-    """A list of Python numbers as an array (np.fromiter: about half np.asarray's cost on lists)."""
-    return np.fromiter(values, dtype, len(values))
 
 
 def _level_starts(g: OpGraph) -> np.ndarray:
