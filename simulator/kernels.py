@@ -585,3 +585,95 @@ def rewired_lifetimes(use_ptr, use_slot, use_id, use_segment, seg_ptr, seg_head,
         home = owner[local[segment[tensors[i]]]]
         home_link[i] = link_key[heads[home]] if cut[home] else -1
     return root_last, cut_links, cut_last, home_link
+
+
+@njit(cache=True, nogil=True)
+def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+            in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot):
+    """A plan in slot terms (see ``replay.replay``): when each copy out may start, which slot each
+    swap-in's first consumer runs at, the slot whose end releases each swap-in (its trigger's; a
+    synchronous one's after the consumer's other inputs, ``replay._other_input_slots``; a fused
+    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the rewired reads
+    (``tensor * n_ops + consumer``); the swapped buffers (sorted) and each swap's among them."""
+    n_swaps, n_ins = len(swap_tensor), len(in_swap)
+    out_ready = np.empty(n_swaps, np.int64)
+    for i in range(n_swaps):
+        out_ready[i] = position[tensor_producer[swap_tensor[i]]]
+    need = np.empty(n_ins, np.int64)
+    trigger_slot = np.empty(n_ins, np.int64)
+    copies_slot = np.empty(n_ins, np.int64)
+    far_keys = np.empty(len(in_consumers), np.int64)
+    for j in range(n_ins):
+        first = in_consumers[in_consumer_ptr[j]]
+        tensor = swap_tensor[in_swap[j]]
+        need[j] = position[first]
+        planned = position[max(in_trigger[j], 0)]
+        if in_trigger[j] < 0:  # synchronous: after the first consumer's other inputs
+            other = max2[first] if max1_tensor[first] == tensor else max1[first]
+            slot = max(other, position[in_after[j]])
+        else:
+            slot = planned
+        if fused_wait[j]:
+            slot = safe_slot[j]
+        trigger_slot[j] = slot
+        copies_slot[j] = slot if in_trigger[j] < 0 else planned
+        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
+            far_keys[k] = tensor * n_ops + in_consumers[k]
+    swap_roots = root[swap_tensor]
+    order = stable_argsort(swap_roots)
+    swap_root = np.empty(n_swaps, np.int64)
+    roots = np.empty(n_swaps, np.int64)
+    n_roots = 0
+    for k in range(n_swaps):
+        value = swap_roots[order[k]]
+        if n_roots == 0 or roots[n_roots - 1] != value:
+            roots[n_roots] = value
+            n_roots += 1
+        swap_root[order[k]] = n_roots - 1
+    return out_ready, need, trigger_slot, copies_slot, far_keys, roots[:n_roots].copy(), swap_root
+
+
+MEMO_READS = 4  # readers kept in a swap-in's memo row (rows with more are looked up in Python)
+MEMO_MISSING = -3  # memo_lookup: not in the memo
+
+
+@njit(cache=True, nogil=True)
+def memo_rows(candidates, tensor, trigger, after, consumer_ptr, consumers):
+    """Per swap-in of ``candidates``: its ``fusion.safe_wait_slots`` memo key as a row (tensor,
+    trigger, after, number of readers, the first MEMO_READS readers, -2 after the last)."""
+    rows = np.full((len(candidates), 4 + MEMO_READS), -2, np.int64)
+    for c in range(len(candidates)):
+        j = candidates[c]
+        n_reads = consumer_ptr[j + 1] - consumer_ptr[j]
+        rows[c, 0], rows[c, 1], rows[c, 2], rows[c, 3] = tensor[j], trigger[j], after[j], n_reads
+        for k in range(min(n_reads, MEMO_READS)):
+            rows[c, 4 + k] = consumers[consumer_ptr[j] + k]
+    return rows
+
+
+@njit(cache=True, nogil=True)
+def _row_less(a, b):
+    for k in range(len(a)):
+        if a[k] != b[k]:
+            return a[k] < b[k]
+    return False
+
+
+@njit(cache=True, nogil=True)
+def memo_lookup(rows, memo, answers):
+    """Each row's answer in the memo (``memo``: rows sorted lexicographically, ``answers`` beside
+    them), MEMO_MISSING where it has none or has more readers than a row holds."""
+    found = np.full(len(rows), MEMO_MISSING, np.int64)
+    for c in range(len(rows)):
+        if rows[c, 3] > MEMO_READS:
+            continue
+        lo, hi = 0, len(memo)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _row_less(memo[mid], rows[c]):
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(memo) and not _row_less(rows[c], memo[lo]):
+            found[c] = answers[lo]
+    return found

@@ -31,7 +31,7 @@ from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
-from simulator.kernels import account, schedule
+from simulator.kernels import account, prepare, schedule
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,30 +159,15 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     out_duration = _per_transfer(device.transfer_seconds(swap_bytes, "d2h"), n_swaps)
     in_duration = _per_transfer(device.transfer_seconds(in_bytes, "h2d"), n_ins)
 
-    # ---- when each transfer may start, in slot terms
-    out_ready_slot = position[g.tensor_producer[swap_tensor]]
-    first_consumer = plan.in_consumers[plan.in_consumer_ptr[:-1]]
-    need_slot = position[first_consumer]
-    sync_in = plan.in_trigger < 0
-    planned_slot = position[np.maximum(plan.in_trigger, 0)]  # the trigger's, where there is one
-    trigger_slot = np.where(sync_in, -1, planned_slot)
-    if sync_in.any():
-        max1, max1_tensor, max2 = g.cached("other_input_slots", _other_input_slots, structural=True)
-        other = np.where(max1_tensor[first_consumer] == in_tensor, max2[first_consumer], max1[first_consumer])
-        sync_slot = np.maximum(other, position[plan.in_after])
-        trigger_slot = np.where(sync_in, sync_slot, trigger_slot)
-    # a swap-in the rewriter cannot have wait for an op fused with its consumer starts before that op
+    # ---- when each transfer may start, in slot terms (compiled); a swap-in the rewriter cannot have
+    # wait for an op fused with its consumer starts before that op
     fused_wait, safe_slot = safe_wait_slots(g, in_tensor, plan.in_trigger, plan.in_after,
                                             plan.in_consumer_ptr, plan.in_consumers)
-    trigger_slot = np.where(fused_wait, safe_slot, trigger_slot)
-    # with after_copies_out, the copies it waits for: its trigger's own (as planned), or those of the
-    # op a synchronous one now starts after (the rewriter's rule)
-    copies_slot = np.where(sync_in, trigger_slot, planned_slot)
-
+    max1, max1_tensor, max2 = g.cached("other_input_slots", _other_input_slots, structural=True)
+    out_ready_slot, need_slot, trigger_slot, copies_slot, far_keys, roots, swap_root = prepare(
+        position, g.tensor_producer, info.root, g.n_ops, swap_tensor, plan.in_swap, plan.in_trigger, plan.in_after,
+        plan.in_consumer_ptr, plan.in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
     # far reads rewired per swapped buffer; the original buffer's remaining readers
-    reads_per_in = plan.in_consumer_ptr[1:] - plan.in_consumer_ptr[:-1]
-    far_keys = in_tensor.repeat(reads_per_in) * g.n_ops + plan.in_consumers
-    roots, swap_root = _unique_inverse(info.root[swap_tensor])
     root_last_slot, moved_links, moved_last, home_link = rewired_lifetimes(g, roots, far_keys, swap_tensor)
 
     # sync swap-out: the first op still reading the buffer after its producer waits for the copy
@@ -224,18 +209,6 @@ def _per_transfer(seconds, n: int) -> np.ndarray:
     if isinstance(seconds, np.ndarray) and seconds.dtype == np.float64 and seconds.shape == (n,):
         return seconds
     return np.asarray(seconds, dtype=np.float64) * np.ones(n)
-
-
-def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` for a short 1-d array, at a third of its overhead."""
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    new = np.empty(len(ordered), bool)
-    new[:1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
-    inverse = np.empty(len(ordered), np.int64)
-    inverse[order] = np.cumsum(new) - 1
-    return ordered[new], inverse
 
 
 def host_free_s(n_swaps: int, in_swap: np.ndarray, in_end: np.ndarray) -> np.ndarray:
