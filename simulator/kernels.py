@@ -677,3 +677,17 @@ def memo_lookup(rows, memo, answers):
         if lo < len(memo) and not _row_less(rows[c], memo[lo]):
             found[c] = answers[lo]
     return found
+
+
+@njit(cache=True, nogil=True)
+def group_far_edges(tensor, level, groupby):
+    """``planning._group_far_edges`` for ``groupby`` > 0: a new group at each new tensor and once a
+    read lies more than ``groupby`` levels past its group's first."""
+    group = np.empty(len(tensor), np.int64)
+    current, start_level = -1, 0
+    for i in range(len(tensor)):
+        if i == 0 or tensor[i] != tensor[i - 1] or level[i] - start_level > groupby:
+            current += 1
+            start_level = level[i]
+        group[i] = current
+    return group
