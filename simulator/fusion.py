@@ -205,8 +205,10 @@ def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: 
     if not n:
         return changed, slots
     has_danger, endangered = _fusable_ops(g)
-    starts = consumer_ptr[:-1]
-    near = np.logical_or.reduceat(has_danger[consumers], starts)
+    dangerous = has_danger[consumers]
+    if not dangerous.any():  # no reader in any fusion neighbourhood (graphs without fusable chains)
+        return changed, slots
+    near = np.logical_or.reduceat(dangerous, consumer_ptr[:-1])
     # a triggered swap-in is concerned only if its trigger or `after` is in some neighbourhood
     waits_endangered = endangered[np.maximum(trigger, 0)] | endangered[np.maximum(after, 0)]
     candidates = np.flatnonzero(near & ((trigger < 0) | waits_endangered))

@@ -59,6 +59,54 @@ def _heap_pop(times, items, size):
 
 
 @njit(cache=True, nogil=True)
+def _left(values, x):
+    """``_left(values, x)`` for a scalar (numba's own allocates per call)."""
+    lo, hi = 0, len(values)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def _left_near(values, x, hint):
+    """``_left(values, x)`` searched from ``hint`` (a previous answer) upward, doubling the step, so a
+    run of ascending look-ups costs about one pass; a look-up below the hint is a plain search."""
+    n = len(values)
+    where = min(hint, n)
+    if where > 0 and values[where - 1] >= x:
+        return _left(values[:where], x)
+    step = 1
+    while where + step < n and values[where + step] < x:
+        where += step
+        step *= 2
+    return where + _left(values[where:min(where + step + 1, n)], x)
+
+
+@njit(cache=True, nogil=True)
+def _right_near(values, x, hint):
+    """``_right(values, x)`` searched from ``hint`` upward (see ``_left_near``)."""
+    n = len(values)
+    where = min(hint, n)
+    if where > 0 and values[where - 1] > x:
+        return _right(values[:where], x)
+    step = 1
+    while where + step < n and values[where + step] <= x:
+        where += step
+        step *= 2
+    return where + _right(values[where:min(where + step + 1, n)], x)
+
+
+@njit(cache=True, nogil=True)
+def _right(values, x):
+    """``_right(values, x)`` for a scalar."""
+    return _bisect_right(values, len(values), x)
+
+
+@njit(cache=True, nogil=True)
 def _bisect_right(values, count, x):
     """``bisect.bisect_right(values[:count], x)``."""
     lo, hi = 0, count
@@ -220,7 +268,7 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
     # copies out: FIFO in ready order; those ready before any stall in bulk, the rest in the pass
     out_queue = _slot_argsort(out_ready, n_slots)
     ready_slots = out_ready[out_queue]
-    early = np.searchsorted(ready_slots, first_wait, side="left")
+    early = _left(ready_slots, first_wait)
     durations = out_duration[out_queue]
     out_end = np.full(n_swaps, -1.0)
     out_start = np.empty(n_swaps)
@@ -273,8 +321,8 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
                 data = _swap_out_end(source, out_end, cursor, d2h_free, late_queue, late_slot, late_duration,
                                      late_start, finish_plain, seg_slot, seg_shift, seg_count, shift)
             if after_copies_out:
-                lo = np.searchsorted(outs_slots, copies_slot[j], side="left")
-                hi = np.searchsorted(outs_slots, copies_slot[j], side="right")
+                lo = _left(outs_slots, copies_slot[j])
+                hi = _right(outs_slots, copies_slot[j])
                 for m in range(lo, hi):
                     other = outs_order[m]
                     copied = out_end[other]
@@ -340,8 +388,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     # a copy out frees its buffer in the slot running when it ends; one that ends while the slot's
     # op still waits (a stall) frees it before the op allocates anything
     out_free_slot = np.empty(n_swaps, np.int64)
-    for i in range(n_swaps):
-        slot = min(np.searchsorted(finish_all, out_end[i], side="left"), n_slots - 1)
+    found = 0
+    for i in out_queue:  # copies end in queue order: each search starts from the last find
+        found = _left_near(finish_all, out_end[i], found)
+        slot = min(found, n_slots - 1)
         if out_end[i] <= start_all[slot] + 1e-9:
             slot -= 1
         out_free_slot[i] = slot
@@ -357,8 +407,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     # a swap-in's buffer exists from when the copy op may run (trigger done, host copy there)
     in_alloc_slot = np.empty(n_ins, np.int64)
     in_free_slot = np.empty(n_ins, np.int64)
+    found = 0
     for j in range(n_ins):
-        in_alloc_slot[j] = min(np.searchsorted(finish_all, in_ready[j], side="right"), need_slot[j])
+        found = _right_near(finish_all, in_ready[j], found)
+        in_alloc_slot[j] = min(found, need_slot[j])
         in_free_slot[j] = max(position[in_consumers[in_consumer_ptr[j + 1] - 1]], in_alloc_slot[j])
     n_reads = len(far_keys)
     by_key = stable_argsort(far_keys)
@@ -370,11 +422,11 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     group_of_read = group_of_read[by_key]
     if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
         for k in range(len(moved_links)):
-            group = group_of_read[np.searchsorted(sorted_far_keys, moved_links[k])]
+            group = group_of_read[_left(sorted_far_keys, moved_links[k])]
             in_free_slot[group] = max(in_free_slot[group], moved_last[k])
         for i in range(n_swaps):
             if home_link[i] >= 0:
-                group = group_of_read[np.searchsorted(sorted_far_keys, home_link[i])]
+                group = group_of_read[_left(sorted_far_keys, home_link[i])]
                 in_free_slot[group] = max(in_free_slot[group], out_free_slot[i])
 
     # Forwards a plan makes possible (``buffers.Buffers.late_*``). An op that could not write into an
@@ -388,12 +440,12 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     n_late = len(late_slot) if n_roots else 0
     in_place = np.zeros(n_late, np.bool_)
     for k in range(n_late):
-        where = min(np.searchsorted(roots, late_root[k]), n_roots - 1)
+        where = min(_left(roots, late_root[k]), n_roots - 1)
         if (roots[where] == late_root[k] and root_last_slot[where] == late_slot[k]
                 and copy_free_slot[where] <= late_slot[k]):
             in_place[k] = True
         elif n_reads:
-            where = min(np.searchsorted(sorted_far_keys, late_key[k]), n_reads - 1)
+            where = min(_left(sorted_far_keys, late_key[k]), n_reads - 1)
             source = late_key[k] // n_ops
             if (sorted_far_keys[where] == late_key[k] and in_free_slot[group_of_read[where]] == late_slot[k]
                     and tensor_bytes[source] == tensor_bytes[late_out[k]]):
@@ -533,8 +585,9 @@ def rewired_lifetimes(use_ptr, use_slot, use_id, use_segment, seg_ptr, seg_head,
     # which read ids the plan rewires (the last entry: id -1, no read)
     n_keys = len(read_keys)
     rewired = np.zeros(n_keys + 1, np.bool_)
-    for key in far_keys:
-        where = np.searchsorted(read_keys, key)
+    where = 0
+    for key in far_keys:  # usually in order: each search starts from the last find
+        where = _left_near(read_keys, key, where)
         if where < n_keys and read_keys[where] == key:
             rewired[where] = True
     n_roots = len(roots)
