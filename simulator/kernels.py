@@ -744,3 +744,30 @@ def group_far_edges(tensor, level, groupby):
             start_level = level[i]
         group[i] = current
     return group
+
+
+@njit(cache=True, nogil=True)
+def summarize(slot_bytes, levels_of_slot, level_starts, persistent, finish_all, position, op_duration):
+    """The dense fields of a Replay: the peak slot (the first largest), the peak per level plus the
+    resident bytes (``level_starts``: each level's first slot where slots are sorted by level, as in
+    the "cto" order; empty otherwise: levels taken from ``levels_of_slot``, from 0 bytes), and each
+    op's end and start."""
+    peak_slot = np.argmax(slot_bytes)
+    if len(level_starts):
+        level_peak = np.empty(len(level_starts))
+        for k in range(len(level_starts)):
+            stop = level_starts[k + 1] if k + 1 < len(level_starts) else len(slot_bytes)
+            best = slot_bytes[level_starts[k]]
+            for slot in range(level_starts[k] + 1, stop):
+                if slot_bytes[slot] > best:
+                    best = slot_bytes[slot]
+            level_peak[k] = best
+    else:
+        level_peak = np.zeros(levels_of_slot.max() + 1)
+        for slot in range(len(slot_bytes)):
+            level = levels_of_slot[slot]
+            if slot_bytes[slot] > level_peak[level]:
+                level_peak[level] = slot_bytes[slot]
+    level_peak += persistent
+    op_end = finish_all[position]
+    return peak_slot, level_peak, op_end, op_end - op_duration

@@ -33,7 +33,7 @@ from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
-from simulator.kernels import account, prepare, schedule
+from simulator.kernels import account, prepare, schedule, summarize
 
 
 @dataclass(frozen=True, eq=False)
@@ -255,20 +255,16 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, 
     """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
     ``op_seconds``); ``details``: the plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
-        peak_slot = int(np.argmax(slot_bytes))
-        if g.order == "cto":  # slots sorted by level
-            level_peak = np.maximum.reduceat(slot_bytes, _level_starts(g)) + persistent
-        else:
-            level_peak = np.zeros(int(levels_of_slot.max()) + 1)
-            np.maximum.at(level_peak, levels_of_slot, slot_bytes)
-            level_peak += persistent
+        level_starts = _level_starts(g) if g.order == "cto" else np.zeros(0, np.int64)  # cto: slots by level
+        peak_slot, level_peak, op_end, op_start = summarize(slot_bytes, levels_of_slot, level_starts, persistent,
+                                                            finish_all, position, op_duration)
+        peak_slot = int(peak_slot)
         peak = int(round(slot_bytes[peak_slot])) + persistent
         peak_level = int(levels_of_slot[peak_slot])
         step_s = float(finish_all[-1])
     else:
         level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
-    op_end = finish_all[position] if len(position) else np.empty(0)
-    op_start = op_end - op_duration if len(position) else op_end
+        op_end = op_start = np.empty(0)
     return Replay(
         peak_bytes=peak, host_peak_bytes=host_peak, step_s=step_s, compute_s=compute_s,
         stall_s=max(0.0, step_s - compute_s), d2h_bytes=d2h, h2d_bytes=h2d,
