@@ -415,11 +415,11 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     n_reads = len(far_keys)
     by_key = stable_argsort(far_keys)
     sorted_far_keys = far_keys[by_key]
-    group_of_read = np.empty(n_reads, np.int64)
+    swap_in_of_read = np.empty(n_reads, np.int64)
     for j in range(n_ins):
         for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
-            group_of_read[k] = j
-    group_of_read = group_of_read[by_key]
+            swap_in_of_read[k] = j
+    group_of_read = swap_in_of_read[by_key]  # the swap-in of each read, in key order
     if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
         for k in range(len(moved_links)):
             group = group_of_read[_left(sorted_far_keys, moved_links[k])]
@@ -747,27 +747,43 @@ def group_far_edges(tensor, level, groupby):
 
 
 @njit(cache=True, nogil=True)
+def _sorted_level_peaks(slot_bytes, level_starts):
+    """The largest figure per level, slots sorted by level (``np.maximum.reduceat``)."""
+    level_peak = np.empty(len(level_starts))
+    for k in range(len(level_starts)):
+        stop = level_starts[k + 1] if k + 1 < len(level_starts) else len(slot_bytes)
+        best = slot_bytes[level_starts[k]]
+        for slot in range(level_starts[k] + 1, stop):
+            if slot_bytes[slot] > best:
+                best = slot_bytes[slot]
+        level_peak[k] = best
+    return level_peak
+
+
+@njit(cache=True, nogil=True)
+def _level_peaks(slot_bytes, levels_of_slot):
+    """The largest figure per level, from 0 (``np.maximum.at`` into zeros)."""
+    level_peak = np.zeros(levels_of_slot.max() + 1)
+    for slot in range(len(slot_bytes)):
+        level = levels_of_slot[slot]
+        if slot_bytes[slot] > level_peak[level]:
+            level_peak[level] = slot_bytes[slot]
+    return level_peak
+
+
+@njit(cache=True, nogil=True)
 def summarize(slot_bytes, levels_of_slot, level_starts, persistent, finish_all, position, op_duration):
     """The dense fields of a Replay: the peak slot (the first largest), the peak per level plus the
     resident bytes (``level_starts``: each level's first slot where slots are sorted by level, as in
     the "cto" order; empty otherwise: levels taken from ``levels_of_slot``, from 0 bytes), and each
     op's end and start."""
     peak_slot = np.argmax(slot_bytes)
+    # (each branch in a function of its own: a loop writing an array that two branches define ran
+    # 15x slower, numba reloading it on every access)
     if len(level_starts):
-        level_peak = np.empty(len(level_starts))
-        for k in range(len(level_starts)):
-            stop = level_starts[k + 1] if k + 1 < len(level_starts) else len(slot_bytes)
-            best = slot_bytes[level_starts[k]]
-            for slot in range(level_starts[k] + 1, stop):
-                if slot_bytes[slot] > best:
-                    best = slot_bytes[slot]
-            level_peak[k] = best
+        level_peak = _sorted_level_peaks(slot_bytes, level_starts)
     else:
-        level_peak = np.zeros(levels_of_slot.max() + 1)
-        for slot in range(len(slot_bytes)):
-            level = levels_of_slot[slot]
-            if slot_bytes[slot] > level_peak[level]:
-                level_peak[level] = slot_bytes[slot]
+        level_peak = _level_peaks(slot_bytes, levels_of_slot)
     level_peak += persistent
     op_end = finish_all[position]
     return peak_slot, level_peak, op_end, op_end - op_duration
