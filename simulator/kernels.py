@@ -379,14 +379,16 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
             roots, root_base_free_slot, root_last_slot, moved_links, moved_last,
             in_swap, in_ready, in_end, in_bytes, need_slot, in_consumer_ptr, in_consumers, far_keys,
             late_slot, late_key, late_root, late_out):
-    """Device memory per slot once the transfers are timed (see ``replay.replay``, whose comments
-    give the rules): swapped buffers freed earlier, swap-in buffers, outputs written in place, the
-    waits' peaks; and the host's peak. All byte figures are whole numbers in float64, so sums are
+    """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
+    swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
+    the host's peak. All byte figures are whole numbers in float64, so sums are
     exact in any order; times are compared as the numpy code compared them."""
     n_slots, n_swaps, n_ins, n_roots = len(duration), len(out_end), len(in_ready), len(roots)
     start_all = finish_all - duration
     # a copy out frees its buffer in the slot running when it ends; one that ends while the slot's
-    # op still waits (a stall) frees it before the op allocates anything
+    # op still waits (a stall) frees it before the op allocates anything: it does not count in that
+    # slot (to a nanosecond: the op's start is finish - duration, which rounds differently from the
+    # copy's end it waited for), only in the wait (_wait_peaks)
     out_free_slot = np.empty(n_swaps, np.int64)
     found = 0
     for i in out_queue:  # copies end in queue order: each search starts from the last find
@@ -395,7 +397,8 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
         if out_end[i] <= start_all[slot] + 1e-9:
             slot -= 1
         out_free_slot[i] = slot
-    # a copy out holds the buffer its tensor lives in: the original, or a swap-in's
+    # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a rewired
+    # read carried it into (see buffers.rewired_lifetimes)
     copy_free_slot = np.full(n_roots, -1, np.int64)
     copy_end = np.zeros(n_roots)
     for i in range(n_swaps):
@@ -404,7 +407,9 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
             copy_free_slot[r] = max(copy_free_slot[r], out_free_slot[i])
             copy_end[r] = max(copy_end[r], out_end[i])
     new_free = np.maximum(root_last_slot, copy_free_slot)
-    # a swap-in's buffer exists from when the copy op may run (trigger done, host copy there)
+    # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
+    # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
+    # queues the copy on the stream (GPU), or copies at once (CPU testbed)
     in_alloc_slot = np.empty(n_ins, np.int64)
     in_free_slot = np.empty(n_ins, np.int64)
     found = 0
