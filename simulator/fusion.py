@@ -131,12 +131,23 @@ class _Neighbourhoods:
         self.safe_memo.clear()
         self.safe_rows = np.zeros((0, 4 + kernels.MEMO_READS), np.int64)
         self.safe_answers = np.zeros(0, np.int64)
+        self._pending_rows: list[np.ndarray] = []
+        self._pending_answers: list[np.ndarray] = []
+        self._n_pending = 0
 
     def remember(self, rows: np.ndarray, answers: np.ndarray) -> None:
-        """Add memo rows (those holding all their readers) and keep them sorted."""
+        """Add memo rows (those holding all their readers; the dict has them all). They join the
+        sorted rows once a quarter as many are waiting (found in the dict meanwhile), so a long
+        search re-sorts the memo a logarithmic number of times, not at every new key."""
         whole = rows[:, 3] <= kernels.MEMO_READS
-        all_rows = np.concatenate([self.safe_rows, rows[whole]])
-        all_answers = np.concatenate([self.safe_answers, answers[whole]])
+        self._pending_rows.append(rows[whole])
+        self._pending_answers.append(answers[whole])
+        self._n_pending += int(whole.sum())
+        if self._n_pending < max(64, len(self.safe_rows) // 4):
+            return
+        all_rows = np.concatenate([self.safe_rows, *self._pending_rows])
+        all_answers = np.concatenate([self.safe_answers, *self._pending_answers])
+        self._pending_rows, self._pending_answers, self._n_pending = [], [], 0
         order = np.lexsort(all_rows.T[::-1])
         keep = np.ones(len(order), bool)  # one row per key (a batch may repeat a key)
         keep[1:] = np.any(all_rows[order][1:] != all_rows[order][:-1], axis=1)
@@ -224,6 +235,7 @@ def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: 
     if len(missing):
         reads = consumers.tolist()
         bounds = consumer_ptr.tolist()
+        new: list[int] = []  # keys met for the first time
         for c in missing.tolist():
             j = int(candidates[c])
             key = (int(tensor[j]), int(trigger[j]), int(after[j]), tuple(reads[bounds[j]:bounds[j + 1]]))
@@ -232,8 +244,10 @@ def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: 
                 waits = _safe_waits(index, key, int(g.tensor_producer[key[0]]), reads[bounds[j]])
                 answer = index.safe_memo[key] = (_NOT_FUSED if waits is False
                                                  else int(position_of(g)[list(waits)].max()) if waits else -1)
+                new.append(c)
             answers[c] = answer
-        index.remember(rows[missing], answers[missing])
+        if new:
+            index.remember(rows[new], answers[new])
     fused = answers != _NOT_FUSED
     changed[candidates[fused]] = True
     slots[candidates[fused]] = answers[fused]
