@@ -100,6 +100,23 @@ def update_readme() -> Path:
     return path
 
 
+def interleaved_seconds(functions: dict[str, Callable[[], Any]], *, min_seconds: float = 1.0,
+                        repeats: int = 7) -> dict[str, list[float]]:
+    """Seconds per call of each function, one list of ``repeats`` rounds each, the rounds of the
+    functions taken in turn (a same-process comparison: load on the machine hits them alike); the
+    functions share ``min_seconds`` of rounds between them. Report the fastest and the spread."""
+    timers = {name: timeit.Timer(function) for name, function in functions.items()}
+    numbers = {}
+    for name, timer in timers.items():
+        number, elapsed = timer.autorange()  # also the warm-up
+        numbers[name] = max(1, round(number * min_seconds / len(timers) / repeats / max(elapsed, 1e-9)))
+    rounds: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(repeats):
+        for name, timer in timers.items():
+            rounds[name].append(timer.timeit(numbers[name]) / numbers[name])
+    return rounds
+
+
 def per_second(function: Callable[[], Any], *, min_seconds: float = 1.0, repeats: int = 5) -> tuple[float, int]:
     """Calls per second of ``function``: the fastest of ``repeats`` rounds lasting ``min_seconds`` in
     all (timeit's advice: slower rounds measure other load on the machine, not the code). Returns

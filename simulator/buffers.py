@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from simulator import kernels
 from simulator.graph import OpGraph
 from simulator.ordering import ORDERS, categorized_levels, execution_order, position_of
 
@@ -34,7 +35,7 @@ class Buffers:
     ``late_slot``/``late_key``/``late_root``/``late_out``: forwards that only a later read
     prevents; the op at ``late_slot`` could write ``late_out`` into the buffer of the read
     ``late_key`` (``tensor * n_ops + op``; root ``late_root``) once a plan rewires reads
-    (``in_place_after_rewiring``).
+    (``kernels.account``).
     """
 
     root: np.ndarray
@@ -165,7 +166,8 @@ def _analyse(g: OpGraph) -> Buffers:
     owners = np.flatnonzero((root == np.arange(n_tensors)) & ~persistent)
     alloc_slot[owners] = produced[owners]
     free_slot[owners] = np.maximum(buffer_last[owners], produced[owners])
-    late_slot, late_source, late_out = np.asarray(late, dtype=np.int64).reshape(-1, 3).T
+    # contiguous columns: the compiled replay takes them as they are (one machine-code version)
+    late_slot, late_source, late_out = np.ascontiguousarray(np.asarray(late, dtype=np.int64).reshape(-1, 3).T)
     return Buffers(root=root, persistent=persistent, segment=segment, alloc_slot=alloc_slot, free_slot=free_slot,
                    use_ptr=use_ptr, use_slot=use_slot[order], use_key=use_key[order],
                    use_segment=segment[use_owner][order], seg_ptr=seg_ptr, seg_head=heads,
@@ -215,17 +217,6 @@ def _read_ids(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return g.cached("read_ids", compute, structural=True)
 
 
-def _rewired_table(g: OpGraph, far_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per read id (and a last entry for -1, no read): whether it is among ``far_keys``; with the
-    use and link ids of ``_read_ids``."""
-    keys, use_id, link_id = _read_ids(g)
-    where = np.searchsorted(keys, far_keys)
-    found = where[keys[np.minimum(where, len(keys) - 1)] == far_keys] if len(keys) else where[:0]
-    table = np.zeros(len(keys) + 1, bool)
-    table[found] = True
-    return table, use_id, link_id
-
-
 def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
                       tensors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Last slots once the reads ``far_keys`` (``tensor * n_ops + consumer``) go to swap-ins.
@@ -234,75 +225,16 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
     original buffer (its producer at least); the rewired links that carried a segment away
     (``link_keys``) with the last slot of what now lives in the swap-in buffer (``link_last``);
     and for each of ``tensors`` (whose roots are among ``roots``) the link that carried it into a
-    swap-in's buffer, -1 where it stays in the original buffer.
+    swap-in's buffer, -1 where it stays in the original buffer. A segment lives in the buffer of
+    its nearest ancestor (itself included) whose link was cut, or the root's. Compiled
+    (``simulator.kernels``): the planner and the replay call it once per plan.
     """
     info = buffers(g)
-    tensors = np.zeros(0, np.int64) if tensors is None else tensors
-    rewired, use_id, link_id = _rewired_table(g, far_keys)
-    starts, stops = info.use_ptr[roots], info.use_ptr[roots + 1]
-    uses = ranges(starts, stops)
-    slots = np.where(rewired[use_id[uses]], -1, info.use_slot[uses])
-    seg_starts, seg_stops = info.seg_ptr[roots], info.seg_ptr[roots + 1]
-    if np.all(seg_stops - seg_starts == 1):  # no segments to re-home: one max per root
-        counts = stops - starts
-        return (np.maximum.reduceat(slots, np.cumsum(counts) - counts), np.zeros(0, np.int64),
-                np.zeros(0, np.int64), np.full(len(tensors), -1, np.int64))
-    seg_index = ranges(seg_starts, seg_stops)
-    heads = info.seg_head[seg_index]  # grouped by root, parents before children
-    n_segments = len(heads)
-    local = np.full(g.n_tensors, -1, dtype=np.int64)
-    local[heads] = np.arange(n_segments)
-    segment_last = np.full(n_segments, -1, dtype=np.int64)
-    np.maximum.at(segment_last, local[info.use_segment[uses]], slots)
-    links = info.link_key[heads]
-    cut = rewired[link_id[heads]]
-    # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut,
-    # or the root's: follow parent links that were not cut, doubling the stride each round
-    parent = info.seg_parent[heads]
-    owner = np.where((parent >= 0) & ~cut, local[parent], np.arange(n_segments))
-    while True:
-        jumped = owner[owner]
-        if (jumped == owner).all():
-            break
-        owner = jumped
-    owner_last = np.full(n_segments, -1, dtype=np.int64)
-    np.maximum.at(owner_last, owner, segment_last)
-    root_segment = local[roots]
-    home = owner[local[info.segment[tensors]]]
-    home_link = np.where(cut[home], links[home], -1)
-    return owner_last[root_segment], links[cut], owner_last[np.flatnonzero(cut)], home_link
-
-
-def in_place_after_rewiring(g: OpGraph, roots: np.ndarray, root_last_slot: np.ndarray, copy_free_slot: np.ndarray,
-                            sorted_far_keys: np.ndarray, far_free_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Forwards a plan makes possible. An op that could not write into an input's buffer because
-    a later op still read it can once that read goes to a swap-in, as TF's
-    forward_input_or_allocate_output does: into the original buffer when it is now its last
-    reader and the copy out is done within its slot (a BatchNorm's SquaredDifference on a
-    swapped convolution output), or into the swap-in's buffer when its own read was rewired
-    and it is that swap-in's last reader. "Within the slot" rather than "before the op starts":
-    on the CPU testbed the first matches ResNet-50's measured peaks under the fidelity plans
-    (within 0.6 %), the second over-predicted two of them by 4.7 %; the two differ only for a
-    copy that ends while the op runs.
-
-    ``roots`` (sorted) are the swapped buffers, ``root_last_slot`` the last slot that reads each
-    under the plan and ``copy_free_slot`` the last slot its copies out hold it (-1: none);
-    ``sorted_far_keys`` the rewired reads (``tensor * n_ops + consumer``, sorted) and
-    ``far_free_slot`` the last slot of the swap-in each goes to. Returns the slots of the ops
-    that write in place and their outputs, which need no buffer of their own there.
-    """
-    info = buffers(g)
-    if len(info.late_slot) == 0 or len(roots) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    where = np.minimum(np.searchsorted(roots, info.late_root), len(roots) - 1)
-    into_original = ((roots[where] == info.late_root) & (root_last_slot[where] == info.late_slot)
-                     & (copy_free_slot[where] <= info.late_slot))
-    where = np.minimum(np.searchsorted(sorted_far_keys, info.late_key), len(sorted_far_keys) - 1)
-    source = info.late_key // g.n_ops
-    into_swap_in = ((sorted_far_keys[where] == info.late_key) & (far_free_slot[where] == info.late_slot)
-                    & (g.tensor_bytes[source] == g.tensor_bytes[info.late_out]))
-    in_place = into_original | into_swap_in
-    return info.late_slot[in_place], info.late_out[in_place]
+    keys, use_id, link_id = _read_ids(g)
+    return kernels.rewired_lifetimes(
+        info.use_ptr, info.use_slot, use_id, info.use_segment, info.seg_ptr, info.seg_head, info.link_key, link_id,
+        info.seg_parent, info.segment, keys, g.n_tensors, roots, far_keys,
+        np.zeros(0, np.int64) if tensors is None else tensors)
 
 
 def alloc_slot_bytes(g: OpGraph) -> np.ndarray:
@@ -354,7 +286,7 @@ def op_working_set_bytes(g: OpGraph) -> np.ndarray:
 
 def least_working_set_bytes(g: OpGraph) -> np.ndarray:
     """Per op, in ``g``'s order: its working set without the outputs a plan may let it write in
-    place (forwards only a later read prevented, see ``in_place_after_rewiring``)."""
+    place (forwards only a later read prevented, see ``kernels.account``)."""
 
     def compute(graph: OpGraph) -> np.ndarray:
         working_set = op_working_set_bytes(graph).copy()

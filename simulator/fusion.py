@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from simulator import kernels
 from simulator.graph import OpGraph
 from simulator.ordering import position_of
 
@@ -36,6 +37,7 @@ _STAGE = {**dict.fromkeys(("Pad", "MirrorPad"), 0), **dict.fromkeys(_CONTRACTION
           **dict.fromkeys(("FusedBatchNorm", "FusedBatchNormV3"), 1), **dict.fromkeys(("BiasAdd", "BiasAddV1"), 2),
           **dict.fromkeys(_ADDS, 3), **dict.fromkeys(_ACTIVATIONS, 4)}
 CHAIN_TAILS = frozenset(set(_STAGE) - {"Pad", "MirrorPad"} | {"Mul"})  # ops that can end (or sit inside) a chain
+_NOT_FUSED = -2  # safe_wait_slots' memo: no wait of the swap-in is in danger
 FUSION_HOPS = 4  # data edges upstream of a chain tail that may belong to its chain (Pad->Conv->Bias->Add->Relu)
 
 
@@ -119,9 +121,38 @@ class _Neighbourhoods:
             self.controls[consumer].append(source)
         self.op_type = g.op_type.tolist()
         self._danger: dict[int, frozenset[int]] = {}
-        # safe_wait_slots' answer per swap-in: False (no fused wait) or the slot it waits for instead
-        # (-1: none); slots are fixed, as this index is per execution order
-        self.safe_memo: dict[tuple, int | bool] = {}
+        # safe_wait_slots' answer per swap-in key (tensor, trigger, after, readers): _NOT_FUSED (no
+        # fused wait) or the slot it waits for instead (-1: none); slots are fixed, as this index is
+        # per execution order. Also as sorted rows (kernels.memo_rows) for the compiled look-up.
+        self.safe_memo: dict[tuple, int] = {}
+        self.clear_memo()
+
+    def clear_memo(self) -> None:
+        self.safe_memo.clear()
+        self.safe_rows = np.zeros((0, 4 + kernels.MEMO_READS), np.int64)
+        self.safe_answers = np.zeros(0, np.int64)
+        self._pending_rows: list[np.ndarray] = []
+        self._pending_answers: list[np.ndarray] = []
+        self._n_pending = 0
+
+    def remember(self, rows: np.ndarray, answers: np.ndarray) -> None:
+        """Add memo rows (those holding all their readers; the dict has them all). They join the
+        sorted rows once a quarter as many are waiting (found in the dict meanwhile), so a long
+        search re-sorts the memo a logarithmic number of times, not at every new key."""
+        whole = rows[:, 3] <= kernels.MEMO_READS
+        self._pending_rows.append(rows[whole])
+        self._pending_answers.append(answers[whole])
+        self._n_pending += int(whole.sum())
+        if self._n_pending < max(64, len(self.safe_rows) // 4):
+            return
+        all_rows = np.concatenate([self.safe_rows, *self._pending_rows])
+        all_answers = np.concatenate([self.safe_answers, *self._pending_answers])
+        self._pending_rows, self._pending_answers, self._n_pending = [], [], 0
+        order = np.lexsort(all_rows.T[::-1])
+        keep = np.ones(len(order), bool)  # one row per key (a batch may repeat a key)
+        keep[1:] = np.any(all_rows[order][1:] != all_rows[order][:-1], axis=1)
+        self.safe_rows = np.ascontiguousarray(all_rows[order][keep])
+        self.safe_answers = all_answers[order][keep]
 
     def danger(self, consumer: int) -> frozenset[int]:
         """``fusion_neighbourhood`` of ``consumer``, computed once per graph."""
@@ -185,37 +216,41 @@ def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: 
     if not n:
         return changed, slots
     has_danger, endangered = _fusable_ops(g)
-    starts = consumer_ptr[:-1]
-    near = np.logical_or.reduceat(has_danger[consumers], starts)
+    dangerous = has_danger[consumers]
+    if not dangerous.any():  # no reader in any fusion neighbourhood (graphs without fusable chains)
+        return changed, slots
+    near = np.logical_or.reduceat(dangerous, consumer_ptr[:-1])
     # a triggered swap-in is concerned only if its trigger or `after` is in some neighbourhood
     waits_endangered = endangered[np.maximum(trigger, 0)] | endangered[np.maximum(after, 0)]
     candidates = np.flatnonzero(near & ((trigger < 0) | waits_endangered))
     if not len(candidates):
         return changed, slots
     index = _neighbourhoods(g)
-    memo = index.safe_memo
-    if len(memo) > 200_000:  # a long search: keep the memo's memory bounded
-        memo.clear()
-    # plain lists for the per-candidate keys (numpy scalar indexing costs more than the memo lookup)
-    reads = consumers.tolist()
-    bounds = consumer_ptr.tolist()
-    candidate_list = candidates.tolist()
-    made_by = g.tensor_producer[tensor[candidates]].tolist()
-    first = consumers[starts[candidates]].tolist()
-    changed_list: list[int] = []
-    changed_slot: list[int] = []
-    for j, t, w, a, made, head in zip(candidate_list, tensor[candidates].tolist(), trigger[candidates].tolist(),
-                                      after[candidates].tolist(), made_by, first):
-        key = (t, w, a, tuple(reads[bounds[j]:bounds[j + 1]]))
-        answer = memo.get(key)
-        if answer is None:
-            waits = _safe_waits(index, key, made, head)
-            answer = memo[key] = False if waits is False else int(position_of(g)[list(waits)].max()) if waits else -1
-        if answer is not False:
-            changed_list.append(j)
-            changed_slot.append(answer)
-    changed[changed_list] = True
-    slots[changed_list] = changed_slot
+    if len(index.safe_memo) > 200_000:  # a long search: keep the memo's memory bounded
+        index.clear_memo()
+    # the memo looked up for all candidates at once (compiled); the few it lacks are worked out here
+    rows = kernels.memo_rows(candidates, tensor, trigger, after, consumer_ptr, consumers)
+    answers = kernels.memo_lookup(rows, index.safe_rows, index.safe_answers)
+    missing = np.flatnonzero(answers == kernels.MEMO_MISSING)
+    if len(missing):
+        reads = consumers.tolist()
+        bounds = consumer_ptr.tolist()
+        new: list[int] = []  # keys met for the first time
+        for c in missing.tolist():
+            j = int(candidates[c])
+            key = (int(tensor[j]), int(trigger[j]), int(after[j]), tuple(reads[bounds[j]:bounds[j + 1]]))
+            answer = index.safe_memo.get(key)
+            if answer is None:
+                waits = _safe_waits(index, key, int(g.tensor_producer[key[0]]), reads[bounds[j]])
+                answer = index.safe_memo[key] = (_NOT_FUSED if waits is False
+                                                 else int(position_of(g)[list(waits)].max()) if waits else -1)
+                new.append(c)
+            answers[c] = answer
+        if new:
+            index.remember(rows[new], answers[new])
+    fused = answers != _NOT_FUSED
+    changed[candidates[fused]] = True
+    slots[candidates[fused]] = answers[fused]
     return changed, slots
 
 

@@ -244,7 +244,11 @@ class OpGraph:
         view = self.cached(("order", order), lambda graph: dataclasses.replace(
             graph, order=order, _structure_cache={"levels": self.cached("levels", _levels, structural=True)}),
             structural=True)
-        return view if view.batch_size == self.batch_size else view.with_batch(self.batch_size)
+        if view.batch_size == self.batch_size:
+            return view
+        # the view at this batch size, kept with this graph: a new one per call would rebuild its
+        # per-batch analyses (sizes, slot times) at every replay
+        return self.cached(("order_view", order), lambda graph: view.with_batch(graph.batch_size), structural=False)
 
     def cached(self, key: str, compute, *, structural: bool):
         """Memoise an analysis of this graph: structural ones are shared by all batch sizes."""

@@ -215,7 +215,9 @@ def slot_levels_view(g: OpGraph) -> OpGraph:
             "levels": position_of(graph), "execution_order": execution_order(graph)})
 
     view = g.cached("slot_levels_view", compute, structural=True)
-    return view if view.batch_size == g.batch_size else view.with_batch(g.batch_size)
+    if view.batch_size == g.batch_size:
+        return view
+    return g.cached("slot_levels_view_at_batch", lambda graph: view.with_batch(graph.batch_size), structural=False)
 
 
 def n_levels(g: OpGraph) -> int:

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from simulator import kernels
 from simulator.buffers import buffers, rewired_lifetimes
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.ordering import (categorized_levels, edge_distances, execution_order, n_levels, position_of,
@@ -397,16 +398,21 @@ def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
 
 
 def is_activation(g: OpGraph) -> np.ndarray:
-    """Per tensor: a float the forward pass makes that can live on the host (what LMS swaps)."""
-    return (g.tensor_swappable & ~g.tensor_persistent & (g.op_phase[g.tensor_producer] == FORWARD)
-            & np.isin(g.tensor_dtype, list(FLOAT_DTYPES)))
+    """Per tensor: a float the forward pass makes that can live on the host (what LMS swaps).
+    Computed once per structure (read-only; the dtype test on strings cost a fifth of a plan)."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        mask = (graph.tensor_swappable & ~graph.tensor_persistent & (graph.op_phase[graph.tensor_producer] == FORWARD)
+                & np.isin(graph.tensor_dtype, list(FLOAT_DTYPES)))
+        mask.flags.writeable = False
+        return mask
+    return g.cached("is_activation", compute, structural=True)
 
 
 def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
     """Tensors the rules may swap (``params.tensors``) that can live on the host, after filters."""
     producer = g.tensor_producer
     if params.tensors == "activations":
-        ok = is_activation(g)
+        ok = is_activation(g).copy()
     else:
         ok = g.tensor_swappable & ~g.tensor_persistent & np.isin(g.op_phase[producer], (FORWARD, BACKWARD))
     if params.min_bytes:
@@ -511,20 +517,11 @@ def _group_far_edges(tensor: np.ndarray, level: np.ndarray, groupby: int) -> np.
     n = len(tensor)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    new_tensor = np.ones(n, bool)
-    new_tensor[1:] = tensor[1:] != tensor[:-1]
-    if groupby == 0:
-        new_group = new_tensor.copy()
-        new_group[1:] |= level[1:] != level[:-1]
-        return np.cumsum(new_group) - 1
-    group = np.empty(n, dtype=np.int64)
-    current, start_level = -1, 0
-    for i, (fresh, lvl) in enumerate(zip(new_tensor.tolist(), level.tolist())):
-        if fresh or lvl - start_level > groupby:
-            current += 1
-            start_level = lvl
-        group[i] = current
-    return group
+    if groupby:
+        return kernels.group_far_edges(tensor, level, groupby)
+    new_group = np.ones(n, bool)
+    new_group[1:] = (tensor[1:] != tensor[:-1]) | (level[1:] != level[:-1])
+    return np.cumsum(new_group) - 1
 
 
 def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, str], ...] = ()) -> SwapPlan:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from benchmarks.__main__ import main as benchmarks_main
-from benchmarks.common import per_second, write_results
+from benchmarks.common import interleaved_seconds, per_second, write_results
+from benchmarks.reference import ReferenceUnavailable, reference_simulator, speed_row
+from simulator import SwapParams
+from simulator.synthetic import training_graph
 
 
 def test_results_record_machine_settings_and_table(tmp_path):
@@ -29,3 +33,26 @@ def test_per_second_times_the_fastest_round():
     calls = []
     rate, timed = per_second(lambda: calls.append(1), min_seconds=0.05, repeats=3)
     assert rate > 1000 and timed % 3 == 0 and len(calls) > timed  # autorange calls come on top
+
+
+def test_interleaved_rounds_time_every_function():
+    calls = {"a": 0, "b": 0}
+
+    def count(name):
+        calls[name] += 1
+
+    rounds = interleaved_seconds({"a": lambda: count("a"), "b": lambda: count("b")}, min_seconds=0.02, repeats=3)
+    assert set(rounds) == {"a", "b"} and all(len(r) == 3 and min(r) > 0 for r in rounds.values())
+    assert calls["a"] > 3 and calls["b"] > 3
+
+
+def test_speed_row_times_the_reference_beside_today():
+    """The numpy replay at REFERENCE_COMMIT loads beside today's and gives the same replay."""
+    try:
+        reference = reference_simulator()
+    except ReferenceUnavailable as error:  # no git history here (an sdist, a shallow clone)
+        pytest.skip(str(error))
+    row = speed_row(training_graph(40, batch_size=8), SwapParams(threshold=4, lb=1, ub=4), "v100-16gb", reference, 0.05)
+    assert row["identical"] and row["swaps"] > 0
+    assert row["ms_per_replay"] <= row["ms_per_replay_median"] <= row["ms_per_replay_max"]
+    assert row["ms_per_replay_reference"] > 0 and row["replay_speedup"] > 0
