@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from rewriter import loops
 from rewriter.graph_rewrites import apply_rewrites
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
@@ -164,6 +165,7 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
         raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error}") from error
     finally:
         del model._compute_loss
+    loops.serialize_loops(concrete.graph)  # loop memory independent of thread timing (rewriter.loops)
     if not recorded:
         raise CaptureError("the training step computed no loss")
     return TracedStep(concrete, batch_size, recorded[-1].op.name, _optimizer_scope(model.optimizer),
@@ -179,6 +181,7 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
         concrete = function.get_concrete_function(*specs)
     except Exception as error:
         raise CaptureError(f"tracing the step function failed: {type(error).__name__}: {error}") from error
+    loops.serialize_loops(concrete.graph)
     result = concrete.structured_outputs
     loss = result.get("loss") if isinstance(result, dict) else result
     if not isinstance(loss, tf.Tensor):
@@ -472,10 +475,12 @@ def _phases(reduced: _Reduced, loss_op: str, optimizer_scope: str | None) -> dic
 def _snapshot(traced: TracedStep) -> dict[str, Any]:
     """Everything batch-dependent of one trace, keyed by op name."""
     reduced = _reduce(traced.concrete, traced.loss_op)
+    sized = {op.name: loops.output_bytes(op, _nbytes) for op in reduced.ops}  # While loops' lists resolved
     return {
         "reduced": reduced,
         "shapes": {op.name: [_dims(t.shape) for t in op.outputs] for op in reduced.ops},
-        "bytes": {op.name: [_nbytes(t) for t in op.outputs] for op in reduced.ops},
+        "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
+        "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
         "resident": _resident_bytes(traced.concrete) + (sum(_nbytes(t) for t in reduced.constants),),
@@ -530,12 +535,15 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
     producer, output, dtype, shape_text, bytes_ab, alias, persistent, swappable = [], [], [], [], [], [], [], []
     tensor_of: dict[tuple[str, int], int] = {}
     unknown = 0
+    unresolved = [{"tensor": name, "reason": "a TensorList whose size nothing in the loop states"}
+                  for name in one["unsized"]]
     for op in ops:
         for k, tensor in enumerate(op.outputs):
             small, large = one["shapes"][op.name][k], two["shapes"][op.name][k]
             _check_scaling(f"{op.name}:{k}", small, large, b1, b2)
             if small is None and tensor.dtype not in (tf.resource, tf.variant, tf.string):
                 unknown += 1
+                unresolved.append({"tensor": f"{op.name}:{k}", "reason": "unknown static shape"})
             tensor_of[(op.name, k)] = len(producer)
             producer.append(index[op.name])
             output.append(k)
@@ -550,8 +558,13 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
         if op.type in ALIAS_TYPES and reduced.inputs[op.name] and reduced.inputs[op.name][0][0] == 0:
             _, src, k = reduced.inputs[op.name][0]
             alias[tensor_of[(op.name, 0)]] = tensor_of[(src, k)]
-    if unknown:
-        log.warning("%d tensors have unknown shapes and are counted as 0 bytes", unknown)
+        for out, slot in loops.shared_inputs(op).items():  # a list a While loop passes through
+            source = next(((src, k) for at, src, k in reduced.inputs[op.name] if at == slot), None)
+            if source is not None:
+                alias[tensor_of[(op.name, out)]] = tensor_of[source]
+    if unresolved:
+        log.warning("%d tensor(s) of unknown size are counted as 0 bytes: %s (graph.meta['unresolved_tensors'])",
+                    len(unresolved), ", ".join(item["tensor"] for item in unresolved[:5]))
 
     edge_tensor, edge_consumer, edge_slot, control_src, control_dst = [], [], [], [], []
     for op in ops:
@@ -567,7 +580,8 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
                       axis=0)
     variables_1, _, constants_1 = one["resident"]
     info = {"captured_batches": [b1, b2], "loss_op": first.loss_op, "tf_version": tf.__version__,
-            "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names}
+            "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names,
+            "unresolved_tensors": unresolved, "unswappable": _unswappable(producer, dtype, bytes_ab, names, output, b1)}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -594,6 +608,15 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
         batch_size=b1,
         meta=info,
     )
+
+
+def _unswappable(producer, dtype, bytes_ab, names, output, batch: int) -> dict[str, Any]:
+    """Memory no plan can move (While loops' TensorLists), at the first captured batch, for reports."""
+    held = [{"tensor": f"{names[p]}:{k}", "bytes": int(round(a + b * batch))}
+            for p, d, (a, b), k in zip(producer, dtype, bytes_ab, output) if d == "variant" and a + b * batch > 0]
+    held.sort(key=lambda item: -item["bytes"])
+    return {"bytes": sum(item["bytes"] for item in held), "batch": batch, "tensors": held,
+            "reason": loops.UNSWAPPABLE_REASON if held else ""}
 
 
 def _shape_text(small, large) -> str:
