@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from rewriter import loops
+from rewriter import loops, mixed_precision
 from rewriter.graph_rewrites import apply_rewrites
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
@@ -481,6 +481,7 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
         "shapes": {op.name: [_dims(t.shape) for t in op.outputs] for op in reduced.ops},
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
+        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
         "resident": _resident_bytes(traced.concrete) + (sum(_nbytes(t) for t in reduced.constants),),
@@ -554,6 +555,18 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             persistent.append(op.type == "ReadVariableOp" or is_input)
             swappable.append(tensor.dtype.name in SWAPPABLE_DTYPES and not is_input and op.type != "ReadVariableOp")
             alias.append(-1)
+    scratch = []  # kernels' temporaries (rewriter.mixed_precision): an output nothing reads, live while the op runs
+    for op in ops:
+        if one["scratch"][op.name] or two["scratch"][op.name]:
+            scratch.append(op.name)
+            producer.append(index[op.name])
+            output.append(len(op.outputs))
+            dtype.append("uint8")
+            shape_text.append("(scratch)")
+            bytes_ab.append(_linear_fit(one["scratch"][op.name], two["scratch"][op.name], b1, b2))
+            persistent.append(False)
+            swappable.append(False)
+            alias.append(-1)
     for op in ops:  # static aliases: input 0's buffer (resolved after all tensors are numbered)
         if op.type in ALIAS_TYPES and reduced.inputs[op.name] and reduced.inputs[op.name][0][0] == 0:
             _, src, k = reduced.inputs[op.name][0]
@@ -581,7 +594,8 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
     variables_1, _, constants_1 = one["resident"]
     info = {"captured_batches": [b1, b2], "loss_op": first.loss_op, "tf_version": tf.__version__,
             "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names,
-            "unresolved_tensors": unresolved, "unswappable": _unswappable(producer, dtype, bytes_ab, names, output, b1)}
+            "unresolved_tensors": unresolved, "unswappable": _unswappable(producer, dtype, bytes_ab, names, output, b1),
+            "mixed_precision": _mixed_precision_facts(one, scratch, dtype)}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -617,6 +631,16 @@ def _unswappable(producer, dtype, bytes_ab, names, output, batch: int) -> dict[s
     held.sort(key=lambda item: -item["bytes"])
     return {"bytes": sum(item["bytes"] for item in held), "batch": batch, "tensors": held,
             "reason": loops.UNSWAPPABLE_REASON if held else ""}
+
+
+def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: list[str]) -> dict[str, Any]:
+    """What float16 brings (empty without it): tensors, and the kernels' scratch buffers at the first batch."""
+    if "float16" not in dtype:
+        return {}
+    sizes = [snapshot["scratch"][name] for name in scratch]
+    return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": len(scratch),
+            "largest_kernel_scratch_bytes": max(sizes, default=0),
+            "eigen_half_kernels": mixed_precision.eigen_half_kernels()}
 
 
 def _shape_text(small, large) -> str:
