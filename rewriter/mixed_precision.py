@@ -8,9 +8,13 @@ Eigen-based implementation"), and TensorFlow's own convolution gradients then un
 into a column buffer allocated for the op (``allocate_temp``, released when it ends). Those
 buffers are sized by a 30 MiB working-set target, not by the batch: a float16 CNN's filter
 gradient at batch 8 takes 24.8 MB for a 37 KB kernel, and the step measured 33.2 MiB against 17.3
-predicted without them. ``kernel_scratch_bytes`` gives that buffer (TensorFlow 2.21's
-``Conv2DCustomBackpropFilterOp`` / ``Conv2DCustomBackpropInputOp`` sizing); ``capture`` adds it as a
-transient output of the op, read by nothing, so it is live while the op runs.
+predicted without them. Eigen's float16 matrix products (``MatMul``, ``BatchMatMulV2``) compute in
+float32: they hold float32 copies of their inputs and of their output while they run (measured in
+the profiler's trace: q.k^T of an 8 x 4 x 64 x 64 attention, 256 KiB of float16 output, allocates
+1 MiB). ``kernel_scratch_bytes`` gives those buffers (TensorFlow 2.21's
+``Conv2DCustomBackpropFilterOp`` / ``Conv2DCustomBackpropInputOp`` sizing, the float32 copies);
+``capture`` adds them as a transient output of the op, read by nothing, so it is live while the op
+runs.
 
 On a GPU (or a CPU whose oneDNN takes float16) none of this applies and nothing is added.
 """
@@ -72,14 +76,23 @@ def _conv_dims(op) -> tuple[int, int, int, int, bool] | None:
     return int(grad[0]), int(grad[1]) * int(grad[2]), kh * kw * cin, cout, not (one_by_one or whole_image)
 
 
+MATMUL_TYPES = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+FLOAT32_BYTES = 4
+
+
 def kernel_scratch_bytes(op) -> int:
-    """Bytes of the column buffer a float16 Conv2D gradient allocates while it runs on this CPU (0
-    for every other op, or where the kernels are oneDNN's or a GPU's)."""
-    if op.type not in ("Conv2DBackpropFilter", "Conv2DBackpropInput") or not op.inputs:
+    """Bytes a float16 Conv2D gradient (column buffer) or matrix product (float32 copies) allocates
+    while it runs on this CPU (0 for every other op, or where the kernels are oneDNN's or a GPU's)."""
+    if op.type not in MATMUL_TYPES | {"Conv2DBackpropFilter", "Conv2DBackpropInput"} or not op.inputs:
         return 0
     dtype = op.outputs[0].dtype
     if dtype not in HALF_TYPES or not eigen_half_kernels():
         return 0
+    if op.type in MATMUL_TYPES:
+        shapes = [t.shape for t in list(op.inputs) + list(op.outputs)]
+        if not all(shape.is_fully_defined() for shape in shapes):
+            return 0
+        return FLOAT32_BYTES * sum(shape.num_elements() for shape in shapes)
     dims = _conv_dims(op)
     if dims is None or not dims[4]:
         return 0
