@@ -20,7 +20,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAMILIES", "ZOO", "ZooModel", "build_zoo_model"]
+__all__ = ["FAMILIES", "SMALL", "ZOO", "ZooModel", "build_zoo_model"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,21 @@ ZOO: dict[str, ZooModel] = {entry.name: entry for entry in (
 )}
 
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(entry.family for entry in ZOO.values()))
+
+# one tiny model per family, for the test suite (a capture and two measured steps in seconds)
+SMALL: dict[str, ZooModel] = {entry.family: entry for entry in (
+    ZooModel("mobilenetv3small_32", "applications", "MobileNetV3Small", 2, {"image_size": 32}),
+    ZooModel("unet2d_transpose_32", "unet", "unet2d", 2, dict(_UNET, image_size=32, base_filters=4, depth=2)),
+    ZooModel("mixed16_cnn_32", "mixed_float16", "mixed_cnn", 4, {"image_size": 32}, mixed_float16=True),
+    ZooModel("lstm_16", "recurrent", "recurrent", 8, {"kind": "lstm", "seq_len": 16, "units": 32, "embed": 16}),
+    ZooModel("attention_16", "attention", "attention", 4, {"seq_len": 16, "d_model": 32, "ff": 64}),
+    ZooModel("multi_io_24", "multi_io", "multi_io", 4, {"image_size": 24}),
+    ZooModel("separable_cnn_32", "separable", "separable_cnn", 4, {"image_size": 32}),
+    ZooModel("conv1d_net_128", "conv1d", "conv1d_net", 4, {"length": 128}),
+    ZooModel("norm_mix_24", "normalization", "norm_mix", 4, {"image_size": 24}),
+    ZooModel("custom_layer_loss_48", "custom", "custom_layer_loss", 4, {"image_size": 48}),
+    ZooModel("sequential_mlp_64", "mlp", "sequential_mlp", 8, {"features": 64}),
+)}
 
 
 def build_zoo_model(name: str, seed: int = 0):
