@@ -1,6 +1,7 @@
 """Simulator fidelity on the CPU testbed: predicted vs measured accelerator-side peak, per model and plan.
 
     python -m benchmarks fidelity [--models resnet50,vgg16] [--quick] [--timeout 900] [--repeats 3] [--peak-repeats 2]
+    python -m benchmarks fidelity --zoo [--models lstm,gru]   # benchmarks.zoo, in chunks
 
 For every model (one fresh Python process each, so models and allocator state never mix) the
 training step is captured, then for every plan (no swapping, and ``SwapParams`` settings that
@@ -23,6 +24,13 @@ Writes ``benchmarks/results/fidelity.{csv,md}``, ``fidelity_scatter.png`` (predi
 y = x with +-5 % / +-10 % bands) and ``fidelity_errors.png`` (per-model errors); ``--quick`` (2
 models x 3 plans, a smoke run) writes ``fidelity_quick.*`` instead, so it never overwrites the
 full table. Target (DESIGN.md 5): median error within 5 %, worst within 10 %.
+
+``--zoo`` measures the models of ``benchmarks.zoo`` instead (models nobody tuned the simulator for)
+and writes ``fidelity_zoo.*``; each model's records are kept in ``results/fidelity_zoo_runs/``, so
+the zoo can be measured in chunks (``--zoo --models a,b``: those again, the others from their kept
+run) and its runtime is the sum of the models' runs. Its targets (issue 19) hold per model: median
+|error| <= 2 %, worst <= 10 %, measured above predicted never more than 5 %; the notes give per model
+what the capture could not size or swap (``graph.meta``) and, where a model misses, why.
 """
 
 from __future__ import annotations
@@ -116,7 +124,12 @@ ZOO_TARGET_MEDIAN, ZOO_TARGET_WORST, ZOO_TARGET_UNDER = 0.02, 0.10, 0.05
 # what a captured graph says about memory it could not size or swap (shown in the zoo's notes)
 GRAPH_META_REPORTED = ("unknown_shapes", "unresolved_tensors", "unswappable", "mixed_precision")
 # why a zoo model misses its targets, where diagnosed (the mechanism, not one run's numbers)
-ZOO_NOTES: dict[str, str] = {}
+ZOO_NOTES: dict[str, str] = {
+    "multi_io": ("measured above the prediction with and without swaps: at the measured peak (the first pooling's "
+                 "MaxPoolGrad) the last convolution's filter gradient has not run yet, although the serialized order "
+                 "puts it before, so its input (the ReLU gradient) is still held; suspected: a fusion of that "
+                 "Conv2DBackpropFilter with its BiasAddGrad that drops the serializing control edges. Not fixed"),
+}
 
 # What the deviations seen so far came from (diagnosed by comparing the profiler trace's live set at
 # its peak with simulator.explain.live_buffers at the same op). Printed under the table as context
@@ -565,8 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         notes += model_notes
         statuses.append(status)
         done = [r for r in model_rows if r.get("ratio") is not None]
-        log.info("  %d/%d plan(s) measured in %.0f s; ratios %s", len(done), len(plans), status["wall_s"],
-                 ", ".join(f"{r['ratio']:.3f}" for r in done))
+        log.info("  %s%d/%d plan(s) measured in %.0f s; ratios %s", "" if model in names else f"{model}, kept run: ",
+                 len(done), len(plans), status["wall_s"], ", ".join(f"{r['ratio']:.3f}" for r in done))
     runtime = time.perf_counter() - STARTED_S  # as write_results records it
     if args.zoo:  # models measured in chunks: the runs' own times, summed
         runtime = sum(status["wall_s"] for status in statuses)

@@ -4,11 +4,13 @@
 (a compiled Keras 3 model, random weights, nothing downloaded, deterministic for a seed) and the
 batch at which one measured step on the 2-core CPU testbed takes a few seconds at most. The
 families (``ZooModel.family``) cover what issue 19 lists: keras.applications beyond
-``benchmarks.models`` (EfficientNet, Xception, MobileNetV3, ConvNeXt, NASNetMobile), U-Nets with
-transposed convolutions and with upsampling, ``mixed_float16`` variants, recurrent layers (LSTM,
-GRU, Bidirectional, stacked, with Embedding), attention, multi-input/multi-output with per-output
-losses and weights, depthwise/separable and 1-D convolutions, normalization and dropout mixes,
-and a custom layer with a custom loss.
+``benchmarks.models`` (EfficientNet, Xception, MobileNetV3, ConvNeXt, EfficientNetV2 (NAS-found, fused MBConv); NASNetMobile builds
+too, ``builders.BUILDERS``, but its 17,600-op step takes over two minutes per measured plan here),
+U-Nets with transposed convolutions and with upsampling, ``mixed_float16`` variants, recurrent
+layers (LSTM, GRU, Bidirectional, stacked, with Embedding), attention, multi-input/multi-output
+with per-output losses and weights, depthwise/separable and 1-D convolutions, normalization and
+dropout mixes, and a custom layer with a custom loss. ``SMALL`` holds one tiny model per family
+for the test suite.
 
 This module does not import Keras (the fidelity benchmark's parent process lists the zoo without
 starting TensorFlow); ``ZooModel.build`` does.
@@ -59,7 +61,7 @@ ZOO: dict[str, ZooModel] = {entry.name: entry for entry in (
     ZooModel("xception", "applications", "Xception", 2, {"image_size": 71}),
     ZooModel("mobilenetv3small", "applications", "MobileNetV3Small", 8, {"image_size": 64}),
     ZooModel("convnexttiny", "applications", "ConvNeXtTiny", 4, {"image_size": 32}),
-    ZooModel("nasnetmobile", "applications", "NASNetMobile", 4, {"image_size": 32}),
+    ZooModel("efficientnetv2b0", "applications", "EfficientNetV2B0", 4, {"image_size": 32}),
     ZooModel("unet2d_transpose", "unet", "unet2d", 2, dict(_UNET, upsample="transpose")),
     ZooModel("unet2d_upsampling", "unet", "unet2d", 2, dict(_UNET, upsample="upsampling")),
     ZooModel("mixed16_cnn", "mixed_float16", "mixed_cnn", 8, {"image_size": 64}, mixed_float16=True),

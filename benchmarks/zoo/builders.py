@@ -246,6 +246,7 @@ BUILDERS: dict[str, Callable[..., keras.Model]] = {
     "MobileNetV3Small": _app("MobileNetV3Small", 32),
     "ConvNeXtTiny": _app("ConvNeXtTiny", 32),
     "NASNetMobile": _app("NASNetMobile", 32),
+    "EfficientNetV2B0": _app("EfficientNetV2B0", 32),
     "unet2d": unet2d,
     "mixed_cnn": mixed_cnn,
     "attention": attention,
