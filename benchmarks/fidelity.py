@@ -125,6 +125,25 @@ ZOO_TARGET_MEDIAN, ZOO_TARGET_WORST, ZOO_TARGET_UNDER = 0.02, 0.10, 0.05
 GRAPH_META_REPORTED = ("unknown_shapes", "unresolved_tensors", "unswappable", "mixed_precision")
 # why a zoo model misses its targets, where diagnosed (the mechanism, not one run's numbers)
 ZOO_NOTES: dict[str, str] = {
+    "convnexttiny": ("measured ~60 % above the prediction in every plan: at its peak the step holds 234 MB of "
+                     "allocations the profiler's trace names no op for (220.5, 55.1 and 13.8 MiB, one per stage, "
+                     "scaling with the feature map; oneDNN's own buffers suspected), which the graph cannot show; the "
+                     "trace's named allocations peak where the prediction does. Not fixed"),
+    "mixed16_attention": ("measured 0.6-0.7 MiB above the prediction in every plan, the same bytes with and without "
+                          "swaps (something resident or made at the step's start under mixed_float16 that the capture "
+                          "misses; not found yet); the float16 matrix products' float32 copies are counted "
+                          "(rewriter.mixed_precision)"),
+    "separable_cnn": "T1 (every far read) measured 22 % above the prediction, T2 level-trigger 7 %: not diagnosed",
+    "unet2d_upsampling": ("'T1 slots ub1 all after copies' measured 9.9 % above the prediction (the transposed-"
+                          "convolution U-Net 4.6 %): not diagnosed; the same plan kind is the benchmark set's race row"),
+    "unet2d_transpose": "'T1 slots ub1 all after copies' measured 4.6 % above the prediction: not diagnosed",
+    "attention": "T3 sync-both predicted 11 % above the measured peak (the safe side): not diagnosed",
+    "custom_layer_loss": "T2 level-trigger predicted 12 % above the measured peak (the safe side): not diagnosed",
+    "efficientnetb0": "unswapped predicted 10 % above the measured peak (the safe side), swapped within 1.2 %: not diagnosed",
+    "conv1d_net": "measured 0.06 MiB (2-3 %) above the prediction in every plan, a fixed amount: not diagnosed",
+    **{name: ("the While loops' lists (rewriter.loops) are counted whole from the forward loop's end to the gradient "
+              "loop's end, which pops them one by one, and the loop body's own working set is not counted: "
+              "within 4 % either side") for name in ("lstm", "bilstm", "stacked_gru")},
     "multi_io": ("measured above the prediction with and without swaps: at the measured peak (the first pooling's "
                  "MaxPoolGrad) the last convolution's filter gradient has not run yet, although the serialized order "
                  "puts it before, so its input (the ReLU gradient) is still held; suspected: a fusion of that "
