@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.ops import handle_data_util
 
 from rewriter import loops, mixed_precision
 from rewriter.graph_rewrites import apply_rewrites
@@ -501,8 +503,25 @@ def _resident_bytes(concrete) -> tuple[int, int]:
             size[handle] = max(size.get(handle, 0), _nbytes(op.outputs[0]))
         elif op.type.startswith("Assign") and len(op.inputs) > 1:
             size[handle] = max(size.get(handle, 0), _nbytes(op.inputs[1]))
+    for _, internal in graph.captures:  # read only inside a branch or loop (a LossScaleOptimizer's
+        if internal.dtype == tf.resource and internal.op.name not in size:  # update under tf.cond)
+            size[internal.op.name] = _handle_bytes(internal)
     inputs = sum(_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
     return sum(size.values()), inputs
+
+
+def _handle_bytes(handle) -> int:
+    """Bytes of the variable behind a resource handle, from the shape and dtype it carries (0 if none)."""
+    try:
+        data = handle_data_util.get_resource_handle_data(handle)
+    except (AssertionError, AttributeError, TypeError, ValueError):
+        return 0
+    total = 0
+    for item in data.shape_and_type:
+        shape = tf.TensorShape(item.shape)
+        if shape.is_fully_defined() and item.dtype not in (types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT):
+            total += shape.num_elements() * tf.as_dtype(item.dtype).size
+    return total
 
 
 def _linear_fit(small: float, large: float, b1: int, b2: int) -> tuple[float, float]:
