@@ -129,10 +129,10 @@ ZOO_NOTES: dict[str, str] = {
                      "allocations the profiler's trace names no op for (220.5, 55.1 and 13.8 MiB, one per stage, "
                      "scaling with the feature map; oneDNN's own buffers suspected), which the graph cannot show; the "
                      "trace's named allocations peak where the prediction does. Not fixed"),
-    "mixed16_attention": ("measured 0.6-0.7 MiB above the prediction in every plan, the same bytes with and without "
-                          "swaps (something resident or made at the step's start under mixed_float16 that the capture "
-                          "misses; not found yet); the float16 matrix products' float32 copies are counted "
-                          "(rewriter.mixed_precision)"),
+    "mixed16_attention": ("predicted 2-4 % above the measured peak (the safe side): the float16 matrix products' "
+                          "float32 copies (rewriter.mixed_precision) are counted as live together for the whole op; "
+                          "the LossScaleOptimizer's slots, read only under its tf.cond, are counted (rewriter.capture; "
+                          "without them 12-21 % under)"),
     "separable_cnn": "T1 (every far read) measured 22 % above the prediction, T2 level-trigger 7 %: not diagnosed",
     "unet2d_upsampling": ("'T1 slots ub1 all after copies' measured 9.9 % above the prediction (the transposed-"
                           "convolution U-Net 4.6 %): not diagnosed; the same plan kind is the benchmark set's race row"),
