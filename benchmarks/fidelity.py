@@ -133,7 +133,11 @@ ZOO_NOTES: dict[str, str] = {
                           "float32 copies (rewriter.mixed_precision) are counted as live together for the whole op; "
                           "the LossScaleOptimizer's slots, read only under its tf.cond, are counted (rewriter.capture; "
                           "without them 12-21 % under)"),
-    "separable_cnn": "T1 (every far read) measured 22 % above the prediction, T2 level-trigger 7 %: not diagnosed",
+    "separable_cnn": ("T1 (every far read) measured 22 % above the prediction, T2 level-trigger 7 %: at the measured "
+                      "peak (the first separable convolution's depthwise input gradient) its pointwise filter gradient "
+                      "has not run yet, although the serialized order puts it before, so that gradient's input and its "
+                      "swap-in are still held; the same as multi_io's (a Conv2DBackpropFilter beside a BiasAddGrad). "
+                      "Not fixed"),
     "unet2d_upsampling": ("'T1 slots ub1 all after copies' measured 9.9 % above the prediction (the transposed-"
                           "convolution U-Net 4.6 %): not diagnosed; the same plan kind is the benchmark set's race row"),
     "unet2d_transpose": "'T1 slots ub1 all after copies' measured 4.6 % above the prediction: not diagnosed",
