@@ -582,7 +582,7 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             output.append(len(op.outputs))
             dtype.append("uint8")
             shape_text.append("(scratch)")
-            bytes_ab.append(_linear_fit(one["scratch"][op.name], two["scratch"][op.name], b1, b2))
+            bytes_ab.append(mixed_precision.scratch_fit(op, one["scratch"][op.name], two["scratch"][op.name], b1, b2))
             persistent.append(False)
             swappable.append(False)
             alias.append(-1)

@@ -107,3 +107,13 @@ def kernel_scratch_bytes(op) -> int:
         parallel = batch == 1 or work // _worker_threads() >= L2_BYTES // size
         shard = 1 if parallel else -(-target // work)
     return int(shard * image_size * filter_size * size)
+
+
+def scratch_fit(op, small: int, large: int, b1: int, b2: int) -> tuple[float, float]:
+    """``a + b * batch`` of an op's scratch from its two traces. A convolution gradient's column buffer
+    does not grow with the batch (its shard count comes from the working-set target; at batch 1 it is
+    one image), so it is the larger trace's, held at every batch; matrix products' copies scale."""
+    if op.type in MATMUL_TYPES:
+        slope = (large - small) / (b2 - b1)
+        return small - slope * b1, slope
+    return float(max(small, large)), 0.0
