@@ -1,6 +1,7 @@
 """Simulator fidelity on the CPU testbed: predicted vs measured accelerator-side peak, per model and plan.
 
     python -m benchmarks fidelity [--models resnet50,vgg16] [--quick] [--timeout 900] [--repeats 3] [--peak-repeats 2]
+    python -m benchmarks fidelity --zoo [--models lstm,gru]   # benchmarks.zoo, in chunks
 
 For every model (one fresh Python process each, so models and allocator state never mix) the
 training step is captured, then for every plan (no swapping, and ``SwapParams`` settings that
@@ -23,6 +24,13 @@ Writes ``benchmarks/results/fidelity.{csv,md}``, ``fidelity_scatter.png`` (predi
 y = x with +-5 % / +-10 % bands) and ``fidelity_errors.png`` (per-model errors); ``--quick`` (2
 models x 3 plans, a smoke run) writes ``fidelity_quick.*`` instead, so it never overwrites the
 full table. Target (DESIGN.md 5): median error within 5 %, worst within 10 %.
+
+``--zoo`` measures the models of ``benchmarks.zoo`` instead (models nobody tuned the simulator for)
+and writes ``fidelity_zoo.*``; each model's records are kept in ``results/fidelity_zoo_runs/``, so
+the zoo can be measured in chunks (``--zoo --models a,b``: those again, the others from their kept
+run) and its runtime is the sum of the models' runs. Its targets (issue 19) hold per model: median
+|error| <= 2 %, worst <= 10 %, measured above predicted never more than 5 %; the notes give per model
+what the capture could not size or swap (``graph.meta``) and, where a model misses, why.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import numpy as np
 import pandas as pd
 
 from benchmarks.common import RESULTS_DIR, STARTED_S, write_results
+from benchmarks.zoo import ZOO
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -57,12 +66,15 @@ class ModelSetup:
     kwargs: dict[str, Any] = field(default_factory=dict)
     batch: int = 8
     graph_rewrites: tuple[str, ...] = ()  # rewriter.graph_rewrites made before the plans
+    zoo: bool = False  # a benchmarks.zoo model (built by its entry), not a benchmarks.models one
 
     @property
     def key(self) -> str:
         return "+".join((self.name,) + self.graph_rewrites)
 
     def describe(self) -> str:
+        if self.zoo:
+            return ZOO[self.name].describe()
         options = ", ".join(f"{key}={value}" for key, value in self.kwargs.items())
         rewrites = "".join(f" --rewrite {r}" for r in self.graph_rewrites)
         return f"{self.name}({options}) b{self.batch}{rewrites}"
@@ -97,10 +109,50 @@ PLANS: list[tuple[str, dict[str, Any] | None]] = [
                                        "after_copies_out": True}),
 ]
 
+# ``--zoo``: every benchmarks.zoo model at its testbed batch (models nobody tuned the simulator for)
+ZOO_MODELS: dict[str, ModelSetup] = {name: ModelSetup(name, {}, entry.batch, zoo=True) for name, entry in ZOO.items()}
+# each zoo model's records are kept here, so the zoo can be measured in chunks (``--zoo --models a,b``)
+# and its table built from the latest run of every model
+ZOO_RUNS_DIR = RESULTS_DIR / "fidelity_zoo_runs"
+
 QUICK_MODELS = ("transformer_encoder", "vgg16")
 QUICK_PLANS = ("none", "T1", "T3 ub5 g2 sync-both mem")
 
 TARGET_MEDIAN, TARGET_WORST = 0.05, 0.10
+# the zoo's targets (issue 19): per model, and measured above predicted (the side of an OOM) at most 5 %
+ZOO_TARGET_MEDIAN, ZOO_TARGET_WORST, ZOO_TARGET_UNDER = 0.02, 0.10, 0.05
+# what a captured graph says about memory it could not size or swap (shown in the zoo's notes)
+GRAPH_META_REPORTED = ("unknown_shapes", "unresolved_tensors", "unswappable", "mixed_precision")
+# why a zoo model misses its targets, where diagnosed (the mechanism, not one run's numbers)
+ZOO_NOTES: dict[str, str] = {
+    "convnexttiny": ("measured ~60 % above the prediction in every plan: at its peak the step holds 234 MB of "
+                     "allocations the profiler's trace names no op for (220.5, 55.1 and 13.8 MiB, one per stage, "
+                     "scaling with the feature map; oneDNN's own buffers suspected), which the graph cannot show; the "
+                     "trace's named allocations peak where the prediction does. Not fixed"),
+    "mixed16_attention": ("predicted 2-4 % above the measured peak (the safe side): the float16 matrix products' "
+                          "float32 copies (rewriter.mixed_precision) are counted as live together for the whole op; "
+                          "the LossScaleOptimizer's slots, read only under its tf.cond, are counted (rewriter.capture; "
+                          "without them 12-21 % under)"),
+    "separable_cnn": ("T1 (every far read) measured 22 % above the prediction, T2 level-trigger 7 %: at the measured "
+                      "peak (the first separable convolution's depthwise input gradient) its pointwise filter gradient "
+                      "has not run yet, although the serialized order puts it before, so that gradient's input and its "
+                      "swap-in are still held; the same as multi_io's (a Conv2DBackpropFilter beside a BiasAddGrad). "
+                      "Not fixed"),
+    "unet2d_upsampling": ("'T1 slots ub1 all after copies' measured 9.9 % above the prediction (the transposed-"
+                          "convolution U-Net 4.6 %): not diagnosed; the same plan kind is the benchmark set's race row"),
+    "unet2d_transpose": "'T1 slots ub1 all after copies' measured 4.6 % above the prediction: not diagnosed",
+    "attention": "T3 sync-both predicted 11 % above the measured peak (the safe side): not diagnosed",
+    "custom_layer_loss": "T2 level-trigger predicted 12 % above the measured peak (the safe side): not diagnosed",
+    "efficientnetb0": "unswapped predicted 10 % above the measured peak (the safe side), swapped within 1.2 %: not diagnosed",
+    "conv1d_net": "measured 0.06 MiB (2-3 %) above the prediction in every plan, a fixed amount: not diagnosed",
+    **{name: ("the While loops' lists (rewriter.loops) are counted whole from the forward loop's end to the gradient "
+              "loop's end, which pops them one by one, and the loop body's own working set is not counted: "
+              "within 4 % either side") for name in ("lstm", "bilstm", "stacked_gru")},
+    "multi_io": ("measured above the prediction with and without swaps: at the measured peak (the first pooling's "
+                 "MaxPoolGrad) the last convolution's filter gradient has not run yet, although the serialized order "
+                 "puts it before, so its input (the ReLU gradient) is still held; suspected: a fusion of that "
+                 "Conv2DBackpropFilter with its BiasAddGrad that drops the serializing control edges. Not fixed"),
+}
 
 # What the deviations seen so far came from (diagnosed by comparing the profiler trace's live set at
 # its peak with simulator.explain.live_buffers at the same op). Printed under the table as context
@@ -179,13 +231,14 @@ def _worker(spec_path: str, out_path: str) -> int:
         return 1
     device = get_device(place.simulator_device or DEFAULT_DEVICE)
     name, batch = spec["model"], int(spec["batch"])
-    model = build_model(name, seed=0, **spec["kwargs"])
+    model = ZOO[name].build(seed=0) if spec.get("zoo") else build_model(name, seed=0, **spec["kwargs"])
     x, y = example_batch(model, batch)
     start = time.perf_counter()
     graph = rewriter.capture(model, batch, name=name, graph_rewrites=spec.get("graph_rewrites", ()))
     emit({"kind": "graph", "capture_s": time.perf_counter() - start, "ops": graph.n_ops,
           "levels": n_levels(graph), "persistent_bytes": graph.persistent_bytes,
-          "measured_on": place.describe(), "device": device.name})
+          "measured_on": place.describe(), "device": device.name,
+          **{key: graph.meta[key] for key in GRAPH_META_REPORTED if key in graph.meta}})
     kept_reads = device.kept_reads
     for label, params_dict in spec["plans"]:
         record: dict[str, Any] = {"kind": "plan", "plan": label, "params": params_dict}
@@ -246,6 +299,7 @@ def _run_model(setup: ModelSetup, plans: list[tuple[str, dict | None]], *, timeo
     with tempfile.TemporaryDirectory(prefix="fidelity_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.jsonl"
         spec_path.write_text(json.dumps({"model": setup.name, "kwargs": setup.kwargs, "batch": setup.batch,
+                                         "zoo": setup.zoo,
                                          "graph_rewrites": list(setup.graph_rewrites),
                                          "plans": plans, "repeats": repeats, "peak_repeats": peak_repeats,
                                          "grappler": grappler}))
@@ -498,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-repeats", type=int, default=2,
                         help="profiled steps per plan; the measured peak is their median (default 2)")
     parser.add_argument("--no-grappler", action="store_true", help="skip Grappler's baseline estimate")
+    parser.add_argument("--zoo", action="store_true",
+                        help=f"the {len(ZOO_MODELS)} benchmarks.zoo models instead of the benchmark set, written as "
+                             "fidelity_zoo.*; each model's run is kept under results/fidelity_zoo_runs/, so "
+                             "--zoo --models a,b measures a and b again and the table shows every zoo model's latest run")
     parser.add_argument("--name", default=None, help="result file name (default fidelity, fidelity_quick)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -505,37 +563,53 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(*args.worker)
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    names = list(QUICK_MODELS if args.quick else MODELS)
+    catalog = ZOO_MODELS if args.zoo else MODELS
+    names = list(QUICK_MODELS if args.quick and not args.zoo else catalog)
     if args.models:
         names = [n.strip() for n in args.models.split(",") if n.strip()]
-        unknown = [n for n in names if n not in MODELS]
+        unknown = [n for n in names if n not in catalog]
         if unknown:
-            print(f"unknown model(s): {', '.join(unknown)}; known: {', '.join(MODELS)}", file=sys.stderr)
+            print(f"unknown model(s): {', '.join(unknown)}; known: {', '.join(catalog)}", file=sys.stderr)
             return 2
     plans = [p for p in PLANS if not args.quick or p[0] in QUICK_PLANS]
     if args.timeout <= 0 or args.repeats < 1 or args.peak_repeats < 1:
         print("--timeout must be > 0, --repeats and --peak-repeats >= 1", file=sys.stderr)
         return 2
-    name = args.name or ("fidelity_quick" if args.quick else "fidelity")
+    name = args.name or ("fidelity_zoo" if args.zoo else "fidelity_quick" if args.quick else "fidelity")
 
-    rows, notes, statuses, measured_on = [], [], [], set()
-    for model in names:
-        setup = MODELS[model]
-        log.info("%s: measuring %d plan(s) in a fresh process ...", setup.describe(), len(plans))
-        records, status = _run_model(setup, plans, timeout=args.timeout, repeats=args.repeats,
-                                     peak_repeats=args.peak_repeats, grappler=not args.no_grappler)
+    rows, notes, statuses, measured_on, facts = [], [], [], set(), {}
+    for model in (list(catalog) if args.zoo else names):  # the zoo's table: every model with a kept run
+        setup = catalog[model]
+        if model in names:
+            log.info("%s: measuring %d plan(s) in a fresh process ...", setup.describe(), len(plans))
+            records, status = _run_model(setup, plans, timeout=args.timeout, repeats=args.repeats,
+                                         peak_repeats=args.peak_repeats, grappler=not args.no_grappler)
+            if args.zoo:
+                _keep_zoo_run(model, records, status, plans)
+        elif (ZOO_RUNS_DIR / f"{model}.json").exists():
+            records, status, kept_plans = _kept_zoo_run(model)
+            if [label for label, _ in kept_plans] != [label for label, _ in plans]:
+                log.info("%s: kept run has other plans; left out (measure it again with --models)", model)
+                continue
+        else:
+            continue
         model_rows, model_notes = build_table(setup, records, status, plans)
+        facts[model] = _graph_facts(records)
         measured_on.update(f"{r['measured_on']} (simulated as {r['device']})" for r in records
                            if r["kind"] == "graph" and "measured_on" in r)
         rows += model_rows
         notes += model_notes
         statuses.append(status)
         done = [r for r in model_rows if r.get("ratio") is not None]
-        log.info("  %d/%d plan(s) measured in %.0f s; ratios %s", len(done), len(plans), status["wall_s"],
-                 ", ".join(f"{r['ratio']:.3f}" for r in done))
+        log.info("  %s%d/%d plan(s) measured in %.0f s; ratios %s", "" if model in names else f"{model}, kept run: ",
+                 len(done), len(plans), status["wall_s"], ", ".join(f"{r['ratio']:.3f}" for r in done))
     runtime = time.perf_counter() - STARTED_S  # as write_results records it
+    if args.zoo:  # models measured in chunks: the runs' own times, summed
+        runtime = sum(status["wall_s"] for status in statuses)
 
     table = _finish_table(rows)
+    if args.zoo:
+        _annotate_zoo_misses(table)
     stats = summary(table)
     all_stats = stats.iloc[0]
     grappler_stats = stats.iloc[3]
@@ -565,9 +639,21 @@ def main(argv: list[str] | None = None) -> int:
         "resident state (resident_MiB) to it, a generous reading of the baseline."),
         (f"- Simulator (all plans): {verdict(all_stats)}; Grappler (unswapped): {verdict(grappler_stats)}. "
         f"Target (DESIGN.md 5): median within {100 * TARGET_MEDIAN:.0f} %, worst within {100 * TARGET_WORST:.0f} %."),
-        f"- Runtime of this run: {runtime / 60:.1f} min.",
+        (f"- Runtime of the zoo's runs (each model's worker, summed; measured in chunks): {runtime / 60:.1f} min."
+         if args.zoo else f"- Runtime of this run: {runtime / 60:.1f} min."),
         "", "## Summary", "", _markdown(stats), "",
     ]
+    if args.zoo:
+        per_model = zoo_summary(table)
+        met = int(per_model["targets_met"].fillna(False).sum()) if "targets_met" in per_model else 0
+        result_notes += [
+            "## Per model (zoo targets)", "",
+            (f"Targets (issue 19): per model median |error| <= {100 * ZOO_TARGET_MEDIAN:.0f} %, worst <= "
+             f"{100 * ZOO_TARGET_WORST:.0f} %, measured above predicted never more than {100 * ZOO_TARGET_UNDER:.0f} % "
+             f"(worst_measured_above_pct = measured / predicted - 1). Met by {met} of {len(per_model)} models."),
+            "", _markdown(per_model), "",
+            "What the capture could not size or swap, per model (`graph.meta`):", "",
+        ] + [f"- {model}: {text}" for model, text in facts.items() if text] + [""]
     if len(misses):
         result_notes += ["## Misses (|error| > 10 %)", ""]
         result_notes += [f"- {r.model} / {r.plan}: predicted {r.predicted_MiB:.1f} MiB, measured "
@@ -588,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured_on": "; ".join(sorted(measured_on)) or "nothing measured",
         **({"testbed": f"CPU:0 accelerator, CPU:1 host (two logical CPUs), swaps as DeepCopy, {testbed_env}"}
            if any("cpu-testbed" in m for m in measured_on) else {}),
-        "models": "; ".join(MODELS[n].describe() for n in names),
+        "models": "; ".join(catalog[n].describe() for n in dict.fromkeys(table["model"])),
         "plans": "; ".join(f"{label}: {_params_text(params)}" for label, params in plans),
         "timing": f"warm-up 1, median of {args.repeats} steps; step serialized in the plan's order",
         "peak": f"median of {args.peak_repeats} profiled steps (spread_pct = their range / median)",
@@ -613,6 +699,65 @@ def main(argv: list[str] | None = None) -> int:
     if notes:
         print("\n".join(notes))
     return 0
+
+
+def _keep_zoo_run(model: str, records: list[dict], status: dict[str, Any], plans) -> Path:
+    ZOO_RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    path = ZOO_RUNS_DIR / f"{model}.json"
+    path.write_text(json.dumps({"records": records, "status": status, "plans": plans,
+                                "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1))
+    return path
+
+
+def _kept_zoo_run(model: str) -> tuple[list[dict], dict[str, Any], list]:
+    kept = json.loads((ZOO_RUNS_DIR / f"{model}.json").read_text())
+    return kept["records"], kept["status"], [tuple(p) for p in kept["plans"]]
+
+
+def zoo_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per zoo model: median and worst |error| over its plans, the most the measured peak lay above
+    the prediction, and whether the zoo's targets hold."""
+    rows = []
+    for model, part in table.groupby("model", sort=False):
+        ratio = pd.to_numeric(part["ratio"], errors="coerce").dropna()
+        if ratio.empty:
+            rows.append({"model": model, "plans": 0, "note": "no measurement"})
+            continue
+        error = (ratio - 1.0).abs()
+        under = (1.0 / ratio - 1.0).clip(lower=0.0)  # measured above predicted, as a fraction of the prediction
+        meets = (error.median() <= ZOO_TARGET_MEDIAN and error.max() <= ZOO_TARGET_WORST
+                 and under.max() <= ZOO_TARGET_UNDER)
+        rows.append({"model": model, "plans": len(ratio), "median_abs_error_pct": 100 * error.median(),
+                     "worst_abs_error_pct": 100 * error.max(), "worst_measured_above_pct": 100 * under.max(),
+                     "targets_met": bool(meets), "note": ZOO_NOTES.get(model, "")})
+    return pd.DataFrame(rows)
+
+
+def _annotate_zoo_misses(table: pd.DataFrame) -> None:
+    """Rows whose error misses the zoo's targets get the model's diagnosis (``ZOO_NOTES``) as a note."""
+    error = pd.to_numeric(table["ratio"], errors="coerce") - 1.0
+    missed = (error.abs() > ZOO_TARGET_MEDIAN) | (1.0 / (1.0 + error) - 1.0 > ZOO_TARGET_UNDER)
+    for index in table.index[missed.fillna(False)]:
+        why = ZOO_NOTES.get(table.at[index, "model"])
+        if why:
+            before = table.at[index, "note"]
+            table.at[index, "note"] = why if not isinstance(before, str) or not before else f"{before}; {why}"
+
+
+def _graph_facts(records: list[dict]) -> str:
+    """What the capture could not size or swap, from the worker's graph record."""
+    graph = next((r for r in records if r["kind"] == "graph"), {})
+    facts = []
+    if graph.get("unknown_shapes"):
+        facts.append(f"{graph['unknown_shapes']} tensor(s) of unknown shape")
+    for item in graph.get("unresolved_tensors") or []:
+        facts.append(f"unresolved {item.get('tensor')} ({item.get('reason')})")
+    unswappable = graph.get("unswappable") or {}
+    if unswappable.get("bytes"):
+        facts.append(f"{unswappable['bytes'] / MiB:.2f} MiB cannot be swapped ({unswappable.get('reason')})")
+    if graph.get("mixed_precision"):
+        facts.append(f"mixed precision: {graph['mixed_precision']}")
+    return "; ".join(facts)
 
 
 def _markdown(table: pd.DataFrame) -> str:

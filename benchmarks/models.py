@@ -241,12 +241,15 @@ def _unet(
     metrics: Any,
     jit_compile: bool | str,
     name: str,
+    upsample: str = "transpose",
 ) -> keras.Model:
     _check_positive(
         size=size, channels=channels, num_classes=num_classes, base_filters=base_filters
     )
     if int(depth) != depth or depth < 0:
         raise ValueError(f"depth must be a non-negative integer, got {depth!r}")
+    if upsample not in ("transpose", "upsampling"):
+        raise ValueError(f"upsample must be 'transpose' or 'upsampling', got {upsample!r}")
     if size % (2**depth):
         raise ValueError(
             f"{name}: size {size} must be divisible by 2**depth = {2**depth}"
@@ -255,6 +258,7 @@ def _unet(
     Conv = layers.Conv3D if ndim == 3 else layers.Conv2D
     ConvT = layers.Conv3DTranspose if ndim == 3 else layers.Conv2DTranspose
     Pool = layers.MaxPooling3D if ndim == 3 else layers.MaxPooling2D
+    UpSampling = layers.UpSampling3D if ndim == 3 else layers.UpSampling2D
 
     keras.utils.set_random_seed(seed)
 
@@ -281,7 +285,11 @@ def _unet(
 
     for level in reversed(range(depth)):
         filters = base_filters * 2**level
-        x = ConvT(filters, 2, strides=2, padding="same", name=f"up{level}_upconv")(x)
+        if upsample == "transpose":
+            x = ConvT(filters, 2, strides=2, padding="same", name=f"up{level}_upconv")(x)
+        else:  # nearest-neighbour upsampling, then a 1x1 convolution to the level's width
+            x = UpSampling(size=2, name=f"up{level}_upsample")(x)
+            x = Conv(filters, 1, padding="same", name=f"up{level}_upconv")(x)
         x = layers.Concatenate(axis=-1, name=f"up{level}_concat")([skips[level], x])
         x = conv_block(x, filters, f"up{level}")
 
@@ -331,12 +339,14 @@ def unet2d(
     base_filters: int = 16,
     depth: int = 4,
     *,
+    upsample: str = "transpose",
     seed: int = 0,
     optimizer: Any = None,
     metrics: Any = None,
     jit_compile: bool | str = False,
 ) -> keras.Model:
-    """2D U-Net: the 3D U-Net's long skip connections at a size that is cheap to run on CPU."""
+    """2D U-Net: the 3D U-Net's long skip connections at a size that is cheap to run on CPU
+    (``upsample``: "transpose" convolutions or nearest "upsampling" and a 1x1 convolution)."""
     return _unet(
         2,
         size=image_size,
@@ -349,6 +359,7 @@ def unet2d(
         metrics=metrics,
         jit_compile=jit_compile,
         name="unet2d",
+        upsample=upsample,
     )
 
 

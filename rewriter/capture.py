@@ -16,7 +16,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.ops import handle_data_util
 
+from rewriter import loops, mixed_precision
 from rewriter.graph_rewrites import apply_rewrites
 from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
@@ -103,6 +106,7 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
         except Exception as error:  # anything Keras/TF raises while tracing is a capture failure
             raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error} ({TRACE_HINT})") \
                 from error
+    loops.serialize_loops(concrete.graph)  # loop memory independent of thread timing (rewriter.loops)
     loss = recorded.loss()
     if loss is None:
         raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "
@@ -120,6 +124,7 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
         concrete = function.get_concrete_function(*specs)
     except Exception as error:
         raise CaptureError(f"tracing the step function failed: {type(error).__name__}: {error}") from error
+    loops.serialize_loops(concrete.graph)
     result = concrete.structured_outputs
     loss = result.get("loss") if isinstance(result, dict) else result
     if not isinstance(loss, tf.Tensor):
@@ -414,10 +419,13 @@ def _phases(reduced: _Reduced, loss_op: str, optimizer_scope: str | None) -> dic
 def _snapshot(traced: TracedStep) -> dict[str, Any]:
     """Everything batch-dependent of one trace, keyed by op name."""
     reduced = _reduce(traced.concrete, traced.loss_op)
+    sized = {op.name: loops.output_bytes(op, _nbytes) for op in reduced.ops}  # While loops' lists resolved
     return {
         "reduced": reduced,
         "shapes": {op.name: [_dims(t.shape) for t in op.outputs] for op in reduced.ops},
-        "bytes": {op.name: [_nbytes(t) for t in op.outputs] for op in reduced.ops},
+        "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
+        "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
+        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
         "resident": _resident_bytes(traced.concrete) + (sum(_nbytes(t) for t in reduced.constants),),
@@ -437,8 +445,25 @@ def _resident_bytes(concrete) -> tuple[int, int]:
             size[handle] = max(size.get(handle, 0), _nbytes(op.outputs[0]))
         elif op.type.startswith("Assign") and len(op.inputs) > 1:
             size[handle] = max(size.get(handle, 0), _nbytes(op.inputs[1]))
+    for _, internal in graph.captures:  # read only inside a branch or loop (a LossScaleOptimizer's
+        if internal.dtype == tf.resource and internal.op.name not in size:  # update under tf.cond)
+            size[internal.op.name] = _handle_bytes(internal)
     inputs = sum(_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
     return sum(size.values()), inputs
+
+
+def _handle_bytes(handle) -> int:
+    """Bytes of the variable behind a resource handle, from the shape and dtype it carries (0 if none)."""
+    try:
+        data = handle_data_util.get_resource_handle_data(handle)
+    except (AssertionError, AttributeError, TypeError, ValueError):
+        return 0
+    total = 0
+    for item in data.shape_and_type:
+        shape = tf.TensorShape(item.shape)
+        if shape.is_fully_defined() and item.dtype not in (types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT):
+            total += shape.num_elements() * tf.as_dtype(item.dtype).size
+    return total
 
 
 def _linear_fit(small: float, large: float, b1: int, b2: int) -> tuple[float, float]:
@@ -472,12 +497,15 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
     producer, output, dtype, shape_text, bytes_ab, alias, persistent, swappable = [], [], [], [], [], [], [], []
     tensor_of: dict[tuple[str, int], int] = {}
     unknown = 0
+    unresolved = [{"tensor": name, "reason": "a TensorList whose size nothing in the loop states"}
+                  for name in one["unsized"]]
     for op in ops:
         for k, tensor in enumerate(op.outputs):
             small, large = one["shapes"][op.name][k], two["shapes"][op.name][k]
             _check_scaling(f"{op.name}:{k}", small, large, b1, b2)
             if small is None and tensor.dtype not in (tf.resource, tf.variant, tf.string):
                 unknown += 1
+                unresolved.append({"tensor": f"{op.name}:{k}", "reason": "unknown static shape"})
             tensor_of[(op.name, k)] = len(producer)
             producer.append(index[op.name])
             output.append(k)
@@ -488,12 +516,29 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             persistent.append(op.type == "ReadVariableOp" or is_input)
             swappable.append(tensor.dtype.name in SWAPPABLE_DTYPES and not is_input and op.type != "ReadVariableOp")
             alias.append(-1)
+    scratch = []  # kernels' temporaries (rewriter.mixed_precision): an output nothing reads, live while the op runs
+    for op in ops:
+        if one["scratch"][op.name] or two["scratch"][op.name]:
+            scratch.append(op.name)
+            producer.append(index[op.name])
+            output.append(len(op.outputs))
+            dtype.append("uint8")
+            shape_text.append("(scratch)")
+            bytes_ab.append(mixed_precision.scratch_fit(op, one["scratch"][op.name], two["scratch"][op.name], b1, b2))
+            persistent.append(False)
+            swappable.append(False)
+            alias.append(-1)
     for op in ops:  # static aliases: input 0's buffer (resolved after all tensors are numbered)
         if op.type in ALIAS_TYPES and reduced.inputs[op.name] and reduced.inputs[op.name][0][0] == 0:
             _, src, k = reduced.inputs[op.name][0]
             alias[tensor_of[(op.name, 0)]] = tensor_of[(src, k)]
-    if unknown:
-        log.warning("%d tensors have unknown shapes and are counted as 0 bytes", unknown)
+        for out, slot in loops.shared_inputs(op).items():  # a list a While loop passes through
+            source = next(((src, k) for at, src, k in reduced.inputs[op.name] if at == slot), None)
+            if source is not None:
+                alias[tensor_of[(op.name, out)]] = tensor_of[source]
+    if unresolved:
+        log.warning("%d tensor(s) of unknown size are counted as 0 bytes: %s (graph.meta['unresolved_tensors'])",
+                    len(unresolved), ", ".join(item["tensor"] for item in unresolved[:5]))
 
     edge_tensor, edge_consumer, edge_slot, control_src, control_dst = [], [], [], [], []
     for op in ops:
@@ -509,7 +554,9 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
                       axis=0)
     variables_1, _, constants_1 = one["resident"]
     info = {"captured_batches": [b1, b2], "loss_op": first.loss_op, "tf_version": tf.__version__,
-            "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names}
+            "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names,
+            "unresolved_tensors": unresolved, "unswappable": _unswappable(producer, dtype, bytes_ab, names, output, b1),
+            "mixed_precision": _mixed_precision_facts(one, scratch, dtype)}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -536,6 +583,25 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
         batch_size=b1,
         meta=info,
     )
+
+
+def _unswappable(producer, dtype, bytes_ab, names, output, batch: int) -> dict[str, Any]:
+    """Memory no plan can move (While loops' TensorLists), at the first captured batch, for reports."""
+    held = [{"tensor": f"{names[p]}:{k}", "bytes": int(round(a + b * batch))}
+            for p, d, (a, b), k in zip(producer, dtype, bytes_ab, output) if d == "variant" and a + b * batch > 0]
+    held.sort(key=lambda item: -item["bytes"])
+    return {"bytes": sum(item["bytes"] for item in held), "batch": batch, "tensors": held,
+            "reason": loops.UNSWAPPABLE_REASON if held else ""}
+
+
+def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: list[str]) -> dict[str, Any]:
+    """What float16 brings (empty without it): tensors, and the kernels' scratch buffers at the first batch."""
+    if "float16" not in dtype:
+        return {}
+    sizes = [snapshot["scratch"][name] for name in scratch]
+    return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": len(scratch),
+            "largest_kernel_scratch_bytes": max(sizes, default=0),
+            "eigen_half_kernels": mixed_precision.eigen_half_kernels()}
 
 
 def _shape_text(small, large) -> str:

@@ -1,0 +1,101 @@
+"""The model zoo (``benchmarks.zoo``): one small model of each family is captured, and its unswapped
+and one swapped prediction are within 10 % of the CPU testbed's measurement; the zoo's fidelity
+table reads right. ``python -m benchmarks fidelity --zoo`` runs the whole zoo x 7 plans."""
+
+from __future__ import annotations
+
+import tests.tf_helpers as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import rewriter
+from benchmarks import fidelity
+from benchmarks.zoo import FAMILIES, SMALL, ZOO
+from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
+
+MiB = 2**20
+TOLERANCE = 0.10
+# a swap plan of the fidelity benchmark's set: far reads through a swap-in window, grouped, copies out synchronous
+SWAP_PARAMS = SwapParams.from_dict(dict(fidelity.PLANS)["T5 lb2-ub20 g4 sync-out"])
+
+
+def test_zoo_covers_the_families_users_have():
+    assert len(ZOO) >= 20
+    assert sum(entry.mixed_float16 for entry in ZOO.values()) >= 3
+    builders = {entry.builder for entry in ZOO.values()}
+    assert {"EfficientNetB0", "Xception", "MobileNetV3Small", "ConvNeXtTiny", "EfficientNetV2B0"} <= builders
+    unets = {entry.kwargs.get("upsample") for entry in ZOO.values() if entry.builder == "unet2d"}
+    assert unets == {"transpose", "upsampling"}
+    assert set(SMALL) == set(FAMILIES)  # the tests below see every family
+
+
+def _measured(model, entry, plan, graph):
+    x, y = entry.example_batch(model)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=entry.batch, verify=False)
+    return rewriter.measure(step, x, y, warmup=1, repeats=1)
+
+
+# the multi-input/output model's measured peak lies 5-12 % above the prediction, varying from run to run
+# (a filter gradient runs later than the serialized order puts it: benchmarks.fidelity.ZOO_NOTES["multi_io"])
+KNOWN_MISSES = {"multi_io": fidelity.ZOO_NOTES["multi_io"]}
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("family", [
+    pytest.param(family, marks=pytest.mark.xfail(reason=KNOWN_MISSES[family], strict=False))
+    if family in KNOWN_MISSES else family for family in SMALL])
+def test_small_model_of_each_family_is_predicted(family):
+    entry = SMALL[family]
+    model = entry.build()
+    graph = rewriter.capture(model, entry.batch, name=entry.name)
+    assert graph.meta["unresolved_tensors"] == []  # no tensor counted as 0 bytes silently
+    device = get_device("cpu-testbed")
+    plans = {"no swapping": SwapPlan.empty(graph),
+             "swapped": plan_swaps(graph, SWAP_PARAMS, kept_reads=device.kept_reads)}
+    if family != "recurrent":  # everything of an LSTM classifier lives in its loop: nothing to swap
+        assert plans["swapped"].n_swaps > 0
+    rows = []
+    for label, plan in plans.items():
+        predicted = replay(graph, plan, device).peak_bytes
+        measured = _measured(model, entry, plan, graph).peak_bytes
+        rows.append((label, predicted / MiB, measured / MiB, predicted / measured))
+    table = pd.DataFrame(rows, columns=["plan", "predicted_MiB", "measured_MiB", "ratio"])
+    print(f"\n{entry.describe()}\n{table.round(3).to_string(index=False)}")
+    assert (abs(table["ratio"] - 1.0) <= TOLERANCE).all(), table.to_string()
+
+
+@pytest.mark.tf
+def test_recurrent_loop_memory_is_counted_and_named_unswappable():
+    """The LSTM's While loop keeps every step's gates for its gradient: those lists are sized (trip
+    count x element bytes), not 0, and graph.meta says they cannot be swapped and why."""
+    entry = SMALL["recurrent"]
+    graph = rewriter.capture(entry.build(), entry.batch, name=entry.name)
+    variant = [t for t in range(graph.n_tensors) if graph.tensor_dtype[t] == "variant"]
+    assert variant and not graph.tensor_swappable[variant].any()
+    held = graph.meta["unswappable"]
+    seq_len, batch, units = entry.kwargs["seq_len"], entry.batch, entry.kwargs["units"]
+    one_gate_list = seq_len * batch * units * 4  # float32 [batch, units] per step
+    assert held["bytes"] >= 4 * one_gate_list and "While loop" in held["reason"]
+    assert {item["tensor"] for item in held["tensors"]} <= {graph.tensor_name(t) for t in variant}
+    np.testing.assert_allclose(sum(item["bytes"] for item in held["tensors"]), held["bytes"])
+
+
+def test_zoo_table_summarises_each_model_against_the_targets():
+    table = pd.DataFrame([
+        {"model": "a", "plan": "none", "ratio": 1.01, "note": None},
+        {"model": "a", "plan": "T1", "ratio": 0.99, "note": None},
+        {"model": "b", "plan": "none", "ratio": 0.90, "note": None},  # measured 11 % above: misses
+        {"model": "b", "plan": "T1", "ratio": 1.00, "note": "verify: x"},
+    ])
+    summary = fidelity.zoo_summary(table).set_index("model")
+    assert summary.loc["a", "targets_met"] and not summary.loc["b", "targets_met"]
+    assert summary.loc["b", "worst_measured_above_pct"] == pytest.approx(100 * (1 / 0.9 - 1))
+    fidelity.ZOO_NOTES["b"] = "why b misses"
+    try:
+        fidelity._annotate_zoo_misses(table)
+    finally:
+        del fidelity.ZOO_NOTES["b"]
+    assert table.loc[2, "note"] == "why b misses" and table.loc[3, "note"] == "verify: x"
+    assert pd.isna(table.loc[0, "note"])
