@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
-    from rewriter.environment import prepare_environment  # before TensorFlow is imported (DESIGN.md 4)
+    from rewriter.environment import prepare_environment  # before TensorFlow is imported (docs/design.md 4)
 
     prepare_environment()
     quiet = args.quiet

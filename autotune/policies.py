@@ -4,7 +4,7 @@
 ``random``: Optuna's random sampler, the floor any search must beat.
 ``exhaustive``: the whole grid, for small graphs and for measuring how far the others are.
 ``tflms-v2``: the seed system's successor, one parameter at a time by binary search on memory
-alone (DESIGN.md 1.5), re-implemented on our simulator.
+alone (docs/design.md 1.5), re-implemented on our simulator.
 ``none``: no swapping.
 """
 

@@ -1,6 +1,6 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
-NAME: max-batch, fidelity, tuning, speed, gpu-check (``python -m benchmarks NAME --help`` for its options).
+NAME: max-batch, fidelity, verdict, tuning, speed, gpu-check (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 BENCHMARKS = {
     "max-batch": "benchmarks.max_batch",
     "fidelity": "benchmarks.fidelity",
+    "verdict": "benchmarks.verdict",
     "tuning": "benchmarks.tuning",
     "speed": "benchmarks.speed",
     "gpu-check": "benchmarks.gpu_check",

@@ -66,12 +66,12 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
     return path
 
 
-README_ORDER = ("max_batch", "fidelity", "fidelity_zoo", "tuning", "speed", "simulator_speed")
+README_ORDER = ("max_batch", "fidelity", "fidelity_zoo", "verdict", "tuning", "speed", "simulator_speed")
 README_INTRO = """# Benchmarks
 
 Every table below is the latest output of the command above it, run on the machine it names
 (`python -m benchmarks NAME` writes `results/NAME.csv`, `.md` and `.png`, then rebuilds this page).
-Targets are those of DESIGN.md section 5; where a number misses its target, the table says so and
+Targets are those of docs/design.md section 5; where a number misses its target, the table says so and
 the notes say why.
 
 | benchmark | command | what it measures |
@@ -79,6 +79,7 @@ the notes say why.
 | max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping, the U-Net also with `--rewrite split-concat` and `elide-broadcasts` (simulated on V100 presets; measured on the CPU testbed, or on a visible GPU) |
 | fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models (and the U-Net with `--rewrite split-concat --rewrite elide-broadcasts`) x several plans, beside Grappler's static estimate |
 | fidelity_zoo | `python -m benchmarks fidelity --zoo` | the same on the 22 models of `benchmarks.zoo` (models nobody tuned the simulator for: applications, U-Nets, mixed_float16, recurrent, attention, multi-input/output, ...) x 7 plans, measured in chunks (`--zoo --models a,b`), against issue 19's per-model targets |
+| verdict | `python -m benchmarks verdict` | the CLI, measured on the testbed, on zoo models whose prediction alone says "fits" (the cases of issue 19: mixed_float16, LSTM/GRU, U-Nets, multi-input/output): exit 0 only when a measured run confirms the plan within the budget, else exit 3 and no "Fits" |
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays per second against graph size, and the CLI's end-to-end time |
 | simulator_speed | `python -m benchmarks.simulator_speed` | replays per second of ResNet-50's graph (batch 32) |

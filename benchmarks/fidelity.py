@@ -14,7 +14,7 @@ measurement: the simulator's prediction (``simulator.replay(graph, plan, device)
 estimate (``Cluster.DeterminePeakMemoryUsage`` on a MetaGraphDef of the traced step), the baseline
 the simulator must beat.
 
-Peaks are compared in *requested* bytes (DESIGN.md 4: on the testbed the host copies share the
+Peaks are compared in *requested* bytes (docs/design.md 4: on the testbed the host copies share the
 CPU's one allocator pool, which inflates the device-side chunk figure); the allocator (chunk) peak
 is reported beside it. Step times are reported too, but the cpu-testbed time model is only roughly
 calibrated and swaps compete with compute for the same two cores: the step-time error is
@@ -23,7 +23,7 @@ informational, not a target.
 Writes ``benchmarks/results/fidelity.{csv,md}``, ``fidelity_scatter.png`` (predicted vs measured,
 y = x with +-5 % / +-10 % bands) and ``fidelity_errors.png`` (per-model errors); ``--quick`` (2
 models x 3 plans, a smoke run) writes ``fidelity_quick.*`` instead, so it never overwrites the
-full table. Target (DESIGN.md 5): median error within 5 %, worst within 10 %.
+full table. Target (docs/design.md 5): median error within 5 %, worst within 10 %.
 
 ``--zoo`` measures the models of ``benchmarks.zoo`` instead (models nobody tuned the simulator for)
 and writes ``fidelity_zoo.*``; each model's records are kept in ``results/fidelity_zoo_runs/``, so
@@ -91,7 +91,7 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
 )}
 
 # (label, SwapParams as a dict; None = no swapping). Together they exercise every rule of
-# DESIGN.md 1.4: thresholds from 1 (every far read) to 20, swap-in windows, groupby, the size
+# docs/design.md 1.4: thresholds from 1 (every far read) to 20, swap-in windows, groupby, the size
 # filter, the sync modes (out, both), both trigger policies, both execution orders, both sets of
 # swappable tensors, both units of distance, and swap-ins after their trigger's copies out; 6 swap
 # plans, not more, so that the 7 setups stay within the 30 minutes on the 2-core machine
@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         ("- predicted_MiB: `simulator.replay(graph, plan, 'cpu-testbed').peak_bytes`; measured_MiB: "
         "`rewriter.measure(step, x, y).peak_bytes` (accelerator-side peak in requested bytes, resident state "
         "included, swap-out host copies left out); allocator_MiB: the same peak in BFC chunk bytes (inflated on "
-        "the testbed by the host copies sharing the one CPU allocator pool, DESIGN.md 4). ratio = predicted / "
+        "the testbed by the host copies sharing the one CPU allocator pool, docs/design.md 4). ratio = predicted / "
         "measured; error_pct = (ratio - 1) x 100."),
         ("- swaps: planned swap-outs; swaps_applied: inserted into the graph; swaps_surviving: swap-outs found "
         "in the optimized graph after Grappler (verification)."),
@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         "handles, so it leaves out weights and optimizer state; grappler+resident_ratio adds the measured "
         "resident state (resident_MiB) to it, a generous reading of the baseline."),
         (f"- Simulator (all plans): {verdict(all_stats)}; Grappler (unswapped): {verdict(grappler_stats)}. "
-        f"Target (DESIGN.md 5): median within {100 * TARGET_MEDIAN:.0f} %, worst within {100 * TARGET_WORST:.0f} %."),
+        f"Target (docs/design.md 5): median within {100 * TARGET_MEDIAN:.0f} %, worst within {100 * TARGET_WORST:.0f} %."),
         (f"- Runtime of the zoo's runs (each model's worker, summed; measured in chunks): {runtime / 60:.1f} min."
          if args.zoo else f"- Runtime of this run: {runtime / 60:.1f} min."),
         "", "## Summary", "", _markdown(stats), "",

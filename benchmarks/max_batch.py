@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     table = pd.DataFrame(rows)
     notes = [
         "Targets: the LMS paper's 4.9x (ResNet-50 batch) and 5.6x (3D U-Net voxels) on a 16 GB V100; "
-        "DESIGN.md asks for 6x.",
+        "docs/design.md asks for 6x.",
         "overhead: simulated slow-down of the tuned plan at the largest batch; overhead_lower_bound: the least "
         "any plan can have there (excess bytes over the link during the forward and the backward pass).",
         "swap_bound: the largest size at which any swap plan could fit at all (resident memory plus the largest "

@@ -2,7 +2,7 @@
 
     python -m benchmarks.simulator_speed [--batch 32] [--seconds 6] [--no-reference]
 
-Target (DESIGN.md 5, issue 23): <= 0.1 ms per replay (474 swaps), 10,000 replays/s on one core. The
+Target (docs/design.md 5, issue 23): <= 0.1 ms per replay (474 swaps), 10,000 replays/s on one core. The
 tuner calls plan + replay once per trial, so both are timed, beside the simulator at
 ``benchmarks.reference.REFERENCE_COMMIT`` (the numpy replay) in the same process.
 """

@@ -5,7 +5,7 @@
 Replays (and plans) per second for synthetic training graphs of about 1k, 10k and 100k ops and for
 captured graphs (3D U-Net, ResNet-50, DenseNet-121), each with a plan that swaps a good share of
 the activations. Then ``python -m autotune`` on a saved ResNet-50 (batch 256, v100-16gb preset,
-200 trials, --no-measure) timed as a user would run it. Targets (DESIGN.md 5, issue 23): ResNet-50
+200 trials, --no-measure) timed as a user would run it. Targets (docs/design.md 5, issue 23): ResNet-50
 b32 <= 0.1 ms per replay, DenseNet-121 <= 0.2 ms, 100k ops <= 5 ms; the CLI run in about a minute.
 The simulator at ``benchmarks.reference.REFERENCE_COMMIT`` (the numpy replay) is timed beside
 today's in the same process.

@@ -5,7 +5,7 @@
 For ResNet-50 (batch 256) and a 3D U-Net (64^3, batch 96) under the v100-16gb budget, each policy
 searches one grid (small enough for the exhaustive policy to walk whole); the table gives the best
 simulated step time each finds, its gap to the exhaustive optimum, the trials and the wall time;
-the plot shows the best plan that fits against trials. Target (DESIGN.md 5): Optuna within 1% of
+the plot shows the best plan that fits against trials. Target (docs/design.md 5): Optuna within 1% of
 the exhaustive optimum in at most 200 trials, and clearly faster plans than tflms-v2.
 """
 

@@ -1,4 +1,4 @@
-"""Apply a swap plan to the real TensorFlow training step (DESIGN.md 3).
+"""Apply a swap plan to the real TensorFlow training step (docs/design.md 3).
 
 ``apply(model, plan, batch_size=...)`` traces the model's ``train_step`` (``rewriter.capture``),
 edits the step's ``GraphDef`` by name and re-imports it with the model's variables re-bound, so the

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # Ops whose output is their input (Grappler removes them): consumers read the input directly.
 BYPASS_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Snapshot", "EnsureShape"})
-# Ops whose output shares the input buffer (DESIGN.md 4).
+# Ops whose output shares the input buffer (docs/design.md 4).
 ALIAS_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 # Ops that write their output into an input buffer they read last (TF's forward_input_or_allocate_output).
 FORWARDING_TYPES = frozenset({

@@ -1,5 +1,5 @@
 """Process settings the CPU testbed relies on. TensorFlow reads them once, when it is imported or its
-runtime starts, so they must be in the environment before that (DESIGN.md 4).
+runtime starts, so they must be in the environment before that (docs/design.md 4).
 
 * ``TF_CPU_ALLOCATOR_USE_BFC=true``: the CPU allocator reports every allocation (without it the
   profiler and ``get_memory_info`` miss those under 256 KiB, so measured peaks are too low).

@@ -6,7 +6,7 @@ One small interface (``Placement``), two implementations:
   ``Identity``: placed on the other device, the executor's cross-device copy *is* the transfer.
   The peak is replayed from the profiler's trace of the GPU's allocator in requested bytes (the
   prediction's unit), beside TensorFlow's own ``get_memory_info('GPU:0')['peak']``.
-* ``CpuTestbedPlacement``: no GPU (DESIGN.md 4). ``/device:CPU:0`` plays the accelerator and
+* ``CpuTestbedPlacement``: no GPU (docs/design.md 4). ``/device:CPU:0`` plays the accelerator and
   ``/device:CPU:1`` the host; the swap op is ``DeepCopy`` because ``Identity`` between two logical
   CPUs shares the buffer. Both logical CPUs share one allocator, so the peak comes from replaying
   the profiler's memory trace and leaving out the allocations made by swap-out ops
@@ -196,7 +196,7 @@ _warned_onednn = False
 
 
 def warn_if_allocations_hidden() -> bool:
-    """Warn (once) when the CPU allocator may hide small allocations (DESIGN.md 4); True if so."""
+    """Warn (once) when the CPU allocator may hide small allocations (docs/design.md 4); True if so."""
     global _warned_bfc
     value = os.environ.get(BFC_ENV, "").strip().lower()
     hidden = value not in ("true", "1")

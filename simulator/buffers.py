@@ -2,7 +2,7 @@
 
 TF does not give every tensor its own memory: Identity/Reshape-like ops alias their input, and ops
 such as Relu, AddN or BiasAdd write into an input buffer they are the last to read. Counting aliases
-as new buffers overestimates the peak by 5-15% (DESIGN.md 4), so memory is accounted per buffer.
+as new buffers overestimates the peak by 5-15% (docs/design.md 4), so memory is accounted per buffer.
 
 A buffer is a tree of tensors. Links that read their parent from two or more levels (or execution
 slots) away could be rewired to a swap-in by a plan; such a link starts a *segment*, because once

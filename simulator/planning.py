@@ -1,6 +1,6 @@
 """Swap rules: which tensors go to the host, which consumers read them back, what starts the swap-in.
 
-``plan_swaps(g, params)`` applies the rules of DESIGN.md 1.4 to a graph and returns a ``SwapPlan``:
+``plan_swaps(g, params)`` applies the rules of docs/design.md 1.4 to a graph and returns a ``SwapPlan``:
 plain data that the replay simulates and the rewriter applies to the real graph as-is.
 """
 
@@ -26,7 +26,7 @@ FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex6
 TRIGGER_POLICIES = ("ancestor", "level")
 
 # Backward ops heavy enough that Grappler neither folds them nor moves their control edges, so a
-# control edge from one of them to a swap-in survives optimisation (DESIGN.md 3).
+# control edge from one of them to a swap-in survives optimisation (docs/design.md 3).
 TRIGGER_OP_TYPES = frozenset({
     "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2",
     "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter",
@@ -43,7 +43,7 @@ class ParamsError(ValueError):
 
 @dataclass(frozen=True)
 class SwapParams:
-    """The knobs of the swap rules; see DESIGN.md 1.4.
+    """The knobs of the swap rules; see docs/design.md 1.4.
 
     threshold: a consumer is far when its level distance from the producer is > threshold.
     lb, ub: the swap-in trigger lies between ``ub`` and ``lb`` levels before the far consumer.

@@ -12,7 +12,7 @@ except ImportError:  # no TensorFlow installed: the simulator's tests still run
     def prepare_environment() -> None:
         pass
 
-# The testbed's settings (every allocation visible, oneDNN kernels; DESIGN.md 4) must precede TF's import.
+# The testbed's settings (every allocation visible, oneDNN kernels; docs/design.md 4) must precede TF's import.
 prepare_environment()
 
 

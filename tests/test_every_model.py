@@ -213,7 +213,7 @@ def _measured(capsys, tmp_path, model_dir, *flags, memory: int | None = None):
 
 def _fit_equals_plain_fit(build, plan, x, y, *, batch: int = BATCH, swap_op: str = "Identity"):
     """model.fit with the plan against a plain fit of the same model: bitwise with Identity swaps,
-    within 1e-5 relative with copying ones (DESIGN.md 3: Grappler's arithmetic rewrites differ)."""
+    within 1e-5 relative with copying ones (docs/design.md 3: Grappler's arithmetic rewrites differ)."""
     th.deterministic()
     plain, swapped = build(), build()
     step = rewriter.use_swap_step(swapped, plan, batch_size=batch, swap_op=swap_op)
