@@ -37,15 +37,8 @@ def _measured(model, entry, plan, graph):
     return rewriter.measure(step, x, y, warmup=1, repeats=1)
 
 
-# the multi-input/output model's measured peak lies 5-12 % above the prediction, varying from run to run
-# (a filter gradient runs later than the serialized order puts it: benchmarks.fidelity.ZOO_NOTES["multi_io"])
-KNOWN_MISSES = {"multi_io": fidelity.ZOO_NOTES["multi_io"]}
-
-
 @pytest.mark.tf
-@pytest.mark.parametrize("family", [
-    pytest.param(family, marks=pytest.mark.xfail(reason=KNOWN_MISSES[family], strict=False))
-    if family in KNOWN_MISSES else family for family in SMALL])
+@pytest.mark.parametrize("family", list(SMALL))
 def test_small_model_of_each_family_is_predicted(family):
     entry = SMALL[family]
     model = entry.build()
