@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.ops import handle_data_util
 
-from rewriter import loops, mixed_precision, onednn
+from rewriter import loops, mixed_precision, onednn, xla_scratch
 from rewriter.graph_rewrites import apply_rewrites
 from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
@@ -420,13 +420,15 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
     """Everything batch-dependent of one trace, keyed by op name."""
     reduced = _reduce(traced.concrete, traced.loss_op)
     paired = {pool for pool, _ in _pool_pairs(reduced)}
+    xla = {op.name: xla_scratch.call_scratch_bytes(op) for op in reduced.ops}
     sized = {op.name: loops.output_bytes(op, _nbytes) for op in reduced.ops}  # While loops' lists resolved
     return {
         "reduced": reduced,
         "shapes": {op.name: [_dims(t.shape) for t in op.outputs] for op in reduced.ops},
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
-        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) for op in reduced.ops},
+        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] for op in reduced.ops},
+        "xla_scratch": xla,
         "workspace": {op.name: onednn.pool_workspace_bytes(op, op.name in paired) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
@@ -526,7 +528,9 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             persistent.append(op.type == "ReadVariableOp" or is_input)
             swappable.append(tensor.dtype.name in SWAPPABLE_DTYPES and not is_input and op.type != "ReadVariableOp")
             alias.append(-1)
-    scratch = []  # kernels' temporaries (rewriter.mixed_precision): an output nothing reads, live while the op runs
+    # kernels' temporaries (rewriter.mixed_precision, rewriter.xla_scratch): an output nothing reads, live
+    # while the op runs
+    scratch = []
     for op in ops:
         if one["scratch"][op.name] or two["scratch"][op.name]:
             scratch.append(op.name)
@@ -584,7 +588,8 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names,
             "unresolved_tensors": unresolved, "unswappable": _unswappable(producer, dtype, bytes_ab, names, output, b1),
             "mixed_precision": _mixed_precision_facts(one, scratch, dtype),
-            "pool_workspace_bytes": int(sum(one["workspace"].values()))}
+            "pool_workspace_bytes": int(sum(one["workspace"].values())),
+            "xla_scratch_bytes": int(sum(one["xla_scratch"].values()))}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -626,8 +631,8 @@ def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: 
     """What float16 brings (empty without it): tensors, and the kernels' scratch buffers at the first batch."""
     if "float16" not in dtype:
         return {}
-    sizes = [snapshot["scratch"][name] for name in scratch]
-    return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": len(scratch),
+    sizes = [snapshot["scratch"][name] - snapshot["xla_scratch"][name] for name in scratch]
+    return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": sum(size > 0 for size in sizes),
             "largest_kernel_scratch_bytes": max(sizes, default=0),
             "eigen_half_kernels": mixed_precision.eigen_half_kernels()}
 
