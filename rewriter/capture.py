@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.ops import handle_data_util
 
-from rewriter import loops, mixed_precision
+from rewriter import loops, mixed_precision, onednn, xla_scratch
 from rewriter.graph_rewrites import apply_rewrites
 from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
@@ -419,17 +419,29 @@ def _phases(reduced: _Reduced, loss_op: str, optimizer_scope: str | None) -> dic
 def _snapshot(traced: TracedStep) -> dict[str, Any]:
     """Everything batch-dependent of one trace, keyed by op name."""
     reduced = _reduce(traced.concrete, traced.loss_op)
+    paired = {pool for pool, _ in _pool_pairs(reduced)}
+    xla = {op.name: xla_scratch.call_scratch_bytes(op) for op in reduced.ops}
     sized = {op.name: loops.output_bytes(op, _nbytes) for op in reduced.ops}  # While loops' lists resolved
     return {
         "reduced": reduced,
         "shapes": {op.name: [_dims(t.shape) for t in op.outputs] for op in reduced.ops},
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
-        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) for op in reduced.ops},
+        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] for op in reduced.ops},
+        "xla_scratch": xla,
+        "workspace": {op.name: onednn.pool_workspace_bytes(op, op.name in paired) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
         "resident": _resident_bytes(traced.concrete) + (sum(_nbytes(t) for t in reduced.constants),),
     }
+
+
+def _pool_pairs(reduced: _Reduced) -> list[tuple[str, str]]:
+    """(max pooling, its gradient) pairs oneDNN joins through a workspace: the gradient reads the
+    pooled output as its input 1 (``rewriter.onednn``)."""
+    kinds = {op.name: op.type for op in reduced.ops}
+    return [(src, op.name) for op in reduced.ops for slot, src, k in reduced.inputs[op.name]
+            if slot == onednn.POOLED_OUTPUT_SLOT and k == 0 and onednn.POOL_GRADS.get(kinds.get(src)) == op.type]
 
 
 def _resident_bytes(concrete) -> tuple[int, int]:
@@ -516,7 +528,9 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             persistent.append(op.type == "ReadVariableOp" or is_input)
             swappable.append(tensor.dtype.name in SWAPPABLE_DTYPES and not is_input and op.type != "ReadVariableOp")
             alias.append(-1)
-    scratch = []  # kernels' temporaries (rewriter.mixed_precision): an output nothing reads, live while the op runs
+    # kernels' temporaries (rewriter.mixed_precision, rewriter.xla_scratch): an output nothing reads, live
+    # while the op runs
+    scratch = []
     for op in ops:
         if one["scratch"][op.name] or two["scratch"][op.name]:
             scratch.append(op.name)
@@ -525,6 +539,18 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             dtype.append("uint8")
             shape_text.append("(scratch)")
             bytes_ab.append(mixed_precision.scratch_fit(op, one["scratch"][op.name], two["scratch"][op.name], b1, b2))
+            persistent.append(False)
+            swappable.append(False)
+            alias.append(-1)
+    workspace = {}  # oneDNN's max pooling workspaces (rewriter.onednn): an output its gradient reads
+    for op in ops:
+        if one["workspace"][op.name] or two["workspace"][op.name]:
+            workspace[op.name] = len(producer)
+            producer.append(index[op.name])
+            output.append(len(op.outputs))
+            dtype.append(onednn.WORKSPACE_DTYPE)
+            shape_text.append("(workspace)")
+            bytes_ab.append(_linear_fit(one["workspace"][op.name], two["workspace"][op.name], b1, b2))
             persistent.append(False)
             swappable.append(False)
             alias.append(-1)
@@ -549,6 +575,11 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
         for src in reduced.controls[op.name]:
             control_src.append(index[src])
             control_dst.append(index[op.name])
+    for pool, grad in _pool_pairs(reduced):
+        if pool in workspace:  # read after the gradient's own inputs
+            edge_tensor.append(workspace[pool])
+            edge_consumer.append(index[grad])
+            edge_slot.append(1 + max(slot for slot, _, _ in reduced.inputs[grad]))
 
     resident = np.sum([_linear_fit(small, large, b1, b2) for small, large in zip(one["resident"], two["resident"])],
                       axis=0)
@@ -556,7 +587,9 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
     info = {"captured_batches": [b1, b2], "loss_op": first.loss_op, "tf_version": tf.__version__,
             "variable_bytes": variables_1, "constant_bytes": constants_1, "unknown_shapes": unknown, "inputs": first.input_names,
             "unresolved_tensors": unresolved, "unswappable": _unswappable(producer, dtype, bytes_ab, names, output, b1),
-            "mixed_precision": _mixed_precision_facts(one, scratch, dtype)}
+            "mixed_precision": _mixed_precision_facts(one, scratch, dtype),
+            "pool_workspace_bytes": int(sum(one["workspace"].values())),
+            "xla_scratch_bytes": int(sum(one["xla_scratch"].values()))}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -598,8 +631,8 @@ def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: 
     """What float16 brings (empty without it): tensors, and the kernels' scratch buffers at the first batch."""
     if "float16" not in dtype:
         return {}
-    sizes = [snapshot["scratch"][name] for name in scratch]
-    return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": len(scratch),
+    sizes = [snapshot["scratch"][name] - snapshot["xla_scratch"][name] for name in scratch]
+    return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": sum(size > 0 for size in sizes),
             "largest_kernel_scratch_bytes": max(sizes, default=0),
             "eigen_half_kernels": mixed_precision.eigen_half_kernels()}
 

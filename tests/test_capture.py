@@ -65,6 +65,29 @@ def test_sizes_are_linear_in_the_batch(small_cnn_graph):
     assert small_cnn_graph.with_batch(12).persistent_bytes == at_12.persistent_bytes
 
 
+def test_max_pooling_workspace_is_held_until_its_gradient(small_cnn_graph, monkeypatch):
+    """oneDNN's max pooling keeps a workspace (a byte per pooled element) for its gradient: an
+    unswappable output of the MaxPool that its MaxPoolGrad reads; none where oneDNN does not run."""
+    from rewriter import onednn
+
+    g = small_cnn_graph
+    pools = [i for i, t in enumerate(g.op_type) if t == "MaxPool"]
+    workspaces = [t for t in range(g.n_tensors) if g.tensor_shape[t] == "(workspace)"]
+    assert pools and sorted(int(g.tensor_producer[t]) for t in workspaces) == pools
+    for t in workspaces:
+        pooled = next(p for p in range(g.n_tensors) if g.tensor_producer[p] == g.tensor_producer[t]
+                      and g.tensor_output[p] == 0)
+        assert g.tensor_bytes[t] * 4 == g.tensor_bytes[pooled]  # one byte per float32 element
+        assert not g.tensor_swappable[t] and g.tensor_dtype[t] == "uint8"
+        readers = g.edge_consumer[g.edge_tensor == t]
+        assert [g.op_type[r] for r in readers] == ["MaxPoolGrad"]
+        assert pooled in g.edge_tensor[g.edge_consumer == readers[0]]  # the gradient of this pooling
+    assert g.meta["pool_workspace_bytes"] == int(g.tensor_bytes[workspaces].sum())
+    monkeypatch.setattr(onednn, "onednn_kernels", lambda: False)
+    without = capture(build_model("small_cnn"), 4)
+    assert "(workspace)" not in set(without.tensor_shape) and without.meta["pool_workspace_bytes"] == 0
+
+
 def test_flops_of_convolutions(small_cnn_graph):
     g = small_cnn_graph
     conv = [i for i, t in enumerate(g.op_type) if t == "Conv2D"][0]

@@ -516,3 +516,37 @@ def test_sum_of_two_convolutions_waits_for_the_other_half():
     assert names["half1"] in swap_in.controls
     predicted = replay(graph, plan, get_device("cpu-testbed"))
     assert predicted.swap_in_start_s[0] >= predicted.op_end_s[ops[names["half1"]]]  # after the other half
+
+
+def test_serialized_order_holds_past_the_reshapes_grappler_removes():
+    """A convolution's bias gradient is reshaped [C] -> [1, 1, 1, C] -> [C] (Keras 3 adds the bias
+    as a reshaped vector); Grappler removes the pair and, with it, the chain's control edge the next
+    op hung on it (multi_io's MaxPoolGrad then ran beside the filter gradient before it, 17 % above
+    the prediction). In the partition graphs every op of the order still runs after the one before."""
+    from rewriter.apply import import_step
+    from rewriter.verify import CopyWaits, _node_map, collect_first_call
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12, 12, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv0")(inputs)
+    x = keras.layers.MaxPooling2D(2, name="pool0")(x)
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv1")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(x)))
+    model.compile(optimizer="adam", loss="mse")
+    graph = rewriter.capture(model, 2)
+    step = rewriter.apply(model, SwapPlan.empty(graph), graph=graph, batch_size=2)
+    serialized = _nodes(step)
+    order = [name for name in step.plan["order"] if name in serialized and serialized[name].op != "Placeholder"]
+    assert any(serialized[name].op == "Reshape" and serialized[name].input[0].endswith("BiasAddGrad")
+               for name in order)  # the pair Grappler removes is there
+    snapshot = step.snapshot()
+    try:
+        _, collected = collect_first_call(import_step(step.graph_def, step.traced), *step.zeros())
+    finally:
+        snapshot.restore()
+    function = max(collected, key=lambda fg: sum(len(p.node) for p in fg.partition_graphs))
+    waits = CopyWaits(function.partition_graphs, _node_map(function.post_optimization_graph))
+    running = [name for name in order if name in waits.nodes]
+    assert len(running) < len(order)  # Grappler removed some
+    lost = [(before, after) for before, after in zip(running, running[1:]) if not waits.depends(after, before)]
+    assert not lost
