@@ -28,7 +28,7 @@ import numpy as np
 
 from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, in_place_after_rewiring,
                                ranges, rewired_lifetimes, slot_levels)
-from simulator.devices import DeviceModel, get_device
+from simulator.devices import CalibratedDevice, DeviceModel, get_device
 from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
@@ -96,7 +96,10 @@ class Replay:
 
 
 def op_seconds(g: OpGraph, device: DeviceModel) -> np.ndarray:
-    """Per-op compute time on ``device`` (roofline of FLOPs and bytes touched), indexed like g's ops."""
+    """Per-op compute time on ``device``, indexed like g's ops: measured on a ``CalibratedDevice`` (which
+    refuses another model's graph), else the roofline of FLOPs and bytes touched."""
+    if isinstance(device, CalibratedDevice):
+        return g.cached(("op_seconds", device), device.graph_op_seconds, structural=False)
     return g.cached(("op_seconds", device), lambda graph: np.asarray(
         device.op_seconds(graph.op_flops, graph.op_touched_bytes), dtype=np.float64), structural=False)
 
@@ -259,6 +262,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     host_peak, host_peak_s = _host_peak(swap_bytes, out_start, in_swap, in_end)
 
     return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
+                   contention_s=device.copy_contention * float(out_duration.sum() + in_duration.sum()),
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                    outs=(out_start, out_end), ins=(in_start, in_end), position=position,
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
@@ -527,9 +531,10 @@ def _level_starts(g: OpGraph) -> np.ndarray:
 
 
 def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, compute_s, *, host_peak, d2h, h2d,
-            plan, outs, ins, position, **details) -> Replay:
+            plan, outs, ins, position, contention_s=0.0, **details) -> Replay:
     """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
-    ``op_seconds``); ``details``: the plan's per-buffer fields (see Replay)."""
+    ``op_seconds``); ``contention_s``: what copies sharing the compute's cores add to the step
+    (``DeviceModel.copy_contention`` x transfer time); ``details``: the plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         peak_slot = int(np.argmax(slot_bytes))
         if g.order == "cto":  # slots sorted by level
@@ -540,7 +545,7 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, 
             level_peak += persistent
         peak = int(round(slot_bytes[peak_slot])) + persistent
         peak_level = int(levels_of_slot[peak_slot])
-        step_s = float(finish_all[-1])
+        step_s = float(finish_all[-1]) + contention_s
     else:
         level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
     op_end = finish_all[position] if len(position) else np.empty(0)
