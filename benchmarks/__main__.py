@@ -1,6 +1,6 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
-NAME: max-batch, fidelity, tuning, speed (``python -m benchmarks NAME --help`` for its options).
+NAME: max-batch, fidelity, tuning, speed, step-time (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "fidelity": "benchmarks.fidelity",
     "tuning": "benchmarks.tuning",
     "speed": "benchmarks.speed",
+    "step-time": "benchmarks.step_time",
 }
 
 

@@ -66,7 +66,7 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
     return path
 
 
-README_ORDER = ("max_batch", "fidelity", "tuning", "speed", "simulator_speed")
+README_ORDER = ("max_batch", "fidelity", "step_time", "tuning", "speed", "simulator_speed")
 README_INTRO = """# Benchmarks
 
 Every table below is the latest output of the command above it, run on the machine it names
@@ -78,6 +78,7 @@ the notes say why.
 |---|---|---|
 | max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping, the U-Net also with `--rewrite split-concat` and `elide-broadcasts` (simulated on V100 presets; measured on the CPU testbed, or on a visible GPU) |
 | fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models (and the U-Net with `--rewrite split-concat --rewrite elide-broadcasts`) x several plans, beside Grappler's static estimate |
+| step_time | `python -m benchmarks step-time` | predicted against measured step time on the CPU testbed: a device model calibrated by `rewriter.calibrate` at other batch sizes, and the uncalibrated preset, 4 models x 7 plans |
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays per second against graph size, and the CLI's end-to-end time |
 | simulator_speed | `python -m benchmarks.simulator_speed` | replays per second of ResNet-50's graph (batch 32) |

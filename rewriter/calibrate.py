@@ -27,6 +27,7 @@ that predictions and measurements are taken the same way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -278,21 +279,39 @@ def _batch_sizes(batch_sizes) -> tuple[int, ...]:
     return sizes
 
 
-def _build(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement, shapes: dict) -> _Step:
-    """The rewritten step at ``batch``, warmed up; errors of a model that cannot run there become a
-    ``CalibrationError``."""
-    name = str(graph.meta.get("model", getattr(model, "name", "model")))
-    try:
+def _build(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement, shapes: dict, *,
+           warm: bool = True) -> _Step:
+    """The rewritten step at ``batch`` (run twice with ``warm``: the first call optimizes the
+    function); errors of a model that cannot run there become a ``CalibrationError``."""
+    with _cannot_run(model, graph, batch):
         step = apply_plan(model, plan, graph=graph, batch_size=batch, placement=place, verify=False, **shapes)
         x, y = synthetic_batch(model, batch, **shapes)
         built = _Step(batch, graph, step, step._flat_inputs(x, y))
-        for _ in range(2):  # the first call optimizes the function
-            _block(built.call())
-    except (tf.errors.OpError, CaptureError, PlanError, ValueError, TypeError, MemoryError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CalibrationError(f"model {name!r} cannot run a training step at batch size {batch} "
-                               f"({type(error).__name__}: {message[:300]})") from None
+    if warm:
+        _warm(model, built)
     return built
+
+
+def _warm(model, built: _Step) -> None:
+    with _cannot_run(model, built.graph, built.batch):
+        for _ in range(2):
+            _block(built.call())
+
+
+@contextlib.contextmanager
+def _cannot_run(model, graph: OpGraph, batch: int):
+    """Errors of a model that cannot build or run its step at ``batch``, as a ``CalibrationError``."""
+    try:
+        yield
+    except (tf.errors.OpError, CaptureError, PlanError, ValueError, TypeError, MemoryError) as error:
+        name = str(graph.meta.get("model", getattr(model, "name", "model")))
+        raise CalibrationError(f"model {name!r} cannot run a training step at batch size {batch} "
+                               f"({type(error).__name__}: {_first_line(error)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else ""
 
 
 def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement | str | None = None, *,
@@ -318,12 +337,15 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     started = time.perf_counter()
     try:
         graph = capture(model, sizes[0], graph_rewrites=graph_rewrites, **shapes)
-    except (CaptureError, tf.errors.OpError, MemoryError) as error:
-        raise CalibrationError(f"the model cannot be captured at batch size {sizes[0]}: {error}") from None
-    steps = {b: _build(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, shapes)
+    except (CaptureError, tf.errors.OpError, ValueError, TypeError, MemoryError) as error:
+        raise CalibrationError(f"model {getattr(model, 'name', 'model')!r} cannot be captured at batch sizes "
+                               f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {_first_line(error)})") from None
+    steps = {b: _build(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, shapes, warm=False)
              for b in sizes}
-    snapshot = steps[sizes[0]].step.snapshot()
+    snapshot = steps[sizes[0]].step.snapshot()  # the model's variables, before any step ran
     try:
+        for built in steps.values():
+            _warm(model, built)
         return _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, started,
                           steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, profiled_steps=profiled_steps, profile_sessions=profile_sessions,
