@@ -12,9 +12,9 @@
   unprofiled step time; each op's time is then fitted as ``a + b * batch``, as tensor sizes are;
 * times chains of copies between the placement's accelerator and host (CPU:0 <-> CPU:1 on the
   testbed, GPU <-> CPU on a GPU) for the link's bandwidth and per-copy latency;
-* times one swapped step (threshold 1) beside the unswapped one, and fits the copies' contention
-  with compute (``DeviceModel.copy_contention``: seconds lost per second of copying, as copies share
-  the testbed's two cores) to what the replay does not explain.
+* times a swapped step (threshold 1) beside each unswapped one, in the same passes, and fits the
+  copies' contention with compute (``DeviceModel.copy_contention``: seconds lost per second of
+  copying, as copies share the testbed's two cores) to what the replay does not explain.
 
 The result, a ``simulator.CalibratedDevice``, serves every batch size of a graph captured from
 the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take it as their device.
@@ -56,6 +56,10 @@ __all__ = ["CalibrationError", "LinkFit", "PassTimes", "calibrate", "measure_lin
 FALLBACK_PRESET = "v100-16gb"
 # the swapped step the contention is fitted on: every far read of every activation swapped
 CONTENTION_PARAMS = SwapParams(threshold=1)
+# a fitted contention above this is the timing's noise, not the copies': on two cores a copy can at
+# most take the core a compute thread had, costing the step about its own duration (1) and a little more
+# where copies and kernels compete for memory bandwidth
+MAX_CONTENTION = 1.5
 # copy sizes the link is timed at (bytes): the range of a small model's activations
 LINK_SIZES_BYTES = (4, 2**16, 2**20, 2**22, 2**24)
 
@@ -372,13 +376,13 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
         coverage.append(float((seen > 0).mean()))
     # ---- unprofiled step times, interleaved and disturbances rejected; the contention plan beside them
     calls = {b: steps[b].call for b in sizes}
-    swapped = None
+    swapped: dict[int, SwapPlan] = {}
     top = sizes[-1]
-    if contention:
-        plan = plan_swaps(graph.with_batch(top), CONTENTION_PARAMS, kept_reads=base.kept_reads)
+    for b in sizes if contention else ():
+        plan = plan_swaps(graph.with_batch(b), CONTENTION_PARAMS, kept_reads=base.kept_reads)
         if plan.n_swaps:
-            swapped = _build(model, plan, graph.with_batch(top), top, place, shapes)
-            calls["swapped"] = swapped.call
+            swapped[b] = plan
+            calls[("swapped", b)] = _build(model, plan, graph.with_batch(b), b, place, shapes).call
     timing = timed_passes(calls, steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, between=snapshot.restore)
     if not timing.consistent:
@@ -400,17 +404,21 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
             source=(f"calibrated on this machine by rewriter.calibrate ({place.describe()}); memory figures and "
                     f"the roofline for ops it did not see from {base.name}"))
 
-    # ---- contention: what the replay does not explain of the swapped step, per second of copying
+    # ---- contention: what the replay does not explain of the swapped steps, per second of copying
     alpha = 0.0
-    if swapped is not None:
-        predicted = replay(at_top, plan, device(0.0, ()))
-        transfer_s = float(np.sum(predicted.swap_out_end_s - predicted.swap_out_start_s)
-                           + np.sum(predicted.swap_in_end_s - predicted.swap_in_start_s))
-        unexplained = timing.step_s["swapped"] - predicted.step_s
-        alpha = max(0.0, unexplained / transfer_s) if transfer_s > 0 else 0.0
-        notes.append(f"copy contention fitted on the plan threshold=1 at batch {top}: measured "
-                     f"{timing.step_s['swapped'] * 1e3:.2f} ms, replayed without contention {predicted.step_s * 1e3:.2f} "
-                     f"ms, copies {transfer_s * 1e3:.2f} ms")
+    if swapped:
+        unexplained_s = transfer_s = 0.0
+        uncontended = device(0.0, ())
+        for b, plan in swapped.items():
+            predicted = replay(graph.with_batch(b), plan, uncontended)
+            transfer_s += float(np.sum(predicted.swap_out_end_s - predicted.swap_out_start_s)
+                                + np.sum(predicted.swap_in_end_s - predicted.swap_in_start_s))
+            unexplained_s += timing.step_s[("swapped", b)] - predicted.step_s
+        fitted = unexplained_s / transfer_s if transfer_s > 0 else 0.0
+        alpha = min(max(fitted, 0.0), MAX_CONTENTION)
+        notes.append(f"copy contention fitted on the plan threshold=1 at batch sizes {', '.join(map(str, swapped))}: "
+                     f"{1e3 * unexplained_s:.2f} ms the replay does not explain for {1e3 * transfer_s:.2f} ms of "
+                     f"copies, {fitted:.2f}" + ("" if alpha == fitted else f" (taken as {alpha:.2f})"))
     elif contention:
         notes.append("no activation to swap: copy contention not measured (0)")
     notes.append(f"profiled ops matched by name: {', '.join(f'{100 * c:.0f} %' for c in coverage)} of the graph's "

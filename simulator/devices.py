@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
 GiB = 1024**3
@@ -169,13 +169,16 @@ class CalibrationMismatchError(CalibrationError):
 MIN_OP_COVERAGE = 0.9
 
 
-def graph_identity(tensor_bytes_ab) -> str:
-    """Digest of a graph's tensor sizes (``a + b * batch`` per tensor): two captures of one model
-    at any batch sizes agree, the same layers at other widths or input shapes do not."""
+def graph_identity(g) -> str:
+    """Digest of a graph's tensor shapes and dtypes (``N`` for the batch dimension): two captures of
+    one model at any batch sizes agree, the same layers at other widths or input shapes do not.
+    Tensors without a shape (hand-made graphs) count by their sizes ``a + b * batch`` instead."""
     import numpy as np  # lazy, as in DeviceModel.op_seconds
 
-    sizes = np.ascontiguousarray(np.round(np.asarray(tensor_bytes_ab, dtype=np.float64)).astype(np.int64))
-    return hashlib.sha1(sizes.tobytes()).hexdigest()[:16]
+    shapes = g.tensor_shape.tolist()
+    sizes = np.round(np.asarray(g.tensor_bytes_ab, dtype=np.float64)).astype(np.int64).tolist()
+    text = json.dumps([[dtype, shape or size] for dtype, shape, size in zip(g.tensor_dtype.tolist(), shapes, sizes)])
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,13 +229,33 @@ class CalibratedDevice(DeviceModel):
             source=source or f"calibrated on this machine; memory figures and roofline from {base.name}")
         measured = dict(
             preset=base.name, model_name=str(g.meta.get("model", "")), graph_fingerprint=g.fingerprint(),
-            graph_identity=graph_identity(g.tensor_bytes_ab), batch_sizes=tuple(int(b) for b in batch_sizes),
+            graph_identity=graph_identity(g), batch_sizes=tuple(int(b) for b in batch_sizes),
             measured_step_s=tuple(float(t) for t in measured_step_s), op_names=tuple(g.op_name.tolist()),
             op_seconds_ab=tuple((float(a), float(b)) for a, b in op_seconds_ab), roofline_scale=float(roofline_scale),
             notes=tuple(notes))
         digest = hashlib.sha1(repr(sorted((k, repr(v)) for k, v in {**kept, **measured}.items())).encode())
         kept["name"] = f"{base.name}-calibrated-{digest.hexdigest()[:8]}"
         return cls(**kept, **measured)
+
+    def with_step_times(self, measured_step_s) -> "CalibratedDevice":
+        """The same calibration anchored to other unprofiled step times at its batch sizes (one per
+        ``batch_sizes``, e.g. timed again beside the steps it predicts, so that a change of the machine's
+        load in between cancels): each op keeps its share of the step, ``a + b * batch`` is refitted."""
+        import numpy as np
+
+        new = np.asarray(measured_step_s, dtype=np.float64)
+        if new.shape != (len(self.batch_sizes),) or not (new > 0).all():
+            raise ValueError(f"{self.name}: one positive step time per batch size {self.batch_sizes}")
+        sizes = np.asarray(self.batch_sizes, dtype=np.float64)
+        design = np.stack([np.ones_like(sizes), sizes], axis=1)
+        seconds = (self._ab @ design.T) * (new / np.asarray(self.measured_step_s))[None, :]
+        ab, *_ = np.linalg.lstsq(design, seconds.T, rcond=None)
+        rescaled = replace(self, op_seconds_ab=tuple((float(a), float(b)) for a, b in ab.T),
+                           measured_step_s=tuple(float(t) for t in new),
+                           roofline_scale=self.roofline_scale * float(new[-1]) / self.measured_step_s[-1],
+                           notes=self.notes + ("anchored again to step times " + ", ".join(
+                               f"b{b} {t * 1e3:.2f} ms" for b, t in zip(self.batch_sizes, new)),))
+        return replace(rescaled, name=f"{self.preset}-calibrated-{rescaled.calibration_id[:8]}")
 
     # identity: the tables are large, so compare and hash a digest of every field once
     @cached_property
@@ -265,13 +288,13 @@ class CalibratedDevice(DeviceModel):
         """Raise ``CalibrationMismatchError`` unless ``g`` is a graph of the calibrated model; return
         the share of its ops with a measured time (1.0 for the same structure)."""
         same_structure = g.fingerprint() == self.graph_fingerprint
-        if same_structure and graph_identity(g.tensor_bytes_ab) == self.graph_identity:
+        if same_structure and graph_identity(g) == self.graph_identity:
             return 1.0
         graph_model = str(g.meta.get("model", ""))
         what = f"this calibration was made for model {self.model_name!r}"
         if same_structure:
             raise CalibrationMismatchError(
-                f"{what}, and this graph has its structure but other tensor sizes (other layer widths or input "
+                f"{what}, and this graph has its structure but other tensor shapes (other layer widths or input "
                 "shapes): calibrate the model the graph was captured from")
         covered = self.coverage(g)
         if graph_model != self.model_name or covered < MIN_OP_COVERAGE:

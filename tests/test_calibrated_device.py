@@ -67,7 +67,7 @@ def test_a_graph_of_another_model_is_refused():
         replay(other, None, device)
     wider = training_graph(12, seed=3, batch_size=2)  # same structure, other tensor sizes
     assert wider.fingerprint() == g.fingerprint()
-    with pytest.raises(CalibrationMismatchError, match="other tensor sizes"):
+    with pytest.raises(CalibrationMismatchError, match="other tensor shapes"):
         replay(wider, None, device)
     assert issubclass(CalibrationMismatchError, CalibrationError) and issubclass(CalibrationError, ValueError)
 
@@ -95,3 +95,16 @@ def test_the_tuner_takes_a_calibrated_device():
     assert device.name.startswith("cpu-testbed-calibrated-") and device.name != _calibrated(g, seed=1).name
     moved = dataclasses.replace(device, host_memory_bytes=2**40)  # what tune_graph does for unlimited host RAM
     assert isinstance(moved, CalibratedDevice) and op_seconds(g, moved).sum() == pytest.approx(op_seconds(g, device).sum())
+
+
+def test_anchoring_again_keeps_the_shares_and_moves_the_totals():
+    g = training_graph(12, batch_size=2)
+    device = _calibrated(g)
+    first, second = device.measured_step_s
+    again = device.with_step_times([2 * first, 3 * second])
+    for b, factor in zip(device.batch_sizes, (2, 3)):
+        at = g.with_batch(b)
+        assert np.allclose(op_seconds(at, again), factor * op_seconds(at, device))
+    assert again != device and again.name != device.name and again.graph_fingerprint == device.graph_fingerprint
+    with pytest.raises(ValueError):
+        device.with_step_times([1.0])
