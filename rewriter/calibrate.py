@@ -168,21 +168,22 @@ def profiled_op_seconds(call: Callable[[], Any], *, steps: int = 3, sessions: in
 
 
 def _gpu_op_seconds(space, steps: int) -> pd.Series:
-    """Kernel time per op on a GPU: the ``/device:GPU:0`` plane's kernel events name their op in the
-    ``tf_op`` stat (``node:type``); an op's kernels are summed and divided by the steps profiled.
-    Kept thin and untested here (no GPU on the development machine)."""
+    """Kernel time per op on a GPU: kernel events on the ``/device:GPU:0`` plane name their op in the
+    ``tf_op`` stat or in the launch's ``kernel_annotation`` (``...::node:type``); an op's kernels are
+    summed and divided by the steps profiled. Kept thin and untested here (no GPU on this machine)."""
     rows = []
     for plane in space.planes:
         if not plane.name.startswith("/device:GPU:0"):
             continue
-        stat_names = {mid: m.name for mid, m in plane.stat_metadata.items()}
+        wanted = {mid for mid, m in plane.stat_metadata.items() if m.name in ("tf_op", "kernel_annotation")}
         for line in plane.lines:
             for ev in line.events:
                 for stat in ev.stats:
-                    if stat_names.get(stat.metadata_id) == "tf_op":
+                    if stat.metadata_id in wanted:
                         value = (plane.stat_metadata[stat.ref_value].name if stat.WhichOneof("value") == "ref_value"
                                  else stat.str_value)
-                        rows.append((value.rsplit(":", 1)[0], ev.duration_ps))
+                        rows.append((value.rsplit("::", 1)[-1].rsplit(":", 1)[0], ev.duration_ps))
+                        break
     table = pd.DataFrame(rows, columns=["op", "duration_ps"])
     return table.groupby("op")["duration_ps"].sum() * 1e-12 / max(steps, 1)
 
@@ -364,7 +365,7 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
     # ---- per-op shares of the profiled step, at each batch size
     names = graph.op_name.tolist()
     shares = np.zeros((graph.n_ops, len(sizes)))
-    coverage = []
+    coverage, profiled_s = [], []
     for k, b in enumerate(sizes):
         per_op = profiled_op_seconds(steps[b].call, steps=profiled_steps, sessions=profile_sessions, placement=place)
         snapshot.restore()
@@ -374,6 +375,7 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
                                    f"(is another profiler session running?)")
         shares[:, k] = seen / seen.sum()
         coverage.append(float((seen > 0).mean()))
+        profiled_s.append(float(seen.sum()))
     # ---- unprofiled step times, interleaved and disturbances rejected; the contention plan beside them
     calls = {b: steps[b].call for b in sizes}
     swapped: dict[int, SwapPlan] = {}
@@ -421,8 +423,10 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
                      f"copies, {fitted:.2f}" + ("" if alpha == fitted else f" (taken as {alpha:.2f})"))
     elif contention:
         notes.append("no activation to swap: copy contention not measured (0)")
-    notes.append(f"profiled ops matched by name: {', '.join(f'{100 * c:.0f} %' for c in coverage)} of the graph's "
-                 f"ops emitted an event (fused and cheap ops emit none; their time is in the shares' anchor)")
+    notes.append(f"profiled ops: {', '.join(f'{100 * c:.0f} %' for c in coverage)} of the graph's ops emitted an "
+                 "event (fused and cheap ops emit none; their time is in the shares' anchor); the events' fastest "
+                 "times sum to " + ", ".join(f"{100 * p / t:.0f} %" for p, t in zip(profiled_s, step_s))
+                 + " of the unprofiled step")
     notes.append(f"link: {link.bytes_per_s / 1e9:.1f} GB/s, {link.latency_s * 1e6:.1f} us per copy (copies of "
                  + ", ".join(f"{s} B: {t * 1e6:.1f} us" for s, t in zip(link.sizes_bytes, link.per_copy_s)) + ")")
     notes.append(f"calibration took {time.perf_counter() - started:.0f} s")
