@@ -321,7 +321,7 @@ def _first_line(error: BaseException) -> str:
 
 def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement | str | None = None, *,
               preset: DeviceModel | str | None = None, input_shapes=None, label_shapes=None, label_dtype=None,
-              graph_rewrites: Sequence[str] = (), steps_per_pass: int = 3, min_passes: int = 3,
+              name: str | None = None, graph_rewrites: Sequence[str] = (), steps_per_pass: int = 3, min_passes: int = 3,
               max_passes: int = 8, tolerance: float = 0.08, profiled_steps: int = 3,
               profile_sessions: int = 2, contention: bool = True) -> CalibratedDevice:
     """Measure ``model``'s step on this machine and return a ``CalibratedDevice`` for its graphs.
@@ -331,7 +331,8 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     op). ``placement``: as for ``rewriter.apply`` (default: a visible GPU, else the CPU testbed).
     ``preset``: the device model whose memory figures and roofline the result keeps (default: the
     placement's, ``cpu-testbed`` on the testbed). ``input_shapes`` ... ``graph_rewrites``: as for
-    ``rewriter.capture``; graphs captured otherwise are another model's to the result. The model's
+    ``rewriter.capture`` (capture the graphs to simulate with the same ones: the result refuses graphs
+    of other shapes or structure as another model's). The model's
     variables are restored afterwards. Raises ``CalibrationError`` for a model that cannot run.
     """
     sizes = _batch_sizes(batch_sizes)
@@ -341,7 +342,7 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     started = time.perf_counter()
     try:
-        graph = capture(model, sizes[0], graph_rewrites=graph_rewrites, **shapes)
+        graph = capture(model, sizes[0], name=name, graph_rewrites=graph_rewrites, **shapes)
     except (CaptureError, tf.errors.OpError, ValueError, TypeError, MemoryError) as error:
         raise CalibrationError(f"model {getattr(model, 'name', 'model')!r} cannot be captured at batch sizes "
                                f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {_first_line(error)})") from None
