@@ -1,6 +1,6 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
-NAME: max-batch, fidelity, verdict, tuning, speed, gpu-check (``python -m benchmarks NAME --help`` for its options).
+NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ BENCHMARKS = {
     "tuning": "benchmarks.tuning",
     "speed": "benchmarks.speed",
     "gpu-check": "benchmarks.gpu_check",
+    "step-time": "benchmarks.step_time",
 }
 
 

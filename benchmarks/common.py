@@ -66,7 +66,7 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
     return path
 
 
-README_ORDER = ("max_batch", "fidelity", "fidelity_zoo", "verdict", "tuning", "speed", "simulator_speed")
+README_ORDER = ("max_batch", "fidelity", "fidelity_zoo", "verdict", "step_time", "tuning", "speed", "simulator_speed")
 README_INTRO = """# Benchmarks
 
 Every table below is the latest output of the command above it, run on the machine it names
@@ -80,6 +80,7 @@ the notes say why.
 | fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models (and the U-Net with `--rewrite split-concat --rewrite elide-broadcasts`) x several plans, beside Grappler's static estimate |
 | fidelity_zoo | `python -m benchmarks fidelity --zoo` | the same on the 22 models of `benchmarks.zoo` (models nobody tuned the simulator for: applications, U-Nets, mixed_float16, recurrent, attention, multi-input/output, ...) x 7 plans, measured in chunks (`--zoo --models a,b`), against issue 19's per-model targets |
 | verdict | `python -m benchmarks verdict` | the CLI, measured on the testbed, on zoo models whose prediction alone says "fits" (the cases of issue 19: mixed_float16, LSTM/GRU, U-Nets, multi-input/output): exit 0 only when a measured run confirms the plan within the budget, else exit 3 and no "Fits" |
+| step_time | `python -m benchmarks step-time` | predicted against measured step time on the CPU testbed: a device model calibrated by `rewriter.calibrate` at other batch sizes, and the uncalibrated preset, 4 models x 7 plans |
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays per second against graph size, and the CLI's end-to-end time |
 | simulator_speed | `python -m benchmarks.simulator_speed` | replays per second of ResNet-50's graph (batch 32) |

@@ -8,8 +8,9 @@
     rewriter.use_swap_step(model, step); model.fit(...)        # train with it
     rewriter.rewritten_graph_def(model, plan, graph=g, batch_size=8,
                                  placement=rewriter.GpuPlacement())  # what a GPU would run, without one
+    device = rewriter.calibrate(model, batch_sizes=(2, 4))    # -> simulator.CalibratedDevice (step times)
 
-``rewriter.apply``, ``rewriter.capture``, ``rewriter.measure`` and ``rewriter.verify`` are both the
+``rewriter.apply``, ``rewriter.calibrate``, ``rewriter.capture``, ``rewriter.measure`` and ``rewriter.verify`` are both the
 submodules and callables that run their namesake function.
 
 The CPU testbed (two logical CPUs) must be configured before TensorFlow initialises:
@@ -26,6 +27,7 @@ from rewriter.environment import prepare_environment
 prepare_environment()  # before the modules below import TensorFlow
 
 from rewriter.apply import PlanError, StateSnapshot, SwapStep, load_plan  # noqa: E402
+from rewriter.calibrate import CalibrationError  # noqa: E402
 from rewriter.capture import CaptureError, capture_step, trace_function_step, trace_keras_step  # noqa: E402
 from rewriter.keras import KerasStep, restore_train_function, swap_step_of, swapping, use_swap_step  # noqa: E402
 from rewriter.measure import Measurement  # noqa: E402
@@ -42,16 +44,17 @@ class _CallableModule(_types.ModuleType):
         return getattr(self, self.__name__.rsplit(".", 1)[1])(*args, **kwargs)
 
 
-for _name in ("apply", "capture", "measure", "verify"):
+for _name in ("apply", "calibrate", "capture", "measure", "verify"):
     _sys.modules[f"{__name__}.{_name}"].__class__ = _CallableModule
 apply = _sys.modules[f"{__name__}.apply"]
+calibrate = _sys.modules[f"{__name__}.calibrate"]
 capture = _sys.modules[f"{__name__}.capture"]
 measure = _sys.modules[f"{__name__}.measure"]
 verify = _sys.modules[f"{__name__}.verify"]
 
 __all__ = [
-    "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "KerasStep", "Measurement", "Placement", "PlanError", "StateSnapshot",
-    "SwapStep", "Verification", "apply", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
+    "CalibrationError", "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "KerasStep", "Measurement", "Placement", "PlanError", "StateSnapshot",
+    "SwapStep", "Verification", "apply", "calibrate", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
     "measure", "prepare_environment", "restore_train_function", "rewritten_graph_def", "swap_step_of", "swapping", "trace_function_step",
     "trace_keras_step", "use_swap_step", "verify",
 ]

@@ -9,6 +9,10 @@ gives the accelerator-side footprint a swapping plan must fit in.
 
 Set ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow is imported: only then does the
 CPU allocator emit an event for every allocation (otherwise only for >= 256 KiB).
+
+The same trace holds the ops' own events (``op_events``): the step-time calibration
+(``rewriter.calibrate``) reads per-op durations from it, so both readers share one profiling
+and parsing path (``profile_call``, ``read_xspace``).
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ import pandas as pd
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-__all__ = ["MemoryPeak", "record_memory_events", "accelerator_peak", "measure_call_peak"]
+__all__ = ["MemoryPeak", "record_memory_events", "accelerator_peak", "measure_call_peak", "profile_call",
+           "read_xspace", "memory_events", "op_events"]
 
 _EVENT_KIND = {"MemoryAllocation": "alloc", "MemoryDeallocation": "free"}
 COLUMNS = ["time_ps", "kind", "addr", "requested_bytes", "allocation_bytes", "tf_op",
@@ -52,11 +57,21 @@ def _dtype_name(enum: int) -> str:
         return str(enum)
 
 
-def parse_xspace(path: str) -> pd.DataFrame:
-    """Memory events of one ``*.xplane.pb`` file as a time-ordered DataFrame."""
+def read_xspace(path: str):
+    """One ``*.xplane.pb`` file as an ``XSpace`` message."""
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
+    return space
+
+
+def parse_xspace(path: str) -> pd.DataFrame:
+    """Memory events of one ``*.xplane.pb`` file as a time-ordered DataFrame."""
+    return memory_events(read_xspace(path))
+
+
+def memory_events(space) -> pd.DataFrame:
+    """Memory events of an ``XSpace`` as a time-ordered DataFrame (columns ``COLUMNS``)."""
     rows = []
     for plane in space.planes:
         kinds = {mid: _EVENT_KIND[m.name] for mid, m in plane.event_metadata.items()
@@ -88,13 +103,12 @@ def parse_xspace(path: str) -> pd.DataFrame:
     return df.sort_values("time_ps", kind="stable").reset_index(drop=True)
 
 
-def record_memory_events(fn: Callable[..., Any], *args: Any,
-                         logdir: str | None = None) -> pd.DataFrame:
-    """Run ``fn(*args)`` once under the profiler and return its allocator events.
+def profile_call(fn: Callable[..., Any], *args: Any, calls: int = 1, logdir: str | None = None):
+    """Run ``fn(*args)`` ``calls`` times under the profiler; return the ``XSpace`` it wrote.
 
     ``fn`` must already be traced and warmed up, otherwise tracing/compilation
-    allocations end up in the trace. The result of ``fn`` is kept alive until the
-    profiler stops so that freeing it is not part of the trace.
+    allocations end up in the trace. The results of ``fn`` are kept alive until the
+    profiler stops so that freeing them is not part of the trace.
     """
     tmp = logdir is None
     logdir = tempfile.mkdtemp(prefix="memtrace_") if tmp else logdir
@@ -105,19 +119,64 @@ def record_memory_events(fn: Callable[..., Any], *args: Any,
                                                         python_tracer_level=0,
                                                         device_tracer_level=1)
         tf.profiler.experimental.start(logdir, options=opts)
+        results = []
         try:
-            result = fn(*args)
+            for _ in range(calls):
+                results.append(fn(*args))
         finally:
             tf.profiler.experimental.stop()
-        del result
+        del results
         new = set(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
         files = sorted(new - before, key=os.path.getmtime)
         if not files:
             raise RuntimeError(f"profiler wrote no new *.xplane.pb under {logdir}")
-        return parse_xspace(files[-1])
+        return read_xspace(files[-1])
     finally:
         if tmp:
             shutil.rmtree(logdir, ignore_errors=True)
+
+
+def record_memory_events(fn: Callable[..., Any], *args: Any,
+                         logdir: str | None = None) -> pd.DataFrame:
+    """Run ``fn(*args)`` once under the profiler and return its allocator events (see ``profile_call``)."""
+    return memory_events(profile_call(fn, *args, logdir=logdir))
+
+
+OP_EVENT_COLUMNS = ["op", "type", "start_ps", "duration_ps", "thread"]
+# events on the compute threads that are not ops: the executor's wrappers span many ops
+_WRAPPER_PREFIXES = ("ExecutorState::", "ThreadpoolListener::")
+
+
+def op_events(space, *, plane_name: str = "/host:CPU", line_prefix: str = "tf_Compute") -> pd.DataFrame:
+    """Kernel events of an ``XSpace``: one row per op execution (op name, op type, start, duration).
+
+    TF 2.21 on CPU names each kernel's event ``node:type`` on the ``/host:CPU`` plane's
+    ``tf_Compute/*`` lines; the executor's ``ExecutorState::Process``/``ProcessAsync`` wrappers
+    (which span the step) and the thread pool's markers are left out. Fused kernels report under
+    the fusion's last op; cheap ops (Reshape, Squeeze) emit none.
+    """
+    rows = []
+    for plane in space.planes:
+        if plane.name != plane_name:
+            continue
+        names = {}
+        for mid, meta in plane.event_metadata.items():
+            name = meta.name
+            if name.startswith(_WRAPPER_PREFIXES) or ":" not in name:
+                continue
+            op, kind = name.rsplit(":", 1)
+            if op and kind and not kind.startswith(":"):
+                names[mid] = (op, kind)
+        for line in plane.lines:
+            if not line.name.startswith(line_prefix):
+                continue
+            base_ps = line.timestamp_ns * 1000
+            thread = line.display_name or line.name
+            for ev in line.events:
+                found = names.get(ev.metadata_id)
+                if found is not None:
+                    rows.append((found[0], found[1], base_ps + ev.offset_ps, ev.duration_ps, thread))
+    return pd.DataFrame(rows, columns=OP_EVENT_COLUMNS).sort_values("start_ps", kind="stable").reset_index(drop=True)
 
 
 @dataclass(frozen=True)

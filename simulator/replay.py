@@ -28,7 +28,7 @@ import numpy as np
 
 from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, ranges, rewired_lifetimes,
                                slot_levels)
-from simulator.devices import DeviceModel, get_device
+from simulator.devices import CalibratedDevice, DeviceModel, get_device
 from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
@@ -97,7 +97,10 @@ class Replay:
 
 
 def op_seconds(g: OpGraph, device: DeviceModel) -> np.ndarray:
-    """Per-op compute time on ``device`` (roofline of FLOPs and bytes touched), indexed like g's ops."""
+    """Per-op compute time on ``device``, indexed like g's ops: measured on a ``CalibratedDevice`` (which
+    refuses another model's graph), else the roofline of FLOPs and bytes touched."""
+    if isinstance(device, CalibratedDevice):
+        return g.cached(("op_seconds", device), device.graph_op_seconds, structural=False)
     return g.cached(("op_seconds", device), lambda graph: np.asarray(
         device.op_seconds(graph.op_flops, graph.op_touched_bytes), dtype=np.float64), structural=False)
 
@@ -194,6 +197,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     host_peak, host_peak_s = int(host_peak), float(host_peak_s)
 
     return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
+                   contention_s=device.copy_contention * float(out_duration.sum() + in_duration.sum()),
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                    outs=(out_start, out_end), ins=(in_start, in_end), position=position,
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
@@ -251,9 +255,10 @@ def _level_starts(g: OpGraph) -> np.ndarray:
 
 
 def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, compute_s, *, host_peak, d2h, h2d,
-            plan, outs, ins, position, **details) -> Replay:
+            plan, outs, ins, position, contention_s=0.0, **details) -> Replay:
     """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
-    ``op_seconds``); ``details``: the plan's per-buffer fields (see Replay)."""
+    ``op_seconds``); ``contention_s``: what copies sharing the compute's cores add to the step
+    (``DeviceModel.copy_contention`` x transfer time); ``details``: the plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         level_starts = _level_starts(g) if g.order == "cto" else np.zeros(0, np.int64)  # cto: slots by level
         peak_slot, level_peak, op_end, op_start = summarize(slot_bytes, levels_of_slot, level_starts, persistent,
@@ -261,7 +266,7 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, 
         peak_slot = int(peak_slot)
         peak = int(round(slot_bytes[peak_slot])) + persistent
         peak_level = int(levels_of_slot[peak_slot])
-        step_s = float(finish_all[-1])
+        step_s = float(finish_all[-1]) + contention_s
     else:
         level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
         op_end = op_start = np.empty(0)

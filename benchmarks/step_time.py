@@ -1,0 +1,331 @@
+"""Step time you can trust: predictions of a calibrated device model against measured steps.
+
+    python -m benchmarks step-time [--models small_cnn,mobilenetv2] [--timeout 600] [--max-passes 10]
+
+For every model (one fresh Python process each) the step is calibrated with ``rewriter.calibrate``
+at batch sizes *other than* the measured one (a quarter and a half of it: the prediction is an
+extrapolation, as when a user calibrates small and trains large), then captured at the measured
+batch, and every plan of ``benchmarks.fidelity.PLANS`` (no swapping and six swap plans with
+different stalls) is built with ``rewriter.apply`` and timed on the CPU testbed. All plans of a
+model are timed in the same interleaved passes (``rewriter.calibrate.timed_passes``: each pass runs
+every plan; a pass slower than the best by more than the tolerance on any plan is rejected), so
+plans are compared under the same load. Beside each measurement: the calibrated prediction
+(``simulator.replay(graph, plan, calibrated)``) and the uncalibrated ``cpu-testbed`` preset's.
+
+Targets (DESIGN.md 5): over every model and plan, median |error| <= 5 %, worst <= 15 %; per
+model, Kendall's tau between predicted and measured step times >= 0.8.
+Writes ``benchmarks/results/step_time.{csv,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from benchmarks.common import STARTED_S, write_results
+from benchmarks.fidelity import PLANS, ModelSetup, _params_text
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]
+
+# small models whose measured step takes tens to hundreds of milliseconds on the 2-core testbed
+MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
+    ModelSetup("small_cnn", {"image_size": 64}, 16),
+    ModelSetup("mobilenetv2", {"image_size": 96}, 8),
+    ModelSetup("transformer_encoder", {"seq_len": 64}, 8),
+    ModelSetup("unet2d", {"image_size": 64}, 4),
+)}
+
+TARGET_MEDIAN, TARGET_WORST, TARGET_TAU = 0.05, 0.15, 0.8
+
+
+def calibration_batches(batch: int) -> tuple[int, int]:
+    """The calibration's batch sizes for a measured ``batch``: a quarter and a half of it (1 and 2 at least)."""
+    low = max(1, batch // 4)
+    return low, max(low + 1, batch // 2)
+
+
+def kendall_tau(x, y) -> float:
+    """Kendall's tau-b of two sequences (ties counted as in scipy.stats.kendalltau); nan below 2 items."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    concordant = discordant = ties_x = ties_y = 0
+    for i, j in itertools.combinations(range(len(x)), 2):
+        dx, dy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
+        if dx == 0 and dy == 0:
+            continue
+        if dx == 0:
+            ties_x += 1
+        elif dy == 0:
+            ties_y += 1
+        elif dx == dy:
+            concordant += 1
+        else:
+            discordant += 1
+    denominator = np.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return float((concordant - discordant) / denominator) if denominator > 0 else float("nan")
+
+
+# ====================================================================== worker (one model, fresh process)
+
+
+def _worker(spec_path: str, out_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    from rewriter.environment import prepare_environment
+
+    prepare_environment()
+    from rewriter.placement import configure_testbed
+
+    configure_testbed()
+
+    import rewriter
+    from benchmarks.models import build_model, example_batch
+    from rewriter.calibrate import timed_passes
+    from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
+
+    def emit(record: dict[str, Any]) -> None:
+        with open(out_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    place = rewriter.detect()
+    preset = get_device(place.simulator_device or "cpu-testbed")
+    batch = int(spec["batch"])
+    model = build_model(spec["model"], seed=0, **spec["kwargs"])
+    start = time.perf_counter()
+    calibrated = rewriter.calibrate(model, batch_sizes=spec["calibration_batches"], placement=place,
+                                    max_passes=int(spec["max_passes"]))
+    emit({"kind": "calibration", "seconds": time.perf_counter() - start, "device": calibrated.name,
+          "describe": calibrated.describe(), "notes": list(calibrated.notes),
+          "copy_contention": calibrated.copy_contention, "link_bytes_per_s": calibrated.h2d_bytes_per_s,
+          "latency_s": calibrated.transfer_latency_s, "calibration_step_s": list(calibrated.measured_step_s)})
+    graph = rewriter.capture(model, batch, name=spec["model"])
+    x, y = example_batch(model, batch)
+    calls, records, steps, plans = {}, {}, [], {}
+    for label, params in spec["plans"]:
+        record: dict[str, Any] = {"kind": "plan", "plan": label}
+        try:
+            plan = SwapPlan.empty(graph) if params is None else plan_swaps(graph, SwapParams.from_dict(params),
+                                                                          kept_reads=preset.kept_reads)
+            plans[label] = plan
+            predicted, uncalibrated = replay(graph, plan, calibrated), replay(graph, plan, preset)
+            record.update(swaps=plan.n_swaps, swap_ins=plan.n_swap_ins, swapped_bytes=plan.swapped_bytes(graph),
+                          predicted_step_s=predicted.step_s, predicted_stall_s=predicted.stall_s,
+                          preset_step_s=uncalibrated.step_s)
+            step = rewriter.apply(model, plan, graph=graph, batch_size=batch, placement=place, verify=False)
+            flat = step._flat_inputs(x, y)
+            for _ in range(2):
+                step.run_flat(*flat)
+            calls[label] = (lambda step=step, flat=flat: step.run_flat(*flat))
+            steps.append(step)
+        except Exception as error:  # noqa: BLE001 -- one failed plan must not lose the others
+            record["error"] = f"{type(error).__name__}: {error}"[:500]
+        records[label] = record
+    # the calibration's own unswapped steps, timed again in the same passes: "re-anchored" predictions
+    # take their totals from there, so that a change of the machine's load since the calibration cancels
+    for b in calibrated.batch_sizes:
+        at = graph.with_batch(b)
+        anchor = rewriter.apply(model, SwapPlan.empty(at), graph=at, batch_size=b, placement=place, verify=False)
+        flat = anchor._flat_inputs(*example_batch(model, b))
+        for _ in range(2):
+            anchor.run_flat(*flat)
+        calls[("anchor", b)] = (lambda step=anchor, flat=flat: step.run_flat(*flat))
+    snapshot = steps[0].snapshot() if steps else None  # every step updates the model's own variables
+    start = time.perf_counter()
+    timing = timed_passes(calls, max_passes=int(spec["max_passes"]),
+                          between=None if snapshot is None else snapshot.restore)
+    anchored = calibrated.with_step_times([timing.step_s[("anchor", b)] for b in calibrated.batch_sizes])
+    for label, record in records.items():
+        if label in calls:
+            record.update(measured_step_s=timing.step_s[label], measured_all_s=timing.all_s[label],
+                          pass_medians_s=timing.pass_medians[label], spread=timing.spread(label),
+                          anchored_step_s=replay(graph, plans[label], anchored).step_s)
+        emit(record)
+    emit({"kind": "timing", "seconds": time.perf_counter() - start, "accepted": timing.accepted,
+          "consistent": timing.consistent})
+    if snapshot is not None:
+        snapshot.restore()
+    return 0
+
+
+# ====================================================================== parent
+
+
+def _run_model(setup: ModelSetup, *, timeout: float, max_passes: int) -> tuple[list[dict], dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.jsonl"
+        spec_path.write_text(json.dumps({"model": setup.name, "kwargs": setup.kwargs, "batch": setup.batch,
+                                         "calibration_batches": calibration_batches(setup.batch),
+                                         "plans": PLANS, "max_passes": max_passes}))
+        from rewriter.environment import testbed_environment
+
+        env = testbed_environment(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "benchmarks", "step-time", "--worker", str(spec_path), str(out_path)]
+        status: dict[str, Any] = {"model": setup.key}
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+            status["returncode"] = done.returncode
+            if done.returncode:
+                status["stderr"] = done.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            status["timeout"] = True
+        status["wall_s"] = time.perf_counter() - start
+        records = [json.loads(line) for line in out_path.read_text().splitlines()] if out_path.exists() else []
+    return records, status
+
+
+def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
+    calibration = next((r for r in records if r["kind"] == "calibration"), {})
+    rows = []
+    for r in (r for r in records if r["kind"] == "plan"):
+        measured = r.get("measured_step_s")
+        row = {"model": setup.key, "setting": setup.describe(),
+               "calibrated_at": "b" + "+b".join(str(b) for b in calibration_batches(setup.batch)),
+               "plan": r["plan"], "swaps": r.get("swaps"), "swapped_MiB": (r.get("swapped_bytes") or 0) / 2**20,
+               "measured_ms": None if measured is None else 1e3 * measured,
+               "spread_pct": None if r.get("spread") is None else 100 * r["spread"],
+               "predicted_ms": 1e3 * r["predicted_step_s"] if "predicted_step_s" in r else None,
+               "predicted_stall_ms": 1e3 * r["predicted_stall_s"] if "predicted_stall_s" in r else None,
+               "preset_ms": 1e3 * r["preset_step_s"] if "preset_step_s" in r else None,
+               "anchored_ms": 1e3 * r["anchored_step_s"] if "anchored_step_s" in r else None,
+               "note": r.get("error", "")}
+        if measured and row["predicted_ms"] is not None:
+            row["error_pct"] = 100 * (row["predicted_ms"] / row["measured_ms"] - 1)
+            row["preset_error_pct"] = 100 * (row["preset_ms"] / row["measured_ms"] - 1)
+            row["anchored_error_pct"] = 100 * (row["anchored_ms"] / row["measured_ms"] - 1)
+        row["contention"] = calibration.get("copy_contention")
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["model", "setting", "calibrated_at", "plan", "swaps", "swapped_MiB", "measured_ms", "spread_pct",
+           "predicted_ms", "error_pct", "anchored_ms", "anchored_error_pct", "predicted_stall_ms", "preset_ms",
+           "preset_error_pct", "contention", "note"]
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per model and over all: median and worst |error|, Kendall's tau, for calibrated and preset."""
+    out = []
+    groups = [(model, part) for model, part in table.groupby("model", sort=False)] + [("all", table)]
+    for model, part in groups:
+        part = part.dropna(subset=["measured_ms", "predicted_ms"])
+        row = {"model": model, "plans": len(part)}
+        for what, column, error in (("calibrated", "predicted_ms", "error_pct"),
+                                    ("anchored", "anchored_ms", "anchored_error_pct"),
+                                    ("preset", "preset_ms", "preset_error_pct")):
+            errors = pd.to_numeric(part[error], errors="coerce").abs()
+            row[f"{what}_median_abs_pct"] = errors.median() if len(errors) else None
+            row[f"{what}_worst_abs_pct"] = errors.max() if len(errors) else None
+            if model != "all":
+                row[f"{what}_tau"] = kendall_tau(part[column], part["measured_ms"])
+        if model == "all":  # the lowest per-model tau
+            row.update({f"{what}_tau": min((r[f"{what}_tau"] for r in out), default=None)
+                        for what in ("calibrated", "anchored", "preset")})
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks step-time", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model (default 600)")
+    parser.add_argument("--max-passes", type=int, default=10, help="timing passes at most (default 10)")
+    parser.add_argument("--name", default="step_time", help="result file name (default step_time)")
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(*args.worker)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    names = [n.strip() for n in args.models.split(",")] if args.models else list(MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or args.timeout <= 0 or args.max_passes < 3:
+        print(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)}), or --timeout <= 0, or "
+              "--max-passes < 3", file=sys.stderr)
+        return 2
+    load_before = os.getloadavg()
+    rows, notes = [], []
+    for name in names:
+        setup = MODELS[name]
+        log.info("%s: calibrating at %s, measuring %d plans ...", setup.describe(), calibration_batches(setup.batch),
+                 len(PLANS))
+        records, status = _run_model(setup, timeout=args.timeout, max_passes=args.max_passes)
+        rows += _rows(setup, records)
+        calibration = next((r for r in records if r["kind"] == "calibration"), None)
+        timing = next((r for r in records if r["kind"] == "timing"), None)
+        if calibration:
+            notes.append(f"- {setup.key}: calibration {calibration['seconds']:.0f} s: {calibration['describe']}; "
+                         + "; ".join(calibration["notes"]))
+        if timing:
+            notes.append(f"- {setup.key}: plans timed in {timing['seconds']:.0f} s, "
+                         f"{sum(timing['accepted'])} of {len(timing['accepted'])} passes accepted"
+                         + ("" if timing["consistent"] else " (too few agreed: the closest were used)"))
+        if status.get("timeout") or status.get("returncode"):
+            notes.append(f"- {setup.key}: worker {'timed out' if status.get('timeout') else 'failed'}: "
+                         f"`{' / '.join(status.get('stderr', '').strip().splitlines()[-3:])}`")
+        log.info("  done in %.0f s", status["wall_s"])
+    table = pd.DataFrame(rows)
+    for column in COLUMNS:
+        if column not in table:
+            table[column] = None
+    table = table[COLUMNS]
+    stats = summary(table)
+    overall = stats.iloc[-1]
+    from autotune.report import markdown_table
+
+    load_after = os.getloadavg()
+    runtime = time.perf_counter() - STARTED_S
+    result_notes = [
+        "## Summary", "", markdown_table(stats, "{:.3g}"), "",
+        "## Notes", "",
+        (f"- Targets: median |error| <= {100 * TARGET_MEDIAN:.0f} %, worst <= {100 * TARGET_WORST:.0f} %, Kendall's "
+         f"tau >= {TARGET_TAU} per model. Calibrated: median {overall['calibrated_median_abs_pct']:.1f} %, worst "
+         f"{overall['calibrated_worst_abs_pct']:.1f} %, lowest tau {overall['calibrated_tau']:.2f}; re-anchored: "
+         f"median {overall['anchored_median_abs_pct']:.1f} %, worst {overall['anchored_worst_abs_pct']:.1f} %, lowest "
+         f"tau {overall['anchored_tau']:.2f}; uncalibrated "
+         f"cpu-testbed preset: median {overall['preset_median_abs_pct']:.1f} %, worst "
+         f"{overall['preset_worst_abs_pct']:.1f} %."),
+        ("- measured_ms: median step time over the accepted timing passes (every plan of a model timed in the same "
+         "passes); spread_pct: range of the accepted passes' medians over their median. predicted_ms: "
+         "`simulator.replay(graph, plan, rewriter.calibrate(model, batch_sizes=calibrated_at))`; preset_ms: the "
+         "same replay on the uncalibrated cpu-testbed preset. error_pct = predicted / measured - 1. anchored_ms: the "
+         "calibration's per-op shares, link and contention as calibrated, its totals taken from the calibration "
+         "batches' unswapped steps timed again in the same passes as the plans "
+         "(`CalibratedDevice.with_step_times`): the error of the model with the machine's drift between "
+         "calibration and measurement taken out; still no step at the measured batch is used."),
+        (f"- Spread of the measured step times (range of the accepted passes' medians / their median): median "
+         f"{pd.to_numeric(table['spread_pct'], errors='coerce').median():.1f} %, max "
+         f"{pd.to_numeric(table['spread_pct'], errors='coerce').max():.1f} %."),
+        (f"- Load average (1, 5, 15 min) before the run {', '.join(f'{v:.2f}' for v in load_before)}, after "
+         f"{', '.join(f'{v:.2f}' for v in load_after)}; runtime {runtime / 60:.1f} min."),
+        "", "## Per model", "", *notes, "",
+    ]
+    settings = {
+        "command": "python -m benchmarks step-time" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[2:])),
+        "models": "; ".join(MODELS[n].describe() for n in names),
+        "plans": "; ".join(f"{label}: {_params_text(params)}" for label, params in PLANS),
+        "timing": "interleaved passes (every plan per pass, >= 3 steps or 0.3 s each), passes more than 8 % slower "
+                  f"than a plan's best rejected, until 3 agree (at most {args.max_passes})",
+    }
+    path = write_results(args.name, table, settings=settings, notes=result_notes)
+    with pd.option_context("display.width", 220, "display.max_columns", 30):
+        print(table.drop(columns=["setting", "note"]).round(2).to_string(index=False))
+        print(stats.round(3).to_string(index=False))
+    print(f"written {path}; runtime {runtime / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

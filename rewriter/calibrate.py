@@ -1,0 +1,436 @@
+"""Step time you can trust: a device model calibrated from the user's own hardware (DESIGN.md 6).
+
+``calibrate(model, batch_sizes=(2, 4))`` runs the model's unswapped training step (the step
+``rewriter.apply`` builds for an empty plan, serialized as every plan is) at each batch size and
+
+* times it unprofiled, in interleaved passes; a pass slower than the best by more than
+  ``tolerance`` on any batch size is a disturbance (this machine has 1.3-2.2x slowdown episodes
+  lasting seconds) and is rejected, and passes go on until ``min_passes`` agree;
+* profiles it and takes each op's time from the kernel events (``memtrace.op_events``), the
+  minimum over the profiled steps; the profiler adds 6-16 % and cheap or fused ops emit no event,
+  so only each op's *share* of the profiled step is kept, and the shares are scaled to the
+  unprofiled step time; each op's time is then fitted as ``a + b * batch``, as tensor sizes are;
+* times chains of copies between the placement's accelerator and host (CPU:0 <-> CPU:1 on the
+  testbed, GPU <-> CPU on a GPU) for the link's bandwidth and per-copy latency;
+* times a swapped step (threshold 1) beside each unswapped one, in the same passes, and fits the
+  copies' contention with compute (``DeviceModel.copy_contention``: seconds lost per second of
+  copying, as copies share the testbed's two cores) to what the replay does not explain.
+
+The result, a ``simulator.CalibratedDevice``, serves every batch size of a graph captured from
+the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take it as their device.
+``CalibrationError`` (bad input, exit 2 in the CLI): the model does not run at a calibration batch
+size, or a calibration is used on another model's graph (``CalibrationMismatchError``).
+
+``timed_passes`` is the timing helper both the calibration and ``benchmarks/step_time.py`` use, so
+that predictions and measurements are taken the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from rewriter import memtrace
+from rewriter.apply import PlanError, apply as apply_plan
+from rewriter.capture import CaptureError, capture, synthetic_batch
+from rewriter.placement import GpuPlacement, Placement, resolve as resolve_placement
+from simulator.devices import CalibratedDevice, CalibrationError, DeviceModel, get_device
+from simulator.graph import OpGraph
+from simulator.planning import SwapParams, SwapPlan, plan_swaps
+from simulator.replay import replay
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CalibrationError", "LinkFit", "PassTimes", "calibrate", "measure_link", "profiled_op_seconds",
+           "timed_passes"]
+
+# the preset a GPU without one of its own is modelled on (autotune.tuning.DEFAULT_DEVICE)
+FALLBACK_PRESET = "v100-16gb"
+# the swapped step the contention is fitted on: every far read of every activation swapped
+CONTENTION_PARAMS = SwapParams(threshold=1)
+# a fitted contention above this is the timing's noise, not the copies': on two cores a copy can at
+# most take the core a compute thread had, costing the step about its own duration (1) and a little more
+# where copies and kernels compete for memory bandwidth
+MAX_CONTENTION = 1.5
+# copy sizes the link is timed at (bytes): the range of a small model's activations
+LINK_SIZES_BYTES = (4, 2**16, 2**20, 2**22, 2**24)
+
+
+# ---------------------------------------------------------------------- timing with rejection
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Step times of several callables, measured in interleaved passes.
+
+    ``step_s[key]``: the median step time over the accepted passes; ``all_s[key]``: every timed step
+    (accepted passes only); ``pass_medians[key]``: each pass's median, accepted or not;
+    ``accepted``: per pass, whether it was; ``consistent``: whether ``min_passes`` passes agreed."""
+
+    step_s: dict[Any, float]
+    all_s: dict[Any, list[float]]
+    pass_medians: dict[Any, list[float]]
+    accepted: list[bool]
+    consistent: bool
+
+    def spread(self, key) -> float:
+        """Range over median of the accepted passes' medians of ``key`` (0 with one pass)."""
+        kept = [m for m, ok in zip(self.pass_medians[key], self.accepted) if ok]
+        return (max(kept) - min(kept)) / statistics.median(kept) if len(kept) > 1 else 0.0
+
+
+def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 3, min_pass_s: float = 0.3,
+                 min_passes: int = 3, max_passes: int = 8, tolerance: float = 0.08,
+                 between: Callable[[], None] | None = None) -> PassTimes:
+    """Time every callable of ``calls`` (key -> call of one step; warmed up) in passes, each pass
+    running every key for ``steps_per_pass`` steps or ``min_pass_s`` seconds, whichever is more,
+    until ``min_passes`` passes agree: a pass whose median on any key is more than ``tolerance``
+    above that key's best pass median is rejected (the machine slowed down, not the step). When
+    ``max_passes`` are run without that many agreeing, the ``min_passes`` closest passes are used
+    (``consistent`` is then False). ``between`` runs after each pass (e.g. restoring weights)."""
+    if steps_per_pass < 1 or min_passes < 1 or max_passes < min_passes:
+        raise ValueError("steps_per_pass and min_passes must be >= 1, max_passes >= min_passes")
+    steps: dict[Any, list[list[float]]] = {key: [] for key in calls}
+    count = dict.fromkeys(calls, steps_per_pass)
+    worst: list[float] = []
+    for p in range(max_passes):
+        for key, call in calls.items():
+            times = []
+            for _ in range(count[key]):
+                start = time.perf_counter()
+                _block(call())
+                times.append(time.perf_counter() - start)
+            steps[key].append(times)
+            if p == 0:  # short steps: more of them per pass, so a pass is not one scheduler tick
+                count[key] = max(steps_per_pass, int(np.ceil(min_pass_s / max(min(times), 1e-6))))
+        if between is not None:
+            between()
+        worst = _worst_ratios(steps)
+        if sum(w <= 1 + tolerance for w in worst) >= min_passes:
+            break
+    accepted = [w <= 1 + tolerance for w in worst]
+    consistent = sum(accepted) >= min_passes
+    if not consistent:
+        log.warning("timing: only %d of %d passes agreed within %.0f %% (the machine was busy): using the %d "
+                    "closest", sum(accepted), len(accepted), 100 * tolerance, min_passes)
+        cut = sorted(worst)[min_passes - 1]
+        accepted = [w <= cut for w in worst]
+    pass_medians = {key: [statistics.median(t) for t in runs] for key, runs in steps.items()}
+    kept = {key: [s for runs, ok in zip(steps[key], accepted) if ok for s in runs] for key in calls}
+    return PassTimes(step_s={key: float(statistics.median(v)) for key, v in kept.items()}, all_s=kept,
+                     pass_medians=pass_medians, accepted=accepted, consistent=consistent)
+
+
+def _worst_ratios(steps: dict[Any, list[list[float]]]) -> list[float]:
+    """Per pass: the largest ratio, over keys, of its median to that key's best pass median."""
+    n_passes = len(next(iter(steps.values())))
+    worst = [1.0] * n_passes
+    for runs in steps.values():
+        medians = [statistics.median(t) for t in runs]
+        best = min(medians)
+        for p, m in enumerate(medians):
+            worst[p] = max(worst[p], m / best)
+    return worst
+
+
+def _block(result: Any) -> None:
+    for tensor in tf.nest.flatten(result):
+        if hasattr(tensor, "numpy"):
+            tensor.numpy()
+
+
+# ---------------------------------------------------------------------- per-op times
+
+
+def profiled_op_seconds(call: Callable[[], Any], *, steps: int = 3, sessions: int = 2,
+                        placement: Placement | None = None) -> pd.Series:
+    """Each op's time (seconds, by op name) in the profiled step: the minimum over ``steps`` calls
+    in each of ``sessions`` profiler sessions (a disturbed step only raises what the minimum drops).
+    On a GPU, the kernels' times on ``/device:GPU:0`` summed per op and step (``_gpu_op_seconds``)."""
+    best: pd.Series | None = None
+    for _ in range(sessions):
+        space = memtrace.profile_call(call, calls=steps)
+        if isinstance(placement, GpuPlacement):
+            per_op = _gpu_op_seconds(space, steps)
+        else:
+            events = memtrace.op_events(space)
+            per_op = events.groupby("op")["duration_ps"].min() * 1e-12
+        best = per_op if best is None else pd.concat([best, per_op], axis=1).min(axis=1)
+    return best if best is not None else pd.Series(dtype=float)
+
+
+def _gpu_op_seconds(space, steps: int) -> pd.Series:
+    """Kernel time per op on a GPU: kernel events on the ``/device:GPU:0`` plane name their op in the
+    ``tf_op`` stat or in the launch's ``kernel_annotation`` (``...::node:type``); an op's kernels are
+    summed and divided by the steps profiled. Kept thin and untested here (no GPU on this machine)."""
+    rows = []
+    for plane in space.planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        wanted = {mid for mid, m in plane.stat_metadata.items() if m.name in ("tf_op", "kernel_annotation")}
+        for line in plane.lines:
+            for ev in line.events:
+                for stat in ev.stats:
+                    if stat.metadata_id in wanted:
+                        value = (plane.stat_metadata[stat.ref_value].name if stat.WhichOneof("value") == "ref_value"
+                                 else stat.str_value)
+                        rows.append((value.rsplit("::", 1)[-1].rsplit(":", 1)[0], ev.duration_ps))
+                        break
+    table = pd.DataFrame(rows, columns=["op", "duration_ps"])
+    return table.groupby("op")["duration_ps"].sum() * 1e-12 / max(steps, 1)
+
+
+def _fit_lines(batch_sizes: Sequence[int], values: np.ndarray) -> np.ndarray:
+    """Least-squares (a, b) of ``values[:, k] = a + b * batch_sizes[k]`` per row."""
+    x = np.asarray(batch_sizes, dtype=np.float64)
+    design = np.stack([np.ones_like(x), x], axis=1)
+    coefficients, *_ = np.linalg.lstsq(design, values.T, rcond=None)
+    return coefficients.T
+
+
+# ---------------------------------------------------------------------- the link
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """Copy time ``latency_s + bytes / bytes_per_s`` between the accelerator and the host, from the
+    marginal time per copy in chains of copies (``per_copy_s`` per size in ``sizes_bytes``)."""
+
+    bytes_per_s: float
+    latency_s: float
+    sizes_bytes: tuple[int, ...]
+    per_copy_s: tuple[float, ...]
+
+
+def measure_link(placement: Placement, *, sizes_bytes: Sequence[int] = LINK_SIZES_BYTES, chain: int = 32,
+                 repeats: int = 7) -> LinkFit:
+    """Time chains of copies ping-ponged between ``placement.accelerator`` and ``placement.host`` with
+    the placement's swap op (DeepCopy on the testbed, Identity across a GPU's link): the time of a
+    chain of ``chain`` copies minus one of ``chain // 4``, per extra copy, is one copy's cost (the
+    call's own overhead cancels). Minimum over ``repeats``; bandwidth and latency by a least-squares
+    fit in relative terms, so small and large copies count alike."""
+    copy = tf.raw_ops.DeepCopy if placement.swap_op == "DeepCopy" else tf.identity
+    short = max(1, chain // 4)
+
+    def chain_of(n: int):
+        @tf.function(autograph=False)
+        def run(x):
+            for k in range(n):
+                with tf.device(placement.host if k % 2 == 0 else placement.accelerator):
+                    x = copy(x=x) if copy is tf.raw_ops.DeepCopy else copy(x)
+            with tf.device(placement.accelerator):
+                return x[:1] + 0.0
+        return run
+
+    long_run, short_run = chain_of(chain), chain_of(short)
+    per_copy = []
+    for size in sizes_bytes:
+        with tf.device(placement.accelerator):
+            x = tf.ones([max(1, int(size) // 4)], tf.float32)
+        for run in (long_run, short_run):
+            _block(run(x))
+        best_long = best_short = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _block(long_run(x))
+            best_long = min(best_long, time.perf_counter() - start)
+            start = time.perf_counter()
+            _block(short_run(x))
+            best_short = min(best_short, time.perf_counter() - start)
+        per_copy.append(max(best_long - best_short, 0.0) / (chain - short))
+    sizes = np.asarray([max(4, int(s) // 4 * 4) for s in sizes_bytes], dtype=np.float64)
+    seconds = np.asarray(per_copy)
+    # minimise the relative error of latency + bytes / bandwidth: rows scaled by 1 / measured time
+    weight = 1.0 / np.maximum(seconds, 1e-9)
+    design = np.stack([np.ones_like(sizes), sizes], axis=1) * weight[:, None]
+    (latency, inverse_bandwidth), *_ = np.linalg.lstsq(design, seconds * weight, rcond=None)
+    if inverse_bandwidth <= 0:  # noise beat the signal: bandwidth from the largest copy alone
+        inverse_bandwidth = seconds[-1] / sizes[-1]
+    return LinkFit(bytes_per_s=float(1.0 / inverse_bandwidth), latency_s=float(max(latency, 0.0)),
+                   sizes_bytes=tuple(int(s) for s in sizes), per_copy_s=tuple(float(s) for s in per_copy))
+
+
+# ---------------------------------------------------------------------- calibrate
+
+
+@dataclass
+class _Step:
+    """One built step at one batch size and the call that runs it on fixed inputs."""
+
+    batch: int
+    graph: OpGraph
+    step: Any
+    flat: list = field(repr=False)
+
+    def call(self):
+        return self.step.run_flat(*self.flat)
+
+
+def _batch_sizes(batch_sizes) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(b) for b in batch_sizes}))
+    except (TypeError, ValueError):
+        raise CalibrationError(f"batch sizes must be integers, got {batch_sizes!r}") from None
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise CalibrationError(f"calibration needs at least two distinct positive batch sizes, got {batch_sizes!r}")
+    return sizes
+
+
+def _build(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement, shapes: dict, *,
+           warm: bool = True) -> _Step:
+    """The rewritten step at ``batch`` (run twice with ``warm``: the first call optimizes the
+    function); errors of a model that cannot run there become a ``CalibrationError``."""
+    with _cannot_run(model, graph, batch):
+        step = apply_plan(model, plan, graph=graph, batch_size=batch, placement=place, verify=False, **shapes)
+        x, y = synthetic_batch(model, batch, **shapes)
+        built = _Step(batch, graph, step, step._flat_inputs(x, y))
+    if warm:
+        _warm(model, built)
+    return built
+
+
+def _warm(model, built: _Step) -> None:
+    with _cannot_run(model, built.graph, built.batch):
+        for _ in range(2):
+            _block(built.call())
+
+
+@contextlib.contextmanager
+def _cannot_run(model, graph: OpGraph, batch: int):
+    """Errors of a model that cannot build or run its step at ``batch``, as a ``CalibrationError``."""
+    try:
+        yield
+    except (tf.errors.OpError, CaptureError, PlanError, ValueError, TypeError, MemoryError) as error:
+        name = str(graph.meta.get("model", getattr(model, "name", "model")))
+        raise CalibrationError(f"model {name!r} cannot run a training step at batch size {batch} "
+                               f"({type(error).__name__}: {_first_line(error)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement | str | None = None, *,
+              preset: DeviceModel | str | None = None, input_shapes=None, label_shapes=None, label_dtype=None,
+              name: str | None = None, graph_rewrites: Sequence[str] = (), steps_per_pass: int = 3, min_passes: int = 3,
+              max_passes: int = 8, tolerance: float = 0.08, profiled_steps: int = 3,
+              profile_sessions: int = 2, contention: bool = True) -> CalibratedDevice:
+    """Measure ``model``'s step on this machine and return a ``CalibratedDevice`` for its graphs.
+
+    ``model``: a compiled Keras model (as for ``rewriter.capture``). ``batch_sizes``: at least two
+    the machine can run (small ones are cheap; a batch far above them is extrapolated linearly per
+    op). ``placement``: as for ``rewriter.apply`` (default: a visible GPU, else the CPU testbed).
+    ``preset``: the device model whose memory figures and roofline the result keeps (default: the
+    placement's, ``cpu-testbed`` on the testbed). ``input_shapes`` ... ``graph_rewrites``: as for
+    ``rewriter.capture`` (capture the graphs to simulate with the same ones: the result refuses graphs
+    of other shapes or structure as another model's). The model's
+    variables are restored afterwards. Raises ``CalibrationError`` for a model that cannot run.
+    """
+    sizes = _batch_sizes(batch_sizes)
+    place = resolve_placement(placement)
+    base = get_device(preset or place.simulator_device or FALLBACK_PRESET) if not isinstance(preset, DeviceModel) \
+        else preset
+    shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
+    started = time.perf_counter()
+    try:
+        graph = capture(model, sizes[0], name=name, graph_rewrites=graph_rewrites, **shapes)
+    except (CaptureError, tf.errors.OpError, ValueError, TypeError, MemoryError) as error:
+        raise CalibrationError(f"model {getattr(model, 'name', 'model')!r} cannot be captured at batch sizes "
+                               f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {_first_line(error)})") from None
+    steps = {b: _build(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, shapes, warm=False)
+             for b in sizes}
+    snapshot = steps[sizes[0]].step.snapshot()  # the model's variables, before any step ran
+    try:
+        for built in steps.values():
+            _warm(model, built)
+        return _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, started,
+                          steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
+                          tolerance=tolerance, profiled_steps=profiled_steps, profile_sessions=profile_sessions,
+                          contention=contention)
+    finally:
+        snapshot.restore()
+
+
+def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, started, *, steps_per_pass, min_passes,
+               max_passes, tolerance, profiled_steps, profile_sessions, contention) -> CalibratedDevice:
+    notes = []
+    # ---- per-op shares of the profiled step, at each batch size
+    names = graph.op_name.tolist()
+    shares = np.zeros((graph.n_ops, len(sizes)))
+    coverage, profiled_s = [], []
+    for k, b in enumerate(sizes):
+        per_op = profiled_op_seconds(steps[b].call, steps=profiled_steps, sessions=profile_sessions, placement=place)
+        snapshot.restore()
+        seen = per_op.reindex(names).fillna(0.0).to_numpy()
+        if not seen.sum() > 0:
+            raise CalibrationError(f"the profiler recorded no op of the step at batch size {b} "
+                                   f"(is another profiler session running?)")
+        shares[:, k] = seen / seen.sum()
+        coverage.append(float((seen > 0).mean()))
+        profiled_s.append(float(seen.sum()))
+    # ---- unprofiled step times, interleaved and disturbances rejected; the contention plan beside them
+    calls = {b: steps[b].call for b in sizes}
+    swapped: dict[int, SwapPlan] = {}
+    top = sizes[-1]
+    for b in sizes if contention else ():
+        plan = plan_swaps(graph.with_batch(b), CONTENTION_PARAMS, kept_reads=base.kept_reads)
+        if plan.n_swaps:
+            swapped[b] = plan
+            calls[("swapped", b)] = _build(model, plan, graph.with_batch(b), b, place, shapes).call
+    timing = timed_passes(calls, steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
+                          tolerance=tolerance, between=snapshot.restore)
+    if not timing.consistent:
+        notes.append(f"only {sum(timing.accepted)} of {len(timing.accepted)} timing passes agreed within "
+                     f"{100 * tolerance:.0f} %: the machine was busy, the figures are less certain")
+    step_s = np.array([timing.step_s[b] for b in sizes])
+    seconds = shares * step_s[None, :]  # each op's share of the unprofiled step
+    ab = _fit_lines(sizes, seconds)
+    # ---- the link
+    link = measure_link(place)
+    at_top = graph.with_batch(top)
+    roofline = float(np.sum(base.op_seconds(at_top.op_flops, at_top.op_touched_bytes)))
+
+    def device(alpha: float, notes_now: Sequence[str]) -> CalibratedDevice:
+        return CalibratedDevice.from_preset(
+            base, graph, op_seconds_ab=ab, batch_sizes=sizes, measured_step_s=step_s, h2d_bytes_per_s=link.bytes_per_s,
+            d2h_bytes_per_s=link.bytes_per_s, transfer_latency_s=link.latency_s, copy_contention=alpha,
+            roofline_scale=float(step_s[-1] / roofline) if roofline > 0 else 1.0, notes=notes_now,
+            source=(f"calibrated on this machine by rewriter.calibrate ({place.describe()}); memory figures and "
+                    f"the roofline for ops it did not see from {base.name}"))
+
+    # ---- contention: what the replay does not explain of the swapped steps, per second of copying
+    alpha = 0.0
+    if swapped:
+        unexplained_s = transfer_s = 0.0
+        uncontended = device(0.0, ())
+        for b, plan in swapped.items():
+            predicted = replay(graph.with_batch(b), plan, uncontended)
+            transfer_s += float(np.sum(predicted.swap_out_end_s - predicted.swap_out_start_s)
+                                + np.sum(predicted.swap_in_end_s - predicted.swap_in_start_s))
+            unexplained_s += timing.step_s[("swapped", b)] - predicted.step_s
+        fitted = unexplained_s / transfer_s if transfer_s > 0 else 0.0
+        alpha = min(max(fitted, 0.0), MAX_CONTENTION)
+        notes.append(f"copy contention fitted on the plan threshold=1 at batch sizes {', '.join(map(str, swapped))}: "
+                     f"{1e3 * unexplained_s:.2f} ms the replay does not explain for {1e3 * transfer_s:.2f} ms of "
+                     f"copies, {fitted:.2f}" + ("" if alpha == fitted else f" (taken as {alpha:.2f})"))
+    elif contention:
+        notes.append("no activation to swap: copy contention not measured (0)")
+    notes.append(f"profiled ops: {', '.join(f'{100 * c:.0f} %' for c in coverage)} of the graph's ops emitted an "
+                 "event (fused and cheap ops emit none; their time is in the shares' anchor); the events' fastest "
+                 "times sum to " + ", ".join(f"{100 * p / t:.0f} %" for p, t in zip(profiled_s, step_s))
+                 + " of the unprofiled step")
+    notes.append(f"link: {link.bytes_per_s / 1e9:.1f} GB/s, {link.latency_s * 1e6:.1f} us per copy (copies of "
+                 + ", ".join(f"{s} B: {t * 1e6:.1f} us" for s, t in zip(link.sizes_bytes, link.per_copy_s)) + ")")
+    notes.append(f"calibration took {time.perf_counter() - started:.0f} s")
+    calibrated = device(alpha, notes)
+    log.info("calibrated %s", calibrated.describe())
+    return calibrated
