@@ -72,7 +72,8 @@ def test_a_confirmed_plan_fits_and_says_so(cnn, capsys, tmp_path):
                              "--trials", 30, "--out", out, "--quiet")
     summary = _outputs_agree(out, stdout)
     assert code == 0, stdout + err
-    assert summary["verdict"] == "fits" and summary["confirmed_by_measurement"] is True
+    # the plan may swap or only reorder (the memory order alone can meet this budget): confirmed either way
+    assert summary["verdict"] in ("fits", "fits-without-swapping") and summary["confirmed_by_measurement"] is True
     assert summary["measured_peak_bytes"] <= budget and summary["measured_batch_size"] == BATCH
     assert summary["measured_rounds"][-1]["confirmed"]
 
