@@ -173,23 +173,51 @@ def _lexsort(primary, secondary, start):
 
 @njit(cache=True, nogil=True)
 def stable_argsort(keys):
-    """``np.argsort(keys, kind="stable")``."""
-    return _lexsort(keys, keys, np.arange(len(keys)))
+    """``np.argsort(keys, kind="stable")`` (at once for keys in order already)."""
+    for i in range(1, len(keys)):
+        if keys[i] < keys[i - 1]:
+            return _lexsort(keys, keys, np.arange(len(keys)))
+    return np.arange(len(keys))
+
+
+@njit(cache=True, nogil=True)
+def _radix_argsort(keys, offset, n_values):
+    """``np.argsort(keys, kind="stable")`` for integers with 0 <= key + offset < n_values: returns at
+    once when the keys are in order already, else a least-significant-digit radix sort, 8 bits a
+    pass. Its work grows with the number of keys, not with ``n_values`` (a counting sort over every
+    slot touched the whole step for a few hundred swap-ins)."""
+    n = len(keys)
+    order = np.arange(n)
+    in_order = True
+    for i in range(1, n):
+        if keys[i] < keys[i - 1]:
+            in_order = False
+            break
+    if in_order:
+        return order
+    scratch = np.empty(n, np.int64)
+    count = np.empty(257, np.int64)
+    shift = 0
+    while True:
+        count[:] = 0
+        for i in range(n):
+            count[((keys[order[i]] + offset) >> shift & 255) + 1] += 1
+        for digit in range(256):
+            count[digit + 1] += count[digit]
+        for i in range(n):
+            digit = (keys[order[i]] + offset) >> shift & 255
+            scratch[count[digit]] = order[i]
+            count[digit] += 1
+        order, scratch = scratch, order
+        shift += 8
+        if (n_values - 1) >> shift == 0:
+            return order
 
 
 @njit(cache=True, nogil=True)
 def _slot_argsort(slots, n_slots):
-    """``np.argsort(slots, kind="stable")`` for slots in -1 .. n_slots - 1 (a counting sort)."""
-    count = np.zeros(n_slots + 2, np.int64)
-    for slot in slots:
-        count[slot + 2] += 1
-    for k in range(1, n_slots + 2):
-        count[k] += count[k - 1]
-    order = np.empty(len(slots), np.int64)
-    for i in range(len(slots)):
-        order[count[slots[i] + 1]] = i
-        count[slots[i] + 1] += 1
-    return order
+    """``np.argsort(slots, kind="stable")`` for slots in -1 .. n_slots - 1."""
+    return _radix_argsort(slots, 1, n_slots + 1)
 
 
 @njit(cache=True, nogil=True)
@@ -214,7 +242,7 @@ def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_dura
 
 
 @njit(cache=True, nogil=True)
-def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duration, need, sync_wait,
+def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in_swap, in_duration, need, sync_wait,
              after_copies_out, copies_slot):
     """The event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
@@ -225,8 +253,9 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
     trigger, after the stalls of the slots before. With ``after_copies_out`` swap-in j also waits for
     the copies out of what the op at ``copies_slot[j]`` made. Transfer ends not known yet are -1.0.
     Returns the copies' start and
-    end times, each swap-in's ready time, every slot's finish time with the stalls, and the copies
-    out in queue order."""
+    end times, each swap-in's ready time, every slot's finish time with the stalls, each op's end
+    and start (``order``: the op of each slot, ``duration``: its time), and the copies out in queue
+    order."""
     n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
     in_ready = np.zeros(n_ins)
     in_start = np.zeros(n_ins)
@@ -366,25 +395,33 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
     for k in range(len(late_queue)):
         out_start[late_queue[k]] = late_start[k]
     finish_all = np.empty(n_slots)
+    op_end = np.empty(n_slots)
+    op_start = np.empty(n_slots)
     for s in range(seg_count):
         stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
         for slot in range(seg_slot[s], stop):
-            finish_all[slot] = finish_plain[slot] + seg_shift[s]
-    return out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue
+            finish = finish_plain[slot] + seg_shift[s]
+            finish_all[slot] = finish
+            op_end[order[slot]] = finish
+            op_start[order[slot]] = finish - duration[slot]
+    return out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue
 
 
 @njit(cache=True, nogil=True)
-def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, position, n_ops,
-            out_start, out_end, out_queue, swap_root, home_link, swap_bytes,
-            roots, root_base_free_slot, root_last_slot, moved_links, moved_last,
-            in_swap, in_ready, in_end, in_bytes, need_slot, in_consumer_ptr, in_consumers, far_keys,
-            late_slot, late_key, late_root, late_out):
+def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops,
+            levels_of_slot, n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, home_link, swap_bytes,
+            roots, root_base_free_slot, root_last_slot, moved_links, moved_last, in_swap, in_tensor, in_ready,
+            in_end, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids,
+            late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
-    the host's peak. All byte figures are whole numbers in float64, so sums are
-    exact in any order; times are compared as the numpy code compared them."""
+    the host's peak. Returns the peak slot (the first largest) and the peak per level (``levels_of_slot``;
+    ``sorted_levels``: slots sorted by level, as in the "cto" order, each level's peak taken from its
+    slots alone; otherwise from 0 bytes up), with the per-buffer fields of a Replay. All byte figures
+    are whole numbers (in float64, or ``int_bytes`` and the slots' running sums in int64: exact either
+    way, so sums agree in any order); times are compared as the numpy code compared them. Only what a
+    plan moved is visited, but for one pass over the slots that adds the changes to the baseline."""
     n_slots, n_swaps, n_ins, n_roots = len(duration), len(out_end), len(in_ready), len(roots)
-    start_all = finish_all - duration
     # a copy out frees its buffer in the slot running when it ends; one that ends while the slot's
     # op still waits (a stall) frees it before the op allocates anything: it does not count in that
     # slot (to a nanosecond: the op's start is finish - duration, which rounds differently from the
@@ -394,7 +431,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     for i in out_queue:  # copies end in queue order: each search starts from the last find
         found = _left_near(finish_all, out_end[i], found)
         slot = min(found, n_slots - 1)
-        if out_end[i] <= start_all[slot] + 1e-9:
+        if out_end[i] <= finish_all[slot] - duration[slot] + 1e-9:
             slot -= 1
         out_free_slot[i] = slot
     # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a rewired
@@ -412,9 +449,8 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     # queues the copy on the stream (GPU), or copies at once (CPU testbed)
     in_alloc_slot = np.empty(n_ins, np.int64)
     in_free_slot = np.empty(n_ins, np.int64)
-    found = 0
-    for j in range(n_ins):
-        found = _right_near(finish_all, in_ready[j], found)
+    for j in range(n_ins):  # ready once its trigger slot ended (at the earliest): searched from there
+        found = _right_near(finish_all, in_ready[j], max(trigger_slot[j] + 1, 0))
         in_alloc_slot[j] = min(found, need_slot[j])
         in_free_slot[j] = max(position[in_consumers[in_consumer_ptr[j + 1] - 1]], in_alloc_slot[j])
     n_reads = len(far_keys)
@@ -442,51 +478,102 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     # swap-in's last reader. "Within the slot" rather than "before the op starts": on the CPU testbed
     # the first matches ResNet-50's measured peaks under the fidelity plans (within 0.6 %), the second
     # over-predicted two of them by 4.7 %; the two differ only for a copy that ends while the op runs.
-    n_late = len(late_slot) if n_roots else 0
-    in_place = np.zeros(n_late, np.bool_)
-    for k in range(n_late):
-        where = min(_left(roots, late_root[k]), n_roots - 1)
-        if (roots[where] == late_root[k] and root_last_slot[where] == late_slot[k]
-                and copy_free_slot[where] <= late_slot[k]):
-            in_place[k] = True
-        elif n_reads:
-            where = min(_left(sorted_far_keys, late_key[k]), n_reads - 1)
-            source = late_key[k] // n_ops
-            if (sorted_far_keys[where] == late_key[k] and in_free_slot[group_of_read[where]] == late_slot[k]
-                    and tensor_bytes[source] == tensor_bytes[late_out[k]]):
-                in_place[k] = True
-    in_place_slot = late_slot[:n_late][in_place]
-    in_place_out = late_out[:n_late][in_place]
-
-    # the changes to the baseline, counted in one go
-    delta = np.zeros(n_slots + 1)
+    # Only the forwards of the swapped buffers (``late_by_root``) and of the rewired reads
+    # (``late_by_read``, by read id) can change.
+    marked = np.empty(16, np.int64)
+    n_marked = 0
     for r in range(n_roots):
-        size = tensor_bytes[roots[r]]
+        for m in range(late_root_ptr[roots[r]], late_root_ptr[roots[r] + 1]):
+            k = late_by_root[m]
+            if root_last_slot[r] == late_slot[k] and copy_free_slot[r] <= late_slot[k]:
+                if n_marked == len(marked):
+                    marked = _grown(marked)
+                marked[n_marked] = k
+                n_marked += 1
+    n_first = n_marked
+    for m in range(n_reads):
+        read_id = far_ids[by_key[m]]
+        if read_id < 0:
+            continue
+        for q in range(late_read_ptr[read_id], late_read_ptr[read_id + 1]):
+            k = late_by_read[q]
+            if (in_free_slot[group_of_read[m]] == late_slot[k]
+                    and tensor_bytes[late_key[k] // n_ops] == tensor_bytes[late_out[k]]
+                    and not _holds(marked, n_first, k)):
+                if n_marked == len(marked):
+                    marked = _grown(marked)
+                marked[n_marked] = k
+                n_marked += 1
+    in_place = np.sort(marked[:n_marked])
+    in_place_slot = late_slot[in_place]
+    in_place_out = late_out[in_place]
+
+    # the changes to the baseline, counted in one go; the peaks in the same pass
+    delta = np.zeros(n_slots + 1, np.int64)
+    for r in range(n_roots):
+        size = int_bytes[roots[r]]
         delta[root_base_free_slot[r] + 1] += size
         delta[new_free[r] + 1] -= size
     for j in range(n_ins):
-        delta[in_alloc_slot[j]] += in_bytes[j]
-        delta[in_free_slot[j] + 1] -= in_bytes[j]
+        delta[in_alloc_slot[j]] += int_bytes[in_tensor[j]]
+        delta[in_free_slot[j] + 1] -= int_bytes[in_tensor[j]]
     for k in range(len(in_place_slot)):
-        delta[in_place_slot[k]] -= tensor_bytes[in_place_out[k]]
-        delta[in_place_slot[k] + 1] += tensor_bytes[in_place_out[k]]
-    slot_bytes = baseline_bytes + np.cumsum(delta[:n_slots])
-    wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, roots,
+        delta[in_place_slot[k]] -= int_bytes[in_place_out[k]]
+        delta[in_place_slot[k] + 1] += int_bytes[in_place_out[k]]
+    slot_bytes = np.empty(n_slots, np.int64)
+    level_peak = np.full(n_levels, -np.inf if sorted_levels else 0.0)
+    running = 0
+    peak_slot, peak = 0, baseline_bytes[0] + delta[0]
+    for slot in range(n_slots):
+        running += delta[slot]
+        value = baseline_bytes[slot] + running
+        slot_bytes[slot] = value
+        if value > peak:
+            peak_slot, peak = slot, value
+        if value > level_peak[levels_of_slot[slot]]:
+            level_peak[levels_of_slot[slot]] = value
+    wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots,
                                           new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
                                           in_place_slot, in_place_out)
+    for k in range(len(wait_slots)):  # the waits only raise a few slots
+        slot = wait_slots[k]
+        value = slot_bytes[slot]
+        if value > peak or (value == peak and slot < peak_slot):
+            peak_slot, peak = slot, value
+        if value > level_peak[levels_of_slot[slot]]:
+            level_peak[levels_of_slot[slot]] = value
     host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end)
-    return (slot_bytes, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots, wait_moment,
-            host_peak, host_peak_s)
+    return (peak_slot, float(peak), level_peak, new_free, copy_end, in_alloc_slot, in_free_slot,
+            in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
 
 
 @njit(cache=True, nogil=True)
-def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, roots, root_free_slot,
+def _holds(values, count, value):
+    for k in range(count):
+        if values[k] == value:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _candidate(candidate_of, slots, slot):
+    """``slot``'s number among the sorted ``slots`` through the map ``candidate_of`` (set only at
+    those slots), or -1."""
+    c = candidate_of[slot]
+    return c if 0 <= c < len(slots) and slots[c] == slot else -1
+
+
+@njit(cache=True, nogil=True)
+def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots, root_free_slot,
                 copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
     """Memory during the waits in which a copy out ends after a swap-in was allocated (before the op
     at slot s starts, its wait holds what lives on from slot s-1, the swap-ins allocated so far and the
     swapped buffers whose copy out has not ended, not the op's own outputs). Raises ``slot_bytes`` in
-    place where a wait's peak is larger; returns those slots and the moments of their peaks."""
+    place where a wait's peak is larger; returns those slots and the moments of their peaks. A wait
+    needs a copy out ending in it: only the slots right after such buffers' last (the candidates)
+    and the swap-ins allocated there are visited."""
     n_slots, n_roots, n_ins = len(slot_bytes), len(roots), len(in_ready)
+    empty = (np.zeros(0, np.int64), np.zeros(0))
     # roots whose copy out frees them after their last slot ended: in the next slot's wait
     root_slot = np.full(n_roots, -1, np.int64)
     n_waiting = 0
@@ -496,60 +583,94 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, ro
             root_slot[r] = root_free_slot[r] + 1
             n_waiting += 1
     if n_waiting == 0 or n_ins == 0:
-        return np.zeros(0, np.int64), np.zeros(0)
-    in_wait = np.zeros(n_ins, np.bool_)
-    first_in = np.full(n_slots, np.inf)
-    for j in range(n_ins):
-        if in_ready[j] < start_all[in_alloc_slot[j]] - 1e-9:  # allocated before its slot's op starts
-            in_wait[j] = True
-            first_in[in_alloc_slot[j]] = min(first_in[in_alloc_slot[j]], in_ready[j])
-    last_end = np.zeros(n_slots)
+        return empty
+    # the slots such a copy out ends in (sorted, distinct), the last end in each
+    slots = np.empty(n_waiting, np.int64)
+    k = 0
     for r in range(n_roots):
         if root_slot[r] >= 0:
-            last_end[root_slot[r]] = max(last_end[root_slot[r]], copy_end[r])
+            slots[k] = root_slot[r]
+            k += 1
+    slots = np.unique(slots)
+    n_candidates = len(slots)
+    # each candidate slot's number, valid where slots[number] == slot (unset entries are never trusted:
+    # no pass over all slots)
+    candidate_of = np.empty(n_slots, np.int64)
+    for c in range(n_candidates):
+        candidate_of[slots[c]] = c
+    last_end = np.zeros(n_candidates)
+    for r in range(n_roots):
+        if root_slot[r] >= 0:
+            c = candidate_of[root_slot[r]]
+            last_end[c] = max(last_end[c], copy_end[r])
+    # the swap-ins allocated at a candidate slot; those allocated before its op starts, the first
+    # of them per candidate
+    at = np.empty(n_ins, np.int64)
+    at_wait = np.empty(n_ins, np.bool_)
+    n_at = 0
+    first_in = np.full(n_candidates, np.inf)
+    for j in range(n_ins):
+        c = _candidate(candidate_of, slots, in_alloc_slot[j])
+        if c >= 0:
+            slot = in_alloc_slot[j]
+            at[n_at] = j
+            at_wait[n_at] = in_ready[j] < finish_all[slot] - duration[slot] - 1e-9
+            if at_wait[n_at]:
+                first_in[c] = min(first_in[c], in_ready[j])
+            n_at += 1
     is_wait = last_end > first_in + 1e-9
     n_waits = 0
-    for s in range(n_slots):
-        n_waits += is_wait[s]
+    for c in range(n_candidates):
+        n_waits += is_wait[c]
     if n_waits == 0:
-        return np.zeros(0, np.int64), np.zeros(0)
+        return empty
     # each wait starts with what lives on from the slot before, and the buffers copied out in it
-    start_bytes = slot_bytes - alloc_bytes[:n_slots]
+    start_bytes = np.empty(n_candidates)
+    for c in range(n_candidates):
+        start_bytes[c] = slot_bytes[slots[c]] - alloc_bytes[slots[c]]
     for k in range(len(in_place_slot)):
-        start_bytes[in_place_slot[k]] += tensor_bytes[in_place_out[k]]
-    for j in range(n_ins):
-        start_bytes[in_alloc_slot[j]] -= in_bytes[j]
+        c = _candidate(candidate_of, slots, in_place_slot[k])
+        if c >= 0:
+            start_bytes[c] += tensor_bytes[in_place_out[k]]
+    for a in range(n_at):
+        start_bytes[candidate_of[in_alloc_slot[at[a]]]] -= in_bytes[at[a]]
     # then its events: copies out ending (frees first at the same instant, to a ns), swap-ins allocated
     n_events = 0
     for r in range(n_roots):
         if root_slot[r] >= 0:
-            start_bytes[root_slot[r]] += tensor_bytes[roots[r]]
-            n_events += is_wait[root_slot[r]]
-    for j in range(n_ins):
-        n_events += in_wait[j] and is_wait[in_alloc_slot[j]]
-    event_slot = np.empty(n_events, np.int64)
+            c = candidate_of[root_slot[r]]
+            start_bytes[c] += tensor_bytes[roots[r]]
+            n_events += is_wait[c]
+    for a in range(n_at):
+        n_events += at_wait[a] and is_wait[candidate_of[in_alloc_slot[at[a]]]]
+    event_candidate = np.empty(n_events, np.int64)
     event_time = np.empty(n_events)
     event_bytes = np.empty(n_events)
     k = 0
     for r in range(n_roots):
-        if root_slot[r] >= 0 and is_wait[root_slot[r]]:
-            event_slot[k], event_time[k], event_bytes[k] = root_slot[r], copy_end[r] - 1e-9, -tensor_bytes[roots[r]]
+        if root_slot[r] >= 0 and is_wait[candidate_of[root_slot[r]]]:
+            event_candidate[k] = candidate_of[root_slot[r]]
+            event_time[k], event_bytes[k] = copy_end[r] - 1e-9, -tensor_bytes[roots[r]]
             k += 1
-    for j in range(n_ins):
-        if in_wait[j] and is_wait[in_alloc_slot[j]]:
-            event_slot[k], event_time[k], event_bytes[k] = in_alloc_slot[j], in_ready[j], in_bytes[j]
+    for a in range(n_at):
+        j = at[a]
+        if at_wait[a] and is_wait[candidate_of[in_alloc_slot[j]]]:
+            event_candidate[k] = candidate_of[in_alloc_slot[j]]
+            event_time[k], event_bytes[k] = in_ready[j], in_bytes[j]
             k += 1
+    # by slot (candidate), then time, bytes and index: sorted by time, then grouped stably by slot
     by_time = _lexsort(event_time, event_bytes, np.arange(n_events))
-    by_slot = by_time[_slot_argsort(event_slot[by_time], n_slots)]  # by slot, time, bytes, index
+    by_slot = by_time[_radix_argsort(event_candidate[by_time], 0, n_candidates)]
     wait_slots = np.empty(n_waits, np.int64)
     wait_moment = np.empty(n_waits)
     n_higher = 0
     k = 0
     while k < n_events:  # one wait (slot) at a time, its events in time order: its largest moment
-        slot = event_slot[by_slot[k]]
-        running = start_bytes[slot]
+        c = event_candidate[by_slot[k]]
+        slot = slots[c]
+        running = start_bytes[c]
         best, best_time = -np.inf, 0.0
-        while k < n_events and event_slot[by_slot[k]] == slot:
+        while k < n_events and event_candidate[by_slot[k]] == c:
             running += event_bytes[by_slot[k]]
             if running > best:
                 best, best_time = running, event_time[by_slot[k]]
@@ -564,85 +685,213 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, ro
 @njit(cache=True, nogil=True)
 def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end):
     """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in
-    (frees before allocations at the same instant). The copies out start in queue order
-    (``out_queue``) and are mostly back in the reverse order: the sort starts from that guess."""
+    (frees before allocations at the same instant; events ordered by time, size, then index with
+    the copies out before the frees). The copies out start in queue order (one engine, first in
+    first out) and are mostly back in the reverse order: each side is sorted from that guess, then
+    the two are merged."""
     n_swaps = len(swap_bytes)
     if n_swaps == 0:
         return 0.0, 0.0
     host_free = np.zeros(n_swaps)
     for j in range(len(in_swap)):
         host_free[in_swap[j]] = max(host_free[in_swap[j]], in_end[j])
-    times = np.concatenate((out_start, host_free))
-    sizes = np.concatenate((swap_bytes, -swap_bytes))
-    guess = np.concatenate((out_queue, n_swaps + out_queue[::-1]))
-    by_time = _lexsort(times, sizes, guess)
-    running = np.cumsum(sizes[by_time])
-    top = np.argmax(running)
-    return max(0.0, running[top]), times[by_time[top]]
+    outs = out_queue
+    for k in range(1, n_swaps):
+        a, b = out_queue[k - 1], out_queue[k]
+        if not _before(out_start[a], swap_bytes[a], a, out_start[b], swap_bytes[b], b):
+            outs = _lexsort(out_start, swap_bytes, out_queue)
+            break
+    frees = _lexsort(host_free, -swap_bytes, out_queue[::-1].copy())
+    running, best, best_time = 0.0, -np.inf, 0.0
+    a = b = 0
+    while a < n_swaps or b < n_swaps:
+        if b == n_swaps or (a < n_swaps and _before(out_start[outs[a]], swap_bytes[outs[a]], outs[a],
+                                                    host_free[frees[b]], -swap_bytes[frees[b]], n_swaps + frees[b])):
+            running += swap_bytes[outs[a]]
+            time = out_start[outs[a]]
+            a += 1
+        else:
+            running += -swap_bytes[frees[b]]
+            time = host_free[frees[b]]
+            b += 1
+        if running > best:
+            best, best_time = running, time
+    return max(0.0, best), best_time
 
 
 @njit(cache=True, nogil=True)
-def rewired_lifetimes(use_ptr, use_slot, use_id, use_segment, seg_ptr, seg_head, link_key, link_id, seg_parent,
-                      segment, read_keys, n_tensors, roots, far_keys, tensors):
-    """``buffers.rewired_lifetimes`` (which documents it) on the arrays of ``buffers.Buffers`` and
-    ``buffers._read_ids``: per root the last slot still reading the original buffer, the cut links
-    with the last slot of what lives past them, and per tensor the link that carried it away."""
-    # which read ids the plan rewires (the last entry: id -1, no read)
-    n_keys = len(read_keys)
+def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor, read_consumer):
+    """Which read ids (``buffers.RewireTables``) the reads (``read_tensor``, ``read_consumer``)
+    rewire (the last entry: id -1, no read), and each read's id (-1: not a read of the graph)."""
     rewired = np.zeros(n_keys + 1, np.bool_)
-    where = 0
-    for key in far_keys:  # usually in order: each search starts from the last find
-        where = _left_near(read_keys, key, where)
-        if where < n_keys and read_keys[where] == key:
-            rewired[where] = True
+    read_ids = np.full(len(read_tensor), -1, np.int64)
+    for k in range(len(read_tensor)):
+        for e in range(tensor_read_ptr[read_tensor[k]], tensor_read_ptr[read_tensor[k] + 1]):
+            if tensor_read_consumer[e] == read_consumer[k]:
+                read_ids[k] = tensor_read_id[e]
+                rewired[tensor_read_id[e]] = True
+                break
+    return rewired, read_ids
+
+
+@njit(cache=True, nogil=True)
+def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+               rewired, roots, tensors, tensor_root):
+    """``rewired_lifetimes`` once the rewired read ids are known (``tensor_root``: the index in
+    ``roots`` of each of ``tensors``' root). Segments are numbered locally, the roots' one after
+    the other (a root's segment numbers are consecutive in the tables); a segment's last use is
+    its latest not rewired, found from the latest down (the rewired reads are the late ones)."""
     n_roots = len(roots)
-    # segments of the roots, grouped by root, parents before children; their local numbers
-    n_segments = 0
+    base = np.empty(n_roots + 1, np.int64)  # each root's first local number
+    base[0] = 0
     for r in range(n_roots):
-        n_segments += seg_ptr[roots[r] + 1] - seg_ptr[roots[r]]
-    local = np.full(n_tensors, -1, np.int64)
-    heads = np.empty(n_segments, np.int64)
-    k = 0
-    for r in range(n_roots):
-        for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
-            heads[k] = seg_head[m]
-            local[seg_head[m]] = k
-            k += 1
-    segment_last = np.full(n_segments, -1, np.int64)
-    for r in range(n_roots):
-        for u in range(use_ptr[roots[r]], use_ptr[roots[r] + 1]):
-            slot = -1 if rewired[use_id[u]] else use_slot[u]
-            s = local[use_segment[u]]
-            if slot > segment_last[s]:
-                segment_last[s] = slot
+        base[r + 1] = base[r] + seg_ptr[roots[r] + 1] - seg_ptr[roots[r]]
+    n_segments = base[n_roots]
+    segment_last = np.empty(n_segments, np.int64)
     # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut, or
     # the root's: parents come first, so one pass settles each
     cut = np.empty(n_segments, np.bool_)
     owner = np.empty(n_segments, np.int64)
     n_cut = 0
-    for s in range(n_segments):
-        cut[s] = rewired[link_id[heads[s]]]
-        n_cut += cut[s]
-        parent = seg_parent[heads[s]]
-        owner[s] = owner[local[parent]] if parent >= 0 and not cut[s] else s
+    for r in range(n_roots):
+        shift = base[r] - seg_ptr[roots[r]]
+        for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
+            s = m + shift
+            last = -1
+            for u in range(seg_use_ptr[m], seg_use_ptr[m + 1]):
+                if not rewired[seg_use_id[u]]:
+                    last = seg_use_slot[u]
+                    break
+            segment_last[s] = last
+            cut[s] = rewired[seg_link_id[m]]
+            n_cut += cut[s]
+            owner[s] = owner[seg_parent[m] + shift] if seg_parent[m] >= 0 and not cut[s] else s
     owner_last = np.full(n_segments, -1, np.int64)
     for s in range(n_segments):
         owner_last[owner[s]] = max(owner_last[owner[s]], segment_last[s])
     root_last = np.empty(n_roots, np.int64)
-    for r in range(n_roots):
-        root_last[r] = owner_last[local[roots[r]]]
     cut_links = np.empty(n_cut, np.int64)
     cut_last = np.empty(n_cut, np.int64)
     k = 0
-    for s in range(n_segments):
-        if cut[s]:
-            cut_links[k], cut_last[k] = link_key[heads[s]], owner_last[s]
-            k += 1
+    for r in range(n_roots):
+        shift = base[r] - seg_ptr[roots[r]]
+        root_last[r] = owner_last[tensor_segment[roots[r]] + shift]
+        if n_cut:
+            for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
+                if cut[m + shift]:
+                    cut_links[k], cut_last[k] = seg_link_key[m], owner_last[m + shift]
+                    k += 1
     home_link = np.empty(len(tensors), np.int64)
     for i in range(len(tensors)):
-        home = owner[local[segment[tensors[i]]]]
-        home_link[i] = link_key[heads[home]] if cut[home] else -1
+        shift = base[tensor_root[i]] - seg_ptr[roots[tensor_root[i]]]
+        home = owner[tensor_segment[tensors[i]] + shift]
+        home_link[i] = seg_link_key[home - shift] if cut[home] else -1
     return root_last, cut_links, cut_last, home_link
+
+
+@njit(cache=True, nogil=True)
+def rewired_lifetimes(tensor_read_ptr, tensor_read_consumer, tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id,
+                      seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys, n_ops, roots, far_keys,
+                      tensors, tensor_root):
+    """``buffers.rewired_lifetimes`` (which documents it) on ``buffers.RewireTables``: per root the
+    last slot still reading the original buffer, the cut links with the last slot of what lives past
+    them, and per tensor the link that carried it away."""
+    read_tensor = far_keys // n_ops
+    rewired, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
+                                far_keys - read_tensor * n_ops)
+    return _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+                      tensor_segment, rewired, roots, tensors, tensor_root)
+
+
+@njit(cache=True, nogil=True)
+def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
+                    source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor, trigger,
+                    after, consumer_ptr, consumers):
+    """``fusion.safe_wait_slots`` (which documents it) on the tables of ``fusion.FusionTables``: per
+    swap-in, whether an op it waits for may be fused with one of its consumers, and if so the latest
+    slot among the ops it waits for instead (-1: none). Only swap-ins with a reader in some fusion
+    neighbourhood and (synchronous, or a trigger or ``after`` inside one) are looked at; the sets
+    involved are a few ops, kept in small arrays (``_grown`` when full) and searched linearly."""
+    n = len(tensor)
+    changed = np.zeros(n, np.bool_)
+    slots = np.full(n, -1, np.int64)
+    waits = np.empty(16, np.int64)
+    danger = np.empty(16, np.int64)
+    pending = np.empty(16, np.int64)
+    seen = np.empty(16, np.int64)
+    for j in range(n):
+        near = False
+        for k in range(consumer_ptr[j], consumer_ptr[j + 1]):
+            near |= has_danger[consumers[k]]
+        if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
+            continue
+        # what it waits for, as the rewriter builds it: its trigger, or (synchronous) its first
+        # consumer's other inputs and control predecessors; and ``after`` unless that made the tensor
+        first = consumers[consumer_ptr[j]]
+        capacity = input_ptr[first + 1] - input_ptr[first] + control_ptr[first + 1] - control_ptr[first] + 2
+        if capacity > len(waits):
+            waits = np.empty(2 * capacity, np.int64)
+        n_waits = 0
+        if trigger[j] >= 0:
+            waits[0] = trigger[j]
+            n_waits = 1
+        else:
+            for e in range(input_ptr[first], input_ptr[first + 1]):
+                if input_tensor[e] != tensor[j]:
+                    waits[n_waits] = input_source[e]
+                    n_waits += 1
+            for e in range(control_ptr[first], control_ptr[first + 1]):
+                waits[n_waits] = control_ops[e]
+                n_waits += 1
+        if after[j] >= 0 and after[j] != tensor_producer[tensor[j]]:
+            waits[n_waits] = after[j]
+            n_waits += 1
+        n_danger = 0
+        for k in range(consumer_ptr[j], consumer_ptr[j + 1]):
+            for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
+                if not _holds(danger, n_danger, danger_ops[d]):
+                    if n_danger == len(danger):
+                        danger = _grown(danger)
+                    danger[n_danger] = danger_ops[d]
+                    n_danger += 1
+        hit = False
+        for w in range(n_waits):
+            hit |= _holds(danger, n_danger, waits[w])
+        if not hit:
+            continue
+        # each wait in danger replaced by its own sources, repeatedly: the latest of what is left
+        if n_waits > len(pending):
+            pending = np.empty(2 * n_waits, np.int64)
+        pending[:n_waits] = waits[:n_waits]
+        n_pending, n_seen, latest = n_waits, 0, -1
+        while n_pending:
+            n_pending -= 1
+            op = pending[n_pending]
+            if _holds(seen, n_seen, op):
+                continue
+            if n_seen == len(seen):
+                seen = _grown(seen)
+            seen[n_seen] = op
+            n_seen += 1
+            if _holds(danger, n_danger, op):
+                for e in range(source_ptr[op], source_ptr[op + 1]):
+                    if n_pending == len(pending):
+                        pending = _grown(pending)
+                    pending[n_pending] = source_ops[e]
+                    n_pending += 1
+            elif position[op] > latest:
+                latest = position[op]
+        changed[j] = True
+        slots[j] = latest
+    return changed, slots
+
+
+@njit(cache=True, nogil=True)
+def _grown(values):
+    """``values`` in an array twice as long."""
+    grown = np.empty(2 * len(values), values.dtype)
+    grown[:len(values)] = values
+    return grown
 
 
 @njit(cache=True, nogil=True)
@@ -652,7 +901,8 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
     swap-in's first consumer runs at, the slot whose end releases each swap-in (its trigger's; a
     synchronous one's after the consumer's other inputs, ``replay._other_input_slots``; a fused
     wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the rewired reads
-    (``tensor * n_ops + consumer``); the swapped buffers (sorted) and each swap's among them."""
+    (``tensor * n_ops + consumer``, and their tensors); the swapped buffers (sorted) and each swap's
+    among them."""
     n_swaps, n_ins = len(swap_tensor), len(in_swap)
     out_ready = np.empty(n_swaps, np.int64)
     for i in range(n_swaps):
@@ -661,6 +911,7 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
     trigger_slot = np.empty(n_ins, np.int64)
     copies_slot = np.empty(n_ins, np.int64)
     far_keys = np.empty(len(in_consumers), np.int64)
+    far_tensor = np.empty(len(in_consumers), np.int64)
     for j in range(n_ins):
         first = in_consumers[in_consumer_ptr[j]]
         tensor = swap_tensor[in_swap[j]]
@@ -677,6 +928,7 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
         copies_slot[j] = slot if in_trigger[j] < 0 else planned
         for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
             far_keys[k] = tensor * n_ops + in_consumers[k]
+            far_tensor[k] = tensor
     swap_roots = root[swap_tensor]
     order = stable_argsort(swap_roots)
     swap_root = np.empty(n_swaps, np.int64)
@@ -688,53 +940,87 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
             roots[n_roots] = value
             n_roots += 1
         swap_root[order[k]] = n_roots - 1
-    return out_ready, need, trigger_slot, copies_slot, far_keys, roots[:n_roots].copy(), swap_root
-
-
-MEMO_READS = 4  # readers kept in a swap-in's memo row (rows with more are looked up in Python)
-MEMO_MISSING = -3  # memo_lookup: not in the memo
+    return out_ready, need, trigger_slot, copies_slot, far_keys, far_tensor, roots[:n_roots].copy(), swap_root
 
 
 @njit(cache=True, nogil=True)
-def memo_rows(candidates, tensor, trigger, after, consumer_ptr, consumers):
-    """Per swap-in of ``candidates``: its ``fusion.safe_wait_slots`` memo key as a row (tensor,
-    trigger, after, number of readers, the first MEMO_READS readers, -2 after the last)."""
-    rows = np.full((len(candidates), 4 + MEMO_READS), -2, np.int64)
-    for c in range(len(candidates)):
-        j = candidates[c]
-        n_reads = consumer_ptr[j + 1] - consumer_ptr[j]
-        rows[c, 0], rows[c, 1], rows[c, 2], rows[c, 3] = tensor[j], trigger[j], after[j], n_reads
-        for k in range(min(n_reads, MEMO_READS)):
-            rows[c, 4 + k] = consumers[consumer_ptr[j] + k]
-    return rows
-
-
-@njit(cache=True, nogil=True)
-def _row_less(a, b):
-    for k in range(len(a)):
-        if a[k] != b[k]:
-            return a[k] < b[k]
-    return False
-
-
-@njit(cache=True, nogil=True)
-def memo_lookup(rows, memo, answers):
-    """Each row's answer in the memo (``memo``: rows sorted lexicographically, ``answers`` beside
-    them), MEMO_MISSING where it has none or has more readers than a row holds."""
-    found = np.full(len(rows), MEMO_MISSING, np.int64)
-    for c in range(len(rows)):
-        if rows[c, 3] > MEMO_READS:
+def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
+                             rewired, swap_tensor, sync_out):
+    """Per swapped tensor with a synchronous copy out: the first slot that still reads it on the
+    device (its reads not rewired to a swap-in; they wait for the copy), or when none does, the slot
+    after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
+    where the producer runs last."""
+    n_ops = len(position)
+    sync_wait = np.full(len(swap_tensor), -1, np.int64)
+    for i in range(len(swap_tensor)):
+        if not sync_out[i]:
             continue
-        lo, hi = 0, len(memo)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _row_less(memo[mid], rows[c]):
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < len(memo) and not _row_less(rows[c], memo[lo]):
-            found[c] = answers[lo]
-    return found
+        tensor = swap_tensor[i]
+        earliest = n_ops
+        for e in range(tensor_read_ptr[tensor], tensor_read_ptr[tensor + 1]):
+            if not rewired[tensor_read_id[e]]:
+                earliest = min(earliest, position[tensor_read_consumer[e]])
+        first = earliest if earliest < n_ops else position[tensor_producer[tensor]] + 1
+        if first < n_ops:
+            sync_wait[i] = first
+    return sync_wait
+
+
+@njit(cache=True, nogil=True)
+def replay_plan(order, position, duration, finish_plain, baseline_bytes, alloc_bytes, levels_of_slot, n_levels,
+                sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds, tensor_producer, root,
+                free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer, tensor_read_id, seg_use_ptr,
+                seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys,
+                late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read,
+                has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+                input_source, control_ptr, control_ops,
+                swap_tensor, sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers,
+                after_copies_out):
+    """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
+    passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
+    pass and the memory accounting, in one call. Per-slot work is two passes (finish times and the
+    slots' bytes); the rest visits what the plan moved."""
+    n_ops = len(position)
+    in_tensor = swap_tensor[in_swap]
+    fused_wait, safe_slot = safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_ptr,
+                                            danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+                                            input_source, control_ptr, control_ops, in_tensor, in_trigger, in_after,
+                                            in_consumer_ptr, in_consumers)
+    out_ready_slot, need_slot, trigger_slot, copies_slot, far_keys, far_tensor, roots, swap_root = prepare(
+        position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+        in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
+    # far reads rewired per swapped buffer; the original buffer's remaining readers
+    rewired, far_ids = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, far_tensor,
+                                      in_consumers)
+    root_last_slot, moved_links, moved_last, home_link = _lifetimes(
+        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+        rewired, roots, swap_tensor, swap_root)
+    sync_wait = _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer,
+                                         tensor_read_id, rewired, swap_tensor, sync_out)
+    swap_bytes = tensor_bytes[swap_tensor]
+    in_bytes = tensor_bytes[in_tensor]
+    out_duration = d2h_seconds[swap_tensor]
+    in_duration = h2d_seconds[in_tensor]
+    out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue = schedule(
+        finish_plain, order, duration, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot,
+        sync_wait, after_copies_out, copies_slot)
+    root_base_free_slot = free_slot[roots]
+    (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
+     wait_moment, host_peak, host_peak_s) = account(
+        baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops, levels_of_slot,
+        n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, home_link, swap_bytes, roots,
+        root_base_free_slot, root_last_slot, moved_links, moved_last, in_swap, in_tensor, in_ready, in_end, in_bytes,
+        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids, late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr,
+        late_by_read)
+    level_peak += persistent
+    d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
+    for i in range(len(swap_bytes)):
+        d2h_bytes += swap_bytes[i]
+    for j in range(len(in_bytes)):
+        h2d_bytes += in_bytes[j]
+    return (peak_slot, peak, level_peak, op_end, op_start, finish_all[-1], out_start, out_end, in_start, in_end,
+            in_ready, roots, new_free, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment,
+            host_peak, host_peak_s, d2h_bytes, h2d_bytes, out_duration, in_duration)
 
 
 @njit(cache=True, nogil=True)
