@@ -59,16 +59,40 @@ def _heap_pop(times, items, size):
 
 
 @njit(cache=True, nogil=True)
-def _left(values, x):
-    """``_left(values, x)`` for a scalar (numba's own allocates per call)."""
-    lo, hi = 0, len(values)
+def _left_in(values, lo, hi, x):
+    """``np.searchsorted(values[lo:hi], x, "left") + lo`` for a scalar, without a slice (numba's
+    own searchsorted allocates per call; a slice costs a reference count in a hot loop)."""
     while lo < hi:
-        mid = (lo + hi) // 2
+        mid = (lo + hi) >> 1
         if values[mid] < x:
             lo = mid + 1
         else:
             hi = mid
     return lo
+
+
+@njit(cache=True, nogil=True)
+def _right_in(values, lo, hi, x):
+    """``np.searchsorted(values[lo:hi], x, "right") + lo`` for a scalar."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if x < values[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def _left(values, x):
+    """``np.searchsorted(values, x, "left")`` for a scalar."""
+    return _left_in(values, 0, len(values), x)
+
+
+@njit(cache=True, nogil=True)
+def _right(values, x):
+    """``np.searchsorted(values, x, "right")`` for a scalar."""
+    return _right_in(values, 0, len(values), x)
 
 
 @njit(cache=True, nogil=True)
@@ -78,12 +102,12 @@ def _left_near(values, x, hint):
     n = len(values)
     where = min(hint, n)
     if where > 0 and values[where - 1] >= x:
-        return _left(values[:where], x)
+        return _left_in(values, 0, where, x)
     step = 1
     while where + step < n and values[where + step] < x:
         where += step
         step *= 2
-    return where + _left(values[where:min(where + step + 1, n)], x)
+    return _left_in(values, where, min(where + step + 1, n), x)
 
 
 @njit(cache=True, nogil=True)
@@ -92,31 +116,12 @@ def _right_near(values, x, hint):
     n = len(values)
     where = min(hint, n)
     if where > 0 and values[where - 1] > x:
-        return _right(values[:where], x)
+        return _right_in(values, 0, where, x)
     step = 1
     while where + step < n and values[where + step] <= x:
         where += step
         step *= 2
-    return where + _right(values[where:min(where + step + 1, n)], x)
-
-
-@njit(cache=True, nogil=True)
-def _right(values, x):
-    """``_right(values, x)`` for a scalar."""
-    return _bisect_right(values, len(values), x)
-
-
-@njit(cache=True, nogil=True)
-def _bisect_right(values, count, x):
-    """``bisect.bisect_right(values[:count], x)``."""
-    lo, hi = 0, count
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if x < values[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return _right_in(values, where, min(where + step + 1, n), x)
 
 
 @njit(cache=True, nogil=True)
@@ -224,14 +229,19 @@ def _slot_argsort(slots, n_slots):
 def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start, finish_plain,
                   seg_slot, seg_shift, seg_count, shift):
     """The end of copy out ``i``, scheduling the late copies out in queue order up to it
-    (``cursor[0]``: the next late copy out; ``d2h_free[0]``: when the d2h engine is free)."""
+    (``cursor[0]``: the next late copy out, ``cursor[1]``: the segment of the last one's slot, which
+    only moves on, as their slots do; ``d2h_free[0]``: when the d2h engine is free)."""
     while out_end[i] < 0.0:
         k = cursor[0]
         slot = late_slot[k]  # before the waiting slot at hand: its finish is settled
         if slot >= seg_slot[seg_count - 1]:
             start = finish_plain[slot] + shift
         else:
-            start = finish_plain[slot] + seg_shift[_bisect_right(seg_slot, seg_count, slot) - 1]
+            segment = cursor[1]
+            while segment + 1 < seg_count and seg_slot[segment + 1] <= slot:
+                segment += 1
+            cursor[1] = segment
+            start = finish_plain[slot] + seg_shift[segment]
         if d2h_free[0] > start:
             start = d2h_free[0]
         late_start[k] = start
@@ -254,8 +264,8 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
     the copies out of what the op at ``copies_slot[j]`` made. Transfer ends not known yet are -1.0.
     Returns the copies' start and
     end times, each swap-in's ready time, every slot's finish time with the stalls, each op's end
-    and start (``order``: the op of each slot, ``duration``: its time), and the copies out in queue
-    order."""
+    and start (``order``: the op of each slot, ``duration``: its time), the copies out in queue
+    order and the swap-ins in the order they are copied."""
     n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
     in_ready = np.zeros(n_ins)
     in_start = np.zeros(n_ins)
@@ -316,7 +326,7 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
     late_slot = ready_slots[early:]
     late_duration = durations[early:]
     late_start = np.empty(len(late_queue))
-    cursor = np.zeros(1, np.int64)
+    cursor = np.zeros(2, np.int64)
     d2h_free = np.zeros(1)
     d2h_free[0] = end if early else 0.0
 
@@ -336,6 +346,8 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
     heap_times = np.empty(max(n_ins, 1))
     heap_items = np.empty(max(n_ins, 1), np.int64)
     heap_size = 0
+    in_processed = np.empty(n_ins, np.int64)  # the swap-ins in the order the engine copies them
+    n_processed = 0
     h2d_free = 0.0
     index = 0
     while index < n_waits:
@@ -375,6 +387,8 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
             else:
                 while in_end[item] < 0.0:
                     ready, j, heap_size = _heap_pop(heap_times, heap_items, heap_size)
+                    in_processed[n_processed] = j
+                    n_processed += 1
                     if h2d_free > ready:
                         ready = h2d_free
                     in_start[j] = ready
@@ -404,14 +418,14 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
             finish_all[slot] = finish
             op_end[order[slot]] = finish
             op_start[order[slot]] = finish - duration[slot]
-    return out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue
+    return out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed
 
 
 @njit(cache=True, nogil=True)
 def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops,
             levels_of_slot, n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, home_link, swap_bytes,
             roots, root_base_free_slot, root_last_slot, moved_links, moved_last, in_swap, in_tensor, in_ready,
-            in_end, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids,
+            in_end, in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids,
             late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
@@ -542,7 +556,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             peak_slot, peak = slot, value
         if value > level_peak[levels_of_slot[slot]]:
             level_peak[levels_of_slot[slot]] = value
-    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end)
+    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed)
     return (peak_slot, float(peak), level_peak, new_free, copy_end, in_alloc_slot, in_free_slot,
             in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
 
@@ -610,9 +624,9 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roo
     n_at = 0
     first_in = np.full(n_candidates, np.inf)
     for j in range(n_ins):
-        c = _candidate(candidate_of, slots, in_alloc_slot[j])
-        if c >= 0:
-            slot = in_alloc_slot[j]
+        slot = in_alloc_slot[j]
+        c = candidate_of[slot]
+        if c >= 0 and c < n_candidates and slots[c] == slot:
             at[n_at] = j
             at_wait[n_at] = in_ready[j] < finish_all[slot] - duration[slot] - 1e-9
             if at_wait[n_at]:
@@ -683,11 +697,12 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roo
 
 
 @njit(cache=True, nogil=True)
-def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end):
+def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
     """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in
     (frees before allocations at the same instant; events ordered by time, size, then index with
-    the copies out before the frees). The copies out start in queue order (one engine, first in
-    first out) and are mostly back in the reverse order: each side is sorted from that guess, then
+    the copies out before the frees). One engine per direction copies first in, first out: the
+    copies out start in queue order, and the host copies are freed in the order of their last
+    swap-ins' copies (``in_processed``); each side is checked to be in order (else sorted), then
     the two are merged."""
     n_swaps = len(swap_bytes)
     if n_swaps == 0:
@@ -701,7 +716,22 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end):
         if not _before(out_start[a], swap_bytes[a], a, out_start[b], swap_bytes[b], b):
             outs = _lexsort(out_start, swap_bytes, out_queue)
             break
-    frees = _lexsort(host_free, -swap_bytes, out_queue[::-1].copy())
+    frees = np.empty(n_swaps, np.int64)
+    seen = np.zeros(n_swaps, np.bool_)
+    m = n_swaps
+    for k in range(len(in_processed) - 1, -1, -1):  # each swap at its last swap-in, from the latest
+        i = in_swap[in_processed[k]]
+        if not seen[i]:
+            seen[i] = True
+            m -= 1
+            frees[m] = i
+    in_order = m == 0  # (every swap has a swap-in)
+    for k in range(1, n_swaps):
+        a, b = frees[k - 1], frees[k]
+        if in_order and not _before(host_free[a], -swap_bytes[a], a, host_free[b], -swap_bytes[b], b):
+            in_order = False
+    if not in_order:
+        frees = _lexsort(host_free, -swap_bytes, out_queue[::-1].copy())
     running, best, best_time = 0.0, -np.inf, 0.0
     a = b = 0
     while a < n_swaps or b < n_swaps:
@@ -862,7 +892,8 @@ def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_pt
         # each wait in danger replaced by its own sources, repeatedly: the latest of what is left
         if n_waits > len(pending):
             pending = np.empty(2 * n_waits, np.int64)
-        pending[:n_waits] = waits[:n_waits]
+        for w in range(n_waits):
+            pending[w] = waits[w]
         n_pending, n_seen, latest = n_waits, 0, -1
         while n_pending:
             n_pending -= 1
@@ -930,7 +961,7 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
             far_keys[k] = tensor * n_ops + in_consumers[k]
             far_tensor[k] = tensor
     swap_roots = root[swap_tensor]
-    order = stable_argsort(swap_roots)
+    order = _radix_argsort(swap_roots, 0, len(root))
     swap_root = np.empty(n_swaps, np.int64)
     roots = np.empty(n_swaps, np.int64)
     n_roots = 0
@@ -1001,7 +1032,7 @@ def replay_plan(order, position, duration, finish_plain, baseline_bytes, alloc_b
     in_bytes = tensor_bytes[in_tensor]
     out_duration = d2h_seconds[swap_tensor]
     in_duration = h2d_seconds[in_tensor]
-    out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue = schedule(
+    out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed = schedule(
         finish_plain, order, duration, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot,
         sync_wait, after_copies_out, copies_slot)
     root_base_free_slot = free_slot[roots]
@@ -1009,9 +1040,9 @@ def replay_plan(order, position, duration, finish_plain, baseline_bytes, alloc_b
      wait_moment, host_peak, host_peak_s) = account(
         baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops, levels_of_slot,
         n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, home_link, swap_bytes, roots,
-        root_base_free_slot, root_last_slot, moved_links, moved_last, in_swap, in_tensor, in_ready, in_end, in_bytes,
-        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids, late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr,
-        late_by_read)
+        root_base_free_slot, root_last_slot, moved_links, moved_last, in_swap, in_tensor, in_ready, in_end,
+        in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids, late_slot,
+        late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read)
     level_peak += persistent
     d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
     for i in range(len(swap_bytes)):
