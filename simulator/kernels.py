@@ -252,8 +252,8 @@ def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_dura
 
 
 @njit(cache=True, nogil=True)
-def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in_swap, in_duration, need, sync_wait,
-             after_copies_out, copies_slot):
+def schedule(finish_plain, plain_op_end, plain_op_start, order, duration, out_ready, out_duration, trigger, in_swap,
+             in_duration, need, sync_wait, after_copies_out, copies_slot):
     """The event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
     Queues are FIFO by ready time; a transfer's ready time depends only on slots before the one
@@ -264,8 +264,9 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
     the copies out of what the op at ``copies_slot[j]`` made. Transfer ends not known yet are -1.0.
     Returns the copies' start and
     end times, each swap-in's ready time, every slot's finish time with the stalls, each op's end
-    and start (``order``: the op of each slot, ``duration``: its time), the copies out in queue
-    order and the swap-ins in the order they are copied."""
+    and start (``order``: the op of each slot, ``duration``: its time; ``plain_op_*``: without
+    stalls, as they stay before the first), the copies out in queue order and the swap-ins in the
+    order they are copied."""
     n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
     in_ready = np.zeros(n_ins)
     in_start = np.zeros(n_ins)
@@ -408,10 +409,10 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
                       finish_plain, seg_slot, seg_shift, seg_count, shift)
     for k in range(len(late_queue)):
         out_start[late_queue[k]] = late_start[k]
-    finish_all = np.empty(n_slots)
-    op_end = np.empty(n_slots)
-    op_start = np.empty(n_slots)
-    for s in range(seg_count):
+    finish_all = finish_plain.copy()
+    op_end = plain_op_end.copy()
+    op_start = plain_op_start.copy()
+    for s in range(1, seg_count):  # the first segment's shift is 0: finish + 0.0 is finish
         stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
         for slot in range(seg_slot[s], stop):
             finish = finish_plain[slot] + seg_shift[s]
@@ -423,9 +424,9 @@ def schedule(finish_plain, order, duration, out_ready, out_duration, trigger, in
 
 @njit(cache=True, nogil=True)
 def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops,
-            levels_of_slot, n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, home_link, swap_bytes,
-            roots, root_base_free_slot, root_last_slot, moved_links, moved_last, in_swap, in_tensor, in_ready,
-            in_end, in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids,
+            levels_of_slot, n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes,
+            roots, root_base_free_slot, root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready,
+            in_end, in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_ids, n_keys,
             late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
@@ -453,7 +454,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
     copy_free_slot = np.full(n_roots, -1, np.int64)
     copy_end = np.zeros(n_roots)
     for i in range(n_swaps):
-        if home_link[i] < 0:
+        if home_ids[i] < 0:
             r = swap_root[i]
             copy_free_slot[r] = max(copy_free_slot[r], out_free_slot[i])
             copy_end[r] = max(copy_end[r], out_end[i])
@@ -467,21 +468,22 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
         found = _right_near(finish_all, in_ready[j], max(trigger_slot[j] + 1, 0))
         in_alloc_slot[j] = min(found, need_slot[j])
         in_free_slot[j] = max(position[in_consumers[in_consumer_ptr[j + 1] - 1]], in_alloc_slot[j])
-    n_reads = len(far_keys)
-    by_key = stable_argsort(far_keys)
-    sorted_far_keys = far_keys[by_key]
+    # each rewired read's swap-in, and the read of each rewired read id (set only at the plan's ids)
+    n_reads = len(far_ids)
     swap_in_of_read = np.empty(n_reads, np.int64)
     for j in range(n_ins):
         for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
             swap_in_of_read[k] = j
-    group_of_read = swap_in_of_read[by_key]  # the swap-in of each read, in key order
-    if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
-        for k in range(len(moved_links)):
-            group = group_of_read[_left(sorted_far_keys, moved_links[k])]
+    read_of_id = np.empty(n_keys + 1, np.int64)
+    for k in range(n_reads):
+        read_of_id[far_ids[k]] = k
+    if len(moved_ids):  # ops that wrote into a rewired read's buffer keep the swap-in alive
+        for k in range(len(moved_ids)):  # (a cut link is a rewired read)
+            group = swap_in_of_read[read_of_id[moved_ids[k]]]
             in_free_slot[group] = max(in_free_slot[group], moved_last[k])
         for i in range(n_swaps):
-            if home_link[i] >= 0:
-                group = group_of_read[_left(sorted_far_keys, home_link[i])]
+            if home_ids[i] >= 0:
+                group = swap_in_of_read[read_of_id[home_ids[i]]]
                 in_free_slot[group] = max(in_free_slot[group], out_free_slot[i])
 
     # Forwards a plan makes possible (``buffers.Buffers.late_*``). An op that could not write into an
@@ -506,12 +508,12 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
                 n_marked += 1
     n_first = n_marked
     for m in range(n_reads):
-        read_id = far_ids[by_key[m]]
+        read_id = far_ids[m]
         if read_id < 0:
             continue
         for q in range(late_read_ptr[read_id], late_read_ptr[read_id + 1]):
             k = late_by_read[q]
-            if (in_free_slot[group_of_read[m]] == late_slot[k]
+            if (in_free_slot[swap_in_of_read[m]] == late_slot[k]
                     and tensor_bytes[late_key[k] // n_ops] == tensor_bytes[late_out[k]]
                     and not _holds(marked, n_first, k)):
                 if n_marked == len(marked):
@@ -648,50 +650,80 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roo
             start_bytes[c] += tensor_bytes[in_place_out[k]]
     for a in range(n_at):
         start_bytes[candidate_of[in_alloc_slot[at[a]]]] -= in_bytes[at[a]]
-    # then its events: copies out ending (frees first at the same instant, to a ns), swap-ins allocated
-    n_events = 0
+    # then its events: copies out ending (frees first at the same instant, to a ns), swap-ins allocated;
+    # each wait's copies out (in root order) and swap-ins allocated in it, grouped by candidate
+    free_ptr = np.zeros(n_candidates + 1, np.int64)
     for r in range(n_roots):
         if root_slot[r] >= 0:
             c = candidate_of[root_slot[r]]
             start_bytes[c] += tensor_bytes[roots[r]]
-            n_events += is_wait[c]
+            free_ptr[c + 1] += 1
+    alloc_ptr = np.zeros(n_candidates + 1, np.int64)
     for a in range(n_at):
-        n_events += at_wait[a] and is_wait[candidate_of[in_alloc_slot[at[a]]]]
-    event_candidate = np.empty(n_events, np.int64)
-    event_time = np.empty(n_events)
-    event_bytes = np.empty(n_events)
-    k = 0
+        if at_wait[a]:
+            alloc_ptr[candidate_of[in_alloc_slot[at[a]]] + 1] += 1
+    for c in range(n_candidates):
+        free_ptr[c + 1] += free_ptr[c]
+        alloc_ptr[c + 1] += alloc_ptr[c]
+    frees = np.empty(free_ptr[n_candidates], np.int64)
+    allocs = np.empty(alloc_ptr[n_candidates], np.int64)
+    fill = free_ptr.copy()
     for r in range(n_roots):
-        if root_slot[r] >= 0 and is_wait[candidate_of[root_slot[r]]]:
-            event_candidate[k] = candidate_of[root_slot[r]]
-            event_time[k], event_bytes[k] = copy_end[r] - 1e-9, -tensor_bytes[roots[r]]
-            k += 1
+        if root_slot[r] >= 0:
+            c = candidate_of[root_slot[r]]
+            frees[fill[c]] = r
+            fill[c] += 1
+    fill[:] = alloc_ptr
     for a in range(n_at):
-        j = at[a]
-        if at_wait[a] and is_wait[candidate_of[in_alloc_slot[j]]]:
-            event_candidate[k] = candidate_of[in_alloc_slot[j]]
-            event_time[k], event_bytes[k] = in_ready[j], in_bytes[j]
-            k += 1
-    # by slot (candidate), then time, bytes and index: sorted by time, then grouped stably by slot
-    by_time = _lexsort(event_time, event_bytes, np.arange(n_events))
-    by_slot = by_time[_radix_argsort(event_candidate[by_time], 0, n_candidates)]
+        if at_wait[a]:
+            c = candidate_of[in_alloc_slot[at[a]]]
+            allocs[fill[c]] = at[a]
+            fill[c] += 1
     wait_slots = np.empty(n_waits, np.int64)
     wait_moment = np.empty(n_waits)
     n_higher = 0
-    k = 0
-    while k < n_events:  # one wait (slot) at a time, its events in time order: its largest moment
-        c = event_candidate[by_slot[k]]
-        slot = slots[c]
+    for c in range(n_candidates):
+        if not is_wait[c]:
+            continue
+        # its largest moment in event order (time, bytes, then copies out before swap-ins, each in
+        # index order): the bytes only grow at an allocation, so it is the first event or right after
+        # an allocation. The (few) allocations are sorted; each copy out is counted between them.
+        lo, hi = alloc_ptr[c], alloc_ptr[c + 1]
+        for k in range(lo + 1, hi):
+            j = allocs[k]
+            m = k
+            while m > lo and _before(in_ready[j], in_bytes[j], j, in_ready[allocs[m - 1]], in_bytes[allocs[m - 1]],
+                                     allocs[m - 1]):
+                allocs[m] = allocs[m - 1]
+                m -= 1
+            allocs[m] = j
+        between = np.zeros(hi - lo + 1)  # bytes of the copies out ending after i allocations
+        first_time, first_bytes = np.inf, 0.0
+        for q in range(free_ptr[c], free_ptr[c + 1]):
+            r = frees[q]
+            time, size = copy_end[r] - 1e-9, -tensor_bytes[roots[r]]
+            below, above = lo, hi
+            while below < above:
+                mid = (below + above) >> 1
+                if in_ready[allocs[mid]] < time or (in_ready[allocs[mid]] == time and in_bytes[allocs[mid]] < size):
+                    below = mid + 1
+                else:
+                    above = mid
+            between[below - lo] += size
+            if q == free_ptr[c] or time < first_time or (time == first_time and size < first_bytes):
+                first_time, first_bytes = time, size
         running = start_bytes[c]
         best, best_time = -np.inf, 0.0
-        while k < n_events and event_candidate[by_slot[k]] == c:
-            running += event_bytes[by_slot[k]]
+        first = allocs[lo]
+        if not (in_ready[first] < first_time or (in_ready[first] == first_time and in_bytes[first] < first_bytes)):
+            best, best_time = running + first_bytes, first_time  # a copy out ends first
+        for i in range(hi - lo):
+            running += between[i] + in_bytes[allocs[lo + i]]
             if running > best:
-                best, best_time = running, event_time[by_slot[k]]
-            k += 1
-        if best > slot_bytes[slot]:
-            slot_bytes[slot] = best
-            wait_slots[n_higher], wait_moment[n_higher] = slot, best_time
+                best, best_time = running, in_ready[allocs[lo + i]]
+        if best > slot_bytes[slots[c]]:
+            slot_bytes[slots[c]] = best
+            wait_slots[n_higher], wait_moment[n_higher] = slots[c], best_time
             n_higher += 1
     return wait_slots[:n_higher], wait_moment[:n_higher]
 
@@ -768,9 +800,10 @@ def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys
 def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
                rewired, roots, tensors, tensor_root):
     """``rewired_lifetimes`` once the rewired read ids are known (``tensor_root``: the index in
-    ``roots`` of each of ``tensors``' root). Segments are numbered locally, the roots' one after
-    the other (a root's segment numbers are consecutive in the tables); a segment's last use is
-    its latest not rewired, found from the latest down (the rewired reads are the late ones)."""
+    ``roots`` of each of ``tensors``' root), with the read ids of the cut links and home links
+    beside their keys. Segments are numbered locally, the roots' one after the other (a root's
+    segment numbers are consecutive in the tables); a segment's last use is its latest not
+    rewired, found from the latest down (the rewired reads are the late ones)."""
     n_roots = len(roots)
     base = np.empty(n_roots + 1, np.int64)  # each root's first local number
     base[0] = 0
@@ -801,6 +834,7 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
         owner_last[owner[s]] = max(owner_last[owner[s]], segment_last[s])
     root_last = np.empty(n_roots, np.int64)
     cut_links = np.empty(n_cut, np.int64)
+    cut_ids = np.empty(n_cut, np.int64)
     cut_last = np.empty(n_cut, np.int64)
     k = 0
     for r in range(n_roots):
@@ -809,14 +843,16 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
         if n_cut:
             for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
                 if cut[m + shift]:
-                    cut_links[k], cut_last[k] = seg_link_key[m], owner_last[m + shift]
+                    cut_links[k], cut_ids[k], cut_last[k] = seg_link_key[m], seg_link_id[m], owner_last[m + shift]
                     k += 1
-    home_link = np.empty(len(tensors), np.int64)
+    home_link = np.full(len(tensors), -1, np.int64)
+    home_ids = np.full(len(tensors), -1, np.int64)
     for i in range(len(tensors)):
         shift = base[tensor_root[i]] - seg_ptr[roots[tensor_root[i]]]
         home = owner[tensor_segment[tensors[i]] + shift]
-        home_link[i] = seg_link_key[home - shift] if cut[home] else -1
-    return root_last, cut_links, cut_last, home_link
+        if cut[home]:
+            home_link[i], home_ids[i] = seg_link_key[home - shift], seg_link_id[home - shift]
+    return root_last, cut_links, cut_ids, cut_last, home_link, home_ids
 
 
 @njit(cache=True, nogil=True)
@@ -829,8 +865,10 @@ def rewired_lifetimes(tensor_read_ptr, tensor_read_consumer, tensor_read_id, seg
     read_tensor = far_keys // n_ops
     rewired, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
                                 far_keys - read_tensor * n_ops)
-    return _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
-                      tensor_segment, rewired, roots, tensors, tensor_root)
+    root_last, cut_links, _, cut_last, home_link, _ = _lifetimes(
+        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, rewired,
+        roots, tensors, tensor_root)
+    return root_last, cut_links, cut_last, home_link
 
 
 @njit(cache=True, nogil=True)
@@ -926,14 +964,13 @@ def _grown(values):
 
 
 @njit(cache=True, nogil=True)
-def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
             in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot):
     """A plan in slot terms (see ``replay.replay``): when each copy out may start, which slot each
     swap-in's first consumer runs at, the slot whose end releases each swap-in (its trigger's; a
     synchronous one's after the consumer's other inputs, ``replay._other_input_slots``; a fused
-    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the rewired reads
-    (``tensor * n_ops + consumer``, and their tensors); the swapped buffers (sorted) and each swap's
-    among them."""
+    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the tensor of each
+    rewired read; the swapped buffers (sorted) and each swap's among them."""
     n_swaps, n_ins = len(swap_tensor), len(in_swap)
     out_ready = np.empty(n_swaps, np.int64)
     for i in range(n_swaps):
@@ -941,7 +978,6 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
     need = np.empty(n_ins, np.int64)
     trigger_slot = np.empty(n_ins, np.int64)
     copies_slot = np.empty(n_ins, np.int64)
-    far_keys = np.empty(len(in_consumers), np.int64)
     far_tensor = np.empty(len(in_consumers), np.int64)
     for j in range(n_ins):
         first = in_consumers[in_consumer_ptr[j]]
@@ -958,7 +994,6 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
         trigger_slot[j] = slot
         copies_slot[j] = slot if in_trigger[j] < 0 else planned
         for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
-            far_keys[k] = tensor * n_ops + in_consumers[k]
             far_tensor[k] = tensor
     swap_roots = root[swap_tensor]
     order = _radix_argsort(swap_roots, 0, len(root))
@@ -971,7 +1006,7 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
             roots[n_roots] = value
             n_roots += 1
         swap_root[order[k]] = n_roots - 1
-    return out_ready, need, trigger_slot, copies_slot, far_keys, far_tensor, roots[:n_roots].copy(), swap_root
+    return out_ready, need, trigger_slot, copies_slot, far_tensor, roots[:n_roots].copy(), swap_root
 
 
 @njit(cache=True, nogil=True)
@@ -998,13 +1033,13 @@ def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_
 
 
 @njit(cache=True, nogil=True)
-def replay_plan(order, position, duration, finish_plain, baseline_bytes, alloc_bytes, levels_of_slot, n_levels,
-                sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds, tensor_producer, root,
-                free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer, tensor_read_id, seg_use_ptr,
-                seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys,
-                late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read,
-                has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
-                input_source, control_ptr, control_ops,
+def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_start, baseline_bytes, alloc_bytes,
+                levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
+                tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
+                tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+                tensor_segment, n_keys, late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr,
+                late_by_read, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
+                input_tensor, input_source, control_ptr, control_ops,
                 swap_tensor, sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers,
                 after_copies_out):
     """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
@@ -1017,13 +1052,13 @@ def replay_plan(order, position, duration, finish_plain, baseline_bytes, alloc_b
                                             danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
                                             input_source, control_ptr, control_ops, in_tensor, in_trigger, in_after,
                                             in_consumer_ptr, in_consumers)
-    out_ready_slot, need_slot, trigger_slot, copies_slot, far_keys, far_tensor, roots, swap_root = prepare(
-        position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+    out_ready_slot, need_slot, trigger_slot, copies_slot, far_tensor, roots, swap_root = prepare(
+        position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
         in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
     # far reads rewired per swapped buffer; the original buffer's remaining readers
     rewired, far_ids = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, far_tensor,
                                       in_consumers)
-    root_last_slot, moved_links, moved_last, home_link = _lifetimes(
+    root_last_slot, _, moved_ids, moved_last, _, home_ids = _lifetimes(
         seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
         rewired, roots, swap_tensor, swap_root)
     sync_wait = _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer,
@@ -1033,15 +1068,15 @@ def replay_plan(order, position, duration, finish_plain, baseline_bytes, alloc_b
     out_duration = d2h_seconds[swap_tensor]
     in_duration = h2d_seconds[in_tensor]
     out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed = schedule(
-        finish_plain, order, duration, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot,
-        sync_wait, after_copies_out, copies_slot)
+        finish_plain, plain_op_end, plain_op_start, order, duration, out_ready_slot, out_duration, trigger_slot,
+        in_swap, in_duration, need_slot, sync_wait, after_copies_out, copies_slot)
     root_base_free_slot = free_slot[roots]
     (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
      wait_moment, host_peak, host_peak_s) = account(
         baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops, levels_of_slot,
-        n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, home_link, swap_bytes, roots,
-        root_base_free_slot, root_last_slot, moved_links, moved_last, in_swap, in_tensor, in_ready, in_end,
-        in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_keys, far_ids, late_slot,
+        n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots,
+        root_base_free_slot, root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_end,
+        in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_ids, n_keys, late_slot,
         late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read)
     level_peak += persistent
     d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order

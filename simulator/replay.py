@@ -176,8 +176,10 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
         levels_of_slot = slot_levels(graph)
         float_bytes = _float_bytes(graph)
         persistent = graph.persistent_bytes
+        plain_op_end = finish_plain[position_of(graph)]  # each op's end and start without stalls
         # byte figures are whole numbers: the slots' running sums are taken in int64 (exact, as in float64)
-        per_slot = (execution_order(graph), position_of(graph), duration, finish_plain,
+        per_slot = (execution_order(graph), position_of(graph), duration, finish_plain, plain_op_end,
+                    plain_op_end - op_seconds(graph, device),
                     baseline_slot_bytes(graph).astype(np.int64), alloc_slot_bytes(graph), levels_of_slot,
                     int(levels_of_slot.max(initial=-1)) + 1, graph.order == "cto", persistent, float_bytes,
                     np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
