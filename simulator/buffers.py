@@ -261,13 +261,14 @@ def rewire_tables(g: OpGraph) -> RewireTables:
     return g.cached("rewire_tables", compute, structural=True)
 
 
-def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
+def rewired_lifetimes(g: OpGraph, roots: np.ndarray, read_tensor: np.ndarray, read_consumer: np.ndarray,
                       tensors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Last slots once the reads ``far_keys`` (``tensor * n_ops + consumer``) go to swap-ins.
+    """Last slots once the reads of ``read_tensor`` by ``read_consumer`` go to swap-ins.
 
     Returns, for each of ``roots`` (unique root buffers, sorted), the last slot that still reads the
     original buffer (its producer at least); the rewired links that carried a segment away
-    (``link_keys``) with the last slot of what now lives in the swap-in buffer (``link_last``);
+    (``link_keys``, ``tensor * n_ops + op``) with the last slot of what now lives in the swap-in
+    buffer (``link_last``);
     and for each of ``tensors`` (whose roots are among ``roots``) the link that carried it into a
     swap-in's buffer, -1 where it stays in the original buffer. A segment lives in the buffer of
     its nearest ancestor (itself included) whose link was cut, or the root's. Compiled
@@ -275,8 +276,8 @@ def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
     """
     tables = rewire_tables(g)
     tensors = np.zeros(0, np.int64) if tensors is None else tensors
-    return kernels.rewired_lifetimes(*tables.arrays(), len(tables.read_keys), g.n_ops, roots, far_keys, tensors,
-                                     np.searchsorted(roots, buffers(g).root[tensors]))
+    return kernels.rewired_lifetimes(*tables.arrays(), len(tables.read_keys), roots, read_tensor, read_consumer,
+                                     tensors, np.searchsorted(roots, buffers(g).root[tensors]))
 
 
 def alloc_slot_bytes(g: OpGraph) -> np.ndarray:

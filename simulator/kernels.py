@@ -423,11 +423,11 @@ def schedule(finish_plain, plain_op_end, plain_op_start, order, duration, out_re
 
 
 @njit(cache=True, nogil=True)
-def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops,
-            levels_of_slot, n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes,
-            roots, root_base_free_slot, root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready,
-            in_end, in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_ids, n_keys,
-            late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
+def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot,
+            n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot,
+            root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_end, in_processed,
+            in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot,
+            late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
     the host's peak. Returns the peak slot (the first largest) and the peak per level (``levels_of_slot``;
@@ -514,7 +514,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
         for q in range(late_read_ptr[read_id], late_read_ptr[read_id + 1]):
             k = late_by_read[q]
             if (in_free_slot[swap_in_of_read[m]] == late_slot[k]
-                    and tensor_bytes[late_key[k] // n_ops] == tensor_bytes[late_out[k]]
+                    and tensor_bytes[far_tensor[m]] == tensor_bytes[late_out[k]]
                     and not _holds(marked, n_first, k)):
                 if n_marked == len(marked):
                     marked = _grown(marked)
@@ -565,7 +565,13 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
 
 @njit(cache=True, nogil=True)
 def _holds(values, count, value):
-    for k in range(count):
+    return _holds_in(values, 0, count, value)
+
+
+@njit(cache=True, nogil=True)
+def _holds_in(values, lo, hi, value):
+    """Whether ``value`` is among ``values[lo:hi]`` (a few: searched linearly)."""
+    for k in range(lo, hi):
         if values[k] == value:
             return True
     return False
@@ -784,16 +790,19 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
 @njit(cache=True, nogil=True)
 def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor, read_consumer):
     """Which read ids (``buffers.RewireTables``) the reads (``read_tensor``, ``read_consumer``)
-    rewire (the last entry: id -1, no read), and each read's id (-1: not a read of the graph)."""
+    rewire (the last entry: id -1, no read), each read's id and its place in the per-tensor reads
+    (-1: not a read of the graph)."""
     rewired = np.zeros(n_keys + 1, np.bool_)
     read_ids = np.full(len(read_tensor), -1, np.int64)
+    read_edge = np.full(len(read_tensor), -1, np.int64)
     for k in range(len(read_tensor)):
         for e in range(tensor_read_ptr[read_tensor[k]], tensor_read_ptr[read_tensor[k] + 1]):
             if tensor_read_consumer[e] == read_consumer[k]:
                 read_ids[k] = tensor_read_id[e]
+                read_edge[k] = e
                 rewired[tensor_read_id[e]] = True
                 break
-    return rewired, read_ids
+    return rewired, read_ids, read_edge
 
 
 @njit(cache=True, nogil=True)
@@ -857,14 +866,13 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
 
 @njit(cache=True, nogil=True)
 def rewired_lifetimes(tensor_read_ptr, tensor_read_consumer, tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id,
-                      seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys, n_ops, roots, far_keys,
-                      tensors, tensor_root):
+                      seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys, roots, read_tensor,
+                      read_consumer, tensors, tensor_root):
     """``buffers.rewired_lifetimes`` (which documents it) on ``buffers.RewireTables``: per root the
     last slot still reading the original buffer, the cut links with the last slot of what lives past
     them, and per tensor the link that carried it away."""
-    read_tensor = far_keys // n_ops
-    rewired, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
-                                far_keys - read_tensor * n_ops)
+    rewired, _, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
+                                   read_consumer)
     root_last, cut_links, _, cut_last, home_link, _ = _lifetimes(
         seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, rewired,
         roots, tensors, tensor_root)
@@ -878,80 +886,122 @@ def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_pt
     """``fusion.safe_wait_slots`` (which documents it) on the tables of ``fusion.FusionTables``: per
     swap-in, whether an op it waits for may be fused with one of its consumers, and if so the latest
     slot among the ops it waits for instead (-1: none). Only swap-ins with a reader in some fusion
-    neighbourhood and (synchronous, or a trigger or ``after`` inside one) are looked at; the sets
-    involved are a few ops, kept in small arrays (``_grown`` when full) and searched linearly."""
+    neighbourhood and (synchronous, or a trigger or ``after`` inside one) are looked at."""
     n = len(tensor)
     changed = np.zeros(n, np.bool_)
     slots = np.full(n, -1, np.int64)
-    waits = np.empty(16, np.int64)
-    danger = np.empty(16, np.int64)
-    pending = np.empty(16, np.int64)
-    seen = np.empty(16, np.int64)
     for j in range(n):
         near = False
         for k in range(consumer_ptr[j], consumer_ptr[j + 1]):
             near |= has_danger[consumers[k]]
         if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
             continue
-        # what it waits for, as the rewriter builds it: its trigger, or (synchronous) its first
-        # consumer's other inputs and control predecessors; and ``after`` unless that made the tensor
-        first = consumers[consumer_ptr[j]]
-        capacity = input_ptr[first + 1] - input_ptr[first] + control_ptr[first + 1] - control_ptr[first] + 2
-        if capacity > len(waits):
-            waits = np.empty(2 * capacity, np.int64)
-        n_waits = 0
-        if trigger[j] >= 0:
-            waits[0] = trigger[j]
-            n_waits = 1
-        else:
-            for e in range(input_ptr[first], input_ptr[first + 1]):
-                if input_tensor[e] != tensor[j]:
-                    waits[n_waits] = input_source[e]
-                    n_waits += 1
-            for e in range(control_ptr[first], control_ptr[first + 1]):
-                waits[n_waits] = control_ops[e]
+        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
+                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
+                                          trigger[j], after[j], consumers, consumer_ptr[j], consumer_ptr[j + 1])
+    return changed, slots
+
+
+@njit(cache=True, nogil=True)
+def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+               input_source, control_ptr, control_ops, tensor, trigger, after, consumers, lo, hi):
+    """One swap-in of ``safe_wait_slots`` (readers ``consumers[lo:hi]``): whether a wait is in danger,
+    and the latest slot it waits for instead. The sets involved are a few ops, kept in small arrays
+    (``_grown`` when full) and searched linearly."""
+    # what it waits for, as the rewriter builds it: its trigger, or (synchronous) its first
+    # consumer's other inputs and control predecessors; and ``after`` unless that made the tensor
+    first = consumers[lo]
+    waits = np.empty(input_ptr[first + 1] - input_ptr[first] + control_ptr[first + 1] - control_ptr[first] + 2,
+                     np.int64)
+    n_waits = 0
+    if trigger >= 0:
+        waits[0] = trigger
+        n_waits = 1
+    else:
+        for e in range(input_ptr[first], input_ptr[first + 1]):
+            if input_tensor[e] != tensor:
+                waits[n_waits] = input_source[e]
                 n_waits += 1
-        if after[j] >= 0 and after[j] != tensor_producer[tensor[j]]:
-            waits[n_waits] = after[j]
+        for e in range(control_ptr[first], control_ptr[first + 1]):
+            waits[n_waits] = control_ops[e]
             n_waits += 1
-        n_danger = 0
-        for k in range(consumer_ptr[j], consumer_ptr[j + 1]):
-            for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
-                if not _holds(danger, n_danger, danger_ops[d]):
-                    if n_danger == len(danger):
-                        danger = _grown(danger)
-                    danger[n_danger] = danger_ops[d]
-                    n_danger += 1
-        hit = False
-        for w in range(n_waits):
-            hit |= _holds(danger, n_danger, waits[w])
-        if not hit:
+    if after >= 0 and after != tensor_producer[tensor]:
+        waits[n_waits] = after
+        n_waits += 1
+    danger = np.empty(16, np.int64)
+    n_danger = 0
+    for k in range(lo, hi):
+        for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
+            if not _holds(danger, n_danger, danger_ops[d]):
+                if n_danger == len(danger):
+                    danger = _grown(danger)
+                danger[n_danger] = danger_ops[d]
+                n_danger += 1
+    hit = False
+    for w in range(n_waits):
+        hit |= _holds(danger, n_danger, waits[w])
+    if not hit:
+        return False, -1
+    # each wait in danger replaced by its own sources, repeatedly: the latest of what is left
+    pending = np.empty(max(n_waits, 16), np.int64)
+    seen = np.empty(16, np.int64)
+    for w in range(n_waits):
+        pending[w] = waits[w]
+    n_pending, n_seen, latest = n_waits, 0, -1
+    while n_pending:
+        n_pending -= 1
+        op = pending[n_pending]
+        if _holds(seen, n_seen, op):
             continue
-        # each wait in danger replaced by its own sources, repeatedly: the latest of what is left
-        if n_waits > len(pending):
-            pending = np.empty(2 * n_waits, np.int64)
-        for w in range(n_waits):
-            pending[w] = waits[w]
-        n_pending, n_seen, latest = n_waits, 0, -1
-        while n_pending:
-            n_pending -= 1
-            op = pending[n_pending]
-            if _holds(seen, n_seen, op):
+        if n_seen == len(seen):
+            seen = _grown(seen)
+        seen[n_seen] = op
+        n_seen += 1
+        if _holds(danger, n_danger, op):
+            for e in range(source_ptr[op], source_ptr[op + 1]):
+                if n_pending == len(pending):
+                    pending = _grown(pending)
+                pending[n_pending] = source_ops[e]
+                n_pending += 1
+        elif position[op] > latest:
+            latest = position[op]
+    return True, latest
+
+
+@njit(cache=True, nogil=True)
+def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
+                       source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, read_safe_hit,
+                       read_safe_slot, tensor, trigger, after, consumer_ptr, consumers, read_edge):
+    """``safe_wait_slots`` for the replay, with the graph's answers per read (``read_safe_*``: a
+    synchronous swap-in of that read alone, waiting for nothing else) and the plan's reads' places
+    among them (``read_edge``). A wait's result is the union of what each of its ops leads to, so a
+    swap-in with one reader needs a walk only when its trigger or ``after`` is itself in danger."""
+    n = len(tensor)
+    changed = np.zeros(n, np.bool_)
+    slots = np.full(n, -1, np.int64)
+    for j in range(n):
+        lo, hi = consumer_ptr[j], consumer_ptr[j + 1]
+        near = False
+        for k in range(lo, hi):
+            near |= has_danger[consumers[k]]
+        if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
+            continue
+        if hi - lo == 1:
+            reader = consumers[lo]
+            wait_after = after[j] >= 0 and after[j] != tensor_producer[tensor[j]]
+            after_safe = not (wait_after and _holds_in(danger_ops, danger_ptr[reader], danger_ptr[reader + 1],
+                                                       after[j]))
+            if trigger[j] >= 0 and after_safe and not _holds_in(danger_ops, danger_ptr[reader],
+                                                                danger_ptr[reader + 1], trigger[j]):
+                continue  # neither of its waits is in danger
+            if trigger[j] < 0 and after_safe:
+                if read_safe_hit[read_edge[lo]]:
+                    changed[j] = True
+                    slots[j] = max(read_safe_slot[read_edge[lo]], position[after[j]] if wait_after else -1)
                 continue
-            if n_seen == len(seen):
-                seen = _grown(seen)
-            seen[n_seen] = op
-            n_seen += 1
-            if _holds(danger, n_danger, op):
-                for e in range(source_ptr[op], source_ptr[op + 1]):
-                    if n_pending == len(pending):
-                        pending = _grown(pending)
-                    pending[n_pending] = source_ops[e]
-                    n_pending += 1
-            elif position[op] > latest:
-                latest = position[op]
-        changed[j] = True
-        slots[j] = latest
+        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
+                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
+                                          trigger[j], after[j], consumers, lo, hi)
     return changed, slots
 
 
@@ -969,8 +1019,8 @@ def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, i
     """A plan in slot terms (see ``replay.replay``): when each copy out may start, which slot each
     swap-in's first consumer runs at, the slot whose end releases each swap-in (its trigger's; a
     synchronous one's after the consumer's other inputs, ``replay._other_input_slots``; a fused
-    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the tensor of each
-    rewired read; the swapped buffers (sorted) and each swap's among them."""
+    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the swapped
+    buffers (sorted) and each swap's among them."""
     n_swaps, n_ins = len(swap_tensor), len(in_swap)
     out_ready = np.empty(n_swaps, np.int64)
     for i in range(n_swaps):
@@ -978,7 +1028,6 @@ def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, i
     need = np.empty(n_ins, np.int64)
     trigger_slot = np.empty(n_ins, np.int64)
     copies_slot = np.empty(n_ins, np.int64)
-    far_tensor = np.empty(len(in_consumers), np.int64)
     for j in range(n_ins):
         first = in_consumers[in_consumer_ptr[j]]
         tensor = swap_tensor[in_swap[j]]
@@ -993,8 +1042,6 @@ def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, i
             slot = safe_slot[j]
         trigger_slot[j] = slot
         copies_slot[j] = slot if in_trigger[j] < 0 else planned
-        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
-            far_tensor[k] = tensor
     swap_roots = root[swap_tensor]
     order = _radix_argsort(swap_roots, 0, len(root))
     swap_root = np.empty(n_swaps, np.int64)
@@ -1006,7 +1053,7 @@ def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, i
             roots[n_roots] = value
             n_roots += 1
         swap_root[order[k]] = n_roots - 1
-    return out_ready, need, trigger_slot, copies_slot, far_tensor, roots[:n_roots].copy(), swap_root
+    return out_ready, need, trigger_slot, copies_slot, roots[:n_roots].copy(), swap_root
 
 
 @njit(cache=True, nogil=True)
@@ -1039,7 +1086,7 @@ def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_
                 tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
                 tensor_segment, n_keys, late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr,
                 late_by_read, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
-                input_tensor, input_source, control_ptr, control_ops,
+                input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot,
                 swap_tensor, sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers,
                 after_copies_out):
     """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
@@ -1048,16 +1095,21 @@ def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_
     slots' bytes); the rest visits what the plan moved."""
     n_ops = len(position)
     in_tensor = swap_tensor[in_swap]
-    fused_wait, safe_slot = safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_ptr,
-                                            danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
-                                            input_source, control_ptr, control_ops, in_tensor, in_trigger, in_after,
-                                            in_consumer_ptr, in_consumers)
-    out_ready_slot, need_slot, trigger_slot, copies_slot, far_tensor, roots, swap_root = prepare(
+    far_tensor = np.empty(len(in_consumers), np.int64)  # the tensor of each far read
+    for j in range(len(in_swap)):
+        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
+            far_tensor[k] = in_tensor[j]
+    # far reads rewired (their ids and places among the graph's reads)
+    rewired, far_ids, far_edge = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys,
+                                                far_tensor, in_consumers)
+    fused_wait, safe_slot = _replay_safe_waits(
+        position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
+        input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, in_tensor, in_trigger,
+        in_after, in_consumer_ptr, in_consumers, far_edge)
+    out_ready_slot, need_slot, trigger_slot, copies_slot, roots, swap_root = prepare(
         position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
         in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
-    # far reads rewired per swapped buffer; the original buffer's remaining readers
-    rewired, far_ids = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, far_tensor,
-                                      in_consumers)
+    # the swapped buffers' lifetimes; the original buffer's remaining readers
     root_last_slot, _, moved_ids, moved_last, _, home_ids = _lifetimes(
         seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
         rewired, roots, swap_tensor, swap_root)
@@ -1073,11 +1125,11 @@ def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_
     root_base_free_slot = free_slot[roots]
     (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
      wait_moment, host_peak, host_peak_s) = account(
-        baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, n_ops, levels_of_slot,
-        n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots,
-        root_base_free_slot, root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_end,
-        in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_ids, n_keys, late_slot,
-        late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read)
+        baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot, n_levels,
+        sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot, root_last_slot,
+        moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_end, in_processed, in_bytes, need_slot,
+        trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_key, late_out,
+        late_root_ptr, late_by_root, late_read_ptr, late_by_read)
     level_peak += persistent
     d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
     for i in range(len(swap_bytes)):

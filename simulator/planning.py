@@ -632,10 +632,10 @@ def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers:
     info = buffers(g)
     position = position_of(g)
     order = execution_order(g)
-    far_keys = np.repeat(group_tensor, np.diff(ptr)) * g.n_ops + consumers
     swapped, first_group = np.unique(group_tensor, return_index=True)
     roots, root_of_swapped = np.unique(info.root[swapped], return_inverse=True)
-    root_last, links, link_last, home_link = rewired_lifetimes(g, roots, far_keys, swapped)
+    root_last, links, link_last, home_link = rewired_lifetimes(g, roots, np.repeat(group_tensor, np.diff(ptr)),
+                                                               consumers, swapped)
     near_slot = root_last[root_of_swapped]
     # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the
     # device until that buffer's last reader, not the original's (which may be done before it exists)

@@ -29,7 +29,7 @@ import numpy as np
 from simulator import kernels
 from simulator.buffers import alloc_slot_bytes, baseline_slot_bytes, buffers, rewire_tables, slot_levels
 from simulator.devices import CalibratedDevice, DeviceModel, get_device
-from simulator.fusion import fusion_tables
+from simulator.fusion import fusion_tables, safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
@@ -144,16 +144,23 @@ def _csr(keys: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
 def _plan_tables(g: OpGraph) -> tuple[np.ndarray, ...]:
     """What ``kernels.replay_plan`` reads of the structure, in its order after the per-batch arrays:
     the buffer analysis with the reads a plan can rewire (``buffers.RewireTables``), the forwards a
-    plan makes possible (grouped by root and by read id) and the fusion tables."""
+    plan makes possible (grouped by root and by read id), the fusion tables and each read's
+    fusion-safe wait."""
     def compute(graph: OpGraph) -> tuple[np.ndarray, ...]:
         info = buffers(graph)
         tables = rewire_tables(graph)
         max1, max1_tensor, max2 = _other_input_slots(graph)
         late_root_ptr, late_by_root = _csr(info.late_root, graph.n_tensors)
         late_read_ptr, late_by_read = _csr(np.searchsorted(tables.read_keys, info.late_key), len(tables.read_keys))
+        # each read's fusion-safe answer as a synchronous swap-in of that read alone (see
+        # kernels._replay_safe_waits), in the per-tensor order of the reads
+        read_tensor = np.repeat(np.arange(graph.n_tensors), np.diff(tables.tensor_read_ptr))
+        nothing = np.full(len(read_tensor), -1, np.int64)
+        read_safe_hit, read_safe_slot = safe_wait_slots(graph, read_tensor, nothing, nothing,
+                                                        np.arange(len(read_tensor) + 1), tables.tensor_read_consumer)
         arrays = (graph.tensor_producer, info.root, info.free_slot, max1, max1_tensor, max2, *tables.arrays(),
                   len(tables.read_keys), info.late_slot, info.late_key, info.late_out, late_root_ptr, late_by_root,
-                  late_read_ptr, late_by_read, *fusion_tables(graph).arrays())
+                  late_read_ptr, late_by_read, *fusion_tables(graph).arrays(), read_safe_hit, read_safe_slot)
         return tuple(np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array for array in arrays)
     return g.cached("replay_plan_tables", compute, structural=True)
 
