@@ -4,7 +4,9 @@ over waits and stalls, the memory accounting around it, and buffer lifetimes onc
 Each kernel does, operation for operation, what the numpy code it replaced did (the same float
 additions in the same order, the same tie-breaking), so results are bit-identical to it: the golden
 set (tests/test_simulator_golden.py) holds them to that. ``cache=True`` keeps the machine code under
-``__pycache__``, so a new process loads it instead of compiling again.
+``__pycache__``, so a new process loads it instead of compiling again. Small helpers called in loops
+are inlined (``inline="always"``): a call to a compiled function that takes arrays counts a reference
+to each, in and out, which cost more than the helper's own work.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _heap_less(time_a, index_a, time_b, index_b):
     return time_a < time_b or (time_a == time_b and index_a < index_b)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _heap_push(times, items, size, time, item):
     """Push (time, item) onto the binary min-heap in ``times``/``items[:size]``; returns the new size."""
     position = size
@@ -34,7 +36,7 @@ def _heap_push(times, items, size, time, item):
     return size + 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _heap_pop(times, items, size):
     """Remove the least (time, item) (ties by item, as heapq's tuples); returns it and the new size."""
     time, item = times[0], items[0]
@@ -58,7 +60,7 @@ def _heap_pop(times, items, size):
     return time, item, size
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _left_in(values, lo, hi, x):
     """``np.searchsorted(values[lo:hi], x, "left") + lo`` for a scalar, without a slice (numba's
     own searchsorted allocates per call; a slice costs a reference count in a hot loop)."""
@@ -71,7 +73,7 @@ def _left_in(values, lo, hi, x):
     return lo
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _right_in(values, lo, hi, x):
     """``np.searchsorted(values[lo:hi], x, "right") + lo`` for a scalar."""
     while lo < hi:
@@ -83,19 +85,19 @@ def _right_in(values, lo, hi, x):
     return lo
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _left(values, x):
     """``np.searchsorted(values, x, "left")`` for a scalar."""
     return _left_in(values, 0, len(values), x)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _right(values, x):
     """``np.searchsorted(values, x, "right")`` for a scalar."""
     return _right_in(values, 0, len(values), x)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _left_near(values, x, hint):
     """``_left(values, x)`` searched from ``hint`` (a previous answer) upward, doubling the step, so a
     run of ascending look-ups costs about one pass; a look-up below the hint is a plain search."""
@@ -110,7 +112,7 @@ def _left_near(values, x, hint):
     return _left_in(values, where, min(where + step + 1, n), x)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _right_near(values, x, hint):
     """``_right(values, x)`` searched from ``hint`` upward (see ``_left_near``)."""
     n = len(values)
@@ -124,7 +126,7 @@ def _right_near(values, x, hint):
     return _right_in(values, where, min(where + step + 1, n), x)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _before(p, s, i, q, t, j):
     """(p, s, i) < (q, t, j): by primary key, then secondary, then index."""
     return p < q or (p == q and (s < t or (s == t and i < j)))
@@ -225,7 +227,7 @@ def _slot_argsort(slots, n_slots):
     return _radix_argsort(slots, 1, n_slots + 1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start, finish_plain,
                   seg_slot, seg_shift, seg_count, shift):
     """The end of copy out ``i``, scheduling the late copies out in queue order up to it
@@ -563,12 +565,12 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _holds(values, count, value):
     return _holds_in(values, 0, count, value)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _holds_in(values, lo, hi, value):
     """Whether ``value`` is among ``values[lo:hi]`` (a few: searched linearly)."""
     for k in range(lo, hi):
@@ -577,7 +579,7 @@ def _holds_in(values, lo, hi, value):
     return False
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _candidate(candidate_of, slots, slot):
     """``slot``'s number among the sorted ``slots`` through the map ``candidate_of`` (set only at
     those slots), or -1."""
@@ -606,18 +608,22 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roo
             n_waiting += 1
     if n_waiting == 0 or n_ins == 0:
         return empty
-    # the slots such a copy out ends in (sorted, distinct), the last end in each
-    slots = np.empty(n_waiting, np.int64)
-    k = 0
+    # the slots such a copy out ends in (sorted, distinct), the last end in each; each candidate
+    # slot's number, valid where slots[number] == slot (unset entries are never trusted: no pass
+    # over all slots)
+    candidate_of = np.empty(n_slots, np.int64)
+    found = np.empty(n_waiting, np.int64)
+    n_candidates = 0
     for r in range(n_roots):
         if root_slot[r] >= 0:
-            slots[k] = root_slot[r]
-            k += 1
-    slots = np.unique(slots)
-    n_candidates = len(slots)
-    # each candidate slot's number, valid where slots[number] == slot (unset entries are never trusted:
-    # no pass over all slots)
-    candidate_of = np.empty(n_slots, np.int64)
+            slot = root_slot[r]
+            c = candidate_of[slot]
+            if not (0 <= c < n_candidates and found[c] == slot):
+                candidate_of[slot] = n_candidates
+                found[n_candidates] = slot
+                n_candidates += 1
+    slots = found[:n_candidates]
+    slots = slots[_radix_argsort(slots, 0, n_slots)]
     for c in range(n_candidates):
         candidate_of[slots[c]] = c
     last_end = np.zeros(n_candidates)
@@ -819,15 +825,20 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
     for r in range(n_roots):
         base[r + 1] = base[r] + seg_ptr[roots[r] + 1] - seg_ptr[roots[r]]
     n_segments = base[n_roots]
-    segment_last = np.empty(n_segments, np.int64)
-    # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut, or
-    # the root's: parents come first, so one pass settles each
     cut = np.empty(n_segments, np.bool_)
     owner = np.empty(n_segments, np.int64)
+    segment_last = np.empty(n_segments, np.int64)
+    root_last = np.empty(n_roots, np.int64)
+    cut_links = np.empty(n_segments, np.int64)
+    cut_ids = np.empty(n_segments, np.int64)
+    cut_last = np.empty(n_segments, np.int64)
     n_cut = 0
-    for r in range(n_roots):
-        shift = base[r] - seg_ptr[roots[r]]
-        for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
+    for r in range(n_roots):  # a segment's owner is in its root's buffer: one root at a time
+        first, stop = seg_ptr[roots[r]], seg_ptr[roots[r] + 1]
+        shift = base[r] - first
+        # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut,
+        # or the root's: parents come first, so one pass settles each
+        for m in range(first, stop):
             s = m + shift
             last = -1
             for u in range(seg_use_ptr[m], seg_use_ptr[m + 1]):
@@ -836,24 +847,19 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
                     break
             segment_last[s] = last
             cut[s] = rewired[seg_link_id[m]]
-            n_cut += cut[s]
             owner[s] = owner[seg_parent[m] + shift] if seg_parent[m] >= 0 and not cut[s] else s
-    owner_last = np.full(n_segments, -1, np.int64)
-    for s in range(n_segments):
-        owner_last[owner[s]] = max(owner_last[owner[s]], segment_last[s])
-    root_last = np.empty(n_roots, np.int64)
-    cut_links = np.empty(n_cut, np.int64)
-    cut_ids = np.empty(n_cut, np.int64)
-    cut_last = np.empty(n_cut, np.int64)
-    k = 0
-    for r in range(n_roots):
-        shift = base[r] - seg_ptr[roots[r]]
-        root_last[r] = owner_last[tensor_segment[roots[r]] + shift]
-        if n_cut:
-            for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
-                if cut[m + shift]:
-                    cut_links[k], cut_ids[k], cut_last[k] = seg_link_key[m], seg_link_id[m], owner_last[m + shift]
-                    k += 1
+        if stop - first == 1:  # one segment: its own owner, not cut
+            root_last[r] = segment_last[first + shift]
+            continue
+        for m in range(first, stop):  # each owner's last: the latest of the segments it holds
+            if owner[m + shift] != m + shift:
+                segment_last[owner[m + shift]] = max(segment_last[owner[m + shift]], segment_last[m + shift])
+        root_last[r] = segment_last[owner[tensor_segment[roots[r]] + shift]]
+        for m in range(first, stop):
+            if cut[m + shift]:
+                cut_links[n_cut], cut_ids[n_cut] = seg_link_key[m], seg_link_id[m]
+                cut_last[n_cut] = segment_last[m + shift]
+                n_cut += 1
     home_link = np.full(len(tensors), -1, np.int64)
     home_ids = np.full(len(tensors), -1, np.int64)
     for i in range(len(tensors)):
@@ -861,7 +867,7 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
         home = owner[tensor_segment[tensors[i]] + shift]
         if cut[home]:
             home_link[i], home_ids[i] = seg_link_key[home - shift], seg_link_id[home - shift]
-    return root_last, cut_links, cut_ids, cut_last, home_link, home_ids
+    return root_last, cut_links[:n_cut], cut_ids[:n_cut], cut_last[:n_cut], home_link, home_ids
 
 
 @njit(cache=True, nogil=True)
@@ -890,6 +896,7 @@ def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_pt
     n = len(tensor)
     changed = np.zeros(n, np.bool_)
     slots = np.full(n, -1, np.int64)
+    scratch = np.empty((4, 32), np.int64)
     for j in range(n):
         near = False
         for k in range(consumer_ptr[j], consumer_ptr[j + 1]):
@@ -898,21 +905,24 @@ def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_pt
             continue
         changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
                                           input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
-                                          trigger[j], after[j], consumers, consumer_ptr[j], consumer_ptr[j + 1])
+                                          trigger[j], after[j], consumers, consumer_ptr[j], consumer_ptr[j + 1],
+                                          scratch)
     return changed, slots
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
-               input_source, control_ptr, control_ops, tensor, trigger, after, consumers, lo, hi):
+               input_source, control_ptr, control_ops, tensor, trigger, after, consumers, lo, hi, scratch):
     """One swap-in of ``safe_wait_slots`` (readers ``consumers[lo:hi]``): whether a wait is in danger,
-    and the latest slot it waits for instead. The sets involved are a few ops, kept in small arrays
-    (``_grown`` when full) and searched linearly."""
+    and the latest slot it waits for instead. The sets involved are a few ops, kept in the rows of
+    ``scratch`` (copied to larger arrays, ``_grown``, when full) and searched linearly."""
     # what it waits for, as the rewriter builds it: its trigger, or (synchronous) its first
     # consumer's other inputs and control predecessors; and ``after`` unless that made the tensor
     first = consumers[lo]
-    waits = np.empty(input_ptr[first + 1] - input_ptr[first] + control_ptr[first + 1] - control_ptr[first] + 2,
-                     np.int64)
+    waits = scratch[0]
+    capacity = input_ptr[first + 1] - input_ptr[first] + control_ptr[first + 1] - control_ptr[first] + 2
+    if capacity > len(waits):
+        waits = np.empty(capacity, np.int64)
     n_waits = 0
     if trigger >= 0:
         waits[0] = trigger
@@ -928,7 +938,7 @@ def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, so
     if after >= 0 and after != tensor_producer[tensor]:
         waits[n_waits] = after
         n_waits += 1
-    danger = np.empty(16, np.int64)
+    danger = scratch[1]
     n_danger = 0
     for k in range(lo, hi):
         for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
@@ -943,8 +953,8 @@ def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, so
     if not hit:
         return False, -1
     # each wait in danger replaced by its own sources, repeatedly: the latest of what is left
-    pending = np.empty(max(n_waits, 16), np.int64)
-    seen = np.empty(16, np.int64)
+    pending = scratch[2] if n_waits <= scratch.shape[1] else np.empty(n_waits, np.int64)
+    seen = scratch[3]
     for w in range(n_waits):
         pending[w] = waits[w]
     n_pending, n_seen, latest = n_waits, 0, -1
@@ -979,6 +989,7 @@ def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger
     n = len(tensor)
     changed = np.zeros(n, np.bool_)
     slots = np.full(n, -1, np.int64)
+    scratch = np.empty((4, 32), np.int64)
     for j in range(n):
         lo, hi = consumer_ptr[j], consumer_ptr[j + 1]
         near = False
@@ -1001,7 +1012,7 @@ def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger
                 continue
         changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
                                           input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
-                                          trigger[j], after[j], consumers, lo, hi)
+                                          trigger[j], after[j], consumers, lo, hi, scratch)
     return changed, slots
 
 
