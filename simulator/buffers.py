@@ -205,7 +205,7 @@ def contains(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RewireTables:
-    """``Buffers`` as the compiled lifetimes read them (``kernels.rewired_lifetimes``). Reads a plan
+    """``Buffers`` as the compiled lifetimes read them (``kernels.after_ops``, ``kernels.replay_plan``). Reads a plan
     may rewire (uses' and segment links') get ids: their rank among the sorted unique ``read_keys``
     (``tensor * n_ops + consumer``). Per tensor, its reads (``tensor_read_ptr`` -> consumer, id; in
     edge order), so a plan's far read finds its id among a few. Segments are numbered by their place
@@ -227,7 +227,7 @@ class RewireTables:
     tensor_segment: np.ndarray
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """Every table but ``read_keys``, in ``kernels.rewired_lifetimes``' order."""
+        """Every table but ``read_keys``, in the order the kernels take them."""
         return tuple(getattr(self, name) for name in self.__dataclass_fields__)[1:]
 
 
@@ -259,25 +259,6 @@ def rewire_tables(g: OpGraph) -> RewireTables:
             seg_parent=np.where(parent >= 0, number[np.maximum(parent, 0)], -1),
             tensor_segment=number[info.segment])
     return g.cached("rewire_tables", compute, structural=True)
-
-
-def rewired_lifetimes(g: OpGraph, roots: np.ndarray, read_tensor: np.ndarray, read_consumer: np.ndarray,
-                      tensors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Last slots once the reads of ``read_tensor`` by ``read_consumer`` go to swap-ins.
-
-    Returns, for each of ``roots`` (unique root buffers, sorted), the last slot that still reads the
-    original buffer (its producer at least); the rewired links that carried a segment away
-    (``link_keys``, ``tensor * n_ops + op``) with the last slot of what now lives in the swap-in
-    buffer (``link_last``);
-    and for each of ``tensors`` (whose roots are among ``roots``) the link that carried it into a
-    swap-in's buffer, -1 where it stays in the original buffer. A segment lives in the buffer of
-    its nearest ancestor (itself included) whose link was cut, or the root's. Compiled
-    (``simulator.kernels``): the planner calls it once per plan (the replay's own kernel too).
-    """
-    tables = rewire_tables(g)
-    tensors = np.zeros(0, np.int64) if tensors is None else tensors
-    return kernels.rewired_lifetimes(*tables.arrays(), len(tables.read_keys), roots, read_tensor, read_consumer,
-                                     tensors, np.searchsorted(roots, buffers(g).root[tensors]))
 
 
 def alloc_slot_bytes(g: OpGraph) -> np.ndarray:

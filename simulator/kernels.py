@@ -452,7 +452,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             slot -= 1
         out_free_slot[i] = slot
     # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a rewired
-    # read carried it into (see buffers.rewired_lifetimes)
+    # read carried it into (see _lifetimes)
     copy_free_slot = np.full(n_roots, -1, np.int64)
     copy_end = np.zeros(n_roots)
     for i in range(n_swaps):
@@ -814,9 +814,15 @@ def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys
 @njit(cache=True, nogil=True)
 def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
                rewired, roots, tensors, tensor_root):
-    """``rewired_lifetimes`` once the rewired read ids are known (``tensor_root``: the index in
-    ``roots`` of each of ``tensors``' root), with the read ids of the cut links and home links
-    beside their keys. Segments are numbered locally, the roots' one after the other (a root's
+    """Last slots once the reads ``rewired`` (by read id, ``buffers.RewireTables``) go to swap-ins.
+
+    Returns, for each of ``roots`` (unique root buffers, sorted), the last slot that still reads the
+    original buffer (its producer at least); the rewired links that carried a segment away (their
+    keys ``tensor * n_ops + op`` and read ids) with the last slot of what now lives in the swap-in
+    buffer; and for each of ``tensors`` (``tensor_root``: the index in ``roots`` of each one's root)
+    the link that carried it into a swap-in's buffer, key and id, -1 where it stays in the original
+    buffer. A segment lives in the buffer of its nearest ancestor (itself included) whose link was
+    cut, or the root's. Segments are numbered locally, the roots' one after the other (a root's
     segment numbers are consecutive in the tables); a segment's last use is its latest not
     rewired, found from the latest down (the rewired reads are the late ones)."""
     n_roots = len(roots)
@@ -868,21 +874,6 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
         if cut[home]:
             home_link[i], home_ids[i] = seg_link_key[home - shift], seg_link_id[home - shift]
     return root_last, cut_links[:n_cut], cut_ids[:n_cut], cut_last[:n_cut], home_link, home_ids
-
-
-@njit(cache=True, nogil=True)
-def rewired_lifetimes(tensor_read_ptr, tensor_read_consumer, tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id,
-                      seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys, roots, read_tensor,
-                      read_consumer, tensors, tensor_root):
-    """``buffers.rewired_lifetimes`` (which documents it) on ``buffers.RewireTables``: per root the
-    last slot still reading the original buffer, the cut links with the last slot of what lives past
-    them, and per tensor the link that carried it away."""
-    rewired, _, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
-                                   read_consumer)
-    root_last, cut_links, _, cut_last, home_link, _ = _lifetimes(
-        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, rewired,
-        roots, tensors, tensor_root)
-    return root_last, cut_links, cut_last, home_link
 
 
 @njit(cache=True, nogil=True)
@@ -1153,20 +1144,6 @@ def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_
 
 
 @njit(cache=True, nogil=True)
-def group_far_edges(tensor, level, groupby):
-    """``planning._group_far_edges`` for ``groupby`` > 0: a new group at each new tensor and once a
-    read lies more than ``groupby`` levels past its group's first."""
-    group = np.empty(len(tensor), np.int64)
-    current, start_level = -1, 0
-    for i in range(len(tensor)):
-        if i == 0 or tensor[i] != tensor[i - 1] or level[i] - start_level > groupby:
-            current += 1
-            start_level = level[i]
-        group[i] = current
-    return group
-
-
-@njit(cache=True, nogil=True)
 def _sorted_level_peaks(slot_bytes, level_starts):
     """The largest figure per level, slots sorted by level (``np.maximum.reduceat``)."""
     level_peak = np.empty(len(level_starts))
@@ -1207,3 +1184,155 @@ def summarize(slot_bytes, levels_of_slot, level_starts, persistent, finish_all, 
     level_peak += persistent
     op_end = finish_all[position]
     return peak_slot, level_peak, op_end, op_end - op_duration
+
+
+@njit(cache=True, nogil=True)
+def after_ops(group_tensor, ptr, consumers, position, order, root, tensor_read_ptr, tensor_read_consumer,
+              tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+              tensor_segment, n_keys):
+    """``planning._after_ops`` (which documents it) on ``buffers.RewireTables``: per swap-in group (a
+    tensor's groups consecutive, ``consumers[ptr[k]:ptr[k + 1]]``), the op it must follow."""
+    n_groups = len(group_tensor)
+    if n_groups == 0:
+        return np.zeros(0, np.int64)
+    n_tensors = len(root)
+    # the swapped tensors (sorted, distinct) and each one's first group; their buffers (sorted, distinct)
+    by_tensor = _radix_argsort(group_tensor, 0, n_tensors)
+    swapped = np.empty(n_groups, np.int64)
+    first_group = np.empty(n_groups, np.int64)
+    n_swapped = 0
+    for k in range(n_groups):
+        tensor = group_tensor[by_tensor[k]]
+        if n_swapped == 0 or swapped[n_swapped - 1] != tensor:
+            swapped[n_swapped] = tensor
+            first_group[n_swapped] = by_tensor[k]
+            n_swapped += 1
+    swapped = swapped[:n_swapped]
+    swapped_roots = root[swapped]
+    by_root = _radix_argsort(swapped_roots, 0, n_tensors)
+    roots = np.empty(n_swapped, np.int64)
+    root_of_swapped = np.empty(n_swapped, np.int64)
+    n_roots = 0
+    for k in range(n_swapped):
+        value = swapped_roots[by_root[k]]
+        if n_roots == 0 or roots[n_roots - 1] != value:
+            roots[n_roots] = value
+            n_roots += 1
+        root_of_swapped[by_root[k]] = n_roots - 1
+    roots = roots[:n_roots]
+    read_tensor = np.empty(len(consumers), np.int64)
+    for k in range(n_groups):
+        for m in range(ptr[k], ptr[k + 1]):
+            read_tensor[m] = group_tensor[k]
+    rewired, _, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
+                                   consumers)
+    root_last, _, cut_ids, cut_last, _, home_ids = _lifetimes(
+        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, rewired,
+        roots, swapped, root_of_swapped)
+    # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the device
+    # until that buffer's last reader, not the original's (which may be done before it exists)
+    n_cut = len(cut_ids)
+    cut_of_id = np.empty(n_keys + 1, np.int64)  # valid where cut_ids[cut_of_id[id]] == id: the first cut
+    for k in range(n_cut - 1, -1, -1):
+        cut_of_id[cut_ids[k]] = k
+    after_slot = np.empty(n_groups, np.int64)
+    for k in range(1, n_groups):  # each later group follows the last consumer of the group before it
+        last = position[consumers[ptr[k - 1]]]
+        for m in range(ptr[k - 1] + 1, ptr[k]):
+            last = max(last, position[consumers[m]])
+        after_slot[k] = last
+    for i in range(n_swapped):  # the first follows the last op still reading its buffer
+        near = root_last[root_of_swapped[i]]
+        if home_ids[i] >= 0:
+            near = cut_last[cut_of_id[home_ids[i]]]
+        after_slot[first_group[i]] = near
+    after = np.empty(n_groups, np.int64)
+    for k in range(n_groups):
+        after[k] = order[after_slot[k]]
+    return after
+
+
+@njit(cache=True, nogil=True)
+def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, threshold, groupby, lb, ub, triggers,
+               producer, levels, position, order, root, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
+               seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+               n_keys, latest_level, latest_op, ancestor_ptr, ancestor_ops, ancestor_levels, ancestor_key, span):
+    """The core of ``planning.plan_swaps`` (which documents the rules): the far reads, grouped per swap-in,
+    groups still read on the device at their first consumer dropped, each group's ``after`` op and
+    trigger. ``edge_order``: the edges by tensor, then their consumer's slot (the reads of a tensor in
+    execution order, so no sort per plan); ``excluded``: reads never far (update-phase readers,
+    ``kept_reads``); ``candidate``: per tensor, whether the rules may swap it; ``triggers``: 0 none
+    (synchronous swap-ins), 1 by level (``latest_*``: per level the latest level at or below it
+    holding a trigger candidate, and that op), 2 among the first consumer's ancestors (the table of
+    ``planning._ancestor_triggers``). Returns the swapped tensors, each group's swap, trigger and
+    ``after`` op, and the groups' reads (CSR)."""
+    n_edges = len(edge_order)
+    far_tensor = np.empty(n_edges, np.int64)
+    far_consumer = np.empty(n_edges, np.int64)
+    n_far = 0
+    for e in edge_order:  # one read per (tensor, consumer): its edges are next to each other here
+        tensor, consumer = edge_tensor[e], edge_consumer[e]
+        if (candidate[tensor] and not excluded[e] and levels[consumer] - levels[producer[tensor]] > threshold
+                and not (n_far and far_tensor[n_far - 1] == tensor and far_consumer[n_far - 1] == consumer)):
+            far_tensor[n_far], far_consumer[n_far] = tensor, consumer
+            n_far += 1
+    far_tensor, far_consumer = far_tensor[:n_far], far_consumer[:n_far]
+    while True:
+        # a new group at each new tensor and (groupby 0) each new level, or once a read lies more than
+        # groupby levels past its group's first
+        ptr = np.empty(n_far + 1, np.int64)
+        n_groups, start_level = 0, 0
+        for k in range(n_far):
+            level = levels[far_consumer[k]]
+            if (k == 0 or far_tensor[k] != far_tensor[k - 1]
+                    or (level != levels[far_consumer[k - 1]] if groupby == 0 else level - start_level > groupby)):
+                ptr[n_groups] = k
+                n_groups += 1
+                start_level = level
+        ptr[n_groups] = n_far
+        ptr = ptr[:n_groups + 1]
+        group_tensor = np.empty(n_groups, np.int64)
+        for k in range(n_groups):
+            group_tensor[k] = far_tensor[ptr[k]]
+        after = after_ops(group_tensor, ptr, far_consumer, position, order, root, tensor_read_ptr,
+                          tensor_read_consumer, tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr,
+                          seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys)
+        # a group whose tensor is still read on the device at or after its first consumer (through an
+        # alias) would gain nothing from a swap-in: drop it and re-derive the rest
+        n_kept = 0
+        for k in range(n_groups):
+            if position[after[k]] < position[far_consumer[ptr[k]]]:
+                for m in range(ptr[k], ptr[k + 1]):
+                    far_tensor[n_kept], far_consumer[n_kept] = far_tensor[m], far_consumer[m]
+                    n_kept += 1
+        if n_kept == n_far:
+            break
+        n_far = n_kept
+        far_tensor, far_consumer = far_tensor[:n_far].copy(), far_consumer[:n_far].copy()
+    trigger = np.full(n_groups, -1, np.int64)
+    for k in range(n_groups if triggers else 0):
+        first = far_consumer[ptr[k]]
+        hi = levels[first] - lb
+        lo = max(levels[first] - ub, levels[producer[group_tensor[k]]] + 1)
+        if hi < 0:
+            continue
+        if triggers == 1:
+            if latest_level[hi] >= lo:
+                trigger[k] = latest_op[hi]
+        else:  # the last ancestor trigger whose level <= hi
+            pick = _right_in(ancestor_key, 0, len(ancestor_key), first * span + hi) - 1
+            if ancestor_ptr[first] <= pick < ancestor_ptr[first + 1] and ancestor_levels[pick] >= lo:
+                trigger[k] = ancestor_ops[pick]
+        # the trigger must run after the previous copy is released and before the consumer
+        if trigger[k] >= 0 and (position[trigger[k]] <= position[after[k]]
+                                or position[trigger[k]] >= position[first]):
+            trigger[k] = -1
+    swapped = np.empty(n_groups, np.int64)
+    in_swap = np.empty(n_groups, np.int64)
+    n_swapped = 0
+    for k in range(n_groups):  # groups of a tensor are consecutive, tensors ascending
+        if n_swapped == 0 or swapped[n_swapped - 1] != group_tensor[k]:
+            swapped[n_swapped] = group_tensor[k]
+            n_swapped += 1
+        in_swap[k] = n_swapped - 1
+    return swapped[:n_swapped].copy(), in_swap, trigger, after, ptr, far_consumer.copy()

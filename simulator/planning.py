@@ -13,10 +13,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from simulator import kernels
-from simulator.buffers import buffers, rewired_lifetimes
+from simulator.buffers import buffers, rewire_tables
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
-from simulator.ordering import (categorized_levels, edge_distances, execution_order, n_levels, position_of,
-                                slot_levels_view)
+from simulator.ordering import categorized_levels, execution_order, n_levels, position_of, slot_levels_view
 
 SYNC_MODES = ("none", "out", "in", "both")
 SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
@@ -512,16 +511,27 @@ def _trigger_depth(ub: int, count: int) -> int:
     return min(depth, max(count, 1))
 
 
-def _group_far_edges(tensor: np.ndarray, level: np.ndarray, groupby: int) -> np.ndarray:
-    """Group id per far edge (edges sorted by tensor, then level): a group spans <= groupby levels."""
-    n = len(tensor)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    if groupby:
-        return kernels.group_far_edges(tensor, level, groupby)
-    new_group = np.ones(n, bool)
-    new_group[1:] = (tensor[1:] != tensor[:-1]) | (level[1:] != level[:-1])
-    return np.cumsum(new_group) - 1
+def _edges_by_tensor_slot(g: OpGraph) -> np.ndarray:
+    """The data edges by tensor, then their consumer's slot (then edge): a tensor's reads in execution
+    order, as the planner walks them (structural, per order)."""
+    return g.cached("edges_by_tensor_slot", lambda graph: np.lexsort(
+        (np.arange(len(graph.edge_tensor)), position_of(graph)[graph.edge_consumer], graph.edge_tensor)),
+        structural=True)
+
+
+def _never_far(g: OpGraph, kept_reads: tuple[tuple[str, str], ...]) -> np.ndarray:
+    """Per data edge: a read no rule moves to a swap-in (an update-phase reader, or a (producer type,
+    consumer type) pair of ``kept_reads``)."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        never = graph.op_phase[graph.edge_consumer] == UPDATE
+        for producer_type, consumer_type in kept_reads:
+            never |= ((graph.op_type[graph.tensor_producer[graph.edge_tensor]] == producer_type)
+                      & (graph.op_type[graph.edge_consumer] == consumer_type))
+        return never
+    return g.cached(("never_far", kept_reads), compute, structural=True)
+
+
+_NO_TABLE = np.zeros(1, np.int64)
 
 
 def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, str], ...] = ()) -> SwapPlan:
@@ -533,83 +543,40 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     from level(c) - lb downward; no valid trigger (or sync "in"/"both") makes it synchronous.
     With ``params.distance == "slot"`` an op's level is its slot in the execution order.
     ``kept_reads`` (``DeviceModel.kept_reads``): (producer type, consumer type) reads that stay on
-    the device whatever their distance.
+    the device whatever their distance. The rules run compiled (``kernels.plan_reads``).
     """
     g = g.with_order(params.order)
     if params.distance == "slot":
         g = slot_levels_view(g)
-    levels = categorized_levels(g)
-    distance = edge_distances(g)
-    candidate = _candidate_tensors(g, params)
-    is_far = candidate[g.edge_tensor] & (distance > params.threshold) & (g.op_phase[g.edge_consumer] != UPDATE)
-    for producer_type, consumer_type in kept_reads:
-        is_far &= ~((g.op_type[g.tensor_producer[g.edge_tensor]] == producer_type)
-                    & (g.op_type[g.edge_consumer] == consumer_type))
-    far = np.flatnonzero(is_far)
-    far_tensor = g.edge_tensor[far]
-    far_consumer = g.edge_consumer[far]
-    # one edge per (tensor, consumer): an op reading t twice needs one rewire
-    key = far_tensor * g.n_ops + far_consumer
-    _, unique = np.unique(key, return_index=True)
-    far_tensor, far_consumer = far_tensor[unique], far_consumer[unique]
-    position = position_of(g)
-    by_slot = np.lexsort((position[far_consumer], far_tensor))  # a tensor's far reads in execution order
-    far_tensor, far_consumer = far_tensor[by_slot], far_consumer[by_slot]
-    consumer_level = levels[far_consumer]
-
-    while True:
-        group = _group_far_edges(far_tensor, consumer_level, params.groupby)
-        n_groups = int(group[-1]) + 1 if len(group) else 0
-        group_start = np.searchsorted(group, np.arange(n_groups), side="left")
-        ptr = np.append(group_start, len(group)).astype(np.int64)
-        first_consumer = far_consumer[group_start]
-        group_tensor = far_tensor[group_start]
-        first_level = levels[first_consumer]
-        after = _after_ops(g, group_tensor, ptr, far_consumer)
-        # a group whose tensor is still read on the device at or after its first consumer (through
-        # an alias) would gain nothing from a swap-in: drop it and re-derive the rest
-        late = position[after] >= position[first_consumer]
-        if not late.any():
-            break
-        keep = ~np.repeat(late, np.diff(ptr))
-        far_tensor, far_consumer, consumer_level = far_tensor[keep], far_consumer[keep], consumer_level[keep]
-
-    hi = first_level - params.lb
-    lo = np.maximum(first_level - params.ub, levels[g.tensor_producer[group_tensor]] + 1)
-    trigger = np.full(n_groups, -1, dtype=np.int64)
-    if params.sync not in SYNC_IN_MODES and n_groups:
-        if params.trigger == "level":
-            latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
-            found_level = latest_level[np.maximum(hi, 0)]
-            ok = (hi >= 0) & (found_level >= lo)
-            trigger[ok] = latest_op[np.maximum(hi, 0)][ok]
-        else:
-            depth = _trigger_depth(params.ub, n_levels(g))
-            table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth),
-                             structural=True)
-            start, stop = table["ptr"][first_consumer], table["ptr"][first_consumer + 1]
-            # per group, the last ancestor trigger whose level <= hi: one searchsorted over all groups
-            query = first_consumer * table["span"] + hi
-            pick = np.searchsorted(table["key"], query, side="right") - 1
-            ok = (hi >= 0) & (pick >= start) & (pick < stop)
-            pick_level = np.full(n_groups, -1, dtype=np.int64)
-            pick_level[ok] = table["levels"][pick[ok]]
-            ok &= pick_level >= lo
-            trigger[ok] = table["ops"][pick[ok]]
-        # the trigger must run after the previous copy is released and before the consumer
-        runs = position[np.maximum(trigger, 0)]
-        trigger[(trigger >= 0) & ((runs <= position[after]) | (runs >= position[first_consumer]))] = -1
-
-    swapped, in_swap = np.unique(group_tensor, return_inverse=True)
-    sync_out = np.full(len(swapped), params.sync in ("out", "both"))
+    tables = rewire_tables(g)
+    latest_level = latest_op = ancestor_ptr = ancestor_ops = ancestor_levels = ancestor_key = _NO_TABLE
+    span = 0
+    if params.sync in SYNC_IN_MODES:
+        triggers = 0
+    elif params.trigger == "level":
+        triggers = 1
+        latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
+    else:
+        triggers = 2
+        depth = _trigger_depth(params.ub, n_levels(g))
+        table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth),
+                         structural=True)
+        ancestor_ptr, ancestor_ops, ancestor_levels = table["ptr"], table["ops"], table["levels"]
+        ancestor_key, span = table["key"], table["span"]
+    swapped, in_swap, trigger, after, ptr, consumers = kernels.plan_reads(
+        _edges_by_tensor_slot(g), g.edge_tensor, g.edge_consumer, _never_far(g, tuple(kept_reads)),
+        _candidate_tensors(g, params), params.threshold, params.groupby, params.lb, params.ub, triggers,
+        g.tensor_producer, categorized_levels(g), position_of(g), execution_order(g), buffers(g).root,
+        *tables.arrays(), len(tables.read_keys), latest_level, latest_op, ancestor_ptr, ancestor_ops,
+        ancestor_levels, ancestor_key, span)
     return SwapPlan(
-        tensor=swapped.astype(np.int64),
-        sync_out=sync_out,
-        in_swap=in_swap.astype(np.int64),
+        tensor=swapped,
+        sync_out=np.full(len(swapped), params.sync in ("out", "both")),
+        in_swap=in_swap,
         in_trigger=trigger,
         in_after=after,
         in_consumer_ptr=ptr,
-        in_consumers=far_consumer.astype(np.int64),
+        in_consumers=consumers,
         order=execution_order(g),
         order_name=g.order,
         graph_fingerprint=g.cached("fingerprint", OpGraph.fingerprint, structural=True),
@@ -624,27 +591,9 @@ def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers:
 
     The first group follows the last op that still reads the buffer the tensor lives in once the
     far reads are rewired (its producer at least); each later group follows the last consumer of
-    the group before it.
+    the group before it. Compiled (``kernels.after_ops``; ``plan_swaps`` calls it from its kernel).
     """
-    n_groups = len(group_tensor)
-    if n_groups == 0:
-        return np.zeros(0, dtype=np.int64)
-    info = buffers(g)
-    position = position_of(g)
-    order = execution_order(g)
-    swapped, first_group = np.unique(group_tensor, return_index=True)
-    roots, root_of_swapped = np.unique(info.root[swapped], return_inverse=True)
-    root_last, links, link_last, home_link = rewired_lifetimes(g, roots, np.repeat(group_tensor, np.diff(ptr)),
-                                                               consumers, swapped)
-    near_slot = root_last[root_of_swapped]
-    # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the
-    # device until that buffer's last reader, not the original's (which may be done before it exists)
-    moved = np.flatnonzero(home_link >= 0)
-    if len(moved):
-        by_link = np.argsort(links)
-        near_slot[moved] = link_last[by_link[np.searchsorted(links[by_link], home_link[moved])]]
-    group_last_slot = np.maximum.reduceat(position[consumers], ptr[:-1])
-    after_slot = np.empty(n_groups, dtype=np.int64)
-    after_slot[1:] = group_last_slot[:-1]
-    after_slot[first_group] = near_slot
-    return order[after_slot]
+    tables = rewire_tables(g)
+    return kernels.after_ops(np.asarray(group_tensor, np.int64), np.asarray(ptr, np.int64),
+                             np.asarray(consumers, np.int64), position_of(g), execution_order(g), buffers(g).root,
+                             *tables.arrays(), len(tables.read_keys))
