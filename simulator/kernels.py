@@ -179,15 +179,6 @@ def _lexsort(primary, secondary, start):
 
 
 @njit(cache=True, nogil=True)
-def stable_argsort(keys):
-    """``np.argsort(keys, kind="stable")`` (at once for keys in order already)."""
-    for i in range(1, len(keys)):
-        if keys[i] < keys[i - 1]:
-            return _lexsort(keys, keys, np.arange(len(keys)))
-    return np.arange(len(keys))
-
-
-@njit(cache=True, nogil=True)
 def _radix_argsort(keys, offset, n_values):
     """``np.argsort(keys, kind="stable")`` for integers with 0 <= key + offset < n_values: returns at
     once when the keys are in order already, else a least-significant-digit radix sort, 8 bits a
@@ -869,7 +860,10 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
     home_link = np.full(len(tensors), -1, np.int64)
     home_ids = np.full(len(tensors), -1, np.int64)
     for i in range(len(tensors)):
-        shift = base[tensor_root[i]] - seg_ptr[roots[tensor_root[i]]]
+        r = tensor_root[i]
+        if base[r + 1] - base[r] == 1:  # one segment: never cut
+            continue
+        shift = base[r] - seg_ptr[roots[r]]
         home = owner[tensor_segment[tensors[i]] + shift]
         if cut[home]:
             home_link[i], home_ids[i] = seg_link_key[home - shift], seg_link_id[home - shift]
@@ -976,7 +970,8 @@ def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger
     """``safe_wait_slots`` for the replay, with the graph's answers per read (``read_safe_*``: a
     synchronous swap-in of that read alone, waiting for nothing else) and the plan's reads' places
     among them (``read_edge``). A wait's result is the union of what each of its ops leads to, so a
-    swap-in with one reader needs a walk only when its trigger or ``after`` is itself in danger."""
+    swap-in whose first reader's fusion neighbourhood holds its other readers' needs a walk only
+    when its trigger or ``after`` is itself in danger."""
     n = len(tensor)
     changed = np.zeros(n, np.bool_)
     slots = np.full(n, -1, np.int64)
@@ -988,8 +983,12 @@ def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger
             near |= has_danger[consumers[k]]
         if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
             continue
-        if hi - lo == 1:
-            reader = consumers[lo]
+        reader = consumers[lo]
+        alone = True  # every other reader's neighbourhood inside the first's: the first's alone counts
+        for k in range(lo + 1, hi):
+            for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
+                alone &= _holds_in(danger_ops, danger_ptr[reader], danger_ptr[reader + 1], danger_ops[d])
+        if alone:
             wait_after = after[j] >= 0 and after[j] != tensor_producer[tensor[j]]
             after_safe = not (wait_after and _holds_in(danger_ops, danger_ptr[reader], danger_ptr[reader + 1],
                                                        after[j]))
