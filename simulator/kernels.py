@@ -12,7 +12,8 @@ to each, in and out, which cost more than the helper's own work.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.experimental import structref
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -737,27 +738,28 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
     (frees before allocations at the same instant; events ordered by time, size, then index with
     the copies out before the frees). One engine per direction copies first in, first out: the
     copies out start in queue order, and the host copies are freed in the order of their last
-    swap-ins' copies (``in_processed``); each side is checked to be in order (else sorted), then
-    the two are merged."""
+    swap-ins' copies (``in_processed``, along which copies end in order); each side is checked to be
+    in order (else sorted). The memory only grows at a copy out, so the peak is right after one
+    (or at the first event)."""
     n_swaps = len(swap_bytes)
     if n_swaps == 0:
         return 0.0, 0.0
-    host_free = np.zeros(n_swaps)
-    for j in range(len(in_swap)):
-        host_free[in_swap[j]] = max(host_free[in_swap[j]], in_end[j])
     outs = out_queue
     for k in range(1, n_swaps):
         a, b = out_queue[k - 1], out_queue[k]
         if not _before(out_start[a], swap_bytes[a], a, out_start[b], swap_bytes[b], b):
             outs = _lexsort(out_start, swap_bytes, out_queue)
             break
+    # each swap's host copy is freed when its last swap-in is copied: walked from the latest
+    host_free = np.zeros(n_swaps)
     frees = np.empty(n_swaps, np.int64)
     seen = np.zeros(n_swaps, np.bool_)
     m = n_swaps
-    for k in range(len(in_processed) - 1, -1, -1):  # each swap at its last swap-in, from the latest
+    for k in range(len(in_processed) - 1, -1, -1):
         i = in_swap[in_processed[k]]
         if not seen[i]:
             seen[i] = True
+            host_free[i] = max(0.0, in_end[in_processed[k]])
             m -= 1
             frees[m] = i
     in_order = m == 0  # (every swap has a swap-in)
@@ -766,21 +768,26 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
         if in_order and not _before(host_free[a], -swap_bytes[a], a, host_free[b], -swap_bytes[b], b):
             in_order = False
     if not in_order:
+        host_free[:] = 0.0
+        for j in range(len(in_swap)):
+            host_free[in_swap[j]] = max(host_free[in_swap[j]], in_end[j])
         frees = _lexsort(host_free, -swap_bytes, out_queue[::-1].copy())
-    running, best, best_time = 0.0, -np.inf, 0.0
-    a = b = 0
-    while a < n_swaps or b < n_swaps:
-        if b == n_swaps or (a < n_swaps and _before(out_start[outs[a]], swap_bytes[outs[a]], outs[a],
-                                                    host_free[frees[b]], -swap_bytes[frees[b]], n_swaps + frees[b])):
-            running += swap_bytes[outs[a]]
-            time = out_start[outs[a]]
-            a += 1
-        else:
+    best, best_time = -np.inf, 0.0
+    first = frees[0]
+    if _before(host_free[first], -swap_bytes[first], n_swaps + first, out_start[outs[0]], swap_bytes[outs[0]],
+               outs[0]):
+        best, best_time = -swap_bytes[first], host_free[first]  # a free comes first (copies of no time)
+    running = 0.0
+    b = 0
+    for a in range(n_swaps):
+        out = outs[a]
+        while b < n_swaps and _before(host_free[frees[b]], -swap_bytes[frees[b]], n_swaps + frees[b],
+                                      out_start[out], swap_bytes[out], out):
             running += -swap_bytes[frees[b]]
-            time = host_free[frees[b]]
             b += 1
+        running += swap_bytes[out]
         if running > best:
-            best, best_time = running, time
+            best, best_time = running, out_start[out]
     return max(0.0, best), best_time
 
 
@@ -1079,21 +1086,149 @@ def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_
             sync_wait[i] = first
     return sync_wait
 
+@structref.register
+class ReplayTablesType(types.StructRef):
+    """The numba type of ``ReplayTables``."""
+
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(typ)) for name, typ in fields)
+
+
+class ReplayTables(structref.StructRefProxy):
+    """What ``replay_plan`` reads of a graph at one batch size on one device, as one object (one
+    argument to type-check per call instead of some sixty); ``replay.replay`` names the fields."""
+
+
+REPLAY_TABLE_FIELDS = (
+    "order",
+    "position",
+    "duration",
+    "finish_plain",
+    "plain_op_end",
+    "plain_op_start",
+    "baseline_bytes",
+    "alloc_bytes",
+    "levels_of_slot",
+    "n_levels",
+    "sorted_levels",
+    "persistent",
+    "tensor_bytes",
+    "int_bytes",
+    "d2h_seconds",
+    "h2d_seconds",
+    "tensor_producer",
+    "root",
+    "free_slot",
+    "max1",
+    "max1_tensor",
+    "max2",
+    "tensor_read_ptr",
+    "tensor_read_consumer",
+    "tensor_read_id",
+    "seg_use_ptr",
+    "seg_use_slot",
+    "seg_use_id",
+    "seg_ptr",
+    "seg_link_id",
+    "seg_link_key",
+    "seg_parent",
+    "tensor_segment",
+    "n_keys",
+    "late_slot",
+    "late_key",
+    "late_out",
+    "late_root_ptr",
+    "late_by_root",
+    "late_read_ptr",
+    "late_by_read",
+    "has_danger",
+    "endangered",
+    "danger_ptr",
+    "danger_ops",
+    "source_ptr",
+    "source_ops",
+    "input_ptr",
+    "input_tensor",
+    "input_source",
+    "control_ptr",
+    "control_ops",
+    "read_safe_hit",
+    "read_safe_slot",
+)
+structref.define_proxy(ReplayTables, ReplayTablesType, list(REPLAY_TABLE_FIELDS))
+
+
+def replay_tables(**fields) -> ReplayTables:
+    """``ReplayTables`` from its fields by name (its constructor takes them in order)."""
+    if fields.keys() != set(REPLAY_TABLE_FIELDS):
+        apart = sorted(fields.keys() ^ set(REPLAY_TABLE_FIELDS))
+        raise TypeError(f"ReplayTables needs exactly its fields, got {apart} apart")
+    return ReplayTables(*(fields[name] for name in REPLAY_TABLE_FIELDS))
+
 
 @njit(cache=True, nogil=True)
-def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_start, baseline_bytes, alloc_bytes,
-                levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
-                tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
-                tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
-                tensor_segment, n_keys, late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr,
-                late_by_read, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
-                input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot,
-                swap_tensor, sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers,
+def replay_plan(tables, swap_tensor, sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers,
                 after_copies_out):
     """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
     passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
     pass and the memory accounting, in one call. Per-slot work is two passes (finish times and the
     slots' bytes); the rest visits what the plan moved."""
+    # the graph's tables (one argument: each array argument costs the call a type check)
+    order = tables.order
+    position = tables.position
+    duration = tables.duration
+    finish_plain = tables.finish_plain
+    plain_op_end = tables.plain_op_end
+    plain_op_start = tables.plain_op_start
+    baseline_bytes = tables.baseline_bytes
+    alloc_bytes = tables.alloc_bytes
+    levels_of_slot = tables.levels_of_slot
+    n_levels = tables.n_levels
+    sorted_levels = tables.sorted_levels
+    persistent = tables.persistent
+    tensor_bytes = tables.tensor_bytes
+    int_bytes = tables.int_bytes
+    d2h_seconds = tables.d2h_seconds
+    h2d_seconds = tables.h2d_seconds
+    tensor_producer = tables.tensor_producer
+    root = tables.root
+    free_slot = tables.free_slot
+    max1 = tables.max1
+    max1_tensor = tables.max1_tensor
+    max2 = tables.max2
+    tensor_read_ptr = tables.tensor_read_ptr
+    tensor_read_consumer = tables.tensor_read_consumer
+    tensor_read_id = tables.tensor_read_id
+    seg_use_ptr = tables.seg_use_ptr
+    seg_use_slot = tables.seg_use_slot
+    seg_use_id = tables.seg_use_id
+    seg_ptr = tables.seg_ptr
+    seg_link_id = tables.seg_link_id
+    seg_link_key = tables.seg_link_key
+    seg_parent = tables.seg_parent
+    tensor_segment = tables.tensor_segment
+    n_keys = tables.n_keys
+    late_slot = tables.late_slot
+    late_key = tables.late_key
+    late_out = tables.late_out
+    late_root_ptr = tables.late_root_ptr
+    late_by_root = tables.late_by_root
+    late_read_ptr = tables.late_read_ptr
+    late_by_read = tables.late_by_read
+    has_danger = tables.has_danger
+    endangered = tables.endangered
+    danger_ptr = tables.danger_ptr
+    danger_ops = tables.danger_ops
+    source_ptr = tables.source_ptr
+    source_ops = tables.source_ops
+    input_ptr = tables.input_ptr
+    input_tensor = tables.input_tensor
+    input_source = tables.input_source
+    control_ptr = tables.control_ptr
+    control_ops = tables.control_ops
+    read_safe_hit = tables.read_safe_hit
+    read_safe_slot = tables.read_safe_slot
+
     n_ops = len(position)
     in_tensor = swap_tensor[in_swap]
     far_tensor = np.empty(len(in_consumers), np.int64)  # the tensor of each far read

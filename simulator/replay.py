@@ -141,14 +141,15 @@ def _csr(keys: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     return ptr, by_key.astype(np.int64)
 
 
-def _plan_tables(g: OpGraph) -> tuple[np.ndarray, ...]:
-    """What ``kernels.replay_plan`` reads of the structure, in its order after the per-batch arrays:
-    the buffer analysis with the reads a plan can rewire (``buffers.RewireTables``), the forwards a
-    plan makes possible (grouped by root and by read id), the fusion tables and each read's
-    fusion-safe wait."""
-    def compute(graph: OpGraph) -> tuple[np.ndarray, ...]:
+def _plan_tables(g: OpGraph) -> dict[str, np.ndarray | int]:
+    """What ``kernels.replay_plan`` reads of the structure (``kernels.ReplayTables``' fields): the
+    buffer analysis with the reads a plan can rewire (``buffers.RewireTables``), the forwards a plan
+    makes possible (grouped by root and by read id), the fusion tables and each read's fusion-safe
+    wait."""
+    def compute(graph: OpGraph) -> dict[str, np.ndarray | int]:
         info = buffers(graph)
         tables = rewire_tables(graph)
+        fusion = fusion_tables(graph)
         max1, max1_tensor, max2 = _other_input_slots(graph)
         late_root_ptr, late_by_root = _csr(info.late_root, graph.n_tensors)
         late_read_ptr, late_by_read = _csr(np.searchsorted(tables.read_keys, info.late_key), len(tables.read_keys))
@@ -158,19 +159,26 @@ def _plan_tables(g: OpGraph) -> tuple[np.ndarray, ...]:
         nothing = np.full(len(read_tensor), -1, np.int64)
         read_safe_hit, read_safe_slot = safe_wait_slots(graph, read_tensor, nothing, nothing,
                                                         np.arange(len(read_tensor) + 1), tables.tensor_read_consumer)
-        arrays = (graph.tensor_producer, info.root, info.free_slot, max1, max1_tensor, max2, *tables.arrays(),
-                  len(tables.read_keys), info.late_slot, info.late_key, info.late_out, late_root_ptr, late_by_root,
-                  late_read_ptr, late_by_read, *fusion_tables(graph).arrays(), read_safe_hit, read_safe_slot)
-        return tuple(np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array for array in arrays)
+        named = {
+            "tensor_producer": graph.tensor_producer, "root": info.root, "free_slot": info.free_slot, "max1": max1,
+            "max1_tensor": max1_tensor, "max2": max2,
+            **{name: getattr(tables, name) for name in tables.__dataclass_fields__ if name != "read_keys"},
+            "n_keys": len(tables.read_keys), "late_slot": info.late_slot, "late_key": info.late_key,
+            "late_out": info.late_out, "late_root_ptr": late_root_ptr, "late_by_root": late_by_root,
+            "late_read_ptr": late_read_ptr, "late_by_read": late_by_read,
+            **{name: getattr(fusion, name) for name in fusion.__dataclass_fields__},
+            "read_safe_hit": read_safe_hit, "read_safe_slot": read_safe_slot}
+        return {name: np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
+                for name, value in named.items()}
     return g.cached("replay_plan_tables", compute, structural=True)
 
 
 @dataclass(frozen=True)
 class _Context:
-    """A graph at one batch size on one device, as the replay reads it: ``arrays`` are what
-    ``kernels.replay_plan`` takes before the plan's."""
+    """A graph at one batch size on one device, as the replay reads it: ``tables`` is what
+    ``kernels.replay_plan`` takes before the plan's arrays."""
 
-    arrays: tuple
+    tables: kernels.ReplayTables
     levels_of_slot: np.ndarray
     persistent_bytes: int
     compute_s: float
@@ -184,16 +192,18 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
         float_bytes = _float_bytes(graph)
         persistent = graph.persistent_bytes
         plain_op_end = finish_plain[position_of(graph)]  # each op's end and start without stalls
-        # byte figures are whole numbers: the slots' running sums are taken in int64 (exact, as in float64)
-        per_slot = (execution_order(graph), position_of(graph), duration, finish_plain, plain_op_end,
-                    plain_op_end - op_seconds(graph, device),
-                    baseline_slot_bytes(graph).astype(np.int64), alloc_slot_bytes(graph), levels_of_slot,
-                    int(levels_of_slot.max(initial=-1)) + 1, graph.order == "cto", persistent, float_bytes,
-                    np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
-                    _per_transfer(device.transfer_seconds(float_bytes, "d2h"), graph.n_tensors),
-                    _per_transfer(device.transfer_seconds(float_bytes, "h2d"), graph.n_tensors))
-        return _Context(per_slot + _plan_tables(graph), levels_of_slot, persistent,
-                        float(finish_plain[-1]) if len(finish_plain) else 0.0)
+        tables = kernels.replay_tables(
+            order=execution_order(graph), position=position_of(graph), duration=duration, finish_plain=finish_plain,
+            plain_op_end=plain_op_end, plain_op_start=plain_op_end - op_seconds(graph, device),
+            # byte figures are whole numbers: the slots' running sums are taken in int64 (exact, as in float64)
+            baseline_bytes=baseline_slot_bytes(graph).astype(np.int64), alloc_bytes=alloc_slot_bytes(graph),
+            levels_of_slot=levels_of_slot, n_levels=int(levels_of_slot.max(initial=-1)) + 1,
+            sorted_levels=graph.order == "cto", persistent=persistent, tensor_bytes=float_bytes,
+            int_bytes=np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
+            d2h_seconds=_per_transfer(device.transfer_seconds(float_bytes, "d2h"), graph.n_tensors),
+            h2d_seconds=_per_transfer(device.transfer_seconds(float_bytes, "h2d"), graph.n_tensors),
+            **_plan_tables(graph))
+        return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0)
     return g.cached(("replay_context", device), compute, structural=False)
 
 
@@ -205,14 +215,15 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         g = g.with_order(plan.order_name)
     if plan is None or plan.n_swaps == 0:
         return _unswapped(g, device)
-    if plan.graph_fingerprint and plan.graph_fingerprint != g.cached("fingerprint", OpGraph.fingerprint, structural=True):
+    fingerprint = g.cached("fingerprint", OpGraph.fingerprint, structural=True)
+    if plan.graph_fingerprint and plan.graph_fingerprint != fingerprint:
         raise GraphError("this plan was made for another graph")
     context = _context(g, device)
     # one compiled call from the plan's arrays to the Replay's (its docstring and kernels.account give the rules)
     (peak_slot, peak, level_peak, op_end, op_start, finish_s, out_start, out_end, in_start, in_end, in_ready, roots,
      root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
      host_peak_s, d2h, h2d, out_duration, in_duration) = kernels.replay_plan(
-        *context.arrays, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
+        context.tables, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
         plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out)
     # what copies sharing the compute's cores add to the step (DeviceModel.copy_contention x transfer time)
     contention_s = (device.copy_contention * float(out_duration.sum() + in_duration.sum())
