@@ -403,10 +403,13 @@ def schedule(finish_plain, plain_op_end, plain_op_start, order, duration, out_re
                       finish_plain, seg_slot, seg_shift, seg_count, shift)
     for k in range(len(late_queue)):
         out_start[late_queue[k]] = late_start[k]
-    finish_all = finish_plain.copy()
-    op_end = plain_op_end.copy()
-    op_start = plain_op_start.copy()
-    for s in range(1, seg_count):  # the first segment's shift is 0: finish + 0.0 is finish
+    first = 0
+    if seg_count == 1 or seg_slot[1] > n_slots // 2:  # nothing moves before the first stall (finish + 0.0
+        first = 1                                    # is finish): copied when that is most of the step
+        finish_all, op_end, op_start = finish_plain.copy(), plain_op_end.copy(), plain_op_start.copy()
+    else:
+        finish_all, op_end, op_start = np.empty(n_slots), np.empty(n_slots), np.empty(n_slots)
+    for s in range(first, seg_count):
         stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
         for slot in range(seg_slot[s], stop):
             finish = finish_plain[slot] + seg_shift[s]
@@ -534,14 +537,29 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
     level_peak = np.full(n_levels, -np.inf if sorted_levels else 0.0)
     running = 0
     peak_slot, peak = 0, baseline_bytes[0] + delta[0]
-    for slot in range(n_slots):
-        running += delta[slot]
-        value = baseline_bytes[slot] + running
-        slot_bytes[slot] = value
-        if value > peak:
-            peak_slot, peak = slot, value
-        if value > level_peak[levels_of_slot[slot]]:
-            level_peak[levels_of_slot[slot]] = value
+    if sorted_levels:  # a level's slots are consecutive: its peak kept at hand until the next level
+        level, level_best = levels_of_slot[0], -np.inf
+        for slot in range(n_slots):
+            running += delta[slot]
+            value = baseline_bytes[slot] + running
+            slot_bytes[slot] = value
+            if value > peak:
+                peak_slot, peak = slot, value
+            if levels_of_slot[slot] != level:
+                level_peak[level] = level_best
+                level, level_best = levels_of_slot[slot], value
+            elif value > level_best:
+                level_best = value
+        level_peak[level] = level_best
+    else:
+        for slot in range(n_slots):
+            running += delta[slot]
+            value = baseline_bytes[slot] + running
+            slot_bytes[slot] = value
+            if value > peak:
+                peak_slot, peak = slot, value
+            if value > level_peak[levels_of_slot[slot]]:
+                level_peak[levels_of_slot[slot]] = value
     wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots,
                                           new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
                                           in_place_slot, in_place_out)
