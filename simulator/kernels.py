@@ -1292,7 +1292,7 @@ def replay_plan(tables, swap_tensor, sync_out, in_swap, in_trigger, in_after, in
         h2d_bytes += in_bytes[j]
     return (peak_slot, peak, level_peak, op_end, op_start, finish_all[-1], out_start, out_end, in_start, in_end,
             in_ready, roots, new_free, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment,
-            host_peak, host_peak_s, d2h_bytes, h2d_bytes, out_duration, in_duration)
+            host_peak, host_peak_s, d2h_bytes, h2d_bytes)
 
 
 @njit(cache=True, nogil=True)
