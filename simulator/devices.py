@@ -46,6 +46,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
+from simulator.recompute import original_name
+
 GiB = 1024**3
 GB = 1e9
 
@@ -282,7 +284,7 @@ class CalibratedDevice(DeviceModel):
     def coverage(self, g) -> float:
         """Share of ``g``'s ops that have a measured time here."""
         index = self._op_index
-        return sum(name in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
+        return sum(name in index or original_name(name) in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
 
     def check_graph(self, g) -> float:
         """Raise ``CalibrationMismatchError`` unless ``g`` is a graph of the calibrated model; return
@@ -310,7 +312,9 @@ class CalibratedDevice(DeviceModel):
 
         self.check_graph(g)
         index = self._op_index
-        rows = np.fromiter((index.get(name, -1) for name in g.op_name.tolist()), np.int64, g.n_ops)
+        # a recomputation's clone ("<op>/recompute_<k>") runs its original's kernel: it takes its time
+        rows = np.fromiter((index.get(name, index.get(original_name(name), -1)) for name in g.op_name.tolist()),
+                           np.int64, g.n_ops)
         seen = rows >= 0
         ab = self._ab[np.maximum(rows, 0)] if len(self._ab) else np.zeros((g.n_ops, 2))
         measured = np.maximum(ab[:, 0] + ab[:, 1] * float(g.batch_size), 0.0)

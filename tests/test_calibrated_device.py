@@ -11,9 +11,10 @@ import pytest
 from autotune.tuning import resolve_device
 from simulator import CalibratedDevice, CalibrationError, CalibrationMismatchError, SwapParams, plan_swaps, replay
 from simulator.devices import get_device
-from simulator.graph import OpGraph
+from simulator.graph import BACKWARD, FORWARD, OpGraph
+from simulator.recompute import clone_name
 from simulator.replay import op_seconds
-from simulator.synthetic import training_graph
+from simulator.synthetic import OpSpec, from_spec, training_graph
 
 
 def _calibrated(g: OpGraph, *, contention: float = 0.0, rows: slice = slice(None), seed: int = 0) -> CalibratedDevice:
@@ -108,3 +109,23 @@ def test_anchoring_again_keeps_the_shares_and_moves_the_totals():
     assert again != device and again.name != device.name and again.graph_fingerprint == device.graph_fingerprint
     with pytest.raises(ValueError):
         device.with_step_times([1.0])
+
+
+def test_a_recomputed_clone_takes_its_originals_time():
+    """Recomputation (simulator.recompute) adds clones named ``<op>/recompute_<k>`` that run their
+    original's kernel: a calibration of the model serves them with the original's measured time."""
+    specs = [OpSpec("x", "Placeholder", FORWARD, (), ((0.0, 1024.0),)),
+             OpSpec("conv", "Conv2D", FORWARD, ["x"], ((0.0, 4096.0),)),
+             OpSpec("relu", "Relu", FORWARD, ["conv"], ((0.0, 4096.0),)),
+             OpSpec("loss", "Sum", FORWARD, ["relu"], (4,)),
+             OpSpec("grad", "ReluGrad", BACKWARD, ["loss", "relu"], ((0.0, 4096.0),))]
+    g = from_spec(specs, outputs=["grad"], batch_size=2, meta={"model": "tiny"})
+    clone = clone_name("relu", 0)
+    recomputed = from_spec(specs[:-1] + [OpSpec(clone, "Relu", FORWARD, ["conv"], ((0.0, 4096.0),), control_inputs=["loss"]),
+                                         OpSpec("grad", "ReluGrad", BACKWARD, ["loss", clone], ((0.0, 4096.0),))],
+                           outputs=["grad"], batch_size=2, meta={"model": "tiny"})
+    device = _calibrated(g)
+    seconds = dict(zip(recomputed.op_name.tolist(), op_seconds(recomputed, device)))
+    measured = dict(zip(g.op_name.tolist(), op_seconds(g, device)))
+    assert seconds[clone] == pytest.approx(measured["relu"]) and seconds["relu"] == pytest.approx(measured["relu"])
+    assert device.coverage(recomputed) == 1.0
