@@ -1,20 +1,23 @@
 """Step time you can trust: a device model calibrated from the user's own hardware (DESIGN.md 6).
 
 ``calibrate(model, batch_sizes=(2, 4))`` runs the model's unswapped training step (the step
-``rewriter.apply`` builds for an empty plan, serialized as every plan is) at each batch size and
+``rewriter.apply`` builds for an empty plan, serialized as every plan is: one compute stream) at
+each batch size and
 
-* times it unprofiled, in interleaved passes; a pass slower than the best by more than
-  ``tolerance`` on any batch size is a disturbance (this machine has 1.3-2.2x slowdown episodes
-  lasting seconds) and is rejected, and passes go on until ``min_passes`` agree;
 * profiles it and takes each op's time from the kernel events (``memtrace.op_events``), the
   minimum over the profiled steps; the profiler adds 6-16 % and cheap or fused ops emit no event,
-  so only each op's *share* of the profiled step is kept, and the shares are scaled to the
-  unprofiled step time; each op's time is then fitted as ``a + b * batch``, as tensor sizes are;
+  so only each op's *share* of the profiled step is kept;
+* times it unprofiled (``timed_passes``: interleaved passes, the machine's slowdowns left out) and
+  scales the shares to that time; each op's time is then fitted as ``a + b * batch``, as tensor
+  sizes are;
 * times chains of copies between the placement's accelerator and host (CPU:0 <-> CPU:1 on the
   testbed, GPU <-> CPU on a GPU) for the link's bandwidth and per-copy latency;
-* times a swapped step (threshold 1) beside each unswapped one, in the same passes, and fits the
-  copies' contention with compute (``DeviceModel.copy_contention``: seconds lost per second of
-  copying, as copies share the testbed's two cores) to what the replay does not explain.
+* times two swapped steps at the largest calibration batch in the same passes, one whose copies
+  mostly run beside compute and one that mostly waits for them, and fits what copies cost in a real
+  step (``fit_copies``): the link's speed there (cold buffers and the executor's cross-device
+  hand-off make it differ from the chained copies') and their contention with compute
+  (``DeviceModel.copy_contention``: seconds lost per second of compute beside a copy, as copies
+  share the testbed's two cores; a copy the step waits for runs alone).
 
 The result, a ``simulator.CalibratedDevice``, serves every batch size of a graph captured from
 the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take it as their device.
@@ -31,7 +34,7 @@ import contextlib
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -45,21 +48,26 @@ from rewriter.placement import GpuPlacement, Placement, resolve as resolve_place
 from simulator.devices import CalibratedDevice, CalibrationError, DeviceModel, get_device
 from simulator.graph import OpGraph
 from simulator.planning import SwapParams, SwapPlan, plan_swaps
-from simulator.replay import replay
+from simulator.replay import Replay, replay
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CalibrationError", "LinkFit", "PassTimes", "calibrate", "measure_link", "profiled_op_seconds",
-           "timed_passes"]
+__all__ = ["CalibrationError", "LinkFit", "PassTimes", "calibrate", "measure_link", "pass_times",
+           "fit_copies", "profiled_op_seconds", "timed_passes"]
 
 # the preset a GPU without one of its own is modelled on (autotune.tuning.DEFAULT_DEVICE)
 FALLBACK_PRESET = "v100-16gb"
-# the swapped step the contention is fitted on: every far read of every activation swapped
-CONTENTION_PARAMS = SwapParams(threshold=1)
+# the swapped steps the copies' cost in a real step is fitted on (at the largest calibration batch): one
+# whose copies mostly run beside compute (their contention with it), one that mostly waits for them
+# (the link's speed in a step: cold buffers, the executor's cross-device hand-off)
+OVERLAP_PARAMS = SwapParams(threshold=2)
+STALL_PARAMS = SwapParams(threshold=1, ub=1, trigger="level", tensors="all", distance="slot")
 # a fitted contention above this is the timing's noise, not the copies': on two cores a copy can at
-# most take the core a compute thread had, costing the step about its own duration (1) and a little more
-# where copies and kernels compete for memory bandwidth
+# most take the cores a compute kernel had for its own duration, and a little more where copies and
+# kernels compete for memory bandwidth
 MAX_CONTENTION = 1.5
+# the link's speed in a step as a multiple of the chained copies' (LINK_SCALES: the values tried)
+LINK_SCALES = tuple(float(k) for k in np.geomspace(0.5, 4.0, 43))
 # copy sizes the link is timed at (bytes): the range of a small model's activations
 LINK_SIZES_BYTES = (4, 2**16, 2**20, 2**22, 2**24)
 
@@ -71,36 +79,58 @@ LINK_SIZES_BYTES = (4, 2**16, 2**20, 2**22, 2**24)
 class PassTimes:
     """Step times of several callables, measured in interleaved passes.
 
-    ``step_s[key]``: the median step time over the accepted passes; ``all_s[key]``: every timed step
-    (accepted passes only); ``pass_medians[key]``: each pass's median, accepted or not;
-    ``accepted``: per pass, whether it was; ``consistent``: whether ``min_passes`` passes agreed."""
+    ``pass_medians[key]``: each pass's median step time; ``pass_speed``: per pass, how much slower
+    the machine ran it than the fastest passes (the median over keys of the pass median over the
+    key's fastest; 1.0 = as fast as it gets); ``accepted``: per pass, whether that was within the
+    tolerance; ``step_s[key]``: the median over the accepted passes of the key's pass median divided
+    by its pass's slowdown; ``all_s[key]``: every step of the accepted passes; ``consistent``:
+    whether ``min_passes`` passes were accepted."""
 
     step_s: dict[Any, float]
     all_s: dict[Any, list[float]]
     pass_medians: dict[Any, list[float]]
+    pass_speed: list[float]
     accepted: list[bool]
     consistent: bool
+    seconds: float = 0.0
 
     def spread(self, key) -> float:
-        """Range over median of the accepted passes' medians of ``key`` (0 with one pass)."""
-        kept = [m for m, ok in zip(self.pass_medians[key], self.accepted) if ok]
+        """Range over median of ``key``'s accepted pass medians, each divided by its pass's slowdown."""
+        kept = [m / f for m, f, ok in zip(self.pass_medians[key], self.pass_speed, self.accepted) if ok]
         return (max(kept) - min(kept)) / statistics.median(kept) if len(kept) > 1 else 0.0
 
+    def slowdown(self) -> float:
+        """How disturbed the machine was: the median pass's slowdown, less 1."""
+        return statistics.median(self.pass_speed) - 1.0
 
-def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 3, min_pass_s: float = 0.3,
-                 min_passes: int = 3, max_passes: int = 8, tolerance: float = 0.08,
+    @property
+    def n_passes(self) -> int:
+        return len(self.pass_speed)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(self.accepted)
+
+
+def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1, min_pass_s: float = 0.05,
+                 min_passes: int = 6, max_passes: int = 40, tolerance: float = 0.05, min_total_s: float = 0.0,
                  between: Callable[[], None] | None = None) -> PassTimes:
-    """Time every callable of ``calls`` (key -> call of one step; warmed up) in passes, each pass
-    running every key for ``steps_per_pass`` steps or ``min_pass_s`` seconds, whichever is more,
-    until ``min_passes`` passes agree: a pass whose median on any key is more than ``tolerance``
-    above that key's best pass median is rejected (the machine slowed down, not the step). When
-    ``max_passes`` are run without that many agreeing, the ``min_passes`` closest passes are used
-    (``consistent`` is then False). ``between`` runs after each pass (e.g. restoring weights)."""
+    """Time every callable of ``calls`` (key -> call of one step; warmed up) in interleaved passes,
+    each running every key for ``steps_per_pass`` steps or ``min_pass_s`` seconds, whichever is more.
+
+    This machine has slowdown episodes of 1.3-2.2x lasting seconds, and other processes only ever
+    slow a step down, all steps of a pass alike. So each pass gets a slowdown (the median over keys
+    of its median over the key's fastest pass median); passes within ``tolerance`` of the fastest
+    are accepted, and a key's time is the median over them of its pass median divided by the
+    pass's slowdown. Passes go on until ``min_passes`` are accepted and ``min_total_s`` have
+    passed, ``max_passes`` at most (``consistent`` is False when that was not enough: the
+    ``min_passes`` fastest passes are then used). ``between`` runs after each pass (e.g. restoring
+    weights)."""
     if steps_per_pass < 1 or min_passes < 1 or max_passes < min_passes:
         raise ValueError("steps_per_pass and min_passes must be >= 1, max_passes >= min_passes")
     steps: dict[Any, list[list[float]]] = {key: [] for key in calls}
     count = dict.fromkeys(calls, steps_per_pass)
-    worst: list[float] = []
+    started = time.perf_counter()
     for p in range(max_passes):
         for key, call in calls.items():
             times = []
@@ -113,32 +143,39 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 3
                 count[key] = max(steps_per_pass, int(np.ceil(min_pass_s / max(min(times), 1e-6))))
         if between is not None:
             between()
-        worst = _worst_ratios(steps)
-        if sum(w <= 1 + tolerance for w in worst) >= min_passes:
+        speed = _pass_speed(steps)
+        if sum(f <= 1 + tolerance for f in speed) >= min_passes and time.perf_counter() - started >= min_total_s:
             break
-    accepted = [w <= 1 + tolerance for w in worst]
+    times = pass_times(steps, tolerance=tolerance, min_passes=min_passes)
+    if not times.consistent:
+        log.warning("timing: fewer than %d passes within %.0f %% of the fastest (the machine was busy): using the "
+                    "%d fastest", min_passes, 100 * tolerance, min_passes)
+    return replace(times, seconds=time.perf_counter() - started)
+
+
+def pass_times(steps: dict[Any, list[list[float]]], *, tolerance: float = 0.05, min_passes: int = 6) -> PassTimes:
+    """``timed_passes``' estimate from the step times it measured (``steps[key][pass]``: seconds)."""
+    speed = _pass_speed(steps)
+    accepted = [f <= 1 + tolerance for f in speed]
     consistent = sum(accepted) >= min_passes
     if not consistent:
-        log.warning("timing: only %d of %d passes agreed within %.0f %% (the machine was busy): using the %d "
-                    "closest", sum(accepted), len(accepted), 100 * tolerance, min_passes)
-        cut = sorted(worst)[min_passes - 1]
-        accepted = [w <= cut for w in worst]
+        cut = sorted(speed)[min(min_passes, len(speed)) - 1]
+        accepted = [f <= cut for f in speed]
     pass_medians = {key: [statistics.median(t) for t in runs] for key, runs in steps.items()}
-    kept = {key: [s for runs, ok in zip(steps[key], accepted) if ok for s in runs] for key in calls}
-    return PassTimes(step_s={key: float(statistics.median(v)) for key, v in kept.items()}, all_s=kept,
-                     pass_medians=pass_medians, accepted=accepted, consistent=consistent)
+    step_s = {key: float(statistics.median([m / f for m, f, ok in zip(pass_medians[key], speed, accepted) if ok]))
+              for key in steps}
+    kept = {key: [s for runs, ok in zip(steps[key], accepted) if ok for s in runs] for key in steps}
+    return PassTimes(step_s=step_s, all_s=kept, pass_medians=pass_medians, pass_speed=speed, accepted=accepted,
+                     consistent=consistent)
 
 
-def _worst_ratios(steps: dict[Any, list[list[float]]]) -> list[float]:
-    """Per pass: the largest ratio, over keys, of its median to that key's best pass median."""
-    n_passes = len(next(iter(steps.values())))
-    worst = [1.0] * n_passes
+def _pass_speed(steps: dict[Any, list[list[float]]]) -> list[float]:
+    """Per pass: the median over keys of its median step over the key's fastest pass median."""
+    ratios = []
     for runs in steps.values():
-        medians = [statistics.median(t) for t in runs]
-        best = min(medians)
-        for p, m in enumerate(medians):
-            worst[p] = max(worst[p], m / best)
-    return worst
+        medians = np.array([statistics.median(t) for t in runs])
+        ratios.append(medians / medians.min())
+    return [float(f) for f in np.median(np.array(ratios), axis=0)]
 
 
 def _block(result: Any) -> None:
@@ -321,8 +358,8 @@ def _first_line(error: BaseException) -> str:
 
 def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement | str | None = None, *,
               preset: DeviceModel | str | None = None, input_shapes=None, label_shapes=None, label_dtype=None,
-              name: str | None = None, graph_rewrites: Sequence[str] = (), steps_per_pass: int = 3, min_passes: int = 3,
-              max_passes: int = 8, tolerance: float = 0.08, profiled_steps: int = 3,
+              name: str | None = None, graph_rewrites: Sequence[str] = (), steps_per_pass: int = 1, min_passes: int = 6,
+              max_passes: int = 40, tolerance: float = 0.05, min_timing_s: float = 8.0, profiled_steps: int = 3,
               profile_sessions: int = 2, contention: bool = True) -> CalibratedDevice:
     """Measure ``model``'s step on this machine and return a ``CalibratedDevice`` for its graphs.
 
@@ -354,14 +391,14 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
             _warm(model, built)
         return _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, started,
                           steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
-                          tolerance=tolerance, profiled_steps=profiled_steps, profile_sessions=profile_sessions,
-                          contention=contention)
+                          tolerance=tolerance, min_timing_s=min_timing_s, profiled_steps=profiled_steps,
+                          profile_sessions=profile_sessions, contention=contention)
     finally:
         snapshot.restore()
 
 
 def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, started, *, steps_per_pass, min_passes,
-               max_passes, tolerance, profiled_steps, profile_sessions, contention) -> CalibratedDevice:
+               max_passes, tolerance, min_timing_s, profiled_steps, profile_sessions, contention) -> CalibratedDevice:
     notes = []
     # ---- per-op shares of the profiled step, at each batch size
     names = graph.op_name.tolist()
@@ -377,60 +414,88 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
         shares[:, k] = seen / seen.sum()
         coverage.append(float((seen > 0).mean()))
         profiled_s.append(float(seen.sum()))
-    # ---- unprofiled step times, interleaved and disturbances rejected; the contention plan beside them
+    # ---- unprofiled step times, interleaved, the machine's slowdowns left out; the swapped steps beside them
     calls = {b: steps[b].call for b in sizes}
-    swapped: dict[int, SwapPlan] = {}
     top = sizes[-1]
-    for b in sizes if contention else ():
-        plan = plan_swaps(graph.with_batch(b), CONTENTION_PARAMS, kept_reads=base.kept_reads)
+    at_top = graph.with_batch(top)
+    swapped: dict[str, SwapPlan] = {}
+    for what, params in (("overlap", OVERLAP_PARAMS), ("stall", STALL_PARAMS)) if contention else ():
+        plan = plan_swaps(at_top, params, kept_reads=base.kept_reads)
         if plan.n_swaps:
-            swapped[b] = plan
-            calls[("swapped", b)] = _build(model, plan, graph.with_batch(b), b, place, shapes).call
+            swapped[what] = plan
+            calls[what] = _build(model, plan, at_top, top, place, shapes).call
     timing = timed_passes(calls, steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
-                          tolerance=tolerance, between=snapshot.restore)
+                          tolerance=tolerance, min_total_s=min_timing_s, between=snapshot.restore)
+    notes.append(f"step times: {timing.n_passes} interleaved passes in {timing.seconds:.0f} s, {timing.n_accepted} "
+                 f"within {100 * tolerance:.0f} % of the machine's fastest (the median pass {100 * timing.slowdown():.0f} "
+                 "% slower: other processes)")
     if not timing.consistent:
-        notes.append(f"only {sum(timing.accepted)} of {len(timing.accepted)} timing passes agreed within "
-                     f"{100 * tolerance:.0f} %: the machine was busy, the figures are less certain")
+        notes.append(f"fewer than {min_passes} timing passes agreed within {100 * tolerance:.0f} %: the machine was "
+                     "busy, the figures are less certain")
     step_s = np.array([timing.step_s[b] for b in sizes])
     seconds = shares * step_s[None, :]  # each op's share of the unprofiled step
     ab = _fit_lines(sizes, seconds)
     # ---- the link
     link = measure_link(place)
-    at_top = graph.with_batch(top)
     roofline = float(np.sum(base.op_seconds(at_top.op_flops, at_top.op_touched_bytes)))
 
-    def device(alpha: float, notes_now: Sequence[str]) -> CalibratedDevice:
+    def device(scale: float, alpha: float, notes_now: Sequence[str]) -> CalibratedDevice:
         return CalibratedDevice.from_preset(
-            base, graph, op_seconds_ab=ab, batch_sizes=sizes, measured_step_s=step_s, h2d_bytes_per_s=link.bytes_per_s,
-            d2h_bytes_per_s=link.bytes_per_s, transfer_latency_s=link.latency_s, copy_contention=alpha,
+            base, graph, op_seconds_ab=ab, batch_sizes=sizes, measured_step_s=step_s,
+            h2d_bytes_per_s=link.bytes_per_s / scale, d2h_bytes_per_s=link.bytes_per_s / scale,
+            transfer_latency_s=link.latency_s * scale, copy_contention=alpha,
             roofline_scale=float(step_s[-1] / roofline) if roofline > 0 else 1.0, notes=notes_now,
             source=(f"calibrated on this machine by rewriter.calibrate ({place.describe()}); memory figures and "
                     f"the roofline for ops it did not see from {base.name}"))
 
-    # ---- contention: what the replay does not explain of the swapped steps, per second of copying
-    alpha = 0.0
+    # ---- copies in a real step: the link's speed there and the contention with compute, fitted to the
+    # swapped steps (what the replay with the chained copies' link and no contention does not explain)
+    scale, alpha = 1.0, 0.0
     if swapped:
-        unexplained_s = transfer_s = 0.0
-        uncontended = device(0.0, ())
-        for b, plan in swapped.items():
-            predicted = replay(graph.with_batch(b), plan, uncontended)
-            transfer_s += float(np.sum(predicted.swap_out_end_s - predicted.swap_out_start_s)
-                                + np.sum(predicted.swap_in_end_s - predicted.swap_in_start_s))
-            unexplained_s += timing.step_s[("swapped", b)] - predicted.step_s
-        fitted = unexplained_s / transfer_s if transfer_s > 0 else 0.0
-        alpha = min(max(fitted, 0.0), MAX_CONTENTION)
-        notes.append(f"copy contention fitted on the plan threshold=1 at batch sizes {', '.join(map(str, swapped))}: "
-                     f"{1e3 * unexplained_s:.2f} ms the replay does not explain for {1e3 * transfer_s:.2f} ms of "
-                     f"copies, {fitted:.2f}" + ("" if alpha == fitted else f" (taken as {alpha:.2f})"))
+        scale, alpha, text = fit_copies(at_top, swapped, {w: timing.step_s[w] for w in swapped},
+                                         lambda k: device(k, 0.0, ()))
+        notes.append(text)
     elif contention:
-        notes.append("no activation to swap: copy contention not measured (0)")
+        notes.append("no activation to swap: the copies' cost in a step not measured (chained copies' link, "
+                     "no contention)")
     notes.append(f"profiled ops: {', '.join(f'{100 * c:.0f} %' for c in coverage)} of the graph's ops emitted an "
                  "event (fused and cheap ops emit none; their time is in the shares' anchor); the events' fastest "
                  "times sum to " + ", ".join(f"{100 * p / t:.0f} %" for p, t in zip(profiled_s, step_s))
                  + " of the unprofiled step")
-    notes.append(f"link: {link.bytes_per_s / 1e9:.1f} GB/s, {link.latency_s * 1e6:.1f} us per copy (copies of "
-                 + ", ".join(f"{s} B: {t * 1e6:.1f} us" for s, t in zip(link.sizes_bytes, link.per_copy_s)) + ")")
+    notes.append(f"chained copies: {link.bytes_per_s / 1e9:.1f} GB/s, {link.latency_s * 1e6:.1f} us per copy (copies "
+                 "of " + ", ".join(f"{s} B: {t * 1e6:.1f} us" for s, t in zip(link.sizes_bytes, link.per_copy_s))
+                 + ")")
     notes.append(f"calibration took {time.perf_counter() - started:.0f} s")
-    calibrated = device(alpha, notes)
+    calibrated = device(scale, alpha, notes)
     log.info("calibrated %s", calibrated.describe())
     return calibrated
+
+
+def fit_copies(g: OpGraph, plans: dict[str, SwapPlan], measured_s: dict[str, float],
+                device_at: Callable[[float], CalibratedDevice]) -> tuple[float, float, str]:
+    """(link scale, contention, note): for each link scale of ``LINK_SCALES``, the contention that
+    makes the "overlap" plan's replay match its measured step (``copy_contention`` x its compute
+    beside copies), and of those the scale whose replays of all ``plans`` are closest (relative
+    error) to ``measured_s``. With one plan only the contention is fitted (scale 1)."""
+    def fitted(scale: float) -> tuple[float, float, dict[str, Replay]]:
+        device = device_at(scale)
+        replays = {w: replay(g, plan, device) for w, plan in plans.items()}
+        anchor = replays.get("overlap") or next(iter(replays.values()))
+        which = "overlap" if "overlap" in replays else next(iter(replays))
+        raw = ((measured_s[which] - anchor.step_s) / anchor.copy_overlap_s) if anchor.copy_overlap_s > 0 else 0.0
+        alpha = min(max(raw, 0.0), MAX_CONTENTION)
+        error = sum(abs((r.step_s + alpha * r.copy_overlap_s) / measured_s[w] - 1) for w, r in replays.items())
+        return error, alpha, replays
+
+    best = 1.0
+    if len(plans) > 1:  # the grid, then a finer one around its best
+        _, best = min((fitted(k)[0], k) for k in LINK_SCALES)
+        step = LINK_SCALES[1] / LINK_SCALES[0]
+        _, best = min((fitted(k)[0], k) for k in best * np.geomspace(1 / step, step, 21))
+    _, alpha, replays = fitted(best)
+    parts = [f"{w} ({plans[w].n_swaps} swaps): measured {1e3 * measured_s[w]:.2f} ms, replayed "
+             f"{1e3 * (r.step_s + alpha * r.copy_overlap_s):.2f} ms ({1e3 * r.stall_s:.2f} ms stalls, "
+             f"{1e3 * r.copy_overlap_s:.2f} ms of compute beside copies)" for w, r in replays.items()]
+    text = (f"copies in a step, fitted on swapped steps at batch size {g.batch_size}: link {1 / best:.2f}x the "
+            f"chained copies' speed, contention {alpha:.2f}; " + "; ".join(parts))
+    return best, alpha, text

@@ -78,8 +78,9 @@ class DeviceModel:
     source: str  # short citation string(s)
     # (producer type, consumer type) reads a plan must not move to a swap-in on this device
     kept_reads: tuple[tuple[str, str], ...] = ()
-    # seconds the step loses per second of copying, where copies share the compute's cores (the CPU
-    # testbed: fitted by rewriter.calibrate); 0 for a GPU's copy engines
+    # seconds the step loses per second of compute that runs while a copy does, where copies share the
+    # compute's cores (the CPU testbed: fitted by rewriter.calibrate); 0 for a GPU's copy engines. A copy
+    # the step waits for (a stall) runs alone and costs nothing more
     copy_contention: float = 0.0
 
     def __post_init__(self):

@@ -45,17 +45,21 @@ def test_measured_op_times_serve_every_batch_size():
     assert not np.allclose(op_seconds(g, device), op_seconds(g, get_device("cpu-testbed")))
 
 
-def test_contention_adds_its_share_of_the_copies_to_the_step():
+def test_contention_adds_its_share_of_the_compute_beside_copies_to_the_step():
     g = training_graph(12, batch_size=8)
     plan = plan_swaps(g, SwapParams(threshold=1))
     assert plan.n_swaps > 0
     free, contended = _calibrated(g), _calibrated(g, contention=0.7)
     assert free != contended and hash(free) != hash(contended)
     base, slowed = replay(g, plan, free), replay(g, plan, contended)
-    transfer_s = (np.sum(base.swap_out_end_s - base.swap_out_start_s)
-                  + np.sum(base.swap_in_end_s - base.swap_in_start_s))
-    assert transfer_s > 0
-    assert slowed.step_s == pytest.approx(base.step_s + 0.7 * transfer_s)
+    # the compute time inside each copy's interval, counted op by op
+    copies = list(zip(base.swap_out_start_s, base.swap_out_end_s)) + list(zip(base.swap_in_start_s, base.swap_in_end_s))
+    overlap_s = sum(max(0.0, min(end, op_end) - max(start, op_start))
+                    for start, end in copies for op_start, op_end in zip(base.op_start_s, base.op_end_s))
+    transfer_s = sum(end - start for start, end in copies)
+    assert 0 < overlap_s < transfer_s  # some copies run while the step waits for them
+    assert base.copy_overlap_s == pytest.approx(overlap_s)
+    assert slowed.step_s == pytest.approx(base.step_s + 0.7 * overlap_s)
     assert slowed.peak_bytes == base.peak_bytes  # memory does not depend on it
     assert replay(g, None, contended).step_s == pytest.approx(replay(g, None, free).step_s)  # no copies, no cost
 
