@@ -52,8 +52,8 @@ from simulator.replay import Replay, replay
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CalibrationError", "LinkFit", "PassTimes", "calibrate", "measure_link", "pass_times",
-           "fit_copies", "profiled_op_seconds", "timed_passes"]
+__all__ = ["CalibrationError", "LinkFit", "PassTimes", "PresetFigures", "calibrate", "fit_copies", "measure_link",
+           "measure_preset", "pass_times", "profiled_op_seconds", "timed_passes"]
 
 # the preset a GPU without one of its own is modelled on (autotune.tuning.DEFAULT_DEVICE)
 FALLBACK_PRESET = "v100-16gb"
@@ -293,6 +293,64 @@ def measure_link(placement: Placement, *, sizes_bytes: Sequence[int] = LINK_SIZE
         inverse_bandwidth = seconds[-1] / sizes[-1]
     return LinkFit(bytes_per_s=float(1.0 / inverse_bandwidth), latency_s=float(max(latency, 0.0)),
                    sizes_bytes=tuple(int(s) for s in sizes), per_copy_s=tuple(float(s) for s in per_copy))
+
+
+# ---------------------------------------------------------------------- a preset's roofline figures
+
+
+@dataclass(frozen=True)
+class PresetFigures:
+    """The measurable figures of a ``DeviceModel`` preset on this machine (``measure_preset``)."""
+
+    peak_flops: float
+    mem_bandwidth_bytes_per_s: float
+    op_overhead_s: float
+    transfer_bytes_per_s: float  # copies of 64-256 MiB
+    transfer_latency_s: float  # copies of 4 B to 16 MiB
+
+    def describe(self) -> str:
+        return (f"matmul {self.peak_flops / 1e9:.0f} GFLOP/s, elementwise {self.mem_bandwidth_bytes_per_s / 1e9:.1f} "
+                f"GB/s, {self.op_overhead_s * 1e6:.2f} us per tiny op, copies {self.transfer_bytes_per_s / 1e9:.1f} GB/s "
+                f"and {self.transfer_latency_s * 1e6:.1f} us each")
+
+
+def measure_preset(placement: Placement | str | None = None, *, matmul_n: int = 2048, add_bytes: int = 256 * 2**20,
+                   chain_ops: int = 10000, min_total_s: float = 3.0) -> PresetFigures:
+    """The roofline figures the ``cpu-testbed`` preset is made of, measured on ``placement``'s
+    accelerator: a ``matmul_n``^3 fp32 matmul (peak FLOP/s), an add of two ``add_bytes`` tensors
+    (2 reads + 1 write per element: memory bandwidth), the marginal cost of a tiny op in a
+    ``chain_ops``-op chain against a quarter of it (per-op overhead), and the link (``measure_link``:
+    bandwidth from copies of 64-256 MiB, latency from its default sizes). Timed with ``timed_passes``
+    (the machine's slowdowns left out)."""
+    place = resolve_placement(placement)
+    with tf.device(place.accelerator):
+        a = tf.random.normal([matmul_n, matmul_n])
+        x = tf.ones([add_bytes // 4])
+        y = tf.ones([add_bytes // 4])
+        tiny = tf.ones([1])
+
+    def chain(n: int):
+        @tf.function(autograph=False)
+        def run(t):
+            with tf.device(place.accelerator):
+                for k in range(n):
+                    t = tf.sin(t) if k % 2 == 0 else tf.maximum(t, 0.0)
+                return t
+        return run
+
+    matmul = tf.function(lambda m: tf.linalg.matmul(m, m))
+    add = tf.function(lambda u, v: u + v)
+    long_chain, short_chain = chain(chain_ops), chain(chain_ops // 4)
+    calls = {"matmul": lambda: matmul(a), "add": lambda: add(x, y), "long": lambda: long_chain(tiny),
+             "short": lambda: short_chain(tiny)}
+    for call in calls.values():
+        _block(call())
+    times = timed_passes(calls, min_total_s=min_total_s).step_s
+    large = measure_link(place, sizes_bytes=(2**26, 2**27, 2**28), chain=8, repeats=3)
+    return PresetFigures(peak_flops=2 * matmul_n**3 / times["matmul"],
+                         mem_bandwidth_bytes_per_s=3 * add_bytes / times["add"],
+                         op_overhead_s=max(times["long"] - times["short"], 0.0) / (chain_ops - chain_ops // 4),
+                         transfer_bytes_per_s=large.bytes_per_s, transfer_latency_s=measure_link(place).latency_s)
 
 
 # ---------------------------------------------------------------------- calibrate

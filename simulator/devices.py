@@ -508,13 +508,18 @@ H200_141GB = DeviceModel(
 # -----------------------------------------------------------------------------
 # cpu-testbed: the development VM (2-core AMD EPYC "Genoa" -- family 25 model 17 -- KVM guest,
 # 24 GiB RAM).  Two logical TF CPU devices play accelerator (/CPU:0) and host (/CPU:1); a swap
-# is a tf.raw_ops.DeepCopy between them.  Compute, bandwidth and copy figures are CALIBRATED by
-# /tmp/research/calibrate_cpu.py (kept out of the repository): TF 2.21, fp32, graph mode
-# (tf.function), TF_CPU_ALLOCATOR_USE_BFC=true as in the testbed, on 2026-11-30 between 03:15
-# and 03:27 UTC; each figure is the median over the 6 runs in which other processes used < 1%
-# of the CPU (runs during which other jobs shared the 2 cores were discarded -- they halve
-# the compute figures).  This is an estimate of the current machine only: a 2-core VM, noisy
-# (the range over clean runs is given with each figure).
+# is a tf.raw_ops.DeepCopy between them.  The compute, bandwidth and copy figures are a roofline of
+# microbenchmarks, measured on 2026-11-30 between 03:15 and 03:27 UTC (TF 2.21, fp32, graph mode,
+# TF_CPU_ALLOCATOR_USE_BFC=true as in the testbed; each figure the median over 6 runs in which other
+# processes used < 1 % of the CPU) by the measurements rewriter.calibrate.measure_preset now makes in
+# the repository (matmul, elementwise add, tiny-op chain, chained copies).  Re-measured with it on
+# 2026-12-02 under a load average of 9 (other jobs on the 2 cores): matmul 444 GFLOP/s, elementwise
+# 17.9 GB/s, 0.41 us per tiny op, copies of 64-256 MiB 19.4 GB/s, 1.8 us per small copy: the machine's
+# figures move with its load, so the ones below are kept as an estimate of the quiet machine.
+# STEP TIMES from this roofline are a datasheet-style estimate: against measured steps on the testbed
+# (python -m benchmarks step-time, 4 models x 7 plans) they were off by median 16 %, worst 49 %;
+# rewriter.calibrate (autotune --calibrate, the default for a measured run) replaces them with the
+# model's own measured op times, link and copy contention.
 # Modelling caveat: unlike a GPU's copy engines, DeepCopy runs on the same two cores as the
 # "kernels", so on this testbed swaps do NOT overlap freely with compute.
 # oneDNN pairs MaxPool with its gradient through a hidden workspace found by the direct edge;
@@ -553,9 +558,9 @@ CPU_TESTBED = DeviceModel(
     # backprop-input (187) and backprop-filter (148 GFLOP/s) = 168.5 GFLOP/s = 0.82 of peak_flops
     compute_efficiency=0.82,
     bandwidth_efficiency=1.0,  # mem_bandwidth is itself the measured elementwise (tf.add) rate
-    source=("calibrated on this VM by /tmp/research/calibrate_cpu.py (TF 2.21, 2-core AMD EPYC KVM guest, "
-            "TF_CPU_ALLOCATOR_USE_BFC=true), 2026-11-30, median of 6 uncontended runs; "
-            "an estimate of the current machine only"),
+    source=("roofline of microbenchmarks on this VM (rewriter.calibrate.measure_preset: TF 2.21, 2-core AMD EPYC KVM "
+            "guest, TF_CPU_ALLOCATOR_USE_BFC=true), 2026-11-30, median of 6 uncontended runs; an estimate of the "
+            "quiet machine only; step times: calibrate the model (rewriter.calibrate) for measured ones"),
 )
 
 DEVICES: dict[str, DeviceModel] = {
