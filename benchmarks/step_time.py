@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                          + "; ".join(calibration["notes"]))
         if timing:
             notes.append(f"- {setup.key}: plans timed in {timing['seconds']:.0f} s, "
-                         f"{timing['accepted']} of {timing['passes']} passes accepted, the median pass "
+                         f"at least {timing['accepted']} of {timing['passes']} passes accepted per plan, the median pass "
                          f"{100 * timing['slowdown']:.0f} % slower than the fastest"
                          + ("" if timing["consistent"] else " (too few agreed: the closest were used)"))
         if status.get("timeout") or status.get("returncode"):
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
          f"cpu-testbed preset: median {overall['preset_median_abs_pct']:.1f} %, worst "
          f"{overall['preset_worst_abs_pct']:.1f} %."),
         ("- measured_ms: median step time over the accepted timing passes (every plan of a model timed in the same "
-         "passes, each pass's median divided by the pass's slowdown); spread_pct: range of those over their median. "
+         "passes, a pass accepted within 5 % of the plan's fastest); spread_pct: range of those over their median. "
          "predicted_ms: "
          "`simulator.replay(graph, plan, rewriter.calibrate(model, batch_sizes=calibrated_at))`; preset_ms: the "
          "same replay on the uncalibrated cpu-testbed preset. error_pct = predicted / measured - 1. anchored_ms: the "
@@ -322,10 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks step-time" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[2:])),
         "models": "; ".join(MODELS[n].describe() for n in names),
         "plans": "; ".join(f"{label}: {_params_text(params)}" for label, params in PLANS),
-        "timing": "interleaved passes (every plan per pass, one step or 0.05 s each); a pass's slowdown is the median "
-                  "over plans of its median over the plan's fastest; passes within 5 % of the fastest are accepted "
-                  "and a plan's time is the median over them of its pass median / the pass's slowdown; passes until "
-                  f"6 are accepted and {MEASURE_MIN_S:.0f} s passed (8 s in the calibration), at most "
+        "timing": "interleaved passes (every plan per pass, one step or 0.05 s each); a plan's time is the median of "
+                  "its pass medians within 5 % of its fastest (slower passes are the machine's slowdowns); passes "
+                  f"until every plan has 6 such and {MEASURE_MIN_S:.0f} s passed (8 s in the calibration), at most "
                   f"{args.max_passes}; calibration and measurement alike",
     }
     path = write_results(args.name, table, settings=settings, notes=result_notes)

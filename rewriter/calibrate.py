@@ -79,24 +79,24 @@ LINK_SIZES_BYTES = (4, 2**16, 2**20, 2**22, 2**24)
 class PassTimes:
     """Step times of several callables, measured in interleaved passes.
 
-    ``pass_medians[key]``: each pass's median step time; ``pass_speed``: per pass, how much slower
-    the machine ran it than the fastest passes (the median over keys of the pass median over the
-    key's fastest; 1.0 = as fast as it gets); ``accepted``: per pass, whether that was within the
-    tolerance; ``step_s[key]``: the median over the accepted passes of the key's pass median divided
-    by its pass's slowdown; ``all_s[key]``: every step of the accepted passes; ``consistent``:
-    whether ``min_passes`` passes were accepted."""
+    ``pass_medians[key]``: each pass's median step time; ``accepted[key]``: per pass, whether its
+    median is within the tolerance of the key's fastest (slower passes are the machine's slowdowns,
+    not the step's); ``step_s[key]``: the median of the accepted pass medians; ``all_s[key]``: every
+    step of the accepted passes; ``consistent``: whether every key had ``min_passes`` accepted
+    passes; ``pass_speed``: per pass, the median over keys of its median over the key's fastest
+    (1.0: the machine as fast as it gets), to say how disturbed the timing was."""
 
     step_s: dict[Any, float]
     all_s: dict[Any, list[float]]
     pass_medians: dict[Any, list[float]]
+    accepted: dict[Any, list[bool]]
     pass_speed: list[float]
-    accepted: list[bool]
     consistent: bool
     seconds: float = 0.0
 
     def spread(self, key) -> float:
-        """Range over median of ``key``'s accepted pass medians, each divided by its pass's slowdown."""
-        kept = [m / f for m, f, ok in zip(self.pass_medians[key], self.pass_speed, self.accepted) if ok]
+        """Range over median of ``key``'s accepted pass medians (0 with one pass)."""
+        kept = [m for m, ok in zip(self.pass_medians[key], self.accepted[key]) if ok]
         return (max(kept) - min(kept)) / statistics.median(kept) if len(kept) > 1 else 0.0
 
     def slowdown(self) -> float:
@@ -109,7 +109,8 @@ class PassTimes:
 
     @property
     def n_accepted(self) -> int:
-        return sum(self.accepted)
+        """The fewest accepted passes of any key."""
+        return min((sum(ok) for ok in self.accepted.values()), default=0)
 
 
 def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1, min_pass_s: float = 0.05,
@@ -118,14 +119,12 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
     """Time every callable of ``calls`` (key -> call of one step; warmed up) in interleaved passes,
     each running every key for ``steps_per_pass`` steps or ``min_pass_s`` seconds, whichever is more.
 
-    This machine has slowdown episodes of 1.3-2.2x lasting seconds, and other processes only ever
-    slow a step down, all steps of a pass alike. So each pass gets a slowdown (the median over keys
-    of its median over the key's fastest pass median); passes within ``tolerance`` of the fastest
-    are accepted, and a key's time is the median over them of its pass median divided by the
-    pass's slowdown. Passes go on until ``min_passes`` are accepted and ``min_total_s`` have
-    passed, ``max_passes`` at most (``consistent`` is False when that was not enough: the
-    ``min_passes`` fastest passes are then used). ``between`` runs after each pass (e.g. restoring
-    weights)."""
+    This machine has slowdown episodes of 1.3-2.2x lasting seconds, other processes only ever slow
+    a step down, and not every step alike (a larger working set suffers more): a key's time is the
+    median of its pass medians within ``tolerance`` of its fastest (its undisturbed time), and passes
+    go on until every key has ``min_passes`` of them and ``min_total_s`` have passed, ``max_passes``
+    at most (``consistent`` is False when that was not enough: each key's ``min_passes`` fastest
+    passes are then used). ``between`` runs after each pass (e.g. restoring weights)."""
     if steps_per_pass < 1 or min_passes < 1 or max_passes < min_passes:
         raise ValueError("steps_per_pass and min_passes must be >= 1, max_passes >= min_passes")
     steps: dict[Any, list[list[float]]] = {key: [] for key in calls}
@@ -143,8 +142,8 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
                 count[key] = max(steps_per_pass, int(np.ceil(min_pass_s / max(min(times), 1e-6))))
         if between is not None:
             between()
-        speed = _pass_speed(steps)
-        if sum(f <= 1 + tolerance for f in speed) >= min_passes and time.perf_counter() - started >= min_total_s:
+        if (min(sum(ok) for ok in _accepted(steps, tolerance).values()) >= min_passes
+                and time.perf_counter() - started >= min_total_s):
             break
     times = pass_times(steps, tolerance=tolerance, min_passes=min_passes)
     if not times.consistent:
@@ -155,18 +154,28 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
 
 def pass_times(steps: dict[Any, list[list[float]]], *, tolerance: float = 0.05, min_passes: int = 6) -> PassTimes:
     """``timed_passes``' estimate from the step times it measured (``steps[key][pass]``: seconds)."""
-    speed = _pass_speed(steps)
-    accepted = [f <= 1 + tolerance for f in speed]
-    consistent = sum(accepted) >= min_passes
-    if not consistent:
-        cut = sorted(speed)[min(min_passes, len(speed)) - 1]
-        accepted = [f <= cut for f in speed]
+    accepted = _accepted(steps, tolerance)
+    consistent = min(sum(ok) for ok in accepted.values()) >= min_passes
     pass_medians = {key: [statistics.median(t) for t in runs] for key, runs in steps.items()}
-    step_s = {key: float(statistics.median([m / f for m, f, ok in zip(pass_medians[key], speed, accepted) if ok]))
+    if not consistent:
+        for key, medians in pass_medians.items():
+            cut = sorted(medians)[min(min_passes, len(medians)) - 1]
+            accepted[key] = [m <= cut for m in medians]
+    step_s = {key: float(statistics.median([m for m, ok in zip(pass_medians[key], accepted[key]) if ok]))
               for key in steps}
-    kept = {key: [s for runs, ok in zip(steps[key], accepted) if ok for s in runs] for key in steps}
-    return PassTimes(step_s=step_s, all_s=kept, pass_medians=pass_medians, pass_speed=speed, accepted=accepted,
-                     consistent=consistent)
+    kept = {key: [s for runs, ok in zip(steps[key], accepted[key]) if ok for s in runs] for key in steps}
+    return PassTimes(step_s=step_s, all_s=kept, pass_medians=pass_medians, accepted=accepted,
+                     pass_speed=_pass_speed(steps), consistent=consistent)
+
+
+def _accepted(steps: dict[Any, list[list[float]]], tolerance: float) -> dict[Any, list[bool]]:
+    """Per key and pass: whether the pass median is within ``tolerance`` of the key's fastest."""
+    accepted = {}
+    for key, runs in steps.items():
+        medians = [statistics.median(t) for t in runs]
+        best = min(medians)
+        accepted[key] = [m <= best * (1 + tolerance) for m in medians]
+    return accepted
 
 
 def _pass_speed(steps: dict[Any, list[list[float]]]) -> list[float]:
@@ -484,9 +493,9 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
             calls[what] = _build(model, plan, at_top, top, place, shapes).call
     timing = timed_passes(calls, steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, min_total_s=min_timing_s, between=snapshot.restore)
-    notes.append(f"step times: {timing.n_passes} interleaved passes in {timing.seconds:.0f} s, {timing.n_accepted} "
-                 f"within {100 * tolerance:.0f} % of the machine's fastest (the median pass {100 * timing.slowdown():.0f} "
-                 "% slower: other processes)")
+    notes.append(f"step times: {timing.n_passes} interleaved passes in {timing.seconds:.0f} s, at least "
+                 f"{timing.n_accepted} per step within {100 * tolerance:.0f} % of its fastest (the median pass "
+                 f"{100 * timing.slowdown():.0f} % slower: other processes)")
     if not timing.consistent:
         notes.append(f"fewer than {min_passes} timing passes agreed within {100 * tolerance:.0f} %: the machine was "
                      "busy, the figures are less certain")
