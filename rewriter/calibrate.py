@@ -13,11 +13,11 @@ each batch size and
 * times chains of copies between the placement's accelerator and host (CPU:0 <-> CPU:1 on the
   testbed, GPU <-> CPU on a GPU) for the link's bandwidth and per-copy latency;
 * times two swapped steps at the largest calibration batch in the same passes, one whose copies
-  mostly run beside compute and one that mostly waits for them, and fits what copies cost in a real
-  step (``fit_copies``): the link's speed there (cold buffers and the executor's cross-device
-  hand-off make it differ from the chained copies') and their contention with compute
-  (``DeviceModel.copy_contention``: seconds lost per second of compute beside a copy, as copies
-  share the testbed's two cores; a copy the step waits for runs alone).
+  mostly run beside compute and one that mostly waits for them, and fits the copies' contention
+  with compute to them (``fit_copies``; ``DeviceModel.copy_contention``: seconds lost per second of
+  compute beside a copy, as copies share the testbed's two cores; a copy the step waits for runs
+  alone). One parameter: a second one (the link's speed in a step) fitted beside it followed the
+  timing noise (0.3x-1.4x the chained copies' from run to run on the loaded machine).
 
 The result, a ``simulator.CalibratedDevice``, serves every batch size of a graph captured from
 the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take it as their device.
@@ -57,17 +57,14 @@ __all__ = ["CalibrationError", "LinkFit", "PassTimes", "PresetFigures", "calibra
 
 # the preset a GPU without one of its own is modelled on (autotune.tuning.DEFAULT_DEVICE)
 FALLBACK_PRESET = "v100-16gb"
-# the swapped steps the copies' cost in a real step is fitted on (at the largest calibration batch): one
-# whose copies mostly run beside compute (their contention with it), one that mostly waits for them
-# (the link's speed in a step: cold buffers, the executor's cross-device hand-off)
+# the swapped steps the copies' contention with compute is fitted on (at the largest calibration batch):
+# one whose copies mostly run beside compute, one that mostly waits for them
 OVERLAP_PARAMS = SwapParams(threshold=2)
 STALL_PARAMS = SwapParams(threshold=1, ub=1, trigger="level", tensors="all", distance="slot")
 # a fitted contention above this is the timing's noise, not the copies': on two cores a copy can at
 # most take the cores a compute kernel had for its own duration, and a little more where copies and
 # kernels compete for memory bandwidth
 MAX_CONTENTION = 1.5
-# the link's speed in a step as a multiple of the chained copies' (LINK_SCALES: the values tried)
-LINK_SCALES = tuple(float(k) for k in np.geomspace(0.5, 4.0, 43))
 # copy sizes the link is timed at (bytes): the range of a small model's activations
 LINK_SIZES_BYTES = (4, 2**16, 2**20, 2**22, 2**24)
 
@@ -506,25 +503,23 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
     link = measure_link(place)
     roofline = float(np.sum(base.op_seconds(at_top.op_flops, at_top.op_touched_bytes)))
 
-    def device(scale: float, alpha: float, notes_now: Sequence[str]) -> CalibratedDevice:
+    def device(alpha: float, notes_now: Sequence[str]) -> CalibratedDevice:
         return CalibratedDevice.from_preset(
             base, graph, op_seconds_ab=ab, batch_sizes=sizes, measured_step_s=step_s,
-            h2d_bytes_per_s=link.bytes_per_s / scale, d2h_bytes_per_s=link.bytes_per_s / scale,
-            transfer_latency_s=link.latency_s * scale, copy_contention=alpha,
+            h2d_bytes_per_s=link.bytes_per_s, d2h_bytes_per_s=link.bytes_per_s,
+            transfer_latency_s=link.latency_s, copy_contention=alpha,
             roofline_scale=float(step_s[-1] / roofline) if roofline > 0 else 1.0, notes=notes_now,
             source=(f"calibrated on this machine by rewriter.calibrate ({place.describe()}); memory figures and "
                     f"the roofline for ops it did not see from {base.name}"))
 
-    # ---- copies in a real step: the link's speed there and the contention with compute, fitted to the
-    # swapped steps (what the replay with the chained copies' link and no contention does not explain)
-    scale, alpha = 1.0, 0.0
+    # ---- copies in a real step: their contention with compute, fitted to the swapped steps (what the
+    # replay with the chained copies' link and no contention does not explain)
+    alpha = 0.0
     if swapped:
-        scale, alpha, text = fit_copies(at_top, swapped, {w: timing.step_s[w] for w in swapped},
-                                         lambda k: device(k, 0.0, ()))
+        alpha, text = fit_copies(at_top, swapped, {w: timing.step_s[w] for w in swapped}, device(0.0, ()))
         notes.append(text)
     elif contention:
-        notes.append("no activation to swap: the copies' cost in a step not measured (chained copies' link, "
-                     "no contention)")
+        notes.append("no activation to swap: copy contention not measured (0)")
     notes.append(f"profiled ops: {', '.join(f'{100 * c:.0f} %' for c in coverage)} of the graph's ops emitted an "
                  "event (fused and cheap ops emit none; their time is in the shares' anchor); the events' fastest "
                  "times sum to " + ", ".join(f"{100 * p / t:.0f} %" for p, t in zip(profiled_s, step_s))
@@ -533,36 +528,25 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
                  "of " + ", ".join(f"{s} B: {t * 1e6:.1f} us" for s, t in zip(link.sizes_bytes, link.per_copy_s))
                  + ")")
     notes.append(f"calibration took {time.perf_counter() - started:.0f} s")
-    calibrated = device(scale, alpha, notes)
+    calibrated = device(alpha, notes)
     log.info("calibrated %s", calibrated.describe())
     return calibrated
 
 
 def fit_copies(g: OpGraph, plans: dict[str, SwapPlan], measured_s: dict[str, float],
-                device_at: Callable[[float], CalibratedDevice]) -> tuple[float, float, str]:
-    """(link scale, contention, note): for each link scale of ``LINK_SCALES``, the contention that
-    makes the "overlap" plan's replay match its measured step (``copy_contention`` x its compute
-    beside copies), and of those the scale whose replays of all ``plans`` are closest (relative
-    error) to ``measured_s``. With one plan only the contention is fitted (scale 1)."""
-    def fitted(scale: float) -> tuple[float, float, dict[str, Replay]]:
-        device = device_at(scale)
-        replays = {w: replay(g, plan, device) for w, plan in plans.items()}
-        anchor = replays.get("overlap") or next(iter(replays.values()))
-        which = "overlap" if "overlap" in replays else next(iter(replays))
-        raw = ((measured_s[which] - anchor.step_s) / anchor.copy_overlap_s) if anchor.copy_overlap_s > 0 else 0.0
-        alpha = min(max(raw, 0.0), MAX_CONTENTION)
-        error = sum(abs((r.step_s + alpha * r.copy_overlap_s) / measured_s[w] - 1) for w, r in replays.items())
-        return error, alpha, replays
-
-    best = 1.0
-    if len(plans) > 1:  # the grid, then a finer one around its best
-        _, best = min((fitted(k)[0], k) for k in LINK_SCALES)
-        step = LINK_SCALES[1] / LINK_SCALES[0]
-        _, best = min((fitted(k)[0], k) for k in best * np.geomspace(1 / step, step, 21))
-    _, alpha, replays = fitted(best)
+               device: CalibratedDevice) -> tuple[float, str]:
+    """(contention, note): the ``copy_contention`` whose replays of ``plans`` on ``device`` (its
+    contention left out) are closest in relative terms (least squares) to their measured steps
+    ``measured_s``: the step's time beyond the replay, per second of compute beside copies. One
+    parameter for noisy timings: the link is the chained copies' (``measure_link``)."""
+    replays = {w: replay(g, plan, replace(device, copy_contention=0.0)) for w, plan in plans.items()}
+    weight = np.array([r.copy_overlap_s / measured_s[w] for w, r in replays.items()])
+    residual = np.array([1.0 - r.step_s / measured_s[w] for w, r in replays.items()])
+    raw = float(weight @ residual / (weight @ weight)) if (weight > 0).any() else 0.0
+    alpha = min(max(raw, 0.0), MAX_CONTENTION)
     parts = [f"{w} ({plans[w].n_swaps} swaps): measured {1e3 * measured_s[w]:.2f} ms, replayed "
              f"{1e3 * (r.step_s + alpha * r.copy_overlap_s):.2f} ms ({1e3 * r.stall_s:.2f} ms stalls, "
              f"{1e3 * r.copy_overlap_s:.2f} ms of compute beside copies)" for w, r in replays.items()]
-    text = (f"copies in a step, fitted on swapped steps at batch size {g.batch_size}: link {1 / best:.2f}x the "
-            f"chained copies' speed, contention {alpha:.2f}; " + "; ".join(parts))
-    return best, alpha, text
+    text = (f"copy contention fitted on swapped steps at batch size {g.batch_size}: {raw:.2f}"
+            + ("" if alpha == raw else f" (taken as {alpha:.2f})") + "; " + "; ".join(parts))
+    return alpha, text

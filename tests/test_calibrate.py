@@ -115,27 +115,25 @@ def test_timing_passes_leave_out_the_machines_slowdowns():
     assert few.step_s["a"] == pytest.approx(undisturbed["a"], rel=0.03)
 
 
-def test_the_copies_cost_in_a_step_is_fitted_to_swapped_steps():
-    """Given steps measured with copies at 1.6x the chained copies' time and a contention of 0.6, the
-    fit finds both from the two swapped plans (an overlapping and a stalling one)."""
+def test_the_copies_contention_is_fitted_to_swapped_steps():
+    """Given steps measured with a contention of 0.6, the fit on an overlapping and a stalling plan finds it."""
     g = training_graph(24, batch_size=8)
     rng = np.random.default_rng(1)
     ab = np.stack([rng.uniform(1e-5, 1e-4, g.n_ops), rng.uniform(1e-5, 1e-4, g.n_ops)], axis=1)
 
-    def device(scale: float, alpha: float) -> CalibratedDevice:
+    def device(alpha: float) -> CalibratedDevice:
         return CalibratedDevice.from_preset(
             get_device("cpu-testbed"), g, op_seconds_ab=ab, batch_sizes=(4, 8), measured_step_s=(0.01, 0.02),
-            h2d_bytes_per_s=2e9 / scale, d2h_bytes_per_s=2e9 / scale, transfer_latency_s=2e-6 * scale,
-            copy_contention=alpha)
+            h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9, transfer_latency_s=2e-6, copy_contention=alpha)
 
     plans = {"overlap": plan_swaps(g, SwapParams(threshold=2)),
              "stall": plan_swaps(g, SwapParams(threshold=1, ub=1, trigger="level", tensors="all", distance="slot"))}
-    truth = device(1.6, 0.6)
-    measured = {what: replay(g, plan, truth).step_s for what, plan in plans.items()}
-    assert measured["stall"] > replay(g, plans["stall"], device(1.0, 0.6)).step_s  # the link's speed shows
-    scale, alpha, note = fit_copies(g, plans, measured, lambda k: device(k, 0.0))
-    assert scale == pytest.approx(1.6, rel=0.06) and alpha == pytest.approx(0.6, abs=0.1)
-    assert "contention" in note and "stall" in note
+    measured = {what: replay(g, plan, device(0.6)).step_s for what, plan in plans.items()}
+    assert all(replay(g, plan, device(0.0)).step_s < measured[w] for w, plan in plans.items())
+    alpha, note = fit_copies(g, plans, measured, device(0.0))
+    assert alpha == pytest.approx(0.6) and "contention" in note and "stall" in note
+    slower = {what: 1.05 * t for what, t in measured.items()}  # timing noise moves it, within bounds
+    assert 0.6 < fit_copies(g, plans, slower, device(0.0))[0] <= 1.5
 
 
 def test_a_calibration_refuses_another_models_graph(quickly_calibrated_cnn):
