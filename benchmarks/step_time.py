@@ -109,7 +109,8 @@ def _worker(spec_path: str, out_path: str) -> int:
                                     max_passes=int(spec["max_passes"]))
     emit({"kind": "calibration", "seconds": time.perf_counter() - start, "device": calibrated.name,
           "describe": calibrated.describe(), "notes": list(calibrated.notes),
-          "copy_contention": calibrated.copy_contention, "link_bytes_per_s": calibrated.h2d_bytes_per_s,
+          "copy_contention": calibrated.copy_contention, "copy_overhead_s": calibrated.copy_overhead_s,
+          "link_bytes_per_s": calibrated.h2d_bytes_per_s,
           "latency_s": calibrated.transfer_latency_s, "calibration_step_s": list(calibrated.measured_step_s)})
     graph = rewriter.capture(model, batch, name=spec["model"])
     x, y = example_batch(model, batch)
@@ -209,6 +210,7 @@ def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
             row["preset_error_pct"] = 100 * (row["preset_ms"] / row["measured_ms"] - 1)
             row["anchored_error_pct"] = 100 * (row["anchored_ms"] / row["measured_ms"] - 1)
         row["contention"] = calibration.get("copy_contention")
+        row["copy_overhead_us"] = None if calibration.get("copy_overhead_s") is None else 1e6 * calibration["copy_overhead_s"]
         rows.append(row)
     return rows
 
@@ -216,7 +218,7 @@ def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
 COLUMNS = ["model", "setting", "calibrated_at", "plan", "swaps", "swapped_MiB", "measured_ms", "spread_pct",
 
            "predicted_ms", "error_pct", "anchored_ms", "anchored_error_pct", "predicted_stall_ms", "preset_ms",
-           "preset_error_pct", "contention", "note"]
+           "preset_error_pct", "contention", "copy_overhead_us", "note"]
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:

@@ -13,11 +13,13 @@ each batch size and
 * times chains of copies between the placement's accelerator and host (CPU:0 <-> CPU:1 on the
   testbed, GPU <-> CPU on a GPU) for the link's bandwidth and per-copy latency;
 * times two swapped steps at the largest calibration batch in the same passes, one whose copies
-  mostly run beside compute and one that mostly waits for them, and fits the copies' contention
-  with compute to them (``fit_copies``; ``DeviceModel.copy_contention``: seconds lost per second of
-  compute beside a copy, as copies share the testbed's two cores; a copy the step waits for runs
-  alone). One parameter: a second one (the link's speed in a step) fitted beside it followed the
-  timing noise (0.3x-1.4x the chained copies' from run to run on the loaded machine).
+  mostly run beside compute and one that mostly waits for them, and fits what copies cost a real
+  step beyond the replay (``fit_copies``): their contention with compute
+  (``DeviceModel.copy_contention``: seconds lost per second of compute beside a copy, as copies
+  share the testbed's two cores; a copy the step waits for runs alone) and a fixed cost per copy
+  (``copy_overhead_s``: the executor's cross-device hand-off; the swapped steps of mobilenetv2 and
+  unet2d ran 12-26 us per copy longer than replayed, with 2 us per chained copy). The link's speed
+  itself stays the chained copies' (fitted too, it followed the timing noise: 0.3x-1.4x of it).
 
 The result, a ``simulator.CalibratedDevice``, serves every batch size of a graph captured from
 the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take it as their device.
@@ -503,23 +505,24 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
     link = measure_link(place)
     roofline = float(np.sum(base.op_seconds(at_top.op_flops, at_top.op_touched_bytes)))
 
-    def device(alpha: float, notes_now: Sequence[str]) -> CalibratedDevice:
+    def device(alpha: float, overhead_s: float, notes_now: Sequence[str]) -> CalibratedDevice:
         return CalibratedDevice.from_preset(
             base, graph, op_seconds_ab=ab, batch_sizes=sizes, measured_step_s=step_s,
             h2d_bytes_per_s=link.bytes_per_s, d2h_bytes_per_s=link.bytes_per_s,
-            transfer_latency_s=link.latency_s, copy_contention=alpha,
+            transfer_latency_s=link.latency_s, copy_contention=alpha, copy_overhead_s=overhead_s,
             roofline_scale=float(step_s[-1] / roofline) if roofline > 0 else 1.0, notes=notes_now,
             source=(f"calibrated on this machine by rewriter.calibrate ({place.describe()}); memory figures and "
                     f"the roofline for ops it did not see from {base.name}"))
 
-    # ---- copies in a real step: their contention with compute, fitted to the swapped steps (what the
-    # replay with the chained copies' link and no contention does not explain)
-    alpha = 0.0
+    # ---- copies in a real step: their contention with compute and their overhead, fitted to the swapped
+    # steps (what the replay with the chained copies' link does not explain)
+    alpha = overhead_s = 0.0
     if swapped:
-        alpha, text = fit_copies(at_top, swapped, {w: timing.step_s[w] for w in swapped}, device(0.0, ()))
+        alpha, overhead_s, text = fit_copies(at_top, swapped, {w: timing.step_s[w] for w in swapped},
+                                             device(0.0, 0.0, ()))
         notes.append(text)
     elif contention:
-        notes.append("no activation to swap: copy contention not measured (0)")
+        notes.append("no activation to swap: copy contention and overhead not measured (0)")
     notes.append(f"profiled ops: {', '.join(f'{100 * c:.0f} %' for c in coverage)} of the graph's ops emitted an "
                  "event (fused and cheap ops emit none; their time is in the shares' anchor); the events' fastest "
                  "times sum to " + ", ".join(f"{100 * p / t:.0f} %" for p, t in zip(profiled_s, step_s))
@@ -528,25 +531,43 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
                  "of " + ", ".join(f"{s} B: {t * 1e6:.1f} us" for s, t in zip(link.sizes_bytes, link.per_copy_s))
                  + ")")
     notes.append(f"calibration took {time.perf_counter() - started:.0f} s")
-    calibrated = device(alpha, notes)
+    calibrated = device(alpha, overhead_s, notes)
     log.info("calibrated %s", calibrated.describe())
     return calibrated
 
 
 def fit_copies(g: OpGraph, plans: dict[str, SwapPlan], measured_s: dict[str, float],
-               device: CalibratedDevice) -> tuple[float, str]:
-    """(contention, note): the ``copy_contention`` whose replays of ``plans`` on ``device`` (its
-    contention left out) are closest in relative terms (least squares) to their measured steps
-    ``measured_s``: the step's time beyond the replay, per second of compute beside copies. One
-    parameter for noisy timings: the link is the chained copies' (``measure_link``)."""
-    replays = {w: replay(g, plan, replace(device, copy_contention=0.0)) for w, plan in plans.items()}
-    weight = np.array([r.copy_overlap_s / measured_s[w] for w, r in replays.items()])
-    residual = np.array([1.0 - r.step_s / measured_s[w] for w, r in replays.items()])
-    raw = float(weight @ residual / (weight @ weight)) if (weight > 0).any() else 0.0
-    alpha = min(max(raw, 0.0), MAX_CONTENTION)
-    parts = [f"{w} ({plans[w].n_swaps} swaps): measured {1e3 * measured_s[w]:.2f} ms, replayed "
-             f"{1e3 * (r.step_s + alpha * r.copy_overlap_s):.2f} ms ({1e3 * r.stall_s:.2f} ms stalls, "
+               device: CalibratedDevice) -> tuple[float, float, str]:
+    """(contention, overhead per copy, note): the ``copy_contention`` and ``copy_overhead_s`` whose
+    replays of ``plans`` on ``device`` (both left out) are closest in relative terms (non-negative
+    least squares) to their measured steps ``measured_s``: the step's time beyond the replay, per
+    second of compute beside copies and per copy. The link is the chained copies' (``measure_link``)."""
+    replays = {w: replay(g, plan, replace(device, copy_contention=0.0, copy_overhead_s=0.0))
+               for w, plan in plans.items()}
+    rows = [(r.copy_overlap_s / measured_s[w], (plans[w].n_swaps + plans[w].n_swap_ins) / measured_s[w],
+             1.0 - r.step_s / measured_s[w]) for w, r in replays.items()]
+    design, target = np.array([row[:2] for row in rows]), np.array([row[2] for row in rows])
+    alpha, overhead = _nonnegative_least_squares(design, target)
+    alpha = min(alpha, MAX_CONTENTION)
+    parts = [f"{w} ({plans[w].n_swaps} swaps, {plans[w].n_swap_ins} swap-ins): measured {1e3 * measured_s[w]:.2f} ms, "
+             f"replayed {1e3 * r.step_s:.2f} ms without contention and overhead ({1e3 * r.stall_s:.2f} ms stalls, "
              f"{1e3 * r.copy_overlap_s:.2f} ms of compute beside copies)" for w, r in replays.items()]
-    text = (f"copy contention fitted on swapped steps at batch size {g.batch_size}: {raw:.2f}"
-            + ("" if alpha == raw else f" (taken as {alpha:.2f})") + "; " + "; ".join(parts))
-    return alpha, text
+    text = (f"copies in a step, fitted on swapped steps at batch size {g.batch_size}: contention {alpha:.2f}, "
+            f"{overhead * 1e6:.1f} us of step per copy; " + "; ".join(parts))
+    return alpha, overhead, text
+
+
+def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> tuple[float, float]:
+    """min |design @ x - target| over x >= 0, two unknowns: the unconstrained solution if it is
+    non-negative, else the better of the two one-unknown fits."""
+    x, *_ = np.linalg.lstsq(design, target, rcond=None)
+    if (x >= 0).all():
+        return float(x[0]), float(x[1])
+    best, best_error = (0.0, 0.0), float(target @ target)
+    for k in range(2):
+        column = design[:, k]
+        value = max(float(column @ target / (column @ column)), 0.0) if column @ column > 0 else 0.0
+        error = float(np.sum((column * value - target) ** 2))
+        if error < best_error:
+            best, best_error = ((value, 0.0) if k == 0 else (0.0, value)), error
+    return best

@@ -82,6 +82,9 @@ class DeviceModel:
     # compute's cores (the CPU testbed: fitted by rewriter.calibrate); 0 for a GPU's copy engines. A copy
     # the step waits for (a stall) runs alone and costs nothing more
     copy_contention: float = 0.0
+    # seconds each copy (swap-out or swap-in) adds to the step beyond its transfer: the executor's
+    # cross-device hand-off on the compute's threads (the CPU testbed: fitted by rewriter.calibrate)
+    copy_overhead_s: float = 0.0
 
     def __post_init__(self):
         positive = (
@@ -95,7 +98,7 @@ class DeviceModel:
             v = getattr(self, field)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{self.name}: {field} must be in (0, 1], got {v!r}")
-        for field in ("transfer_latency_s", "op_overhead_s", "copy_contention"):
+        for field in ("transfer_latency_s", "op_overhead_s", "copy_contention", "copy_overhead_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{self.name}: {field} must be >= 0")
 
@@ -193,7 +196,7 @@ class CalibratedDevice(DeviceModel):
     anchored to unprofiled step times (``measured_step_s``, one per batch size). Ops the calibration
     did not see (a graph that differs a little, e.g. by a graph rewrite) take the preset's roofline
     times ``roofline_scale``. The link fields (``h2d_bytes_per_s``, ``d2h_bytes_per_s``,
-    ``transfer_latency_s``) and ``copy_contention`` are measured too; the rest is the preset's
+    ``transfer_latency_s``), ``copy_contention`` and ``copy_overhead_s`` are measured too; the rest is the preset's
     (``preset``). It serves every batch size of a graph captured from the same model
     (``graph_fingerprint``, ``graph_identity``) and refuses others' (``CalibrationMismatchError``).
     """
@@ -221,6 +224,7 @@ class CalibratedDevice(DeviceModel):
     @classmethod
     def from_preset(cls, base: DeviceModel, g, *, op_seconds_ab, batch_sizes, measured_step_s, h2d_bytes_per_s: float,
                     d2h_bytes_per_s: float, transfer_latency_s: float, copy_contention: float = 0.0,
+                    copy_overhead_s: float = 0.0,
                     roofline_scale: float = 1.0, source: str = "", notes=()) -> "CalibratedDevice":
         """``base``'s memory figures and roofline with measured times for graph ``g``'s ops
         (``op_seconds_ab[i]`` for ``g.op_name[i]``) and link; named after ``base`` and a digest of
@@ -229,6 +233,7 @@ class CalibratedDevice(DeviceModel):
         kept.update(
             h2d_bytes_per_s=float(h2d_bytes_per_s), d2h_bytes_per_s=float(d2h_bytes_per_s),
             transfer_latency_s=float(transfer_latency_s), copy_contention=float(copy_contention),
+            copy_overhead_s=float(copy_overhead_s),
             source=source or f"calibrated on this machine; memory figures and roofline from {base.name}")
         measured = dict(
             preset=base.name, model_name=str(g.meta.get("model", "")), graph_fingerprint=g.fingerprint(),
@@ -328,7 +333,8 @@ class CalibratedDevice(DeviceModel):
         sizes = ", ".join(f"b{b} {s * 1e3:.1f} ms" for b, s in zip(self.batch_sizes, self.measured_step_s))
         return (f"{self.name}: op times of {self.model_name} measured at batch sizes {sizes} ({len(self.op_names)} "
                 f"ops); link {self.h2d_bytes_per_s / GB:.1f} GB/s in, {self.d2h_bytes_per_s / GB:.1f} GB/s out, "
-                f"{self.transfer_latency_s * 1e6:.1f} us per copy; copy contention {self.copy_contention:.2f}")
+                f"{self.transfer_latency_s * 1e6:.1f} us per copy; copy contention {self.copy_contention:.2f}, "
+                f"{self.copy_overhead_s * 1e6:.1f} us of step per copy")
 
 
 # =============================================================================

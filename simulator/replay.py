@@ -202,7 +202,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     overlap_s = compute_during(finish_all - duration, finish_all, np.concatenate([out_start, in_start]),
                                np.concatenate([out_end, in_end]))
     return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
-                   contention_s=device.copy_contention * overlap_s, copy_overlap_s=overlap_s,
+                   contention_s=device.copy_contention * overlap_s + device.copy_overhead_s * (n_swaps + n_ins),
+                   copy_overlap_s=overlap_s,
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                    outs=(out_start, out_end), ins=(in_start, in_end), position=position,
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
@@ -278,7 +279,8 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, 
             plan, outs, ins, position, contention_s=0.0, **details) -> Replay:
     """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
     ``op_seconds``); ``contention_s``: what copies sharing the compute's cores add to the step
-    (``DeviceModel.copy_contention`` x the compute time that overlaps copies); ``details``: the plan's per-buffer fields (see Replay)."""
+    (``DeviceModel.copy_contention`` x the compute time that overlaps copies, and ``copy_overhead_s`` per
+    copy); ``details``: the plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         level_starts = _level_starts(g) if g.order == "cto" else np.zeros(0, np.int64)  # cto: slots by level
         peak_slot, level_peak, op_end, op_start = summarize(slot_bytes, levels_of_slot, level_starts, persistent,

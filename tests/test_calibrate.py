@@ -115,25 +115,32 @@ def test_timing_passes_leave_out_the_machines_slowdowns():
     assert few.step_s["a"] == pytest.approx(undisturbed["a"], rel=0.03)
 
 
-def test_the_copies_contention_is_fitted_to_swapped_steps():
-    """Given steps measured with a contention of 0.6, the fit on an overlapping and a stalling plan finds it."""
+def test_the_copies_cost_is_fitted_to_swapped_steps():
+    """Given steps measured with a contention of 0.6 and 15 us per copy, the fit on an overlapping and
+    a stalling plan finds both."""
     g = training_graph(24, batch_size=8)
     rng = np.random.default_rng(1)
     ab = np.stack([rng.uniform(1e-5, 1e-4, g.n_ops), rng.uniform(1e-5, 1e-4, g.n_ops)], axis=1)
 
-    def device(alpha: float) -> CalibratedDevice:
+    def device(alpha: float, overhead_s: float) -> CalibratedDevice:
         return CalibratedDevice.from_preset(
             get_device("cpu-testbed"), g, op_seconds_ab=ab, batch_sizes=(4, 8), measured_step_s=(0.01, 0.02),
-            h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9, transfer_latency_s=2e-6, copy_contention=alpha)
+            h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9, transfer_latency_s=2e-6, copy_contention=alpha,
+            copy_overhead_s=overhead_s)
 
     plans = {"overlap": plan_swaps(g, SwapParams(threshold=2)),
              "stall": plan_swaps(g, SwapParams(threshold=1, ub=1, trigger="level", tensors="all", distance="slot"))}
-    measured = {what: replay(g, plan, device(0.6)).step_s for what, plan in plans.items()}
-    assert all(replay(g, plan, device(0.0)).step_s < measured[w] for w, plan in plans.items())
-    alpha, note = fit_copies(g, plans, measured, device(0.0))
-    assert alpha == pytest.approx(0.6) and "contention" in note and "stall" in note
-    slower = {what: 1.05 * t for what, t in measured.items()}  # timing noise moves it, within bounds
-    assert 0.6 < fit_copies(g, plans, slower, device(0.0))[0] <= 1.5
+    measured = {what: replay(g, plan, device(0.6, 15e-6)).step_s for what, plan in plans.items()}
+    plain = {what: replay(g, plan, device(0.0, 0.0)).step_s for what, plan in plans.items()}
+    copies = {what: plan.n_swaps + plan.n_swap_ins for what, plan in plans.items()}
+    assert all(measured[w] - plain[w] > 15e-6 * copies[w] for w in plans)
+    alpha, overhead_s, note = fit_copies(g, plans, measured, device(0.0, 0.0))
+    assert alpha == pytest.approx(0.6) and overhead_s == pytest.approx(15e-6)
+    assert "contention" in note and "per copy" in note
+    # where only the overhead explains the steps, the contention is not made negative
+    measured = {what: plain[what] + 20e-6 * copies[what] for what in plans}
+    alpha, overhead_s, _ = fit_copies(g, plans, measured, device(0.0, 0.0))
+    assert alpha == pytest.approx(0.0, abs=1e-9) and overhead_s == pytest.approx(20e-6, rel=0.01)
 
 
 def test_a_calibration_refuses_another_models_graph(quickly_calibrated_cnn):
