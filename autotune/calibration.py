@@ -24,9 +24,9 @@ from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, 
 
 log = logging.getLogger(__name__)
 
-# the uncalibrated cpu-testbed preset against measured steps (benchmarks/results/step_time.md, 4 models x 7
-# plans): what a report says of a step time that is a datasheet estimate
-PRESET_TIME_ERROR = "median 16 %, worst 49 % off the measured step time"
+# the uncalibrated cpu-testbed preset against measured steps (python -m benchmarks step-time, 4 models x 7
+# plans, five runs on 2026-12-01/02): what a report says of a step time that is a datasheet estimate
+PRESET_TIME_ERROR = "median 9-45 %, worst 49-88 % off the measured step time"
 
 
 def calibration_batches(graph: OpGraph, batch_size: int, placement) -> tuple[int, int]:
