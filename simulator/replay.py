@@ -77,6 +77,9 @@ class Replay:
     wait_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     wait_moment_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     host_peak_s: float = 0.0  # when the host holds host_peak_bytes
+    # compute time that runs while copies do (summed over copies): what copies sharing the compute's
+    # cores slow down (DeviceModel.copy_contention seconds per second of it; stalls cost nothing more)
+    copy_overlap_s: float = 0.0
 
     @property
     def overhead(self) -> float:
@@ -182,8 +185,8 @@ class _Context:
     levels_of_slot: np.ndarray
     persistent_bytes: int
     compute_s: float
-    d2h_seconds: np.ndarray  # per tensor, a copy's time each way
-    h2d_seconds: np.ndarray
+    order: np.ndarray  # the op at each slot
+    duration: np.ndarray  # its time
 
 
 def _context(g: OpGraph, device: DeviceModel) -> _Context:
@@ -206,7 +209,7 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
             int_bytes=np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
             d2h_seconds=d2h_seconds, h2d_seconds=h2d_seconds, **_plan_tables(graph))
         return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0,
-                        d2h_seconds, h2d_seconds)
+                        execution_order(graph), duration)
     return g.cached(("replay_context", device), compute, structural=False)
 
 
@@ -228,12 +231,12 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
      host_peak_s, d2h, h2d) = kernels.replay_plan(
         context.tables, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
         plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out)
-    # what copies sharing the compute's cores add to the step (DeviceModel.copy_contention x transfer time)
-    contention_s = 0.0
-    if device.copy_contention:
-        in_tensor = plan.tensor[plan.in_swap]
-        contention_s = device.copy_contention * float(context.d2h_seconds[plan.tensor].sum()
-                                                      + context.h2d_seconds[in_tensor].sum())
+    # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
+    # time that overlaps copies, and copy_overhead_s per copy
+    finish_all = op_end[context.order]
+    overlap_s = compute_during(finish_all - context.duration, finish_all, np.concatenate([out_start, in_start]),
+                               np.concatenate([out_end, in_end]))
+    contention_s = device.copy_contention * overlap_s + device.copy_overhead_s * (plan.n_swaps + plan.n_swap_ins)
     step_s = finish_s + contention_s
     return _filled_replay(
         peak_bytes=int(round(peak)) + context.persistent_bytes, host_peak_bytes=int(host_peak), step_s=step_s,
@@ -255,6 +258,21 @@ def _filled_replay(**fields) -> Replay:
     result = object.__new__(Replay)
     result.__dict__.update(fields)
     return result
+
+
+def compute_during(slot_start: np.ndarray, slot_end: np.ndarray, start: np.ndarray, end: np.ndarray) -> float:
+    """Compute time of the one compute stream (slots running back to back from ``slot_start`` to
+    ``slot_end``, in order) inside the intervals ``[start[i], end[i]]``, summed over them."""
+    if not len(start) or not len(slot_start):
+        return 0.0
+    done = np.concatenate(([0.0], np.cumsum(slot_end - slot_start)))
+
+    def done_by(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(slot_start, t, side="right") - 1
+        inside = np.clip(t - slot_start[np.maximum(k, 0)], 0.0, slot_end[np.maximum(k, 0)] - slot_start[np.maximum(k, 0)])
+        return np.where(k >= 0, done[np.maximum(k, 0)] + inside, 0.0)
+
+    return float(np.sum(done_by(np.asarray(end)) - done_by(np.asarray(start))))
 
 
 def _float_bytes(g: OpGraph) -> np.ndarray:
