@@ -9,6 +9,7 @@ reference's numba cache lives beside its files, so only its first run compiles) 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 import re
@@ -85,7 +86,8 @@ def reference_graph(reference: ModuleType, g, directory: Path):
 def same_replay(new, old) -> bool:
     """Whether two Replays (today's and a reference's) agree field by field, bit for bit, on every
     field the reference has (fields added since, e.g. ``copy_overlap_s``, have nothing to compare to)."""
-    for name, value in vars(new).items():
+    for field in dataclasses.fields(new):
+        name, value = field.name, getattr(new, field.name)
         if not hasattr(old, name):
             continue
         other = getattr(old, name)

@@ -810,6 +810,154 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
 
 
 @njit(cache=True, nogil=True)
+def _pairwise_sum(values):
+    """``np.sum(values)`` for float64, bit for bit: numpy's pairwise summation (blocks of at most 128
+    values, ``_block_sum``; above, the two halves, split at a multiple of 8, summed and added),
+    walked with a stack of its own (numba does not cache a recursive function called from another).
+    tests/test_simulator_kernels.py holds it to numpy's."""
+    n = len(values)
+    if n <= 128:
+        return _block_sum(values, 0, n)
+    task_lo = np.empty(192, np.int64)
+    task_n = np.empty(192, np.int64)
+    task_done = np.empty(192, np.bool_)  # its halves summed: add them
+    partial = np.empty(64)
+    task_lo[0], task_n[0], task_done[0] = 0, n, False
+    n_tasks, n_partial = 1, 0
+    while n_tasks:
+        n_tasks -= 1
+        lo, count, done = task_lo[n_tasks], task_n[n_tasks], task_done[n_tasks]
+        if count <= 128:
+            partial[n_partial] = _block_sum(values, lo, count)
+            n_partial += 1
+        elif done:
+            n_partial -= 1
+            partial[n_partial - 1] = partial[n_partial - 1] + partial[n_partial]
+        else:
+            half = count // 2
+            half -= half % 8
+            for task in ((lo, count, True), (lo + half, count - half, False), (lo, half, False)):
+                task_lo[n_tasks], task_n[n_tasks], task_done[n_tasks] = task
+                n_tasks += 1
+    return partial[0]
+
+
+@njit(cache=True, nogil=True)
+def _block_sum(values, lo, n):
+    """numpy's sum of at most 128 values: below 8 in order from 0.0, else eight accumulators,
+    combined in pairs, then the rest in order."""
+    if n < 8:
+        total = 0.0
+        for i in range(lo, lo + n):
+            total += values[i]
+        return total
+    r0, r1, r2, r3 = values[lo], values[lo + 1], values[lo + 2], values[lo + 3]
+    r4, r5, r6, r7 = values[lo + 4], values[lo + 5], values[lo + 6], values[lo + 7]
+    i = lo + 8
+    stop = lo + n - n % 8
+    while i < stop:
+        r0 += values[i]
+        r1 += values[i + 1]
+        r2 += values[i + 2]
+        r3 += values[i + 3]
+        r4 += values[i + 4]
+        r5 += values[i + 5]
+        r6 += values[i + 6]
+        r7 += values[i + 7]
+        i += 8
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < lo + n:
+        total += values[i]
+        i += 1
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _numpy_searchsorted_right(values, keys, found):
+    """``found[:] = np.searchsorted(values, keys, side="right")`` as numpy computes it (a binary
+    search narrowed by the previous key), so the answer is numpy's even where ``values`` are not
+    quite in order."""
+    n = len(values)
+    lo, hi = 0, n
+    last = keys[0] if len(keys) else 0.0
+    for q in range(len(keys)):
+        key = keys[q]
+        if last <= key:
+            hi = n
+        else:
+            lo = 0
+            hi = hi + 1 if hi < n else n
+        last = key
+        while lo < hi:
+            mid = lo + ((hi - lo) >> 1)
+            if values[mid] <= key:
+                lo = mid + 1
+            else:
+                hi = mid
+        found[q] = lo
+
+
+@njit(cache=True, nogil=True)
+def _copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue, in_processed):
+    """Compute time of the one compute stream inside the copies (out and in), summed over them: for
+    each copy, the compute done by its end less that done by its start, where the compute done by t
+    is the time of the slots begun before t, up to t (slots run from finish - duration to finish).
+    What ``DeviceModel.copy_contention`` scales (``Replay.copy_overlap_s``). The same float operations
+    as numpy on the arrays (a running sum of the slots' spans, ``np.clip``, ``np.sum``); a copy's
+    slot is found from the previous copy's (the engines copy first in, first out) when the slots'
+    starts ascend, else by numpy's own search."""
+    n_slots, n_outs, n_ins = len(finish_all), len(out_start), len(in_start)
+    n = n_outs + n_ins
+    if n == 0 or n_slots == 0:
+        return 0.0
+    start = np.empty(n_slots)
+    done = np.empty(n_slots + 1)  # the compute done by each slot's start
+    ascending = True
+    done[0] = 0.0
+    for slot in range(n_slots):
+        start[slot] = finish_all[slot] - duration[slot]
+        span = finish_all[slot] - start[slot]
+        done[slot + 1] = done[slot] + span if slot else span
+        if slot and start[slot] < start[slot - 1]:
+            ascending = False
+    # each copy's start and end as the slot running then (-1: before the first)
+    begins = np.empty(n, np.int64)
+    ends = np.empty(n, np.int64)
+    if ascending:
+        for times, queue, offset, found in ((out_start, out_queue, 0, begins), (out_end, out_queue, 0, ends),
+                                            (in_start, in_processed, n_outs, begins),
+                                            (in_end, in_processed, n_outs, ends)):
+            k = 0
+            for q in queue:
+                k = _right_near(start, times[q], k)
+                found[offset + q] = k
+    else:
+        keys = np.empty(n)
+        keys[:n_outs], keys[n_outs:] = out_end, in_end
+        _numpy_searchsorted_right(start, keys, ends)
+        keys[:n_outs], keys[n_outs:] = out_start, in_start
+        _numpy_searchsorted_right(start, keys, begins)
+    inside = np.empty(n)
+    for q in range(n):
+        late = out_end[q] if q < n_outs else in_end[q - n_outs]
+        early = out_start[q] if q < n_outs else in_start[q - n_outs]
+        inside[q] = _done_by(late, ends[q] - 1, start, finish_all, done) - _done_by(early, begins[q] - 1, start,
+                                                                                    finish_all, done)
+    return _pairwise_sum(inside)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _done_by(time, slot, start, finish_all, done):
+    """The compute done by ``time`` in ``slot`` (-1: before the first): ``np.clip`` as numpy does it."""
+    if slot < 0:
+        return 0.0
+    into = time - start[slot]
+    into = into if into > 0.0 else 0.0
+    span = finish_all[slot] - start[slot]
+    return done[slot] + (into if into < span else span)
+
+
+@njit(cache=True, nogil=True)
 def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor, read_consumer):
     """Which read ids (``buffers.RewireTables``) the reads (``read_tensor``, ``read_consumer``)
     rewire (the last entry: id -1, no read), each read's id and its place in the per-tensor reads
@@ -1276,6 +1424,7 @@ def replay_plan(tables, swap_tensor, sync_out, in_swap, in_trigger, in_after, in
     out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed = schedule(
         finish_plain, plain_op_end, plain_op_start, order, duration, out_ready_slot, out_duration, trigger_slot,
         in_swap, in_duration, need_slot, sync_wait, after_copies_out, copies_slot)
+    overlap_s = _copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue, in_processed)
     root_base_free_slot = free_slot[roots]
     (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
      wait_moment, host_peak, host_peak_s) = account(
@@ -1292,7 +1441,7 @@ def replay_plan(tables, swap_tensor, sync_out, in_swap, in_trigger, in_after, in
         h2d_bytes += in_bytes[j]
     return (peak_slot, peak, level_peak, op_end, op_start, finish_all[-1], out_start, out_end, in_start, in_end,
             in_ready, roots, new_free, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment,
-            host_peak, host_peak_s, d2h_bytes, h2d_bytes)
+            host_peak, host_peak_s, d2h_bytes, h2d_bytes, overlap_s)
 
 
 @njit(cache=True, nogil=True)

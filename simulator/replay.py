@@ -185,8 +185,6 @@ class _Context:
     levels_of_slot: np.ndarray
     persistent_bytes: int
     compute_s: float
-    order: np.ndarray  # the op at each slot
-    duration: np.ndarray  # its time
 
 
 def _context(g: OpGraph, device: DeviceModel) -> _Context:
@@ -208,8 +206,7 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
             sorted_levels=graph.order == "cto", persistent=persistent, tensor_bytes=float_bytes,
             int_bytes=np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
             d2h_seconds=d2h_seconds, h2d_seconds=h2d_seconds, **_plan_tables(graph))
-        return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0,
-                        execution_order(graph), duration)
+        return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0)
     return g.cached(("replay_context", device), compute, structural=False)
 
 
@@ -228,14 +225,11 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     # one compiled call from the plan's arrays to the Replay's (its docstring and kernels.account give the rules)
     (peak_slot, peak, level_peak, op_end, op_start, finish_s, out_start, out_end, in_start, in_end, in_ready, roots,
      root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
-     host_peak_s, d2h, h2d) = kernels.replay_plan(
+     host_peak_s, d2h, h2d, overlap_s) = kernels.replay_plan(
         context.tables, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
         plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out)
     # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
     # time that overlaps copies, and copy_overhead_s per copy
-    finish_all = op_end[context.order]
-    overlap_s = compute_during(finish_all - context.duration, finish_all, np.concatenate([out_start, in_start]),
-                               np.concatenate([out_end, in_end]))
     contention_s = device.copy_contention * overlap_s + device.copy_overhead_s * (plan.n_swaps + plan.n_swap_ins)
     step_s = finish_s + contention_s
     return _filled_replay(
@@ -247,8 +241,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         swap_out_end_s=out_end, swap_in_start_s=in_start, swap_in_end_s=in_end, peak_slot=peak_slot,
         swapped_roots=roots, swapped_root_free_slot=root_free_slot, swap_in_alloc_slot=in_alloc_slot,
         swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
-        swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
-
+        swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s,
+        copy_overlap_s=overlap_s)
 
 
 def _filled_replay(**fields) -> Replay:
@@ -258,21 +252,6 @@ def _filled_replay(**fields) -> Replay:
     result = object.__new__(Replay)
     result.__dict__.update(fields)
     return result
-
-
-def compute_during(slot_start: np.ndarray, slot_end: np.ndarray, start: np.ndarray, end: np.ndarray) -> float:
-    """Compute time of the one compute stream (slots running back to back from ``slot_start`` to
-    ``slot_end``, in order) inside the intervals ``[start[i], end[i]]``, summed over them."""
-    if not len(start) or not len(slot_start):
-        return 0.0
-    done = np.concatenate(([0.0], np.cumsum(slot_end - slot_start)))
-
-    def done_by(t: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(slot_start, t, side="right") - 1
-        inside = np.clip(t - slot_start[np.maximum(k, 0)], 0.0, slot_end[np.maximum(k, 0)] - slot_start[np.maximum(k, 0)])
-        return np.where(k >= 0, done[np.maximum(k, 0)] + inside, 0.0)
-
-    return float(np.sum(done_by(np.asarray(end)) - done_by(np.asarray(start))))
 
 
 def _float_bytes(g: OpGraph) -> np.ndarray:
