@@ -422,9 +422,9 @@ def schedule(finish_plain, plain_op_end, plain_op_start, order, duration, out_re
 @njit(cache=True, nogil=True)
 def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot,
             n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot,
-            root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_end, in_processed,
-            in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot,
-            late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
+            root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end,
+            in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys,
+            late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
     the host's peak. Returns the peak slot (the first largest) and the peak per level (``levels_of_slot``;
@@ -537,6 +537,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
     level_peak = np.full(n_levels, -np.inf if sorted_levels else 0.0)
     running = 0
     peak_slot, peak = 0, baseline_bytes[0] + delta[0]
+    # in the same pass (its float sum runs beside the bytes'): each slot's start and the compute done
+    # by it (np.cumsum of the spans finish - start, see _copy_overlap), and whether the starts ascend
+    start, done = np.empty(n_slots), np.empty(n_slots + 1)
+    done[0], computed, ascending = 0.0, 0.0, True
     if sorted_levels:  # a level's slots are consecutive: its peak kept at hand until the next level
         level, level_best = levels_of_slot[0], -np.inf
         for slot in range(n_slots):
@@ -550,6 +554,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
                 level, level_best = levels_of_slot[slot], value
             elif value > level_best:
                 level_best = value
+            begin = finish_all[slot] - duration[slot]
+            computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
+            start[slot], done[slot + 1] = begin, computed
+            ascending &= slot == 0 or begin >= start[slot - 1]
         level_peak[level] = level_best
     else:
         for slot in range(n_slots):
@@ -560,6 +568,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
                 peak_slot, peak = slot, value
             if value > level_peak[levels_of_slot[slot]]:
                 level_peak[levels_of_slot[slot]] = value
+            begin = finish_all[slot] - duration[slot]
+            computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
+            start[slot], done[slot + 1] = begin, computed
+            ascending &= slot == 0 or begin >= start[slot - 1]
     wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots,
                                           new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
                                           in_place_slot, in_place_out)
@@ -571,8 +583,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
         if value > level_peak[levels_of_slot[slot]]:
             level_peak[levels_of_slot[slot]] = value
     host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed)
+    overlap_s = _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_start, in_end, out_queue,
+                              in_processed)
     return (peak_slot, float(peak), level_peak, new_free, copy_end, in_alloc_slot, in_free_slot,
-            in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
+            in_place_out, wait_slots, wait_moment, host_peak, host_peak_s, overlap_s)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -898,39 +912,31 @@ def _numpy_searchsorted_right(values, keys, found):
 
 
 @njit(cache=True, nogil=True)
-def _copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue, in_processed):
+def _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_start, in_end, out_queue, in_processed):
     """Compute time of the one compute stream inside the copies (out and in), summed over them: for
     each copy, the compute done by its end less that done by its start, where the compute done by t
-    is the time of the slots begun before t, up to t (slots run from finish - duration to finish).
-    What ``DeviceModel.copy_contention`` scales (``Replay.copy_overlap_s``). The same float operations
-    as numpy on the arrays (a running sum of the slots' spans, ``np.clip``, ``np.sum``); a copy's
-    slot is found from the previous copy's (the engines copy first in, first out) when the slots'
-    starts ascend, else by numpy's own search."""
+    is the time of the slots begun before t, up to t (slots run from ``start`` = finish - duration to
+    finish; ``done``: the compute done by each slot's start, a running sum of the slots' spans). What
+    ``DeviceModel.copy_contention`` scales (``Replay.copy_overlap_s``). The same float operations as
+    numpy on the arrays (``np.cumsum``, ``np.clip``, ``np.sum``); a copy's slots are found from the
+    previous copy's (the engines copy first in, first out; a copy starts where the one before ended,
+    or later) when the starts are ``ascending``, else by numpy's own search."""
     n_slots, n_outs, n_ins = len(finish_all), len(out_start), len(in_start)
     n = n_outs + n_ins
     if n == 0 or n_slots == 0:
         return 0.0
-    start = np.empty(n_slots)
-    done = np.empty(n_slots + 1)  # the compute done by each slot's start
-    ascending = True
-    done[0] = 0.0
-    for slot in range(n_slots):
-        start[slot] = finish_all[slot] - duration[slot]
-        span = finish_all[slot] - start[slot]
-        done[slot + 1] = done[slot] + span if slot else span
-        if slot and start[slot] < start[slot - 1]:
-            ascending = False
     # each copy's start and end as the slot running then (-1: before the first)
     begins = np.empty(n, np.int64)
     ends = np.empty(n, np.int64)
     if ascending:
-        for times, queue, offset, found in ((out_start, out_queue, 0, begins), (out_end, out_queue, 0, ends),
-                                            (in_start, in_processed, n_outs, begins),
-                                            (in_end, in_processed, n_outs, ends)):
+        for early, late, queue, offset in ((out_start, out_end, out_queue, 0),
+                                           (in_start, in_end, in_processed, n_outs)):
             k = 0
             for q in queue:
-                k = _right_near(start, times[q], k)
-                found[offset + q] = k
+                k = _right_near(start, early[q], k)
+                begins[offset + q] = k
+                k = _right_near(start, late[q], k)
+                ends[offset + q] = k
     else:
         keys = np.empty(n)
         keys[:n_outs], keys[n_outs:] = out_end, in_end
@@ -1424,15 +1430,14 @@ def replay_plan(tables, swap_tensor, sync_out, in_swap, in_trigger, in_after, in
     out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed = schedule(
         finish_plain, plain_op_end, plain_op_start, order, duration, out_ready_slot, out_duration, trigger_slot,
         in_swap, in_duration, need_slot, sync_wait, after_copies_out, copies_slot)
-    overlap_s = _copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue, in_processed)
     root_base_free_slot = free_slot[roots]
     (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
-     wait_moment, host_peak, host_peak_s) = account(
+     wait_moment, host_peak, host_peak_s, overlap_s) = account(
         baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot, n_levels,
         sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot, root_last_slot,
-        moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_end, in_processed, in_bytes, need_slot,
-        trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_key, late_out,
-        late_root_ptr, late_by_root, late_read_ptr, late_by_read)
+        moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end, in_processed, in_bytes,
+        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_key,
+        late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read)
     level_peak += persistent
     d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
     for i in range(len(swap_bytes)):
