@@ -11,9 +11,10 @@ to each, in and out, which cost more than the helper's own work.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
-from numba import njit, types
-from numba.experimental import structref
+from numba import njit
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1258,149 +1259,19 @@ def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_
             sync_wait[i] = first
     return sync_wait
 
-@structref.register
-class ReplayTablesType(types.StructRef):
-    """The numba type of ``ReplayTables``."""
-
-    def preprocess_fields(self, fields):
-        return tuple((name, types.unliteral(typ)) for name, typ in fields)
-
-
-class ReplayTables(structref.StructRefProxy):
-    """What ``replay_plan`` reads of a graph at one batch size on one device, as one object (one
-    argument to type-check per call instead of some sixty); ``replay.replay`` names the fields."""
-
-
-REPLAY_TABLE_FIELDS = (
-    "order",
-    "position",
-    "duration",
-    "finish_plain",
-    "plain_op_end",
-    "plain_op_start",
-    "baseline_bytes",
-    "alloc_bytes",
-    "levels_of_slot",
-    "n_levels",
-    "sorted_levels",
-    "persistent",
-    "tensor_bytes",
-    "int_bytes",
-    "d2h_seconds",
-    "h2d_seconds",
-    "tensor_producer",
-    "root",
-    "free_slot",
-    "max1",
-    "max1_tensor",
-    "max2",
-    "tensor_read_ptr",
-    "tensor_read_consumer",
-    "tensor_read_id",
-    "seg_use_ptr",
-    "seg_use_slot",
-    "seg_use_id",
-    "seg_ptr",
-    "seg_link_id",
-    "seg_link_key",
-    "seg_parent",
-    "tensor_segment",
-    "n_keys",
-    "late_slot",
-    "late_key",
-    "late_out",
-    "late_root_ptr",
-    "late_by_root",
-    "late_read_ptr",
-    "late_by_read",
-    "has_danger",
-    "endangered",
-    "danger_ptr",
-    "danger_ops",
-    "source_ptr",
-    "source_ops",
-    "input_ptr",
-    "input_tensor",
-    "input_source",
-    "control_ptr",
-    "control_ops",
-    "read_safe_hit",
-    "read_safe_slot",
-)
-structref.define_proxy(ReplayTables, ReplayTablesType, list(REPLAY_TABLE_FIELDS))
-
-
-def replay_tables(**fields) -> ReplayTables:
-    """``ReplayTables`` from its fields by name (its constructor takes them in order)."""
-    if fields.keys() != set(REPLAY_TABLE_FIELDS):
-        apart = sorted(fields.keys() ^ set(REPLAY_TABLE_FIELDS))
-        raise TypeError(f"ReplayTables needs exactly its fields, got {apart} apart")
-    return ReplayTables(*(fields[name] for name in REPLAY_TABLE_FIELDS))
-
-
 @njit(cache=True, nogil=True)
-def replay_plan(tables, swap_tensor, sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers,
-                after_copies_out):
+def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_start, baseline_bytes, alloc_bytes,
+                levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
+                tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
+                tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+                tensor_segment, n_keys, late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr,
+                late_by_read, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
+                input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, swap_tensor,
+                sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out):
     """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
     passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
     pass and the memory accounting, in one call. Per-slot work is two passes (finish times and the
     slots' bytes); the rest visits what the plan moved."""
-    # the graph's tables (one argument: each array argument costs the call a type check)
-    order = tables.order
-    position = tables.position
-    duration = tables.duration
-    finish_plain = tables.finish_plain
-    plain_op_end = tables.plain_op_end
-    plain_op_start = tables.plain_op_start
-    baseline_bytes = tables.baseline_bytes
-    alloc_bytes = tables.alloc_bytes
-    levels_of_slot = tables.levels_of_slot
-    n_levels = tables.n_levels
-    sorted_levels = tables.sorted_levels
-    persistent = tables.persistent
-    tensor_bytes = tables.tensor_bytes
-    int_bytes = tables.int_bytes
-    d2h_seconds = tables.d2h_seconds
-    h2d_seconds = tables.h2d_seconds
-    tensor_producer = tables.tensor_producer
-    root = tables.root
-    free_slot = tables.free_slot
-    max1 = tables.max1
-    max1_tensor = tables.max1_tensor
-    max2 = tables.max2
-    tensor_read_ptr = tables.tensor_read_ptr
-    tensor_read_consumer = tables.tensor_read_consumer
-    tensor_read_id = tables.tensor_read_id
-    seg_use_ptr = tables.seg_use_ptr
-    seg_use_slot = tables.seg_use_slot
-    seg_use_id = tables.seg_use_id
-    seg_ptr = tables.seg_ptr
-    seg_link_id = tables.seg_link_id
-    seg_link_key = tables.seg_link_key
-    seg_parent = tables.seg_parent
-    tensor_segment = tables.tensor_segment
-    n_keys = tables.n_keys
-    late_slot = tables.late_slot
-    late_key = tables.late_key
-    late_out = tables.late_out
-    late_root_ptr = tables.late_root_ptr
-    late_by_root = tables.late_by_root
-    late_read_ptr = tables.late_read_ptr
-    late_by_read = tables.late_by_read
-    has_danger = tables.has_danger
-    endangered = tables.endangered
-    danger_ptr = tables.danger_ptr
-    danger_ops = tables.danger_ops
-    source_ptr = tables.source_ptr
-    source_ops = tables.source_ops
-    input_ptr = tables.input_ptr
-    input_tensor = tables.input_tensor
-    input_source = tables.input_source
-    control_ptr = tables.control_ptr
-    control_ops = tables.control_ops
-    read_safe_hit = tables.read_safe_hit
-    read_safe_slot = tables.read_safe_slot
-
     n_ops = len(position)
     in_tensor = swap_tensor[in_swap]
     far_tensor = np.empty(len(in_consumers), np.int64)  # the tensor of each far read
@@ -1642,3 +1513,16 @@ def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, thre
             n_swapped += 1
         in_swap[k] = n_swapped - 1
     return swapped[:n_swapped].copy(), in_swap, trigger, after, ptr, far_consumer.copy()
+
+
+# what replay_plan reads of a graph at one batch size on one device: its arguments before the plan's
+_REPLAY_ARGUMENTS = tuple(inspect.signature(replay_plan.py_func).parameters)
+REPLAY_TABLE_FIELDS = _REPLAY_ARGUMENTS[:_REPLAY_ARGUMENTS.index("swap_tensor")]
+
+
+def replay_tables(**fields) -> tuple:
+    """``replay_plan``'s graph arguments (``REPLAY_TABLE_FIELDS``) from their names, in its order."""
+    if fields.keys() != set(REPLAY_TABLE_FIELDS):
+        apart = sorted(fields.keys() ^ set(REPLAY_TABLE_FIELDS))
+        raise TypeError(f"replay_plan's tables are exactly its fields, got {apart} apart")
+    return tuple(fields[name] for name in REPLAY_TABLE_FIELDS)

@@ -147,7 +147,7 @@ def _csr(keys: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _plan_tables(g: OpGraph) -> dict[str, np.ndarray | int]:
-    """What ``kernels.replay_plan`` reads of the structure (``kernels.ReplayTables``' fields): the
+    """What ``kernels.replay_plan`` reads of the structure (of ``kernels.REPLAY_TABLE_FIELDS``): the
     buffer analysis with the reads a plan can rewire (``buffers.RewireTables``), the forwards a plan
     makes possible (grouped by root and by read id), the fusion tables and each read's fusion-safe
     wait."""
@@ -183,7 +183,7 @@ class _Context:
     """A graph at one batch size on one device, as the replay reads it: ``tables`` is what
     ``kernels.replay_plan`` takes before the plan's arrays."""
 
-    tables: kernels.ReplayTables
+    tables: tuple  # kernels.replay_plan's arguments before the plan's
     levels_of_slot: np.ndarray
     persistent_bytes: int
     compute_s: float
@@ -228,7 +228,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     (peak_slot, peak, level_peak, op_end, op_start, finish_s, out_start, out_end, in_start, in_end, in_ready, roots,
      root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
      host_peak_s, d2h, h2d, overlap_s) = kernels.replay_plan(
-        context.tables, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
+        *context.tables, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
         plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out)
     # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
     # time that overlaps copies, and copy_overhead_s per copy
