@@ -425,7 +425,7 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot,
             root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end,
             in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys,
-            late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
+            late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
     the host's peak. Returns the peak slot (the first largest) and the peak per level (``levels_of_slot``;
@@ -1264,10 +1264,10 @@ def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_
                 levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
                 tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
                 tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
-                tensor_segment, n_keys, late_slot, late_key, late_out, late_root_ptr, late_by_root, late_read_ptr,
-                late_by_read, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
-                input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, swap_tensor,
-                sync_out, in_swap, in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out):
+                tensor_segment, n_keys, late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read,
+                has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+                input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, swap_tensor, sync_out, in_swap,
+                in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out):
     """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
     passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
     pass and the memory accounting, in one call. Per-slot work is two passes (finish times and the
@@ -1307,8 +1307,8 @@ def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_
         baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot, n_levels,
         sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot, root_last_slot,
         moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end, in_processed, in_bytes,
-        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_key,
-        late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read)
+        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_out,
+        late_root_ptr, late_by_root, late_read_ptr, late_by_read)
     level_peak += persistent
     d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
     for i in range(len(swap_bytes)):

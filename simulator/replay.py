@@ -168,9 +168,9 @@ def _plan_tables(g: OpGraph) -> dict[str, np.ndarray | int]:
             "tensor_producer": graph.tensor_producer, "root": info.root, "free_slot": info.free_slot, "max1": max1,
             "max1_tensor": max1_tensor, "max2": max2,
             **{name: getattr(tables, name) for name in tables.__dataclass_fields__ if name != "read_keys"},
-            "n_keys": len(tables.read_keys), "late_slot": info.late_slot, "late_key": info.late_key,
-            "late_out": info.late_out, "late_root_ptr": late_root_ptr, "late_by_root": late_by_root,
-            "late_read_ptr": late_read_ptr, "late_by_read": late_by_read,
+            "n_keys": len(tables.read_keys), "late_slot": info.late_slot, "late_out": info.late_out,
+            "late_root_ptr": late_root_ptr, "late_by_root": late_by_root, "late_read_ptr": late_read_ptr,
+            "late_by_read": late_by_read,
             **{name: getattr(fusion, name) for name in fusion.__dataclass_fields__},
             "read_safe_hit": read_safe_hit, "read_safe_slot": read_safe_slot}
         return {name: np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
