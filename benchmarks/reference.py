@@ -9,6 +9,7 @@ reference's numba cache lives beside its files, so only its first run compiles) 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import io
@@ -75,6 +76,28 @@ def reference_simulator(commit: str = REFERENCES["numpy"][0]) -> ModuleType:
 def reference_simulators(labels) -> dict[str, ModuleType]:
     """``reference_simulator`` of each label of ``REFERENCES`` asked for."""
     return {label: reference_simulator(REFERENCES[label][0]) for label in labels}
+
+
+def add_reference_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a speed benchmark that choose the simulators timed beside today's."""
+    parser.add_argument("--references", default=",".join(REFERENCES),
+                        help="earlier simulators timed beside today's, of " + ", ".join(
+                            f"{label} ({commit})" for label, (commit, _) in REFERENCES.items()) + "; '' for none")
+    parser.add_argument("--no-reference", action="store_true", help="time today's simulator only")
+
+
+def references_from_options(parser: argparse.ArgumentParser, args) -> dict[str, ModuleType] | None:
+    """The simulators ``add_reference_options`` chose, imported; None (with the reason on stderr)
+    where git cannot give them."""
+    labels = [] if args.no_reference else [label for label in args.references.split(",") if label]
+    unknown = sorted(set(labels) - set(REFERENCES))
+    if unknown:
+        parser.error(f"unknown reference(s) {unknown}; known: {', '.join(REFERENCES)}")
+    try:
+        return reference_simulators(labels)
+    except ReferenceUnavailable as error:
+        print(f"error: {error} (run from a git checkout, or pass --no-reference)", file=sys.stderr)
+        return None
 
 
 def reference_graph(reference: ModuleType, g, directory: Path):

@@ -23,7 +23,7 @@ import pandas as pd
 
 from benchmarks.common import write_results
 from benchmarks.graphs import captured_graph
-from benchmarks.reference import REFERENCES, ReferenceUnavailable, reference_simulators, references_note, speed_row
+from benchmarks.reference import add_reference_options, references_from_options, references_note, speed_row
 from simulator import SwapParams, plan_swaps, replay
 
 PARAMS = SwapParams(threshold=20, lb=2, ub=12, groupby=2)
@@ -66,23 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=6.0, help="time spent measuring")
-    parser.add_argument("--references", default=",".join(REFERENCES),
-                        help="earlier simulators timed beside today's, of " + ", ".join(
-                            f"{label} ({commit})" for label, (commit, _) in REFERENCES.items()) + "; '' for none")
-    parser.add_argument("--no-reference", action="store_true", help="time today's simulator only")
+    add_reference_options(parser)
     parser.add_argument("--first-call", action="store_true",
                         help="also time the first replay in fresh processes, compiling and with the compiled cache")
     args = parser.parse_args(argv)
 
-    labels = [] if args.no_reference else [label for label in args.references.split(",") if label]
-    unknown = sorted(set(labels) - set(REFERENCES))
-    if unknown:
-        parser.error(f"unknown reference(s) {unknown}; known: {', '.join(REFERENCES)}")
-    try:
-        references = reference_simulators(labels)
-    except ReferenceUnavailable as error:
-        print(f"error: {error} (run from a git checkout, or pass --no-reference)", file=sys.stderr)
+    references = references_from_options(parser, args)
+    if references is None:
         return 2
+    labels = list(references)
     g = captured_graph("resnet50").with_batch(args.batch)
     load_before = os.getloadavg()
     base = replay(g, None, "v100-16gb")

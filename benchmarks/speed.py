@@ -30,8 +30,8 @@ import pandas as pd  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from benchmarks.graphs import captured_graph  # noqa: E402
-from benchmarks.reference import (REFERENCES, ReferenceUnavailable, reference_simulators, references_note,  # noqa: E402
-                                  speed_row)
+from benchmarks.reference import (REFERENCES, add_reference_options, references_from_options,  # noqa: E402
+                                  references_note, speed_row)
 from simulator import SwapParams  # noqa: E402
 from simulator.synthetic import training_graph  # noqa: E402
 
@@ -69,21 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=4.0, help="time spent per graph")
     parser.add_argument("--no-cli", action="store_true", help="skip the end-to-end CLI run")
-    parser.add_argument("--references", default=",".join(REFERENCES),
-                        help="earlier simulators timed beside today's, of " + ", ".join(
-                            f"{label} ({commit})" for label, (commit, _) in REFERENCES.items()) + "; '' for none")
-    parser.add_argument("--no-reference", action="store_true", help="time today's simulator only")
+    add_reference_options(parser)
     args = parser.parse_args(argv)
 
-    labels = [] if args.no_reference else [label for label in args.references.split(",") if label]
-    unknown = sorted(set(labels) - set(REFERENCES))
-    if unknown:
-        parser.error(f"unknown reference(s) {unknown}; known: {', '.join(REFERENCES)}")
-    try:
-        references = reference_simulators(labels)
-    except ReferenceUnavailable as error:
-        print(f"error: {error} (run from a git checkout, or pass --no-reference)", file=sys.stderr)
+    references = references_from_options(parser, args)
+    if references is None:
         return 2
+    labels = list(references)
     load_before = os.getloadavg()
     rows = []
     for name, g, params in _graphs():

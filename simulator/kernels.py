@@ -542,37 +542,27 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
     # by it (np.cumsum of the spans finish - start, see _copy_overlap), and whether the starts ascend
     start, done = np.empty(n_slots), np.empty(n_slots + 1)
     done[0], computed, ascending = 0.0, 0.0, True
-    if sorted_levels:  # a level's slots are consecutive: its peak kept at hand until the next level
-        level, level_best = levels_of_slot[0], -np.inf
-        for slot in range(n_slots):
-            running += delta[slot]
-            value = baseline_bytes[slot] + running
-            slot_bytes[slot] = value
-            if value > peak:
-                peak_slot, peak = slot, value
+    level, level_best = levels_of_slot[0], -np.inf
+    for slot in range(n_slots):
+        running += delta[slot]
+        value = baseline_bytes[slot] + running
+        slot_bytes[slot] = value
+        if value > peak:
+            peak_slot, peak = slot, value
+        if sorted_levels:  # a level's slots are consecutive: its peak kept at hand until the next level
             if levels_of_slot[slot] != level:
                 level_peak[level] = level_best
                 level, level_best = levels_of_slot[slot], value
             elif value > level_best:
                 level_best = value
-            begin = finish_all[slot] - duration[slot]
-            computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
-            start[slot], done[slot + 1] = begin, computed
-            ascending &= slot == 0 or begin >= start[slot - 1]
+        elif value > level_peak[levels_of_slot[slot]]:
+            level_peak[levels_of_slot[slot]] = value
+        begin = finish_all[slot] - duration[slot]
+        computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
+        start[slot], done[slot + 1] = begin, computed
+        ascending &= slot == 0 or begin >= start[slot - 1]
+    if sorted_levels:
         level_peak[level] = level_best
-    else:
-        for slot in range(n_slots):
-            running += delta[slot]
-            value = baseline_bytes[slot] + running
-            slot_bytes[slot] = value
-            if value > peak:
-                peak_slot, peak = slot, value
-            if value > level_peak[levels_of_slot[slot]]:
-                level_peak[levels_of_slot[slot]] = value
-            begin = finish_all[slot] - duration[slot]
-            computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
-            start[slot], done[slot + 1] = begin, computed
-            ascending &= slot == 0 or begin >= start[slot - 1]
     wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots,
                                           new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
                                           in_place_slot, in_place_out)
@@ -1223,18 +1213,25 @@ def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, i
             slot = safe_slot[j]
         trigger_slot[j] = slot
         copies_slot[j] = slot if in_trigger[j] < 0 else planned
-    swap_roots = root[swap_tensor]
-    order = _radix_argsort(swap_roots, 0, len(root))
-    swap_root = np.empty(n_swaps, np.int64)
-    roots = np.empty(n_swaps, np.int64)
-    n_roots = 0
-    for k in range(n_swaps):
-        value = swap_roots[order[k]]
-        if n_roots == 0 or roots[n_roots - 1] != value:
-            roots[n_roots] = value
-            n_roots += 1
-        swap_root[order[k]] = n_roots - 1
-    return out_ready, need, trigger_slot, copies_slot, roots[:n_roots].copy(), swap_root
+    roots, swap_root = _distinct(root[swap_tensor], len(root))
+    return out_ready, need, trigger_slot, copies_slot, roots, swap_root
+
+
+@njit(cache=True, nogil=True)
+def _distinct(values, n_values):
+    """The distinct ``values`` (integers in 0 .. n_values - 1), sorted, and each value's place among
+    them (``np.unique(values, return_inverse=True)``)."""
+    order = _radix_argsort(values, 0, n_values)
+    distinct = np.empty(len(values), np.int64)
+    place = np.empty(len(values), np.int64)
+    n_distinct = 0
+    for k in range(len(values)):
+        value = values[order[k]]
+        if n_distinct == 0 or distinct[n_distinct - 1] != value:
+            distinct[n_distinct] = value
+            n_distinct += 1
+        place[order[k]] = n_distinct - 1
+    return distinct[:n_distinct].copy(), place
 
 
 @njit(cache=True, nogil=True)
@@ -1385,18 +1382,7 @@ def after_ops(group_tensor, ptr, consumers, position, order, root, tensor_read_p
             first_group[n_swapped] = by_tensor[k]
             n_swapped += 1
     swapped = swapped[:n_swapped]
-    swapped_roots = root[swapped]
-    by_root = _radix_argsort(swapped_roots, 0, n_tensors)
-    roots = np.empty(n_swapped, np.int64)
-    root_of_swapped = np.empty(n_swapped, np.int64)
-    n_roots = 0
-    for k in range(n_swapped):
-        value = swapped_roots[by_root[k]]
-        if n_roots == 0 or roots[n_roots - 1] != value:
-            roots[n_roots] = value
-            n_roots += 1
-        root_of_swapped[by_root[k]] = n_roots - 1
-    roots = roots[:n_roots]
+    roots, root_of_swapped = _distinct(root[swapped], n_tensors)
     read_tensor = np.empty(len(consumers), np.int64)
     for k in range(n_groups):
         for m in range(ptr[k], ptr[k + 1]):
