@@ -518,9 +518,17 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
                     marked = _grown(marked)
                 marked[n_marked] = k
                 n_marked += 1
-    in_place = np.sort(marked[:n_marked])
-    in_place_slot = late_slot[in_place]
-    in_place_out = late_out[in_place]
+    # an output's candidate inputs are consecutive, in input order (as TF's kernels try them): the
+    # first possible wins
+    marked = np.sort(marked[:n_marked])
+    n_placed, placed_out = 0, -1
+    for k in marked:
+        if late_out[k] != placed_out:
+            placed_out = late_out[k]
+            marked[n_placed] = k
+            n_placed += 1
+    in_place_slot = late_slot[marked[:n_placed]]
+    in_place_out = late_out[marked[:n_placed]]
 
     # the changes to the baseline, counted in one go; the peaks in the same pass
     delta = np.zeros(n_slots + 1, np.int64)

@@ -11,8 +11,14 @@ Arrays are kept as SHA-256 digests of their dtype, shape and bytes; scalars exac
 
 Cases with ``device_overrides`` (30, added after the replay became one compiled call) take a preset
 with copy contention and a per-copy overhead (``DeviceModel.copy_contention``, ``copy_overhead_s``,
-which ``Replay.copy_overlap_s`` and the step time depend on); they were recorded from main at
-402ec6b, whose replay computed the overlap with numpy (``replay.compute_during``).
+which ``Replay.copy_overlap_s`` and the step time depend on).
+
+Recorded from the reference, never from the code under test: all 427 cases were last written by this
+generator run on the zoo branch at abb83c1 (main 402ec6b, whose replay is per-stage kernels with numpy
+between them and ``compute_during`` in numpy, plus issue 19's in-place rule: every input an output
+could be written into, in input order), from a ``git archive`` of that commit with this file copied in:
+``PYTHONPATH=<copy> python -m tests.replay_golden write``. Its 397 cases agree with the zoo's own
+re-recorded set (86eb635) field for field (they now also hold ``copy_overlap_s``).
 """
 
 from __future__ import annotations
