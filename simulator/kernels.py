@@ -5,8 +5,10 @@ Each kernel does, operation for operation, what the numpy code it replaced did (
 additions in the same order, the same tie-breaking), so results are bit-identical to it: the golden
 set (tests/test_simulator_golden.py) holds them to that. ``cache=True`` keeps the machine code under
 ``__pycache__``, so a new process loads it instead of compiling again. Small helpers called in loops
-are inlined (``inline="always"``): a call to a compiled function that takes arrays counts a reference
-to each, in and out, which cost more than the helper's own work.
+that take arrays and allocate nothing are compiled without numba's reference counting
+(``_helper``): inlined or not, numba counted a reference to each array they take, in and out, with an
+atomic instruction each (about 5,900 a ResNet-50 replay, a quarter of its time); ones that take only
+numbers are inlined (``inline="always"``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ import inspect
 import numpy as np
 from numba import njit
 
+# Helpers called per swap, swap-in or wait that take arrays and allocate none: numba's reference
+# counting off (its ``_nrt`` option). Inlined at numba's level (``inline="always"``) such a helper
+# still took a reference to each array argument and dropped it after its loop, two atomic
+# instructions per array and call that LLVM cannot prune across a loop: 647 heap pushes cost 14 us
+# that way, 1.2 us without. Such a helper must not create or return an array.
+_helper = njit(cache=True, nogil=True, _nrt=False)
+
 
 @njit(cache=True, nogil=True, inline="always")
 def _heap_less(time_a, index_a, time_b, index_b):
     return time_a < time_b or (time_a == time_b and index_a < index_b)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _heap_push(times, items, size, time, item):
     """Push (time, item) onto the binary min-heap in ``times``/``items[:size]``; returns the new size."""
     position = size
@@ -38,7 +47,7 @@ def _heap_push(times, items, size, time, item):
     return size + 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _heap_pop(times, items, size):
     """Remove the least (time, item) (ties by item, as heapq's tuples); returns it and the new size."""
     time, item = times[0], items[0]
@@ -62,7 +71,7 @@ def _heap_pop(times, items, size):
     return time, item, size
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _left_in(values, lo, hi, x):
     """``np.searchsorted(values[lo:hi], x, "left") + lo`` for a scalar, without a slice (numba's
     own searchsorted allocates per call; a slice costs a reference count in a hot loop)."""
@@ -75,7 +84,7 @@ def _left_in(values, lo, hi, x):
     return lo
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _right_in(values, lo, hi, x):
     """``np.searchsorted(values[lo:hi], x, "right") + lo`` for a scalar."""
     while lo < hi:
@@ -87,19 +96,19 @@ def _right_in(values, lo, hi, x):
     return lo
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _left(values, x):
     """``np.searchsorted(values, x, "left")`` for a scalar."""
     return _left_in(values, 0, len(values), x)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _right(values, x):
     """``np.searchsorted(values, x, "right")`` for a scalar."""
     return _right_in(values, 0, len(values), x)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _left_near(values, x, hint):
     """``_left(values, x)`` searched from ``hint`` (a previous answer) upward, doubling the step, so a
     run of ascending look-ups costs about one pass; a look-up below the hint is a plain search."""
@@ -114,7 +123,7 @@ def _left_near(values, x, hint):
     return _left_in(values, where, min(where + step + 1, n), x)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _right_near(values, x, hint):
     """``_right(values, x)`` searched from ``hint`` upward (see ``_left_near``)."""
     n = len(values)
@@ -220,7 +229,7 @@ def _slot_argsort(slots, n_slots):
     return _radix_argsort(slots, 1, n_slots + 1)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start, finish_plain,
                   seg_slot, seg_shift, seg_count, shift):
     """The end of copy out ``i``, scheduling the late copies out in queue order up to it
@@ -494,14 +503,17 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
     # over-predicted two of them by 4.7 %; the two differ only for a copy that ends while the op runs.
     # Only the forwards of the swapped buffers (``late_by_root``) and of the rewired reads
     # (``late_by_read``, by read id) can change.
-    marked = np.empty(16, np.int64)
+    # (room for every candidate beforehand: an array reassigned in a loop costs a reference count per turn)
+    room = len(late_slot)
+    for m in range(len(far_ids)):
+        if far_ids[m] >= 0:
+            room += late_read_ptr[far_ids[m] + 1] - late_read_ptr[far_ids[m]]
+    marked = np.empty(room, np.int64)
     n_marked = 0
     for r in range(n_roots):
         for m in range(late_root_ptr[roots[r]], late_root_ptr[roots[r] + 1]):
             k = late_by_root[m]
             if root_last_slot[r] == late_slot[k] and copy_free_slot[r] <= late_slot[k]:
-                if n_marked == len(marked):
-                    marked = _grown(marked)
                 marked[n_marked] = k
                 n_marked += 1
     n_first = n_marked
@@ -514,21 +526,19 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             if (in_free_slot[swap_in_of_read[m]] == late_slot[k]
                     and tensor_bytes[far_tensor[m]] == tensor_bytes[late_out[k]]
                     and not _holds(marked, n_first, k)):
-                if n_marked == len(marked):
-                    marked = _grown(marked)
                 marked[n_marked] = k
                 n_marked += 1
     # an output's candidate inputs are consecutive, in input order (as TF's kernels try them): the
     # first possible wins
-    marked = np.sort(marked[:n_marked])
+    in_place = np.sort(marked[:n_marked])
     n_placed, placed_out = 0, -1
-    for k in marked:
+    for k in in_place:
         if late_out[k] != placed_out:
             placed_out = late_out[k]
-            marked[n_placed] = k
+            in_place[n_placed] = k
             n_placed += 1
-    in_place_slot = late_slot[marked[:n_placed]]
-    in_place_out = late_out[marked[:n_placed]]
+    in_place_slot = late_slot[in_place[:n_placed]]
+    in_place_out = late_out[in_place[:n_placed]]
 
     # the changes to the baseline, counted in one go; the peaks in the same pass
     delta = np.zeros(n_slots + 1, np.int64)
@@ -588,12 +598,12 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             in_place_out, wait_slots, wait_moment, host_peak, host_peak_s, overlap_s)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _holds(values, count, value):
     return _holds_in(values, 0, count, value)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _holds_in(values, lo, hi, value):
     """Whether ``value`` is among ``values[lo:hi]`` (a few: searched linearly)."""
     for k in range(lo, hi):
@@ -602,7 +612,7 @@ def _holds_in(values, lo, hi, value):
     return False
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _candidate(candidate_of, slots, slot):
     """``slot``'s number among the sorted ``slots`` through the map ``candidate_of`` (set only at
     those slots), or -1."""
@@ -775,12 +785,13 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
     n_swaps = len(swap_bytes)
     if n_swaps == 0:
         return 0.0, 0.0
-    outs = out_queue
+    outs_in_order = True  # (``outs`` set once: an array reassigned in a loop costs a reference count per turn)
     for k in range(1, n_swaps):
         a, b = out_queue[k - 1], out_queue[k]
         if not _before(out_start[a], swap_bytes[a], a, out_start[b], swap_bytes[b], b):
-            outs = _lexsort(out_start, swap_bytes, out_queue)
+            outs_in_order = False
             break
+    outs = out_queue if outs_in_order else _lexsort(out_start, swap_bytes, out_queue)
     # each swap's host copy is freed when its last swap-in is copied: walked from the latest
     host_free = np.zeros(n_swaps)
     frees = np.empty(n_swaps, np.int64)
@@ -951,7 +962,7 @@ def _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_sta
     return _pairwise_sum(inside)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@_helper
 def _done_by(time, slot, start, finish_all, done):
     """The compute done by ``time`` in ``slot`` (-1: before the first): ``np.clip`` as numpy does it."""
     if slot < 0:
