@@ -15,7 +15,7 @@ import numpy as np
 from simulator import kernels
 from simulator.buffers import buffers, rewired_lifetimes
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
-from simulator.ordering import (categorized_levels, edge_distances, execution_order, n_levels, position_of,
+from simulator.ordering import (distance_levels, edge_distances, execution_order, n_levels, position_of,
                                 slot_levels_view)
 
 SYNC_MODES = ("none", "out", "in", "both")
@@ -441,7 +441,7 @@ def _trigger_candidates(g: OpGraph) -> np.ndarray:
 
 def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     """For every level L: the highest level <= L holding a trigger candidate, and that op (-1 if none)."""
-    levels = categorized_levels(g)
+    levels = distance_levels(g)
     count = n_levels(g)
     candidates = _trigger_candidates(g)
     op_at_level = np.full(count, -1, dtype=np.int64)
@@ -462,7 +462,7 @@ def _ancestor_triggers(g: OpGraph, depth: int) -> dict[str, np.ndarray]:
     array sorted by (op, level) with ``key = op * span + level``, so one ``searchsorted`` finds,
     for many ops at once, the latest ancestor trigger at or below a level.
     """
-    levels = categorized_levels(g)
+    levels = distance_levels(g)
     count = n_levels(g)
     candidates = _trigger_candidates(g)
     candidates = candidates[np.lexsort((candidates, levels[candidates]))]
@@ -538,7 +538,7 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     g = g.with_order(params.order)
     if params.distance == "slot":
         g = slot_levels_view(g)
-    levels = categorized_levels(g)
+    levels = distance_levels(g)
     distance = edge_distances(g)
     candidate = _candidate_tensors(g, params)
     is_far = candidate[g.edge_tensor] & (distance > params.threshold) & (g.op_phase[g.edge_consumer] != UPDATE)
