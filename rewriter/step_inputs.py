@@ -21,6 +21,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from simulator.plan import NamedPlan
+
 
 class CaptureError(ValueError):
     """The model or step cannot be captured (not compiled, open dimensions, no loss...)."""
@@ -281,10 +283,10 @@ def given_step_inputs(**settings) -> dict:
     return {key: value for key, value in settings.items() if key in STEP_INPUT_SETTINGS and value is not None}
 
 
-def planned_step_inputs(plan: dict, input_shapes=None, label_shapes=None, label_dtype=None) -> tuple:
+def planned_step_inputs(plan: NamedPlan, input_shapes=None, label_shapes=None, label_dtype=None) -> tuple:
     """The input and label settings to apply ``plan`` with: those given, else those it was captured
     with (open dimensions: the step runs at the shapes the plan was made for)."""
-    planned = plan.get("step_inputs") or {}
+    planned = plan.step_inputs or {}
     return (planned.get("input_shapes") if input_shapes is None else input_shapes,
             planned.get("label_shapes") if label_shapes is None else label_shapes,
             planned.get("label_dtype") if label_dtype is None else label_dtype)
