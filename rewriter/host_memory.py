@@ -18,7 +18,8 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-from simulator.devices import PINNED_LIMIT_ENV, HostBudget, host_usable_bytes, pinned_limit_bytes, pinned_limit_to_set
+from simulator.memory_budgets import (PINNED_LIMIT_ENV, HostBudget, host_usable_bytes, pinned_limit_bytes,
+                                      pinned_limit_to_set)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def pinned_limit_source(environ: MutableMapping[str, str] | None = None) -> str:
 
 def host_budget(preset_bytes: int, *, environ: MutableMapping[str, str] | None = None,
                 physical_bytes: int | None = None) -> HostBudget:
-    """The host memory a plan may fill beside a GPU of this machine (``simulator.devices.HostBudget``)."""
+    """The host memory a plan may fill beside a GPU of this machine (``simulator.memory_budgets.HostBudget``)."""
     env = os.environ if environ is None else environ
     physical = physical_memory_bytes() if physical_bytes is None else int(physical_bytes)
     usable = host_usable_bytes(physical) if physical else int(preset_bytes)

@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from simulator.devices import get_device, preset_for_gpu, usable_gpu_bytes
+from simulator.devices import get_device, preset_for_gpu
+from simulator.memory_budgets import usable_gpu_bytes
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ def gpu_memory() -> tuple[str, int] | None:
     The bytes are the ``memory_limit`` of GPU:0's logical device configuration when one is set,
     otherwise the usable budget of the ``simulator.devices`` preset matching the GPU's name, otherwise
     (a GPU without a preset) the usable part of the total memory the driver reports
-    (``simulator.devices.usable_gpu_bytes``; TF has no documented API for a GPU's total memory);
+    (``simulator.memory_budgets.usable_gpu_bytes``; TF has no documented API for a GPU's total memory);
     0 when none of them is known.
     """
     gpus = tf.config.list_physical_devices("GPU")
