@@ -2,9 +2,10 @@
 
 The step is traced with fixed shapes into a FuncGraph; the graph is then reduced to what will
 really run (constants and static shapes folded, dead ops dropped, Identity-like ops bypassed, the
-optimizer's IdentityN barrier removed, as Grappler does), every op is given a phase (forward =
-ancestors of the loss, update = optimizer and variable writes, backward = the rest that leads to
-them) and a cost, and tensor sizes are fitted as ``a + b * batch`` from two traces.
+optimizer's IdentityN barrier removed, as Grappler does: ``rewriter.grappler``), every op is given a
+phase (forward = ancestors of the loss, update = optimizer and variable writes, backward = the rest
+that leads to them) and a cost (``rewriter.costs``), and tensor sizes are fitted as ``a + b * batch``
+from two traces.
 """
 
 from __future__ import annotations

@@ -379,7 +379,7 @@ class NamedPlan:
     batch_size: int | None = None
     params: SwapParams | None = None
     graph_rewrites: tuple[str, ...] = ()
-    step_inputs: dict[str, Any] | None = field(default=None, compare=False)
+    step_inputs: dict[str, Any] | None = field(default=None, hash=False)
 
     @property
     def changes_step(self) -> bool:
