@@ -1,7 +1,7 @@
 """Pinned host memory beside a GPU: the limit TensorFlow enforces, and raising it before it starts.
 
 Copies out of a GPU land in TensorFlow's pinned host allocator, limited by
-``TF_GPU_HOST_MEM_LIMIT_IN_MB`` (default 128 GiB; ``simulator.devices`` has the source). TensorFlow
+``TF_GPU_HOST_MEM_LIMIT_IN_MB`` (default 128 GiB; ``simulator.memory_budgets`` has the source). TensorFlow
 reads it once, when that allocator is first needed, long before a plan exists: so
 ``prepare_environment()`` (``import rewriter``, the CLI, tests, benchmarks) raises it, when it is
 unset, to this machine's RAM less a margin, which is what any plan may need at most. The allocator

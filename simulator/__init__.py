@@ -7,7 +7,8 @@ form the rewriter applies); ``replay`` (replay.py) predicts peak memory and step
 ``DeviceModel`` (devices.py).
 """
 
-from simulator.devices import DEVICES, CalibratedDevice, CalibrationError, CalibrationMismatchError, DeviceModel, get_device
+from simulator.calibrated import CalibratedDevice, CalibrationError, CalibrationMismatchError
+from simulator.devices import DEVICES, DeviceModel, get_device
 from simulator.graph import BACKWARD, FORWARD, OTHER, PHASE_NAMES, UPDATE, GraphError, OpGraph, categorized_levels
 from simulator.ordering import edge_distances, execution_order, n_levels
 from simulator.params import ParamsError, SwapParams
