@@ -30,7 +30,8 @@ import numpy as np
 
 from simulator import kernels
 from simulator.buffers import alloc_slot_bytes, baseline_slot_bytes, buffers, rewire_tables, slot_levels
-from simulator.devices import CalibratedDevice, DeviceModel, get_device
+from simulator.calibrated import CalibratedDevice
+from simulator.devices import DeviceModel, get_device
 from simulator.fusion import fusion_tables, safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
