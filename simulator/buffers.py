@@ -36,7 +36,7 @@ class Buffers:
     ``late_slot``/``late_key``/``late_root``/``late_out``: forwards that only a later read
     prevents; the op at ``late_slot`` could write ``late_out`` into the buffer of the read
     ``late_key`` (``tensor * n_ops + op``; root ``late_root``) once a plan rewires reads
-    (``kernels.account``). One entry per such input, in input order (consecutive per output):
+    (``kernel_memory.account``). One entry per such input, in input order (consecutive per output):
     the first a plan makes possible is taken, as TF's kernels try their inputs in order (a softmax
     gradient's ``dy * softmax`` writes into the swap-in of ``softmax`` when ``dy`` is still read).
     """
@@ -246,7 +246,7 @@ def op_working_set_bytes(g: OpGraph) -> np.ndarray:
 
 def least_working_set_bytes(g: OpGraph) -> np.ndarray:
     """Per op, in ``g``'s order: its working set without the outputs a plan may let it write in
-    place (forwards only a later read prevented, see ``kernels.account``)."""
+    place (forwards only a later read prevented, see ``kernel_memory.account``)."""
 
     def compute(graph: OpGraph) -> np.ndarray:
         working_set = op_working_set_bytes(graph).copy()

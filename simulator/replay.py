@@ -7,7 +7,7 @@ run; a swap-in allocates when it becomes ready (trigger done, data on the host),
 engine starts its copy later, and its consumers wait for the copy to finish. A swap-in whose trigger
 (or, synchronous, whose consumer's other input) may be fused into its consumer starts after that
 op's own inputs instead, as the rewriter builds it (``simulator.fusion``). Rewiring reads can let an
-op write its output in place (``kernels.account``).
+op write its output in place (``kernel_memory.account``).
 
 Memory is accounted per execution slot: a buffer is live from the slot that allocates it to the
 slot of its last reader; a transfer event at time t counts in the slot running at t. One moment
@@ -225,7 +225,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     if plan.graph_fingerprint and plan.graph_fingerprint != fingerprint:
         raise GraphError("this plan was made for another graph")
     context = _context(g, device)
-    # one compiled call from the plan's arrays to the Replay's (its docstring and kernels.account give the rules)
+    # one compiled call from the plan's arrays to the Replay's (its docstring and kernel_memory.account give the rules)
     (peak_slot, peak, level_peak, op_end, op_start, finish_s, out_start, out_end, in_start, in_end, in_ready, roots,
      root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
      host_peak_s, d2h, h2d, overlap_s) = kernels.replay_plan(

@@ -23,7 +23,7 @@ class Sharing:
     join: its producer); per root: ``buffer_last`` (last slot that uses the buffer). ``late``:
     (slot, input tensor, output) forwards that only a later read of the input prevents, one entry per
     such input, in input order (consecutive per output: the first a plan makes possible is taken, as
-    TF's kernels try their inputs in order; ``kernels.account``)."""
+    TF's kernels try their inputs in order; ``kernel_memory.account``)."""
 
     root: np.ndarray
     persistent: np.ndarray

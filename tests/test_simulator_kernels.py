@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from simulator import SwapParams, kernels, plan_swaps, replay
+from simulator import SwapParams, kernel_memory, plan_swaps, replay
 from simulator.replay import Replay
 from simulator.synthetic import training_graph
 
@@ -19,7 +19,7 @@ def test_pairwise_sum_is_numpys_sum_bit_for_bit(seed):
     rng = np.random.default_rng(seed)
     for n in [*range(0, 300), *rng.integers(300, 20_000, 40)]:
         values = rng.standard_normal(int(n)) * 10.0 ** rng.integers(-6, 6, int(n))
-        assert np.float64(kernels._pairwise_sum(values)).tobytes() == np.float64(np.sum(values)).tobytes(), n
+        assert np.float64(kernel_memory._pairwise_sum(values)).tobytes() == np.float64(np.sum(values)).tobytes(), n
 
 
 def test_searchsorted_is_numpys_where_values_are_not_in_order():
@@ -31,7 +31,7 @@ def test_searchsorted_is_numpys_where_values_are_not_in_order():
         values[rng.integers(0, len(values), 5)] -= rng.random(5)  # some out of order
         keys = np.concatenate([np.sort(rng.random(50) * values[-1]), rng.random(20) * values[-1]])
         found = np.empty(len(keys), np.int64)
-        kernels._numpy_searchsorted_right(values, keys, found)
+        kernel_memory._numpy_searchsorted_right(values, keys, found)
         assert np.array_equal(found, np.searchsorted(values, keys, side="right"))
 
 
