@@ -78,12 +78,6 @@ class Placement:
         name = self.simulator_device
         return () if name is None else get_device(name).kept_reads
 
-    @property
-    def swap_out_device(self) -> str:
-        """The device the swap-out node runs on: the host's, so the executor's cross-device copy to it
-        is the transfer (a GPU's device-to-host copy)."""
-        return self.host
-
     def is_host_op(self, op_name: str) -> bool:
         return is_swap_out_op(op_name)
 
@@ -95,6 +89,12 @@ class Placement:
 
     def describe(self) -> str:
         return f"{self.measured_on}: accelerator {self.accelerator}, host {self.host}, swap op {self.swap_op}"
+
+    @property
+    def swap_out_device(self) -> str:
+        """The device the swap-out node runs on: the host's, so the executor's cross-device copy to it
+        is the transfer (a GPU's device-to-host copy)."""
+        return self.host
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,12 @@ class CpuTestbedPlacement(Placement):
     @property
     def swap_out_device(self) -> str:
         """The accelerator's: the ``DeepCopy`` reads the tensor on its own device and only the copy goes
-        to the host. Read across the two logical CPUs, the tensor's buffer is also referenced by the
-        rendezvous' receive callback, which lets go of it after the swap-out's readers were released, on
-        whichever thread ran it: under load that was up to 2 ms later, so the next reader could not reuse
-        the buffer in place and it outlived the readers, up to the step's peak (norm_mix_24: +288 KiB, a
-        measured peak 16 % above the prediction in 1 run of 10)."""
+        to the host (its bytes are told apart by the swap-out's name). Read across the two logical CPUs,
+        the tensor's buffer was still referenced by the cross-device send/receive after the swap-out had
+        run and its readers had been released, and let go of on whichever thread handled the transfer:
+        under load up to 2 ms later, so the next reader could not reuse the buffer in place and it
+        outlived its readers, in some runs past the step's peak (norm_mix_24: +288 KiB, a measured peak
+        16 % above the prediction in about 1 run of 10)."""
         return self.accelerator
 
     def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
