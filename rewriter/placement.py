@@ -8,11 +8,12 @@ One small interface (``Placement``), two implementations:
   prediction's unit), beside TensorFlow's own ``get_memory_info('GPU:0')['peak']``.
 * ``CpuTestbedPlacement``: no GPU (docs/design.md 4). ``/device:CPU:0`` plays the accelerator and
   ``/device:CPU:1`` the host; the swap op is ``DeepCopy`` because ``Identity`` between two logical
-  CPUs shares the buffer. Both logical CPUs share one allocator, so the peak comes from replaying
-  the profiler's memory trace and leaving out the allocations made by swap-out ops
-  (``rewriter.memtrace``). When TensorFlow was initialised with one CPU device before the testbed
-  could be configured (the user built the model first), the single-device variant puts swap-outs
-  on ``CPU:0`` too: the copies are still separate buffers, told apart by the swap-out op names.
+  CPUs shares the buffer; the swap-out copies on ``CPU:0`` and hands the copy over
+  (``CpuTestbedPlacement.swap_out_device``). Both logical CPUs share one allocator, so the peak
+  comes from replaying the profiler's memory trace and leaving out the allocations made by swap-out
+  ops (``rewriter.memtrace``). When TensorFlow was initialised with one CPU device before the testbed
+  could be configured (the user built the model first), the single-device variant puts the host
+  side on ``CPU:0`` too: the copies are still separate buffers, told apart by the swap-out op names.
 
 ``detect()`` chooses: a visible GPU, else the testbed (configured with two logical CPUs when that
 is still possible), with a warning when the machine has a GPU TensorFlow does not see (a CPU-only
