@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import logging
@@ -104,11 +105,12 @@ REPEATS = 8
 
 def test_swapped_plan_measures_its_predicted_peak_on_every_run():
     """A measured run that confirms a plan must hold on the next run too. norm_mix_24 swapped (the zoo's
-    normalization model, a plan of the fidelity set) was measured up to 16 % above its prediction in about
-    1 run of 10 under load, when a swapped tensor's buffer outlived its readers (held by the copy to the
-    host: ``CpuTestbedPlacement.swap_out_device``). Each of ``REPEATS`` runs is measured: none may exceed
-    the prediction by more than 1 %. Below it, up to 5 %: a swap-in the host side sends late arrives
-    after the op the simulator allocates it before (the safe side)."""
+    normalization model, a plan of the fidelity set) was measured 14-16 % above its prediction in 3 runs
+    of 150 under load, when a swapped tensor's buffer outlived its readers (held by the copy to the host:
+    ``CpuTestbedPlacement.swap_out_device``). Each of ``REPEATS`` runs is measured: none may exceed the
+    prediction by more than 1 %, and their median is the prediction within 1 %. A single run may fall
+    further below it: a swap-in that the host side sends late is allocated after the frees the
+    simulator puts after it (the safe side; 2-16 % below in 5 runs of 150)."""
     entry = SMALL["normalization"]
     model = entry.build()
     x, y = entry.example_batch(model)
@@ -119,7 +121,7 @@ def test_swapped_plan_measures_its_predicted_peak_on_every_run():
     step = rewriter.apply(model, plan, graph=graph, batch_size=entry.batch, verify=False)
     assert step.n_swap_outs > 0
     ratios = [rewriter.measure(step, x, y, warmup=1, repeats=1).peak_bytes / predicted for _ in range(REPEATS)]
-    assert max(ratios) <= 1.01 and min(ratios) >= 0.95, [round(r, 4) for r in ratios]
+    assert max(ratios) <= 1.01 and abs(statistics.median(ratios) - 1.0) <= 0.01, [round(r, 4) for r in ratios]
 
 
 # ---------------------------------------------------------------------- fresh processes
