@@ -94,8 +94,8 @@ the notes say why.
 | verdict | `python -m benchmarks verdict` | the CLI, measured on the testbed, on zoo models whose prediction alone says "fits" (the cases of issue 19: mixed_float16, LSTM/GRU, U-Nets, multi-input/output): exit 0 only when a measured run confirms the plan within the budget, else exit 3 and no "Fits" |
 | step_time | `python -m benchmarks step-time` | predicted against measured step time on the CPU testbed: a device model calibrated by `rewriter.calibrate` at other batch sizes, and the uncalibrated preset, 4 models x 7 plans |
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
-| speed | `python -m benchmarks speed` | simulator replays per second against graph size, and the CLI's end-to-end time |
-| simulator_speed | `python -m benchmarks.simulator_speed` | replays per second of ResNet-50's graph (batch 32) |
+| speed | `python -m benchmarks speed` | simulator replays (and plan + replay trials) per second against graph size, beside the numpy replay and the first compiled one in the same process, and the CLI's end-to-end time |
+| simulator_speed | `python -m benchmarks.simulator_speed [--first-call]` | replays per second of ResNet-50's graph (batch 32, the 474-swap plan) beside the earlier replays; with `--first-call`, the first replay in fresh processes, compiling and loading the compiled kernels |
 """
 
 

@@ -36,7 +36,9 @@ class Buffers:
     ``late_slot``/``late_key``/``late_root``/``late_out``: forwards that only a later read
     prevents; the op at ``late_slot`` could write ``late_out`` into the buffer of the read
     ``late_key`` (``tensor * n_ops + op``; root ``late_root``) once a plan rewires reads
-    (``kernels.account``).
+    (``kernel_memory.account``). One entry per such input, in input order (consecutive per output):
+    the first a plan makes possible is taken, as TF's kernels try their inputs in order (a softmax
+    gradient's ``dy * softmax`` writes into the swap-in of ``softmax`` when ``dy`` is still read).
     """
 
     root: np.ndarray
@@ -137,38 +139,62 @@ def contains(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return sorted_keys[where] == keys
 
 
-def _read_ids(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The read keys a plan may rewire (uses' and segment links', sorted, unique), and each use's
-    and segment head's index among them (-1: none): a plan's rewired reads become a table to
-    look up, not a search per use."""
-    def compute(graph: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class RewireTables:
+    """``Buffers`` as the compiled lifetimes read them (``kernels.after_ops``, ``kernels.replay_plan``). Reads a plan
+    may rewire (uses' and segment links') get ids: their rank among the sorted unique ``read_keys``
+    (``tensor * n_ops + consumer``). Per tensor, its reads (``tensor_read_ptr`` -> consumer, id; in
+    edge order), so a plan's far read finds its id among a few. Segments are numbered by their place
+    in ``Buffers.seg_head`` (a root's segments are numbers ``seg_ptr[root]`` on, root segment first):
+    per segment its uses, latest slot first (``seg_use_ptr`` -> slot, read id or -1), its link's read
+    id and key and its parent's number (-1 for a root segment); per tensor its segment's number."""
+
+    read_keys: np.ndarray
+    tensor_read_ptr: np.ndarray
+    tensor_read_consumer: np.ndarray
+    tensor_read_id: np.ndarray
+    seg_use_ptr: np.ndarray
+    seg_use_slot: np.ndarray
+    seg_use_id: np.ndarray
+    seg_ptr: np.ndarray
+    seg_link_id: np.ndarray
+    seg_link_key: np.ndarray
+    seg_parent: np.ndarray
+    tensor_segment: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Every table but ``read_keys``, in the order the kernels take them."""
+        return tuple(getattr(self, name) for name in self.__dataclass_fields__)[1:]
+
+
+def rewire_tables(g: OpGraph) -> RewireTables:
+    """``RewireTables`` of ``g`` (structural)."""
+    def compute(graph: OpGraph) -> RewireTables:
         info = buffers(graph)
         keys = np.unique(np.concatenate([info.use_key, info.link_key]))
         keys = keys[keys >= 0]
-        use_id = np.where(info.use_key >= 0, np.searchsorted(keys, info.use_key), -1)
-        link_id = np.where(info.link_key >= 0, np.searchsorted(keys, info.link_key), -1)
-        return keys, use_id, link_id
-    return g.cached("read_ids", compute, structural=True)
-
-
-def rewired_lifetimes(g: OpGraph, roots: np.ndarray, far_keys: np.ndarray,
-                      tensors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Last slots once the reads ``far_keys`` (``tensor * n_ops + consumer``) go to swap-ins.
-
-    Returns, for each of ``roots`` (unique root buffers), the last slot that still reads the
-    original buffer (its producer at least); the rewired links that carried a segment away
-    (``link_keys``) with the last slot of what now lives in the swap-in buffer (``link_last``);
-    and for each of ``tensors`` (whose roots are among ``roots``) the link that carried it into a
-    swap-in's buffer, -1 where it stays in the original buffer. A segment lives in the buffer of
-    its nearest ancestor (itself included) whose link was cut, or the root's. Compiled
-    (``simulator.kernels``): the planner and the replay call it once per plan.
-    """
-    info = buffers(g)
-    keys, use_id, link_id = _read_ids(g)
-    return kernels.rewired_lifetimes(
-        info.use_ptr, info.use_slot, use_id, info.use_segment, info.seg_ptr, info.seg_head, info.link_key, link_id,
-        info.seg_parent, info.segment, keys, g.n_tensors, roots, far_keys,
-        np.zeros(0, np.int64) if tensors is None else tensors)
+        number = np.full(graph.n_tensors, -1, np.int64)  # segment number of each head
+        number[info.seg_head] = np.arange(len(info.seg_head))
+        link_key = info.link_key[info.seg_head]
+        parent = info.seg_parent[info.seg_head]
+        read_ptr = np.zeros(graph.n_tensors + 1, np.int64)
+        np.cumsum(np.bincount(graph.edge_tensor, minlength=graph.n_tensors), out=read_ptr[1:])
+        by_tensor = np.argsort(graph.edge_tensor, kind="stable")
+        consumer = graph.edge_consumer[by_tensor]
+        use_segment = number[info.use_segment]
+        by_segment = np.lexsort((-info.use_slot, use_segment))
+        seg_use_ptr = np.zeros(len(info.seg_head) + 1, np.int64)
+        np.cumsum(np.bincount(use_segment, minlength=len(info.seg_head)), out=seg_use_ptr[1:])
+        return RewireTables(
+            read_keys=keys, tensor_read_ptr=read_ptr, tensor_read_consumer=consumer,
+            tensor_read_id=np.searchsorted(keys, graph.edge_tensor[by_tensor] * graph.n_ops + consumer),
+            seg_use_ptr=seg_use_ptr, seg_use_slot=info.use_slot[by_segment],
+            seg_use_id=np.where(info.use_key >= 0, np.searchsorted(keys, info.use_key), -1)[by_segment],
+            seg_ptr=info.seg_ptr,
+            seg_link_id=np.where(link_key >= 0, np.searchsorted(keys, link_key), -1), seg_link_key=link_key,
+            seg_parent=np.where(parent >= 0, number[np.maximum(parent, 0)], -1),
+            tensor_segment=number[info.segment])
+    return g.cached("rewire_tables", compute, structural=True)
 
 
 def alloc_slot_bytes(g: OpGraph) -> np.ndarray:
@@ -220,7 +246,7 @@ def op_working_set_bytes(g: OpGraph) -> np.ndarray:
 
 def least_working_set_bytes(g: OpGraph) -> np.ndarray:
     """Per op, in ``g``'s order: its working set without the outputs a plan may let it write in
-    place (forwards only a later read prevented, see ``kernels.account``)."""
+    place (forwards only a later read prevented, see ``kernel_memory.account``)."""
 
     def compute(graph: OpGraph) -> np.ndarray:
         working_set = op_working_set_bytes(graph).copy()

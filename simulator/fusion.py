@@ -18,6 +18,7 @@ Plain arrays only (no TensorFlow): the rewriter imports the walk and the type li
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -37,7 +38,6 @@ _STAGE = {**dict.fromkeys(("Pad", "MirrorPad"), 0), **dict.fromkeys(_CONTRACTION
           **dict.fromkeys(("FusedBatchNorm", "FusedBatchNormV3"), 1), **dict.fromkeys(("BiasAdd", "BiasAddV1"), 2),
           **dict.fromkeys(_ADDS, 3), **dict.fromkeys(_ACTIVATIONS, 4)}
 CHAIN_TAILS = frozenset(set(_STAGE) - {"Pad", "MirrorPad"} | {"Mul"})  # ops that can end (or sit inside) a chain
-_NOT_FUSED = -2  # safe_wait_slots' memo: no wait of the swap-in is in danger
 FUSION_HOPS = 4  # data edges upstream of a chain tail that may belong to its chain (Pad->Conv->Bias->Add->Relu)
 
 
@@ -102,8 +102,8 @@ def fusion_neighbourhood(consumer: Op, op_type: Callable[[Op], str], sources: Ca
 
 
 class _Neighbourhoods:
-    """Per-graph index: each op's data sources and each op's readers, and the fusion neighbourhoods
-    already computed (structural: shared by every replay of the graph)."""
+    """Per-graph index: each op's data sources, readers, inputs and control predecessors, and the
+    fusion neighbourhoods already computed (the walk's input for ``fusion_tables``)."""
 
     def __init__(self, g: OpGraph):
         producer = g.tensor_producer[g.edge_tensor]
@@ -121,38 +121,6 @@ class _Neighbourhoods:
             self.controls[consumer].append(source)
         self.op_type = g.op_type.tolist()
         self._danger: dict[int, frozenset[int]] = {}
-        # safe_wait_slots' answer per swap-in key (tensor, trigger, after, readers): _NOT_FUSED (no
-        # fused wait) or the slot it waits for instead (-1: none); slots are fixed, as this index is
-        # per execution order. Also as sorted rows (kernels.memo_rows) for the compiled look-up.
-        self.safe_memo: dict[tuple, int] = {}
-        self.clear_memo()
-
-    def clear_memo(self) -> None:
-        self.safe_memo.clear()
-        self.safe_rows = np.zeros((0, 4 + kernels.MEMO_READS), np.int64)
-        self.safe_answers = np.zeros(0, np.int64)
-        self._pending_rows: list[np.ndarray] = []
-        self._pending_answers: list[np.ndarray] = []
-        self._n_pending = 0
-
-    def remember(self, rows: np.ndarray, answers: np.ndarray) -> None:
-        """Add memo rows (those holding all their readers; the dict has them all). They join the
-        sorted rows once a quarter as many are waiting (found in the dict meanwhile), so a long
-        search re-sorts the memo a logarithmic number of times, not at every new key."""
-        whole = rows[:, 3] <= kernels.MEMO_READS
-        self._pending_rows.append(rows[whole])
-        self._pending_answers.append(answers[whole])
-        self._n_pending += int(whole.sum())
-        if self._n_pending < max(64, len(self.safe_rows) // 4):
-            return
-        all_rows = np.concatenate([self.safe_rows, *self._pending_rows])
-        all_answers = np.concatenate([self.safe_answers, *self._pending_answers])
-        self._pending_rows, self._pending_answers, self._n_pending = [], [], 0
-        order = np.lexsort(all_rows.T[::-1])
-        keep = np.ones(len(order), bool)  # one row per key (a batch may repeat a key)
-        keep[1:] = np.any(all_rows[order][1:] != all_rows[order][:-1], axis=1)
-        self.safe_rows = np.ascontiguousarray(all_rows[order][keep])
-        self.safe_answers = all_answers[order][keep]
 
     def danger(self, consumer: int) -> frozenset[int]:
         """``fusion_neighbourhood`` of ``consumer``, computed once per graph."""
@@ -164,40 +132,61 @@ class _Neighbourhoods:
         self._danger[consumer] = result = frozenset(danger)
         return result
 
-    def safe(self, waits: list[int], danger: set[int] | frozenset[int]) -> list[int]:
-        """``waits`` with every op in ``danger`` replaced by its own sources (repeatedly)."""
-        result, pending, seen = [], list(waits), set()
-        while pending:
-            op = pending.pop()
-            if op in seen:
-                continue
-            seen.add(op)
-            if op in danger:
-                pending.extend(self.sources[op])
-            else:
-                result.append(op)
-        return result
-
 
 def _neighbourhoods(g: OpGraph) -> _Neighbourhoods:
     return g.cached("fusion_neighbourhoods", _Neighbourhoods, structural=True)
 
 
-def _fusable_ops(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
-    """(ops with a non-empty fusion neighbourhood, ops inside some op's neighbourhood): the filter
-    that keeps the per-swap-in work of ``safe_wait_slots`` to the few swap-ins it can concern."""
-    def compute(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
+def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists per op as (pointer, values) arrays."""
+    ptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum([len(row) for row in rows], out=ptr[1:])
+    return ptr, np.fromiter((value for row in rows for value in row), np.int64, int(ptr[-1]))
+
+
+@dataclass(frozen=True)
+class FusionTables:
+    """The fusion neighbourhoods and the edges ``safe_wait_slots`` walks, as arrays for the compiled
+    walk (``kernels.safe_wait_slots``): per op, whether its neighbourhood is non-empty
+    (``has_danger``) and whether it lies in some op's (``endangered``); CSR per op (``*_ptr``) of
+    its neighbourhood, its data sources (each once), its inputs (tensor, producer: one per edge) and
+    its control predecessors. Structural: built once per graph and order."""
+
+    has_danger: np.ndarray
+    endangered: np.ndarray
+    danger_ptr: np.ndarray
+    danger_ops: np.ndarray
+    source_ptr: np.ndarray
+    source_ops: np.ndarray
+    input_ptr: np.ndarray
+    input_tensor: np.ndarray
+    input_source: np.ndarray
+    control_ptr: np.ndarray
+    control_ops: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
+
+
+def fusion_tables(g: OpGraph) -> FusionTables:
+    """``FusionTables`` of ``g``."""
+    def compute(graph: OpGraph) -> FusionTables:
         index = _neighbourhoods(graph)
-        has_danger = np.zeros(graph.n_ops, bool)
-        endangered = np.zeros(graph.n_ops, bool)
+        dangers: list[list[int]] = [[] for _ in range(graph.n_ops)]
         takers = np.isin(graph.op_type, list(CHAIN_TAILS | SIBLING_FUSIONS))
         for op in np.flatnonzero(takers).tolist():
-            danger = index.danger(op)
-            if danger:
-                has_danger[op] = True
-                endangered[list(danger)] = True
-        return has_danger, endangered
-    return g.cached("fusable_ops", compute, structural=True)
+            dangers[op] = sorted(index.danger(op))
+        has_danger = np.asarray([bool(danger) for danger in dangers], bool).reshape(graph.n_ops)
+        danger_ptr, danger_ops = _csr(dangers)
+        endangered = np.zeros(graph.n_ops, bool)
+        endangered[danger_ops] = True
+        source_ptr, source_ops = _csr(index.sources)
+        input_ptr, input_tensor = _csr([[tensor for tensor, _ in inputs] for inputs in index.inputs])
+        _, input_source = _csr([[source for _, source in inputs] for inputs in index.inputs])
+        control_ptr, control_ops = _csr(index.controls)
+        return FusionTables(has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
+                            input_tensor, input_source, control_ptr, control_ops)
+    return g.cached("fusion_tables", compute, structural=True)
 
 
 def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: np.ndarray,
@@ -208,64 +197,10 @@ def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: 
 
     As the rewriter: a triggered swap-in waits for its trigger, a synchronous one for its first
     consumer's other inputs and control predecessors; both also for ``after`` unless that op made the
-    tensor.
+    tensor; each of them inside a consumer's fusion neighbourhood is replaced by its own sources,
+    repeatedly. Compiled (``kernels.safe_wait_slots``); the replay calls the same walk.
     """
-    n = len(tensor)
-    changed = np.zeros(n, bool)
-    slots = np.full(n, -1, dtype=np.int64)
-    if not n:
-        return changed, slots
-    has_danger, endangered = _fusable_ops(g)
-    dangerous = has_danger[consumers]
-    if not dangerous.any():  # no reader in any fusion neighbourhood (graphs without fusable chains)
-        return changed, slots
-    near = np.logical_or.reduceat(dangerous, consumer_ptr[:-1])
-    # a triggered swap-in is concerned only if its trigger or `after` is in some neighbourhood
-    waits_endangered = endangered[np.maximum(trigger, 0)] | endangered[np.maximum(after, 0)]
-    candidates = np.flatnonzero(near & ((trigger < 0) | waits_endangered))
-    if not len(candidates):
-        return changed, slots
-    index = _neighbourhoods(g)
-    if len(index.safe_memo) > 200_000:  # a long search: keep the memo's memory bounded
-        index.clear_memo()
-    # the memo looked up for all candidates at once (compiled); the few it lacks are worked out here
-    rows = kernels.memo_rows(candidates, tensor, trigger, after, consumer_ptr, consumers)
-    answers = kernels.memo_lookup(rows, index.safe_rows, index.safe_answers)
-    missing = np.flatnonzero(answers == kernels.MEMO_MISSING)
-    if len(missing):
-        reads = consumers.tolist()
-        bounds = consumer_ptr.tolist()
-        new: list[int] = []  # keys met for the first time
-        for c in missing.tolist():
-            j = int(candidates[c])
-            key = (int(tensor[j]), int(trigger[j]), int(after[j]), tuple(reads[bounds[j]:bounds[j + 1]]))
-            answer = index.safe_memo.get(key)
-            if answer is None:
-                waits = _safe_waits(index, key, int(g.tensor_producer[key[0]]), reads[bounds[j]])
-                answer = index.safe_memo[key] = (_NOT_FUSED if waits is False
-                                                 else int(position_of(g)[list(waits)].max()) if waits else -1)
-                new.append(c)
-            answers[c] = answer
-        if new:
-            index.remember(rows[new], answers[new])
-    fused = answers != _NOT_FUSED
-    changed[candidates[fused]] = True
-    slots[candidates[fused]] = answers[fused]
-    return changed, slots
-
-
-def _safe_waits(index: _Neighbourhoods, key: tuple, made_by: int, first: int) -> tuple[int, ...] | bool:
-    """The ops one swap-in really waits for, or False when none of its waits is in danger."""
-    tensor, trigger, after, readers = key
-    if trigger >= 0:
-        waits = [trigger]
-    else:
-        waits = [source for t, source in index.inputs[first] if t != tensor] + index.controls[first]
-    if after >= 0 and after != made_by:
-        waits.append(after)
-    danger: set[int] = set()
-    for consumer in readers:
-        danger |= index.danger(consumer)
-    if not danger.intersection(waits):
-        return False
-    return tuple(index.safe(waits, danger))
+    return kernels.safe_wait_slots(position_of(g), g.tensor_producer, *fusion_tables(g).arrays(),
+                                   np.asarray(tensor, np.int64), np.asarray(trigger, np.int64),
+                                   np.asarray(after, np.int64), np.asarray(consumer_ptr, np.int64),
+                                   np.asarray(consumers, np.int64))

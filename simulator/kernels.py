@@ -1,658 +1,258 @@
-"""The per-plan loops of the replay and the planner, compiled with numba (issue 23): the event pass
-over waits and stalls, the memory accounting around it, and buffer lifetimes once reads are rewired.
+"""The per-plan loops of the replay and the planner, compiled with numba (issue 23): one call from a
+plan to a Replay's fields (``replay_plan``: fusion-safe waits, the plan in slot terms, buffer
+lifetimes once reads are rewired, then ``kernel_events.schedule`` and ``kernel_memory.account``),
+and the swap rules (``plan_reads``, ``after_ops``).
 
 Each kernel does, operation for operation, what the numpy code it replaced did (the same float
 additions in the same order, the same tie-breaking), so results are bit-identical to it: the golden
 set (tests/test_simulator_golden.py) holds them to that. ``cache=True`` keeps the machine code under
-``__pycache__``, so a new process loads it instead of compiling again.
+``__pycache__``, so a new process loads it instead of compiling again (``kernel_tools`` says how the
+small helpers are compiled).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 from numba import njit
 
-
-@njit(cache=True, nogil=True)
-def _heap_less(time_a, index_a, time_b, index_b):
-    return time_a < time_b or (time_a == time_b and index_a < index_b)
-
-
-@njit(cache=True, nogil=True)
-def _heap_push(times, items, size, time, item):
-    """Push (time, item) onto the binary min-heap in ``times``/``items[:size]``; returns the new size."""
-    position = size
-    times[position], items[position] = time, item
-    while position > 0:
-        parent = (position - 1) // 2
-        if _heap_less(times[position], items[position], times[parent], items[parent]):
-            times[position], times[parent] = times[parent], times[position]
-            items[position], items[parent] = items[parent], items[position]
-            position = parent
-        else:
-            break
-    return size + 1
+from simulator.kernel_events import schedule
+from simulator.kernel_memory import account
+from simulator.kernel_tools import (contains_value, contains_value_in, distinct_sorted, doubled, radix_argsort,
+                                    search_right_in)
 
 
 @njit(cache=True, nogil=True)
-def _heap_pop(times, items, size):
-    """Remove the least (time, item) (ties by item, as heapq's tuples); returns it and the new size."""
-    time, item = times[0], items[0]
-    size -= 1
-    times[0], items[0] = times[size], items[size]
-    position = 0
-    while True:
-        left = 2 * position + 1
-        if left >= size:
-            break
-        least = left
-        right = left + 1
-        if right < size and _heap_less(times[right], items[right], times[left], items[left]):
-            least = right
-        if _heap_less(times[least], items[least], times[position], items[position]):
-            times[position], times[least] = times[least], times[position]
-            items[position], items[least] = items[least], items[position]
-            position = least
-        else:
-            break
-    return time, item, size
-
-
-@njit(cache=True, nogil=True)
-def _left(values, x):
-    """``_left(values, x)`` for a scalar (numba's own allocates per call)."""
-    lo, hi = 0, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if values[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@njit(cache=True, nogil=True)
-def _left_near(values, x, hint):
-    """``_left(values, x)`` searched from ``hint`` (a previous answer) upward, doubling the step, so a
-    run of ascending look-ups costs about one pass; a look-up below the hint is a plain search."""
-    n = len(values)
-    where = min(hint, n)
-    if where > 0 and values[where - 1] >= x:
-        return _left(values[:where], x)
-    step = 1
-    while where + step < n and values[where + step] < x:
-        where += step
-        step *= 2
-    return where + _left(values[where:min(where + step + 1, n)], x)
-
-
-@njit(cache=True, nogil=True)
-def _right_near(values, x, hint):
-    """``_right(values, x)`` searched from ``hint`` upward (see ``_left_near``)."""
-    n = len(values)
-    where = min(hint, n)
-    if where > 0 and values[where - 1] > x:
-        return _right(values[:where], x)
-    step = 1
-    while where + step < n and values[where + step] <= x:
-        where += step
-        step *= 2
-    return where + _right(values[where:min(where + step + 1, n)], x)
-
-
-@njit(cache=True, nogil=True)
-def _right(values, x):
-    """``_right(values, x)`` for a scalar."""
-    return _bisect_right(values, len(values), x)
-
-
-@njit(cache=True, nogil=True)
-def _bisect_right(values, count, x):
-    """``bisect.bisect_right(values[:count], x)``."""
-    lo, hi = 0, count
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if x < values[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-@njit(cache=True, nogil=True)
-def _before(p, s, i, q, t, j):
-    """(p, s, i) < (q, t, j): by primary key, then secondary, then index."""
-    return p < q or (p == q and (s < t or (s == t and i < j)))
-
-
-@njit(cache=True, nogil=True)
-def _lexsort(primary, secondary, start):
-    """Indices sorted by ``primary``, then ``secondary``, then index (``np.lexsort((secondary,
-    primary))``; a total order, so any correct sort gives numpy's answer), starting from the
-    permutation ``start`` (a guess: the closer to sorted, the faster). Keys are sorted together with
-    their indices (no indirection): insertion sort of runs of 16, then bottom-up merges that skip
-    runs already in order, so a nearly sorted start costs about one pass."""
-    n = len(primary)
-    p, s, order = primary[start], secondary[start], start.copy()
-    for lo in range(0, n, 16):
-        for k in range(lo + 1, min(lo + 16, n)):
-            pk, sk, ok = p[k], s[k], order[k]
-            m = k
-            while m > lo and _before(pk, sk, ok, p[m - 1], s[m - 1], order[m - 1]):
-                p[m], s[m], order[m] = p[m - 1], s[m - 1], order[m - 1]
-                m -= 1
-            p[m], s[m], order[m] = pk, sk, ok
-    p2, s2, order2 = np.empty_like(p), np.empty_like(s), np.empty_like(order)
-    width = 16
-    while width < n:
-        for lo in range(0, n - width, 2 * width):
-            mid, hi = lo + width, min(lo + 2 * width, n)
-            if not _before(p[mid], s[mid], order[mid], p[mid - 1], s[mid - 1], order[mid - 1]):
-                continue  # already in order
-            a, b, k = lo, mid, lo
-            while a < mid and b < hi:
-                if _before(p[b], s[b], order[b], p[a], s[a], order[a]):
-                    p2[k], s2[k], order2[k] = p[b], s[b], order[b]
-                    b += 1
-                else:
-                    p2[k], s2[k], order2[k] = p[a], s[a], order[a]
-                    a += 1
-                k += 1
-            while a < mid:
-                p2[k], s2[k], order2[k] = p[a], s[a], order[a]
-                a += 1
-                k += 1
-            while b < hi:
-                p2[k], s2[k], order2[k] = p[b], s[b], order[b]
-                b += 1
-                k += 1
-            p[lo:hi], s[lo:hi], order[lo:hi] = p2[lo:hi], s2[lo:hi], order2[lo:hi]
-        width *= 2
-    return order
-
-
-@njit(cache=True, nogil=True)
-def stable_argsort(keys):
-    """``np.argsort(keys, kind="stable")``."""
-    return _lexsort(keys, keys, np.arange(len(keys)))
-
-
-@njit(cache=True, nogil=True)
-def _slot_argsort(slots, n_slots):
-    """``np.argsort(slots, kind="stable")`` for slots in -1 .. n_slots - 1 (a counting sort)."""
-    count = np.zeros(n_slots + 2, np.int64)
-    for slot in slots:
-        count[slot + 2] += 1
-    for k in range(1, n_slots + 2):
-        count[k] += count[k - 1]
-    order = np.empty(len(slots), np.int64)
-    for i in range(len(slots)):
-        order[count[slots[i] + 1]] = i
-        count[slots[i] + 1] += 1
-    return order
-
-
-@njit(cache=True, nogil=True)
-def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start, finish_plain,
-                  seg_slot, seg_shift, seg_count, shift):
-    """The end of copy out ``i``, scheduling the late copies out in queue order up to it
-    (``cursor[0]``: the next late copy out; ``d2h_free[0]``: when the d2h engine is free)."""
-    while out_end[i] < 0.0:
-        k = cursor[0]
-        slot = late_slot[k]  # before the waiting slot at hand: its finish is settled
-        if slot >= seg_slot[seg_count - 1]:
-            start = finish_plain[slot] + shift
-        else:
-            start = finish_plain[slot] + seg_shift[_bisect_right(seg_slot, seg_count, slot) - 1]
-        if d2h_free[0] > start:
-            start = d2h_free[0]
-        late_start[k] = start
-        d2h_free[0] = start + late_duration[k]
-        out_end[late_queue[k]] = d2h_free[0]
-        cursor[0] = k + 1
-    return out_end[i]
-
-
-@njit(cache=True, nogil=True)
-def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duration, need, sync_wait,
-             after_copies_out, copies_slot):
-    """The event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
-
-    Queues are FIFO by ready time; a transfer's ready time depends only on slots before the one
-    waiting for it, so one pass suffices. Finish times are plain finish + a piecewise-constant shift
-    (``seg_slot``/``seg_shift``). Copies out that become ready before the first waiting slot are
-    scheduled in bulk; swap-ins are released in trigger order at the first waiting slot after their
-    trigger, after the stalls of the slots before. With ``after_copies_out`` swap-in j also waits for
-    the copies out of what the op at ``copies_slot[j]`` made. Transfer ends not known yet are -1.0.
-    Returns the copies' start and
-    end times, each swap-in's ready time, every slot's finish time with the stalls, and the copies
-    out in queue order."""
-    n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
-    in_ready = np.zeros(n_ins)
-    in_start = np.zeros(n_ins)
-    in_end = np.full(n_ins, -1.0)
-
-    # waiting slots in order: swap-ins' consumers (item j >= 0), then sync swap-out readers (item -1 - i)
-    n_out_waits = 0
-    for i in range(n_swaps):
-        if sync_wait[i] >= 0:
-            n_out_waits += 1
-    n_waits = n_ins + n_out_waits
-    # in ascending item order (copies out from the last swap down, then swap-ins), so that a stable
-    # sort by slot orders by slot, then item (np.lexsort((wait_item, wait_slot)))
-    wait_slot = np.empty(n_waits, np.int64)
-    wait_item = np.empty(n_waits, np.int64)
-    k = 0
-    for i in range(n_swaps - 1, -1, -1):
-        if sync_wait[i] >= 0:
-            wait_slot[k] = sync_wait[i]
-            wait_item[k] = -1 - i
-            k += 1
-    for j in range(n_ins):
-        wait_slot[k] = need[j]
-        wait_item[k] = j
-        k += 1
-    by_slot = _slot_argsort(wait_slot, n_slots)
-    wait_slots = np.empty(n_waits + 1, np.int64)
-    wait_slots[:n_waits] = wait_slot[by_slot]
-    wait_slots[n_waits] = -1  # a sentinel after the last
-    wait_items = wait_item[by_slot]
-    first_wait = wait_slots[0] if n_waits else n_slots
-
-    seg_slot = np.empty(n_waits + 1, np.int64)
-    seg_shift = np.empty(n_waits + 1)
-    seg_slot[0], seg_shift[0] = 0, 0.0
-    seg_count = 1
-    shift = 0.0  # the shift of the latest segment
-
-    # copies out: FIFO in ready order; those ready before any stall in bulk, the rest in the pass
-    out_queue = _slot_argsort(out_ready, n_slots)
-    ready_slots = out_ready[out_queue]
-    early = _left(ready_slots, first_wait)
-    durations = out_duration[out_queue]
-    out_end = np.full(n_swaps, -1.0)
-    out_start = np.empty(n_swaps)
-    cumulative = 0.0
-    latest = -np.inf
-    end = 0.0
-    for k in range(early):
-        cumulative += durations[k]
-        candidate = finish_plain[ready_slots[k]] - (cumulative - durations[k])
-        if candidate > latest or k == 0:
-            latest = candidate
-        end = cumulative + latest
-        out_end[out_queue[k]] = end
-        out_start[out_queue[k]] = end - durations[k]
-    late_queue = out_queue[early:]
-    late_slot = ready_slots[early:]
-    late_duration = durations[early:]
-    late_start = np.empty(len(late_queue))
-    cursor = np.zeros(1, np.int64)
-    d2h_free = np.zeros(1)
-    d2h_free[0] = end if early else 0.0
-
-    # a swap-in after the copies out of the op it starts after: the swaps made at each slot (CSR)
-    outs_order, outs_slots = out_queue, ready_slots
-
-    # swap-ins in trigger order; all whose trigger runs before a waiting slot are released at that slot
-    in_order = _slot_argsort(trigger, n_slots)
-    release_slots = np.empty(n_ins + 1, np.int64)
-    release_finish = np.empty(n_ins)
-    for k in range(n_ins):
-        j = in_order[k]
-        release_slots[k] = trigger[j]
-        release_finish[k] = finish_plain[trigger[j]] if trigger[j] >= 0 else 0.0
-    release_slots[n_ins] = n_slots  # a sentinel after the last
-    in_cursor = 0
-    heap_times = np.empty(max(n_ins, 1))
-    heap_items = np.empty(max(n_ins, 1), np.int64)
-    heap_size = 0
-    h2d_free = 0.0
-    index = 0
-    while index < n_waits:
-        slot = wait_slots[index]
-        while release_slots[in_cursor] < slot:  # triggers that have run
-            j = in_order[in_cursor]
-            ready = release_finish[in_cursor] + shift
-            in_cursor += 1
-            source = in_swap[j]
-            data = out_end[source]
-            if data < 0.0:
-                data = _swap_out_end(source, out_end, cursor, d2h_free, late_queue, late_slot, late_duration,
-                                     late_start, finish_plain, seg_slot, seg_shift, seg_count, shift)
-            if after_copies_out:
-                lo = _left(outs_slots, copies_slot[j])
-                hi = _right(outs_slots, copies_slot[j])
-                for m in range(lo, hi):
-                    other = outs_order[m]
-                    copied = out_end[other]
-                    if copied < 0.0:
-                        copied = _swap_out_end(other, out_end, cursor, d2h_free, late_queue, late_slot,
-                                               late_duration, late_start, finish_plain, seg_slot, seg_shift,
-                                               seg_count, shift)
-                    if copied > data:
-                        data = copied
-            if data > ready:
-                ready = data
-            in_ready[j] = ready
-            heap_size = _heap_push(heap_times, heap_items, heap_size, ready, j)
-        required = 0.0
-        while wait_slots[index] == slot:
-            item = wait_items[index]
-            index += 1
-            if item < 0:
-                done = _swap_out_end(-1 - item, out_end, cursor, d2h_free, late_queue, late_slot, late_duration,
-                                     late_start, finish_plain, seg_slot, seg_shift, seg_count, shift)
-            else:
-                while in_end[item] < 0.0:
-                    ready, j, heap_size = _heap_pop(heap_times, heap_items, heap_size)
-                    if h2d_free > ready:
-                        ready = h2d_free
-                    in_start[j] = ready
-                    h2d_free = ready + in_duration[j]
-                    in_end[j] = h2d_free
-                done = in_end[item]
-            if done > required:
-                required = done
-        previous_finish = (finish_plain[slot - 1] + shift) if slot > 0 else 0.0
-        if required > previous_finish:
-            shift += required - previous_finish
-            seg_slot[seg_count] = slot
-            seg_shift[seg_count] = shift
-            seg_count += 1
-    if len(late_queue):  # a swap-out nobody waited for still happens
-        _swap_out_end(late_queue[-1], out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start,
-                      finish_plain, seg_slot, seg_shift, seg_count, shift)
-    for k in range(len(late_queue)):
-        out_start[late_queue[k]] = late_start[k]
-    finish_all = np.empty(n_slots)
-    for s in range(seg_count):
-        stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
-        for slot in range(seg_slot[s], stop):
-            finish_all[slot] = finish_plain[slot] + seg_shift[s]
-    return out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue
-
-
-@njit(cache=True, nogil=True)
-def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, position, n_ops,
-            out_start, out_end, out_queue, swap_root, home_link, swap_bytes,
-            roots, root_base_free_slot, root_last_slot, moved_links, moved_last,
-            in_swap, in_ready, in_end, in_bytes, need_slot, in_consumer_ptr, in_consumers, far_keys,
-            late_slot, late_key, late_root, late_out):
-    """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
-    swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
-    the host's peak. All byte figures are whole numbers in float64, so sums are
-    exact in any order; times are compared as the numpy code compared them."""
-    n_slots, n_swaps, n_ins, n_roots = len(duration), len(out_end), len(in_ready), len(roots)
-    start_all = finish_all - duration
-    # a copy out frees its buffer in the slot running when it ends; one that ends while the slot's
-    # op still waits (a stall) frees it before the op allocates anything: it does not count in that
-    # slot (to a nanosecond: the op's start is finish - duration, which rounds differently from the
-    # copy's end it waited for), only in the wait (_wait_peaks)
-    out_free_slot = np.empty(n_swaps, np.int64)
-    found = 0
-    for i in out_queue:  # copies end in queue order: each search starts from the last find
-        found = _left_near(finish_all, out_end[i], found)
-        slot = min(found, n_slots - 1)
-        if out_end[i] <= start_all[slot] + 1e-9:
-            slot -= 1
-        out_free_slot[i] = slot
-    # a copy out holds the buffer its tensor lives in: the original, or a swap-in's that a rewired
-    # read carried it into (see buffers.rewired_lifetimes)
-    copy_free_slot = np.full(n_roots, -1, np.int64)
-    copy_end = np.zeros(n_roots)
-    for i in range(n_swaps):
-        if home_link[i] < 0:
-            r = swap_root[i]
-            copy_free_slot[r] = max(copy_free_slot[r], out_free_slot[i])
-            copy_end[r] = max(copy_end[r], out_end[i])
-    new_free = np.maximum(root_last_slot, copy_free_slot)
-    # a swap-in's buffer exists from when the copy op may run (its trigger done, the host copy
-    # there), not from when the copy engine gets to it: TF allocates the output as the op runs and
-    # queues the copy on the stream (GPU), or copies at once (CPU testbed)
-    in_alloc_slot = np.empty(n_ins, np.int64)
-    in_free_slot = np.empty(n_ins, np.int64)
-    found = 0
-    for j in range(n_ins):
-        found = _right_near(finish_all, in_ready[j], found)
-        in_alloc_slot[j] = min(found, need_slot[j])
-        in_free_slot[j] = max(position[in_consumers[in_consumer_ptr[j + 1] - 1]], in_alloc_slot[j])
-    n_reads = len(far_keys)
-    by_key = stable_argsort(far_keys)
-    sorted_far_keys = far_keys[by_key]
-    swap_in_of_read = np.empty(n_reads, np.int64)
-    for j in range(n_ins):
-        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
-            swap_in_of_read[k] = j
-    group_of_read = swap_in_of_read[by_key]  # the swap-in of each read, in key order
-    if len(moved_links):  # ops that wrote into a rewired read's buffer keep the swap-in alive
-        for k in range(len(moved_links)):
-            group = group_of_read[_left(sorted_far_keys, moved_links[k])]
-            in_free_slot[group] = max(in_free_slot[group], moved_last[k])
-        for i in range(n_swaps):
-            if home_link[i] >= 0:
-                group = group_of_read[_left(sorted_far_keys, home_link[i])]
-                in_free_slot[group] = max(in_free_slot[group], out_free_slot[i])
-
-    # Forwards a plan makes possible (``buffers.Buffers.late_*``). An op that could not write into an
-    # input's buffer because a later op still read it can once that read goes to a swap-in, as TF's
-    # forward_input_or_allocate_output does: into the original buffer when it is now its last reader
-    # and the copy out is done within its slot (a BatchNorm's SquaredDifference on a swapped
-    # convolution output), or into the swap-in's buffer when its own read was rewired and it is that
-    # swap-in's last reader. "Within the slot" rather than "before the op starts": on the CPU testbed
-    # the first matches ResNet-50's measured peaks under the fidelity plans (within 0.6 %), the second
-    # over-predicted two of them by 4.7 %; the two differ only for a copy that ends while the op runs.
-    n_late = len(late_slot) if n_roots else 0
-    in_place = np.zeros(n_late, np.bool_)
-    for k in range(n_late):
-        where = min(_left(roots, late_root[k]), n_roots - 1)
-        if (roots[where] == late_root[k] and root_last_slot[where] == late_slot[k]
-                and copy_free_slot[where] <= late_slot[k]):
-            in_place[k] = True
-        elif n_reads:
-            where = min(_left(sorted_far_keys, late_key[k]), n_reads - 1)
-            source = late_key[k] // n_ops
-            if (sorted_far_keys[where] == late_key[k] and in_free_slot[group_of_read[where]] == late_slot[k]
-                    and tensor_bytes[source] == tensor_bytes[late_out[k]]):
-                in_place[k] = True
-    in_place_slot = late_slot[:n_late][in_place]
-    in_place_out = late_out[:n_late][in_place]
-
-    # the changes to the baseline, counted in one go
-    delta = np.zeros(n_slots + 1)
-    for r in range(n_roots):
-        size = tensor_bytes[roots[r]]
-        delta[root_base_free_slot[r] + 1] += size
-        delta[new_free[r] + 1] -= size
-    for j in range(n_ins):
-        delta[in_alloc_slot[j]] += in_bytes[j]
-        delta[in_free_slot[j] + 1] -= in_bytes[j]
-    for k in range(len(in_place_slot)):
-        delta[in_place_slot[k]] -= tensor_bytes[in_place_out[k]]
-        delta[in_place_slot[k] + 1] += tensor_bytes[in_place_out[k]]
-    slot_bytes = baseline_bytes + np.cumsum(delta[:n_slots])
-    wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, roots,
-                                          new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
-                                          in_place_slot, in_place_out)
-    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end)
-    return (slot_bytes, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots, wait_moment,
-            host_peak, host_peak_s)
-
-
-@njit(cache=True, nogil=True)
-def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, start_all, finish_all, roots, root_free_slot,
-                copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
-    """Memory during the waits in which a copy out ends after a swap-in was allocated (before the op
-    at slot s starts, its wait holds what lives on from slot s-1, the swap-ins allocated so far and the
-    swapped buffers whose copy out has not ended, not the op's own outputs). Raises ``slot_bytes`` in
-    place where a wait's peak is larger; returns those slots and the moments of their peaks."""
-    n_slots, n_roots, n_ins = len(slot_bytes), len(roots), len(in_ready)
-    # roots whose copy out frees them after their last slot ended: in the next slot's wait
-    root_slot = np.full(n_roots, -1, np.int64)
-    n_waiting = 0
-    for r in range(n_roots):
-        if (copy_free_slot[r] >= root_free_slot[r] and root_free_slot[r] + 1 < n_slots
-                and copy_end[r] > finish_all[min(root_free_slot[r], n_slots - 1)] + 1e-9):
-            root_slot[r] = root_free_slot[r] + 1
-            n_waiting += 1
-    if n_waiting == 0 or n_ins == 0:
-        return np.zeros(0, np.int64), np.zeros(0)
-    in_wait = np.zeros(n_ins, np.bool_)
-    first_in = np.full(n_slots, np.inf)
-    for j in range(n_ins):
-        if in_ready[j] < start_all[in_alloc_slot[j]] - 1e-9:  # allocated before its slot's op starts
-            in_wait[j] = True
-            first_in[in_alloc_slot[j]] = min(first_in[in_alloc_slot[j]], in_ready[j])
-    last_end = np.zeros(n_slots)
-    for r in range(n_roots):
-        if root_slot[r] >= 0:
-            last_end[root_slot[r]] = max(last_end[root_slot[r]], copy_end[r])
-    is_wait = last_end > first_in + 1e-9
-    n_waits = 0
-    for s in range(n_slots):
-        n_waits += is_wait[s]
-    if n_waits == 0:
-        return np.zeros(0, np.int64), np.zeros(0)
-    # each wait starts with what lives on from the slot before, and the buffers copied out in it
-    start_bytes = slot_bytes - alloc_bytes[:n_slots]
-    for k in range(len(in_place_slot)):
-        start_bytes[in_place_slot[k]] += tensor_bytes[in_place_out[k]]
-    for j in range(n_ins):
-        start_bytes[in_alloc_slot[j]] -= in_bytes[j]
-    # then its events: copies out ending (frees first at the same instant, to a ns), swap-ins allocated
-    n_events = 0
-    for r in range(n_roots):
-        if root_slot[r] >= 0:
-            start_bytes[root_slot[r]] += tensor_bytes[roots[r]]
-            n_events += is_wait[root_slot[r]]
-    for j in range(n_ins):
-        n_events += in_wait[j] and is_wait[in_alloc_slot[j]]
-    event_slot = np.empty(n_events, np.int64)
-    event_time = np.empty(n_events)
-    event_bytes = np.empty(n_events)
-    k = 0
-    for r in range(n_roots):
-        if root_slot[r] >= 0 and is_wait[root_slot[r]]:
-            event_slot[k], event_time[k], event_bytes[k] = root_slot[r], copy_end[r] - 1e-9, -tensor_bytes[roots[r]]
-            k += 1
-    for j in range(n_ins):
-        if in_wait[j] and is_wait[in_alloc_slot[j]]:
-            event_slot[k], event_time[k], event_bytes[k] = in_alloc_slot[j], in_ready[j], in_bytes[j]
-            k += 1
-    by_time = _lexsort(event_time, event_bytes, np.arange(n_events))
-    by_slot = by_time[_slot_argsort(event_slot[by_time], n_slots)]  # by slot, time, bytes, index
-    wait_slots = np.empty(n_waits, np.int64)
-    wait_moment = np.empty(n_waits)
-    n_higher = 0
-    k = 0
-    while k < n_events:  # one wait (slot) at a time, its events in time order: its largest moment
-        slot = event_slot[by_slot[k]]
-        running = start_bytes[slot]
-        best, best_time = -np.inf, 0.0
-        while k < n_events and event_slot[by_slot[k]] == slot:
-            running += event_bytes[by_slot[k]]
-            if running > best:
-                best, best_time = running, event_time[by_slot[k]]
-            k += 1
-        if best > slot_bytes[slot]:
-            slot_bytes[slot] = best
-            wait_slots[n_higher], wait_moment[n_higher] = slot, best_time
-            n_higher += 1
-    return wait_slots[:n_higher], wait_moment[:n_higher]
-
-
-@njit(cache=True, nogil=True)
-def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end):
-    """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in
-    (frees before allocations at the same instant). The copies out start in queue order
-    (``out_queue``) and are mostly back in the reverse order: the sort starts from that guess."""
-    n_swaps = len(swap_bytes)
-    if n_swaps == 0:
-        return 0.0, 0.0
-    host_free = np.zeros(n_swaps)
-    for j in range(len(in_swap)):
-        host_free[in_swap[j]] = max(host_free[in_swap[j]], in_end[j])
-    times = np.concatenate((out_start, host_free))
-    sizes = np.concatenate((swap_bytes, -swap_bytes))
-    guess = np.concatenate((out_queue, n_swaps + out_queue[::-1]))
-    by_time = _lexsort(times, sizes, guess)
-    running = np.cumsum(sizes[by_time])
-    top = np.argmax(running)
-    return max(0.0, running[top]), times[by_time[top]]
-
-
-@njit(cache=True, nogil=True)
-def rewired_lifetimes(use_ptr, use_slot, use_id, use_segment, seg_ptr, seg_head, link_key, link_id, seg_parent,
-                      segment, read_keys, n_tensors, roots, far_keys, tensors):
-    """``buffers.rewired_lifetimes`` (which documents it) on the arrays of ``buffers.Buffers`` and
-    ``buffers._read_ids``: per root the last slot still reading the original buffer, the cut links
-    with the last slot of what lives past them, and per tensor the link that carried it away."""
-    # which read ids the plan rewires (the last entry: id -1, no read)
-    n_keys = len(read_keys)
+def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor, read_consumer):
+    """Which read ids (``buffers.RewireTables``) the reads (``read_tensor``, ``read_consumer``)
+    rewire (the last entry: id -1, no read), each read's id and its place in the per-tensor reads
+    (-1: not a read of the graph)."""
     rewired = np.zeros(n_keys + 1, np.bool_)
-    where = 0
-    for key in far_keys:  # usually in order: each search starts from the last find
-        where = _left_near(read_keys, key, where)
-        if where < n_keys and read_keys[where] == key:
-            rewired[where] = True
+    read_ids = np.full(len(read_tensor), -1, np.int64)
+    read_edge = np.full(len(read_tensor), -1, np.int64)
+    for k in range(len(read_tensor)):
+        for e in range(tensor_read_ptr[read_tensor[k]], tensor_read_ptr[read_tensor[k] + 1]):
+            if tensor_read_consumer[e] == read_consumer[k]:
+                read_ids[k] = tensor_read_id[e]
+                read_edge[k] = e
+                rewired[tensor_read_id[e]] = True
+                break
+    return rewired, read_ids, read_edge
+
+
+@njit(cache=True, nogil=True)
+def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+               rewired, roots, tensors, tensor_root):
+    """Last slots once the reads ``rewired`` (by read id, ``buffers.RewireTables``) go to swap-ins.
+
+    Returns, for each of ``roots`` (unique root buffers, sorted), the last slot that still reads the
+    original buffer (its producer at least); the rewired links that carried a segment away (their
+    keys ``tensor * n_ops + op`` and read ids) with the last slot of what now lives in the swap-in
+    buffer; and for each of ``tensors`` (``tensor_root``: the index in ``roots`` of each one's root)
+    the link that carried it into a swap-in's buffer, key and id, -1 where it stays in the original
+    buffer. A segment lives in the buffer of its nearest ancestor (itself included) whose link was
+    cut, or the root's. Segments are numbered locally, the roots' one after the other (a root's
+    segment numbers are consecutive in the tables); a segment's last use is its latest not
+    rewired, found from the latest down (the rewired reads are the late ones)."""
     n_roots = len(roots)
-    # segments of the roots, grouped by root, parents before children; their local numbers
-    n_segments = 0
+    base = np.empty(n_roots + 1, np.int64)  # each root's first local number
+    base[0] = 0
     for r in range(n_roots):
-        n_segments += seg_ptr[roots[r] + 1] - seg_ptr[roots[r]]
-    local = np.full(n_tensors, -1, np.int64)
-    heads = np.empty(n_segments, np.int64)
-    k = 0
-    for r in range(n_roots):
-        for m in range(seg_ptr[roots[r]], seg_ptr[roots[r] + 1]):
-            heads[k] = seg_head[m]
-            local[seg_head[m]] = k
-            k += 1
-    segment_last = np.full(n_segments, -1, np.int64)
-    for r in range(n_roots):
-        for u in range(use_ptr[roots[r]], use_ptr[roots[r] + 1]):
-            slot = -1 if rewired[use_id[u]] else use_slot[u]
-            s = local[use_segment[u]]
-            if slot > segment_last[s]:
-                segment_last[s] = slot
-    # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut, or
-    # the root's: parents come first, so one pass settles each
+        base[r + 1] = base[r] + seg_ptr[roots[r] + 1] - seg_ptr[roots[r]]
+    n_segments = base[n_roots]
     cut = np.empty(n_segments, np.bool_)
     owner = np.empty(n_segments, np.int64)
-    n_cut = 0
-    for s in range(n_segments):
-        cut[s] = rewired[link_id[heads[s]]]
-        n_cut += cut[s]
-        parent = seg_parent[heads[s]]
-        owner[s] = owner[local[parent]] if parent >= 0 and not cut[s] else s
-    owner_last = np.full(n_segments, -1, np.int64)
-    for s in range(n_segments):
-        owner_last[owner[s]] = max(owner_last[owner[s]], segment_last[s])
+    segment_last = np.empty(n_segments, np.int64)
     root_last = np.empty(n_roots, np.int64)
-    for r in range(n_roots):
-        root_last[r] = owner_last[local[roots[r]]]
-    cut_links = np.empty(n_cut, np.int64)
-    cut_last = np.empty(n_cut, np.int64)
-    k = 0
-    for s in range(n_segments):
-        if cut[s]:
-            cut_links[k], cut_last[k] = link_key[heads[s]], owner_last[s]
-            k += 1
-    home_link = np.empty(len(tensors), np.int64)
+    cut_links = np.empty(n_segments, np.int64)
+    cut_ids = np.empty(n_segments, np.int64)
+    cut_last = np.empty(n_segments, np.int64)
+    n_cut = 0
+    for r in range(n_roots):  # a segment's owner is in its root's buffer: one root at a time
+        first, stop = seg_ptr[roots[r]], seg_ptr[roots[r] + 1]
+        shift = base[r] - first
+        # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut,
+        # or the root's: parents come first, so one pass settles each
+        for m in range(first, stop):
+            s = m + shift
+            last = -1
+            for u in range(seg_use_ptr[m], seg_use_ptr[m + 1]):
+                if not rewired[seg_use_id[u]]:
+                    last = seg_use_slot[u]
+                    break
+            segment_last[s] = last
+            cut[s] = rewired[seg_link_id[m]]
+            owner[s] = owner[seg_parent[m] + shift] if seg_parent[m] >= 0 and not cut[s] else s
+        if stop - first == 1:  # one segment: its own owner, not cut
+            root_last[r] = segment_last[first + shift]
+            continue
+        for m in range(first, stop):  # each owner's last: the latest of the segments it holds
+            if owner[m + shift] != m + shift:
+                segment_last[owner[m + shift]] = max(segment_last[owner[m + shift]], segment_last[m + shift])
+        root_last[r] = segment_last[owner[tensor_segment[roots[r]] + shift]]
+        for m in range(first, stop):
+            if cut[m + shift]:
+                cut_links[n_cut], cut_ids[n_cut] = seg_link_key[m], seg_link_id[m]
+                cut_last[n_cut] = segment_last[m + shift]
+                n_cut += 1
+    home_link = np.full(len(tensors), -1, np.int64)
+    home_ids = np.full(len(tensors), -1, np.int64)
     for i in range(len(tensors)):
-        home = owner[local[segment[tensors[i]]]]
-        home_link[i] = link_key[heads[home]] if cut[home] else -1
-    return root_last, cut_links, cut_last, home_link
+        r = tensor_root[i]
+        if base[r + 1] - base[r] == 1:  # one segment: never cut
+            continue
+        shift = base[r] - seg_ptr[roots[r]]
+        home = owner[tensor_segment[tensors[i]] + shift]
+        if cut[home]:
+            home_link[i], home_ids[i] = seg_link_key[home - shift], seg_link_id[home - shift]
+    return root_last, cut_links[:n_cut], cut_ids[:n_cut], cut_last[:n_cut], home_link, home_ids
 
 
 @njit(cache=True, nogil=True)
-def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
+                    source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor, trigger,
+                    after, consumer_ptr, consumers):
+    """``fusion.safe_wait_slots`` (which documents it) on the tables of ``fusion.FusionTables``: per
+    swap-in, whether an op it waits for may be fused with one of its consumers, and if so the latest
+    slot among the ops it waits for instead (-1: none). Only swap-ins with a reader in some fusion
+    neighbourhood and (synchronous, or a trigger or ``after`` inside one) are looked at."""
+    n = len(tensor)
+    changed = np.zeros(n, np.bool_)
+    slots = np.full(n, -1, np.int64)
+    scratch = np.empty((4, 32), np.int64)
+    for j in range(n):
+        near = False
+        for k in range(consumer_ptr[j], consumer_ptr[j + 1]):
+            near |= has_danger[consumers[k]]
+        if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
+            continue
+        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
+                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
+                                          trigger[j], after[j], consumers, consumer_ptr[j], consumer_ptr[j + 1],
+                                          scratch)
+    return changed, slots
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+               input_source, control_ptr, control_ops, tensor, trigger, after, consumers, lo, hi, scratch):
+    """One swap-in of ``safe_wait_slots`` (readers ``consumers[lo:hi]``): whether a wait is in danger,
+    and the latest slot it waits for instead. The sets involved are a few ops, kept in the rows of
+    ``scratch`` (copied to larger arrays, ``doubled``, when full) and searched linearly."""
+    # what it waits for, as the rewriter builds it: its trigger, or (synchronous) its first
+    # consumer's other inputs and control predecessors; and ``after`` unless that made the tensor
+    first = consumers[lo]
+    waits = scratch[0]
+    capacity = input_ptr[first + 1] - input_ptr[first] + control_ptr[first + 1] - control_ptr[first] + 2
+    if capacity > len(waits):
+        waits = np.empty(capacity, np.int64)
+    n_waits = 0
+    if trigger >= 0:
+        waits[0] = trigger
+        n_waits = 1
+    else:
+        for e in range(input_ptr[first], input_ptr[first + 1]):
+            if input_tensor[e] != tensor:
+                waits[n_waits] = input_source[e]
+                n_waits += 1
+        for e in range(control_ptr[first], control_ptr[first + 1]):
+            waits[n_waits] = control_ops[e]
+            n_waits += 1
+    if after >= 0 and after != tensor_producer[tensor]:
+        waits[n_waits] = after
+        n_waits += 1
+    danger = scratch[1]
+    n_danger = 0
+    for k in range(lo, hi):
+        for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
+            if not contains_value(danger, n_danger, danger_ops[d]):
+                if n_danger == len(danger):
+                    danger = doubled(danger)
+                danger[n_danger] = danger_ops[d]
+                n_danger += 1
+    hit = False
+    for w in range(n_waits):
+        hit |= contains_value(danger, n_danger, waits[w])
+    if not hit:
+        return False, -1
+    # each wait in danger replaced by its own sources, repeatedly: the latest of what is left
+    pending = scratch[2] if n_waits <= scratch.shape[1] else np.empty(n_waits, np.int64)
+    seen = scratch[3]
+    for w in range(n_waits):
+        pending[w] = waits[w]
+    n_pending, n_seen, latest = n_waits, 0, -1
+    while n_pending:
+        n_pending -= 1
+        op = pending[n_pending]
+        if contains_value(seen, n_seen, op):
+            continue
+        if n_seen == len(seen):
+            seen = doubled(seen)
+        seen[n_seen] = op
+        n_seen += 1
+        if contains_value(danger, n_danger, op):
+            for e in range(source_ptr[op], source_ptr[op + 1]):
+                if n_pending == len(pending):
+                    pending = doubled(pending)
+                pending[n_pending] = source_ops[e]
+                n_pending += 1
+        elif position[op] > latest:
+            latest = position[op]
+    return True, latest
+
+
+@njit(cache=True, nogil=True)
+def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
+                       source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, read_safe_hit,
+                       read_safe_slot, tensor, trigger, after, consumer_ptr, consumers, read_edge):
+    """``safe_wait_slots`` for the replay, with the graph's answers per read (``read_safe_*``: a
+    synchronous swap-in of that read alone, waiting for nothing else) and the plan's reads' places
+    among them (``read_edge``). A wait's result is the union of what each of its ops leads to, so a
+    swap-in whose first reader's fusion neighbourhood holds its other readers' needs a walk only
+    when its trigger or ``after`` is itself in danger."""
+    n = len(tensor)
+    changed = np.zeros(n, np.bool_)
+    slots = np.full(n, -1, np.int64)
+    scratch = np.empty((4, 32), np.int64)
+    for j in range(n):
+        lo, hi = consumer_ptr[j], consumer_ptr[j + 1]
+        near = False
+        for k in range(lo, hi):
+            near |= has_danger[consumers[k]]
+        if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
+            continue
+        reader = consumers[lo]
+        alone = True  # every other reader's neighbourhood inside the first's: the first's alone counts
+        for k in range(lo + 1, hi):
+            for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
+                alone &= contains_value_in(danger_ops, danger_ptr[reader], danger_ptr[reader + 1], danger_ops[d])
+        if alone:
+            wait_after = after[j] >= 0 and after[j] != tensor_producer[tensor[j]]
+            after_safe = not (wait_after and contains_value_in(danger_ops, danger_ptr[reader], danger_ptr[reader + 1],
+                                                       after[j]))
+            if trigger[j] >= 0 and after_safe and not contains_value_in(danger_ops, danger_ptr[reader],
+                                                                danger_ptr[reader + 1], trigger[j]):
+                continue  # neither of its waits is in danger
+            if trigger[j] < 0 and after_safe:
+                if read_safe_hit[read_edge[lo]]:
+                    changed[j] = True
+                    slots[j] = max(read_safe_slot[read_edge[lo]], position[after[j]] if wait_after else -1)
+                continue
+        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
+                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
+                                          trigger[j], after[j], consumers, lo, hi, scratch)
+    return changed, slots
+
+
+@njit(cache=True, nogil=True)
+def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
             in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot):
     """A plan in slot terms (see ``replay.replay``): when each copy out may start, which slot each
     swap-in's first consumer runs at, the slot whose end releases each swap-in (its trigger's; a
     synchronous one's after the consumer's other inputs, ``replay._other_input_slots``; a fused
-    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the rewired reads
-    (``tensor * n_ops + consumer``); the swapped buffers (sorted) and each swap's among them."""
+    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the swapped
+    buffers (sorted) and each swap's among them."""
     n_swaps, n_ins = len(swap_tensor), len(in_swap)
     out_ready = np.empty(n_swaps, np.int64)
     for i in range(n_swaps):
@@ -660,7 +260,6 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
     need = np.empty(n_ins, np.int64)
     trigger_slot = np.empty(n_ins, np.int64)
     copies_slot = np.empty(n_ins, np.int64)
-    far_keys = np.empty(len(in_consumers), np.int64)
     for j in range(n_ins):
         first = in_consumers[in_consumer_ptr[j]]
         tensor = swap_tensor[in_swap[j]]
@@ -675,80 +274,92 @@ def prepare(position, tensor_producer, root, n_ops, swap_tensor, in_swap, in_tri
             slot = safe_slot[j]
         trigger_slot[j] = slot
         copies_slot[j] = slot if in_trigger[j] < 0 else planned
-        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
-            far_keys[k] = tensor * n_ops + in_consumers[k]
-    swap_roots = root[swap_tensor]
-    order = stable_argsort(swap_roots)
-    swap_root = np.empty(n_swaps, np.int64)
-    roots = np.empty(n_swaps, np.int64)
-    n_roots = 0
-    for k in range(n_swaps):
-        value = swap_roots[order[k]]
-        if n_roots == 0 or roots[n_roots - 1] != value:
-            roots[n_roots] = value
-            n_roots += 1
-        swap_root[order[k]] = n_roots - 1
-    return out_ready, need, trigger_slot, copies_slot, far_keys, roots[:n_roots].copy(), swap_root
-
-
-MEMO_READS = 4  # readers kept in a swap-in's memo row (rows with more are looked up in Python)
-MEMO_MISSING = -3  # memo_lookup: not in the memo
+    roots, swap_root = distinct_sorted(root[swap_tensor], len(root))
+    return out_ready, need, trigger_slot, copies_slot, roots, swap_root
 
 
 @njit(cache=True, nogil=True)
-def memo_rows(candidates, tensor, trigger, after, consumer_ptr, consumers):
-    """Per swap-in of ``candidates``: its ``fusion.safe_wait_slots`` memo key as a row (tensor,
-    trigger, after, number of readers, the first MEMO_READS readers, -2 after the last)."""
-    rows = np.full((len(candidates), 4 + MEMO_READS), -2, np.int64)
-    for c in range(len(candidates)):
-        j = candidates[c]
-        n_reads = consumer_ptr[j + 1] - consumer_ptr[j]
-        rows[c, 0], rows[c, 1], rows[c, 2], rows[c, 3] = tensor[j], trigger[j], after[j], n_reads
-        for k in range(min(n_reads, MEMO_READS)):
-            rows[c, 4 + k] = consumers[consumer_ptr[j] + k]
-    return rows
-
-
-@njit(cache=True, nogil=True)
-def _row_less(a, b):
-    for k in range(len(a)):
-        if a[k] != b[k]:
-            return a[k] < b[k]
-    return False
-
-
-@njit(cache=True, nogil=True)
-def memo_lookup(rows, memo, answers):
-    """Each row's answer in the memo (``memo``: rows sorted lexicographically, ``answers`` beside
-    them), MEMO_MISSING where it has none or has more readers than a row holds."""
-    found = np.full(len(rows), MEMO_MISSING, np.int64)
-    for c in range(len(rows)):
-        if rows[c, 3] > MEMO_READS:
+def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
+                             rewired, swap_tensor, sync_out):
+    """Per swapped tensor with a synchronous copy out: the first slot that still reads it on the
+    device (its reads not rewired to a swap-in; they wait for the copy), or when none does, the slot
+    after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
+    where the producer runs last."""
+    n_ops = len(position)
+    sync_wait = np.full(len(swap_tensor), -1, np.int64)
+    for i in range(len(swap_tensor)):
+        if not sync_out[i]:
             continue
-        lo, hi = 0, len(memo)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _row_less(memo[mid], rows[c]):
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < len(memo) and not _row_less(rows[c], memo[lo]):
-            found[c] = answers[lo]
-    return found
+        tensor = swap_tensor[i]
+        earliest = n_ops
+        for e in range(tensor_read_ptr[tensor], tensor_read_ptr[tensor + 1]):
+            if not rewired[tensor_read_id[e]]:
+                earliest = min(earliest, position[tensor_read_consumer[e]])
+        first = earliest if earliest < n_ops else position[tensor_producer[tensor]] + 1
+        if first < n_ops:
+            sync_wait[i] = first
+    return sync_wait
 
 
 @njit(cache=True, nogil=True)
-def group_far_edges(tensor, level, groupby):
-    """``planning._group_far_edges`` for ``groupby`` > 0: a new group at each new tensor and once a
-    read lies more than ``groupby`` levels past its group's first."""
-    group = np.empty(len(tensor), np.int64)
-    current, start_level = -1, 0
-    for i in range(len(tensor)):
-        if i == 0 or tensor[i] != tensor[i - 1] or level[i] - start_level > groupby:
-            current += 1
-            start_level = level[i]
-        group[i] = current
-    return group
+def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_start, baseline_bytes, alloc_bytes,
+                levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
+                tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
+                tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+                tensor_segment, n_keys, late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read,
+                has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+                input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, swap_tensor, sync_out, in_swap,
+                in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out):
+    """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
+    passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
+    pass and the memory accounting, in one call. Per-slot work is two passes (finish times and the
+    slots' bytes); the rest visits what the plan moved."""
+    n_ops = len(position)
+    in_tensor = swap_tensor[in_swap]
+    far_tensor = np.empty(len(in_consumers), np.int64)  # the tensor of each far read
+    for j in range(len(in_swap)):
+        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
+            far_tensor[k] = in_tensor[j]
+    # far reads rewired (their ids and places among the graph's reads)
+    rewired, far_ids, far_edge = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys,
+                                                far_tensor, in_consumers)
+    fused_wait, safe_slot = _replay_safe_waits(
+        position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
+        input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, in_tensor, in_trigger,
+        in_after, in_consumer_ptr, in_consumers, far_edge)
+    out_ready_slot, need_slot, trigger_slot, copies_slot, roots, swap_root = prepare(
+        position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+        in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
+    # the swapped buffers' lifetimes; the original buffer's remaining readers
+    root_last_slot, _, moved_ids, moved_last, _, home_ids = _lifetimes(
+        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+        rewired, roots, swap_tensor, swap_root)
+    sync_wait = _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer,
+                                         tensor_read_id, rewired, swap_tensor, sync_out)
+    swap_bytes = tensor_bytes[swap_tensor]
+    in_bytes = tensor_bytes[in_tensor]
+    out_duration = d2h_seconds[swap_tensor]
+    in_duration = h2d_seconds[in_tensor]
+    out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed = schedule(
+        finish_plain, plain_op_end, plain_op_start, order, duration, out_ready_slot, out_duration, trigger_slot,
+        in_swap, in_duration, need_slot, sync_wait, after_copies_out, copies_slot)
+    root_base_free_slot = free_slot[roots]
+    (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
+     wait_moment, host_peak, host_peak_s, overlap_s) = account(
+        baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot, n_levels,
+        sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot, root_last_slot,
+        moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end, in_processed, in_bytes,
+        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_out,
+        late_root_ptr, late_by_root, late_read_ptr, late_by_read)
+    level_peak += persistent
+    d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
+    for i in range(len(swap_bytes)):
+        d2h_bytes += swap_bytes[i]
+    for j in range(len(in_bytes)):
+        h2d_bytes += in_bytes[j]
+    return (peak_slot, peak, level_peak, op_end, op_start, finish_all[-1], out_start, out_end, in_start, in_end,
+            in_ready, roots, new_free, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment,
+            host_peak, host_peak_s, d2h_bytes, h2d_bytes, overlap_s)
 
 
 @njit(cache=True, nogil=True)
@@ -792,3 +403,159 @@ def summarize(slot_bytes, levels_of_slot, level_starts, persistent, finish_all, 
     level_peak += persistent
     op_end = finish_all[position]
     return peak_slot, level_peak, op_end, op_end - op_duration
+
+
+@njit(cache=True, nogil=True)
+def after_ops(group_tensor, ptr, consumers, position, order, root, tensor_read_ptr, tensor_read_consumer,
+              tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+              tensor_segment, n_keys):
+    """``planning._after_ops`` (which documents it) on ``buffers.RewireTables``: per swap-in group (a
+    tensor's groups consecutive, ``consumers[ptr[k]:ptr[k + 1]]``), the op it must follow."""
+    n_groups = len(group_tensor)
+    if n_groups == 0:
+        return np.zeros(0, np.int64)
+    n_tensors = len(root)
+    # the swapped tensors (sorted, distinct) and each one's first group; their buffers (sorted, distinct)
+    by_tensor = radix_argsort(group_tensor, 0, n_tensors)
+    swapped = np.empty(n_groups, np.int64)
+    first_group = np.empty(n_groups, np.int64)
+    n_swapped = 0
+    for k in range(n_groups):
+        tensor = group_tensor[by_tensor[k]]
+        if n_swapped == 0 or swapped[n_swapped - 1] != tensor:
+            swapped[n_swapped] = tensor
+            first_group[n_swapped] = by_tensor[k]
+            n_swapped += 1
+    swapped = swapped[:n_swapped]
+    roots, root_of_swapped = distinct_sorted(root[swapped], n_tensors)
+    read_tensor = np.empty(len(consumers), np.int64)
+    for k in range(n_groups):
+        for m in range(ptr[k], ptr[k + 1]):
+            read_tensor[m] = group_tensor[k]
+    rewired, _, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
+                                   consumers)
+    root_last, _, cut_ids, cut_last, _, home_ids = _lifetimes(
+        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, rewired,
+        roots, swapped, root_of_swapped)
+    # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the device
+    # until that buffer's last reader, not the original's (which may be done before it exists)
+    n_cut = len(cut_ids)
+    cut_of_id = np.empty(n_keys + 1, np.int64)  # valid where cut_ids[cut_of_id[id]] == id: the first cut
+    for k in range(n_cut - 1, -1, -1):
+        cut_of_id[cut_ids[k]] = k
+    after_slot = np.empty(n_groups, np.int64)
+    for k in range(1, n_groups):  # each later group follows the last consumer of the group before it
+        last = position[consumers[ptr[k - 1]]]
+        for m in range(ptr[k - 1] + 1, ptr[k]):
+            last = max(last, position[consumers[m]])
+        after_slot[k] = last
+    for i in range(n_swapped):  # the first follows the last op still reading its buffer
+        near = root_last[root_of_swapped[i]]
+        if home_ids[i] >= 0:
+            near = cut_last[cut_of_id[home_ids[i]]]
+        after_slot[first_group[i]] = near
+    after = np.empty(n_groups, np.int64)
+    for k in range(n_groups):
+        after[k] = order[after_slot[k]]
+    return after
+
+
+@njit(cache=True, nogil=True)
+def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, threshold, groupby, lb, ub, triggers,
+               producer, levels, position, order, root, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
+               seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+               n_keys, latest_level, latest_op, ancestor_ptr, ancestor_ops, ancestor_levels, ancestor_key, span):
+    """The core of ``planning.plan_swaps`` (which documents the rules): the far reads, grouped per swap-in,
+    groups still read on the device at their first consumer dropped, each group's ``after`` op and
+    trigger. ``edge_order``: the edges by tensor, then their consumer's slot (the reads of a tensor in
+    execution order, so no sort per plan); ``excluded``: reads never far (update-phase readers,
+    ``kept_reads``); ``candidate``: per tensor, whether the rules may swap it; ``triggers``: 0 none
+    (synchronous swap-ins), 1 by level (``latest_*``: per level the latest level at or below it
+    holding a trigger candidate, and that op), 2 among the first consumer's ancestors (the table of
+    ``planning._ancestor_triggers``). Returns the swapped tensors, each group's swap, trigger and
+    ``after`` op, and the groups' reads (CSR)."""
+    n_edges = len(edge_order)
+    far_tensor = np.empty(n_edges, np.int64)
+    far_consumer = np.empty(n_edges, np.int64)
+    n_far = 0
+    for e in edge_order:  # one read per (tensor, consumer): its edges are next to each other here
+        tensor, consumer = edge_tensor[e], edge_consumer[e]
+        if (candidate[tensor] and not excluded[e] and levels[consumer] - levels[producer[tensor]] > threshold
+                and not (n_far and far_tensor[n_far - 1] == tensor and far_consumer[n_far - 1] == consumer)):
+            far_tensor[n_far], far_consumer[n_far] = tensor, consumer
+            n_far += 1
+    far_tensor, far_consumer = far_tensor[:n_far], far_consumer[:n_far]
+    while True:
+        # a new group at each new tensor and (groupby 0) each new level, or once a read lies more than
+        # groupby levels past its group's first
+        ptr = np.empty(n_far + 1, np.int64)
+        n_groups, start_level = 0, 0
+        for k in range(n_far):
+            level = levels[far_consumer[k]]
+            if (k == 0 or far_tensor[k] != far_tensor[k - 1]
+                    or (level != levels[far_consumer[k - 1]] if groupby == 0 else level - start_level > groupby)):
+                ptr[n_groups] = k
+                n_groups += 1
+                start_level = level
+        ptr[n_groups] = n_far
+        ptr = ptr[:n_groups + 1]
+        group_tensor = np.empty(n_groups, np.int64)
+        for k in range(n_groups):
+            group_tensor[k] = far_tensor[ptr[k]]
+        after = after_ops(group_tensor, ptr, far_consumer, position, order, root, tensor_read_ptr,
+                          tensor_read_consumer, tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr,
+                          seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys)
+        # a group whose tensor is still read on the device at or after its first consumer (through an
+        # alias) would gain nothing from a swap-in: drop it and re-derive the rest
+        n_kept = 0
+        for k in range(n_groups):
+            if position[after[k]] < position[far_consumer[ptr[k]]]:
+                for m in range(ptr[k], ptr[k + 1]):
+                    far_tensor[n_kept], far_consumer[n_kept] = far_tensor[m], far_consumer[m]
+                    n_kept += 1
+        if n_kept == n_far:
+            break
+        n_far = n_kept
+        far_tensor, far_consumer = far_tensor[:n_far].copy(), far_consumer[:n_far].copy()
+    trigger = np.full(n_groups, -1, np.int64)
+    for k in range(n_groups if triggers else 0):
+        first = far_consumer[ptr[k]]
+        hi = levels[first] - lb
+        lo = max(levels[first] - ub, levels[producer[group_tensor[k]]] + 1)
+        if hi < 0:
+            continue
+        if triggers == 1:
+            if latest_level[hi] >= lo:
+                trigger[k] = latest_op[hi]
+        else:  # the last ancestor trigger whose level <= hi
+            pick = search_right_in(ancestor_key, 0, len(ancestor_key), first * span + hi) - 1
+            if ancestor_ptr[first] <= pick < ancestor_ptr[first + 1] and ancestor_levels[pick] >= lo:
+                trigger[k] = ancestor_ops[pick]
+        # the trigger must run after the previous copy is released and before the consumer
+        if trigger[k] >= 0 and (position[trigger[k]] <= position[after[k]]
+                                or position[trigger[k]] >= position[first]):
+            trigger[k] = -1
+    swapped = np.empty(n_groups, np.int64)
+    in_swap = np.empty(n_groups, np.int64)
+    n_swapped = 0
+    for k in range(n_groups):  # groups of a tensor are consecutive, tensors ascending
+        if n_swapped == 0 or swapped[n_swapped - 1] != group_tensor[k]:
+            swapped[n_swapped] = group_tensor[k]
+            n_swapped += 1
+        in_swap[k] = n_swapped - 1
+    return swapped[:n_swapped].copy(), in_swap, trigger, after, ptr, far_consumer.copy()
+
+
+# what replay_plan reads of a graph at one batch size on one device: its arguments before the plan's
+_REPLAY_ARGUMENTS = tuple(inspect.signature(replay_plan.py_func).parameters)
+
+
+REPLAY_TABLE_FIELDS = _REPLAY_ARGUMENTS[:_REPLAY_ARGUMENTS.index("swap_tensor")]
+
+
+def replay_tables(**fields) -> tuple:
+    """``replay_plan``'s graph arguments (``REPLAY_TABLE_FIELDS``) from their names, in its order."""
+    if fields.keys() != set(REPLAY_TABLE_FIELDS):
+        apart = sorted(fields.keys() ^ set(REPLAY_TABLE_FIELDS))
+        raise TypeError(f"replay_plan's tables are exactly its fields, got {apart} apart")
+    return tuple(fields[name] for name in REPLAY_TABLE_FIELDS)

@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from simulator.buffers import buffers, rewired_lifetimes
+from simulator import kernels
+from simulator.buffers import buffers, rewire_tables
 from simulator.graph import ORDER_NAMES, GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
@@ -302,31 +303,15 @@ def after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers: 
     """Per swap-in group (groups of a tensor consecutive, in level order): the op it must follow.
 
     The first group follows the last op that still reads the buffer the tensor lives in once the
-    far reads are rewired (its producer at least); each later group follows the last consumer of
-    the group before it.
+    far reads are rewired (its producer at least; a tensor a rewired read carried into a swap-in's
+    buffer is on the device until that buffer's last reader); each later group follows the last
+    consumer of the group before it. Compiled (``kernels.after_ops``; ``plan_swaps`` calls it from
+    its own kernel).
     """
-    n_groups = len(group_tensor)
-    if n_groups == 0:
-        return np.zeros(0, dtype=np.int64)
-    info = buffers(g)
-    position = position_of(g)
-    order = execution_order(g)
-    far_keys = np.repeat(group_tensor, np.diff(ptr)) * g.n_ops + consumers
-    swapped, first_group = np.unique(group_tensor, return_index=True)
-    roots, root_of_swapped = np.unique(info.root[swapped], return_inverse=True)
-    root_last, links, link_last, home_link = rewired_lifetimes(g, roots, far_keys, swapped)
-    near_slot = root_last[root_of_swapped]
-    # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the
-    # device until that buffer's last reader, not the original's (which may be done before it exists)
-    moved = np.flatnonzero(home_link >= 0)
-    if len(moved):
-        by_link = np.argsort(links)
-        near_slot[moved] = link_last[by_link[np.searchsorted(links[by_link], home_link[moved])]]
-    group_last_slot = np.maximum.reduceat(position[consumers], ptr[:-1])
-    after_slot = np.empty(n_groups, dtype=np.int64)
-    after_slot[1:] = group_last_slot[:-1]
-    after_slot[first_group] = near_slot
-    return order[after_slot]
+    tables = rewire_tables(g)
+    return kernels.after_ops(np.asarray(group_tensor, np.int64), np.asarray(ptr, np.int64),
+                             np.asarray(consumers, np.int64), position_of(g), execution_order(g), buffers(g).root,
+                             *tables.arrays(), len(tables.read_keys))
 
 
 # ---------------------------------------------------------------------- the plan by name (plan.json)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from simulator import kernels
+from simulator.buffers import buffers, rewire_tables
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
-from simulator.ordering import (distance_levels, edge_distances, execution_order, n_levels, position_of,
-                                slot_levels_view)
+from simulator.ordering import distance_levels, execution_order, n_levels, position_of, slot_levels_view
 from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES, TRIGGER_POLICIES,  # noqa: F401
                               ParamsError, SwapParams)
 from simulator.plan import Swap, SwapIn, SwapPlan, after_ops, validate_plan  # noqa: F401 -- importable from here too
@@ -149,16 +149,27 @@ def _trigger_depth(ub: int, count: int) -> int:
     return min(depth, max(count, 1))
 
 
-def _group_far_edges(tensor: np.ndarray, level: np.ndarray, groupby: int) -> np.ndarray:
-    """Group id per far edge (edges sorted by tensor, then level): a group spans <= groupby levels."""
-    n = len(tensor)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    if groupby:
-        return kernels.group_far_edges(tensor, level, groupby)
-    new_group = np.ones(n, bool)
-    new_group[1:] = (tensor[1:] != tensor[:-1]) | (level[1:] != level[:-1])
-    return np.cumsum(new_group) - 1
+def _edges_by_tensor_slot(g: OpGraph) -> np.ndarray:
+    """The data edges by tensor, then their consumer's slot (then edge): a tensor's reads in execution
+    order, as the planner walks them (structural, per order)."""
+    return g.cached("edges_by_tensor_slot", lambda graph: np.lexsort(
+        (np.arange(len(graph.edge_tensor)), position_of(graph)[graph.edge_consumer], graph.edge_tensor)),
+        structural=True)
+
+
+def _never_far(g: OpGraph, kept_reads: tuple[tuple[str, str], ...]) -> np.ndarray:
+    """Per data edge: a read no rule moves to a swap-in (an update-phase reader, or a (producer type,
+    consumer type) pair of ``kept_reads``)."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        never = graph.op_phase[graph.edge_consumer] == UPDATE
+        for producer_type, consumer_type in kept_reads:
+            never |= ((graph.op_type[graph.tensor_producer[graph.edge_tensor]] == producer_type)
+                      & (graph.op_type[graph.edge_consumer] == consumer_type))
+        return never
+    return g.cached(("never_far", kept_reads), compute, structural=True)
+
+
+_NO_TABLE = np.zeros(1, np.int64)
 
 
 def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, str], ...] = ()) -> SwapPlan:
@@ -170,83 +181,40 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     from level(c) - lb downward; no valid trigger (or sync "in"/"both") makes it synchronous.
     With ``params.distance == "slot"`` an op's level is its slot in the execution order.
     ``kept_reads`` (``DeviceModel.kept_reads``): (producer type, consumer type) reads that stay on
-    the device whatever their distance.
+    the device whatever their distance. The rules run compiled (``kernels.plan_reads``).
     """
     g = g.with_order(params.order)
     if params.distance == "slot":
         g = slot_levels_view(g)
-    levels = distance_levels(g)
-    distance = edge_distances(g)
-    candidate = _candidate_tensors(g, params)
-    is_far = candidate[g.edge_tensor] & (distance > params.threshold) & (g.op_phase[g.edge_consumer] != UPDATE)
-    for producer_type, consumer_type in kept_reads:
-        is_far &= ~((g.op_type[g.tensor_producer[g.edge_tensor]] == producer_type)
-                    & (g.op_type[g.edge_consumer] == consumer_type))
-    far = np.flatnonzero(is_far)
-    far_tensor = g.edge_tensor[far]
-    far_consumer = g.edge_consumer[far]
-    # one edge per (tensor, consumer): an op reading t twice needs one rewire
-    key = far_tensor * g.n_ops + far_consumer
-    _, unique = np.unique(key, return_index=True)
-    far_tensor, far_consumer = far_tensor[unique], far_consumer[unique]
-    position = position_of(g)
-    by_slot = np.lexsort((position[far_consumer], far_tensor))  # a tensor's far reads in execution order
-    far_tensor, far_consumer = far_tensor[by_slot], far_consumer[by_slot]
-    consumer_level = levels[far_consumer]
-
-    while True:
-        group = _group_far_edges(far_tensor, consumer_level, params.groupby)
-        n_groups = int(group[-1]) + 1 if len(group) else 0
-        group_start = np.searchsorted(group, np.arange(n_groups), side="left")
-        ptr = np.append(group_start, len(group)).astype(np.int64)
-        first_consumer = far_consumer[group_start]
-        group_tensor = far_tensor[group_start]
-        first_level = levels[first_consumer]
-        after = after_ops(g, group_tensor, ptr, far_consumer)
-        # a group whose tensor is still read on the device at or after its first consumer (through
-        # an alias) would gain nothing from a swap-in: drop it and re-derive the rest
-        late = position[after] >= position[first_consumer]
-        if not late.any():
-            break
-        keep = ~np.repeat(late, np.diff(ptr))
-        far_tensor, far_consumer, consumer_level = far_tensor[keep], far_consumer[keep], consumer_level[keep]
-
-    hi = first_level - params.lb
-    lo = np.maximum(first_level - params.ub, levels[g.tensor_producer[group_tensor]] + 1)
-    trigger = np.full(n_groups, -1, dtype=np.int64)
-    if params.sync not in SYNC_IN_MODES and n_groups:
-        if params.trigger == "level":
-            latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
-            found_level = latest_level[np.maximum(hi, 0)]
-            ok = (hi >= 0) & (found_level >= lo)
-            trigger[ok] = latest_op[np.maximum(hi, 0)][ok]
-        else:
-            depth = _trigger_depth(params.ub, n_levels(g))
-            table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth),
-                             structural=True)
-            start, stop = table["ptr"][first_consumer], table["ptr"][first_consumer + 1]
-            # per group, the last ancestor trigger whose level <= hi: one searchsorted over all groups
-            query = first_consumer * table["span"] + hi
-            pick = np.searchsorted(table["key"], query, side="right") - 1
-            ok = (hi >= 0) & (pick >= start) & (pick < stop)
-            pick_level = np.full(n_groups, -1, dtype=np.int64)
-            pick_level[ok] = table["levels"][pick[ok]]
-            ok &= pick_level >= lo
-            trigger[ok] = table["ops"][pick[ok]]
-        # the trigger must run after the previous copy is released and before the consumer
-        runs = position[np.maximum(trigger, 0)]
-        trigger[(trigger >= 0) & ((runs <= position[after]) | (runs >= position[first_consumer]))] = -1
-
-    swapped, in_swap = np.unique(group_tensor, return_inverse=True)
-    sync_out = np.full(len(swapped), params.sync in ("out", "both"))
+    tables = rewire_tables(g)
+    latest_level = latest_op = ancestor_ptr = ancestor_ops = ancestor_levels = ancestor_key = _NO_TABLE
+    span = 0
+    if params.sync in SYNC_IN_MODES:
+        triggers = 0
+    elif params.trigger == "level":
+        triggers = 1
+        latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
+    else:
+        triggers = 2
+        depth = _trigger_depth(params.ub, n_levels(g))
+        table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth),
+                         structural=True)
+        ancestor_ptr, ancestor_ops, ancestor_levels = table["ptr"], table["ops"], table["levels"]
+        ancestor_key, span = table["key"], table["span"]
+    swapped, in_swap, trigger, after, ptr, consumers = kernels.plan_reads(
+        _edges_by_tensor_slot(g), g.edge_tensor, g.edge_consumer, _never_far(g, tuple(kept_reads)),
+        _candidate_tensors(g, params), params.threshold, params.groupby, params.lb, params.ub, triggers,
+        g.tensor_producer, distance_levels(g), position_of(g), execution_order(g), buffers(g).root,
+        *tables.arrays(), len(tables.read_keys), latest_level, latest_op, ancestor_ptr, ancestor_ops,
+        ancestor_levels, ancestor_key, span)
     return SwapPlan(
-        tensor=swapped.astype(np.int64),
-        sync_out=sync_out,
-        in_swap=in_swap.astype(np.int64),
+        tensor=swapped,
+        sync_out=np.full(len(swapped), params.sync in ("out", "both")),
+        in_swap=in_swap,
         in_trigger=trigger,
         in_after=after,
         in_consumer_ptr=ptr,
-        in_consumers=far_consumer.astype(np.int64),
+        in_consumers=consumers,
         order=execution_order(g),
         order_name=g.order,
         graph_fingerprint=g.fingerprint(),

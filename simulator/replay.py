@@ -7,17 +7,19 @@ run; a swap-in allocates when it becomes ready (trigger done, data on the host),
 engine starts its copy later, and its consumers wait for the copy to finish. A swap-in whose trigger
 (or, synchronous, whose consumer's other input) may be fused into its consumer starts after that
 op's own inputs instead, as the rewriter builds it (``simulator.fusion``). Rewiring reads can let an
-op write its output in place (``kernels.account``).
+op write its output in place (``kernel_memory.account``).
 
 Memory is accounted per execution slot: a buffer is live from the slot that allocates it to the
 slot of its last reader; a transfer event at time t counts in the slot running at t. One moment
 is not inside any op: while an op waits for its swap-ins, their buffers are allocated as each
 becomes ready, and a copy out that ends during the wait still holds its buffer until then; a
 slot's figure is the larger of its op's and its wait's (``wait_slots``). Only swapped tensors are
-re-accounted per plan, on top of a cached baseline. The per-plan loops (the plan in slot terms, the
-event pass, the memory accounting) are compiled (``simulator.kernels``, numba): a few tenths of a
-millisecond per replay of a ResNet-50-sized graph, results bit-identical to the numpy replay they
-replaced (tests/test_simulator_golden.py).
+re-accounted per plan, on top of a cached baseline.
+
+A replay is one compiled call (``kernels.replay_plan``, numba) from the plan's arrays to the
+Replay's, on tables built once per graph, batch size and device (``_context``): a little over a
+tenth of a millisecond for ResNet-50 at batch 32 with 474 swaps (README.md), results
+bit-identical to the numpy replay it replaced (tests/test_simulator_golden.py).
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, ranges, rewired_lifetimes,
-                               slot_levels)
+from simulator import kernels
+from simulator.buffers import alloc_slot_bytes, baseline_slot_bytes, buffers, rewire_tables, slot_levels
 from simulator.calibrated import CalibratedDevice
 from simulator.devices import DeviceModel, get_device
-from simulator.fusion import safe_wait_slots
+from simulator.fusion import fusion_tables, safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
-from simulator.kernels import account, prepare, schedule, summarize
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,94 +138,123 @@ def _other_input_slots(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return max1, max1_tensor, max2
 
 
+def _csr(keys: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of ``keys`` grouped by key (each group in index order), and each key's start: row k
+    holds ``by_key[ptr[k]:ptr[k + 1]]``."""
+    by_key = np.argsort(keys, kind="stable")
+    ptr = np.zeros(n_rows + 1, np.int64)
+    np.cumsum(np.bincount(keys, minlength=n_rows), out=ptr[1:])
+    return ptr, by_key.astype(np.int64)
+
+
+def _plan_tables(g: OpGraph) -> dict[str, np.ndarray | int]:
+    """What ``kernels.replay_plan`` reads of the structure (of ``kernels.REPLAY_TABLE_FIELDS``): the
+    buffer analysis with the reads a plan can rewire (``buffers.RewireTables``), the forwards a plan
+    makes possible (grouped by root and by read id), the fusion tables and each read's fusion-safe
+    wait."""
+    def compute(graph: OpGraph) -> dict[str, np.ndarray | int]:
+        info = buffers(graph)
+        tables = rewire_tables(graph)
+        fusion = fusion_tables(graph)
+        max1, max1_tensor, max2 = _other_input_slots(graph)
+        late_root_ptr, late_by_root = _csr(info.late_root, graph.n_tensors)
+        late_read_ptr, late_by_read = _csr(np.searchsorted(tables.read_keys, info.late_key), len(tables.read_keys))
+        # each read's fusion-safe answer as a synchronous swap-in of that read alone (see
+        # kernels._replay_safe_waits), in the per-tensor order of the reads
+        read_tensor = np.repeat(np.arange(graph.n_tensors), np.diff(tables.tensor_read_ptr))
+        nothing = np.full(len(read_tensor), -1, np.int64)
+        read_safe_hit, read_safe_slot = safe_wait_slots(graph, read_tensor, nothing, nothing,
+                                                        np.arange(len(read_tensor) + 1), tables.tensor_read_consumer)
+        named = {
+            "tensor_producer": graph.tensor_producer, "root": info.root, "free_slot": info.free_slot, "max1": max1,
+            "max1_tensor": max1_tensor, "max2": max2,
+            **{name: getattr(tables, name) for name in tables.__dataclass_fields__ if name != "read_keys"},
+            "n_keys": len(tables.read_keys), "late_slot": info.late_slot, "late_out": info.late_out,
+            "late_root_ptr": late_root_ptr, "late_by_root": late_by_root, "late_read_ptr": late_read_ptr,
+            "late_by_read": late_by_read,
+            **{name: getattr(fusion, name) for name in fusion.__dataclass_fields__},
+            "read_safe_hit": read_safe_hit, "read_safe_slot": read_safe_slot}
+        return {name: np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
+                for name, value in named.items()}
+    return g.cached("replay_plan_tables", compute, structural=True)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """A graph at one batch size on one device, as the replay reads it: ``tables`` is what
+    ``kernels.replay_plan`` takes before the plan's arrays."""
+
+    tables: tuple  # kernels.replay_plan's arguments before the plan's
+    levels_of_slot: np.ndarray
+    persistent_bytes: int
+    compute_s: float
+
+
+def _context(g: OpGraph, device: DeviceModel) -> _Context:
+    def compute(graph: OpGraph) -> _Context:
+        duration, finish_plain = graph.cached(("slot_times", device), lambda view: _slot_times(view, device),
+                                              structural=False)
+        levels_of_slot = slot_levels(graph)
+        float_bytes = _float_bytes(graph)
+        persistent = graph.persistent_bytes
+        plain_op_end = finish_plain[position_of(graph)]  # each op's end and start without stalls
+        d2h_seconds = _per_transfer(device.transfer_seconds(float_bytes, "d2h"), graph.n_tensors)
+        h2d_seconds = _per_transfer(device.transfer_seconds(float_bytes, "h2d"), graph.n_tensors)
+        tables = kernels.replay_tables(
+            order=execution_order(graph), position=position_of(graph), duration=duration, finish_plain=finish_plain,
+            plain_op_end=plain_op_end, plain_op_start=plain_op_end - op_seconds(graph, device),
+            # byte figures are whole numbers: the slots' running sums are taken in int64 (exact, as in float64)
+            baseline_bytes=baseline_slot_bytes(graph).astype(np.int64), alloc_bytes=alloc_slot_bytes(graph),
+            levels_of_slot=levels_of_slot, n_levels=int(levels_of_slot.max(initial=-1)) + 1,
+            sorted_levels=graph.order == "cto", persistent=persistent, tensor_bytes=float_bytes,
+            int_bytes=np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
+            d2h_seconds=d2h_seconds, h2d_seconds=h2d_seconds, **_plan_tables(graph))
+        return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0)
+    return g.cached(("replay_context", device), compute, structural=False)
+
+
 def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str = "v100-16gb") -> Replay:
     """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping)."""
     if isinstance(device, str):
         device = get_device(device)
     if plan is not None and plan.order_name != g.order:
         g = g.with_order(plan.order_name)
-    position = position_of(g)
-    duration, finish_plain = g.cached(("slot_times", device), lambda graph: _slot_times(graph, device),
-                                      structural=False)
-    compute_s = float(finish_plain[-1]) if len(finish_plain) else 0.0
-    slot_bytes = baseline_slot_bytes(g)
-    persistent = g.persistent_bytes
-    levels_of_slot = slot_levels(g)
-
     if plan is None or plan.n_swaps == 0:
-        return _result(g, slot_bytes, levels_of_slot, persistent, finish_plain, op_seconds(g, device), compute_s,
-                       host_peak=0, d2h=0, h2d=0, plan=None, outs=(np.zeros(0), np.zeros(0)), ins=(np.zeros(0), np.zeros(0)),
-                       position=position)
-    if plan.graph_fingerprint and plan.graph_fingerprint != g.cached("fingerprint", OpGraph.fingerprint, structural=True):
+        return _unswapped(g, device)
+    fingerprint = g.cached("fingerprint", OpGraph.fingerprint, structural=True)
+    if plan.graph_fingerprint and plan.graph_fingerprint != fingerprint:
         raise GraphError("this plan was made for another graph")
-
-    info = buffers(g)
-    swap_tensor = plan.tensor
-    float_bytes = _float_bytes(g)
-    swap_bytes = float_bytes[swap_tensor]
-    n_swaps, n_ins = plan.n_swaps, plan.n_swap_ins
-    in_tensor = swap_tensor[plan.in_swap]
-    in_bytes = swap_bytes[plan.in_swap]
-    out_duration = _per_transfer(device.transfer_seconds(swap_bytes, "d2h"), n_swaps)
-    in_duration = _per_transfer(device.transfer_seconds(in_bytes, "h2d"), n_ins)
-
-    # ---- when each transfer may start, in slot terms (compiled); a swap-in the rewriter cannot have
-    # wait for an op fused with its consumer starts before that op
-    fused_wait, safe_slot = safe_wait_slots(g, in_tensor, plan.in_trigger, plan.in_after,
-                                            plan.in_consumer_ptr, plan.in_consumers)
-    max1, max1_tensor, max2 = g.cached("other_input_slots", _other_input_slots, structural=True)
-    out_ready_slot, need_slot, trigger_slot, copies_slot, far_keys, roots, swap_root = prepare(
-        position, g.tensor_producer, info.root, g.n_ops, swap_tensor, plan.in_swap, plan.in_trigger, plan.in_after,
-        plan.in_consumer_ptr, plan.in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
-    # far reads rewired per swapped buffer; the original buffer's remaining readers
-    root_last_slot, moved_links, moved_last, home_link = rewired_lifetimes(g, roots, far_keys, swap_tensor)
-
-    # sync swap-out: the first op still reading the buffer after its producer waits for the copy
-    sync_wait = np.full(n_swaps, -1, dtype=np.int64)
-    if plan.sync_out.any():
-        sync_wait = _first_remaining_reader(g, swap_tensor, far_keys, plan.sync_out)
-
-    # ---- discrete-event pass over the few slots that wait for a transfer (compiled)
-    out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue = schedule(
-        finish_plain, out_ready_slot, out_duration, trigger_slot, plan.in_swap, in_duration, need_slot, sync_wait,
-        plan.after_copies_out, copies_slot)
-    in_swap = plan.in_swap
-
-    # ---- device memory per slot: swapped buffers re-accounted, swap-in buffers added (compiled; the
-    # kernel's comments give the rules), and the host's peak
-    (slot_bytes, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots, wait_moment, host_peak,
-     host_peak_s) = account(
-        slot_bytes, alloc_slot_bytes(g), float_bytes, duration, finish_all, position, g.n_ops, out_start, out_end,
-        out_queue, swap_root, home_link, swap_bytes, roots, info.free_slot[roots], root_last_slot, moved_links, moved_last,
-        in_swap, in_ready, in_end, in_bytes, need_slot, plan.in_consumer_ptr, plan.in_consumers, far_keys,
-        info.late_slot, info.late_key, info.late_root, info.late_out)
-    host_peak, host_peak_s = int(host_peak), float(host_peak_s)
-
-    overlap_s = compute_during(finish_all - duration, finish_all, np.concatenate([out_start, in_start]),
-                               np.concatenate([out_end, in_end]))
-    return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
-                   contention_s=device.copy_contention * overlap_s + device.copy_overhead_s * (n_swaps + n_ins),
-                   copy_overlap_s=overlap_s,
-                   host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
-                   outs=(out_start, out_end), ins=(in_start, in_end), position=position,
-                   swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
-                   swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
-                   swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
+    context = _context(g, device)
+    # one compiled call from the plan's arrays to the Replay's (its docstring and kernel_memory.account give the rules)
+    (peak_slot, peak, level_peak, op_end, op_start, finish_s, out_start, out_end, in_start, in_end, in_ready, roots,
+     root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
+     host_peak_s, d2h, h2d, overlap_s) = kernels.replay_plan(
+        *context.tables, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
+        plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out)
+    # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
+    # time that overlaps copies, and copy_overhead_s per copy
+    contention_s = device.copy_contention * overlap_s + device.copy_overhead_s * (plan.n_swaps + plan.n_swap_ins)
+    step_s = finish_s + contention_s
+    return _filled_replay(
+        peak_bytes=int(round(peak)) + context.persistent_bytes, host_peak_bytes=int(host_peak), step_s=step_s,
+        compute_s=context.compute_s, stall_s=max(0.0, step_s - context.compute_s), d2h_bytes=int(d2h),
+        h2d_bytes=int(h2d), n_swap_outs=plan.n_swaps, n_swap_ins=plan.n_swap_ins,
+        persistent_bytes=context.persistent_bytes, peak_level=int(context.levels_of_slot[peak_slot]),
+        level_peak_bytes=level_peak, op_start_s=op_start, op_end_s=op_end, swap_out_start_s=out_start,
+        swap_out_end_s=out_end, swap_in_start_s=in_start, swap_in_end_s=in_end, peak_slot=peak_slot,
+        swapped_roots=roots, swapped_root_free_slot=root_free_slot, swap_in_alloc_slot=in_alloc_slot,
+        swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
+        swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s,
+        copy_overlap_s=overlap_s)
 
 
-def compute_during(slot_start: np.ndarray, slot_end: np.ndarray, start: np.ndarray, end: np.ndarray) -> float:
-    """Compute time of the one compute stream (slots running back to back from ``slot_start`` to
-    ``slot_end``, in order) inside the intervals ``[start[i], end[i]]``, summed over them."""
-    if not len(start) or not len(slot_start):
-        return 0.0
-    done = np.concatenate(([0.0], np.cumsum(slot_end - slot_start)))
-
-    def done_by(t: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(slot_start, t, side="right") - 1
-        inside = np.clip(t - slot_start[np.maximum(k, 0)], 0.0, slot_end[np.maximum(k, 0)] - slot_start[np.maximum(k, 0)])
-        return np.where(k >= 0, done[np.maximum(k, 0)] + inside, 0.0)
-
-    return float(np.sum(done_by(np.asarray(end)) - done_by(np.asarray(start))))
+def _filled_replay(**fields) -> Replay:
+    """``Replay(**fields)`` given every field, without the frozen dataclass's ``__init__`` (which sets
+    each of 30 fields through ``object.__setattr__``: a tenth of a fast replay). A field left out
+    is missing, not defaulted (tests/test_simulator_golden.py reads every one)."""
+    result = object.__new__(Replay)
+    result.__dict__.update(fields)
+    return result
 
 
 def _float_bytes(g: OpGraph) -> np.ndarray:
@@ -246,28 +276,6 @@ def host_free_s(n_swaps: int, in_swap: np.ndarray, in_end: np.ndarray) -> np.nda
     return host_free
 
 
-def _first_remaining_reader(g: OpGraph, tensor: np.ndarray, far_keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Per swapped tensor (where ``mask``): the first slot that still reads it on the device (its
-    reads not rewired to a swap-in; they wait for a synchronous swap-out), or when none does, the
-    slot after its producer's (so the copy frees the buffer before the step goes on); -1 where not
-    ``mask`` or the producer runs last."""
-    position = position_of(g)
-    by_tensor = g.cached("edges_by_tensor", lambda graph: np.argsort(graph.edge_tensor, kind="stable"),
-                         structural=True)
-    waited = np.flatnonzero(mask)
-    edge_tensor = g.edge_tensor[by_tensor]
-    starts = np.searchsorted(edge_tensor, tensor[waited], side="left")
-    stops = np.searchsorted(edge_tensor, tensor[waited], side="right")
-    consumers = g.edge_consumer[by_tensor[ranges(starts, stops)]]
-    owner = np.repeat(np.arange(len(waited)), stops - starts)  # index into ``waited`` of each read
-    kept = ~contains(np.sort(far_keys), tensor[waited][owner] * g.n_ops + consumers)
-    first = position[g.tensor_producer[tensor]] + 1  # no reader left: the slot after the producer's
-    earliest = np.full(len(waited), g.n_ops, dtype=np.int64)
-    np.minimum.at(earliest, owner[kept], position[consumers[kept]])
-    first[waited] = np.where(earliest < g.n_ops, earliest, first[waited])
-    return np.where(mask & (first < g.n_ops), first, -1).astype(np.int64)
-
-
 def _level_starts(g: OpGraph) -> np.ndarray:
     """First slot of each level, in the "cto" order (where slots are sorted by level)."""
     def compute(graph: OpGraph) -> np.ndarray:
@@ -276,28 +284,27 @@ def _level_starts(g: OpGraph) -> np.ndarray:
     return g.cached("level_starts", compute, structural=True)
 
 
-def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, compute_s, *, host_peak, d2h, h2d,
-            plan, outs, ins, position, contention_s=0.0, **details) -> Replay:
-    """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
-    ``op_seconds``); ``contention_s``: what copies sharing the compute's cores add to the step
-    (``DeviceModel.copy_contention`` x the compute time that overlaps copies, and ``copy_overhead_s`` per
-    copy); ``details``: the plan's per-buffer fields (see Replay)."""
+def _unswapped(g: OpGraph, device: DeviceModel) -> Replay:
+    """The Replay of the step without swapping."""
+    duration, finish_plain = g.cached(("slot_times", device), lambda graph: _slot_times(graph, device),
+                                      structural=False)
+    slot_bytes = baseline_slot_bytes(g)
+    levels_of_slot = slot_levels(g)
+    persistent = g.persistent_bytes
+    compute_s = float(finish_plain[-1]) if len(finish_plain) else 0.0
+    nothing = np.zeros(0)
     if len(slot_bytes):
         level_starts = _level_starts(g) if g.order == "cto" else np.zeros(0, np.int64)  # cto: slots by level
-        peak_slot, level_peak, op_end, op_start = summarize(slot_bytes, levels_of_slot, level_starts, persistent,
-                                                            finish_all, position, op_duration)
+        peak_slot, level_peak, op_end, op_start = kernels.summarize(
+            slot_bytes, levels_of_slot, level_starts, persistent, finish_plain, position_of(g), op_seconds(g, device))
         peak_slot = int(peak_slot)
         peak = int(round(slot_bytes[peak_slot])) + persistent
         peak_level = int(levels_of_slot[peak_slot])
-        step_s = float(finish_all[-1]) + contention_s
     else:
-        level_peak, peak, peak_level, step_s = np.zeros(0), persistent, 0, 0.0
+        level_peak, peak, peak_level, peak_slot = np.zeros(0), persistent, 0, 0
         op_end = op_start = np.empty(0)
     return Replay(
-        peak_bytes=peak, host_peak_bytes=host_peak, step_s=step_s, compute_s=compute_s,
-        stall_s=max(0.0, step_s - compute_s), d2h_bytes=d2h, h2d_bytes=h2d,
-        n_swap_outs=0 if plan is None else plan.n_swaps, n_swap_ins=0 if plan is None else plan.n_swap_ins,
-        persistent_bytes=persistent, peak_level=peak_level, level_peak_bytes=level_peak,
-        op_start_s=op_start, op_end_s=op_end, swap_out_start_s=outs[0], swap_out_end_s=outs[1],
-        swap_in_start_s=ins[0], swap_in_end_s=ins[1], peak_slot=peak_slot if len(slot_bytes) else 0, **details,
-    )
+        peak_bytes=peak, host_peak_bytes=0, step_s=compute_s, compute_s=compute_s, stall_s=0.0, d2h_bytes=0,
+        h2d_bytes=0, n_swap_outs=0, n_swap_ins=0, persistent_bytes=persistent, peak_level=peak_level,
+        level_peak_bytes=level_peak, op_start_s=op_start, op_end_s=op_end, swap_out_start_s=nothing,
+        swap_out_end_s=nothing, swap_in_start_s=nothing, swap_in_end_s=nothing, peak_slot=peak_slot)

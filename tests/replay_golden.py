@@ -8,6 +8,17 @@ ones): the test must not depend on TensorFlow or on a capture cache. Plans are t
 parameters, grid points drawn from the tuner's search space (``SearchSpace.for_graph``, seeded) and
 host-room mends of them (``fit_host`` under a host limit below the plan's host peak: keep_tensors).
 Arrays are kept as SHA-256 digests of their dtype, shape and bytes; scalars exactly.
+
+Cases with ``device_overrides`` (30, added after the replay became one compiled call) take a preset
+with copy contention and a per-copy overhead (``DeviceModel.copy_contention``, ``copy_overhead_s``,
+which ``Replay.copy_overlap_s`` and the step time depend on).
+
+Recorded from the reference, never from the code under test: all 427 cases were last written by this
+generator run on the zoo branch at abb83c1 (main 402ec6b, whose replay is per-stage kernels with numpy
+between them and ``compute_during`` in numpy, plus issue 19's in-place rule: every input an output
+could be written into, in input order), from a ``git archive`` of that commit with this file copied in:
+``PYTHONPATH=<copy> python -m tests.replay_golden write``. Its 397 cases agree with the zoo's own
+re-recorded set (86eb635) field for field (they now also hold ``copy_overlap_s``).
 """
 
 from __future__ import annotations
@@ -39,6 +50,10 @@ CASES = (
     ("synthetic250", (32,), ("v100-16gb", "cpu-testbed"), 16),
     ("synthetic250_noskip", (32,), ("v100-16gb",), 12),
 )
+# cases on a preset with copy contention and a per-copy overhead: graph file, batch, device, grid points
+CONTENTION = {"copy_contention": 0.7, "copy_overhead_s": 3e-6}
+CONTENTION_CASES = (("resnet50", 32, "cpu-testbed", 6), ("unet3d_size64", 4, "cpu-testbed", 6),
+                    ("synthetic250", 32, "v100-16gb", 6), ("densenet121", 32, "v100-16gb", 4))
 BENCHMARK_PARAMS = (SwapParams(threshold=20, lb=2, ub=12, groupby=2),
                     SwapParams(threshold=20, lb=2, ub=12, groupby=2, min_bytes=4096))
 PLAN_FIELDS = ("tensor", "sync_out", "in_swap", "in_trigger", "in_after", "in_consumer_ptr", "in_consumers",
@@ -119,13 +134,20 @@ def generate() -> list[dict]:
                 empty = SwapPlan.empty(g)
                 cases.append({"graph": name, "batch": batch, "device": device_name, "params": None,
                               "fields": record(empty, replay(g, None, device))})
+    for seed, (name, batch, device_name, count) in enumerate(CONTENTION_CASES):
+        g = load_graph(name, batch)
+        device = dataclasses.replace(get_device(device_name), **CONTENTION)
+        for params in list(BENCHMARK_PARAMS) + _grid_params(g, count, 5000 + seed):
+            plan = plan_swaps(g, params, kept_reads=device.kept_reads)
+            cases.append({"graph": name, "batch": batch, "device": device_name, "device_overrides": CONTENTION,
+                          "params": params.to_dict(), "fields": record(plan, replay(g, plan, device))})
     return cases
 
 
 def recompute(case: dict) -> dict:
     """The fields of one case with the code as it is now."""
     g = load_graph(case["graph"], case["batch"])
-    device = get_device(case["device"])
+    device = dataclasses.replace(get_device(case["device"]), **case.get("device_overrides", {}))
     if case["params"] is None:
         return record(SwapPlan.empty(g), replay(g, None, device))
     plan = plan_swaps(g, SwapParams.from_dict(case["params"]), kept_reads=device.kept_reads)

@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks.__main__ import main as benchmarks_main
 from benchmarks.common import interleaved_seconds, per_second, write_results
-from benchmarks.reference import ReferenceUnavailable, reference_simulator, speed_row
+from benchmarks.reference import (REFERENCES, ReferenceUnavailable, reference_simulator, reference_simulators,
+                                  speed_row)
 from simulator import SwapParams
 from simulator.synthetic import training_graph
 
@@ -47,12 +48,15 @@ def test_interleaved_rounds_time_every_function():
 
 
 def test_speed_row_times_the_reference_beside_today():
-    """The numpy replay at REFERENCE_COMMIT loads beside today's and gives the same replay."""
+    """The numpy replay (REFERENCES["numpy"]) loads beside today's and gives the same replay. (The
+    compiled reference would compile its kernels on a machine's first run: minutes, not for CI.)"""
     try:
-        reference = reference_simulator()
+        references = reference_simulators(["numpy"])
     except ReferenceUnavailable as error:  # no git history here (an sdist, a shallow clone)
         pytest.skip(str(error))
-    row = speed_row(training_graph(40, batch_size=8), SwapParams(threshold=4, lb=1, ub=4), "v100-16gb", reference, 0.05)
-    assert row["identical"] and row["swaps"] > 0
+    assert reference_simulator(REFERENCES["numpy"][0]) is references["numpy"]  # imported once
+    row = speed_row(training_graph(40, batch_size=8), SwapParams(threshold=4, lb=1, ub=4), "v100-16gb", references,
+                    0.05, repeats=3)
+    assert row["identical_numpy"] and row["swaps"] > 0
     assert row["ms_per_replay"] <= row["ms_per_replay_median"] <= row["ms_per_replay_max"]
-    assert row["ms_per_replay_reference"] > 0 and row["replay_speedup"] > 0
+    assert row["ms_per_replay_numpy"] > 0 and row["replay_speedup_numpy"] > 0 and row["trial_speedup_numpy"] > 0
