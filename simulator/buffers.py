@@ -35,7 +35,9 @@ class Buffers:
     ``late_slot``/``late_key``/``late_root``/``late_out``: forwards that only a later read
     prevents; the op at ``late_slot`` could write ``late_out`` into the buffer of the read
     ``late_key`` (``tensor * n_ops + op``; root ``late_root``) once a plan rewires reads
-    (``kernels.account``).
+    (``kernels.account``). One entry per such input, in input order (consecutive per output):
+    the first a plan makes possible is taken, as TF's kernels try their inputs in order (a softmax
+    gradient's ``dy * softmax`` writes into the swap-in of ``softmax`` when ``dy`` is still read).
     """
 
     root: np.ndarray
@@ -111,23 +113,21 @@ def _analyse(g: OpGraph) -> Buffers:
             slot = int(position[op])
             inputs = inputs_of.get(op, [])
             for out in outputs_of[op]:
-                blocked_by_later_read = -1
+                blocked_by_later_read = []  # in input order: TF tries them in that order
                 for source in inputs:
                     owner = find(source)
                     if (persistent_list[owner] or is_output[owner] or bytes_ab[owner] != bytes_ab[out]
                             or dtype[owner] != dtype[out] or inputs.count(source) > 1):
                         continue
                     if last_list[owner] != slot:  # a later op still reads the buffer
-                        if blocked_by_later_read < 0:
-                            blocked_by_later_read = source
+                        blocked_by_later_read.append(source)
                         continue
                     root_list[out] = owner
                     parent_list[out], link_list[out] = source, op
                     last_list[owner] = max(last_list[owner], last_list[out])
                     break
                 else:
-                    if blocked_by_later_read >= 0:
-                        late.append((slot, blocked_by_later_read, out))
+                    late.extend((slot, source, out) for source in blocked_by_later_read)
         root = np.asarray([find(t) for t in range(n_tensors)], dtype=np.int64)
         buffer_last = np.asarray(last_list, dtype=np.int64)
         parent, link_op = np.asarray(parent_list, dtype=np.int64), np.asarray(link_list, dtype=np.int64)

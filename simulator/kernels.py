@@ -444,17 +444,22 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, duration, finish_all, pos
     # over-predicted two of them by 4.7 %; the two differ only for a copy that ends while the op runs.
     n_late = len(late_slot) if n_roots else 0
     in_place = np.zeros(n_late, np.bool_)
+    placed_out = -1  # an output's candidate inputs are consecutive, in input order: the first possible wins
     for k in range(n_late):
+        if late_out[k] == placed_out:
+            continue
         where = min(_left(roots, late_root[k]), n_roots - 1)
         if (roots[where] == late_root[k] and root_last_slot[where] == late_slot[k]
                 and copy_free_slot[where] <= late_slot[k]):
             in_place[k] = True
+            placed_out = late_out[k]
         elif n_reads:
             where = min(_left(sorted_far_keys, late_key[k]), n_reads - 1)
             source = late_key[k] // n_ops
             if (sorted_far_keys[where] == late_key[k] and in_free_slot[group_of_read[where]] == late_slot[k]
                     and tensor_bytes[source] == tensor_bytes[late_out[k]]):
                 in_place[k] = True
+                placed_out = late_out[k]
     in_place_slot = late_slot[:n_late][in_place]
     in_place_out = late_out[:n_late][in_place]
 
