@@ -684,6 +684,8 @@ class SwapStep:
         self.swap_op = swap_op
         self.batch_size = traced.batch_size
         self.verification = None
+        self.calls = 0  # how often it ran: its first call makes its constants (rewriter.measure)
+        self.constant_bytes: int | None = None  # what its kernels' constants take, once a first call was profiled
         self._model = model
         self._apply_kwargs = dict(apply_kwargs or {})
         self._others: dict[int, SwapStep] = {}
@@ -755,6 +757,7 @@ class SwapStep:
         return int(first.shape[0])
 
     def run_flat(self, *flat):
+        self.calls += 1
         with fixed_grappler_config():
             outputs = self._function(*flat)
         loss = outputs[-1]

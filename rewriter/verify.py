@@ -31,6 +31,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 
+from rewriter import memtrace
 from rewriter.apply import Ancestry
 from rewriter.placement import SWAP_IN_PREFIX
 
@@ -373,11 +374,14 @@ def collect_first_call(fn, *args) -> tuple[Any, list[Any]]:
 
 
 def verify_first_call(step, example=None) -> Verification:
-    """Verify ``step`` on its first call (``apply`` does this), then restore every variable."""
+    """Verify ``step`` on its first call (``apply`` does this), then restore every variable. The call
+    is profiled too: what it leaves allocated are the step's constants (``step.constant_bytes``,
+    ``rewriter.measure``)."""
     flat = step._flat_inputs(*example) if example is not None else step.zeros()
     snapshot = step.snapshot()
     try:
-        _, graphs = collect_first_call(step.run_flat, *flat)
+        (_, graphs), step.constant_bytes = memtrace.call_kept_bytes(
+            lambda *inputs: collect_first_call(step.run_flat, *inputs), *flat)
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host)
