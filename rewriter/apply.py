@@ -46,6 +46,7 @@ from tensorflow.python.eager import context
 from rewriter.capture import (BYPASS_TYPES, SHAPE_TYPES, CaptureError, TracedStep, _nbytes, import_step,
                               rewrite_graph_def, trace_keras_step)
 from rewriter.host_memory import warn_if_pinned_limit_short
+from rewriter.passthrough import passthrough_input, passthrough_ops
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement, resolve as resolve_placement
 from rewriter.step_inputs import planned_step_inputs
 from simulator.devices import ONEDNN_POOL_READS
@@ -179,9 +180,10 @@ class _GraphEditor:
     """The step's GraphDef with name lookups and input resolution through bypassed ops."""
 
     def __init__(self, graph_def: graph_pb2.GraphDef, foldable: frozenset[str] = frozenset(),
-                 previous: dict[str, str] | None = None):
+                 previous: dict[str, str] | None = None, passthrough: dict[str, int] | None = None):
         self.graph_def = graph_def
         self.foldable = foldable
+        self.passthrough = passthrough or {}  # arithmetic Grappler reduces to one input (passthrough_ops)
         self.previous = previous or {}  # op -> the op before it in the order the step is chained in
         self.nodes = {node.name: node for node in graph_def.node}
         # swap-in node -> the tensor it brings back: the fusion walk sees the step as the simulator's
@@ -207,16 +209,21 @@ class _GraphEditor:
         name, index = _parse(ref)
         for _ in range(10_000):
             node = self.nodes.get(name)
-            if node is None or node.op not in BYPASS_TYPES:
+            if node is None or not self.bypassed(node):
                 return name, index
             data = self.data_inputs(node)
             if not data:
                 return name, index
-            pick = index if node.op == "IdentityN" else 0
+            pick = index if node.op == "IdentityN" else self.passthrough.get(name, 0)
             if pick >= len(data):
                 return name, index
             name, index = _parse(data[pick][1])
         return name, index
+
+    def bypassed(self, node) -> bool:
+        """Whether readers of ``node`` read one of its inputs once Grappler has run (Identity-like
+        ops, ``x * 1`` and the like)."""
+        return node.op in BYPASS_TYPES or node.name in self.passthrough
 
     def unswapped(self, ref: str) -> str:
         """The tensor a read of a swap-in stands for (the read itself otherwise)."""
@@ -290,7 +297,7 @@ class _GraphEditor:
         """(node, slot) of every non-bypassed input that reads ``tensor`` (resolved)."""
         found = []
         for node in self.graph_def.node:
-            if node.op in BYPASS_TYPES:
+            if self.bypassed(node):
                 continue
             for slot, ref in self.data_inputs(node):
                 if self.resolve(ref) == tensor:
@@ -415,12 +422,15 @@ def _bypass_identity_n(graph_def: graph_pb2.GraphDef) -> None:
 
 def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placement: Placement, *, swap_op: str,
                    tensor_info: dict[str, tuple[Any, int]], foldable: frozenset[str] = frozenset(),
+                   passthrough: dict[str, int] | None = None,
                    ) -> tuple[graph_pb2.GraphDef, list[AppliedSwap], list[SkippedSwap]]:
     """Return a copy of ``graph_def`` with the plan's swap nodes; raise PlanError on stale names.
 
     ``tensor_info`` maps "op:k" to (dtype, bytes) of the traced step's tensors; ``foldable`` names
     ops Grappler removes (``foldable_ops``), which must not carry a swap-in's control edge: the op
-    before one in the plan's order (or its inputs' producers, without an order) carries it instead.
+    before one in the plan's order (or its inputs' producers, without an order) carries it instead;
+    ``passthrough`` (``passthrough_ops``) the arithmetic it reduces to one input, read through as the
+    capture does.
     """
     edited = graph_pb2.GraphDef()
     edited.CopyFrom(graph_def)
@@ -428,7 +438,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
     runnable = [name for name in plan.get("order", []) if node_op.get(name, "Placeholder") != "Placeholder"]
     # the op the simulator runs after each one (what a synchronous swap-out with no reader left holds)
     next_in_order = dict(zip(runnable, runnable[1:]))
-    editor = _GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)))
+    editor = _GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)), passthrough=passthrough)
     missing: list[str] = []
     skipped: list[SkippedSwap] = []
     todo = []
@@ -569,7 +579,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
     order = runnable
     if order:
         _bypass_identity_n(edited)
-        editor = _GraphEditor(edited, foldable)
+        editor = _GraphEditor(edited, foldable, passthrough=passthrough)
     # run the step in the order the simulator assumed: each op waits for the one before it and, past
     # ops Grappler may remove (taking their control edges along), for every op back to one it keeps
     since_kept: list[str] = []
@@ -797,13 +807,16 @@ def foldable_ops(concrete) -> frozenset[str]:
     """Ops Grappler removes, so a control edge from one would vanish: shape ops and reductions whose
     output has the static shape of their input (the arithmetic optimizer's
     RemoveRedundantReshapeOrBroadcastTo; a gradient's Sum over the axes BroadcastGradientArgs found
-    to be none) and ops computed from constants alone (constant folding: a loss's ``range`` of
-    reduction axes)."""
+    to be none), ops computed from constants alone (constant folding: a loss's ``range`` of
+    reduction axes) and arithmetic it reduces to one operand (``x * 1``: ``rewriter.passthrough``)."""
     found, constant = set(), set()
     for op in concrete.graph.get_operations():  # in creation order: inputs before their readers
         if op.inputs and not op.control_inputs and op.type not in _ALWAYS_READY and not op.op_def.is_stateful \
                 and all(t.op.type == "Const" or t.op.name in constant for t in op.inputs):
             constant.add(op.name)
+            found.add(op.name)
+            continue
+        if passthrough_input(op) is not None:  # x * 1 and the like (rewriter.passthrough)
             found.add(op.name)
             continue
         if op.type in RESHAPE_LIKE | REDUCTIONS and op.inputs and op.outputs:
@@ -893,7 +906,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             raise PlanError(f"the plan asks for a graph rewrite this version does not have: {error}") from None
         rewritten = import_step(graph_def, traced, keep_input_names=True)
     graph_def, applied, skipped = edit_graph_def(graph_def, plan_dict, place, swap_op=chosen_op,
-                                                 tensor_info=_tensor_info(rewritten), foldable=foldable_ops(rewritten))
+                                                 tensor_info=_tensor_info(rewritten), foldable=foldable_ops(rewritten),
+                                                 passthrough=passthrough_ops(rewritten.graph))
     function = import_step(graph_def, traced)
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=plan_dict, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,
