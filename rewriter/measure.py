@@ -5,7 +5,7 @@ step's memory with the placement's method (``rewriter.placement``): on a GPU the
 of the GPU's allocator in requested bytes, beside TensorFlow's ``get_memory_info('GPU:0')['peak']``;
 on the CPU testbed the profiler's memory trace replayed without the swap-out (host) allocations.
 Like ``get_memory_info(...)['peak']`` the figure counts everything resident on the accelerator side during the step (weights, optimizer state, inputs,
-and the constants the step's kernels hold, taken from its first call: ``memtrace.call_kept_bytes``) plus the
+and the constants the step's kernels hold, taken from its first call: ``memtrace.constant_bytes``) plus the
 step's own allocations. By default every variable is restored afterwards, so measuring does not
 train the model.
 
@@ -26,9 +26,9 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from rewriter import memtrace
 from rewriter.gpu import jit_compile_note
 from rewriter.placement import Placement, resolve as resolve_placement
+from rewriter.verify import profiled_first_call
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,12 @@ def _state_bytes(step, flat: list[tf.Tensor]) -> int | None:
 
 
 def _constant_bytes(step, call, flat: list[tf.Tensor]) -> int:
-    """Bytes of the constants the step's kernels hold between calls (``memtrace.call_kept_bytes`` of
+    """Bytes of the constants the step's kernels hold between calls (``memtrace.constant_bytes`` of
     its first call, the call that makes them): taken here when the step has not run yet, else what
     ``rewriter.verify`` took on the first call; 0 for a step that ran before without either."""
     known = getattr(step, "constant_bytes", None)
     if known is None and getattr(step, "calls", None) == 0:
-        _, known = memtrace.call_kept_bytes(call, *flat)
+        _, _, known = profiled_first_call(call, *flat)
         step.constant_bytes = known
     if known is None:
         log.debug("the step's constants are not known (its first call was not profiled): not counted as resident")

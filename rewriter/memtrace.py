@@ -28,7 +28,7 @@ import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 __all__ = ["MemoryPeak", "record_memory_events", "accelerator_peak", "measure_call_peak", "profile_call",
-           "read_xspace", "memory_events", "op_events", "kept_bytes", "call_kept_bytes"]
+           "read_xspace", "memory_events", "op_events", "kept_allocations", "constant_bytes"]
 
 _EVENT_KIND = {"MemoryAllocation": "alloc", "MemoryDeallocation": "free"}
 COLUMNS = ["time_ps", "kind", "addr", "requested_bytes", "allocation_bytes", "tf_op",
@@ -142,35 +142,32 @@ def record_memory_events(fn: Callable[..., Any], *args: Any,
     return memory_events(profile_call(fn, *args, logdir=logdir))
 
 
-def kept_bytes(events: pd.DataFrame) -> int:
-    """Requested bytes a traced call left allocated, less the bytes it freed that were allocated before
-    it (a variable's buffer its update replaced): how much more memory the process holds after it."""
-    live: dict[int, int] = {}
-    freed_before = 0
-    for kind, addr, requested in events[["kind", "addr", "requested_bytes"]].itertuples(index=False, name=None):
+CONSTANT_FOLDED = "__cf__"  # in the names of the constants TensorFlow's runtime constant folding makes
+
+
+def kept_allocations(events: pd.DataFrame) -> pd.DataFrame:
+    """The allocations a traced call did not free (columns ``tf_op``, ``requested_bytes``)."""
+    live: dict[int, tuple[str, int]] = {}
+    for kind, addr, op, requested in events[["kind", "addr", "tf_op", "requested_bytes"]].itertuples(
+            index=False, name=None):
         if kind == "alloc":
-            live[addr] = requested
-        elif live.pop(addr, None) is None:
-            freed_before += requested
-    return sum(live.values()) - freed_before
+            live[addr] = (op, requested)
+        else:
+            live.pop(addr, None)
+    return pd.DataFrame(list(live.values()), columns=["tf_op", "requested_bytes"])
 
 
-def call_kept_bytes(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
-    """Run ``fn(*args)`` once under the profiler: its result, and the bytes the call left allocated
-    beyond its outputs (``kept_bytes``). On a tf.function's first call these are the constants its
-    kernels hold from then on: Grappler's and the runtime's constant folding materialise them then
-    (a loss gradient's tile of the mean's scale, 108 KiB in a 48x48 image loss), outside any later
-    call's trace and outside the step's variables, though they take device memory."""
-    results = []
-
-    def run(*inner: Any) -> Any:
-        results.append(fn(*inner))
-        return results[-1]
-
-    events = memory_events(profile_call(run, *args))
-    outputs = sum(int(t.shape.num_elements()) * t.dtype.size for t in tf.nest.flatten(results[0])
-                  if isinstance(t, tf.Tensor) and t.shape.is_fully_defined() and t.dtype not in (tf.resource, tf.variant))
-    return results[0], max(0, kept_bytes(events) - outputs)
+def constant_bytes(events: pd.DataFrame, constant_ops: set[str]) -> int:
+    """Bytes of the constants a function's first call materialised and keeps: the allocations it did
+    not free made by a ``Const`` node of the graph that ran (``constant_ops``: Grappler's folded
+    constants keep the folded op's name) or by TensorFlow's runtime constant folding (``__cf__`` in the
+    name, made after the graph is partitioned). Its kernels hold them from then on, outside any later
+    call's trace and outside the step's variables, though they take device memory (a 48x48 image
+    loss's mean-gradient tile: 108 KiB). Not every kept allocation is one: a variable whose update
+    replaced its buffer while something still held the old one keeps the new one too."""
+    kept = kept_allocations(events)
+    is_constant = kept["tf_op"].isin(constant_ops) | kept["tf_op"].str.contains(CONSTANT_FOLDED, regex=False)
+    return int(kept.loc[is_constant, "requested_bytes"].sum())
 
 
 OP_EVENT_COLUMNS = ["op", "type", "start_ps", "duration_ps", "thread"]
