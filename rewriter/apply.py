@@ -206,19 +206,27 @@ class _GraphEditor:
 
     def resolve(self, ref: str) -> tuple[str, int]:
         """The tensor really flowing into an input: follow Identity-like ops back to their source."""
+        return self._walk(ref)[0]
+
+    def bypassed_controls(self, ref: str) -> list[str]:
+        """Control inputs of the bypassed ops an input reads through: the capture makes them the
+        reader's own (``capture._reduce``), so the simulator waits for them where the reader waits."""
+        return self._walk(ref)[1]
+
+    def _walk(self, ref: str) -> tuple[tuple[str, int], list[str]]:
         name, index = _parse(ref)
+        controls: list[str] = []
         for _ in range(10_000):
             node = self.nodes.get(name)
             if node is None or not self.bypassed(node):
-                return name, index
+                break
             data = self.data_inputs(node)
-            if not data:
-                return name, index
             pick = index if node.op == "IdentityN" else self.passthrough.get(name, 0)
             if pick >= len(data):
-                return name, index
+                break
+            controls.extend(item[1:] for item in node.input if item.startswith("^"))
             name, index = _parse(data[pick][1])
-        return name, index
+        return (name, index), controls
 
     def bypassed(self, node) -> bool:
         """Whether readers of ``node`` read one of its inputs once Grappler has run (Identity-like
@@ -510,6 +518,9 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
             trigger, after = item.get("trigger"), item.get("after")
             rewired = []
             editor.swapped_reads[in_name] = _tensor_ref(*tensor)
+            # control edges of ops the first consumer reads through (before its reads are rewired)
+            passed_controls = [name for _, ref in editor.data_inputs(editor.nodes[consumers[0]])
+                               for name in editor.bypassed_controls(ref)]
             for consumer in consumers:
                 node = editor.nodes[consumer]
                 slots = [slot for slot, ref in editor.data_inputs(node) if editor.resolve(ref) == tensor]
@@ -530,9 +541,9 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: dict[str, Any], placemen
                     if source != tensor and source[0] != in_name and source[0] in editor.nodes \
                             and source[0] not in controls:
                         controls.append(source[0])
-                for ref in first.input:  # the step's own control edges, as the simulator counts them
-                    name = ref[1:] if ref.startswith("^") else None
-                    if name and name in editor.nodes and name not in controls \
+                # the step's own control edges, as the simulator counts them (those of ops read through too)
+                for name in [ref[1:] for ref in first.input if ref.startswith("^")] + passed_controls:
+                    if name in editor.nodes and name not in controls \
                             and not name.startswith((SWAP_OUT_PREFIX, SWAP_IN_PREFIX)):
                         controls.append(name)
             if after and after not in controls and after != tensor[0]:
