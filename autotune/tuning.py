@@ -34,8 +34,10 @@ HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
 
 
 @dataclass
-class Measurement:
-    """A measured run of the chosen plan (on a GPU, or on the CPU testbed at a smaller batch)."""
+class MeasuredRun:
+    """A measured run of the chosen plan (on a GPU, or on the CPU testbed at a smaller batch), with the
+    prediction for the same batch beside it (``autotune.measured``; one measured step is a
+    ``rewriter.Measurement``)."""
 
     measured_on: str
     batch_size: int
@@ -79,7 +81,7 @@ class TuneResult:
     baseline_replay: Replay
     space: SearchSpace
     max_batch_without_swap: int | None = None
-    measurement: Measurement | None = None
+    measurement: MeasuredRun | None = None
     notes: list[str] = field(default_factory=list)
     # the budget the search held predicted peaks to: the budget less what measured runs showed the
     # simulator misses on this model (``correction``); equal to budget_bytes before any measured run

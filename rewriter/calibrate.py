@@ -1,4 +1,4 @@
-"""Step time you can trust: a device model calibrated from the user's own hardware (DESIGN.md 6).
+"""Step time you can trust: a device model calibrated from the user's own hardware (docs/design.md 4).
 
 ``calibrate(model, batch_sizes=(2, 4))`` runs the model's unswapped training step (the step
 ``rewriter.apply`` builds for an empty plan, serialized as every plan is: one compute stream) at
@@ -47,7 +47,8 @@ from rewriter import memtrace
 from rewriter.apply import PlanError, apply as apply_plan
 from rewriter.capture import CaptureError, capture, synthetic_batch
 from rewriter.placement import GpuPlacement, Placement, resolve as resolve_placement
-from simulator.devices import CalibratedDevice, CalibrationError, DeviceModel, get_device
+from simulator.calibrated import CalibratedDevice, CalibrationError
+from simulator.devices import DeviceModel, get_device
 from simulator.graph import OpGraph
 from simulator.planning import SwapParams, SwapPlan, plan_swaps
 from simulator.replay import Replay, replay

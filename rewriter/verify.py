@@ -32,7 +32,8 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 
 from rewriter import memtrace
-from rewriter.apply import Ancestry
+from rewriter.capture import import_step
+from rewriter.graph_edit import Ancestry
 from rewriter.placement import SWAP_IN_PREFIX
 
 log = logging.getLogger(__name__)
@@ -413,8 +414,6 @@ def verify_first_call(step, example=None) -> Verification:
 def verify(step, x=None, y=None) -> Verification:
     """Re-verify a step: import its GraphDef afresh (so it is optimized again and collected), run it
     once on (x, y) or zeros, and restore every variable. Leaves ``step`` itself untouched."""
-    from rewriter.apply import import_step
-
     function = import_step(step.graph_def, step.traced)
     flat = step._flat_inputs(x, y) if x is not None else step.zeros()
     snapshot = step.snapshot()
