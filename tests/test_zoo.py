@@ -48,7 +48,7 @@ def _measured_peak_bytes(model, entry, plan, graph) -> float:
 
 # The small U-Net was predicted 7-14 % above its measured peak (a non-strict xfail until now) when the suite had
 # turned op determinism on before it: its sparse cross-entropy then folds 32 KiB more of constants, which the
-# prediction counted and the measurement left out (it counts them now: rewriter.measure, memtrace.call_kept_bytes).
+# prediction counted and the measurement left out (it counts them now: rewriter.measure, memtrace.constant_bytes).
 @pytest.mark.tf
 @pytest.mark.parametrize("family", list(SMALL))
 def test_small_model_of_each_family_is_predicted(family):
