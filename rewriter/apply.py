@@ -20,6 +20,7 @@ from rewriter.costs import tensor_nbytes
 from rewriter.graph_edit import SWAP_OPS, AppliedSwap, AppliedSwapIn, SkippedSwap, edit_graph_def  # noqa: F401
 from rewriter.grappler import foldable_ops
 from rewriter.host_memory import warn_if_pinned_limit_short
+from rewriter.passthrough import passthrough_ops
 from rewriter.placement import Placement, resolve as resolve_placement
 from rewriter.step_inputs import planned_step_inputs
 from rewriter.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
@@ -91,7 +92,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
         rewritten = import_step(graph_def, traced, keep_input_names=True)
     graph_def, applied, skipped = edit_graph_def(graph_def, named, place, swap_op=chosen_op,
                                                  tensor_info=_tensor_info(rewritten), foldable=foldable_ops(rewritten),
-                                                 kept_reads=place.kept_reads)
+                                                 kept_reads=place.kept_reads, passthrough=passthrough_ops(rewritten.graph))
     function = import_step(graph_def, traced)
 
     def at_batch(size: int) -> SwapStep:  # names do not depend on the batch size: the same plan, traced again

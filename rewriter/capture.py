@@ -111,7 +111,7 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
     if loss is None:
         raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "
                            "nor took a gradient of a scalar loss (tape.gradient)")
-    return TracedStep(concrete, batch_size, loss.op.name, _optimizer_scope(model.optimizer),
+    return TracedStep(concrete, batch_size, underlying(loss).op.name, _optimizer_scope(model.optimizer),
                       [s.name for s in inputs.x_specs + inputs.y_specs], inputs)
 
 
@@ -233,14 +233,18 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
     reduced = reduce_step(traced.concrete, traced.loss_op)
     paired = {pool for pool, _ in _pool_pairs(reduced)}
     xla = {op.name: xla_scratch.call_scratch_bytes(op) for op in reduced.ops}
+    loop = {op.name: loops.body_working_set_bytes(op, tensor_nbytes, forwarding=FORWARDING_TYPES,
+                                                  aliasing=ALIAS_TYPES | BYPASS_TYPES) for op in reduced.ops}
     sized = {op.name: loops.output_bytes(op, tensor_nbytes) for op in reduced.ops}  # While loops' lists resolved
     return {
         "reduced": reduced,
         "shapes": {op.name: [static_dims(t.shape) for t in op.outputs] for op in reduced.ops},
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
-        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] for op in reduced.ops},
+        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] + loop[op.name]
+                    for op in reduced.ops},
         "xla_scratch": xla,
+        "loop_scratch": loop,
         "workspace": {op.name: onednn.pool_workspace_bytes(op, op.name in paired) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
@@ -340,8 +344,8 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             persistent.append(op.type == "ReadVariableOp" or is_input)
             swappable.append(tensor.dtype.name in SWAPPABLE_DTYPES and not is_input and op.type != "ReadVariableOp")
             alias.append(-1)
-    # kernels' temporaries (rewriter.mixed_precision, rewriter.xla_scratch): an output nothing reads, live
-    # while the op runs
+    # kernels' temporaries (rewriter.mixed_precision, rewriter.xla_scratch) and a loop iteration's
+    # (rewriter.loops): an output nothing reads, live while the op runs
     scratch = []
     for op in ops:
         if one["scratch"][op.name] or two["scratch"][op.name]:
@@ -401,7 +405,8 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             "unresolved_tensors": unresolved, "unswappable": _unswappable(producer, dtype, bytes_ab, names, output, b1),
             "mixed_precision": _mixed_precision_facts(one, scratch, dtype),
             "pool_workspace_bytes": int(sum(one["workspace"].values())),
-            "xla_scratch_bytes": int(sum(one["xla_scratch"].values()))}
+            "xla_scratch_bytes": int(sum(one["xla_scratch"].values())),
+            "loop_working_set_bytes": int(sum(one["loop_scratch"].values()))}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -409,7 +414,7 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
         op_phase=[phase[name] for name in names],
         op_flops_ab=[_linear_fit(one["flops"][n], two["flops"][n], b1, b2) for n in names],
         op_touched_bytes_ab=[_linear_fit(one["touched"][n], two["touched"][n], b1, b2) for n in names],
-        op_forwards_input=[op.type in FORWARDING_TYPES for op in ops],
+        op_forwards_input=[op.type in FORWARDING_TYPES or loops.forwards_inputs(op) for op in ops],
         tensor_producer=producer,
         tensor_output=output,
         tensor_dtype=dtype,
@@ -443,7 +448,8 @@ def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: 
     """What float16 brings (empty without it): tensors, and the kernels' scratch buffers at the first batch."""
     if "float16" not in dtype:
         return {}
-    sizes = [snapshot["scratch"][name] - snapshot["xla_scratch"][name] for name in scratch]
+    sizes = [snapshot["scratch"][name] - snapshot["xla_scratch"][name] - snapshot["loop_scratch"][name]
+             for name in scratch]
     return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": sum(size > 0 for size in sizes),
             "largest_kernel_scratch_bytes": max(sizes, default=0),
             "eigen_half_kernels": mixed_precision.eigen_half_kernels()}

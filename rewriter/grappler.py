@@ -1,7 +1,8 @@
 """What Grappler does to the step, emulated where the tool must know it in advance.
 
 * The capture (``reduce_step``): the ops that really run, with constants and static shapes folded,
-  dead ops dropped and Identity-like ops bypassed (``BYPASS_TYPES``), as Grappler leaves the step.
+  dead ops dropped, Identity-like ops (``BYPASS_TYPES``) and arithmetic reduced to one of its inputs
+  (``rewriter.passthrough``) bypassed, as Grappler leaves the step.
 * The rewrite: ops Grappler removes (``foldable_ops``), so a swap-in's control edge is never put on
   one; and the Grappler configuration a rewritten step runs with (``swap_grappler_config``).
 """
@@ -16,6 +17,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
+from rewriter import passthrough
 from rewriter.step_inputs import CaptureError
 
 # Ops whose output is their input (Grappler removes them): consumers read the input directly.
@@ -27,11 +29,20 @@ RESHAPE_LIKE = frozenset({"Reshape", "Squeeze", "ExpandDims", "BroadcastTo"})
 REDUCTIONS = frozenset({"Sum", "Mean", "Prod", "Max", "Min", "All", "Any"})
 
 
+def passed_on(tensor):
+    """The input a bypassed op passes on as ``tensor``: an Identity-like op's, or the operand of
+    arithmetic Grappler reduces to it (``x * 1``: ``rewriter.passthrough``); None for other ops."""
+    op = tensor.op
+    if op.type in BYPASS_TYPES:
+        return op.inputs[tensor.value_index if op.type == "IdentityN" else 0] if op.inputs else None
+    slot = passthrough.passthrough_input(op)
+    return None if slot is None else op.inputs[slot]
+
+
 def underlying(tensor):
-    """The tensor a bypassed op passes on (itself otherwise)."""
-    while tensor.op.type in BYPASS_TYPES and tensor.op.inputs:
-        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
-        tensor = tensor.op.inputs[index]
+    """The tensor a bypassed op passes on (itself otherwise), through any number of them."""
+    while (source := passed_on(tensor)) is not None:
+        tensor = source
     return tensor
 
 
@@ -84,7 +95,8 @@ def reduce_step(concrete, loss_op: str) -> Reduced:
     if loss_op not in needed:
         raise CaptureError(f"the loss op {loss_op} does not feed the step's outputs or updates")
 
-    kept = [op for op in ops if op.name in needed and op.name not in folded and op.type not in BYPASS_TYPES]
+    kept = [op for op in ops if op.name in needed and op.name not in folded and op.type not in BYPASS_TYPES
+            and passthrough.passthrough_input(op) is None]
     kept_names = {op.name for op in kept}
 
     through: dict[str, frozenset[str]] = {}
@@ -109,10 +121,10 @@ def reduce_step(concrete, loss_op: str) -> Reduced:
         """Like ``kept_sources`` for one tensor: through a bypassed op, only the input it passes on
         (an optimizer's IdentityN must not make each update wait for every gradient)."""
         found: set[str] = set()
-        while tensor.op.type in BYPASS_TYPES and tensor.op.inputs and tensor.op.name not in kept_names:
+        while tensor.op.name not in kept_names and (source := passed_on(tensor)) is not None:
             for parent in tensor.op.control_inputs:
                 found |= kept_sources(parent)
-            tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
+            tensor = source
         return frozenset(found | kept_sources(tensor.op))
 
     inputs: dict[str, list[tuple[int, str, int]]] = {}
@@ -148,13 +160,16 @@ def foldable_ops(concrete) -> frozenset[str]:
     """Ops Grappler removes, so a control edge from one would vanish: shape ops and reductions whose
     output has the static shape of their input (the arithmetic optimizer's
     RemoveRedundantReshapeOrBroadcastTo; a gradient's Sum over the axes BroadcastGradientArgs found
-    to be none) and ops computed from constants alone (constant folding: a loss's ``range`` of
-    reduction axes)."""
+    to be none), ops computed from constants alone (constant folding: a loss's ``range`` of
+    reduction axes) and arithmetic it reduces to one operand (``x * 1``: ``rewriter.passthrough``)."""
     found, constant = set(), set()
     for op in concrete.graph.get_operations():  # in creation order: inputs before their readers
         if op.inputs and not op.control_inputs and op.type not in ALWAYS_READY and not op.op_def.is_stateful \
                 and all(t.op.type == "Const" or t.op.name in constant for t in op.inputs):
             constant.add(op.name)
+            found.add(op.name)
+            continue
+        if passthrough.passthrough_input(op) is not None:  # x * 1 and the like (rewriter.passthrough)
             found.add(op.name)
             continue
         if op.type in RESHAPE_LIKE | REDUCTIONS and op.inputs and op.outputs:

@@ -131,8 +131,11 @@ class KerasStep:
     def __init__(self, model) -> None:
         self._model = model
         self._function = tf.function(lambda x, y: model.train_step((x, y)), autograph=False)
+        self.calls = 0  # its first call makes its constants (rewriter.measure)
+        self.constant_bytes: int | None = None
 
     def __call__(self, x, y):
+        self.calls += 1
         return self._function(x, y)
 
     def snapshot(self) -> "ModelSnapshot":

@@ -11,6 +11,24 @@ element's static shape in the body graph; an element that is a variable read sha
 variable's buffer and counts 0), or from the ``TensorListStack`` that reads it, and a list the
 body passes through unchanged shares its input's buffer.
 
+What the step holds around a loop, as the profiler's trace of the zoo's LSTM and GRU classifiers
+shows it at their peak (the gradient loop's first iteration):
+
+* A loop carries each variable in one buffer: the output of a dense loop variable (the gradient
+  loop's weight-gradient sums, started from ``zeros``) takes the place of its input when the loop
+  reads that input last, as an op writes into an input it is the last to read (``forwards_inputs``).
+  Counted apart, the gradient loop's sums were counted twice (the LSTM: 0.4 MiB).
+* ``ZerosLike`` of a list (the gradient of the input sequence, started from zeros) makes one zero
+  tensor per element: as many bytes as the list (``list_bytes``; 0.25 MiB in the LSTM, counted 0 before).
+* The forward loop's list of the input sequence's elements (its ``TensorListGetItem`` values, kept for
+  the gradient of the input weights) holds the buffers of the sequence's list, which the loop passes
+  through: it shares that list's buffer, so the sequence lives until the gradient loop has popped them.
+* One iteration's own temporaries (a weight gradient's product before it is added to its sum: 0.25
+  MiB in the LSTM, the concatenated gate gradients, ...) are live while the loop runs:
+  ``body_working_set_bytes`` replays the body's ops in order with the buffer rules of the top-level
+  graph (aliases, forwarding into an input read last, loop variables and popped or read list elements
+  already counted, pushed elements counted in their list); ``capture`` adds it as the loop's scratch.
+
 Keras runs its loops with ``parallel_iterations=32``: iterations whose data do not depend on each
 other (the weight-gradient products of the backward loop) run ahead and hold their temporaries at
 once, so the peak depends on thread timing (the same LSTM step measured 11.9-17.0 MiB over five
@@ -36,6 +54,8 @@ WHILE_TYPES = frozenset({"While", "StatelessWhile"})
 PARALLEL_ITERATIONS = 1
 PASS_THROUGH_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot"})
 LIST_SOURCE_TYPES = frozenset({"TensorListFromTensor"})  # lists that copy a dense tensor in
+LIST_READ_TYPES = frozenset({"TensorListGetItem", "TensorListPopBack"})  # dense outputs: a list's own element
+LIST_WRITE_SLOTS = {"TensorListPushBack": 1, "TensorListSetItem": 2}  # the element a list keeps
 UNSWAPPABLE_REASON = ("held in a While loop's TensorList (the per-iteration values its gradient reads back): a "
                       "top-level copy of the list's variant handle does not move the tensors it holds, and the "
                       "loop's own ops are not in the step's top-level graph")
@@ -131,6 +151,27 @@ def _element_bytes(element, nbytes: Callable[[Any], int]) -> int:
     return nbytes(element)
 
 
+def _shared_input(op, k: int, body) -> int | None:
+    """The input of While ``op`` whose buffer its list output ``k`` holds: the same list passed
+    through unchanged, or the elements read from a list the loop passes through (an accumulator of
+    ``TensorListGetItem`` values); None otherwise."""
+    if body is None or k >= len(body.outputs) or k >= len(body.inputs):
+        return None
+    produced = _origin(body.outputs[k])
+    if produced is body.inputs[k]:
+        return k
+    if produced.op.type != "TensorListPushBack":
+        return None
+    element = _origin(produced.op.inputs[1])
+    if element.op.type != "TensorListGetItem":
+        return None
+    read = _origin(element.op.inputs[0])
+    for j, placeholder in enumerate(body.inputs[: len(body.outputs)]):
+        if read is placeholder and _origin(body.outputs[j]) is placeholder:
+            return j
+    return None
+
+
 def while_outputs(op, nbytes: Callable[[Any], int]) -> list[LoopOutput]:
     """What each output of While op ``op`` holds (dense outputs: their static size)."""
     body = _body_graph(op)
@@ -169,8 +210,11 @@ def _list_output(op, k: int, body, trips: int | None, stacked: int | None, nbyte
         return LoopOutput(stacked, kind="list")
     produced = _origin(body.outputs[k])
     source = produced.op
-    if source.type == "Placeholder" and k < len(body.inputs) and produced is body.inputs[k]:
+    shared = _shared_input(op, k, body)
+    if shared == k:
         return LoopOutput(0, shares_input=k, kind="passed through")
+    if shared is not None:
+        return LoopOutput(0, shares_input=shared, kind="elements of a list it reads")
     if source.type == "TensorListPopBack":
         return LoopOutput(0, kind="popped")  # emptied by the loop: its buffers were the forward loop's
     element, count = None, trips
@@ -192,6 +236,25 @@ def list_source_bytes(op, nbytes: Callable[[Any], int]) -> list[int] | None:
     return None
 
 
+def list_bytes(tensor, nbytes: Callable[[Any], int]) -> int | None:
+    """Bytes a list tensor of the step's top-level graph holds (None: not known): a copied-in
+    tensor's, a loop output's (through the lists a loop passes on), or its zeros' (``ZerosLike``)."""
+    tensor = _origin(tensor)
+    op = tensor.op
+    if op.type in LIST_SOURCE_TYPES:
+        return nbytes(op.inputs[0])
+    if op.type in ("TensorListReserve", "EmptyTensorList"):
+        return 0  # no element yet
+    if op.type == "ZerosLike" and op.inputs:
+        return list_bytes(op.inputs[0], nbytes)
+    if op.type in WHILE_TYPES:
+        output = while_outputs(op, nbytes)[tensor.value_index]
+        if output.shares_input is not None:
+            return list_bytes(op.inputs[output.shares_input], nbytes)
+        return output.nbytes
+    return None
+
+
 def output_bytes(op, nbytes: Callable[[Any], int]) -> tuple[list[int], list[str]]:
     """Bytes of every output of ``op`` with loops and lists resolved, and the names of outputs whose
     size stays unknown (variant lists nothing sizes)."""
@@ -202,19 +265,133 @@ def output_bytes(op, nbytes: Callable[[Any], int]) -> tuple[list[int], list[str]
     copied = list_source_bytes(op, nbytes)
     if copied is not None:
         return copied, []
+    if op.type == "ZerosLike" and op.inputs and op.inputs[0].dtype == tf.variant:  # one zero tensor per element
+        held = list_bytes(op.inputs[0], nbytes)
+        return [held or 0], [] if held is not None else [f"{op.name}:0"]
     return [nbytes(t) for t in op.outputs], []
 
 
 def shared_inputs(op) -> dict[int, int]:
-    """Output index -> input index for the lists a While op passes through unchanged."""
+    """Output index -> input index for the lists a While op passes through unchanged, or whose
+    elements it keeps (``_shared_input``)."""
     if op.type not in WHILE_TYPES:
         return {}
     body = _body_graph(op)
-    if body is None:
-        return {}
     shared = {}
     for k, tensor in enumerate(op.outputs):
-        if tensor.dtype == tf.variant and k < len(body.outputs) and k < len(body.inputs):
-            if _origin(body.outputs[k]) is body.inputs[k]:
-                shared[k] = k
+        if tensor.dtype == tf.variant and (j := _shared_input(op, k, body)) is not None:
+            shared[k] = j
     return shared
+
+
+def forwards_inputs(op) -> bool:
+    """Whether ``op``'s outputs may take the buffers of inputs it reads last (``OpGraph.op_forwards_input``):
+    a While loop's, whose variables replace their starting values (module docstring)."""
+    return op.type in WHILE_TYPES
+
+
+def _readiness_order(body) -> list:
+    """The body's ops in the order an executor runs them when each op's newly ready readers run next
+    (TensorFlow's executor runs them inline, depth first): Kahn's algorithm with a stack."""
+    ops = body.get_operations()
+    index = {inner.name: i for i, inner in enumerate(ops)}
+    waiting = [0] * len(ops)
+    readers: list[list[int]] = [[] for _ in ops]
+    for i, inner in enumerate(ops):
+        parents = {index[t.op.name] for t in inner.inputs if t.op.name in index}
+        parents |= {index[c.name] for c in inner.control_inputs if c.name in index}
+        waiting[i] = len(parents)
+        for parent in parents:
+            readers[parent].append(i)
+    stack = [i for i in reversed(range(len(ops))) if waiting[i] == 0]
+    order = []
+    while stack:
+        i = stack.pop()
+        order.append(ops[i])
+        ready = []
+        for reader in readers[i]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+        stack.extend(sorted(ready, reverse=True))
+    return order if len(order) == len(ops) else ops
+
+
+def body_working_set_bytes(op, nbytes: Callable[[Any], int], *, forwarding: frozenset[str],
+                           aliasing: frozenset[str]) -> int:
+    """The most bytes one iteration of While ``op``'s body holds at once beyond what the loop's inputs
+    and outputs count: its ops replayed in the executor's order (``_readiness_order``), each output live
+    from its op to its last reader in the body (a body output to the iteration's end). ``aliasing`` ops
+    share their input's buffer and ``forwarding`` ops write into an input buffer of the same size they
+    read last (a loop variable's too, which costs nothing here). Elements read from a list are the
+    list's (and stay in it); elements pushed into one are counted in it; an element popped from a list
+    the loop's inputs count is freed after its last reader (the lists are counted whole until the loop
+    ends, so the first iteration, where the peak is, holds one element less). 0 for other ops."""
+    body = _body_graph(op) if op.type in WHILE_TYPES else None
+    if body is None:
+        return 0
+    ops = _readiness_order(body)
+    end = len(ops)
+    counted = {body.inputs[k].name for k, t in enumerate(op.inputs)
+               if k < len(body.inputs) and t.dtype == tf.variant and (list_bytes(t, nbytes) or 0) > 0}
+    last_read: dict[str, int] = {}
+    for i, inner in enumerate(ops):
+        for tensor in inner.inputs:
+            last_read[tensor.name] = i
+    for tensor in body.outputs:
+        last_read[tensor.name] = end
+    root: dict[str, str] = {}  # tensor -> the tensor owning its buffer
+    size: dict[str, int] = {}  # owner -> bytes this iteration allocates for it (0: counted elsewhere,
+    # negative: a counted list element this iteration frees)
+    start: dict[str, int] = {}
+    stop: dict[str, int] = {}  # owner -> last position a tensor in its buffer is read
+    locked: set[str] = set()  # owners no op may write into (constants, elements a list still holds)
+
+    def own(tensor, at: int, nbytes_: int, *, writable: bool = True) -> None:
+        root[tensor.name], size[tensor.name], start[tensor.name] = tensor.name, nbytes_, at
+        stop[tensor.name] = max(at, last_read.get(tensor.name, at))
+        if not writable:
+            locked.add(tensor.name)
+
+    def join(tensor, owner: str) -> None:
+        root[tensor.name] = owner
+        stop[owner] = max(stop[owner], last_read.get(tensor.name, -1))
+
+    for i, inner in enumerate(ops):
+        kind = inner.type
+        sources = [root.get(t.name) for t in inner.inputs]
+        names = [t.name for t in inner.inputs]
+        written = LIST_WRITE_SLOTS.get(kind, len(sources))
+        if written < len(sources) and sources[written] is not None:
+            size[sources[written]] = 0  # kept by the list: counted in the loop's output
+            locked.add(sources[written])
+        for k, tensor in enumerate(inner.outputs):
+            if kind in ("Placeholder", "Const"):
+                own(tensor, i, 0, writable=kind == "Placeholder")  # loop variables and constants
+            elif kind in LIST_READ_TYPES and tensor.dtype != tf.variant:
+                popped = kind == "TensorListPopBack" and _origin(inner.inputs[0]).name in counted
+                own(tensor, i, -nbytes(tensor) if popped else 0, writable=popped)
+            elif kind in aliasing | PASS_THROUGH_TYPES and inner.inputs and sources[0 if kind != "IdentityN" else k]:
+                join(tensor, sources[0 if kind != "IdentityN" else k])
+            else:
+                owner = None
+                if kind in forwarding:
+                    owner = next((r for t, r in zip(inner.inputs, sources)
+                                  if r is not None and r not in locked and stop[r] <= i and t.dtype == tensor.dtype
+                                  and nbytes(t) == nbytes(tensor) and names.count(t.name) == 1), None)
+                if owner is not None:
+                    join(tensor, owner)
+                else:
+                    own(tensor, i, nbytes(tensor))
+    delta = [0] * (end + 2)
+    for owner, nbytes_ in size.items():
+        if nbytes_ > 0:
+            delta[start[owner]] += nbytes_
+            delta[stop[owner] + 1] -= nbytes_
+        elif nbytes_ < 0:  # a popped element: freed after its last reader, for the rest of the iteration
+            delta[stop[owner] + 1] += nbytes_
+    peak = live = 0
+    for change in delta:
+        live += change
+        peak = max(peak, live)
+    return int(peak)

@@ -4,7 +4,8 @@
 step's memory with the placement's method (``rewriter.placement``): on a GPU the profiler's trace
 of the GPU's allocator in requested bytes, beside TensorFlow's ``get_memory_info('GPU:0')['peak']``;
 on the CPU testbed the profiler's memory trace replayed without the swap-out (host) allocations.
-Like ``get_memory_info(...)['peak']`` the figure counts everything resident on the accelerator side during the step (weights, optimizer state, inputs) plus the
+Like ``get_memory_info(...)['peak']`` the figure counts everything resident on the accelerator side during the step (weights, optimizer state, inputs,
+and the constants the step's kernels hold, taken from its first call: ``memtrace.constant_bytes``) plus the
 step's own allocations. By default every variable is restored afterwards, so measuring does not
 train the model.
 
@@ -27,6 +28,7 @@ import tensorflow as tf
 
 from rewriter.gpu import jit_compile_note
 from rewriter.placement import Placement, resolve as resolve_placement
+from rewriter.verify import profiled_first_call
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class Measurement:
     ``peak_bytes``: accelerator-side peak in requested bytes (the allocator's chunk bytes on a GPU
     whose profiler trace holds no allocator events); ``allocator_peak_bytes``: the same peak in allocator
     chunk bytes; ``persistent_bytes``: what was resident before the step (weights, optimizer state,
-    inputs; chunk bytes); ``host_peak_bytes``: peak of the swap-out copies (None where not measured);
+    inputs, the step's constants); ``host_peak_bytes``: peak of the swap-out copies (None where not measured);
     ``step_s``: median of ``step_s_all``; ``jit_compile``: whether the model's own ``fit`` compiles
     with XLA (``rewriter.gpu.jit_compile_note``), None without a Keras model.
     """
@@ -103,6 +105,20 @@ def _state_bytes(step, flat: list[tf.Tensor]) -> int | None:
     return state + sum(int(np.prod(t.shape)) * t.dtype.size for t in flat)
 
 
+def _constant_bytes(step, call, flat: list[tf.Tensor]) -> int:
+    """Bytes of the constants the step's kernels hold between calls (``memtrace.constant_bytes`` of
+    its first call, the call that makes them): taken here when the step has not run yet, else what
+    ``rewriter.verify`` took on the first call; 0 for a step that ran before without either."""
+    known = getattr(step, "constant_bytes", None)
+    if known is None and getattr(step, "calls", None) == 0:
+        _, _, known = profiled_first_call(call, *flat)
+        step.constant_bytes = known
+    if known is None:
+        log.debug("the step's constants are not known (its first call was not profiled): not counted as resident")
+        return 0
+    return int(known)
+
+
 def _block(result: Any) -> None:
     for tensor in tf.nest.flatten(result):
         if hasattr(tensor, "numpy"):
@@ -122,6 +138,7 @@ def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placeme
     call, flat = _inputs(step, x, y)
     snapshot = step.snapshot() if restore and hasattr(step, "snapshot") else None
     try:
+        constants = _constant_bytes(step, call, flat)  # the step's first call when it has not run yet
         for _ in range(max(warmup, 1)):  # at least one: the first call optimizes the function
             _block(call(*flat))
         times = []
@@ -129,7 +146,8 @@ def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placeme
             start = time.perf_counter()
             _block(call(*flat))
             times.append(time.perf_counter() - start)
-        reading = place.measure_peak(call, *flat, resident_bytes=_state_bytes(step, flat))
+        state = _state_bytes(step, flat)
+        reading = place.measure_peak(call, *flat, resident_bytes=None if state is None else state + constants)
     finally:
         if snapshot is not None:
             snapshot.restore()

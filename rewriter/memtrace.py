@@ -28,7 +28,7 @@ import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 __all__ = ["MemoryPeak", "record_memory_events", "accelerator_peak", "measure_call_peak", "profile_call",
-           "read_xspace", "memory_events", "op_events"]
+           "read_xspace", "memory_events", "op_events", "kept_allocations", "constant_bytes"]
 
 _EVENT_KIND = {"MemoryAllocation": "alloc", "MemoryDeallocation": "free"}
 COLUMNS = ["time_ps", "kind", "addr", "requested_bytes", "allocation_bytes", "tf_op",
@@ -140,6 +140,34 @@ def record_memory_events(fn: Callable[..., Any], *args: Any,
                          logdir: str | None = None) -> pd.DataFrame:
     """Run ``fn(*args)`` once under the profiler and return its allocator events (see ``profile_call``)."""
     return memory_events(profile_call(fn, *args, logdir=logdir))
+
+
+CONSTANT_FOLDED = "__cf__"  # in the names of the constants TensorFlow's runtime constant folding makes
+
+
+def kept_allocations(events: pd.DataFrame) -> pd.DataFrame:
+    """The allocations a traced call did not free (columns ``tf_op``, ``requested_bytes``)."""
+    live: dict[int, tuple[str, int]] = {}
+    for kind, addr, op, requested in events[["kind", "addr", "tf_op", "requested_bytes"]].itertuples(
+            index=False, name=None):
+        if kind == "alloc":
+            live[addr] = (op, requested)
+        else:
+            live.pop(addr, None)
+    return pd.DataFrame(list(live.values()), columns=["tf_op", "requested_bytes"])
+
+
+def constant_bytes(events: pd.DataFrame, constant_ops: set[str]) -> int:
+    """Bytes of the constants a function's first call materialised and keeps: the allocations it did
+    not free made by a ``Const`` node of the graph that ran (``constant_ops``: Grappler's folded
+    constants keep the folded op's name) or by TensorFlow's runtime constant folding (``__cf__`` in the
+    name, made after the graph is partitioned). Its kernels hold them from then on, outside any later
+    call's trace and outside the step's variables, though they take device memory (a 48x48 image
+    loss's mean-gradient tile: 108 KiB). Not every kept allocation is one: a variable whose update
+    replaced its buffer while something still held the old one keeps the new one too."""
+    kept = kept_allocations(events)
+    is_constant = kept["tf_op"].isin(constant_ops) | kept["tf_op"].str.contains(CONSTANT_FOLDED, regex=False)
+    return int(kept.loc[is_constant, "requested_bytes"].sum())
 
 
 OP_EVENT_COLUMNS = ["op", "type", "start_ps", "duration_ps", "thread"]

@@ -77,13 +77,14 @@ def _conv_dims(op) -> tuple[int, int, int, int, bool] | None:
 
 
 MATMUL_TYPES = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+CONV_GRAD_TYPES = frozenset({"Conv2DBackpropFilter", "Conv2DBackpropInput"})
 FLOAT32_BYTES = 4
 
 
 def kernel_scratch_bytes(op) -> int:
     """Bytes a float16 Conv2D gradient (column buffer) or matrix product (float32 copies) allocates
     while it runs on this CPU (0 for every other op, or where the kernels are oneDNN's or a GPU's)."""
-    if op.type not in MATMUL_TYPES | {"Conv2DBackpropFilter", "Conv2DBackpropInput"} or not op.inputs:
+    if op.type not in MATMUL_TYPES | CONV_GRAD_TYPES or not op.inputs:
         return 0
     dtype = op.outputs[0].dtype
     if dtype not in HALF_TYPES or not eigen_half_kernels():
@@ -112,8 +113,9 @@ def kernel_scratch_bytes(op) -> int:
 def scratch_fit(op, small: int, large: int, b1: int, b2: int) -> tuple[float, float]:
     """``a + b * batch`` of an op's scratch from its two traces. A convolution gradient's column buffer
     does not grow with the batch (its shard count comes from the working-set target; at batch 1 it is
-    one image), so it is the larger trace's, held at every batch; matrix products' copies scale."""
-    if op.type in MATMUL_TYPES:
-        slope = (large - small) / (b2 - b1)
-        return small - slope * b1, slope
-    return float(max(small, large)), 0.0
+    one image), so it is the larger trace's, held at every batch; the rest (matrix products' copies, a
+    loop iteration's temporaries, XLA's batch-independent buffers) is fitted as it was traced."""
+    if op.type in CONV_GRAD_TYPES:
+        return float(max(small, large)), 0.0
+    slope = (large - small) / (b2 - b1)
+    return small - slope * b1, slope

@@ -79,6 +79,13 @@ class Placement:
         name = self.simulator_device
         return () if name is None else get_device(name).kept_reads
 
+    @property
+    def copies_wait_for_compute(self) -> bool:
+        """Whether a copy out waits for a free compute thread (no copy engine of its own): left to
+        the executor, such a copy can run hundreds of ops after its producer (``rewriter.graph_edit``
+        then makes the op after the producer wait for it)."""
+        return False
+
     def is_host_op(self, op_name: str) -> bool:
         return is_swap_out_op(op_name)
 
@@ -144,6 +151,12 @@ class CpuTestbedPlacement(Placement):
     host: str = "/device:CPU:1"
     swap_op: str = "DeepCopy"
     measured_on: str = "cpu-testbed"
+
+    @property
+    def copies_wait_for_compute(self) -> bool:
+        """The testbed's copies are ``DeepCopy`` kernels the executor queues on the same threads as the
+        step, behind the chain of ops it runs inline."""
+        return True
 
     @property
     def single_device(self) -> bool:

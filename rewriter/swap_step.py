@@ -38,6 +38,8 @@ class SwapStep:
         self.swap_op = swap_op
         self.batch_size = traced.batch_size
         self.verification = None
+        self.calls = 0  # how often it ran: its first call makes its constants (rewriter.measure)
+        self.constant_bytes: int | None = None  # what its kernels' constants take, once a first call was profiled
         self._model = model
         self._at_batch = at_batch  # the same plan applied at another batch size (``rewriter.apply`` gives it)
         self._others: dict[int, SwapStep] = {}
@@ -109,6 +111,7 @@ class SwapStep:
         return int(first.shape[0])
 
     def run_flat(self, *flat):
+        self.calls += 1
         with fixed_grappler_config():
             outputs = self._function(*flat)
         loss = outputs[-1]

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 
+from rewriter import memtrace
 from rewriter.capture import import_step
 from rewriter.graph_edit import Ancestry
 from rewriter.placement import SWAP_IN_PREFIX
@@ -373,12 +374,36 @@ def collect_first_call(fn, *args) -> tuple[Any, list[Any]]:
     return result, list(metadata.function_graphs) if metadata is not None else []
 
 
+def constant_nodes(function_graphs) -> set[str]:
+    """Names of the ``Const`` nodes of the graphs a function ran (post-optimization and partition graphs)."""
+    names: set[str] = set()
+    for function in function_graphs:
+        for graph in [*function.partition_graphs, function.post_optimization_graph]:
+            names.update(node.name for node in graph.node if node.op in ("Const", "HostConst"))
+    return names
+
+
+def profiled_first_call(fn, *args) -> tuple[Any, list[Any], int]:
+    """``fn``'s first call with graph collection and the profiler on: its result, the graphs that ran
+    and the bytes of the constants the call materialised (``memtrace.constant_bytes``)."""
+    found = []
+
+    def run(*inputs):
+        found.append(collect_first_call(fn, *inputs))
+        return found[-1]
+
+    space = memtrace.profile_call(run, *args)
+    result, graphs = found[0]
+    return result, graphs, memtrace.constant_bytes(memtrace.memory_events(space), constant_nodes(graphs))
+
+
 def verify_first_call(step, example=None) -> Verification:
-    """Verify ``step`` on its first call (``apply`` does this), then restore every variable."""
+    """Verify ``step`` on its first call (``apply`` does this), then restore every variable. The call
+    is profiled too, for the constants it materialises (``step.constant_bytes``, ``rewriter.measure``)."""
     flat = step._flat_inputs(*example) if example is not None else step.zeros()
     snapshot = step.snapshot()
     try:
-        _, graphs = collect_first_call(step.run_flat, *flat)
+        _, graphs, step.constant_bytes = profiled_first_call(step.run_flat, *flat)
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host)

@@ -1,6 +1,7 @@
 """The model zoo (``benchmarks.zoo``): one small model of each family is captured, and its unswapped
-and one swapped prediction are within 10 % of the CPU testbed's measurement; the zoo's fidelity
-table reads right. ``python -m benchmarks fidelity --zoo`` runs the whole zoo x 7 plans."""
+and one swapped prediction meet the zoo's targets against the CPU testbed's measurement (each within
+10 %, measured never more than 5 % above, their mean error within 2 %); the zoo's fidelity table reads
+right. ``python -m benchmarks fidelity --zoo`` runs the whole zoo x 7 plans."""
 
 from __future__ import annotations
 
@@ -14,9 +15,15 @@ import rewriter
 from benchmarks import fidelity
 from benchmarks.zoo import FAMILIES, SMALL, ZOO
 from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
+from simulator.buffers import buffers
 
 MiB = 2**20
-TOLERANCE = 0.10
+TOLERANCE = 0.10  # the zoo's targets (issue 19; benchmarks.fidelity): every plan within 10 %,
+UNDER = 0.05  # measured never more than 5 % above the prediction (the side of an out-of-memory error),
+MEAN = 0.02  # and a model's plans within 2 % on average (its median over the benchmark's 7 plans)
+PEAK_READINGS = 3  # profiled steps per plan, their median: a loaded testbed delays a swap's host copy
+# now and then, keeping its device buffer longer (mobilenetv3small_32's swapped plan read once 22.3 MiB
+# against 19.8 in every other step)
 # a swap plan of the fidelity benchmark's set: far reads through a swap-in window, grouped, copies out synchronous
 SWAP_PARAMS = SwapParams.from_dict(dict(fidelity.PLANS)["T5 lb2-ub20 g4 sync-out"])
 
@@ -31,20 +38,19 @@ def test_zoo_covers_the_families_users_have():
     assert set(SMALL) == set(FAMILIES)  # the tests below see every family
 
 
-def _measured(model, entry, plan, graph):
+def _measured_peak_bytes(model, entry, plan, graph) -> float:
     x, y = entry.example_batch(model)
     step = rewriter.apply(model, plan, graph=graph, batch_size=entry.batch, verify=False)
-    return rewriter.measure(step, x, y, warmup=1, repeats=1)
+    readings = [rewriter.measure(step, x, y, warmup=1 if k == 0 else 0, repeats=1).peak_bytes
+                for k in range(PEAK_READINGS)]
+    return float(np.median(readings))
 
 
-# The small U-Net is predicted 7-14 % ABOVE its measured peak (the safe side) since the MaxPool workspace
-# was counted (rewriter.onednn); seen on the clean-clone run of 2026-12-01 22:40, not yet diagnosed.
-KNOWN_MISSES = {"unet": "predicted 7-14 % above the measured peak (safe side) since the MaxPool workspace is counted"}
-
-
+# The small U-Net was predicted 7-14 % above its measured peak (a non-strict xfail until now) when the suite had
+# turned op determinism on before it: its sparse cross-entropy then folds 32 KiB more of constants, which the
+# prediction counted and the measurement left out (it counts them now: rewriter.measure, memtrace.constant_bytes).
 @pytest.mark.tf
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN_MISSES[f], strict=False))
-                                    if f in KNOWN_MISSES else f for f in SMALL])
+@pytest.mark.parametrize("family", list(SMALL))
 def test_small_model_of_each_family_is_predicted(family):
     entry = SMALL[family]
     model = entry.build()
@@ -58,11 +64,14 @@ def test_small_model_of_each_family_is_predicted(family):
     rows = []
     for label, plan in plans.items():
         predicted = replay(graph, plan, device).peak_bytes
-        measured = _measured(model, entry, plan, graph).peak_bytes
+        measured = _measured_peak_bytes(model, entry, plan, graph)
         rows.append((label, predicted / MiB, measured / MiB, predicted / measured))
     table = pd.DataFrame(rows, columns=["plan", "predicted_MiB", "measured_MiB", "ratio"])
     print(f"\n{entry.describe()}\n{table.round(3).to_string(index=False)}")
-    assert (abs(table["ratio"] - 1.0) <= TOLERANCE).all(), table.to_string()
+    error = (table["ratio"] - 1.0).abs()
+    assert (error <= TOLERANCE).all(), table.to_string()
+    assert (table["measured_MiB"] <= (1 + UNDER) * table["predicted_MiB"]).all(), table.to_string()
+    assert error.mean() <= MEAN, table.to_string()
 
 
 @pytest.mark.tf
@@ -79,6 +88,23 @@ def test_recurrent_loop_memory_is_counted_and_named_unswappable():
     assert held["bytes"] >= 4 * one_gate_list and "While loop" in held["reason"]
     assert {item["tensor"] for item in held["tensors"]} <= {graph.tensor_name(t) for t in variant}
     np.testing.assert_allclose(sum(item["bytes"] for item in held["tensors"]), held["bytes"])
+    # what the loops hold as they run (rewriter.loops): the gradient of the input sequence starts as
+    # one zero tensor per element, the gradient loop's sums replace their zeros, and one iteration's
+    # temporaries are the loop's scratch
+    names = {graph.tensor_name(t): t for t in range(graph.n_tensors)}
+    zeros = [t for name, t in names.items() if graph.op_type[graph.tensor_producer[t]] == "ZerosLike"
+             and graph.tensor_dtype[t] == "variant"]
+    assert [int(graph.tensor_bytes[t]) for t in zeros] == [seq_len * batch * entry.kwargs["embed"] * 4]
+    loops = [op for op in range(graph.n_ops) if "While" in graph.op_type[op]]
+    gradient_loop = next(op for op in loops if "while_grad" in graph.op_name[op])
+    outputs = [t for t in range(graph.n_tensors) if graph.tensor_producer[t] == gradient_loop]
+    root = buffers(graph).root
+    starts = [t for t in graph.edge_tensor[graph.edge_consumer == gradient_loop]
+              if graph.op_type[graph.tensor_producer[t]] == "Fill"]  # the weight-gradient sums' zeros
+    assert starts and all(any(root[t] == start for t in outputs) for start in starts)
+    scratch = [t for t in outputs if graph.tensor_shape[t] == "(scratch)"]
+    assert len(scratch) == 1 and graph.tensor_bytes[scratch[0]] >= 4 * units * 4 * units  # the recurrent
+    assert graph.meta["loop_working_set_bytes"] > 0  # kernel's gradient product, [units, 4 units] floats
 
 
 def test_zoo_table_summarises_each_model_against_the_targets():
