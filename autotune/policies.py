@@ -146,14 +146,14 @@ class OptunaPolicy:
 
     @staticmethod
     def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int, per_round: int = 12) -> None:
-        """Coordinate descent from the best plan that fits of each sync/order basin, the basins
-        taking turns a few moves at a time, within ``budget`` trials."""
+        """Coordinate descent from the best plan that fits of each sync/order(/recompute) basin, the
+        basins taking turns a few moves at a time, within ``budget`` trials."""
         space = problem.space
         on_grid = [e for e in _study_evaluations(study, problem)
                    if e.feasible and e.params is not None and space.choice(e.params) is not None]
         basins: dict[tuple, Evaluation] = {}
         for evaluation in on_grid:
-            key = (evaluation.params.sync, evaluation.params.order)
+            key = (evaluation.params.sync, evaluation.params.order, evaluation.params.recompute)
             if key not in basins or evaluation.step_s < basins[key].step_s:
                 basins[key] = evaluation
         waiting = sorted(basins, key=lambda key: basins[key].step_s)
@@ -206,7 +206,12 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     order, with each swap-in waiting for the copies out of its trigger's outputs (each tensor then
     comes back right before its reader, and never beside the one copied out before it). Under a
     tight budget, or near the largest batch that fits at all, only such just-in-time plans fit;
-    the search's moves from there try them without that wait."""
+    the search's moves from there try them without that wait.
+    In a space with recomputation, the basins are searched without it and (in the memory-aware
+    order, where the space has it) with the most of it (``SearchSpace.recompute_corners``); then,
+    for asynchronous swapping in each order, every recompute cost in turn, cheapest first: the
+    threshold that fits only grows with the cost, so each search starts where the last one ended
+    (recomputing a little and swapping the rest asynchronously is what keeps the overhead low)."""
     space = problem.space
     middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1,
                 "tensors": space.tensors[0]}
@@ -216,26 +221,62 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     tries = [{**middling, **first}, {**tightest, **first}, {**tightest, **last}]
     tries = [t for k, t in enumerate(tries) if t not in tries[:k]]  # a narrowed space may make two alike
     frontier: list[dict] = []
-    basins = [(0, sync, order) for sync in space.sync for order in space.order]
-    while basins:
-        stage, sync, order = basins.pop(0)
-        base = dict(tries[stage], min_bytes=0, sync=sync, order=order)
-        low, high, best = 0, len(space.threshold) - 1, None
+    corners = space.recompute_corners()
+    orders_with_most = [o for o in space.order if o == "memory"] or list(space.order)
+    basins = [(0, sync, order, corner) for sync in space.sync for corner, orders in zip(corners, (space.order,
+                                                                                               orders_with_most))
+              for order in orders]
+
+    def largest(base: dict, low: int = 0) -> int | None | bool:
+        """The largest threshold index from ``low`` whose plan fits the device (None: none does;
+        False: out of budget)."""
+        high, best = len(space.threshold) - 1, None
         while low <= high:
             middle = (low + high) // 2
             choice = dict(base, threshold=middle)
             if not run(1, choice):
-                return frontier
+                return False
             # on the device alone: a larger threshold swaps less, so it needs more device memory
             # and less host memory; the largest that fits the device is the basin's best hope
             if problem.evaluate(space.params(choice)).excess_bytes <= 0:
                 best, low = middle, middle + 1
             else:
                 high = middle - 1
+        return best
+
+    def sweep_costs() -> bool:
+        """Every recompute cost with asynchronous swaps, in each order; False when out of budget."""
+        for order in space.order:
+            low = 0
+            for cost in range(len(space.recompute_cost)):
+                base = dict(tries[0], min_bytes=0, sync=space.sync[0], order=order,
+                            **dict(corners[-1], recompute_cost=cost))
+                best = largest(base, low)
+                if best is False:
+                    return False
+                if best is not None:
+                    low = best
+                    if problem.evaluate(space.params(dict(base, threshold=best))).feasible:
+                        frontier.append(dict(base, threshold=best))
+        return True
+
+    swept = len(corners) == 1
+    while basins:
+        stage, sync, order, corner = basins.pop(0)
+        if stage and not swept:  # the first stage is done: the costs before the tighter stages
+            swept = True
+            if not sweep_costs():
+                return frontier
+        base = dict(tries[stage], min_bytes=0, sync=sync, order=order, **corner)
+        best = largest(base)
+        if best is False:
+            return frontier
         if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
             frontier.append(dict(base, threshold=best))
         elif stage + 1 < len(tries):
-            basins.append((stage + 1, sync, order))
+            basins.append((stage + 1, sync, order, corner))
+    if not swept:
+        sweep_costs()
     return frontier
 
 
@@ -253,12 +294,12 @@ def _neighbours(problem: TuningProblem, evaluation: Evaluation) -> list[dict]:
         return []
     windowed = centre["sync"] not in SYNC_IN_MODES
     moves: list[tuple[int, dict]] = []
-    for name in (*space.ORDERED, *space.CATEGORICAL):
+    for name in (*space.ordered, *space.categorical):
         if not windowed and name in ("lb", "window"):
             continue
         values = getattr(space, name)
         for index, value in enumerate(values):
-            if name in space.CATEGORICAL:
+            if name in space.categorical:
                 if value != centre[name]:
                     moves.append((1, dict(centre, **{name: value})))
                     if name == "sync" and not windowed and value not in SYNC_IN_MODES:

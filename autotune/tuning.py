@@ -249,16 +249,18 @@ class SwapProbes:
     a probe's search does not depend on the question, only which of its plans count does."""
 
     def __init__(self, graph: OpGraph, budget_bytes: int, device: DeviceModel, *, probe_trials: int = 80,
-                 seed: int | None = 0) -> None:
+                 seed: int | None = 0, recompute: bool = False) -> None:
         self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
-        self.probe_trials, self.seed = probe_trials, seed
+        self.probe_trials, self.seed, self.recompute = probe_trials, seed, recompute
         # batch -> every plan the search evaluated there; None: the step fits without swapping,
         # [] when not even its resident memory fits
         self.evaluations_at: dict[int, list[Evaluation] | None] = {}
 
     def at(self, batch: int) -> list[Evaluation] | None:
         if batch not in self.evaluations_at:
-            problem = TuningProblem(self.graph.with_batch(batch), self.device, self.budget_bytes)
+            graph = self.graph.with_batch(batch)
+            problem = TuningProblem(graph, self.device, self.budget_bytes,
+                                    space=SearchSpace.for_graph(graph, recompute=self.recompute))
             if problem.resident_bytes > self.budget_bytes:
                 found = []
             elif problem.baseline().feasible:
@@ -292,7 +294,8 @@ class SwapProbes:
         see only violated constraints), so those probes carry over; the others are searched again
         when asked."""
         device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
-        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed)
+        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed,
+                           recompute=self.recompute)
         limit = self.device.host_memory_bytes
         for batch, found in self.evaluations_at.items():
             if found is None or all(e.metrics["host_peak_bytes"] <= limit and not (e.params and e.params.keep_tensors)
@@ -434,7 +437,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
     shown = chosen or closest
     plan = problem.plan(shown.params) if shown is not None else None
-    shown_replay = None if shown is None else replay(g, plan, device_model)
+    shown_replay = None if shown is None else replay(problem.graph_for(shown.params), plan, device_model)
     verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and plan.n_swaps),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured)

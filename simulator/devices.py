@@ -46,6 +46,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
+from simulator.recompute import original_name
+
 GiB = 1024**3
 GB = 1e9
 
@@ -280,9 +282,10 @@ class CalibratedDevice(DeviceModel):
         return np.asarray(self.op_seconds_ab, dtype=np.float64).reshape(-1, 2)
 
     def coverage(self, g) -> float:
-        """Share of ``g``'s ops that have a measured time here."""
+        """Share of ``g``'s ops that have a measured time here (a recomputation's clone has its
+        original's, ``simulator.recompute``)."""
         index = self._op_index
-        return sum(name in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
+        return sum(original_name(name) in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
 
     def check_graph(self, g) -> float:
         """Raise ``CalibrationMismatchError`` unless ``g`` is a graph of the calibrated model; return
@@ -305,12 +308,13 @@ class CalibratedDevice(DeviceModel):
 
     def graph_op_seconds(self, g):
         """Per-op time of graph ``g`` at its batch size (indexed like its ops): measured where the
-        calibration saw the op, else the preset's roofline scaled by ``roofline_scale``."""
+        calibration saw the op (a clone costs what its original costs), else the preset's roofline
+        scaled by ``roofline_scale``."""
         import numpy as np
 
         self.check_graph(g)
         index = self._op_index
-        rows = np.fromiter((index.get(name, -1) for name in g.op_name.tolist()), np.int64, g.n_ops)
+        rows = np.fromiter((index.get(original_name(name), -1) for name in g.op_name.tolist()), np.int64, g.n_ops)
         seen = rows >= 0
         ab = self._ab[np.maximum(rows, 0)] if len(self._ab) else np.zeros((g.n_ops, 2))
         measured = np.maximum(ab[:, 0] + ab[:, 1] * float(g.batch_size), 0.0)

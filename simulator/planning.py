@@ -7,6 +7,7 @@ plain data that the replay simulates and the rewriter applies to the real graph 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -17,6 +18,7 @@ from simulator.buffers import buffers, rewired_lifetimes
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.ordering import (categorized_levels, edge_distances, execution_order, n_levels, position_of,
                                 slot_levels_view)
+from simulator.recompute import RECOMPUTE_SCOPES
 
 SYNC_MODES = ("none", "out", "in", "both")
 SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
@@ -39,6 +41,9 @@ TRIGGER_OP_TYPES = frozenset({
 
 class ParamsError(ValueError):
     """Swap parameters that make no sense (lb > ub, non-positive values, unknown modes)."""
+
+
+RECOMPUTE_FIELDS = ("recompute", "recompute_cost", "recompute_per_tensor", "recompute_tensors")
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,17 @@ class SwapParams:
       the memory order sinks) are far.
     keep_tensors: tensors (by name, "op:output") never swapped whatever the rules say; the host-
       room pass (``simulator.host_room``) names there what it keeps on the device for the host's sake.
+    recompute: which ops may be cloned to recompute a tensor for its far readers instead of keeping
+      or swapping it ("none", "cheap": elementwise, activations, normalization, shapes, stateless
+      random; "expensive": convolutions and matrix products too; ``simulator.recompute``). The
+      recomputations are made first (``simulator.recompute_choice.recomputed_graph``) and the swap
+      rules then apply to the graph that holds them.
+    recompute_cost: the most device seconds a recomputation may cost per byte it frees.
+    recompute_per_tensor: per swapped tensor, recompute it instead where the swap costs more: where
+      the plan misses the device budget with its swap-in on the device at the peak, or where the
+      step waits for its swap-in longer than the recomputation takes (the search's per-tensor pass,
+      ``autotune.search.TuningProblem.evaluate``, names them in ``recompute_tensors``).
+    recompute_tensors: tensors (by name) recomputed whatever the cost rule says, when they can be.
     after_copies_out: a swap-in starts only once the op it starts after (its trigger; for a
       synchronous one, the last of its consumer's other inputs) has its own swapped outputs copied
       out, instead of beside those copies: while an op waits for its swap-ins, the buffers its
@@ -90,6 +106,10 @@ class SwapParams:
     distance: str = "level"
     after_copies_out: bool = False
     keep_tensors: tuple[str, ...] = ()
+    recompute: str = "none"
+    recompute_cost: float = math.inf
+    recompute_per_tensor: bool = False
+    recompute_tensors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tensors not in SWAP_SCOPES:
@@ -117,7 +137,16 @@ class SwapParams:
 
         if self.order not in ORDERS:
             raise ParamsError(f"order must be one of {tuple(ORDERS)}, got {self.order!r}")
-        for name in ("include_types", "exclude_types", "exclude_scopes", "keep_tensors"):
+        if self.recompute not in RECOMPUTE_SCOPES:
+            raise ParamsError(f"recompute must be one of {tuple(RECOMPUTE_SCOPES)}, got {self.recompute!r}")
+        cost = math.inf if self.recompute_cost is None else self.recompute_cost  # None: JSON's infinity
+        if isinstance(cost, bool) or not isinstance(cost, (int, float, np.integer, np.floating)) or not cost >= 0:
+            raise ParamsError(f"recompute_cost must be a non-negative number of seconds per byte, got {cost!r}")
+        object.__setattr__(self, "recompute_cost", float(cost))
+        if not isinstance(self.recompute_per_tensor, (bool, np.bool_)):
+            raise ParamsError(f"recompute_per_tensor must be true or false, got {self.recompute_per_tensor!r}")
+        object.__setattr__(self, "recompute_per_tensor", bool(self.recompute_per_tensor))
+        for name in ("include_types", "exclude_types", "exclude_scopes", "keep_tensors", "recompute_tensors"):
             value = getattr(self, name)
             try:
                 items = tuple(value) if not isinstance(value, str) else None
@@ -129,8 +158,21 @@ class SwapParams:
         for name in ("threshold", "lb", "ub", "groupby", "min_bytes"):
             object.__setattr__(self, name, int(getattr(self, name)))
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether these parameters recompute anything (else the swap rules alone make the plan)."""
+        return self.recompute != "none" or bool(self.recompute_tensors)
+
     def to_dict(self) -> dict[str, Any]:
-        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        """JSON-ready; parameters that recompute nothing leave the recompute fields out (they read
+        as before recomputation existed)."""
+        data = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        if not self.recomputes:
+            for name in RECOMPUTE_FIELDS:
+                del data[name]
+        elif math.isinf(self.recompute_cost):
+            data["recompute_cost"] = None
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SwapParams":
@@ -524,6 +566,35 @@ def _group_far_edges(tensor: np.ndarray, level: np.ndarray, groupby: int) -> np.
     return np.cumsum(new_group) - 1
 
 
+def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: np.ndarray, policy: str,
+                    ub: int) -> np.ndarray:
+    """Per request: the latest trigger candidate on a level in ``lo..hi`` (``g``'s levels) that
+    ``policy`` allows for ``first_consumer`` ("ancestor": one of its ancestors, looked up in a table
+    spanning ``ub`` levels; "level": any), -1 where there is none. Swap-ins and recomputations
+    (``simulator.recompute``) take their triggers here."""
+    trigger = np.full(len(first_consumer), -1, dtype=np.int64)
+    if not len(first_consumer):
+        return trigger
+    if policy == "level":
+        latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
+        found_level = latest_level[np.maximum(hi, 0)]
+        ok = (hi >= 0) & (found_level >= lo)
+        trigger[ok] = latest_op[np.maximum(hi, 0)][ok]
+        return trigger
+    depth = _trigger_depth(ub, n_levels(g))
+    table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth), structural=True)
+    start, stop = table["ptr"][first_consumer], table["ptr"][first_consumer + 1]
+    # per request, the last ancestor trigger whose level <= hi: one searchsorted over all of them
+    query = first_consumer * table["span"] + hi
+    pick = np.searchsorted(table["key"], query, side="right") - 1
+    ok = (hi >= 0) & (pick >= start) & (pick < stop)
+    pick_level = np.full(len(first_consumer), -1, dtype=np.int64)
+    pick_level[ok] = table["levels"][pick[ok]]
+    ok &= pick_level >= lo
+    trigger[ok] = table["ops"][pick[ok]]
+    return trigger
+
+
 def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, str], ...] = ()) -> SwapPlan:
     """Apply the swap rules to ``g`` (at its batch size) and return the plan.
 
@@ -578,24 +649,7 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     lo = np.maximum(first_level - params.ub, levels[g.tensor_producer[group_tensor]] + 1)
     trigger = np.full(n_groups, -1, dtype=np.int64)
     if params.sync not in SYNC_IN_MODES and n_groups:
-        if params.trigger == "level":
-            latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
-            found_level = latest_level[np.maximum(hi, 0)]
-            ok = (hi >= 0) & (found_level >= lo)
-            trigger[ok] = latest_op[np.maximum(hi, 0)][ok]
-        else:
-            depth = _trigger_depth(params.ub, n_levels(g))
-            table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth),
-                             structural=True)
-            start, stop = table["ptr"][first_consumer], table["ptr"][first_consumer + 1]
-            # per group, the last ancestor trigger whose level <= hi: one searchsorted over all groups
-            query = first_consumer * table["span"] + hi
-            pick = np.searchsorted(table["key"], query, side="right") - 1
-            ok = (hi >= 0) & (pick >= start) & (pick < stop)
-            pick_level = np.full(n_groups, -1, dtype=np.int64)
-            pick_level[ok] = table["levels"][pick[ok]]
-            ok &= pick_level >= lo
-            trigger[ok] = table["ops"][pick[ok]]
+        trigger = latest_triggers(g, first_consumer, lo, hi, params.trigger, params.ub)
         # the trigger must run after the previous copy is released and before the consumer
         runs = position[np.maximum(trigger, 0)]
         trigger[(trigger >= 0) & ((runs <= position[after]) | (runs >= position[first_consumer]))] = -1
