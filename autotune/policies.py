@@ -207,9 +207,10 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     comes back right before its reader, and never beside the one copied out before it). Under a
     tight budget, or near the largest batch that fits at all, only such just-in-time plans fit;
     the search's moves from there try them without that wait.
-    In a space with recomputation, the basins are searched without it and (in the memory-aware
-    order, where the space has it) with the most of it (``SearchSpace.recompute_corners``); then,
-    for asynchronous swapping in each order, every recompute cost in turn, cheapest first: the
+    In a space with recomputation, the basins are searched without it and (swapping asynchronously
+    or with the next op waiting for the copy out) with the most of it
+    (``SearchSpace.recompute_corners``); then, where the most of it fits there, for
+    asynchronous swapping in each order, every recompute cost in turn, cheapest first: the
     threshold that fits only grows with the cost, so each search starts where the last one ended
     (recomputing a little and swapping the rest asynchronously is what keeps the overhead low)."""
     space = problem.space
@@ -222,10 +223,12 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     tries = [t for k, t in enumerate(tries) if t not in tries[:k]]  # a narrowed space may make two alike
     frontier: list[dict] = []
     corners = space.recompute_corners()
-    orders_with_most = [o for o in space.order if o == "memory"] or list(space.order)
-    basins = [(0, sync, order, corner) for sync in space.sync for corner, orders in zip(corners, (space.order,
-                                                                                               orders_with_most))
-              for order in orders]
+    # with the most recomputation, asynchronous swaps and swap-outs the next op waits for (what the
+    # largest sizes took); the synchronous swap-ins ("in", "both") only without it
+    syncs_with_most = [sync for sync in space.sync if sync in (space.sync[0], "out")]
+    basins = [(0, sync, order, corner) for sync in space.sync for corner, syncs in zip(corners, (space.sync,
+                                                                                              syncs_with_most))
+              if sync in syncs for order in space.order]
 
     def largest(base: dict, low: int = 0) -> int | None | bool:
         """The largest threshold index from ``low`` whose plan fits the device (None: none does;
@@ -261,11 +264,12 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
         return True
 
     swept = len(corners) == 1
+    most_fits = False  # with the most recomputation, a first-stage plan fits: less may fit too
     while basins:
         stage, sync, order, corner = basins.pop(0)
         if stage and not swept:  # the first stage is done: the costs before the tighter stages
             swept = True
-            if not sweep_costs():
+            if most_fits and not sweep_costs():
                 return frontier
         base = dict(tries[stage], min_bytes=0, sync=sync, order=order, **corner)
         best = largest(base)
@@ -273,9 +277,10 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
             return frontier
         if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
             frontier.append(dict(base, threshold=best))
+            most_fits |= corner is not corners[0]
         elif stage + 1 < len(tries):
             basins.append((stage + 1, sync, order, corner))
-    if not swept:
+    if not swept and most_fits:
         sweep_costs()
     return frontier
 

@@ -21,6 +21,8 @@ import pandas as pd
 from autotune import plots
 from autotune.inputs import format_bytes
 
+RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
+
 
 @dataclass
 class Section:
@@ -56,9 +58,11 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     shown = result.shown
     sections = []
     verdict = [f"**{result.verdict.headline}**"]
-    if result.feasible and result.plan is not None and result.plan.changes_step:
+    if result.feasible and result.plan is not None and (result.plan.changes_step or result.recomputes):
         how = (f"swaps {result.plan.n_swaps} tensors" if result.plan.n_swaps else
                f"swaps nothing, runs the ops in the `{result.plan.order_name}` order,")
+        if result.recomputes:
+            how += f", recomputes {len(result.recomputes)}" + ("," if not result.plan.n_swaps else "")
         verdict.append(f"The plan {how} and brings the predicted peak from "
                        f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
                        f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
@@ -104,6 +108,9 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
             ("device -> host", "0", format_bytes(shown.metrics["d2h_bytes"]) if shown else "n/a"),
             ("host -> device", "0", format_bytes(shown.metrics["h2d_bytes"]) if shown else "n/a"),
             ("host memory for swapped tensors", "0", format_bytes(shown.metrics["host_peak_bytes"]) if shown else "n/a")]
+    if summary["recomputes"]:
+        rows += [("recomputed tensors", "0", f"{len(summary['recomputes'])} ({format_bytes(summary['recomputed_bytes'])})"),
+                 ("recomputation time", "0", _seconds(summary["predicted_recompute_s"]))]
     label = "with the plan" if result.feasible else "closest plan"
     predicted = pd.DataFrame(rows, columns=["predicted", "without swapping", label])
     params = pd.DataFrame(sorted((k, _listed(v) if isinstance(v, list) else str(v))
@@ -112,6 +119,19 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model."],
                             [predicted] + ([params] if len(params) else []),
                             [n for n in ("memory_timeline.png", "pareto_front.png") if n in images]))
+
+    if summary["recomputes"]:
+        recomputed = pd.DataFrame(summary["recomputes"][:RECOMPUTES_SHOWN])
+        recomputed["bytes"] = recomputed["bytes"].map(format_bytes)
+        recomputed["seconds"] = recomputed["seconds"].map(_seconds)
+        more = len(summary["recomputes"]) - RECOMPUTES_SHOWN
+        sections.append(Section("Recomputation", [
+            f"Instead of being kept or swapped, {len(summary['recomputes'])} tensors "
+            f"({format_bytes(summary['recomputed_bytes'])}) are freed after their near readers and recomputed by "
+            f"clones of the forward ops that made them, shortly before their far readers, in "
+            f"{_seconds(summary['predicted_recompute_s'])} of extra compute (counted in the overhead)."
+            + (f" The largest {RECOMPUTES_SHOWN} (summary.json lists all):" if more > 0 else "")],
+            [recomputed.rename(columns={"ops": "ops cloned", "consumers": "far readers"})]))
 
     m = result.measurement
     if m is not None:

@@ -103,11 +103,14 @@ class SearchSpace:
 
     def recompute_corners(self) -> list[dict[str, Any]]:
         """Starting points for the recompute parameters (grid choices): none, and the most (the last
-        class and cost); one empty choice in a space that does not vary them."""
+        class, the last finite cost: recomputing whatever it costs clones long chains again and
+        again, whose outputs then take more memory than they free); one empty choice in a space
+        that does not vary them."""
         if not self.recomputes:
             return [{}]
+        finite = [k for k, cost in enumerate(self.recompute_cost) if math.isfinite(cost)]
         least = {"recompute": self.recompute[0], "recompute_cost": 0, "recompute_per_tensor": self.recompute_per_tensor[0]}
-        most = {"recompute": self.recompute[-1], "recompute_cost": len(self.recompute_cost) - 1,
+        most = {"recompute": self.recompute[-1], "recompute_cost": finite[-1] if finite else len(self.recompute_cost) - 1,
                 "recompute_per_tensor": self.recompute_per_tensor[0]}
         return [least, most] if most != least else [least]
 

@@ -24,7 +24,8 @@ from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, predicted
 from simulator import BACKWARD, DeviceModel, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
-from simulator.replay import Replay
+from simulator.recompute import Recompute, clone_name
+from simulator.replay import Replay, op_seconds
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,26 @@ class TuneResult:
     search_budget_bytes: int | None = None
     correction: PeakCorrection = field(default_factory=PeakCorrection)
     verdict: Verdict | None = None
+    # the step the plan is made on: ``graph`` with the plan's recomputations (``recomputes``), else ``graph``
+    plan_graph: OpGraph | None = None
+    recomputes: list[Recompute] = field(default_factory=list)
 
     @property
     def feasible(self) -> bool:
         return self.chosen is not None
+
+    def recomputed(self) -> list[dict[str, Any]]:
+        """The plan's recomputations: tensor, its bytes, the ops cloned, their seconds on the
+        device, the far readers served, largest first."""
+        if not self.recomputes:
+            return []
+        g = self.plan_graph if self.plan_graph is not None else self.graph
+        index, ops = g.tensor_index(), g.op_index()
+        seconds = op_seconds(g, self.device)
+        rows = [{"tensor": action.tensor, "bytes": int(g.tensor_bytes[index[action.tensor]]), "ops": len(action.ops),
+                 "seconds": float(sum(seconds[ops[clone_name(op, k)]] for op in action.ops)),
+                 "consumers": len(action.consumers)} for k, action in enumerate(self.recomputes)]
+        return sorted(rows, key=lambda row: -row["bytes"])
 
     @property
     def params(self):
@@ -141,6 +158,9 @@ class TuneResult:
             "predicted_h2d_bytes": None if shown is None else int(shown.metrics["h2d_bytes"]),
             "predicted_host_peak_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
             "excess_bytes": None if shown is None else max(0, shown.excess_bytes),
+            "recomputes": self.recomputed(),
+            "recomputed_bytes": sum(row["bytes"] for row in self.recomputed()),
+            "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),
             "swaps": 0 if self.plan is None else self.plan.n_swaps,
             "swap_ins": 0 if self.plan is None else self.plan.n_swap_ins,
             "trials": len(self.evaluations),
@@ -305,16 +325,21 @@ class SwapProbes:
 
 
 def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel, *, max_overhead: float | None,
-                            probe_trials: int = 80, seed: int | None = 0) -> tuple[int, list[Evaluation]]:
+                            probe_trials: int = 80, seed: int | None = 0,
+                            recompute: bool = False) -> tuple[int, list[Evaluation]]:
     """The largest batch for which the search finds a plan that fits (and, if given, whose
     simulated overhead stays under ``max_overhead``), and the plans that did there (none when the
     step fits without swapping)."""
-    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed).largest(max_overhead)
+    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed,
+                      recompute=recompute).largest(max_overhead)
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
-                   sampler: str, seed: int | None) -> str:
+                   sampler: str, seed: int | None, recompute: bool = False) -> str:
+    """A study's default name; searches with and without recomputation keep theirs apart (a
+    swap-only search keeps the name it had before recomputation existed)."""
     key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
+    key += "|recompute" if recompute else ""
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
@@ -366,8 +391,12 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
                memory: int | None = None, policy: str = "optuna", sampler: str = "tpe", trials: int | None = 200,
                timeout_s: float | None = None, seed: int | None = 0, storage: str | None = None,
                study_name: str | None = None, maximize_batch: bool = False, max_overhead: float | None = None,
-               progress: bool = False, correction: PeakCorrection | None = None, measured: bool = False) -> TuneResult:
+               progress: bool = False, correction: PeakCorrection | None = None, measured: bool = False,
+               recompute: bool = False) -> TuneResult:
     """Search swap parameters for ``graph`` by simulation (no TensorFlow needed).
+
+    ``recompute``: the search may also recompute tensors instead of keeping or swapping them
+    (``SearchSpace.for_graph(recompute=True)``); else it swaps only.
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
@@ -391,7 +420,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     no_swap_max = max_batch_without_swap(g, budget, device_model)
     found: list[Evaluation] = []  # plans the batch search found at the batch it picked
     if maximize_batch:
-        best_batch, found = largest_batch_with_swap(g, budget, device_model, max_overhead=max_overhead, seed=seed)
+        best_batch, found = largest_batch_with_swap(g, budget, device_model, max_overhead=max_overhead, seed=seed,
+                                                    recompute=recompute)
         cap = "" if max_overhead is None else f" with a simulated overhead of at most {max_overhead:.0%}"
         if best_batch == 0:
             notes.append(f"not even batch 1 fits with swapping{cap}: the report is of batch 1")
@@ -399,7 +429,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         else:
             notes.append(f"largest batch that fits{cap}: {best_batch} (without swapping: {no_swap_max})")
         g = g.with_batch(best_batch)
-    problem = TuningProblem(g, device_model, budget)
+    problem = TuningProblem(g, device_model, budget, space=SearchSpace.for_graph(g, recompute=recompute))
     baseline = problem.baseline()
     lower_bound = peak_lower_bound_bytes(g)
     if g.persistent_bytes <= budget < lower_bound:
@@ -407,7 +437,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
-    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed)
+    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute)
     study = open_study(storage, name, g, problem.space)
     if baseline.feasible:
         notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"
@@ -437,7 +467,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
     shown = chosen or closest
     plan = problem.plan(shown.params) if shown is not None else None
-    shown_replay = None if shown is None else replay(problem.graph_for(shown.params), plan, device_model)
+    plan_graph = problem.graph_for(None if shown is None else shown.params)
+    shown_replay = None if shown is None else replay(plan_graph, plan, device_model)
     verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and plan.n_swaps),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured)
@@ -447,7 +478,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         evaluations=outcome_evaluations, study=study, plan=plan,
         replay=shown_replay, baseline_replay=replay(g, None, device_model),
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,
-        correction=correction, verdict=verdict,
+        correction=correction, verdict=verdict, plan_graph=plan_graph,
+        recomputes=problem.recomputes(None if shown is None else shown.params),
     )
 
 

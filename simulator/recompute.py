@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from simulator.graph import BACKWARD, GraphError, OpGraph
+from simulator.ordering import categorized_levels
 
 CLONE_MARK = "/recompute_"
 
@@ -265,3 +266,19 @@ def inputs_of(g: OpGraph) -> list[list[tuple[int, int]]]:
 def recomputed_tensors(g: OpGraph) -> list[dict[str, Any]]:
     """The recomputations a transformed graph holds (``with_recomputes`` notes them in its meta)."""
     return list(g.meta.get("recomputes", []))
+
+
+def original_levels(g: OpGraph, transformed: OpGraph) -> np.ndarray:
+    """Per op of ``transformed`` (``g`` with recomputations): the level in ``g`` it stands for, its
+    own for an original op, its action's first far reader's for a clone. Plots of the two graphs'
+    memory share an axis this way (the clones shift the backward pass's levels)."""
+    levels = categorized_levels(g)
+    index = g.op_index()
+    first_reader = [min(int(levels[index[name]]) for name in action["consumers"])
+                    for action in recomputed_tensors(transformed)]
+    found = np.empty(transformed.n_ops, dtype=np.int64)
+    found[:g.n_ops] = levels
+    for op in range(g.n_ops, transformed.n_ops):
+        k = int(str(transformed.op_name[op]).rpartition(CLONE_MARK)[2])
+        found[op] = first_reader[k]
+    return found
