@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -194,6 +195,14 @@ def _unet_sizes(plain_voxels: int, swapped_voxels: int, device, budget: int, rew
     return check
 
 
+def _reason(error: Exception) -> str:
+    """The line of a Keras error that says why (its first line names only the layer)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    specific = [line for line in lines[1:] if not line.startswith(("Arguments received", "•"))]
+    return (specific[0] if specific else lines[0] if lines else type(error).__name__)[:300]
+
+
 def remat_baselines(device_name: str, names: tuple[str, ...] = ("resnet50", "unet3d")) -> list[dict]:
     """Keras' RematScope modes on the same simulator: the model built inside the scope, captured,
     its largest batch without swapping, and what its recomputation costs there (compute against the
@@ -214,8 +223,9 @@ def remat_baselines(device_name: str, names: tuple[str, ...] = ("resnet50", "une
             try:
                 graph = captured_graph(name, remat=mode, **kwargs)
             except CaptureError as error:
-                row["error"] = str(error).split(" (the step is traced")[0][:300]
+                row["error"] = _reason(error)
                 rows.append(row)
+                print(json.dumps(row, default=str), flush=True)
                 continue
             batch = max_batch_without_swap(graph, budget, device)
             overhead = np.nan

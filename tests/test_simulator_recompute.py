@@ -315,3 +315,33 @@ def test_search_with_recomputation_beats_swapping_alone_where_the_link_is_slow()
     assert both.step_s < swap_only.step_s
     assert both.metrics["overhead"] == pytest.approx(both.step_s / swap_only.metrics["compute_s"] - 1)
     assert both.metrics["compute_s"] == swap_only.metrics["compute_s"]  # the step as captured
+
+
+def test_summary_report_and_plot_list_the_recomputations(tmp_path):
+    """summary.json gives the recomputed tensors, their bytes and the clones' seconds; the report
+    has a section for them; the memory plot draws the plan on the captured step's levels."""
+    import optuna
+
+    from autotune.plots import memory_by_original_level
+    from autotune.report import write_report
+    from autotune.tuning import tune_graph
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    g = conv_relu_graph().with_batch(64)
+    device = dataclasses.replace(get_device("v100-16gb"), h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9)
+    budget = int(replay(g, None, device).peak_bytes * 0.6)
+    result = tune_graph(g, device=device, memory=budget, trials=120, recompute=True)
+    summary = result.summary()
+    assert result.feasible and summary["recomputes"]
+    first = summary["recomputes"][0]
+    assert set(first) == {"tensor", "bytes", "ops", "seconds", "consumers"} and first["bytes"] == 64 << 20
+    assert summary["recomputed_bytes"] == sum(row["bytes"] for row in summary["recomputes"])
+    assert summary["predicted_recompute_s"] == pytest.approx(sum(row["seconds"] for row in summary["recomputes"]))
+    memory, _, recomputes = memory_by_original_level(result)
+    assert len(memory) == len(result.baseline_replay.level_peak_bytes) and len(recomputes) == len(result.recomputes)
+    assert memory.max() == result.replay.peak_bytes - g.persistent_bytes
+    write_report(result, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "## Recomputation" in report and first["tensor"] in report
+    swap_only = tune_graph(g, device=device, memory=budget, trials=40)
+    assert swap_only.summary()["recomputes"] == [] and swap_only.summary()["recomputed_bytes"] == 0
