@@ -15,7 +15,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 import optuna
@@ -127,7 +127,12 @@ class OptunaPolicy:
                     break
 
         with _progress(budget, problem) as (callback, advance), _stop_on_interrupt() as stop:
-            if guided and _complete(study) == 0:
+            if guided and _complete(study) == 0 and problem.space.recomputes:
+                # the search without recomputation first, its own budget: recomputation only adds
+                for evaluation in self._swaps_first(problem, budget):
+                    add_evaluation(study, evaluation, problem)
+                _enqueue_new(study, _threshold_frontier(problem, study, run, swaps=False))
+            elif guided and _complete(study) == 0:
                 made = TflmsV2Policy().search(problem, study, budget).evaluations
                 advance(len(made))
                 if left[0] is not None:
@@ -143,6 +148,14 @@ class OptunaPolicy:
                 sample(0)
         evaluations = _study_evaluations(study, problem)
         return Outcome(evaluations, best_of(evaluations))
+
+    def _swaps_first(self, problem: TuningProblem, budget: Budget) -> list[Evaluation]:
+        """What this search finds without recomputation (the swap-only space, the same simulations:
+        the problems share their memo), with ``budget`` of its own."""
+        swaps = replace(problem, space=problem.space.swap_only())
+        study = optuna.create_study(direction="minimize")
+        return OptunaPolicy(self.sampler_name, self.seed, self.name).search(
+            swaps, study, Budget(budget.trials, budget.timeout_s, False)).evaluations
 
     @staticmethod
     def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int, per_round: int = 12) -> None:
@@ -195,7 +208,7 @@ def _complete(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
 
 
-def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> list[dict]:
+def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run, *, swaps: bool = True) -> list[dict]:
     """For each sync mode and execution order, a binary search (as trials) for the largest grid
     threshold that fits the device with a middling swap-in window, kept if it also fits the host:
     one feasible starting point per basin (swapping many tensors asynchronously and swapping a few
@@ -207,9 +220,10 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     comes back right before its reader, and never beside the one copied out before it). Under a
     tight budget, or near the largest batch that fits at all, only such just-in-time plans fit;
     the search's moves from there try them without that wait.
-    In a space with recomputation, the basins are searched without it and (swapping asynchronously
-    or with the next op waiting for the copy out) with the most of it
-    (``SearchSpace.recompute_corners``); then, where the most of it fits there, for
+    In a space with recomputation, the basins are searched without it first, every stage (unless
+    ``swaps`` is false: a search without recomputation ran before), then
+    (swapping asynchronously or with the next op waiting for the copy out) with the most of it
+    (``SearchSpace.recompute_corners``); then, where the most of it fits in the first stage, for
     asynchronous swapping in each order, every recompute cost in turn, cheapest first: the
     threshold that fits only grows with the cost, so each search starts where the last one ended
     (recomputing a little and swapping the rest asynchronously is what keeps the overhead low)."""
@@ -263,25 +277,29 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
                         frontier.append(dict(base, threshold=best))
         return True
 
-    swept = len(corners) == 1
     most_fits = False  # with the most recomputation, a first-stage plan fits: less may fit too
-    while basins:
-        stage, sync, order, corner = basins.pop(0)
-        if stage and not swept:  # the first stage is done: the costs before the tighter stages
-            swept = True
-            if most_fits and not sweep_costs():
-                return frontier
-        base = dict(tries[stage], min_bytes=0, sync=sync, order=order, **corner)
-        best = largest(base)
-        if best is False:
-            return frontier
-        if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
-            frontier.append(dict(base, threshold=best))
-            most_fits |= corner is not corners[0]
-        elif stage + 1 < len(tries):
-            basins.append((stage + 1, sync, order, corner))
-    if not swept and most_fits:
-        sweep_costs()
+
+    def search(queue: list[tuple]) -> bool:
+        """The basins in ``queue``, each escalated through ``tries`` until a plan fits; False when
+        out of budget."""
+        nonlocal most_fits
+        while queue:
+            stage, sync, order, corner = queue.pop(0)
+            base = dict(tries[stage], min_bytes=0, sync=sync, order=order, **corner)
+            best = largest(base)
+            if best is False:
+                return False
+            if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
+                frontier.append(dict(base, threshold=best))
+                most_fits |= stage == 0 and corner is not corners[0]
+            elif stage + 1 < len(tries):
+                queue.append((stage + 1, sync, order, corner))
+        return True
+
+    # swapping alone first, every stage (``swaps=False``: done already, by a search of its own)
+    if (not swaps or search([basin for basin in basins if basin[3] is corners[0]])) and len(corners) > 1:
+        if search([basin for basin in basins if basin[3] is not corners[0]]) and most_fits:
+            sweep_costs()
     return frontier
 
 

@@ -91,6 +91,10 @@ class SearchSpace:
         return self.recompute != ("none",) or any(
             len(getattr(self, name)) > 1 for name in (*self.RECOMPUTE_ORDERED, *self.RECOMPUTE_CATEGORICAL))
 
+    def swap_only(self) -> "SearchSpace":
+        """This space without recomputation."""
+        return replace(self, recompute=("none",), recompute_cost=(math.inf,), recompute_per_tensor=(False,))
+
     @property
     def ordered(self) -> tuple[str, ...]:
         """Parameters searched as grid indices."""
