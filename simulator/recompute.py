@@ -14,7 +14,7 @@ Which tensors to recompute is ``simulator.recompute_choice``'s question.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -263,9 +263,10 @@ def inputs_of(g: OpGraph) -> list[list[tuple[int, int]]]:
     return g.cached("inputs_of", compute, structural=True)
 
 
-def recomputed_tensors(g: OpGraph) -> list[dict[str, Any]]:
+def recomputed_tensors(g: OpGraph) -> list[Recompute]:
     """The recomputations a transformed graph holds (``with_recomputes`` notes them in its meta)."""
-    return list(g.meta.get("recomputes", []))
+    return [Recompute(**{key: tuple(value) if isinstance(value, list) else value for key, value in record.items()})
+            for record in g.meta.get("recomputes", [])]
 
 
 def original_levels(g: OpGraph, transformed: OpGraph) -> np.ndarray:
@@ -274,7 +275,7 @@ def original_levels(g: OpGraph, transformed: OpGraph) -> np.ndarray:
     memory share an axis this way (the clones shift the backward pass's levels)."""
     levels = categorized_levels(g)
     index = g.op_index()
-    first_reader = [min(int(levels[index[name]]) for name in action["consumers"])
+    first_reader = [min(int(levels[index[name]]) for name in action.consumers)
                     for action in recomputed_tensors(transformed)]
     found = np.empty(transformed.n_ops, dtype=np.int64)
     found[:g.n_ops] = levels

@@ -155,7 +155,7 @@ def _alias_roots(g: OpGraph) -> np.ndarray:
     return root
 
 
-class _Analysis:
+class _CandidateSearch:
     """What ``recompute_candidates`` and the choice need of one graph at one batch size, on one
     device, under one set of rules; candidates for any set of tensors already recomputed."""
 
@@ -253,7 +253,7 @@ def recompute_candidates(g: OpGraph, device: DeviceModel, params: RecomputeParam
     ``recomputed``: tensors already recomputed by other actions; their originals are freed early, so
     a chain walks through them (clones them again) instead of reading them, and they are no candidates.
     """
-    return _Analysis(g, device, params).candidates(frozenset(recomputed))
+    return _CandidateSearch(g, device, params).candidates(frozenset(recomputed))
 
 
 def _chain(producer: int, allowed: np.ndarray, kept, read_by: list[list[tuple[int, int]]],
@@ -295,7 +295,7 @@ def choose_recomputes(g: OpGraph, device: DeviceModel, params: RecomputeParams) 
     at most ``max_seconds_per_byte``, counting what it adds to those taken before that read it
     (they clone it again instead of holding it). The named ``tensors`` come last, whatever they
     cost. Sorted by tensor (the order their actions are named in)."""
-    analysis = _Analysis(g, device, params)
+    analysis = _CandidateSearch(g, device, params)
     chosen: dict[int, Candidate] = {}
     ranked = sorted((c for c in analysis.candidates(frozenset()) if c.seconds_per_byte <= params.max_seconds_per_byte),
                     key=lambda c: (c.seconds_per_byte, c.tensor))
@@ -362,14 +362,14 @@ def swap_in_stalls(g: OpGraph, plan: SwapPlan, result: Replay) -> dict[int, floa
     return stalls
 
 
-def _per_tensor_analysis(g: OpGraph, device: DeviceModel, params: SwapParams) -> tuple[_Analysis, dict[int, Candidate]]:
+def _per_tensor_analysis(g: OpGraph, device: DeviceModel, params: SwapParams) -> tuple[_CandidateSearch, dict[int, Candidate]]:
     """The per-tensor pass's analysis (every class ``params.recompute`` allows, any cost) and what
     ``params`` recompute already."""
     rules = RecomputeParams.from_swap_params(params)
     scope = RecomputeParams(classes=RECOMPUTE_SCOPES[params.recompute] if params.recompute != "none"
                             else CHEAP_CLASSES)
     chosen = {c.tensor: c for c in (chosen_recomputes(g, device, rules) if rules is not None else [])}
-    return _Analysis(g, device, scope), chosen
+    return _CandidateSearch(g, device, scope), chosen
 
 
 def stalled_recomputes(g: OpGraph, device: DeviceModel, params: SwapParams, transformed: OpGraph, plan: SwapPlan,

@@ -345,3 +345,15 @@ def test_summary_report_and_plot_list_the_recomputations(tmp_path):
     assert "## Recomputation" in report and first["tensor"] in report
     swap_only = tune_graph(g, device=device, memory=budget, trials=40)
     assert swap_only.summary()["recomputes"] == [] and swap_only.summary()["recomputed_bytes"] == 0
+
+
+def test_a_transformed_graph_knows_its_recomputations():
+    from simulator.recompute import original_levels, recomputed_tensors
+
+    g = relu_chain()
+    t = with_recomputes(g, [f1_action()])
+    assert recomputed_tensors(t) == [f1_action()] and recomputed_tensors(g) == []
+    levels = original_levels(g, t)
+    # the originals keep their levels; the clone stands at its far reader's (b1)
+    assert levels[:g.n_ops].tolist() == categorized_levels(g).tolist()
+    assert levels[t.op_index()["f1/recompute_0"]] == categorized_levels(g)[g.op_index()["b1"]]
