@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="output directory (default: autotune-out); a report already there is moved "
                                    "to its previous/ folder")
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
+    run.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                     help="measure step times on this machine (the model's own step profiled at two batch sizes, "
+                          "copies and swapped steps timed) instead of the preset's datasheet estimate: the search "
+                          "runs on them where they model the device searched for (a visible GPU, or --device "
+                          "cpu-testbed without one), and they predict the measured run's step time (default: on "
+                          "whenever the run is measured)")
     run.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
                      help="shape of an input without the batch, where the model leaves dimensions open or has no "
                           "defined inputs (a subclassed model never built: NAME is its call()'s first argument, "
@@ -176,6 +182,7 @@ def _settings(args: argparse.Namespace):
         "label_shapes": config.label_shapes,
         "label_dtype": config.label_dtype,
         "out": Path(args.out or "autotune-out"),
+        "calibrate": (not args.no_measure) if args.calibrate is None else bool(args.calibrate),
     }
 
 
@@ -239,7 +246,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     _say(quiet, f"loading {settings['model_file']} ...")
     from autotune.imports import load_user_model, model_notes
 
-    if not args.no_measure:
+    if not args.no_measure or settings["calibrate"]:
         from rewriter.placement import configure_testbed
 
         # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
@@ -261,22 +268,32 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         _say(quiet, f"{rewrite}: {len(changed)} op(s) rewritten" if changed else
              f"{rewrite}: nothing in this model to rewrite")
 
+    calibration = None
+    if settings["calibrate"]:
+        from autotune.calibration import calibrate_for
+
+        calibration = calibrate_for(model, graph, settings["batch_size"], input_shapes=settings["input_shapes"],
+                                    label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
+                                    say=lambda text: _say(quiet, text))
     search = dict(batch_size=settings["batch_size"], device=settings["device"], memory=settings["memory"],
                   policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
                   timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
                   study_name=args.study_name, maximize_batch=args.maximize_batch,
                   max_overhead=settings["max_overhead"], progress=not quiet)
     if args.no_measure:
+        from autotune.calibration import search_device
         from autotune.tuning import tune_graph
 
+        search["device"], search["memory"] = search_device(search["device"], search["memory"], calibration)
         result = tune_graph(graph, **search)
+        result.calibration = calibration
     else:
         from autotune.confirm import confirm
 
         _say(quiet, "searching, then measuring the chosen plan on the real training step ...")
         result = confirm(model, graph, say=lambda text: _say(quiet, f"measured: {text}"),
                          input_shapes=settings["input_shapes"], label_shapes=settings["label_shapes"],
-                         label_dtype=settings["label_dtype"], **search)
+                         label_dtype=settings["label_dtype"], calibration=calibration, **search)
     result.notes += model_notes(model)
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
     from autotune.report import write_report
@@ -293,6 +310,8 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
 
 
 def _summary_text(result, report: Path, seconds: float) -> str:
+    from autotune.calibration import time_model_note
+
     shown = result.shown
     lines = [f"model {result.model}, batch {result.batch_size}, budget {format_bytes(result.budget_bytes)} "
              f"({result.budget_source})"]
@@ -311,12 +330,16 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"
                      f"{' after_copies_out' if p.after_copies_out else ''}"
                      f"{f'; {len(p.keep_tensors)} tensors kept on the device for host room' if p.keep_tensors else ''}")
+    lines.append(f"step times: {time_model_note(result.device)}")
     lines += [f"note: {note}" for note in result.notes]
     m = result.measurement
     if m is not None:
         peak = "out of memory" if m.out_of_memory else f"peak {format_bytes(m.peak_bytes)}"
+        ratio = f", predicted / measured {m.predicted_step_s / m.step_s:.2f}" if m.step_s and m.step_s == m.step_s else ""
         lines.append(f"measured on {m.measured_on} at batch {m.batch_size}: {peak} "
-                     f"(predicted {format_bytes(m.predicted_peak_bytes)}), step {m.step_s:.4g} s")
+                     f"(predicted {format_bytes(m.predicted_peak_bytes)}), step {m.step_s:.4g} s "
+                     f"(predicted {m.predicted_step_s:.4g} s{ratio}, "
+                     f"{'calibrated on this machine' if m.time_calibrated else 'a datasheet estimate'})")
     lines.append(f"verdict: {result.verdict.headline}")
     lines.append(f"report: {report}   ({seconds:.0f} s)")
     return "\n".join(lines)

@@ -12,10 +12,12 @@ import logging
 from dataclasses import replace
 from typing import Any, Callable
 
+from autotune.calibration import calibrate_for, search_device
 from autotune.measured import measure_result
 from autotune.tuning import TuneResult, tune_graph
 from autotune.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
                               predicted)
+from simulator import CalibratedDevice
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,15 @@ def _promote_closest(result: TuneResult, check: Check) -> None:
 
 def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None] = log.info,
             input_shapes=None, label_shapes=None, label_dtype=None, study_name: str | None = None,
-            **search: Any) -> TuneResult:
+            calibration: CalibratedDevice | None = None, **search: Any) -> TuneResult:
     """Search plans for ``graph`` (captured from ``model``), measure the winner, and repeat with a
     correction from the measurement until one is confirmed or ``rounds`` measured runs are spent.
+    ``calibration``: step times measured on this machine (``autotune.calibration``): the search runs
+    on it where it models the device searched for, and it predicts the measured run's step time.
     ``search`` takes ``tune_graph``'s keyword arguments."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
+    search["device"], search["memory"] = search_device(search.get("device"), search.get("memory"), calibration)
     correction = PeakCorrection()
     checks: list[Check] = []
     measured_plans: dict = {}  # (params, batch) -> Measurement: a plan chosen again is not run again
@@ -59,6 +64,7 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
         # a corrected search is another search: its own study, so stored trials keep the budget they were made for
         name = study_name if round_ == 1 or study_name is None else f"{study_name}-corrected-{round_ - 1}"
         result = tune_graph(graph, correction=correction, measured=True, study_name=name, **search)
+        result.calibration = calibration
         if result.plan is None:  # not even a closest plan (e.g. the resident memory alone is over the budget)
             result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
             return result
@@ -97,8 +103,8 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
 
 
 def tune(model, *, batch_size: int | None = None, device=None, memory: int | None = None, measure: bool = True,
-         input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(), rounds: int = MAX_ROUNDS,
-         **search: Any) -> TuneResult:
+         calibrate: bool | None = None, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
+         rounds: int = MAX_ROUNDS, **search: Any) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner until a
     measured run confirms it (``result.verdict``).
 
@@ -106,6 +112,8 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
     ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
     ``measure=False``: the simulator's answer alone (the verdict says it is a prediction only).
+    ``calibrate`` (default: when measuring): step times measured on this machine
+    (``autotune.calibration``) instead of the preset's datasheet estimate.
     """
     from rewriter.capture import capture  # TensorFlow only when a model is tuned
 
@@ -115,7 +123,13 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         batch_size = 1  # only where the capture starts: sizes are linear in the batch
     graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
                     label_dtype=label_dtype, name=getattr(model, "name", None), graph_rewrites=graph_rewrites)
+    inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
+    calibration = calibrate_for(model, graph, batch_size, **inputs) if (measure if calibrate is None else calibrate) \
+        else None
     if not measure:
-        return tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
-    return confirm(model, graph, rounds=rounds, input_shapes=input_shapes, label_shapes=label_shapes,
-                   label_dtype=label_dtype, batch_size=batch_size, device=device, memory=memory, **search)
+        device, memory = search_device(device, memory, calibration)
+        result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
+        result.calibration = calibration
+        return result
+    return confirm(model, graph, rounds=rounds, batch_size=batch_size, device=device, memory=memory,
+                   calibration=calibration, **inputs, **search)

@@ -7,7 +7,7 @@ import logging
 
 from autotune.inputs import format_bytes
 from autotune.tuning import Measurement, TuneResult
-from simulator import SwapPlan, get_device, plan_swaps, replay
+from simulator import CalibratedDevice, SwapPlan, get_device, plan_swaps, replay
 
 log = logging.getLogger(__name__)
 
@@ -18,10 +18,15 @@ TESTBED_MAX_STEP_S = 4.0
 
 def testbed_batch(result: TuneResult) -> int:
     """The largest batch, up to the tuned one, whose unswapped step the CPU testbed runs quickly."""
+    return testbed_batch_for(result.graph, result.batch_size)
+
+
+def testbed_batch_for(graph, batch_size: int) -> int:
+    """The largest batch up to ``batch_size`` whose unswapped step of ``graph`` the CPU testbed runs quickly."""
     testbed = get_device("cpu-testbed")
-    batch = result.batch_size
+    batch = batch_size
     while batch > 1:
-        base = replay(result.graph.with_batch(batch), None, testbed)
+        base = replay(graph.with_batch(batch), None, testbed)
         if base.peak_bytes <= TESTBED_MAX_PEAK_BYTES and base.step_s <= TESTBED_MAX_STEP_S:
             break
         batch = max(1, batch // 2)
@@ -41,7 +46,9 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
         batch, device, kept = result.batch_size, result.device, result.device.kept_reads
         note = ""
     else:
-        batch, device = testbed_batch(result), get_device("cpu-testbed")
+        batch = testbed_batch(result)
+        calibration = result.calibration
+        device = calibration if calibration is not None and calibration.preset == "cpu-testbed" else get_device("cpu-testbed")
         kept = device.kept_reads
         note = (f"No GPU here: the plan's parameters were applied on the CPU testbed (CPU:0 as the "
                 f"accelerator, CPU:1 as the host) at batch {batch}"
@@ -74,7 +81,8 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
         step_s=float("nan") if measured is None else measured.step_s,
         baseline_peak_bytes=None if baseline is None else baseline.peak_bytes,
         baseline_step_s=None if baseline is None else baseline.step_s,
-        predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s,
+        predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s, time_model=device.name,
+        time_calibrated=isinstance(device, CalibratedDevice),
         predicted_baseline_peak_bytes=predicted_base.peak_bytes,
         allocator_peak_bytes=None if measured is None else measured.allocator_peak_bytes,
         note=note, swaps_survived=None if verification is None else verification.swap_outs,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from autotune import plots
+from autotune.calibration import PRESET_TIME_ERROR, time_model_note
 from autotune.inputs import format_bytes
 
 RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
@@ -116,7 +117,8 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     params = pd.DataFrame(sorted((k, _listed(v) if isinstance(v, list) else str(v))
                                  for k, v in (shown.params.to_dict().items() if shown and shown.params else [])),
                           columns=["parameter", "value"])
-    sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model."],
+    sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model.",
+                                           time_model_note(result.device)],
                             [predicted] + ([params] if len(params) else []),
                             [n for n in ("memory_timeline.png", "pareto_front.png") if n in images]))
 
@@ -138,7 +140,8 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
         measured_peak = "out of memory" if m.out_of_memory else format_bytes(m.peak_bytes)
         rows = [("peak device memory", format_bytes(m.predicted_peak_bytes), measured_peak,
                  f"{m.predicted_peak_bytes / m.peak_bytes:.3f}" if m.peak_bytes else "n/a"),
-                ("step time", _seconds(m.predicted_step_s), _seconds(m.step_s), "")]
+                ("step time", _seconds(m.predicted_step_s), _seconds(m.step_s),
+                 f"{m.predicted_step_s / m.step_s:.3f}" if m.step_s and m.step_s == m.step_s else "n/a")]
         if m.baseline_peak_bytes:
             rows.append(("peak without swapping", format_bytes(m.predicted_baseline_peak_bytes),
                          format_bytes(m.baseline_peak_bytes),
@@ -147,7 +150,10 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
             rows.append(("peak of model.fit's own step (Keras' train_step, TF's op order)", "",
                          format_bytes(m.plain_peak_bytes), ""))
         table = pd.DataFrame(rows, columns=["", "predicted", "measured", "predicted / measured"])
-        text = [f"Measured on {m.measured_on} at batch {m.batch_size}. {m.note}".strip()]
+        text = [f"Measured on {m.measured_on} at batch {m.batch_size}. {m.note}".strip(),
+                (f"The predicted step time is from the calibration of this machine ({m.time_model})." if m.time_calibrated
+                 else f"The predicted step time is a datasheet estimate of the {m.time_model or 'preset'} preset "
+                      f"({PRESET_TIME_ERROR} on the testbed): --calibrate measures it.")]
         if m.swaps_planned and m.swaps_survived is not None:
             text.append(f"{m.swaps_survived} of {m.swaps_planned} swaps survived TensorFlow's graph optimizer.")
         rounds = result.verdict.checks

@@ -21,7 +21,7 @@ from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
 from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, predicted
-from simulator import BACKWARD, DeviceModel, OpGraph, SwapPlan, get_device, replay
+from simulator import BACKWARD, CalibratedDevice, DeviceModel, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
 from simulator.recompute import Recompute, clone_name
@@ -54,6 +54,9 @@ class Measurement:
     # without swapping: the step a plain model.fit runs (Keras' own train_step, TF's executor order)
     plain_peak_bytes: int | None = None
     out_of_memory: bool = False  # the plan's run raised ResourceExhausted (peak_bytes is then 0)
+    # the device model that predicted step_s (a calibration, autotune.calibration, or a preset's estimate)
+    time_model: str = ""
+    time_calibrated: bool = False
 
 
 @dataclass
@@ -87,6 +90,9 @@ class TuneResult:
     # the step the plan is made on: ``graph`` with the plan's recomputations (``recomputes``), else ``graph``
     plan_graph: OpGraph | None = None
     recomputes: list[Recompute] = field(default_factory=list)
+    # step times measured on this machine (rewriter.calibrate), when the run calibrated: the search's
+    # device when it models the device searched for, and the measured run's prediction
+    calibration: CalibratedDevice | None = None
 
     @property
     def feasible(self) -> bool:
@@ -173,6 +179,19 @@ class TuneResult:
             "measured_baseline_step_s": None if m is None else m.baseline_step_s,
             "predicted_peak_bytes_at_measured_batch": None if m is None else m.predicted_peak_bytes,
             "predicted_step_s_at_measured_batch": None if m is None else m.predicted_step_s,
+            # predicted over measured step time at the measured batch, and what predicted it
+            "step_time_ratio": (m.predicted_step_s / m.step_s if m is not None and m.step_s and m.step_s == m.step_s
+                                else None),
+            "step_time_model": None if m is None else m.time_model,
+            "step_time_calibrated": None if m is None else m.time_calibrated,
+            "search_time_calibrated": isinstance(self.device, CalibratedDevice),
+            "calibration": None if self.calibration is None else {
+                "device": self.calibration.name, "batch_sizes": list(self.calibration.batch_sizes),
+                "measured_step_s": list(self.calibration.measured_step_s),
+                "h2d_bytes_per_s": self.calibration.h2d_bytes_per_s,
+                "transfer_latency_s": self.calibration.transfer_latency_s,
+                "copy_contention": self.calibration.copy_contention,
+                "copy_overhead_s": self.calibration.copy_overhead_s, "notes": list(self.calibration.notes)},
             "measured_plain_fit_peak_bytes": None if m is None else m.plain_peak_bytes,
             "measured_out_of_memory": None if m is None else m.out_of_memory,
             "notes": self.notes,

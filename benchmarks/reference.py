@@ -68,9 +68,12 @@ def reference_graph(reference: ModuleType, g, directory: Path):
 
 
 def same_replay(new, old) -> bool:
-    """Whether two Replays (today's and the reference's) agree field by field, bit for bit."""
+    """Whether two Replays (today's and the reference's) agree field by field, bit for bit, on every
+    field the reference has (fields added since, e.g. ``copy_overlap_s``, have nothing to compare to)."""
     for name, value in vars(new).items():
-        other = getattr(old, name, None)
+        if not hasattr(old, name):
+            continue
+        other = getattr(old, name)
         if isinstance(value, np.ndarray):
             if not (isinstance(other, np.ndarray) and value.dtype == other.dtype and value.shape == other.shape
                     and value.tobytes() == other.tobytes()):

@@ -49,6 +49,8 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
 )}
 
 TARGET_MEDIAN, TARGET_WORST, TARGET_TAU = 0.05, 0.15, 0.8
+# the plans' timing passes go on at least this long (the machine's slowdown episodes last seconds)
+MEASURE_MIN_S = 15.0
 
 
 def calibration_batches(batch: int) -> tuple[int, int]:
@@ -107,7 +109,8 @@ def _worker(spec_path: str, out_path: str) -> int:
                                     max_passes=int(spec["max_passes"]))
     emit({"kind": "calibration", "seconds": time.perf_counter() - start, "device": calibrated.name,
           "describe": calibrated.describe(), "notes": list(calibrated.notes),
-          "copy_contention": calibrated.copy_contention, "link_bytes_per_s": calibrated.h2d_bytes_per_s,
+          "copy_contention": calibrated.copy_contention, "copy_overhead_s": calibrated.copy_overhead_s,
+          "link_bytes_per_s": calibrated.h2d_bytes_per_s,
           "latency_s": calibrated.transfer_latency_s, "calibration_step_s": list(calibrated.measured_step_s)})
     graph = rewriter.capture(model, batch, name=spec["model"])
     x, y = example_batch(model, batch)
@@ -142,17 +145,18 @@ def _worker(spec_path: str, out_path: str) -> int:
         calls[("anchor", b)] = (lambda step=anchor, flat=flat: step.run_flat(*flat))
     snapshot = steps[0].snapshot() if steps else None  # every step updates the model's own variables
     start = time.perf_counter()
-    timing = timed_passes(calls, max_passes=int(spec["max_passes"]),
+    timing = timed_passes(calls, max_passes=int(spec["max_passes"]), min_total_s=MEASURE_MIN_S,
                           between=None if snapshot is None else snapshot.restore)
     anchored = calibrated.with_step_times([timing.step_s[("anchor", b)] for b in calibrated.batch_sizes])
     for label, record in records.items():
         if label in calls:
             record.update(measured_step_s=timing.step_s[label], measured_all_s=timing.all_s[label],
                           pass_medians_s=timing.pass_medians[label], spread=timing.spread(label),
+
                           anchored_step_s=replay(graph, plans[label], anchored).step_s)
         emit(record)
-    emit({"kind": "timing", "seconds": time.perf_counter() - start, "accepted": timing.accepted,
-          "consistent": timing.consistent})
+    emit({"kind": "timing", "seconds": time.perf_counter() - start, "passes": timing.n_passes,
+          "accepted": timing.n_accepted, "consistent": timing.consistent, "slowdown": timing.slowdown()})
     if snapshot is not None:
         snapshot.restore()
     return 0
@@ -206,13 +210,15 @@ def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
             row["preset_error_pct"] = 100 * (row["preset_ms"] / row["measured_ms"] - 1)
             row["anchored_error_pct"] = 100 * (row["anchored_ms"] / row["measured_ms"] - 1)
         row["contention"] = calibration.get("copy_contention")
+        row["copy_overhead_us"] = None if calibration.get("copy_overhead_s") is None else 1e6 * calibration["copy_overhead_s"]
         rows.append(row)
     return rows
 
 
 COLUMNS = ["model", "setting", "calibrated_at", "plan", "swaps", "swapped_MiB", "measured_ms", "spread_pct",
+
            "predicted_ms", "error_pct", "anchored_ms", "anchored_error_pct", "predicted_stall_ms", "preset_ms",
-           "preset_error_pct", "contention", "note"]
+           "preset_error_pct", "contention", "copy_overhead_us", "note"]
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model (default 600)")
-    parser.add_argument("--max-passes", type=int, default=10, help="timing passes at most (default 10)")
+    parser.add_argument("--max-passes", type=int, default=40, help="timing passes at most (default 40)")
     parser.add_argument("--name", default="step_time", help="result file name (default step_time)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -251,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     names = [n.strip() for n in args.models.split(",")] if args.models else list(MODELS)
     unknown = [n for n in names if n not in MODELS]
-    if unknown or args.timeout <= 0 or args.max_passes < 3:
+    if unknown or args.timeout <= 0 or args.max_passes < 6:
         print(f"unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)}), or --timeout <= 0, or "
-              "--max-passes < 3", file=sys.stderr)
+              "--max-passes < 6", file=sys.stderr)
         return 2
     load_before = os.getloadavg()
     rows, notes = [], []
@@ -270,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                          + "; ".join(calibration["notes"]))
         if timing:
             notes.append(f"- {setup.key}: plans timed in {timing['seconds']:.0f} s, "
-                         f"{sum(timing['accepted'])} of {len(timing['accepted'])} passes accepted"
+                         f"at least {timing['accepted']} of {timing['passes']} passes accepted per plan, the median pass "
+                         f"{100 * timing['slowdown']:.0f} % slower than the fastest"
                          + ("" if timing["consistent"] else " (too few agreed: the closest were used)"))
         if status.get("timeout") or status.get("returncode"):
             notes.append(f"- {setup.key}: worker {'timed out' if status.get('timeout') else 'failed'}: "
@@ -298,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
          f"cpu-testbed preset: median {overall['preset_median_abs_pct']:.1f} %, worst "
          f"{overall['preset_worst_abs_pct']:.1f} %."),
         ("- measured_ms: median step time over the accepted timing passes (every plan of a model timed in the same "
-         "passes); spread_pct: range of the accepted passes' medians over their median. predicted_ms: "
+         "passes, a pass accepted within 5 % of the plan's fastest); spread_pct: range of those over their median. "
+         "predicted_ms: "
          "`simulator.replay(graph, plan, rewriter.calibrate(model, batch_sizes=calibrated_at))`; preset_ms: the "
          "same replay on the uncalibrated cpu-testbed preset. error_pct = predicted / measured - 1. anchored_ms: the "
          "calibration's per-op shares, link and contention as calibrated, its totals taken from the calibration "
@@ -316,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks step-time" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[2:])),
         "models": "; ".join(MODELS[n].describe() for n in names),
         "plans": "; ".join(f"{label}: {_params_text(params)}" for label, params in PLANS),
-        "timing": "interleaved passes (every plan per pass, >= 3 steps or 0.3 s each), passes more than 8 % slower "
-                  f"than a plan's best rejected, until 3 agree (at most {args.max_passes})",
+        "timing": "interleaved passes (every plan per pass, one step or 0.05 s each); a plan's time is the median of "
+                  "its pass medians within 5 % of its fastest (slower passes are the machine's slowdowns); passes "
+                  f"until every plan has 6 such and {MEASURE_MIN_S:.0f} s passed (8 s in the calibration), at most "
+                  f"{args.max_passes}; calibration and measurement alike",
     }
     path = write_results(args.name, table, settings=settings, notes=result_notes)
     with pd.option_context("display.width", 220, "display.max_columns", 30):

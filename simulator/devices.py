@@ -78,9 +78,13 @@ class DeviceModel:
     source: str  # short citation string(s)
     # (producer type, consumer type) reads a plan must not move to a swap-in on this device
     kept_reads: tuple[tuple[str, str], ...] = ()
-    # seconds the step loses per second of copying, where copies share the compute's cores (the CPU
-    # testbed: fitted by rewriter.calibrate); 0 for a GPU's copy engines
+    # seconds the step loses per second of compute that runs while a copy does, where copies share the
+    # compute's cores (the CPU testbed: fitted by rewriter.calibrate); 0 for a GPU's copy engines. A copy
+    # the step waits for (a stall) runs alone and costs nothing more
     copy_contention: float = 0.0
+    # seconds each copy (swap-out or swap-in) adds to the step beyond its transfer: the executor's
+    # cross-device hand-off on the compute's threads (the CPU testbed: fitted by rewriter.calibrate)
+    copy_overhead_s: float = 0.0
 
     def __post_init__(self):
         positive = (
@@ -94,7 +98,7 @@ class DeviceModel:
             v = getattr(self, field)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{self.name}: {field} must be in (0, 1], got {v!r}")
-        for field in ("transfer_latency_s", "op_overhead_s", "copy_contention"):
+        for field in ("transfer_latency_s", "op_overhead_s", "copy_contention", "copy_overhead_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{self.name}: {field} must be >= 0")
 
@@ -192,7 +196,7 @@ class CalibratedDevice(DeviceModel):
     anchored to unprofiled step times (``measured_step_s``, one per batch size). Ops the calibration
     did not see (a graph that differs a little, e.g. by a graph rewrite) take the preset's roofline
     times ``roofline_scale``. The link fields (``h2d_bytes_per_s``, ``d2h_bytes_per_s``,
-    ``transfer_latency_s``) and ``copy_contention`` are measured too; the rest is the preset's
+    ``transfer_latency_s``), ``copy_contention`` and ``copy_overhead_s`` are measured too; the rest is the preset's
     (``preset``). It serves every batch size of a graph captured from the same model
     (``graph_fingerprint``, ``graph_identity``) and refuses others' (``CalibrationMismatchError``).
     """
@@ -220,6 +224,7 @@ class CalibratedDevice(DeviceModel):
     @classmethod
     def from_preset(cls, base: DeviceModel, g, *, op_seconds_ab, batch_sizes, measured_step_s, h2d_bytes_per_s: float,
                     d2h_bytes_per_s: float, transfer_latency_s: float, copy_contention: float = 0.0,
+                    copy_overhead_s: float = 0.0,
                     roofline_scale: float = 1.0, source: str = "", notes=()) -> "CalibratedDevice":
         """``base``'s memory figures and roofline with measured times for graph ``g``'s ops
         (``op_seconds_ab[i]`` for ``g.op_name[i]``) and link; named after ``base`` and a digest of
@@ -228,6 +233,7 @@ class CalibratedDevice(DeviceModel):
         kept.update(
             h2d_bytes_per_s=float(h2d_bytes_per_s), d2h_bytes_per_s=float(d2h_bytes_per_s),
             transfer_latency_s=float(transfer_latency_s), copy_contention=float(copy_contention),
+            copy_overhead_s=float(copy_overhead_s),
             source=source or f"calibrated on this machine; memory figures and roofline from {base.name}")
         measured = dict(
             preset=base.name, model_name=str(g.meta.get("model", "")), graph_fingerprint=g.fingerprint(),
@@ -285,7 +291,7 @@ class CalibratedDevice(DeviceModel):
         """Share of ``g``'s ops that have a measured time here (a recomputation's clone has its
         original's, ``simulator.recompute``)."""
         index = self._op_index
-        return sum(original_name(name) in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
+        return sum(name in index or original_name(name) in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
 
     def check_graph(self, g) -> float:
         """Raise ``CalibrationMismatchError`` unless ``g`` is a graph of the calibrated model; return
@@ -314,7 +320,9 @@ class CalibratedDevice(DeviceModel):
 
         self.check_graph(g)
         index = self._op_index
-        rows = np.fromiter((index.get(original_name(name), -1) for name in g.op_name.tolist()), np.int64, g.n_ops)
+        # a recomputation's clone ("<op>/recompute_<k>") runs its original's kernel: it takes its time
+        rows = np.fromiter((index.get(name, index.get(original_name(name), -1)) for name in g.op_name.tolist()),
+                           np.int64, g.n_ops)
         seen = rows >= 0
         ab = self._ab[np.maximum(rows, 0)] if len(self._ab) else np.zeros((g.n_ops, 2))
         measured = np.maximum(ab[:, 0] + ab[:, 1] * float(g.batch_size), 0.0)
@@ -327,7 +335,8 @@ class CalibratedDevice(DeviceModel):
         sizes = ", ".join(f"b{b} {s * 1e3:.1f} ms" for b, s in zip(self.batch_sizes, self.measured_step_s))
         return (f"{self.name}: op times of {self.model_name} measured at batch sizes {sizes} ({len(self.op_names)} "
                 f"ops); link {self.h2d_bytes_per_s / GB:.1f} GB/s in, {self.d2h_bytes_per_s / GB:.1f} GB/s out, "
-                f"{self.transfer_latency_s * 1e6:.1f} us per copy; copy contention {self.copy_contention:.2f}")
+                f"{self.transfer_latency_s * 1e6:.1f} us per copy; copy contention {self.copy_contention:.2f}, "
+                f"{self.copy_overhead_s * 1e6:.1f} us of step per copy")
 
 
 # =============================================================================
@@ -507,13 +516,18 @@ H200_141GB = DeviceModel(
 # -----------------------------------------------------------------------------
 # cpu-testbed: the development VM (2-core AMD EPYC "Genoa" -- family 25 model 17 -- KVM guest,
 # 24 GiB RAM).  Two logical TF CPU devices play accelerator (/CPU:0) and host (/CPU:1); a swap
-# is a tf.raw_ops.DeepCopy between them.  Compute, bandwidth and copy figures are CALIBRATED by
-# /tmp/research/calibrate_cpu.py (kept out of the repository): TF 2.21, fp32, graph mode
-# (tf.function), TF_CPU_ALLOCATOR_USE_BFC=true as in the testbed, on 2026-11-30 between 03:15
-# and 03:27 UTC; each figure is the median over the 6 runs in which other processes used < 1%
-# of the CPU (runs during which other jobs shared the 2 cores were discarded -- they halve
-# the compute figures).  This is an estimate of the current machine only: a 2-core VM, noisy
-# (the range over clean runs is given with each figure).
+# is a tf.raw_ops.DeepCopy between them.  The compute, bandwidth and copy figures are a roofline of
+# microbenchmarks, measured on 2026-11-30 between 03:15 and 03:27 UTC (TF 2.21, fp32, graph mode,
+# TF_CPU_ALLOCATOR_USE_BFC=true as in the testbed; each figure the median over 6 runs in which other
+# processes used < 1 % of the CPU) by the measurements rewriter.calibrate.measure_preset now makes in
+# the repository (matmul, elementwise add, tiny-op chain, chained copies).  Re-measured with it on
+# 2026-12-02 under a load average of 9 (other jobs on the 2 cores): matmul 444 GFLOP/s, elementwise
+# 17.9 GB/s, 0.41 us per tiny op, copies of 64-256 MiB 19.4 GB/s, 1.8 us per small copy: the machine's
+# figures move with its load, so the ones below are kept as an estimate of the quiet machine.
+# STEP TIMES from this roofline are a datasheet-style estimate: against measured steps on the testbed
+# (python -m benchmarks step-time, 4 models x 7 plans, five runs) they were off by median 9-45 %, worst 49-88 %;
+# rewriter.calibrate (autotune --calibrate, the default for a measured run) replaces them with the
+# model's own measured op times, link and copy contention.
 # Modelling caveat: unlike a GPU's copy engines, DeepCopy runs on the same two cores as the
 # "kernels", so on this testbed swaps do NOT overlap freely with compute.
 # oneDNN pairs MaxPool with its gradient through a hidden workspace found by the direct edge;
@@ -552,9 +566,9 @@ CPU_TESTBED = DeviceModel(
     # backprop-input (187) and backprop-filter (148 GFLOP/s) = 168.5 GFLOP/s = 0.82 of peak_flops
     compute_efficiency=0.82,
     bandwidth_efficiency=1.0,  # mem_bandwidth is itself the measured elementwise (tf.add) rate
-    source=("calibrated on this VM by /tmp/research/calibrate_cpu.py (TF 2.21, 2-core AMD EPYC KVM guest, "
-            "TF_CPU_ALLOCATOR_USE_BFC=true), 2026-11-30, median of 6 uncontended runs; "
-            "an estimate of the current machine only"),
+    source=("roofline of microbenchmarks on this VM (rewriter.calibrate.measure_preset: TF 2.21, 2-core AMD EPYC KVM "
+            "guest, TF_CPU_ALLOCATOR_USE_BFC=true), 2026-11-30, median of 6 uncontended runs; an estimate of the "
+            "quiet machine only; step times: calibrate the model (rewriter.calibrate) for measured ones"),
 )
 
 DEVICES: dict[str, DeviceModel] = {

@@ -78,6 +78,9 @@ class Replay:
     wait_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     wait_moment_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     host_peak_s: float = 0.0  # when the host holds host_peak_bytes
+    # compute time that runs while copies do (summed over copies): what copies sharing the compute's
+    # cores slow down (DeviceModel.copy_contention seconds per second of it; stalls cost nothing more)
+    copy_overlap_s: float = 0.0
 
     @property
     def overhead(self) -> float:
@@ -196,13 +199,31 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         info.late_slot, info.late_key, info.late_root, info.late_out)
     host_peak, host_peak_s = int(host_peak), float(host_peak_s)
 
+    overlap_s = compute_during(finish_all - duration, finish_all, np.concatenate([out_start, in_start]),
+                               np.concatenate([out_end, in_end]))
     return _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_seconds(g, device), compute_s,
-                   contention_s=device.copy_contention * float(out_duration.sum() + in_duration.sum()),
+                   contention_s=device.copy_contention * overlap_s + device.copy_overhead_s * (n_swaps + n_ins),
+                   copy_overlap_s=overlap_s,
                    host_peak=host_peak, d2h=int(swap_bytes.sum()), h2d=int(in_bytes.sum()), plan=plan,
                    outs=(out_start, out_end), ins=(in_start, in_end), position=position,
                    swapped_roots=roots, swapped_root_free_slot=new_free, swap_in_alloc_slot=in_alloc_slot,
                    swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
                    swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
+
+
+def compute_during(slot_start: np.ndarray, slot_end: np.ndarray, start: np.ndarray, end: np.ndarray) -> float:
+    """Compute time of the one compute stream (slots running back to back from ``slot_start`` to
+    ``slot_end``, in order) inside the intervals ``[start[i], end[i]]``, summed over them."""
+    if not len(start) or not len(slot_start):
+        return 0.0
+    done = np.concatenate(([0.0], np.cumsum(slot_end - slot_start)))
+
+    def done_by(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(slot_start, t, side="right") - 1
+        inside = np.clip(t - slot_start[np.maximum(k, 0)], 0.0, slot_end[np.maximum(k, 0)] - slot_start[np.maximum(k, 0)])
+        return np.where(k >= 0, done[np.maximum(k, 0)] + inside, 0.0)
+
+    return float(np.sum(done_by(np.asarray(end)) - done_by(np.asarray(start))))
 
 
 def _float_bytes(g: OpGraph) -> np.ndarray:
@@ -258,7 +279,8 @@ def _result(g, slot_bytes, levels_of_slot, persistent, finish_all, op_duration, 
             plan, outs, ins, position, contention_s=0.0, **details) -> Replay:
     """The Replay of a step whose slot memory and finish times are known (``op_duration``: per op,
     ``op_seconds``); ``contention_s``: what copies sharing the compute's cores add to the step
-    (``DeviceModel.copy_contention`` x transfer time); ``details``: the plan's per-buffer fields (see Replay)."""
+    (``DeviceModel.copy_contention`` x the compute time that overlaps copies, and ``copy_overhead_s`` per
+    copy); ``details``: the plan's per-buffer fields (see Replay)."""
     if len(slot_bytes):
         level_starts = _level_starts(g) if g.order == "cto" else np.zeros(0, np.int64)  # cto: slots by level
         peak_slot, level_peak, op_end, op_start = summarize(slot_bytes, levels_of_slot, level_starts, persistent,

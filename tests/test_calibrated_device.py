@@ -11,9 +11,10 @@ import pytest
 from autotune.tuning import resolve_device
 from simulator import CalibratedDevice, CalibrationError, CalibrationMismatchError, SwapParams, plan_swaps, replay
 from simulator.devices import get_device
-from simulator.graph import OpGraph
+from simulator.graph import BACKWARD, FORWARD, OpGraph
+from simulator.recompute import clone_name
 from simulator.replay import op_seconds
-from simulator.synthetic import training_graph
+from simulator.synthetic import OpSpec, from_spec, training_graph
 
 
 def _calibrated(g: OpGraph, *, contention: float = 0.0, rows: slice = slice(None), seed: int = 0) -> CalibratedDevice:
@@ -44,17 +45,21 @@ def test_measured_op_times_serve_every_batch_size():
     assert not np.allclose(op_seconds(g, device), op_seconds(g, get_device("cpu-testbed")))
 
 
-def test_contention_adds_its_share_of_the_copies_to_the_step():
+def test_contention_adds_its_share_of_the_compute_beside_copies_to_the_step():
     g = training_graph(12, batch_size=8)
     plan = plan_swaps(g, SwapParams(threshold=1))
     assert plan.n_swaps > 0
     free, contended = _calibrated(g), _calibrated(g, contention=0.7)
     assert free != contended and hash(free) != hash(contended)
     base, slowed = replay(g, plan, free), replay(g, plan, contended)
-    transfer_s = (np.sum(base.swap_out_end_s - base.swap_out_start_s)
-                  + np.sum(base.swap_in_end_s - base.swap_in_start_s))
-    assert transfer_s > 0
-    assert slowed.step_s == pytest.approx(base.step_s + 0.7 * transfer_s)
+    # the compute time inside each copy's interval, counted op by op
+    copies = list(zip(base.swap_out_start_s, base.swap_out_end_s)) + list(zip(base.swap_in_start_s, base.swap_in_end_s))
+    overlap_s = sum(max(0.0, min(end, op_end) - max(start, op_start))
+                    for start, end in copies for op_start, op_end in zip(base.op_start_s, base.op_end_s))
+    transfer_s = sum(end - start for start, end in copies)
+    assert 0 < overlap_s < transfer_s  # some copies run while the step waits for them
+    assert base.copy_overlap_s == pytest.approx(overlap_s)
+    assert slowed.step_s == pytest.approx(base.step_s + 0.7 * overlap_s)
     assert slowed.peak_bytes == base.peak_bytes  # memory does not depend on it
     assert replay(g, None, contended).step_s == pytest.approx(replay(g, None, free).step_s)  # no copies, no cost
 
@@ -108,3 +113,23 @@ def test_anchoring_again_keeps_the_shares_and_moves_the_totals():
     assert again != device and again.name != device.name and again.graph_fingerprint == device.graph_fingerprint
     with pytest.raises(ValueError):
         device.with_step_times([1.0])
+
+
+def test_a_recomputed_clone_takes_its_originals_time():
+    """Recomputation (simulator.recompute) adds clones named ``<op>/recompute_<k>`` that run their
+    original's kernel: a calibration of the model serves them with the original's measured time."""
+    specs = [OpSpec("x", "Placeholder", FORWARD, (), ((0.0, 1024.0),)),
+             OpSpec("conv", "Conv2D", FORWARD, ["x"], ((0.0, 4096.0),)),
+             OpSpec("relu", "Relu", FORWARD, ["conv"], ((0.0, 4096.0),)),
+             OpSpec("loss", "Sum", FORWARD, ["relu"], (4,)),
+             OpSpec("grad", "ReluGrad", BACKWARD, ["loss", "relu"], ((0.0, 4096.0),))]
+    g = from_spec(specs, outputs=["grad"], batch_size=2, meta={"model": "tiny"})
+    clone = clone_name("relu", 0)
+    recomputed = from_spec(specs[:-1] + [OpSpec(clone, "Relu", FORWARD, ["conv"], ((0.0, 4096.0),), control_inputs=["loss"]),
+                                         OpSpec("grad", "ReluGrad", BACKWARD, ["loss", clone], ((0.0, 4096.0),))],
+                           outputs=["grad"], batch_size=2, meta={"model": "tiny"})
+    device = _calibrated(g)
+    seconds = dict(zip(recomputed.op_name.tolist(), op_seconds(recomputed, device)))
+    measured = dict(zip(g.op_name.tolist(), op_seconds(g, device)))
+    assert seconds[clone] == pytest.approx(measured["relu"]) and seconds["relu"] == pytest.approx(measured["relu"])
+    assert device.coverage(recomputed) == 1.0

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from autotune.cli import main  # noqa: E402
+from tests.cli_helpers import uncalibrated  # noqa: E402
 from autotune.tuning import optuna_storage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def models(tmp_path_factory):
 
 def _run_main(capsys, *args):
     try:
-        code = main([str(a) for a in args])
+        code = main(uncalibrated(args))
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
     captured = capsys.readouterr()

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from autotune.cli import main  # noqa: E402
+from tests.cli_helpers import uncalibrated  # noqa: E402
 from rewriter.placement import CpuTestbedPlacement, PeakReading  # noqa: E402
 
 pytestmark = pytest.mark.tf
@@ -51,7 +52,7 @@ def _inject(monkeypatch, extra_bytes: int) -> None:
 
 
 def _run(capsys, *args):
-    code = main([str(a) for a in args])
+    code = main(uncalibrated(args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

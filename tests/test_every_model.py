@@ -17,6 +17,7 @@ import pytest
 
 import rewriter
 from autotune.cli import main
+from tests.cli_helpers import uncalibrated
 from rewriter.capture import capture, synthetic_batch
 from simulator import SwapParams, plan_swaps, replay
 
@@ -181,7 +182,7 @@ def saved(tmp_path_factory):
 
 def _run(capsys, *args):
     try:
-        code = main([str(a) for a in args])
+        code = main(uncalibrated(args))
     except SystemExit as exit_:
         code = exit_.code
     captured = capsys.readouterr()
