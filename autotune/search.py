@@ -19,13 +19,16 @@ import optuna
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
 from simulator.host_room import fit_host
 from simulator.recompute import Recompute
-from simulator.recompute_choice import peak_recomputes, recomputed_graph, stalled_recomputes
+from simulator.recompute_choice import recomputed_graph, stalled_recomputes
 from simulator.planning import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
 from simulator.replay import Replay
 
 METRICS = ("peak_bytes", "step_s", "compute_s", "stall_s", "overhead", "d2h_bytes", "h2d_bytes", "host_peak_bytes",
            "n_swap_outs", "n_swap_ins")
-PER_TENSOR_PASSES = 2  # TuningProblem's per-tensor pass: rounds for the peak, then for the waits
+# TuningProblem's per-tensor pass: rounds of it (each makes a new graph), only where it should save
+# at least this share of the compute
+PER_TENSOR_PASSES = 2
+PER_TENSOR_MIN_STALL = 0.02
 
 
 # the recompute knobs a search with recomputation varies (``SwapParams.recompute*``): op classes and
@@ -248,9 +251,8 @@ class TuningProblem:
         """Simulate ``params`` (None: no swapping); results are memoised per parameter set.
 
         Parameters asking for it (``recompute_per_tensor``) first recompute, instead of swapping,
-        tensors on the device at a peak over the budget, and then tensors whose swap-ins the step
-        waits for where that is cheaper than the wait (``simulator.recompute_choice``:
-        ``peak_recomputes``, ``stalled_recomputes``; a few passes each, kept while they help). A
+        the tensors whose swap-ins the step waits for, where that is cheaper than the wait
+        (``simulator.recompute_choice.stalled_recomputes``; a few passes, kept while they help). A
         plan that fits the device but overflows the host is then evaluated as
         ``simulator.host_room.fit_host`` mends it, when it can. The evaluation carries the mended
         parameters (``recompute_tensors``, ``keep_tensors``)."""
@@ -275,24 +277,15 @@ class TuningProblem:
 
     def _recompute_per_tensor(self, params: SwapParams, graph: OpGraph, plan: SwapPlan, result: Replay,
                               passes: int = PER_TENSOR_PASSES) -> tuple[SwapParams, OpGraph, SwapPlan, Replay]:
-        """``params`` with the tensors the per-tensor pass recomputes: while the peak is over the
-        budget, tensors on the device there (kept when the peak comes down); then, while the step
-        waits for swap-ins, tensors cheaper to recompute than the wait (kept when the step gets
-        faster and still fits)."""
+        """``params`` with the tensors the per-tensor pass recomputes: while the step waits for
+        swap-ins, tensors cheaper to recompute than the wait, where that should save
+        ``PER_TENSOR_MIN_STALL`` of the compute at least (kept when the step gets faster and still
+        fits: a new graph to simulate each time)."""
         for _ in range(passes):
-            excess = result.peak_bytes - self.budget_bytes
-            if excess <= 0:
+            if result.stall_s < PER_TENSOR_MIN_STALL * self.plain_compute_s:
                 break
-            more = peak_recomputes(self.graph, self.device, params, graph, plan, result, excess)
-            if not more:
-                break
-            trial = self._with_recomputed(params, more)
-            if trial[3].peak_bytes >= result.peak_bytes:
-                break
-            params, graph, plan, result = trial
-        for _ in range(passes):
-            more = stalled_recomputes(self.graph, self.device, params, graph, plan, result)
-            if not more:
+            more, saved_s = stalled_recomputes(self.graph, self.device, params, graph, plan, result)
+            if not more or saved_s < PER_TENSOR_MIN_STALL * self.plain_compute_s:
                 break
             trial = self._with_recomputed(params, more)
             if trial[3].step_s >= result.step_s or trial[3].peak_bytes > max(result.peak_bytes, self.budget_bytes):

@@ -79,10 +79,9 @@ class SwapParams:
       recomputations are made first (``simulator.recompute_choice.recomputed_graph``) and the swap
       rules then apply to the graph that holds them.
     recompute_cost: the most device seconds a recomputation may cost per byte it frees.
-    recompute_per_tensor: per swapped tensor, recompute it instead where the swap costs more: where
-      the plan misses the device budget with its swap-in on the device at the peak, or where the
-      step waits for its swap-in longer than the recomputation takes (the search's per-tensor pass,
-      ``autotune.search.TuningProblem.evaluate``, names them in ``recompute_tensors``).
+    recompute_per_tensor: per swapped tensor whose swap-in the step waits for, recompute it instead
+      where that takes less than the wait (the link cannot hide the swap; the search's per-tensor
+      pass, ``autotune.search.TuningProblem.evaluate``, names them in ``recompute_tensors``).
     recompute_tensors: tensors (by name) recomputed whatever the cost rule says, when they can be.
     after_copies_out: a swap-in starts only once the op it starts after (its trigger; for a
       synchronous one, the last of its consumer's other inputs) has its own swapped outputs copied

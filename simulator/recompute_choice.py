@@ -17,7 +17,6 @@ from typing import Sequence
 import numpy as np
 
 from simulator.devices import DeviceModel
-from simulator.explain import live_buffers
 from simulator.graph import BACKWARD, FORWARD, OpGraph
 from simulator.ordering import categorized_levels, execution_order, position_of
 from simulator.planning import TRIGGER_POLICIES, ParamsError, SwapParams, SwapPlan, latest_triggers
@@ -212,28 +211,29 @@ class _CandidateSearch:
                          seconds=float(self.seconds[list(ops)].sum()), freed_bytes=freed, extra_bytes=extra_bytes)
 
     def add(self, chosen: dict[int, Candidate], tensor: int, *, max_seconds_per_byte: float = math.inf,
-            max_seconds: float = math.inf) -> bool:
+            max_seconds: float = math.inf) -> float | None:
         """Recompute ``tensor`` too, if it can be and that costs at most ``max_seconds_per_byte``
         per byte it frees and ``max_seconds`` in all: the recomputations that read it (a source)
-        then clone it again instead, and what that adds counts. Updates ``chosen``; False when not."""
+        then clone it again instead, and what that adds counts. Updates ``chosen``; returns the
+        seconds added, None when not."""
         if tensor in chosen:
-            return False
+            return None
         before = frozenset(chosen)
         own = self.candidate(tensor, before)
         if own is None:
-            return False
+            return None
         after = before | {tensor}
         readers = [c for c in chosen.values() if tensor in c.sources]
         redone = [self.candidate(c.tensor, after) for c in readers]
         if any(c is None for c in redone):
-            return False
+            return None
         seconds = own.seconds + sum(new.seconds - old.seconds for new, old in zip(redone, readers))
         freed = own.freed_bytes + sum(new.freed_bytes - old.freed_bytes for new, old in zip(redone, readers))
         if freed <= 0 or seconds > max_seconds or seconds > max_seconds_per_byte * freed:
-            return False
+            return None
         chosen[tensor] = own
         chosen.update((c.tensor, c) for c in redone)
-        return True
+        return seconds
 
 
 def recompute_candidates(g: OpGraph, device: DeviceModel, params: RecomputeParams, *,
@@ -336,7 +336,7 @@ def recomputed_graph(g: OpGraph, params: SwapParams, device: DeviceModel) -> tup
     actions = actions_of(g, chosen_recomputes(g, device, rules))
     if not actions:
         return g, []
-    key = (g.fingerprint(), tuple(actions))
+    key = (g.cached("fingerprint", OpGraph.fingerprint, structural=True), tuple(actions))
     if key not in _GRAPHS:
         if len(_GRAPHS) >= _GRAPHS_KEPT:
             del _GRAPHS[next(iter(_GRAPHS))]
@@ -373,47 +373,22 @@ def _per_tensor_analysis(g: OpGraph, device: DeviceModel, params: SwapParams) ->
 
 
 def stalled_recomputes(g: OpGraph, device: DeviceModel, params: SwapParams, transformed: OpGraph, plan: SwapPlan,
-                       result: Replay) -> tuple[str, ...]:
+                       result: Replay) -> tuple[tuple[str, ...], float]:
     """Tensors of ``g`` to recompute instead of swapping: swapped in ``plan`` (made on
     ``transformed``, ``g`` with ``params``' recomputations), their swap-ins waited for, and their
     recomputation (with what it adds to the others) costs less than that wait
-    (``SwapParams.recompute_per_tensor``); the longest waits first."""
+    (``SwapParams.recompute_per_tensor``); the longest waits first. And the seconds that should
+    save (the waits less the recomputations)."""
     stalls = swap_in_stalls(transformed, plan, result)
     if not stalls:
-        return ()
+        return (), 0.0
     analysis, chosen = _per_tensor_analysis(g, device, params)
     index = g.tensor_index()
-    added = []
+    added, saved_s = [], 0.0
     for tensor, wait in sorted(stalls.items(), key=lambda item: -item[1]):
         name = transformed.tensor_name(tensor)
-        if name in index and analysis.add(chosen, index[name], max_seconds=wait):
+        seconds = analysis.add(chosen, index[name], max_seconds=wait) if name in index else None
+        if seconds is not None:
             added.append(name)
-    return tuple(added)
-
-
-def peak_recomputes(g: OpGraph, device: DeviceModel, params: SwapParams, transformed: OpGraph, plan: SwapPlan,
-                    result: Replay, excess_bytes: int, margin: float = 1.25) -> tuple[str, ...]:
-    """Tensors of ``g`` to recompute so that ``plan``'s peak (``excess_bytes`` over the budget)
-    comes down: the forward tensors on the device at the peak (swapped in early, or kept), the
-    cheapest per byte first and none costing more per byte than a copy out and back, until they add
-    up to ``margin`` x the excess (a recomputed tensor's clone may still be live there when its
-    reader is the peak's op)."""
-    live = live_buffers(transformed, plan, result)
-    analysis, chosen = _per_tensor_analysis(g, device, params)
-    index = g.tensor_index()
-    found = []
-    for row in live.itertuples():
-        if row.phase == "forward" and row.tensor in index:
-            candidate = analysis.candidate(index[row.tensor], frozenset(chosen))
-            if candidate is not None:
-                found.append((candidate.seconds_per_byte, row.tensor, int(row.bytes)))
-    # a recomputation that costs more than copying the byte out and back is no better than the swap
-    limit = 1.0 / device.h2d_bytes_per_s + 1.0 / device.d2h_bytes_per_s
-    added, freed = [], 0
-    for _, name, size in sorted(found):
-        if freed >= margin * excess_bytes:
-            break
-        if analysis.add(chosen, index[name], max_seconds_per_byte=limit):
-            added.append(name)
-            freed += size
-    return tuple(added)
+            saved_s += wait - seconds
+    return tuple(added), saved_s
