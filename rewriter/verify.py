@@ -37,8 +37,15 @@ from rewriter.placement import SWAP_IN_PREFIX
 log = logging.getLogger(__name__)
 
 # A node a Grappler optimizer rewrote under a new name: "ArithmeticOptimizer/AddOpsRewrite_AddN_3"
-# (the 3D U-Net's gradient sums, once elide-broadcasts made them AddV2 chains, are merged that way)
-_RENAMED = re.compile(r"^[A-Za-z]+Optimizer/[A-Za-z]+_(.+)$")
+# (the 3D U-Net's gradient sums, once elide-broadcasts made them AddV2 chains, are merged that way),
+# inside its scope for a scoped node: "a/MatMul/ArithmeticOptimizer/FoldTransposeIntoMatMul_MatMul"
+# stands for "a/MatMul/MatMul" (an attention gradient's matrix product)
+_RENAMED = re.compile(r"^(.*/)?[A-Za-z]+Optimizer/[A-Za-z]+_([^/]+)$")
+
+
+def grappler_renames(names) -> dict[str, str]:
+    """Original name -> the name a Grappler optimizer gave the node, for ``names`` of a graph."""
+    return {(match.group(1) or "") + match.group(2): name for name in names if (match := _RENAMED.match(name))}
 
 
 @dataclass
@@ -169,7 +176,7 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "") ->
                     result.transfers_to_accelerator += 1
     running = partitions or post
     ancestry = Ancestry(fg.post_optimization_graph)
-    renamed = {match.group(1): name for name in post if (match := _RENAMED.match(name))}
+    renamed = grappler_renames(post)
 
     # readers of each swap-in in what runs (a _Recv may sit between on another device)
     recv_source: dict[str, str] = {}
