@@ -14,8 +14,8 @@ from benchmarks.models import build_model, example_batch
 from benchmarks.zoo import ZooModel
 from rewriter.apply import Ancestry, PlanError, fixed_grappler_config, foldable_ops
 from rewriter.capture import import_step
-from rewriter.recompute import CLONE_ATTR, KEEP_ATTR, apply_recomputes, check_recomputes, unclonable_reason
-from rewriter.verify import collect_first_call
+from rewriter.recompute import CLONE_ATTR, KEEP_ATTR, apply_recomputes, unclonable_reason
+from rewriter.verify import check_recomputes, collect_first_call
 from simulator.graph import BACKWARD, FORWARD
 from simulator.planning import TRIGGER_OP_TYPES
 from simulator.recompute import Recompute, clone_name
