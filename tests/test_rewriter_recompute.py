@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
 
+import types
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -12,6 +14,7 @@ import tensorflow as tf
 import rewriter
 from benchmarks.models import build_model, example_batch
 from benchmarks.zoo import ZooModel
+from rewriter import gpu
 from rewriter.apply import Ancestry, PlanError, fixed_grappler_config, foldable_ops
 from rewriter.capture import import_step
 from rewriter.recompute import CLONE_ATTR, KEEP_ATTR, apply_recomputes, unclonable_reason
@@ -297,6 +300,19 @@ def test_grappler_merges_an_undefended_clone_and_verification_says_so():
     assert result.controls_lost and not result.ok  # the trigger edge is gone (taken away above), and said
     merged = check_recomputes(_run_collected(naked, outputs), applied)
     assert not merged.ok and (merged.clones_lost or merged.originals_lost), merged.summary()
+
+
+def test_clones_survive_grappler_for_a_gpu(cnn):
+    """Grappler's passes for a GPU (a virtual V100, offline: ``rewriter.gpu.optimize_for_gpu``), whose
+    remapper fuses more than the CPU's (FusedBatchNorm/bias/activation chains): every clone survives
+    and every far read is served by one."""
+    _, traced, actions = cnn
+    graph_def, applied = apply_recomputes(traced.concrete.graph.as_graph_def(), actions)
+    optimized = gpu.optimize_for_gpu(graph_def, [t.name for t in traced.concrete.outputs])
+    collected = types.SimpleNamespace(post_optimization_graph=optimized, partition_graphs=[])
+    result = check_recomputes([collected], applied)
+    assert result.ok and result.clones == result.planned_clones, result.summary()
+    assert result.reads == result.planned_reads
 
 
 # ---------------------------------------------------------------------- refusals
