@@ -9,8 +9,9 @@ real step and measures it until a measured run confirms it (``result.verdict``).
 from autotune.inputs import InputError
 from autotune.search import Evaluation, SearchSpace, TuningProblem
 from autotune.confirm import tune
-from autotune.tuning import Measurement, TuneResult, tune_graph
+from autotune.measured import PlanRun, run_plan
+from autotune.tuning import MeasuredRun, TuneResult, tune_graph
 from autotune.verdict import Verdict
 
-__all__ = ["Evaluation", "InputError", "Measurement", "SearchSpace", "TuneResult", "TuningProblem", "Verdict", "tune",
-           "tune_graph"]
+__all__ = ["Evaluation", "InputError", "MeasuredRun", "PlanRun", "SearchSpace", "TuneResult", "TuningProblem", "Verdict",
+           "run_plan", "tune", "tune_graph"]

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="find the largest batch that fits with swapping, and tune for it")
     search.add_argument("--max-overhead", type=float,
                         help="with --maximize-batch: largest acceptable simulated slow-down, e.g. 0.3 for 30%%")
+    search.add_argument("--no-recompute", dest="recompute", action="store_false",
+                        help="swap only: never recompute a tensor for its far readers (by default the search "
+                             "recomputes cheap tensors where that costs less than keeping or swapping them)")
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
@@ -253,47 +256,21 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
         configure_testbed(gpu_memory_limit_bytes=_given_budget_bytes(settings))
     model = load_user_model(settings)  # the user's --import modules first
-    from rewriter.capture import CaptureError, capture
+    from autotune.confirm import tune
+    from rewriter.capture import CaptureError
 
-    _say(quiet, f"capturing the training step at batch {settings['batch_size']} ...")
     try:
-        graph = capture(model, settings["batch_size"], input_shapes=settings["input_shapes"],
-                        label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
-                        name=getattr(model, "name", None) or settings["model_file"].stem, graph_rewrites=settings["graph_rewrites"])
+        result = tune(model, batch_size=settings["batch_size"], device=settings["device"], memory=settings["memory"],
+                      measure=not args.no_measure, calibrate=settings["calibrate"], input_shapes=settings["input_shapes"],
+                      label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
+                      graph_rewrites=settings["graph_rewrites"],
+                      name=getattr(model, "name", None) or settings["model_file"].stem, say=lambda text: _say(quiet, text),
+                      policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
+                      timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
+                      study_name=args.study_name, maximize_batch=args.maximize_batch,
+                      max_overhead=settings["max_overhead"], recompute=args.recompute, progress=not quiet)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
-    _say(quiet, f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
-    for rewrite in settings["graph_rewrites"]:
-        changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
-        _say(quiet, f"{rewrite}: {len(changed)} op(s) rewritten" if changed else
-             f"{rewrite}: nothing in this model to rewrite")
-
-    calibration = None
-    if settings["calibrate"]:
-        from autotune.calibration import calibrate_for
-
-        calibration = calibrate_for(model, graph, settings["batch_size"], input_shapes=settings["input_shapes"],
-                                    label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
-                                    say=lambda text: _say(quiet, text))
-    search = dict(batch_size=settings["batch_size"], device=settings["device"], memory=settings["memory"],
-                  policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
-                  timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
-                  study_name=args.study_name, maximize_batch=args.maximize_batch,
-                  max_overhead=settings["max_overhead"], progress=not quiet)
-    if args.no_measure:
-        from autotune.calibration import search_device
-        from autotune.tuning import tune_graph
-
-        search["device"], search["memory"] = search_device(search["device"], search["memory"], calibration)
-        result = tune_graph(graph, **search)
-        result.calibration = calibration
-    else:
-        from autotune.confirm import confirm
-
-        _say(quiet, "searching, then measuring the chosen plan on the real training step ...")
-        result = confirm(model, graph, say=lambda text: _say(quiet, f"measured: {text}"),
-                         input_shapes=settings["input_shapes"], label_shapes=settings["label_shapes"],
-                         label_dtype=settings["label_dtype"], calibration=calibration, **search)
     result.notes += model_notes(model)
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
     from autotune.report import write_report
@@ -321,9 +298,11 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      + "; the figures below are of the rewritten step")
     lines.append(f"without swapping: peak {format_bytes(result.baseline.peak_bytes)}, "
                  f"step {result.baseline.step_s:.4g} s")
-    if result.applies_plan and result.plan.changes_step:
+    if result.applies_plan and (result.plan.changes_step or result.recomputes):
+        recomputed = result.recomputed()
         lines.append(f"with the plan:    peak {format_bytes(shown.peak_bytes)}, step {shown.step_s:.4g} s "
                      f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped, "
+                     f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
                      f"{result.plan.order_name} order")
         p = shown.params
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "

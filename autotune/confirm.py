@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from autotune.calibration import calibrate_for, search_device
+from autotune.inputs import format_bytes
 from autotune.measured import measure_result
 from autotune.tuning import TuneResult, tune_graph
 from autotune.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
@@ -58,7 +59,7 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
     search["device"], search["memory"] = search_device(search.get("device"), search.get("memory"), calibration)
     correction = PeakCorrection()
     checks: list[Check] = []
-    measured_plans: dict = {}  # (params, batch) -> Measurement: a plan chosen again is not run again
+    measured_plans: dict = {}  # (params, batch) -> MeasuredRun: a plan chosen again is not run again
     inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     for round_ in range(1, rounds + 1):
         # a corrected search is another search: its own study, so stored trials keep the budget they were made for
@@ -104,9 +105,10 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
 
 def tune(model, *, batch_size: int | None = None, device=None, memory: int | None = None, measure: bool = True,
          calibrate: bool | None = None, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
-         rounds: int = MAX_ROUNDS, **search: Any) -> TuneResult:
+         rounds: int = MAX_ROUNDS, name: str | None = None, say: Callable[[str], None] = log.info,
+         **search: Any) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner until a
-    measured run confirms it (``result.verdict``).
+    measured run confirms it (``result.verdict``). ``python -m autotune`` comes through here.
 
     ``batch_size`` may be left out with ``maximize_batch=True`` (the search picks it).
     ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
@@ -114,6 +116,8 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     ``measure=False``: the simulator's answer alone (the verdict says it is a prediction only).
     ``calibrate`` (default: when measuring): step times measured on this machine
     (``autotune.calibration``) instead of the preset's datasheet estimate.
+    ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes.
+    A model that cannot be captured raises ``CaptureError`` before anything is searched.
     """
     from rewriter.capture import capture  # TensorFlow only when a model is tuned
 
@@ -121,15 +125,21 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         if not search.get("maximize_batch"):
             raise ValueError("batch_size is required unless maximize_batch=True")
         batch_size = 1  # only where the capture starts: sizes are linear in the batch
+    say(f"capturing the training step at batch {batch_size} ...")
     graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                    label_dtype=label_dtype, name=getattr(model, "name", None), graph_rewrites=graph_rewrites)
+                    label_dtype=label_dtype, name=name or getattr(model, "name", None), graph_rewrites=graph_rewrites)
+    say(f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
+    for rewrite in graph_rewrites:
+        changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
+        say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    calibration = calibrate_for(model, graph, batch_size, **inputs) if (measure if calibrate is None else calibrate) \
-        else None
+    calibration = calibrate_for(model, graph, batch_size, **inputs, say=say) \
+        if (measure if calibrate is None else calibrate) else None
     if not measure:
         device, memory = search_device(device, memory, calibration)
         result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
         result.calibration = calibration
         return result
-    return confirm(model, graph, rounds=rounds, batch_size=batch_size, device=device, memory=memory,
-                   calibration=calibration, **inputs, **search)
+    say("searching, then measuring the chosen plan on the real training step ...")
+    return confirm(model, graph, rounds=rounds, say=lambda text: say(f"measured: {text}"), batch_size=batch_size,
+                   device=device, memory=memory, calibration=calibration, **inputs, **search)

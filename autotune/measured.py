@@ -1,19 +1,78 @@
-"""The measured run of a tuned plan: on a GPU at the requested batch, else on the CPU testbed at a
-batch this machine can run, with the prediction for that same batch beside it."""
+"""Predict, apply, measure: one plan simulated, applied to the real training step and run.
+
+``run_plan`` is the one place where a plan's prediction meets a measurement; the tuning's measured run
+(``measure_result``: on a GPU at the requested batch, else on the CPU testbed at a batch this machine
+can run, with the prediction for that same batch beside it) and the benchmarks (fidelity, max-batch,
+gpu-check) come through it. TensorFlow is imported only when something is measured.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from autotune.inputs import format_bytes
-from autotune.tuning import Measurement, TuneResult
-from simulator import CalibratedDevice, SwapPlan, get_device, plan_swaps, replay
+from autotune.tuning import MeasuredRun, TuneResult
+from simulator import CalibratedDevice, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
+from simulator.replay import Replay
 
 log = logging.getLogger(__name__)
 
 # what a measured run on the CPU testbed may cost this machine
 TESTBED_MAX_PEAK_BYTES = 3 * 2**30
 TESTBED_MAX_STEP_S = 4.0
+
+
+@dataclass
+class PlanRun:
+    """One plan predicted, applied and measured: ``readings`` holds one ``rewriter.Measurement`` per
+    measured call (the first times ``repeats`` steps, each one profiles a step's memory); none when
+    the step ran out of memory (on a GPU whose memory limit is the budget: a measured "does not fit",
+    not a crash)."""
+
+    plan: SwapPlan
+    predicted: Replay
+    step: Any  # rewriter.SwapStep
+    readings: list[Any]
+
+    @property
+    def out_of_memory(self) -> bool:
+        return not self.readings
+
+    @property
+    def measured(self):
+        """The first reading (its step times are the timed ones), None when out of memory."""
+        return self.readings[0] if self.readings else None
+
+
+def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, batch: tuple[Any, Any], *,
+             placement=None, verify: bool = True, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1,
+             **shapes: Any) -> PlanRun:
+    """Predict ``plan`` on ``device`` (``graph`` at the batch it runs), apply it to ``model``'s step at
+    that batch (``rewriter.apply``; ``shapes``: its input_shapes/label_shapes/label_dtype) and measure
+    it on ``batch`` = (x, y): ``warmup`` steps, then ``repeats`` timed ones, then ``peak_repeats - 1``
+    more profiled steps (a measured peak moves by a few % from step to step)."""
+    import rewriter  # TensorFlow only when a plan is measured
+
+    predicted = replay(graph, plan, device)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement, verify=verify,
+                          verify_with=batch if verify else None, **shapes)
+    return PlanRun(plan, predicted, step, _readings(step, *batch, warmup=warmup, repeats=repeats,
+                                                    peak_repeats=peak_repeats))
+
+
+def _readings(step, x, y, *, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1) -> list[Any]:
+    """``rewriter.measure`` of ``step`` (``run_plan``), none when it runs out of memory."""
+    import rewriter  # TensorFlow only when a plan is measured
+    import tensorflow as tf
+
+    try:
+        readings = [rewriter.measure(step, x, y, warmup=warmup, repeats=repeats)]
+        return readings + [rewriter.measure(step, x, y, warmup=0, repeats=1) for _ in range(peak_repeats - 1)]
+    except tf.errors.ResourceExhaustedError as error:
+        log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+        return []
 
 
 def testbed_batch(result: TuneResult) -> int:
@@ -33,49 +92,49 @@ def testbed_batch_for(graph, batch_size: int) -> int:
     return batch
 
 
-def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes=None, label_dtype=None) -> Measurement:
+def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes=None, label_dtype=None) -> MeasuredRun:
     """Apply the chosen plan to ``model``'s real step, run it, and measure peak memory and time."""
-    import rewriter
-    from rewriter.capture import synthetic_batch
+    import rewriter  # TensorFlow only when a plan is measured
+    from rewriter.step_inputs import synthetic_batch
 
     placement = rewriter.detect(configure=False)
     shown = result.shown
     params = None if shown is None else shown.params
     on_gpu = placement.measured_on == "gpu"
     if on_gpu:
-        batch, device, kept = result.batch_size, result.device, result.device.kept_reads
+        batch, device = result.batch_size, result.device
         note = ""
     else:
         batch = testbed_batch(result)
         calibration = result.calibration
         device = calibration if calibration is not None and calibration.preset == "cpu-testbed" else get_device("cpu-testbed")
-        kept = device.kept_reads
         note = (f"No GPU here: the plan's parameters were applied on the CPU testbed (CPU:0 as the "
                 f"accelerator, CPU:1 as the host) at batch {batch}"
                 + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + ".")
     graph = result.graph.with_batch(batch)
-    plan = SwapPlan.empty(graph) if params is None else plan_swaps(graph, params, kept_reads=kept)
-    predicted = replay(graph, plan, device)
+    # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there
+    plan_graph = graph if result.plan_graph is None else result.plan_graph.with_batch(batch)
+    plan = SwapPlan.empty(graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
     predicted_base = replay(graph, None, device)
-    x, y = synthetic_batch(model, batch, input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)  # as captured
-    step = rewriter.apply(model, plan, graph=graph, batch_size=batch, placement=placement, verify_with=(x, y), **shapes)
-    measured, out_of_memory = _measure(step, x, y)
+    data = synthetic_batch(model, batch, **shapes)
+    run = run_plan(model, graph if params is None else plan_graph, plan, device, data, placement=placement, **shapes)
+    measured, predicted = run.measured, run.predicted
     baseline = plain = None
-    if plan.n_swaps:
+    if plan.n_swaps or result.recomputes:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
-            reference = rewriter.apply(model, SwapPlan.empty(graph), graph=graph, batch_size=batch,
-                                       placement=placement, verify=False, **shapes)
-            baseline, _ = _measure(reference, x, y)
+            baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
+                                **shapes).measured
     else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
-        plain, plain_oom = _measure(rewriter.KerasStep(model), x, y)
-        if plain_oom:
+        readings = _readings(rewriter.KerasStep(model), *data)
+        plain = readings[0] if readings else None
+        if not readings:
             log.info("model.fit's own step ran out of memory at batch %d", batch)
-    verification = step.verification
+    verification = run.step.verification
     if measured is not None:
         log.info("measured at batch %d: peak %s (predicted %s)", batch, format_bytes(measured.peak_bytes),
                  format_bytes(predicted.peak_bytes))
-    return Measurement(
+    return MeasuredRun(
         measured_on=placement.measured_on if measured is None else measured.measured_on, batch_size=batch,
         peak_bytes=0 if measured is None else measured.peak_bytes,
         step_s=float("nan") if measured is None else measured.step_s,
@@ -87,19 +146,6 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
         allocator_peak_bytes=None if measured is None else measured.allocator_peak_bytes,
         note=note, swaps_survived=None if verification is None else verification.swap_outs,
         swaps_planned=plan.n_swaps, plain_peak_bytes=None if plain is None else plain.peak_bytes,
-        out_of_memory=out_of_memory,
+        out_of_memory=run.out_of_memory,
     )
 
-
-def _measure(step, x, y):
-    """(measurement, False), or (None, True) when the step runs out of memory: on a GPU whose
-    memory limit is the budget, that is a measured "does not fit", not a crash."""
-    import tensorflow as tf
-
-    import rewriter
-
-    try:
-        return rewriter.measure(step, x, y, warmup=1, repeats=3), False
-    except tf.errors.ResourceExhaustedError as error:
-        log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
-        return None, True

@@ -24,7 +24,7 @@ from autotune.inputs import format_bytes
 from autotune.search import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, evaluation_from_trial,
                              record_trial_attrs)
 from simulator import SwapParams, n_levels
-from simulator.planning import SYNC_IN_MODES, SYNC_MODES
+from simulator.params import SYNC_IN_MODES, SYNC_MODES
 
 log = logging.getLogger(__name__)
 

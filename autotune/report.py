@@ -283,8 +283,9 @@ def write_report(result, out_dir: str | Path) -> dict[str, Path]:
         images = plots.draw_all(result, scratch)
         files: dict[str, Path] = dict(images)
         plan_file = "plan.json" if result.feasible else "closest_plan.json"
-        if result.plan is not None and (result.plan.changes_step or result.applies_plan):
-            (scratch / plan_file).write_text(result.plan.to_json(result.graph))
+        named = result.named_plan()
+        if named is not None and (named.changes_step or result.applies_plan):
+            (scratch / plan_file).write_text(named.to_json())
             files[plan_file] = scratch / plan_file
         pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)
         files["trials.csv"] = scratch / "trials.csv"

@@ -18,9 +18,9 @@ import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
 from simulator.host_room import fit_host
+from simulator.params import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
 from simulator.recompute import Recompute
 from simulator.recompute_choice import recomputed_graph, stalled_recomputes
-from simulator.planning import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
 from simulator.replay import Replay
 
 METRICS = ("peak_bytes", "step_s", "compute_s", "stall_s", "overhead", "d2h_bytes", "h2d_bytes", "host_peak_bytes",

@@ -21,7 +21,7 @@ from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
 from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, predicted
-from simulator import BACKWARD, CalibratedDevice, DeviceModel, OpGraph, SwapPlan, get_device, replay
+from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
 from simulator.recompute import Recompute, clone_name
@@ -35,8 +35,10 @@ HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
 
 
 @dataclass
-class Measurement:
-    """A measured run of the chosen plan (on a GPU, or on the CPU testbed at a smaller batch)."""
+class MeasuredRun:
+    """A measured run of the chosen plan (on a GPU, or on the CPU testbed at a smaller batch), with the
+    prediction for the same batch beside it (``autotune.measured``; one measured step is a
+    ``rewriter.Measurement``)."""
 
     measured_on: str
     batch_size: int
@@ -80,7 +82,7 @@ class TuneResult:
     baseline_replay: Replay
     space: SearchSpace
     max_batch_without_swap: int | None = None
-    measurement: Measurement | None = None
+    measurement: MeasuredRun | None = None
     notes: list[str] = field(default_factory=list)
     # the budget the search held predicted peaks to: the budget less what measured runs showed the
     # simulator misses on this model (``correction``); equal to budget_bytes before any measured run
@@ -126,8 +128,13 @@ class TuneResult:
         """A plan fits and changes the step (swaps, reorders or rewrites it), or only the tool's
         serialized step fits: there is something to apply."""
         serialized = self.verdict is not None and self.verdict.train_with == SERIALIZED_STEP
-        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.graph_rewrites)
-                                                            or serialized)
+        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.recomputes)
+                                                            or bool(self.graph_rewrites) or serialized)
+
+    def named_plan(self) -> NamedPlan | None:
+        """The shown plan by name (what ``plan.json`` holds), its recomputations included."""
+        return None if self.plan is None else self.plan.to_named(self.plan_graph if self.plan_graph is not None
+                                                                 else self.graph)
 
     @property
     def shown(self) -> Evaluation | None:
@@ -411,11 +418,11 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
                timeout_s: float | None = None, seed: int | None = 0, storage: str | None = None,
                study_name: str | None = None, maximize_batch: bool = False, max_overhead: float | None = None,
                progress: bool = False, correction: PeakCorrection | None = None, measured: bool = False,
-               recompute: bool = False) -> TuneResult:
+               recompute: bool = True) -> TuneResult:
     """Search swap parameters for ``graph`` by simulation (no TensorFlow needed).
 
-    ``recompute``: the search may also recompute tensors instead of keeping or swapping them
-    (``SearchSpace.for_graph(recompute=True)``); else it swaps only.
+    ``recompute`` (default): the search may also recompute tensors instead of keeping or swapping
+    them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then

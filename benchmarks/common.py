@@ -23,6 +23,18 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STARTED_S = time.perf_counter()  # each benchmark is its own process: its runtime is counted from here
 
 
+def start_measuring_process() -> None:
+    """Make this process a measuring worker (a benchmark runs each model in a fresh one): the testbed's
+    environment before TensorFlow is imported, then CPU:0 (accelerator) and CPU:1 (host) before its
+    runtime starts (beside a GPU, nothing is split)."""
+    from rewriter.environment import prepare_environment  # must run before TensorFlow is imported
+
+    prepare_environment()
+    from rewriter.placement import configure_testbed  # imports TensorFlow
+
+    configure_testbed()
+
+
 def machine() -> dict[str, Any]:
     """The facts a reader needs to judge a number: where, when, with what."""
     versions = {}

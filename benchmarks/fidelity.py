@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from benchmarks.common import RESULTS_DIR, STARTED_S, write_results
+from benchmarks.common import RESULTS_DIR, STARTED_S, start_measuring_process, write_results
 from benchmarks.zoo import ZOO
 
 log = logging.getLogger(__name__)
@@ -201,21 +201,16 @@ def _grappler_estimate(model, batch: int) -> dict[str, Any]:
 def _worker(spec_path: str, out_path: str) -> int:
     """Measure one model under every plan of the spec; append one JSON line per result to out_path."""
     spec = json.loads(Path(spec_path).read_text())
-    from rewriter.environment import prepare_environment
-
-    prepare_environment()
-    import tensorflow as tf  # noqa: F401 -- after the environment is set
-
-    from rewriter.placement import configure_testbed
-
-    configure_testbed()  # before TensorFlow's runtime starts: CPU:0 accelerator, CPU:1 host
+    start_measuring_process()
 
     import gc
 
     import rewriter
+    from autotune.measured import run_plan
     from autotune.tuning import DEFAULT_DEVICE
-    from benchmarks.models import build_model, example_batch
-    from simulator import SwapParams, SwapPlan, get_device, n_levels, plan_swaps, replay
+    from benchmarks.models import build_model
+    from rewriter.step_inputs import synthetic_batch
+    from simulator import SwapParams, SwapPlan, get_device, n_levels, plan_swaps
 
     def emit(record: dict[str, Any]) -> None:
         with open(out_path, "a") as handle:
@@ -228,7 +223,7 @@ def _worker(spec_path: str, out_path: str) -> int:
     device = get_device(place.simulator_device or DEFAULT_DEVICE)
     name, batch = spec["model"], int(spec["batch"])
     model = ZOO[name].build(seed=0) if spec.get("zoo") else build_model(name, seed=0, **spec["kwargs"])
-    x, y = example_batch(model, batch)
+    x, y = synthetic_batch(model, batch)
     start = time.perf_counter()
     graph = rewriter.capture(model, batch, name=name, graph_rewrites=spec.get("graph_rewrites", ()))
     emit({"kind": "graph", "capture_s": time.perf_counter() - start, "ops": graph.n_ops,
@@ -244,19 +239,19 @@ def _worker(spec_path: str, out_path: str) -> int:
                 plan = SwapPlan.empty(graph)
             else:
                 plan = plan_swaps(graph, SwapParams.from_dict(params_dict), kept_reads=kept_reads)
-            predicted = replay(graph, plan, device)
+            # the first measurement times the step; every one profiles one more step's memory (the
+            # measured peak moves by a few % from step to step: asynchronous swap copies, weight updates)
+            run = run_plan(model, graph, plan, device, (x, y), placement=place, repeats=int(spec["repeats"]),
+                           peak_repeats=int(spec["peak_repeats"]))
+            predicted, step, readings, measured = run.predicted, run.step, run.readings, run.measured
             record.update(order=plan.order_name, planned_swaps=plan.n_swaps, planned_swap_ins=plan.n_swap_ins,
                           planned_swapped_bytes=plan.swapped_bytes(graph), predicted_bytes=predicted.peak_bytes,
                           predicted_step_s=predicted.step_s, predicted_compute_s=predicted.compute_s,
                           predicted_persistent_bytes=predicted.persistent_bytes,
                           predicted_host_peak_bytes=predicted.host_peak_bytes)
-            step = rewriter.apply(model, plan, graph=graph, batch_size=batch)
+            if run.out_of_memory:
+                raise MemoryError("the measured step ran out of memory")
             verification = step.verification
-            # the first measurement times the step; every one profiles one more step's memory (the
-            # measured peak moves by a few % from step to step: asynchronous swap copies, weight updates)
-            measured = rewriter.measure(step, x, y, warmup=1, repeats=int(spec["repeats"]))
-            readings = [measured] + [rewriter.measure(step, x, y, warmup=0, repeats=1)
-                                     for _ in range(int(spec["peak_repeats"]) - 1)]
             peaks = [m.peak_bytes for m in readings]
             record.update(applied_swaps=step.n_swap_outs, applied_swap_ins=step.n_swap_ins,
                           skipped_swaps=len(getattr(step, "skipped", []) or []),
@@ -268,7 +263,7 @@ def _worker(spec_path: str, out_path: str) -> int:
                           measured_persistent_bytes=measured.persistent_bytes,
                           measured_host_peak_bytes=measured.host_peak_bytes, measured_step_s=measured.step_s,
                           measured_step_s_all=list(measured.step_s_all))
-            del step
+            del step, run
         except Exception as error:  # noqa: BLE001 -- one failed plan must not lose the others
             record["error"] = f"{type(error).__name__}: {error}"
         record["wall_s"] = time.perf_counter() - start

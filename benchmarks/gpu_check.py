@@ -129,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     import tensorflow as tf
 
     import rewriter
-    from benchmarks.models import build_model, example_batch
+    from autotune.measured import run_plan
+    from benchmarks.models import build_model
     from rewriter.gpu import jit_compile_note, optimize_for_gpu
+    from rewriter.step_inputs import synthetic_batch
     from rewriter.placement import limit_device_memory
     from simulator import SwapPlan, get_device, replay
 
@@ -177,12 +179,15 @@ def main(argv: list[str] | None = None) -> int:
               f"with something before them; {path}")
         return 0 if not problems and not inserted else 1
 
-    x, y = example_batch(model, args.batch)
+    data = synthetic_batch(model, args.batch)
     rows = []
     for label, this in (("none", empty), ("swaps", plan)):
-        step = rewriter.apply(model, this, graph=graph, batch_size=args.batch)
-        measured = rewriter.measure(step, x, y, warmup=2, repeats=args.repeats)
-        rows.append(_row(label, this, replay(graph, this, device), measured, step.verification))
+        run = run_plan(model, graph, this, device, data, warmup=2, repeats=args.repeats)
+        if run.out_of_memory:
+            print(f"the {label} step ran out of memory at batch {args.batch}", file=sys.stderr)
+            return 1
+        step = run.step
+        rows.append(_row(label, this, run.predicted, run.measured, step.verification))
         if step.verification is not None:
             v = step.verification
             notes += [f"## {label}: verification", "", f"- {v.summary()}", "",

@@ -31,7 +31,6 @@ import json
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -43,16 +42,18 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from autotune.measured import run_plan  # noqa: E402
 from autotune.policies import Budget, make_policy  # noqa: E402
 from autotune.search import SearchSpace, TuningProblem, best_of  # noqa: E402
-from autotune.tuning import SwapProbes, largest_batch, largest_batch_with_swap, max_batch_without_swap  # noqa: E402
-from benchmarks.common import RESULTS_DIR, STARTED_S, write_results  # noqa: E402
+from autotune.tuning import (SwapProbes, largest_batch, largest_batch_with_swap, max_batch_without_swap,  # noqa: E402
+                             tune_graph)
+from benchmarks.common import RESULTS_DIR, STARTED_S, start_measuring_process, write_results  # noqa: E402
 from benchmarks.graphs import captured_graph  # noqa: E402
-from benchmarks.models import REMAT_MODES, unet3d_voxels  # noqa: E402
-from rewriter.step_inputs import CaptureError  # noqa: E402
-from simulator import FORWARD, CalibratedDevice, get_device, replay  # noqa: E402
+from benchmarks.models import REMAT_MODES, build_model, unet3d_voxels  # noqa: E402
+from simulator import FORWARD, CalibratedDevice, SwapPlan, get_device, replay  # noqa: E402
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 UNET_SIZE = 64  # captured size; other sizes by batch scaling, then checked by a capture
 UNET_STEP = 16  # the U-Net's input must be divisible by 2**depth
 # rewriter.graph_rewrites: the U-Net's second and third rows
@@ -226,7 +227,7 @@ def remat_baselines(device_name: str, names: tuple[str, ...] = ("resnet50", "une
                    "without_remat": plain * scale}
             try:
                 graph = captured_graph(name, remat=mode, **kwargs)
-            except CaptureError as error:
+            except ValueError as error:  # CaptureError (rewriter is imported once the environment is prepared)
                 row["error"] = _reason(error)
                 rows.append(row)
                 print(json.dumps(row, default=str), flush=True)
@@ -244,41 +245,38 @@ def remat_baselines(device_name: str, names: tuple[str, ...] = ("resnet50", "une
     return rows
 
 
-MEASURE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import tests.tf_helpers as th
-    import rewriter
-    from autotune.tuning import tune_graph
-    from benchmarks.models import build_model, example_batch
-    from simulator import SwapPlan, get_device, plan_swaps, replay
-    batch, budget, swap, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "swap", sys.argv[4]
+def _measure_worker(batch: int, budget: int, swap: bool, device_name: str) -> int:
+    """In a fresh process (``--measure-worker``): ResNet-50 at ``batch``, tuned for ``budget`` (or not
+    swapped), predicted, applied and measured (``autotune.run_plan``); prints one ``RESULT`` line."""
+    start_measuring_process()
+    import rewriter  # after the process is set up to measure
+    from rewriter.step_inputs import synthetic_batch
+
     model = build_model("resnet50", seed=0)
-    x, y = example_batch(model, batch)
     graph = rewriter.capture(model, batch)
     if swap:
-        result = tune_graph(graph, device=device, memory=budget, trials=200)
+        result = tune_graph(graph, device=device_name, memory=budget, trials=200)
         plan = result.plan if result.feasible else None
     else:
         plan = SwapPlan.empty(graph)
     if plan is None:
-        print("RESULT " + json.dumps({"batch": batch, "fits_predicted": False}))
-        sys.exit(0)
-    step = rewriter.apply(model, plan, graph=graph, batch_size=batch)
-    m = rewriter.measure(step, x, y, warmup=1, repeats=1)
-    r = replay(graph, plan, device)
-    print("RESULT " + json.dumps({"batch": batch, "predicted": r.peak_bytes, "measured": m.peak_bytes,
-                                  "swaps": plan.n_swaps, "step_s": m.step_s, "fits_predicted": True}))
-""")
+        print("RESULT " + json.dumps({"batch": batch, "fits_predicted": False}), flush=True)
+        return 0
+    run = run_plan(model, graph, plan, device_name, synthetic_batch(model, batch), repeats=1)
+    m = run.measured
+    print("RESULT " + json.dumps({"batch": batch, "predicted": run.predicted.peak_bytes,
+                                  "measured": None if m is None else m.peak_bytes, "swaps": plan.n_swaps,
+                                  "step_s": None if m is None else m.step_s, "fits_predicted": True}), flush=True)
+    return 0
 
 
 def _measure(batch: int, budget: int, swap: bool, device: str) -> dict:
-    root = Path(__file__).resolve().parents[1]
-    from rewriter.environment import testbed_environment
+    from rewriter.environment import testbed_environment  # imports TensorFlow: not at module level
 
-    env = testbed_environment(PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", MEASURE_SCRIPT, str(batch), str(budget), "swap" if swap else "plain",
-                           device],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    env = testbed_environment(PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "max-batch", "--measure-worker", str(batch), str(budget),
+                           "swap" if swap else "plain", device],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         return {"batch": batch, "error": done.stderr.strip().splitlines()[-1:] if done.stderr else "no output"}
@@ -307,7 +305,7 @@ def measured(budget: int, device_name: str) -> list[dict]:
         while batch >= 1:
             result = _measure(batch, budget, swap, device.name)
             print(json.dumps(result), flush=True)
-            if result.get("fits_predicted") and result.get("measured", budget + 1) <= budget:
+            if result.get("fits_predicted") and (result.get("measured") or budget + 1) <= budget:
                 break
             batch -= max(1, batch // 10)
         rows.append({"swapping": swap, "predicted_max_batch": predicted, "measured_max_batch": max(batch, 0),
@@ -328,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES), help="which models and rewrites")
     parser.add_argument("--no-remat", action="store_true", help="skip the keras.RematScope baselines")
     parser.add_argument("--name", default="max_batch", help="results file name (a partial run: another name)")
+    parser.add_argument("--measure-worker", nargs=4, metavar=("BATCH", "BUDGET", "SWAP", "DEVICE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.measure_worker:
+        batch, budget, swap, device_name = args.measure_worker
+        return _measure_worker(int(batch), int(budget), swap == "swap", device_name)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.recompute]
     rows = [row for device in args.devices for row in simulate(device, modes, tuple(args.cases))]

@@ -31,7 +31,7 @@ Common keyword arguments of every builder:
     returns just the loss).
 
 Use :func:`build_model` to build by name and :func:`example_batch` to get a
-synthetic ``(x, y)`` batch that matches a model's inputs and loss.
+synthetic ``(x, y)`` batch that matches a model's inputs and loss (``rewriter.step_inputs.synthetic_batch``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
+from rewriter.step_inputs import synthetic_batch  # first: the environment before TensorFlow (rewriter.environment)
 
-import keras
-from keras import layers
+import keras  # noqa: E402
+from keras import layers  # noqa: E402
 
 __all__ = [
     "MODELS",
@@ -554,136 +554,11 @@ def build_model(name: str, *, remat: str | None = None, **kwargs: Any) -> keras.
 # --------------------------------------------------------------------------
 
 
-def _loss_kind(loss: Any) -> str:
-    """Normalise a compiled loss (string, function or Loss object) to a name."""
-    if loss is None:
-        return "none"
-    if isinstance(loss, str):
-        name = loss
-    elif isinstance(loss, keras.losses.Loss):
-        # LossFunctionWrapper subclasses carry the wrapped function's name.
-        name = getattr(loss, "name", None) or type(loss).__name__
-        fn = getattr(loss, "fn", None)
-        if fn is not None and getattr(fn, "__name__", None):
-            name = fn.__name__
-    else:
-        name = getattr(loss, "__name__", type(loss).__name__)
-    name = name.lower()
-    aliases = {
-        "sparsecategoricalcrossentropy": "sparse_categorical_crossentropy",
-        "categoricalcrossentropy": "categorical_crossentropy",
-        "binarycrossentropy": "binary_crossentropy",
-        "meansquarederror": "mean_squared_error",
-        "mse": "mean_squared_error",
-    }
-    return aliases.get(name, name)
-
-
-def _static_shape(tensor: Any, what: str) -> tuple[int, ...]:
-    shape = tuple(tensor.shape[1:])
-    if any(d is None for d in shape):
-        raise ValueError(f"{what} has a non-static shape {tuple(tensor.shape)}")
-    return tuple(int(d) for d in shape)
-
-
-def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
-    out = []
-    for layer in model.layers:
-        out.append(layer)
-        if isinstance(layer, keras.Model):
-            out.extend(_all_layers(layer))
-    return out
-
-
-def _token_vocab(model: keras.Model, inp: Any) -> int:
-    """Vocabulary size for an integer input: the Embedding that reads it."""
-    embeddings = [l for l in _all_layers(model) if isinstance(l, layers.Embedding)]
-    for layer in embeddings:
-        try:
-            consumed = keras.tree.flatten(layer.input)
-        except (AttributeError, ValueError):  # layer called several times
-            continue
-        if any(t is inp for t in consumed):
-            return int(layer.input_dim)
-    for layer in embeddings:
-        if layer.name == "token_embedding":
-            return int(layer.input_dim)
-    if embeddings:
-        return int(min(l.input_dim for l in embeddings))
-    return 2
-
-
-def _make_target(
-    rng: np.random.Generator, kind: str, out_shape: tuple[int, ...], batch_size: int
-) -> np.ndarray:
-    num_classes = out_shape[-1] if out_shape else 1
-    if kind == "sparse_categorical_crossentropy":
-        # Class ids over every position but the class axis: (B,) for a
-        # classifier, (B, D, H, W) for a 3D segmentation map, ...
-        return rng.integers(0, num_classes, size=(batch_size,) + out_shape[:-1], dtype=np.int32)
-    if kind == "categorical_crossentropy":
-        ids = rng.integers(0, num_classes, size=(batch_size,) + out_shape[:-1])
-        return np.eye(num_classes, dtype=np.float32)[ids]
-    if kind == "binary_crossentropy":
-        # Soft masks in [0, 1).
-        return rng.random((batch_size,) + out_shape, dtype=np.float32)
-    return rng.standard_normal((batch_size,) + out_shape, dtype=np.float32)
-
-
-def example_batch(
-    model: keras.Model, batch_size: int, seed: int = 0
-) -> tuple[Any, Any]:
-    """Deterministic synthetic ``(x, y)`` batch matching ``model``'s inputs and loss.
-
-    * float inputs: uniform values in [0, 1), ``float32``;
-    * integer inputs: token ids in ``[0, vocab)`` (``vocab`` taken from the
-      Embedding that reads the input), ``int32``;
-    * sparse categorical loss: ``int32`` class ids, shape = output shape
-      without the class axis (``(B,)`` for classifiers, ``(B, D, H, W)`` for
-      a 3D U-Net);
-    * binary cross-entropy: float masks in [0, 1) with the output's shape;
-    * categorical cross-entropy: one-hot float targets;
-    * anything else: standard-normal float targets with the output's shape.
-
-    Single-input / single-output models get plain arrays, others lists.
-    """
+def example_batch(model: keras.Model, batch_size: int, seed: int = 0) -> tuple[Any, Any]:
+    """Deterministic synthetic ``(x, y)`` batch matching ``model``'s inputs and loss: the tool's own
+    ``rewriter.step_inputs.synthetic_batch`` (the one place that decides what a batch holds)."""
     _check_positive(batch_size=batch_size)
-    if not getattr(model, "inputs", None) or not getattr(model, "outputs", None):
-        raise ValueError("example_batch needs a built functional model")
-    rng = np.random.default_rng(seed)
-
-    xs = []
-    for i, inp in enumerate(model.inputs):
-        shape = (batch_size,) + _static_shape(inp, f"input {i} ({inp.name})")
-        dtype = keras.backend.standardize_dtype(inp.dtype)
-        if "int" in dtype:
-            vocab = _token_vocab(model, inp)
-            xs.append(rng.integers(0, vocab, size=shape).astype(dtype))
-        elif dtype == "bool":
-            xs.append(rng.random(shape) < 0.5)
-        else:
-            xs.append(rng.random(shape, dtype=np.float32).astype(dtype))
-
-    losses = getattr(model, "loss", None)
-    n_out = len(model.outputs)
-    if isinstance(losses, dict):
-        names = getattr(model, "output_names", None) or [t.name for t in model.outputs]
-        losses = [losses.get(n) for n in names]
-    elif not isinstance(losses, (list, tuple)):
-        losses = [losses] * n_out
-    ys = [
-        _make_target(
-            rng,
-            _loss_kind(loss),
-            _static_shape(out, f"output {j} ({out.name})"),
-            batch_size,
-        )
-        for j, (out, loss) in enumerate(zip(model.outputs, losses))
-    ]
-
-    x = xs[0] if len(xs) == 1 else xs
-    y = ys[0] if len(ys) == 1 else ys
-    return x, y
+    return synthetic_batch(model, batch_size, seed=seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

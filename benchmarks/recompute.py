@@ -56,7 +56,7 @@ TIME_MODEL = "v100-16gb"
 
 
 @dataclass
-class Config:
+class Configuration:
     """One configuration: how to build its step, and what it was predicted and measured to do."""
 
     label: str
@@ -75,7 +75,7 @@ def _v100_time_testbed_memory(testbed, v100):
                                capacity_bytes=testbed.capacity_bytes, usable_fraction=1.0)
 
 
-def tool_configs(model, graph, budgets: list[float], trials: int) -> list[Config]:
+def tool_configs(model, graph, budgets: list[float], trials: int) -> list[Configuration]:
     """The tool's plans (see the module's docstring), predicted; steps are built when measured."""
     testbed = get_device("cpu-testbed")
     search_device = _v100_time_testbed_memory(testbed, get_device(TIME_MODEL))
@@ -83,7 +83,7 @@ def tool_configs(model, graph, budgets: list[float], trials: int) -> list[Config
     unswapped = replay(graph, None, testbed).peak_bytes
     resident = graph.persistent_bytes
 
-    def config(label: str, plan_graph, plan, recomputes, budget: int | None = None, search=None) -> Config:
+    def config(label: str, plan_graph, plan, recomputes, budget: int | None = None, search=None) -> Configuration:
         predicted = replay(plan_graph, plan, testbed)
         timed = replay(plan_graph, plan, search_device)
         info = {"budget_MiB": None if budget is None else budget / MiB, "predicted_MiB": predicted.peak_bytes / MiB,
@@ -95,7 +95,7 @@ def tool_configs(model, graph, budgets: list[float], trials: int) -> list[Config
         def build():
             return rewriter.apply(model, plan, graph=plan_graph, batch_size=graph.batch_size)
 
-        return Config(label, "tool", build, info)
+        return Configuration(label, "tool", build, info)
 
     configs = [config("tool: no plan (serialized step)", graph, SwapPlan.empty(graph), [])]
     chosen = choose_recomputes(graph, testbed, RecomputeParams(min_bytes=64 << 10))
@@ -108,7 +108,7 @@ def tool_configs(model, graph, budgets: list[float], trials: int) -> list[Config
             result = tune_graph(graph, device=search_device, memory=budget, trials=trials, recompute=recompute)
             label = f"tool: budget {fraction:.0%}, {'recompute + swap' if recompute else 'swap only'}"
             if result.plan is None or result.chosen is None:
-                configs.append(Config(label, "tool", None, {"budget_MiB": budget / MiB},
+                configs.append(Configuration(label, "tool", None, {"budget_MiB": budget / MiB},
                                       error="the search found no plan within the budget"))
                 continue
             plan_graph = result.plan_graph if result.plan_graph is not None else graph
@@ -117,18 +117,18 @@ def tool_configs(model, graph, budgets: list[float], trials: int) -> list[Config
     return configs
 
 
-def keras_configs(name: str, kwargs: dict[str, Any], remat: bool) -> list[Config]:
+def keras_configs(name: str, kwargs: dict[str, Any], remat: bool) -> list[Configuration]:
     """Keras' own step of the model, and of the model built inside each RematScope mode."""
-    configs = [Config("keras: model.fit's step", "keras", lambda: rewriter.KerasStep(build_model(name, seed=0, **kwargs)))]
+    configs = [Configuration("keras: model.fit's step", "keras", lambda: rewriter.KerasStep(build_model(name, seed=0, **kwargs)))]
     for mode in REMAT_MODES if remat else ():
         def build(mode=mode):
             return rewriter.KerasStep(build_model(name, seed=0, remat=mode, **kwargs))
 
-        configs.append(Config(f"keras: RematScope(mode={mode!r})", "keras", build))
+        configs.append(Configuration(f"keras: RematScope(mode={mode!r})", "keras", build))
     return configs
 
 
-def measure(configs: list[Config], x, y, rounds: int) -> None:
+def measure(configs: list[Configuration], x, y, rounds: int) -> None:
     """Build every step, then ``rounds`` rounds each timing and profiling every step once."""
     for config in configs:
         if config.build is None:
@@ -162,7 +162,7 @@ def measure(configs: list[Config], x, y, rounds: int) -> None:
         log.info("round %d/%d done (%.0f s since start)", round_, rounds, time.perf_counter() - STARTED_S)
 
 
-def table_of(configs: list[Config]) -> pd.DataFrame:
+def table_of(configs: list[Configuration]) -> pd.DataFrame:
     keras_times = next((c.times for c in configs if c.kind == "keras" and c.times), [])
     rows = []
     for config in configs:

@@ -26,7 +26,7 @@ from rewriter.environment import prepare_environment
 
 prepare_environment()  # before the modules below import TensorFlow
 
-from rewriter.apply import PlanError, StateSnapshot, SwapStep, load_plan  # noqa: E402
+from rewriter.swap_step import StateSnapshot, SwapStep  # noqa: E402
 from rewriter.calibrate import CalibrationError  # noqa: E402
 from rewriter.capture import CaptureError, capture_step, trace_function_step, trace_keras_step  # noqa: E402
 from rewriter.keras import KerasStep, restore_train_function, swap_step_of, swapping, use_swap_step  # noqa: E402
@@ -34,6 +34,7 @@ from rewriter.measure import Measurement  # noqa: E402
 from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect  # noqa: E402
 from rewriter.gpu import rewritten_graph_def  # noqa: E402
 from rewriter.verify import Verification  # noqa: E402
+from simulator.plan import PlanError, load_plan  # noqa: E402 -- the plan's one reader and error
 
 
 class _CallableModule(_types.ModuleType):

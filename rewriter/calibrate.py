@@ -47,7 +47,8 @@ from rewriter import memtrace
 from rewriter.apply import PlanError, apply as apply_plan
 from rewriter.capture import CaptureError, capture, synthetic_batch
 from rewriter.placement import GpuPlacement, Placement, resolve as resolve_placement
-from simulator.devices import CalibratedDevice, CalibrationError, DeviceModel, get_device
+from simulator.calibrated import CalibratedDevice, CalibrationError
+from simulator.devices import DeviceModel, get_device
 from simulator.graph import OpGraph
 from simulator.planning import SwapParams, SwapPlan, plan_swaps
 from simulator.replay import Replay, replay

@@ -2,9 +2,10 @@
 
 The step is traced with fixed shapes into a FuncGraph; the graph is then reduced to what will
 really run (constants and static shapes folded, dead ops dropped, Identity-like ops bypassed, the
-optimizer's IdentityN barrier removed, as Grappler does), every op is given a phase (forward =
-ancestors of the loss, update = optimizer and variable writes, backward = the rest that leads to
-them) and a cost, and tensor sizes are fitted as ``a + b * batch`` from two traces.
+optimizer's IdentityN barrier removed, as Grappler does: ``rewriter.grappler``), every op is given a
+phase (forward = ancestors of the loss, update = optimizer and variable writes, backward = the rest
+that leads to them) and a cost (``rewriter.costs``), and tensor sizes are fitted as ``a + b * batch``
+from two traces.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.ops import handle_data_util
 
 from rewriter import loops, mixed_precision, onednn, xla_scratch
+from rewriter.costs import op_flops, op_touched_bytes, static_dims, tensor_nbytes
+from rewriter.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
 from rewriter.graph_rewrites import apply_rewrites
 from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
@@ -30,8 +33,6 @@ from simulator.planning import FLOAT_DTYPES
 log = logging.getLogger(__name__)
 
 
-# Ops whose output is their input (Grappler removes them): consumers read the input directly.
-BYPASS_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Snapshot", "EnsureShape"})
 # Ops whose output shares the input buffer (docs/design.md 4).
 ALIAS_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 # Ops that write their output into an input buffer they read last (TF's forward_input_or_allocate_output).
@@ -42,7 +43,6 @@ FORWARDING_TYPES = frozenset({
     "BiasAdd", "Rsqrt", "RsqrtGrad", "Sqrt", "SqrtGrad", "Neg", "Square", "Exp", "Log", "Log1p", "Reciprocal",
     "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "ClipByValue", "SelectV2",
 })
-SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Rank", "Size", "BroadcastGradientArgs"})
 WRITE_TYPES_PREFIX = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
 # what a swap may move: floats, and int64 (the labels Keras' sparse losses cast, as large as an
 # activation and kept from the forward pass's start to the loss; plans swap them with tensors="all");
@@ -129,7 +129,7 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
     loss = result.get("loss") if isinstance(result, dict) else result
     if not isinstance(loss, tf.Tensor):
         raise CaptureError("the step function must return its loss tensor (or a dict with a 'loss' entry)")
-    return TracedStep(concrete, batch_size, _underlying(loss).op.name, _optimizer_scope(optimizer),
+    return TracedStep(concrete, batch_size, underlying(loss).op.name, _optimizer_scope(optimizer),
                       [s.name for s in specs])
 
 
@@ -177,198 +177,10 @@ def rewritten_step(traced: TracedStep, rewrites: Sequence[str]) -> tuple[TracedS
                       traced.inputs), changed
 
 
-def _underlying(tensor):
-    while tensor.op.type in BYPASS_TYPES and tensor.op.inputs:
-        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
-        tensor = tensor.op.inputs[index]
-    return tensor
-
-
-# ---------------------------------------------------------------------- graph reduction
-
-
-@dataclass
-class _Reduced:
-    """The ops that run, with inputs resolved through bypassed and folded ops."""
-
-    ops: list[Any]  # tf.Operation
-    inputs: dict[str, list[tuple[int, str, int]]]  # op -> [(slot, producer, output index)]
-    controls: dict[str, list[str]]
-    outputs: list[tuple[str, int]]
-    constants: list[Any]  # folded tensors read by ops that run: resident for the whole step
-
-
-def _resolve(tensor, folded: set[str]):
-    """Follow bypassed ops back to the tensor that really flows; None when it is folded."""
-    tensor = _underlying(tensor)
-    return None if tensor.op.name in folded else tensor
-
-
-def _reduce(concrete, loss_op: str) -> _Reduced:
-    graph = concrete.graph
-    ops = graph.get_operations()
-    resources = {t.op.name for _, t in graph.captures if t.dtype == tf.resource}
-    folded: set[str] = set()
-    for op in ops:  # creation order is a topological order of data edges
-        if op.type == "Const":
-            folded.add(op.name)
-        elif op.type in SHAPE_TYPES and all(t.shape.is_fully_defined() for t in op.inputs):
-            folded.add(op.name)
-        elif (op.inputs and not op.op_def.is_stateful and op.type not in BYPASS_TYPES
-              and all(_underlying(t).op.name in folded for t in op.inputs)
-              and all(c.name in folded for c in op.control_inputs)):
-            folded.add(op.name)
-        elif op.type == "Placeholder" and op.name in resources:
-            folded.add(op.name)  # variable handles: the variables are counted as resident bytes
-
-    # ops needed by the outputs (data and control), i.e. not dead
-    sinks = [t.op for t in concrete.outputs] + [op for op in ops if op.op_def.is_stateful and op.type != "Placeholder"]
-    needed: set[str] = set()
-    stack = list(sinks)
-    while stack:
-        op = stack.pop()
-        if op.name in needed:
-            continue
-        needed.add(op.name)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    if loss_op not in needed:
-        raise CaptureError(f"the loss op {loss_op} does not feed the step's outputs or updates")
-
-    kept = [op for op in ops if op.name in needed and op.name not in folded and op.type not in BYPASS_TYPES]
-    kept_names = {op.name for op in kept}
-
-    through: dict[str, frozenset[str]] = {}
-
-    def kept_sources(op) -> frozenset[str]:
-        """The kept ops that must have run before ``op`` can (``op`` itself when kept): the step
-        runs after them, so the OpGraph keeps them as control edges (folded shape computations,
-        bypassed identities)."""
-        if op.name in kept_names:
-            return frozenset((op.name,))
-        if op.name not in through:
-            through[op.name] = frozenset()  # guards against revisits while this one is open
-            found: set[str] = set()
-            for tensor in op.inputs:
-                found |= tensor_sources(tensor)
-            for parent in op.control_inputs:
-                found |= kept_sources(parent)
-            through[op.name] = frozenset(found)
-        return through[op.name]
-
-    def tensor_sources(tensor) -> frozenset[str]:
-        """Like ``kept_sources`` for one tensor: through a bypassed op, only the input it passes on
-        (an optimizer's IdentityN must not make each update wait for every gradient)."""
-        found: set[str] = set()
-        while tensor.op.type in BYPASS_TYPES and tensor.op.inputs and tensor.op.name not in kept_names:
-            for parent in tensor.op.control_inputs:
-                found |= kept_sources(parent)
-            tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
-        return frozenset(found | kept_sources(tensor.op))
-
-    inputs: dict[str, list[tuple[int, str, int]]] = {}
-    controls: dict[str, list[str]] = {}
-    constants: dict[str, Any] = {}
-    for op in kept:
-        resolved = []
-        indirect: set[str] = set()
-        for slot, tensor in enumerate(op.inputs):
-            source = _resolve(tensor, folded)
-            if source is not None and source.op.name in kept_names:
-                resolved.append((slot, source.op.name, source.value_index))
-            elif source is None and _underlying(tensor).op.name not in resources:
-                constants[_underlying(tensor).name] = _underlying(tensor)
-            indirect |= tensor_sources(tensor)
-        for parent in op.control_inputs:
-            indirect |= kept_sources(parent)
-        inputs[op.name] = resolved
-        data_sources = {src for _, src, _ in resolved}
-        controls[op.name] = sorted(indirect - data_sources - {op.name})
-    outputs = []
-    for tensor in concrete.outputs:
-        source = _resolve(tensor, folded)
-        if source is not None and source.op.name in kept_names:
-            outputs.append((source.op.name, source.value_index))
-    return _Reduced(kept, inputs, controls, outputs, list(constants.values()))
-
-
-# ---------------------------------------------------------------------- costs
-
-
-def _dims(shape) -> list[int] | None:
-    try:
-        return [int(d) for d in shape] if shape.is_fully_defined() else None
-    except (TypeError, ValueError):
-        return None
-
-
-def _elements(shape) -> int:
-    dims = _dims(shape)
-    return int(np.prod(dims)) if dims is not None else 0
-
-
-def _nbytes(tensor) -> int:
-    dtype = tensor.dtype
-    if dtype in (tf.resource, tf.variant, tf.string):
-        return 0
-    return _elements(tensor.shape) * dtype.size
-
-
-def _einsum_flops(op) -> float:
-    equation = op.get_attr("equation").decode()
-    lhs = equation.split("->")[0].split(",")
-    sizes: dict[str, int] = {}
-    for term, tensor in zip(lhs, op.inputs):
-        dims = _dims(tensor.shape)
-        if dims is None or "." in term:
-            return float(_elements(op.outputs[0].shape))
-        sizes.update(zip(term, dims))
-    return 2.0 * float(np.prod(list(sizes.values()))) if sizes else 0.0
-
-
-def op_flops(op) -> float:
-    """FLOPs of one op from its static shapes: exact for convolutions and matmuls, one per output
-    element otherwise (those ops are bound by memory traffic, which ``touched`` accounts for)."""
-    kind = op.type
-    out = _elements(op.outputs[0].shape) if op.outputs else 0
-    try:
-        if kind in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
-            kernel = _dims(op.inputs[1].shape)
-            per_out = np.prod(kernel[:-1]) if kind != "DepthwiseConv2dNative" else np.prod(kernel[:2])
-            return 2.0 * out * float(per_out)
-        if kind in ("Conv2DBackpropInput", "Conv3DBackpropInputV2", "DepthwiseConv2dNativeBackpropInput"):
-            kernel = _dims(op.inputs[1].shape)
-            grad = _elements(op.inputs[2].shape)
-            per = np.prod(kernel[:-1]) if not kind.startswith("Depthwise") else np.prod(kernel[:2])
-            return 2.0 * grad * float(per)
-        if kind in ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter"):
-            kernel = _dims(op.outputs[0].shape)
-            grad = _elements(op.inputs[2].shape)
-            per = np.prod(kernel[:-1]) if not kind.startswith("Depthwise") else np.prod(kernel[:2])
-            return 2.0 * grad * float(per)
-        if kind == "MatMul":
-            a = _dims(op.inputs[0].shape)
-            k = a[0] if op.get_attr("transpose_a") else a[1]
-            return 2.0 * out * k
-        if kind in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
-            a = _dims(op.inputs[0].shape)
-            k = a[-2] if op.get_attr("adj_x") else a[-1]
-            return 2.0 * out * k
-        if kind == "Einsum":
-            return _einsum_flops(op)
-    except (TypeError, ValueError, IndexError):
-        pass
-    return float(out)
-
-
-def op_touched_bytes(op) -> float:
-    return float(sum(_nbytes(t) for t in op.inputs) + sum(_nbytes(t) for t in op.outputs))
-
-
 # ---------------------------------------------------------------------- phases
 
 
-def _phases(reduced: _Reduced, loss_op: str, optimizer_scope: str | None) -> dict[str, int]:
+def _phases(reduced: Reduced, loss_op: str, optimizer_scope: str | None) -> dict[str, int]:
     names = [op.name for op in reduced.ops]
     data_parents = {name: [src for _, src, _ in reduced.inputs[name]] for name in names}
     children: dict[str, list[str]] = {name: [] for name in names}
@@ -418,13 +230,13 @@ def _phases(reduced: _Reduced, loss_op: str, optimizer_scope: str | None) -> dic
 
 def _snapshot(traced: TracedStep) -> dict[str, Any]:
     """Everything batch-dependent of one trace, keyed by op name."""
-    reduced = _reduce(traced.concrete, traced.loss_op)
+    reduced = reduce_step(traced.concrete, traced.loss_op)
     paired = {pool for pool, _ in _pool_pairs(reduced)}
     xla = {op.name: xla_scratch.call_scratch_bytes(op) for op in reduced.ops}
-    sized = {op.name: loops.output_bytes(op, _nbytes) for op in reduced.ops}  # While loops' lists resolved
+    sized = {op.name: loops.output_bytes(op, tensor_nbytes) for op in reduced.ops}  # While loops' lists resolved
     return {
         "reduced": reduced,
-        "shapes": {op.name: [_dims(t.shape) for t in op.outputs] for op in reduced.ops},
+        "shapes": {op.name: [static_dims(t.shape) for t in op.outputs] for op in reduced.ops},
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
         "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] for op in reduced.ops},
@@ -432,11 +244,11 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
         "workspace": {op.name: onednn.pool_workspace_bytes(op, op.name in paired) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
-        "resident": _resident_bytes(traced.concrete) + (sum(_nbytes(t) for t in reduced.constants),),
+        "resident": _resident_bytes(traced.concrete) + (sum(tensor_nbytes(t) for t in reduced.constants),),
     }
 
 
-def _pool_pairs(reduced: _Reduced) -> list[tuple[str, str]]:
+def _pool_pairs(reduced: Reduced) -> list[tuple[str, str]]:
     """(max pooling, its gradient) pairs oneDNN joins through a workspace: the gradient reads the
     pooled output as its input 1 (``rewriter.onednn``)."""
     kinds = {op.name: op.type for op in reduced.ops}
@@ -454,13 +266,13 @@ def _resident_bytes(concrete) -> tuple[int, int]:
             continue
         handle = op.inputs[0].op.name
         if op.type == "ReadVariableOp":
-            size[handle] = max(size.get(handle, 0), _nbytes(op.outputs[0]))
+            size[handle] = max(size.get(handle, 0), tensor_nbytes(op.outputs[0]))
         elif op.type.startswith("Assign") and len(op.inputs) > 1:
-            size[handle] = max(size.get(handle, 0), _nbytes(op.inputs[1]))
+            size[handle] = max(size.get(handle, 0), tensor_nbytes(op.inputs[1]))
     for _, internal in graph.captures:  # read only inside a branch or loop (a LossScaleOptimizer's
         if internal.dtype == tf.resource and internal.op.name not in size:  # update under tf.cond)
             size[internal.op.name] = _handle_bytes(internal)
-    inputs = sum(_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
+    inputs = sum(tensor_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
     return sum(size.values()), inputs
 
 

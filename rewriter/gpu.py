@@ -5,7 +5,7 @@ make of it on a GPU, the device memory limit, and what XLA means for the plan.
   placement would run it (swap nodes on its devices); needs no such device.
 * ``optimize_for_gpu(graph_def, fetches)``: Grappler's meta-optimizer run offline on a virtual cluster
   with one GPU (``tf_optimizer.OptimizeGraph``), with the rewritten step's configuration
-  (``apply.swap_grappler_config``) or another: what a GPU's graph passes (the layout optimizer, which
+  (``grappler.swap_grappler_config``) or another: what a GPU's graph passes (the layout optimizer, which
   runs only for GPUs) do to the swap nodes, seen on a CPU.
 * ``limit_device_memory(budget_bytes)`` (``rewriter.placement``, re-exported): the budget as GPU:0's
   memory limit, before TensorFlow's runtime starts (before the model is loaded), so that a plan that
@@ -23,7 +23,8 @@ from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_gra
 from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
-from rewriter.apply import apply, swap_grappler_config
+from rewriter.apply import apply
+from rewriter.grappler import swap_grappler_config
 from rewriter.placement import GpuPlacement, Placement, limit_device_memory  # noqa: F401 -- re-exported
 
 GPU_DEVICE = "/job:localhost/replica:0/task:0/device:GPU:0"

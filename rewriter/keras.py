@@ -18,7 +18,8 @@ from typing import Any, Iterator
 
 import tensorflow as tf
 
-from rewriter.apply import SwapStep, apply
+from rewriter.apply import apply
+from rewriter.swap_step import SwapStep
 
 log = logging.getLogger(__name__)
 

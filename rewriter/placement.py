@@ -31,6 +31,9 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from simulator.devices import get_device, preset_for_gpu
+from simulator.memory_budgets import usable_gpu_bytes
+
 log = logging.getLogger(__name__)
 
 SWAP_OUT_PREFIX = "swap_out/"
@@ -68,6 +71,13 @@ class Placement:
         """The ``simulator.devices`` preset that models this placement, if any."""
         return None
 
+    @property
+    def kept_reads(self) -> tuple[tuple[str, str], ...]:
+        """(producer type, consumer type) reads a plan cannot move to a swap-in here: those of the
+        device model of this placement (``simulator_device``; ``DeviceModel.kept_reads``)."""
+        name = self.simulator_device
+        return () if name is None else get_device(name).kept_reads
+
     def is_host_op(self, op_name: str) -> bool:
         return is_swap_out_op(op_name)
 
@@ -95,8 +105,6 @@ class GpuPlacement(Placement):
         found = gpu_memory()
         if found is None:
             return None
-        from simulator.devices import preset_for_gpu
-
         return preset_for_gpu(found[0])
 
     def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
@@ -354,7 +362,7 @@ def gpu_memory() -> tuple[str, int] | None:
     The bytes are the ``memory_limit`` of GPU:0's logical device configuration when one is set,
     otherwise the usable budget of the ``simulator.devices`` preset matching the GPU's name, otherwise
     (a GPU without a preset) the usable part of the total memory the driver reports
-    (``simulator.devices.usable_gpu_bytes``; TF has no documented API for a GPU's total memory);
+    (``simulator.memory_budgets.usable_gpu_bytes``; TF has no documented API for a GPU's total memory);
     0 when none of them is known.
     """
     gpus = tf.config.list_physical_devices("GPU")
@@ -366,8 +374,6 @@ def gpu_memory() -> tuple[str, int] | None:
     limit = getattr(configs[0], "memory_limit", None) if configs else None
     if limit:
         return name, int(limit) * 2**20
-    from simulator.devices import get_device, preset_for_gpu, usable_gpu_bytes
-
     preset = preset_for_gpu(name)
     if preset is not None:
         return name, int(get_device(preset).budget_bytes)

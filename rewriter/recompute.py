@@ -42,7 +42,8 @@ from typing import Any, Iterable, Sequence
 from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from rewriter.apply import PlanError, _GraphEditor, _parse, _tensor_ref
+from rewriter.graph_edit import GraphEditor, _parse, _tensor_ref
+from simulator.plan import PlanError
 from rewriter.capture import BYPASS_TYPES, SHAPE_TYPES
 from simulator.recompute import Recompute, clone_name, original_name
 
@@ -107,27 +108,20 @@ def unclonable_reason(node) -> str | None:
 
 
 def _action(record: Any) -> Recompute:
-    """A ``Recompute`` from itself or its plan-file record (a dict with the same fields)."""
-    if isinstance(record, Recompute):
-        return record
-    if isinstance(record, dict):
-        try:
-            return Recompute(tensor=str(record["tensor"]), ops=tuple(record["ops"]), trigger=str(record["trigger"]),
-                             consumers=tuple(record["consumers"]))
-        except (KeyError, TypeError) as error:
-            raise PlanError(f"a recomputation of the plan is malformed (needs tensor, ops, trigger and "
-                            f"consumers): {error}") from None
-    raise PlanError(f"a recomputation must be a simulator.recompute.Recompute or its record, got "
-                    f"{type(record).__name__}")
+    """``record`` itself: plan files are read by ``simulator.plan`` (the one reader of their records)."""
+    if not isinstance(record, Recompute):
+        raise PlanError(f"a recomputation must be a simulator.recompute.Recompute (plan files: simulator.load_plan), "
+                        f"got {type(record).__name__}")
+    return record
 
 
-def apply_recomputes(graph_def: graph_pb2.GraphDef, actions: Sequence[Any], *,
+def apply_recomputes(graph_def: graph_pb2.GraphDef, actions: Sequence[Recompute], *,
                      foldable: frozenset[str] = frozenset(), order: Sequence[str] = ()
                      ) -> tuple[graph_pb2.GraphDef, list[AppliedRecompute]]:
     """A copy of ``graph_def`` with every action built; raise PlanError for one that cannot be.
 
-    ``actions``: ``Recompute`` records (or their plan-file dicts), in the plan's order. ``foldable``
-    (``rewriter.apply.foldable_ops``) names ops Grappler removes, which must not carry a trigger's
+    ``actions``: ``Recompute`` records, in the plan's order (``NamedPlan.recomputes``). ``foldable``
+    (``rewriter.grappler.foldable_ops``) names ops Grappler removes, which must not carry a trigger's
     control edge: the op before one in ``order`` (the plan's) or its inputs' producers carry it
     instead, as for swap-ins. Nothing is changed when any action is refused.
     """
@@ -135,7 +129,7 @@ def apply_recomputes(graph_def: graph_pb2.GraphDef, actions: Sequence[Any], *,
     edited.CopyFrom(graph_def)
     actions = [_action(record) for record in actions]
     runnable = [name for name in order if name in {node.name for node in edited.node}]
-    editor = _GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)))
+    editor = GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)))
     _check_names(editor, actions)
     clone_sets = [_clone_set(editor, action, k) for k, action in enumerate(actions)]
     applied = [_build(editor, action, k, cloned) for k, (action, cloned) in enumerate(zip(actions, clone_sets))]
@@ -143,7 +137,7 @@ def apply_recomputes(graph_def: graph_pb2.GraphDef, actions: Sequence[Any], *,
     return edited, applied
 
 
-def _check_names(editor: _GraphEditor, actions: list[Recompute]) -> None:
+def _check_names(editor: GraphEditor, actions: list[Recompute]) -> None:
     missing: list[str] = []
     for k, action in enumerate(actions):
         if not action.ops or not action.consumers:
@@ -169,7 +163,7 @@ def _check_names(editor: _GraphEditor, actions: list[Recompute]) -> None:
                         "version; capture the model again and make a new plan")
 
 
-def _clone_set(editor: _GraphEditor, action: Recompute, k: int) -> list[str]:
+def _clone_set(editor: GraphEditor, action: Recompute, k: int) -> list[str]:
     """The nodes to clone for ``action``, producers before readers: the listed ops and the bypassed
     ops between them, found walking back from the tensor's node; refused when one is not pure or a
     listed op does not feed the tensor."""
@@ -216,7 +210,7 @@ def _clone_set(editor: _GraphEditor, action: Recompute, k: int) -> list[str]:
     return order
 
 
-def _build(editor: _GraphEditor, action: Recompute, k: int, cloned: list[str]) -> AppliedRecompute:
+def _build(editor: GraphEditor, action: Recompute, k: int, cloned: list[str]) -> AppliedRecompute:
     tensor = _parse(action.tensor)
     names = {name: clone_name(name, k) for name in cloned}
     controls = editor.safe_controls([action.trigger], action.consumers)

@@ -21,6 +21,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from simulator.plan import NamedPlan
+
 
 class CaptureError(ValueError):
     """The model or step cannot be captured (not compiled, open dimensions, no loss...)."""
@@ -31,9 +33,34 @@ def spec_name(name: str) -> str:
 
 
 def is_sparse_loss(loss) -> bool:
+    """Whether a loss takes class ids (its labels lose the output's class axis and are integers)."""
     text = loss if isinstance(loss, str) else type(loss).__name__ + " " + str(getattr(loss, "name", ""))
     text = getattr(loss, "__name__", text) if callable(loss) and not hasattr(loss, "name") else text
     return "sparse" in str(text).lower()
+
+
+_LOSS_ALIASES = {"categoricalcrossentropy": "categorical_crossentropy", "binarycrossentropy": "binary_crossentropy"}
+_LOSS_KINDS = {"categorical_crossentropy": "categorical", "binary_crossentropy": "binary"}
+
+
+def loss_kind(loss) -> str:
+    """The labels a compiled loss (string, function or Loss object) takes: "sparse" (class ids,
+    ``is_sparse_loss``), "categorical" (one-hot), "binary" (values in [0, 1)) or "other" (floats)."""
+    if loss is None:
+        return "other"
+    if is_sparse_loss(loss):
+        return "sparse"
+    if isinstance(loss, str):
+        name = loss
+    elif isinstance(loss, keras.losses.Loss):  # LossFunctionWrapper subclasses carry the wrapped function's name
+        name = getattr(loss, "name", None) or type(loss).__name__
+        function = getattr(loss, "fn", None)
+        if function is not None and getattr(function, "__name__", None):
+            name = function.__name__
+    else:
+        name = getattr(loss, "__name__", type(loss).__name__)
+    name = name.lower()
+    return _LOSS_KINDS.get(_LOSS_ALIASES.get(name, name), "other")
 
 
 @dataclass(frozen=True)
@@ -252,24 +279,76 @@ def output_classes(model, step: StepInputs) -> list[int]:
     return [int(s[-1]) if s and s[-1] is not None else 2 for s in shapes]
 
 
+def _all_layers(model) -> list:
+    found = []
+    for layer in model.layers:
+        found.append(layer)
+        if isinstance(layer, keras.Model):
+            found.extend(_all_layers(layer))
+    return found
+
+
+def _token_vocab(model, inp) -> int:
+    """Vocabulary size for an integer input: the Embedding that reads it (2 without one)."""
+    embeddings = [l for l in _all_layers(model) if isinstance(l, keras.layers.Embedding)]
+    for layer in embeddings:
+        try:
+            consumed = keras.tree.flatten(layer.input)
+        except (AttributeError, ValueError):  # layer called several times
+            continue
+        if any(t is inp for t in consumed):
+            return int(layer.input_dim)
+    for layer in embeddings:
+        if layer.name == "token_embedding":
+            return int(layer.input_dim)
+    if embeddings:
+        return int(min(l.input_dim for l in embeddings))
+    return 2
+
+
+def _input_vocabularies(model, count: int) -> list[int]:
+    """Per flat input, the bound of integer values it takes (token ids below the Embedding's size)."""
+    structure = getattr(model, "_inputs_struct", None)
+    leaves = keras.tree.flatten(structure) if structure is not None and getattr(model, "inputs", None) else []
+    if len(leaves) != count:
+        return [2] * count
+    return [_token_vocab(model, leaf) for leaf in leaves]
+
+
 def synthetic_batch(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None, seed: int = 0):
-    """Random inputs and labels shaped as the captured step expects (for measured runs), in the
-    model's own structures (a dict for dict inputs); integer labels stay below the output's last
-    dimension so sparse losses accept them."""
+    """A deterministic random batch shaped as the captured step expects, in the model's own structures
+    (a dict for dict inputs): float inputs in [0, 1), integer inputs token ids below the vocabulary of
+    the Embedding that reads them; labels as each output's loss expects (``loss_kind``): class ids
+    below the output's last dimension (sparse), one-hot (categorical), values in [0, 1) (binary), or
+    standard-normal floats. The one synthetic batch of the tool, its tests and benchmarks."""
+    if int(batch_size) < 1:
+        raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
     rng = np.random.default_rng(seed)
     step = step_inputs(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
                        label_dtype=label_dtype)
 
-    def make(spec, high: int) -> np.ndarray:
-        shape = tuple(spec.shape)
-        if spec.dtype.is_integer:
-            return rng.integers(0, max(high, 1), size=shape).astype(spec.dtype.as_numpy_dtype)
+    def values(spec, kind: str, high: int) -> np.ndarray:
+        shape, dtype = tuple(spec.shape), spec.dtype.as_numpy_dtype
+        if kind == "sparse" or spec.dtype.is_integer:
+            return rng.integers(0, max(high, 1), size=shape, dtype=np.int32).astype(dtype)
         if spec.dtype.is_bool:
             return rng.random(shape) < 0.5
-        return rng.random(shape, dtype=np.float32).astype(spec.dtype.as_numpy_dtype)
+        if kind == "categorical":
+            return np.eye(high, dtype=np.float32)[rng.integers(0, high, size=shape[:-1])].astype(dtype)
+        if kind == "binary":
+            return rng.random(shape, dtype=np.float32).astype(dtype)
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
-    xs = [make(spec, 2) for spec in step.x_specs]
-    ys = [make(spec, high) for spec, high in zip(step.y_specs, output_classes(model, step))]
+    xs = []
+    for spec, vocab in zip(step.x_specs, _input_vocabularies(model, len(step.x_specs))):
+        if spec.dtype.is_integer:
+            xs.append(rng.integers(0, vocab, size=tuple(spec.shape)).astype(spec.dtype.as_numpy_dtype))
+        elif spec.dtype.is_bool:
+            xs.append(rng.random(tuple(spec.shape)) < 0.5)
+        else:
+            xs.append(rng.random(tuple(spec.shape), dtype=np.float32).astype(spec.dtype.as_numpy_dtype))
+    kinds = [loss_kind(_per_output(model.loss, list(step.y_names), i, "loss")) for i in range(len(step.y_specs))]
+    ys = [values(spec, kind, high) for spec, kind, high in zip(step.y_specs, kinds, output_classes(model, step))]
     return step.pack(xs, ys)
 
 
@@ -281,10 +360,10 @@ def given_step_inputs(**settings) -> dict:
     return {key: value for key, value in settings.items() if key in STEP_INPUT_SETTINGS and value is not None}
 
 
-def planned_step_inputs(plan: dict, input_shapes=None, label_shapes=None, label_dtype=None) -> tuple:
+def planned_step_inputs(plan: NamedPlan, input_shapes=None, label_shapes=None, label_dtype=None) -> tuple:
     """The input and label settings to apply ``plan`` with: those given, else those it was captured
     with (open dimensions: the step runs at the shapes the plan was made for)."""
-    planned = plan.get("step_inputs") or {}
+    planned = plan.step_inputs or {}
     return (planned.get("input_shapes") if input_shapes is None else input_shapes,
             planned.get("label_shapes") if label_shapes is None else label_shapes,
             planned.get("label_dtype") if label_dtype is None else label_dtype)

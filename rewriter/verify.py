@@ -34,7 +34,8 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 
-from rewriter.apply import Ancestry, _parse
+from rewriter.capture import import_step
+from rewriter.graph_edit import Ancestry, _parse
 from rewriter.placement import SWAP_IN_PREFIX
 from rewriter.recompute import CLONE_ATTR, AppliedRecompute
 from simulator.recompute import CLONE_MARK, original_name
@@ -404,7 +405,7 @@ def verify_first_call(step, example=None) -> Verification:
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host,
-                   recomputed=getattr(step, "recomputed", ()))
+                   recomputed=step.recomputed)
     _report(result)
     return result
 
@@ -412,8 +413,6 @@ def verify_first_call(step, example=None) -> Verification:
 def verify(step, x=None, y=None) -> Verification:
     """Re-verify a step: import its GraphDef afresh (so it is optimized again and collected), run it
     once on (x, y) or zeros, and restore every variable. Leaves ``step`` itself untouched."""
-    from rewriter.apply import import_step
-
     function = import_step(step.graph_def, step.traced)
     flat = step._flat_inputs(x, y) if x is not None else step.zeros()
     snapshot = step.snapshot()
@@ -422,7 +421,7 @@ def verify(step, x=None, y=None) -> Verification:
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host,
-                   recomputed=getattr(step, "recomputed", ()))
+                   recomputed=step.recomputed)
     _report(result)
     return result
 

@@ -1,18 +1,25 @@
 """Framework-free simulation of a training step with activation swapping (never imports TensorFlow).
 
-The pieces: ``OpGraph`` (graph.py) holds one step as arrays; ``categorized_levels`` (ordering.py)
-puts ops on levels; ``plan_swaps`` (planning.py) turns ``SwapParams`` into a ``SwapPlan``;
-``replay`` (replay.py) predicts peak memory and step time on a ``DeviceModel`` (devices.py).
+The pieces: ``OpGraph`` (graph.py) holds one step as arrays and puts ops on levels
+(``categorized_levels``); ``ordering.py`` gives execution orders; ``plan_swaps`` (planning.py) turns
+``SwapParams`` (params.py) into a ``SwapPlan``; plan.py owns the plan and its file (``NamedPlan``, the
+form the rewriter applies); ``replay`` (replay.py) predicts peak memory and step time on a
+``DeviceModel`` (devices.py).
 """
 
-from simulator.devices import DEVICES, CalibratedDevice, CalibrationError, CalibrationMismatchError, DeviceModel, get_device
-from simulator.graph import BACKWARD, FORWARD, OTHER, PHASE_NAMES, UPDATE, GraphError, OpGraph
-from simulator.ordering import categorized_levels, edge_distances, execution_order, n_levels
-from simulator.planning import TRIGGER_OP_TYPES, ParamsError, Swap, SwapIn, SwapParams, SwapPlan, plan_swaps
+from simulator.calibrated import CalibratedDevice, CalibrationError, CalibrationMismatchError
+from simulator.devices import DEVICES, DeviceModel, get_device
+from simulator.graph import BACKWARD, FORWARD, OTHER, PHASE_NAMES, UPDATE, GraphError, OpGraph, categorized_levels
+from simulator.ordering import edge_distances, execution_order, n_levels
+from simulator.params import ParamsError, SwapParams
+from simulator.plan import NamedPlan, NamedSwap, NamedSwapIn, PlanError, Swap, SwapIn, SwapPlan, load_plan
+from simulator.planning import TRIGGER_OP_TYPES, plan_swaps
 from simulator.replay import Replay, replay
 
 __all__ = [
     "BACKWARD", "DEVICES", "FORWARD", "OTHER", "PHASE_NAMES", "TRIGGER_OP_TYPES", "UPDATE",
-    "CalibratedDevice", "CalibrationError", "CalibrationMismatchError", "DeviceModel", "GraphError", "OpGraph", "ParamsError", "Replay", "Swap", "SwapIn", "SwapParams", "SwapPlan",
-    "categorized_levels", "edge_distances", "execution_order", "get_device", "n_levels", "plan_swaps", "replay",
+    "CalibratedDevice", "CalibrationError", "CalibrationMismatchError", "DeviceModel", "GraphError", "NamedPlan",
+    "NamedSwap", "NamedSwapIn", "OpGraph", "ParamsError", "PlanError", "Replay", "Swap", "SwapIn", "SwapParams", "SwapPlan",
+    "categorized_levels", "edge_distances", "execution_order", "get_device", "load_plan", "n_levels", "plan_swaps",
+    "replay",
 ]

@@ -8,7 +8,7 @@ import pandas as pd
 from simulator.buffers import buffers
 from simulator.graph import PHASE_NAMES, OpGraph
 from simulator.ordering import execution_order
-from simulator.planning import SwapPlan
+from simulator.plan import SwapPlan
 from simulator.replay import Replay
 
 

@@ -13,14 +13,54 @@ import json
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Generic, TypeVar
 
 import numpy as np
 
 FORWARD, BACKWARD, UPDATE, OTHER = 0, 1, 2, 3
 PHASE_NAMES = ("forward", "backward", "update", "other")
+# the execution orders a graph can be viewed in (``OpGraph.with_order``; ``simulator.ordering.ORDERS`` computes them)
+ORDER_NAMES = ("cto", "memory")
+# what the swap rules' distances count (``SwapParams.distance``; a graph's ``distance``, ``ordering.slot_levels_view``)
+DISTANCES = ("level", "slot")
 
 FORMAT_VERSION = 1
+
+T = TypeVar("T")
+
+# How far a memoised analysis is shared (``Analysis.scope``), from the widest to the narrowest:
+# "graph": the structure alone (names, edges), shared by every view and batch size;
+# "order": the structure in one execution order (``with_order``), shared by both distances and every batch size;
+# "view": one order and one distance unit, shared by every batch size;
+# "batch": sizes and times at one batch size.
+SCOPES = ("graph", "order", "view", "batch")
+
+
+@dataclass(frozen=True, eq=False)
+class Analysis(Generic[T]):
+    """A named analysis of an ``OpGraph``, memoised on the graph at its ``scope``.
+
+    The object itself is the memo key: two modules cannot share or clash on an entry by a name, and
+    nothing but ``compute`` puts a value under it (a view of the graph gets an analysis by computing
+    it, or by sharing the memo of a wider scope, never from a seeded entry).
+    """
+
+    name: str
+    compute: Callable[["OpGraph"], T]
+    scope: str = "view"
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+
+    def __call__(self, g: "OpGraph") -> T:
+        store = g._memo(self.scope)
+        if self not in store:
+            store[self] = self.compute(g)
+        return store[self]
+
+    def __repr__(self) -> str:
+        return f"Analysis({self.name!r}, scope={self.scope!r})"
 
 
 class GraphError(ValueError):
@@ -83,7 +123,11 @@ class OpGraph:
     batch_size: int = 1
     meta: dict = field(default_factory=dict)
     order: str = "cto"
-    _structure_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    distance: str = "level"
+    # memos of analyses (``Analysis.scope``); "batch" lives in the instance's ``_batch_cache``
+    _graph_memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _order_memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _structure_cache: dict = field(default_factory=dict, repr=False, compare=False)  # scope "view"
 
     # ------------------------------------------------------------------ construction
 
@@ -188,8 +232,6 @@ class OpGraph:
             raise GraphError("op_phase must be 0..3 (forward, backward, update, other)")
         if np.any(self.tensor_bytes_ab < 0) or np.any(self.op_flops_ab < 0) or np.any(self.op_touched_bytes_ab < 0):
             raise GraphError("sizes and costs must be non-negative")
-        from simulator.ordering import categorized_levels  # local: ordering depends on this module
-
         categorized_levels(self)  # raises GraphError on a cycle
 
     # ------------------------------------------------------------------ sizes
@@ -206,12 +248,7 @@ class OpGraph:
     def tensor_bytes(self) -> np.ndarray:
         """Bytes of each tensor at this graph's batch size (computed once per batch size, read-only:
         every replay and plan reads it)."""
-        def compute(graph: OpGraph) -> np.ndarray:
-            sizes = _at_batch(graph.tensor_bytes_ab, graph.batch_size).astype(np.int64)
-            sizes.flags.writeable = False
-            return sizes
-
-        return self.cached("tensor_bytes", compute, structural=False)
+        return TENSOR_BYTES(self)
 
     @property
     def op_flops(self) -> np.ndarray:
@@ -230,29 +267,52 @@ class OpGraph:
         """The same step at another batch size (arrays and structural analyses are shared)."""
         if int(batch_size) < 1:
             raise GraphError(f"batch size must be >= 1, got {batch_size}")
-        return dataclasses.replace(self, batch_size=int(batch_size), _structure_cache=self._structure_cache)
+        return dataclasses.replace(self, batch_size=int(batch_size))
 
     def with_order(self, order: str) -> "OpGraph":
-        """The same step executed in another order (see ``simulator.ordering.ORDERS``); analyses
-        that depend on the order are cached per order."""
+        """The same step executed in another order (``ORDER_NAMES``; ``simulator.ordering.ORDERS``
+        computes them); analyses of the structure alone are shared, the others memoised per order."""
         if order == self.order:
             return self
-        from simulator.ordering import ORDERS
-
-        if order not in ORDERS:
-            raise GraphError(f"unknown execution order {order!r}; known: {', '.join(ORDERS)}")
+        if order not in ORDER_NAMES:
+            raise GraphError(f"unknown execution order {order!r}; known: {', '.join(ORDER_NAMES)}")
         view = self.cached(("order", order), lambda graph: dataclasses.replace(
-            graph, order=order, _structure_cache={"levels": self.cached("levels", _levels, structural=True)}),
-            structural=True)
+            graph, order=order, _order_memo={}, _structure_cache={}), structural=True)
         if view.batch_size == self.batch_size:
             return view
         # the view at this batch size, kept with this graph: a new one per call would rebuild its
         # per-batch analyses (sizes, slot times) at every replay
         return self.cached(("order_view", order), lambda graph: view.with_batch(graph.batch_size), structural=False)
 
-    def cached(self, key: str, compute, *, structural: bool):
-        """Memoise an analysis of this graph: structural ones are shared by all batch sizes."""
-        store = self._structure_cache if structural else self.__dict__.setdefault("_batch_cache", {})
+    def with_distance(self, distance: str) -> "OpGraph":
+        """The same step (same order) whose swap-rule levels count ``distance`` (``DISTANCES``): "level",
+        CTO levels, or "slot", steps of the execution order (``simulator.ordering.distance_levels``).
+        ``categorized_levels`` is the same in both; the order's analyses are shared."""
+        if distance == self.distance:
+            return self
+        if distance not in DISTANCES:
+            raise GraphError(f"unknown distance {distance!r}; known: {', '.join(DISTANCES)}")
+        view = self.cached(("distance", distance), lambda graph: dataclasses.replace(
+            graph, distance=distance, _structure_cache={}), structural=True)
+        if view.batch_size == self.batch_size:
+            return view
+        return self.cached(("distance_view", distance), lambda graph: view.with_batch(graph.batch_size),
+                           structural=False)
+
+    def _memo(self, scope: str) -> dict:
+        if scope == "graph":
+            return self._graph_memo
+        if scope == "order":
+            return self._order_memo
+        if scope == "view":
+            return self._structure_cache
+        return self.__dict__.setdefault("_batch_cache", {})
+
+    def cached(self, key, compute, *, structural: bool):
+        """Memoise a module's own analysis of this graph: structural ones are shared by all batch sizes
+        (scope "view"), the others kept per batch size. An analysis other modules read is an
+        ``Analysis`` (a typed key that cannot clash)."""
+        store = self._memo("view" if structural else "batch")
         if key not in store:
             store[key] = compute(self)
         return store[key]
@@ -268,17 +328,11 @@ class OpGraph:
     def tensor_index(self) -> dict[str, int]:
         """Tensor name ("op:output") -> index, built once per structure (plans name their tensors):
         shared, so do not modify it."""
-        return self.cached("tensor_index", lambda graph: {graph.tensor_name(t): t for t in range(graph.n_tensors)},
-                           structural=True)
+        return TENSOR_INDEX(self)
 
     def fingerprint(self) -> str:
         """Identifies the structure (names, types, edges), not sizes: plans carry it to catch stale use."""
-        digest = hashlib.sha256()
-        for array in (self.op_name, self.op_type, self.tensor_producer, self.tensor_output,
-                      self.edge_tensor, self.edge_consumer, self.control_src, self.control_dst):
-            digest.update(np.ascontiguousarray(array).tobytes())
-            digest.update(b"|")
-        return digest.hexdigest()[:16]
+        return FINGERPRINT(self)
 
     def summary(self) -> dict[str, Any]:
         phases = np.bincount(self.op_phase, minlength=4)
@@ -326,11 +380,91 @@ class OpGraph:
         return cls.build(**arrays, batch_size=header["batch_size"], meta=header.get("meta", {}))
 
 
-def _levels(g: "OpGraph") -> np.ndarray:
-    from simulator.ordering import categorized_levels
-
-    return categorized_levels(g)
-
-
 def _at_batch(coefficients: np.ndarray, batch_size: int) -> np.ndarray:
     return coefficients[..., 0] + coefficients[..., 1] * float(batch_size)
+
+
+def _tensor_bytes(g: OpGraph) -> np.ndarray:
+    sizes = _at_batch(g.tensor_bytes_ab, g.batch_size).astype(np.int64)
+    sizes.flags.writeable = False
+    return sizes
+
+
+def _fingerprint(g: OpGraph) -> str:
+    digest = hashlib.sha256()
+    for array in (g.op_name, g.op_type, g.tensor_producer, g.tensor_output,
+                  g.edge_tensor, g.edge_consumer, g.control_src, g.control_dst):
+        digest.update(np.ascontiguousarray(array).tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
+
+
+# every read and every plan needs them: computed once per batch size (sizes) or per structure
+TENSOR_BYTES = Analysis("tensor_bytes", _tensor_bytes, scope="batch")
+TENSOR_INDEX = Analysis("tensor_index", lambda g: {g.tensor_name(t): t for t in range(g.n_tensors)}, scope="graph")
+FINGERPRINT = Analysis("fingerprint", _fingerprint, scope="graph")
+
+
+# ---------------------------------------------------------------------- levels (docs/design.md 1.2)
+
+
+def successor_csr(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
+    """Successor lists over data and control edges (duplicates kept: harmless for levels)."""
+    src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
+    dst = np.concatenate([g.edge_consumer, g.control_dst])
+    order = np.argsort(src, kind="stable")
+    ptr = np.zeros(g.n_ops + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=g.n_ops), out=ptr[1:])
+    return ptr, dst[order]
+
+
+def _compute_levels(g: OpGraph) -> np.ndarray:
+    src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
+    dst = np.concatenate([g.edge_consumer, g.control_dst])
+    if len(src) and np.any(src == dst):
+        raise GraphError(f"op {g.op_name[src[src == dst][0]]!r} depends on itself (the graph has a cycle)")
+    ptr, successors = successor_csr(g)
+    remaining = np.bincount(dst, minlength=g.n_ops)
+    levels = np.full(g.n_ops, -1, dtype=np.int64)
+    frontier = np.flatnonzero(remaining == 0)
+    level = 0
+    while len(frontier):
+        levels[frontier] = level
+        starts, stops = ptr[frontier], ptr[frontier + 1]
+        counts = stops - starts
+        if counts.sum() == 0:
+            break
+        # gather every successor of the frontier in one go
+        offsets = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        touched = successors[offsets]
+        remaining -= np.bincount(touched, minlength=g.n_ops)
+        candidates = np.unique(touched)
+        frontier = candidates[remaining[candidates] == 0]
+        level += 1
+    if np.any(levels < 0):
+        stuck = g.op_name[levels < 0][:5].tolist()
+        raise GraphError(f"the graph has a cycle through {len(np.flatnonzero(levels < 0))} ops, e.g. {stuck}")
+    return levels
+
+
+CATEGORIZED_LEVELS = Analysis("categorized_levels", _compute_levels, scope="graph")
+LEVEL_ORDER = Analysis("level_order", lambda g: np.lexsort((np.arange(g.n_ops), categorized_levels(g))), scope="graph")
+
+
+def categorized_levels(g: OpGraph) -> np.ndarray:
+    """Each op's level (Kahn's algorithm in rounds over data and control edges), indexed like g's ops.
+    The same in every view of the graph (order, distance): the swap rules' own levels are
+    ``simulator.ordering.distance_levels``."""
+    return CATEGORIZED_LEVELS(g)
+
+
+def level_order(g: OpGraph) -> np.ndarray:
+    """Ops by level, then by index: the categorized topological order itself."""
+    return LEVEL_ORDER(g)
+
+
+def slots_of(order: np.ndarray) -> np.ndarray:
+    """Inverse of an execution order (op indices by slot): the slot at which each op runs."""
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    return position

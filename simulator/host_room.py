@@ -19,7 +19,9 @@ import numpy as np
 
 from simulator.devices import DeviceModel
 from simulator.graph import OpGraph
-from simulator.planning import SwapParams, SwapPlan, plan_swaps
+from simulator.params import SwapParams
+from simulator.plan import SwapPlan
+from simulator.planning import plan_swaps
 from simulator.replay import Replay, host_free_s, replay
 
 MAX_REPLAYS = 64  # the 3D U-Net on v100-16gb: 32 at 320 x 64^3 (3.5 % over the host), 43 at 322

@@ -1,72 +1,26 @@
-"""Categorized topological ordering (CTO): every op on a level, ops of one level independent.
+"""Execution orders and the swap rules' distances.
 
-Level 0 holds the ops with no inputs; level k the ops whose inputs (data and control) all lie on
-levels < k, i.e. the longest-path depth. The distance of an edge is the level difference; long
-edges are what make the memory peak, and a swap splits them.
+Categorized topological ordering (CTO): level 0 holds the ops with no inputs; level k the ops whose
+inputs (data and control) all lie on levels < k, i.e. the longest-path depth (``categorized_levels``,
+computed with the graph, ``simulator.graph``). The distance of an edge is the level difference; long
+edges are what make the memory peak, and a swap splits them. A graph runs in one of ``ORDERS`` (level
+order, or a memory-aware order) and counts distances in levels or in slots of its order
+(``distance_levels``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from simulator.graph import GraphError, OpGraph
-
-
-def _successor_csr(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
-    """Successor lists over data and control edges (duplicates kept: harmless for levels)."""
-    src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
-    dst = np.concatenate([g.edge_consumer, g.control_dst])
-    order = np.argsort(src, kind="stable")
-    ptr = np.zeros(g.n_ops + 1, dtype=np.int64)
-    np.cumsum(np.bincount(src, minlength=g.n_ops), out=ptr[1:])
-    return ptr, dst[order]
-
-
-def _compute_levels(g: OpGraph) -> np.ndarray:
-    src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
-    dst = np.concatenate([g.edge_consumer, g.control_dst])
-    if len(src) and np.any(src == dst):
-        raise GraphError(f"op {g.op_name[src[src == dst][0]]!r} depends on itself (the graph has a cycle)")
-    ptr, successors = _successor_csr(g)
-    remaining = np.bincount(dst, minlength=g.n_ops)
-    levels = np.full(g.n_ops, -1, dtype=np.int64)
-    frontier = np.flatnonzero(remaining == 0)
-    level = 0
-    while len(frontier):
-        levels[frontier] = level
-        starts, stops = ptr[frontier], ptr[frontier + 1]
-        counts = stops - starts
-        if counts.sum() == 0:
-            break
-        # gather every successor of the frontier in one go
-        offsets = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
-        touched = successors[offsets]
-        remaining -= np.bincount(touched, minlength=g.n_ops)
-        candidates = np.unique(touched)
-        frontier = candidates[remaining[candidates] == 0]
-        level += 1
-    if np.any(levels < 0):
-        stuck = g.op_name[levels < 0][:5].tolist()
-        raise GraphError(f"the graph has a cycle through {len(np.flatnonzero(levels < 0))} ops, e.g. {stuck}")
-    return levels
-
-
-def categorized_levels(g: OpGraph) -> np.ndarray:
-    """Each op's level (Kahn's algorithm in rounds over data and control edges), indexed like g's ops."""
-    return g.cached("levels", _compute_levels, structural=True)
+from simulator.graph import (Analysis, OpGraph, categorized_levels, level_order,  # noqa: F401 -- here too
+                             slots_of, successor_csr)
+from simulator.sharing import SHARING_IN_LEVEL_ORDER
 
 
 def edge_distances(g: OpGraph) -> np.ndarray:
-    """Level distance of every data edge, indexed like ``g.edge_tensor``."""
-    levels = categorized_levels(g)
+    """Distance of every data edge in the swap rules' levels (``distance_levels``), indexed like ``g.edge_tensor``."""
+    levels = distance_levels(g)
     return levels[g.edge_consumer] - levels[g.tensor_producer[g.edge_tensor]]
-
-
-def level_order(g: OpGraph) -> np.ndarray:
-    """Ops by level, then by index: the categorized topological order itself."""
-    return np.lexsort((np.arange(g.n_ops), categorized_levels(g)))
 
 
 def memory_order(g: OpGraph) -> np.ndarray:
@@ -89,9 +43,7 @@ def memory_order(g: OpGraph) -> np.ndarray:
 def _greedy_memory_order(g: OpGraph) -> np.ndarray:
     """Whenever several ops are ready, the one that allocates the least beyond what it frees
     (ties: lower level, then index)."""
-    from simulator.buffers import buffers_in_level_order
-
-    info = buffers_in_level_order(g)
+    info = SHARING_IN_LEVEL_ORDER(g)
     size = g.tensor_bytes_ab[:, 1] + g.tensor_bytes_ab[:, 0] * 1e-6
     root = info.root
     owners = np.flatnonzero((root == np.arange(g.n_tensors)) & ~info.persistent)
@@ -103,7 +55,7 @@ def _greedy_memory_order(g: OpGraph) -> np.ndarray:
     inputs_of: list[list[int]] = [[] for _ in range(g.n_ops)]
     for buffer, op in zip(pairs[0].tolist(), pairs[1].tolist()):
         inputs_of[op].append(buffer)
-    ptr, successor_array = _successor_csr(g)
+    ptr, successor_array = successor_csr(g)
     pending = np.bincount(successor_array, minlength=g.n_ops).tolist()
     bounds, successors = ptr.tolist(), successor_array.tolist()
     levels = categorized_levels(g).tolist()
@@ -135,9 +87,7 @@ def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:
     """Move each op whose outputs weigh at least as much as the inputs it would keep alive to just
     before its first successor (walked backwards, so chains move together). Ties move: an output
     that waits costs as much as an input kept alive, but the input may be kept alive anyway."""
-    from simulator.buffers import buffers_in_level_order
-
-    info = buffers_in_level_order(g)
+    info = SHARING_IN_LEVEL_ORDER(g)
     size = g.tensor_bytes_ab[:, 1] * ~info.persistent  # per sample: what grows with the batch
     position = np.empty(g.n_ops, dtype=np.int64)
     position[order] = np.arange(g.n_ops)
@@ -145,7 +95,7 @@ def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:
     root = info.root
     last_read = np.full(g.n_tensors, -1, dtype=np.int64)
     np.maximum.at(last_read, root[g.edge_tensor], position[g.edge_consumer])
-    ptr, successor_array = _successor_csr(g)
+    ptr, successor_array = successor_csr(g)
     succ_bounds, successors = ptr.tolist(), successor_array.tolist()
     by_consumer = np.argsort(g.edge_consumer, kind="stable")
     in_bounds = np.searchsorted(g.edge_consumer[by_consumer], np.arange(g.n_ops + 1)).tolist()
@@ -188,38 +138,47 @@ def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:
     return np.asarray(result, dtype=np.int64)
 
 
-ORDERS = {"cto": level_order, "memory": memory_order}
+ORDERS = {"cto": level_order, "memory": memory_order}  # by name: graph.ORDER_NAMES
+
+
+def _execution_order(g: OpGraph) -> np.ndarray:
+    return ORDERS[g.order](g)
+
+
+EXECUTION_ORDER = Analysis("execution_order", _execution_order, scope="order")
+POSITION = Analysis("position", lambda g: slots_of(execution_order(g)), scope="order")
 
 
 def execution_order(g: OpGraph) -> np.ndarray:
     """The serial order the replay runs ops in (and the rewriter chains the real step in)."""
-    return g.cached("execution_order", ORDERS[g.order], structural=True)
+    return EXECUTION_ORDER(g)
 
 
 def position_of(g: OpGraph) -> np.ndarray:
     """Inverse of ``execution_order``: the slot at which each op runs."""
+    return POSITION(g)
 
-    def compute(graph: OpGraph) -> np.ndarray:
-        position = np.empty(graph.n_ops, dtype=np.int64)
-        position[execution_order(graph)] = np.arange(graph.n_ops)
-        return position
 
-    return g.cached("position", compute, structural=True)
+def _distance_levels(g: OpGraph) -> np.ndarray:
+    return position_of(g) if g.distance == "slot" else categorized_levels(g)
+
+
+DISTANCE_LEVELS = Analysis("distance_levels", _distance_levels, scope="view")
+
+
+def distance_levels(g: OpGraph) -> np.ndarray:
+    """The levels the swap rules count distances in (``g.distance``, ``SwapParams.distance``): each
+    op's CTO level, or with "slot" its slot in the execution order (one op per level)."""
+    return DISTANCE_LEVELS(g)
 
 
 def slot_levels_view(g: OpGraph) -> OpGraph:
-    """``g`` (same order, same batch) with every op on a level of its own, its execution slot, so
-    that rules counting levels count steps of the order (``SwapParams.distance="slot"``)."""
-    def compute(graph: OpGraph) -> OpGraph:
-        return dataclasses.replace(graph, _structure_cache={
-            "levels": position_of(graph), "execution_order": execution_order(graph)})
-
-    view = g.cached("slot_levels_view", compute, structural=True)
-    if view.batch_size == g.batch_size:
-        return view
-    return g.cached("slot_levels_view_at_batch", lambda graph: view.with_batch(graph.batch_size), structural=False)
+    """``g`` (same order, same batch) whose swap-rule levels are execution slots, so that rules
+    counting levels count steps of the order (``SwapParams.distance="slot"``)."""
+    return g.with_distance("slot")
 
 
 def n_levels(g: OpGraph) -> int:
-    levels = categorized_levels(g)
+    """Levels in the swap rules' unit (``distance_levels``)."""
+    levels = distance_levels(g)
     return int(levels.max()) + 1 if len(levels) else 0

@@ -1,31 +1,23 @@
 """Swap rules: which tensors go to the host, which consumers read them back, what starts the swap-in.
 
-``plan_swaps(g, params)`` applies the rules of docs/design.md 1.4 to a graph and returns a ``SwapPlan``:
-plain data that the replay simulates and the rewriter applies to the real graph as-is.
+``plan_swaps(g, params)`` applies the rules of docs/design.md 1.4 to a graph and returns a ``SwapPlan``
+(``simulator.plan``): plain data that the replay simulates and the rewriter applies to the real graph as-is.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
-
 import numpy as np
 
 from simulator import kernels
-from simulator.buffers import buffers, rewired_lifetimes
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
-from simulator.ordering import (categorized_levels, edge_distances, execution_order, n_levels, position_of,
+from simulator.ordering import (distance_levels, edge_distances, execution_order, n_levels, position_of,
                                 slot_levels_view)
-from simulator.recompute import RECOMPUTE_SCOPES
+from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES, TRIGGER_POLICIES,  # noqa: F401
+                              ParamsError, SwapParams)
+from simulator.plan import Swap, SwapIn, SwapPlan, after_ops, validate_plan  # noqa: F401 -- importable from here too
 
-SYNC_MODES = ("none", "out", "in", "both")
-SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
-SWAP_SCOPES = ("activations", "all")  # SwapParams.tensors
-DISTANCES = ("level", "slot")  # SwapParams.distance
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
-TRIGGER_POLICIES = ("ancestor", "level")
+
 
 # Backward ops heavy enough that Grappler neither folds them nor moves their control edges, so a
 # control edge from one of them to a swap-in survives optimisation (docs/design.md 3).
@@ -37,402 +29,6 @@ TRIGGER_OP_TYPES = frozenset({
     "FusedBatchNormGradV3", "MaxPoolGrad", "MaxPool3DGrad", "AvgPoolGrad", "AvgPool3DGrad",
     "BiasAddGrad", "SoftmaxGrad", "Conv2DTranspose", "Conv3DTranspose",
 })
-
-
-class ParamsError(ValueError):
-    """Swap parameters that make no sense (lb > ub, non-positive values, unknown modes)."""
-
-
-RECOMPUTE_FIELDS = ("recompute", "recompute_cost", "recompute_per_tensor", "recompute_tensors")
-
-
-@dataclass(frozen=True)
-class SwapParams:
-    """The knobs of the swap rules; see docs/design.md 1.4.
-
-    threshold: a consumer is far when its level distance from the producer is > threshold.
-    lb, ub: the swap-in trigger lies between ``ub`` and ``lb`` levels before the far consumer.
-    groupby: far consumers of one tensor within ``groupby`` levels of the group's first share a swap-in.
-    sync: "none", "out" (near consumers wait for the swap-out; with none, the op after the producer
-      does, so the device buffer is free before the step goes on), "in" (no early trigger: the
-      swap-in waits for the consumer's other inputs) or "both".
-    min_bytes: tensors smaller than this (at the plan's batch size) are never swapped.
-    include_types/exclude_types/exclude_scopes: filter the producing ops by type or name prefix.
-    trigger: "ancestor" takes triggers among the ancestors of the first far consumer (steadier in
-      real runs), "level" takes any valid op on the level.
-    order: the execution order ("cto": level by level; "memory": a memory-aware topological
-      order, see ``simulator.ordering``); the rewriter chains the real step in it.
-    tensors: what may be swapped. "activations": the float tensors the forward pass makes, as in
-      LMS. "all": also what the backward pass makes and reads much later (a U-Net's gradients that
-      wait across a skip connection for the branch that joins them) and integer tensors TF keeps
-      on the device (the labels Keras' sparse losses cast to int64).
-    distance: what threshold, lb, ub and groupby count. "level": CTO levels, as in LMS (ops of one
-      level are independent, so a level can hold many ops). "slot": steps of the execution order,
-      one op each: a swap-in can then be started by the op just before its reader, and reads of
-      one level that the order runs far apart (the parts of a split convolution's gradient, an op
-      the memory order sinks) are far.
-    keep_tensors: tensors (by name, "op:output") never swapped whatever the rules say; the host-
-      room pass (``simulator.host_room``) names there what it keeps on the device for the host's sake.
-    recompute: which ops may be cloned to recompute a tensor for its far readers instead of keeping
-      or swapping it ("none", "cheap": elementwise, activations, normalization, shapes, stateless
-      random; "expensive": convolutions and matrix products too; ``simulator.recompute``). The
-      recomputations are made first (``simulator.recompute_choice.recomputed_graph``) and the swap
-      rules then apply to the graph that holds them.
-    recompute_cost: the most device seconds a recomputation may cost per byte it frees.
-    recompute_per_tensor: per swapped tensor whose swap-in the step waits for, recompute it instead
-      where that takes less than the wait (the link cannot hide the swap; the search's per-tensor
-      pass, ``autotune.search.TuningProblem.evaluate``, names them in ``recompute_tensors``).
-    recompute_tensors: tensors (by name) recomputed whatever the cost rule says, when they can be.
-    after_copies_out: a swap-in starts only once the op it starts after (its trigger; for a
-      synchronous one, the last of its consumer's other inputs) has its own swapped outputs copied
-      out, instead of beside those copies: while an op waits for its swap-ins, the buffers its
-      predecessor's outputs are copied out of and the swap-ins' buffers are then never on the
-      device together (a later start: more waiting, less memory).
-    """
-
-    threshold: int
-    lb: int = 1
-    ub: int = 10
-    groupby: int = 0
-    sync: str = "none"
-    min_bytes: int = 0
-    include_types: tuple[str, ...] = ()
-    exclude_types: tuple[str, ...] = ()
-    exclude_scopes: tuple[str, ...] = ()
-    trigger: str = "ancestor"
-    order: str = "cto"
-    tensors: str = "activations"
-    distance: str = "level"
-    after_copies_out: bool = False
-    keep_tensors: tuple[str, ...] = ()
-    recompute: str = "none"
-    recompute_cost: float = math.inf
-    recompute_per_tensor: bool = False
-    recompute_tensors: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.tensors not in SWAP_SCOPES:
-            raise ParamsError(f"tensors must be one of {SWAP_SCOPES}, got {self.tensors!r}")
-        if self.distance not in DISTANCES:
-            raise ParamsError(f"distance must be one of {DISTANCES}, got {self.distance!r}")
-        for name in ("threshold", "lb", "ub"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ParamsError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("groupby", "min_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ParamsError(f"{name} must be a non-negative integer, got {value!r}")
-        if not isinstance(self.after_copies_out, (bool, np.bool_)):
-            raise ParamsError(f"after_copies_out must be true or false, got {self.after_copies_out!r}")
-        object.__setattr__(self, "after_copies_out", bool(self.after_copies_out))
-        if self.lb > self.ub:
-            raise ParamsError(f"lb ({self.lb}) must not exceed ub ({self.ub})")
-        if self.sync not in SYNC_MODES:
-            raise ParamsError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
-        if self.trigger not in TRIGGER_POLICIES:
-            raise ParamsError(f"trigger must be one of {TRIGGER_POLICIES}, got {self.trigger!r}")
-        from simulator.ordering import ORDERS
-
-        if self.order not in ORDERS:
-            raise ParamsError(f"order must be one of {tuple(ORDERS)}, got {self.order!r}")
-        if self.recompute not in RECOMPUTE_SCOPES:
-            raise ParamsError(f"recompute must be one of {tuple(RECOMPUTE_SCOPES)}, got {self.recompute!r}")
-        cost = math.inf if self.recompute_cost is None else self.recompute_cost  # None: JSON's infinity
-        if isinstance(cost, bool) or not isinstance(cost, (int, float, np.integer, np.floating)) or not cost >= 0:
-            raise ParamsError(f"recompute_cost must be a non-negative number of seconds per byte, got {cost!r}")
-        object.__setattr__(self, "recompute_cost", float(cost))
-        if not isinstance(self.recompute_per_tensor, (bool, np.bool_)):
-            raise ParamsError(f"recompute_per_tensor must be true or false, got {self.recompute_per_tensor!r}")
-        object.__setattr__(self, "recompute_per_tensor", bool(self.recompute_per_tensor))
-        for name in ("include_types", "exclude_types", "exclude_scopes", "keep_tensors", "recompute_tensors"):
-            value = getattr(self, name)
-            try:
-                items = tuple(value) if not isinstance(value, str) else None
-            except TypeError:
-                items = None
-            if items is None or not all(isinstance(item, str) for item in items):
-                raise ParamsError(f"{name} must be a list of strings, got {value!r}")
-            object.__setattr__(self, name, items)
-        for name in ("threshold", "lb", "ub", "groupby", "min_bytes"):
-            object.__setattr__(self, name, int(getattr(self, name)))
-
-    @property
-    def recomputes(self) -> bool:
-        """Whether these parameters recompute anything (else the swap rules alone make the plan)."""
-        return self.recompute != "none" or bool(self.recompute_tensors)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; parameters that recompute nothing leave the recompute fields out (they read
-        as before recomputation existed)."""
-        data = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
-        if not self.recomputes:
-            for name in RECOMPUTE_FIELDS:
-                del data[name]
-        elif math.isinf(self.recompute_cost):
-            data["recompute_cost"] = None
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SwapParams":
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise ParamsError(f"unknown swap parameter(s): {sorted(unknown)}")
-        return cls(**data)
-
-
-@dataclass(frozen=True)
-class SwapIn:
-    """One swap-in: the consumers it feeds and the op whose completion starts it (None: synchronous).
-
-    ``after`` is derived by the plan (see ``SwapPlan``); it is ignored when building a plan.
-    """
-
-    consumers: tuple[int, ...]
-    trigger: int | None
-    after: int | None = None
-
-
-@dataclass(frozen=True)
-class Swap:
-    tensor: int
-    sync_out: bool
-    swap_ins: tuple[SwapIn, ...]
-
-
-@dataclass(frozen=True, eq=False)
-class SwapPlan:
-    """Which tensors to swap and how, as flat arrays (the replay's hot path reads them directly).
-
-    Swap i moves tensor ``tensor[i]`` out; swap-in j brings back ``tensor[in_swap[j]]`` for the
-    consumers ``in_consumers[in_consumer_ptr[j]:in_consumer_ptr[j+1]]``, started by op
-    ``in_trigger[j]`` (-1: synchronous, waits for the consumer's other inputs). A swap-in never
-    starts before op ``in_after[j]``: the last reader of the original buffer (first swap-in of a
-    tensor) or the last consumer of the previous swap-in, so one tensor never has two device
-    copies at once; a synchronous swap-in carries it as a control edge.
-
-    With ``after_copies_out`` a swap-in also waits for the copies out of what the op it starts
-    after made (``SwapParams.after_copies_out``).
-
-    ``order`` is the execution order the replay assumed (op indices). The rewriter chains the real
-    step in this order with control edges: left to itself, TF's executor picks its own order among
-    ready ops, which moves the peak by 10-30% once swaps are in the graph (measured on the CPU
-    testbed: a 3D U-Net ran 0.78x its prediction unchained and 0.99x chained).
-    """
-
-    tensor: np.ndarray
-    sync_out: np.ndarray
-    in_swap: np.ndarray
-    in_trigger: np.ndarray
-    in_after: np.ndarray
-    in_consumer_ptr: np.ndarray
-    in_consumers: np.ndarray
-    order: np.ndarray | None = None
-    order_name: str = "cto"
-    graph_fingerprint: str = ""
-    params: SwapParams | None = None
-    batch_size: int | None = None
-    after_copies_out: bool = False
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def empty(cls, g: OpGraph | None = None) -> "SwapPlan":
-        nothing = np.zeros(0, dtype=np.int64)
-        return cls(nothing, np.zeros(0, bool), nothing, nothing, nothing, np.zeros(1, np.int64), nothing,
-                   order=None if g is None else execution_order(g), order_name="cto" if g is None else g.order,
-                   graph_fingerprint=g.fingerprint() if g is not None else "",
-                   batch_size=None if g is None else g.batch_size)
-
-    @classmethod
-    def from_swaps(cls, g: OpGraph, swaps: list[Swap], params: SwapParams | None = None,
-                   after_copies_out: bool | None = None) -> "SwapPlan":
-        """Build a plan from readable records (hand-made plans, JSON, tests)."""
-        position = position_of(g)
-        tensors, sync_out, in_swap, in_trigger, ptr, consumers = [], [], [], [], [0], []
-        for index, swap in enumerate(swaps):
-            tensors.append(swap.tensor)
-            sync_out.append(swap.sync_out)
-            for swap_in in sorted(swap.swap_ins, key=lambda s: min((position[c] for c in s.consumers), default=-1)):
-                if not swap_in.consumers:
-                    raise GraphError(f"swap-in of tensor {g.tensor_name(swap.tensor)} has no consumers")
-                in_swap.append(index)
-                in_trigger.append(-1 if swap_in.trigger is None else swap_in.trigger)
-                consumers.extend(sorted(swap_in.consumers, key=lambda c: position[c]))
-                ptr.append(len(consumers))
-        tensor = np.asarray(tensors, np.int64)
-        in_swap_array = np.asarray(in_swap, np.int64)
-        ptr_array = np.asarray(ptr, np.int64)
-        consumer_array = np.asarray(consumers, np.int64)
-        plan = cls(tensor, np.asarray(sync_out, bool), in_swap_array, np.asarray(in_trigger, np.int64),
-                   _after_ops(g, tensor[in_swap_array], ptr_array, consumer_array), ptr_array, consumer_array,
-                   order=execution_order(g), order_name=g.order, graph_fingerprint=g.fingerprint(), params=params,
-                   batch_size=g.batch_size,
-                   after_copies_out=bool(params is not None and params.after_copies_out
-                                         if after_copies_out is None else after_copies_out))
-        validate_plan(g, plan)
-        return plan
-
-    # ------------------------------------------------------------------ reading
-
-    @property
-    def n_swaps(self) -> int:
-        return len(self.tensor)
-
-    @property
-    def n_swap_ins(self) -> int:
-        return len(self.in_swap)
-
-    @property
-    def changes_step(self) -> bool:
-        """Whether applying it does anything the unswapped prediction does not assume: swaps, or
-        the step run in another order than level order (the memory order alone can be the plan)."""
-        return bool(self.n_swaps) or self.order_name != "cto"
-
-    def __len__(self) -> int:
-        return self.n_swaps
-
-    def swaps(self) -> Iterator[Swap]:
-        """The plan as readable records."""
-        by_swap: dict[int, list[SwapIn]] = {i: [] for i in range(self.n_swaps)}
-        for j in range(self.n_swap_ins):
-            consumers = tuple(int(c) for c in self.in_consumers[self.in_consumer_ptr[j]:self.in_consumer_ptr[j + 1]])
-            trigger = int(self.in_trigger[j])
-            by_swap[int(self.in_swap[j])].append(SwapIn(consumers, None if trigger < 0 else trigger, int(self.in_after[j])))
-        for i in range(self.n_swaps):
-            yield Swap(int(self.tensor[i]), bool(self.sync_out[i]), tuple(by_swap[i]))
-
-    def swapped_bytes(self, g: OpGraph) -> int:
-        return int(g.tensor_bytes[self.tensor].sum())
-
-    # ------------------------------------------------------------------ files
-
-    def to_dict(self, g: OpGraph) -> dict[str, Any]:
-        """Names, not indices, so the rewriter can apply the plan to the real graph."""
-        if self.graph_fingerprint and self.graph_fingerprint != g.fingerprint():
-            raise GraphError("this plan was made for another graph")
-        swaps = []
-        for swap in self.swaps():
-            swaps.append({
-                "tensor": g.tensor_name(swap.tensor),
-                "bytes": int(g.tensor_bytes[swap.tensor]),
-                "sync_out": swap.sync_out,
-                "swap_ins": [
-                    {"consumers": [str(g.op_name[c]) for c in swap_in.consumers],
-                     "trigger": None if swap_in.trigger is None else str(g.op_name[swap_in.trigger]),
-                     "after": str(g.op_name[swap_in.after])}
-                    for swap_in in swap.swap_ins
-                ],
-            })
-        plan = {
-            "format": "swap-plan/1",
-            "graph_fingerprint": g.fingerprint(),
-            "model": g.meta.get("model", ""),
-            "batch_size": self.batch_size if self.batch_size is not None else g.batch_size,
-            "params": None if self.params is None else self.params.to_dict(),
-            "swaps": swaps,
-            "after_copies_out": self.after_copies_out,
-            "ordering": self.order_name,
-            "order": [] if self.order is None else [str(name) for name in g.op_name[self.order]],
-        }
-        if g.meta.get("graph_rewrites"):  # the graph is of the rewritten step: the rewriter redoes them
-            plan["graph_rewrites"] = list(g.meta["graph_rewrites"])
-        if g.meta.get("step_inputs"):  # the shapes it was captured at (open dimensions): the rewriter uses them
-            plan["step_inputs"] = dict(g.meta["step_inputs"])
-        return plan
-
-    def to_json(self, g: OpGraph, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(g), indent=kwargs.pop("indent", 1), **kwargs)
-
-    @classmethod
-    def from_dict(cls, g: OpGraph, data: dict[str, Any]) -> "SwapPlan":
-        """Rebuild a plan on ``g`` by name; names ``g`` does not have make a clear GraphError."""
-        if not isinstance(data, dict) or data.get("format") != "swap-plan/1":
-            raise GraphError("not a swap plan (expected a JSON object with format 'swap-plan/1')")
-        ops, tensors = g.op_index(), g.tensor_index()
-        missing: list[str] = []
-
-        def op(name: str | None) -> int | None:
-            if name is None:
-                return None
-            if name not in ops:
-                missing.append(name)
-                return -1
-            return ops[name]
-
-        swaps = []
-        for record in data.get("swaps", []):
-            tensor = tensors.get(record["tensor"])
-            if tensor is None:
-                missing.append(record["tensor"])
-                continue
-            swap_ins = tuple(
-                SwapIn(tuple(op(c) for c in item["consumers"]), op(item.get("trigger")))
-                for item in record["swap_ins"]
-            )
-            swaps.append(Swap(tensor, bool(record.get("sync_out", False)), swap_ins))
-        if missing:
-            shown = ", ".join(missing[:3])
-            raise GraphError(f"the plan names {len(missing)} op(s)/tensor(s) this graph does not have "
-                             f"(e.g. {shown}): it was made for another model or version")
-        params = SwapParams.from_dict(data["params"]) if data.get("params") else None
-        try:
-            g = g.with_order(data.get("ordering", "cto"))
-        except GraphError as error:
-            raise GraphError(f"the plan's ordering is not known: {error}") from None
-        plan = cls.from_swaps(g, swaps, params, after_copies_out=bool(data.get("after_copies_out", False)))
-        object.__setattr__(plan, "batch_size", data.get("batch_size"))
-        return plan
-
-    @classmethod
-    def from_json(cls, g: OpGraph, text: str) -> "SwapPlan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise GraphError(f"the plan is not valid JSON ({error})") from None
-        return cls.from_dict(g, data)
-
-
-def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
-    """Reject plans the rewriter could not apply: a consumer that does not read the tensor, a trigger
-    that runs after (or depends on) the consumer, a tensor that cannot live on the host."""
-    position = position_of(g)
-    reads = set(zip(g.edge_tensor.tolist(), g.edge_consumer.tolist()))
-    if len(set(plan.tensor.tolist())) != plan.n_swaps:
-        raise GraphError("a tensor is swapped twice in one plan")
-    for swap in plan.swaps():
-        name = g.tensor_name(swap.tensor)
-        if g.tensor_persistent[swap.tensor] or not g.tensor_swappable[swap.tensor]:
-            raise GraphError(f"tensor {name} cannot be swapped (variable, or a dtype/placement without a host copy)")
-        if not swap.swap_ins:  # the rewriter adds no copy out that nothing reads back
-            raise GraphError(f"the swap of {name} has no swap-in: a swapped tensor must be read back")
-        producer_slot = position[g.tensor_producer[swap.tensor]]
-        seen: set[int] = set()
-        for swap_in in swap.swap_ins:
-            for consumer in swap_in.consumers:
-                if (swap.tensor, consumer) not in reads:
-                    raise GraphError(f"op {g.op_name[consumer]} does not read tensor {name}")
-                if consumer in seen:
-                    raise GraphError(f"op {g.op_name[consumer]} is fed by two swap-ins of {name}")
-                seen.add(consumer)
-            # in execution order (the rewriter chains the step in it): a plan made with slot
-            # distances may take a trigger from its producer's level
-            if swap_in.trigger is not None and not position[swap_in.trigger] > producer_slot:
-                raise GraphError(f"trigger {g.op_name[swap_in.trigger]} of {name} does not run after its producer")
-    after_slot = position[plan.in_after]
-    first_slot = position[plan.in_consumers[plan.in_consumer_ptr[:-1]]] if plan.n_swap_ins else after_slot
-    for j in np.flatnonzero(after_slot >= first_slot):
-        raise GraphError(f"{g.tensor_name(plan.tensor[plan.in_swap[j]])} is still read on the device by "
-                         f"{g.op_name[plan.in_after[j]]}, at or after its swapped-in consumer "
-                         f"{g.op_name[plan.in_consumers[plan.in_consumer_ptr[j]]]}")
-    for j in np.flatnonzero(plan.in_trigger >= 0):
-        if position[plan.in_trigger[j]] <= after_slot[j]:
-            raise GraphError(f"the swap-in of {g.tensor_name(plan.tensor[plan.in_swap[j]])} is triggered by "
-                             f"{g.op_name[plan.in_trigger[j]]}, before {g.op_name[plan.in_after[j]]} has released "
-                             "the previous copy: the tensor would be on the device twice")
-        if position[plan.in_trigger[j]] >= first_slot[j]:
-            raise GraphError(f"trigger {g.op_name[plan.in_trigger[j]]} does not run before the consumer "
-                             f"{g.op_name[plan.in_consumers[plan.in_consumer_ptr[j]]]}")
 
 
 # ---------------------------------------------------------------------- rules
@@ -482,7 +78,7 @@ def _trigger_candidates(g: OpGraph) -> np.ndarray:
 
 def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     """For every level L: the highest level <= L holding a trigger candidate, and that op (-1 if none)."""
-    levels = categorized_levels(g)
+    levels = distance_levels(g)
     count = n_levels(g)
     candidates = _trigger_candidates(g)
     op_at_level = np.full(count, -1, dtype=np.int64)
@@ -503,7 +99,7 @@ def _ancestor_triggers(g: OpGraph, depth: int) -> dict[str, np.ndarray]:
     array sorted by (op, level) with ``key = op * span + level``, so one ``searchsorted`` finds,
     for many ops at once, the latest ancestor trigger at or below a level.
     """
-    levels = categorized_levels(g)
+    levels = distance_levels(g)
     count = n_levels(g)
     candidates = _trigger_candidates(g)
     candidates = candidates[np.lexsort((candidates, levels[candidates]))]
@@ -608,7 +204,7 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     g = g.with_order(params.order)
     if params.distance == "slot":
         g = slot_levels_view(g)
-    levels = categorized_levels(g)
+    levels = distance_levels(g)
     distance = edge_distances(g)
     candidate = _candidate_tensors(g, params)
     is_far = candidate[g.edge_tensor] & (distance > params.threshold) & (g.op_phase[g.edge_consumer] != UPDATE)
@@ -635,7 +231,7 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
         first_consumer = far_consumer[group_start]
         group_tensor = far_tensor[group_start]
         first_level = levels[first_consumer]
-        after = _after_ops(g, group_tensor, ptr, far_consumer)
+        after = after_ops(g, group_tensor, ptr, far_consumer)
         # a group whose tensor is still read on the device at or after its first consumer (through
         # an alias) would gain nothing from a swap-in: drop it and re-derive the rest
         late = position[after] >= position[first_consumer]
@@ -665,39 +261,8 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
         in_consumers=far_consumer.astype(np.int64),
         order=execution_order(g),
         order_name=g.order,
-        graph_fingerprint=g.cached("fingerprint", OpGraph.fingerprint, structural=True),
+        graph_fingerprint=g.fingerprint(),
         params=params,
         batch_size=g.batch_size,
         after_copies_out=params.after_copies_out,
     )
-
-
-def _after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers: np.ndarray) -> np.ndarray:
-    """Per swap-in group (groups of a tensor consecutive, in level order): the op it must follow.
-
-    The first group follows the last op that still reads the buffer the tensor lives in once the
-    far reads are rewired (its producer at least); each later group follows the last consumer of
-    the group before it.
-    """
-    n_groups = len(group_tensor)
-    if n_groups == 0:
-        return np.zeros(0, dtype=np.int64)
-    info = buffers(g)
-    position = position_of(g)
-    order = execution_order(g)
-    far_keys = np.repeat(group_tensor, np.diff(ptr)) * g.n_ops + consumers
-    swapped, first_group = np.unique(group_tensor, return_index=True)
-    roots, root_of_swapped = np.unique(info.root[swapped], return_inverse=True)
-    root_last, links, link_last, home_link = rewired_lifetimes(g, roots, far_keys, swapped)
-    near_slot = root_last[root_of_swapped]
-    # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the
-    # device until that buffer's last reader, not the original's (which may be done before it exists)
-    moved = np.flatnonzero(home_link >= 0)
-    if len(moved):
-        by_link = np.argsort(links)
-        near_slot[moved] = link_last[by_link[np.searchsorted(links[by_link], home_link[moved])]]
-    group_last_slot = np.maximum.reduceat(position[consumers], ptr[:-1])
-    after_slot = np.empty(n_groups, dtype=np.int64)
-    after_slot[1:] = group_last_slot[:-1]
-    after_slot[first_group] = near_slot
-    return order[after_slot]

@@ -19,7 +19,9 @@ import numpy as np
 from simulator.devices import DeviceModel
 from simulator.graph import BACKWARD, FORWARD, OpGraph
 from simulator.ordering import categorized_levels, execution_order, position_of
-from simulator.planning import TRIGGER_POLICIES, ParamsError, SwapParams, SwapPlan, latest_triggers
+from simulator.params import TRIGGER_POLICIES, ParamsError, SwapParams
+from simulator.plan import SwapPlan
+from simulator.planning import latest_triggers
 from simulator.recompute import CHEAP_CLASSES, RECOMPUTE_SCOPES, Recompute, inputs_of, recomputable_types, with_recomputes
 from simulator.replay import Replay, op_seconds
 
@@ -336,7 +338,7 @@ def recomputed_graph(g: OpGraph, params: SwapParams, device: DeviceModel) -> tup
     actions = actions_of(g, chosen_recomputes(g, device, rules))
     if not actions:
         return g, []
-    key = (g.cached("fingerprint", OpGraph.fingerprint, structural=True), tuple(actions))
+    key = (g.fingerprint(), tuple(actions))
     if key not in _GRAPHS:
         if len(_GRAPHS) >= _GRAPHS_KEPT:
             del _GRAPHS[next(iter(_GRAPHS))]

@@ -28,7 +28,8 @@ import numpy as np
 
 from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffers, contains, ranges, rewired_lifetimes,
                                slot_levels)
-from simulator.devices import CalibratedDevice, DeviceModel, get_device
+from simulator.calibrated import CalibratedDevice
+from simulator.devices import DeviceModel, get_device
 from simulator.fusion import safe_wait_slots
 from simulator.graph import GraphError, OpGraph
 from simulator.ordering import execution_order, position_of

@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from simulator.devices import (DEFAULT_PINNED_LIMIT_BYTES, PINNED_LIMIT_ENV, GiB, HostBudget, get_device,
-                               host_usable_bytes, pinned_limit_bytes, pinned_limit_to_set, preset_for_gpu,
-                               usable_gpu_bytes)
+from simulator.devices import GiB, get_device, preset_for_gpu
+from simulator.memory_budgets import (DEFAULT_PINNED_LIMIT_BYTES, PINNED_LIMIT_ENV, HostBudget, host_usable_bytes,
+                                      pinned_limit_bytes, pinned_limit_to_set, usable_gpu_bytes)
 
 MiB = 2**20
 REPO = Path(__file__).resolve().parents[1]

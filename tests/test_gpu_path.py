@@ -14,7 +14,7 @@ from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 import rewriter
 from benchmarks.models import build_model
 from rewriter import gpu, verify as verify_module
-from rewriter.apply import import_step
+from rewriter.capture import import_step
 from simulator import SwapParams, plan_swaps
 
 BATCH = 8
@@ -137,7 +137,7 @@ def test_gpu_check_dry_run_builds_and_checks_the_gpu_graph_def(tmp_path, capsys)
 def test_the_rewritten_step_runs_with_the_swap_configuration():
     from tensorflow.python.eager import context
 
-    from rewriter.apply import fixed_grappler_config
+    from rewriter.grappler import fixed_grappler_config
 
     with fixed_grappler_config():
         config = config_pb2.ConfigProto()

@@ -16,7 +16,7 @@ import rewriter
 from benchmarks.models import build_model, example_batch
 from rewriter.apply import PlanError
 from rewriter.capture import CaptureError
-from simulator import SwapParams, SwapPlan, plan_swaps
+from simulator import OpGraph, SwapParams, SwapPlan, plan_swaps
 
 pytestmark = pytest.mark.tf
 
@@ -113,7 +113,7 @@ def test_swap_ins_after_copies_out_wait_for_their_triggers_copies(cnn_graph):
     model = build_model("small_cnn", seed=0)
     step = rewriter.apply(model, plan, graph=graph, batch_size=BATCH)
     assert step.verification.ok, step.verification.summary()
-    assert step.plan["after_copies_out"] is True
+    assert step.plan.after_copies_out is True
     nodes = _nodes(step)
     copies_of = {}
     for applied in step.applied:
@@ -139,9 +139,9 @@ def test_consumer_reading_through_identity_is_rewired_in_its_slot():
     graph_def = traced.concrete.graph.as_graph_def()
     nodes = {n.name: n for n in graph_def.node}
     # find a consumer input that goes through a bypassed op
-    from rewriter.apply import _GraphEditor
+    from rewriter.graph_edit import GraphEditor
 
-    editor = _GraphEditor(graph_def)
+    editor = GraphEditor(graph_def)
     found = None
     for node in graph_def.node:
         if node.op in rewriter.capture.BYPASS_TYPES:
@@ -199,7 +199,7 @@ def test_serialized_swaps_bitwise_equal_to_the_serialized_step(cnn_graph):
     x, y = example_batch(plain, BATCH)
     ref = rewriter.apply(plain, SwapPlan.empty(graph), graph=graph, batch_size=BATCH, verify=False)
     step = rewriter.apply(swapped, plan, graph=graph, batch_size=BATCH, swap_op="Identity")
-    assert step.plan["order"] and step.verification.ok, step.verification.summary()
+    assert step.plan.order and step.verification.ok, step.verification.summary()
     assert _run_steps(ref, x, y) == _run_steps(step, x, y)
     assert th.bitwise_equal(th.weights_of(plain), th.weights_of(swapped))
     assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(swapped))
@@ -310,6 +310,25 @@ def test_plan_forms_and_step_interface(cnn_graph, tmp_path):
     assert np.isfinite(float(small(x[:4], y[:4])))
     with pytest.raises(ValueError, match="input"):
         step([x, x], y)
+
+
+def test_a_plan_file_written_before_the_contract_applies():
+    """tests/data/plans: a plan.json written by the code before simulator.plan existed (95ea400), for
+    small_cnn at batch 4 (tests/test_plan.py loads it in the simulator). The rewriter applies every
+    swap it holds, and the file and the plan the simulator reads from it build the same step."""
+    from tests.test_plan import FIXTURE_GRAPH, FIXTURE_PLAN
+
+    model = build_model("small_cnn", seed=0)
+    step = rewriter.apply(model, FIXTURE_PLAN)  # batch size and order from the file
+    assert (step.batch_size, step.n_swap_outs, step.n_swap_ins, step.skipped) == (4, 6, 12, [])
+    assert step.plan.ordering == "memory" and step.plan.after_copies_out and step.plan.order
+    assert step.verification.ok, step.verification.summary()
+    graph = OpGraph.load(FIXTURE_GRAPH)
+    simulated = SwapPlan.from_json(graph, FIXTURE_PLAN.read_text())
+    again = rewriter.apply(model, simulated, graph=graph, verify=False)
+    assert again.applied == step.applied and again.graph_def == step.graph_def
+    x, y = example_batch(model, 4)
+    assert np.isfinite(float(step(x, y)))
 
 
 # ---------------------------------------------------------------------- bad input
@@ -434,7 +453,8 @@ def test_model_without_loss_is_a_capture_error():
 def test_a_trigger_grappler_folds_hands_its_edge_to_the_op_before_it():
     """A loss's range of reduction axes is computed from constants: constant folding removes it, and
     a swap-in's control edge from it with it. The op before it in the order carries the edge instead."""
-    from rewriter.apply import _GraphEditor, foldable_ops
+    from rewriter.graph_edit import GraphEditor
+    from rewriter.grappler import foldable_ops
 
     @tf.function
     def step(x):
@@ -448,10 +468,10 @@ def test_a_trigger_grappler_folds_hands_its_edge_to_the_op_before_it():
     assert ops["Range"] in foldable and ops["Max"] in foldable
     assert ops["Square"] not in foldable and ops["Sum"] not in foldable
     graph_def = concrete.graph.as_graph_def()
-    ordered = _GraphEditor(graph_def, foldable, previous={ops["Range"]: ops["Square"]})
+    ordered = GraphEditor(graph_def, foldable, previous={ops["Range"]: ops["Square"]})
     assert ordered.safe_controls([ops["Range"]], [ops["Sum"]]) == [ops["Square"]]
     # without an order, its inputs' producers: constants, always ready, so no edge at all
-    assert _GraphEditor(graph_def, foldable).safe_controls([ops["Range"]], [ops["Sum"]]) == []
+    assert GraphEditor(graph_def, foldable).safe_controls([ops["Range"]], [ops["Sum"]]) == []
 
 
 def test_verification_follows_a_trigger_grappler_renamed():
@@ -462,7 +482,7 @@ def test_verification_follows_a_trigger_grappler_renamed():
 
     from tensorflow.core.framework import graph_pb2
 
-    from rewriter.apply import AppliedSwap, AppliedSwapIn
+    from rewriter.graph_edit import AppliedSwap, AppliedSwapIn
     from rewriter.verify import check
 
     post = graph_pb2.GraphDef()
@@ -523,7 +543,7 @@ def test_serialized_order_holds_past_the_reshapes_grappler_removes():
     as a reshaped vector); Grappler removes the pair and, with it, the chain's control edge the next
     op hung on it (multi_io's MaxPoolGrad then ran beside the filter gradient before it, 17 % above
     the prediction). In the partition graphs every op of the order still runs after the one before."""
-    from rewriter.apply import import_step
+    from rewriter.capture import import_step
     from rewriter.verify import CopyWaits, _node_map, collect_first_call
 
     keras.utils.set_random_seed(0)
@@ -536,7 +556,7 @@ def test_serialized_order_holds_past_the_reshapes_grappler_removes():
     graph = rewriter.capture(model, 2)
     step = rewriter.apply(model, SwapPlan.empty(graph), graph=graph, batch_size=2)
     serialized = _nodes(step)
-    order = [name for name in step.plan["order"] if name in serialized and serialized[name].op != "Placeholder"]
+    order = [name for name in step.plan.order if name in serialized and serialized[name].op != "Placeholder"]
     assert any(serialized[name].op == "Reshape" and serialized[name].input[0].endswith("BiasAddGrad")
                for name in order)  # the pair Grappler removes is there
     snapshot = step.snapshot()

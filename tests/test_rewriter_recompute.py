@@ -15,7 +15,9 @@ import rewriter
 from benchmarks.models import build_model, example_batch
 from benchmarks.zoo import ZooModel
 from rewriter import gpu
-from rewriter.apply import Ancestry, PlanError, fixed_grappler_config, foldable_ops
+from rewriter.graph_edit import Ancestry
+from rewriter.grappler import fixed_grappler_config, foldable_ops
+from simulator.plan import PlanError
 from rewriter.capture import import_step
 from rewriter.recompute import CLONE_ATTR, KEEP_ATTR, apply_recomputes, unclonable_reason
 from rewriter.verify import check_recomputes, collect_first_call
@@ -362,15 +364,11 @@ def test_unknown_names_and_malformed_actions_are_refused(cnn):
         (Recompute(good.tensor, good.ops[:-1] + ("no/such/op",), good.trigger, good.consumers), "does not make"),
         (Recompute(good.tensor, (), good.trigger, good.consumers), "lists no ops"),
         (Recompute(good.tensor, good.ops, good.trigger, (good.trigger,)), "does not read"),
-        ({"tensor": good.tensor, "ops": list(good.ops)}, "malformed"),
+        ({"tensor": good.tensor, "ops": list(good.ops)}, "must be a simulator.recompute.Recompute"),
     ]
     for action, message in cases:
         with pytest.raises(PlanError, match=message):
             apply_recomputes(graph_def, [action])
-    # a plan-file record works like the Recompute it describes
-    as_record = {"tensor": good.tensor, "ops": list(good.ops), "trigger": good.trigger,
-                 "consumers": list(good.consumers)}
-    assert apply_recomputes(graph_def, [as_record])[1] == apply_recomputes(graph_def, [good])[1]
     # a listed op that does not feed the tensor
     stray = next(a for a in actions if a.tensor != good.tensor and a.ops[-1] not in good.ops)
     with pytest.raises(PlanError, match="does not feed"):

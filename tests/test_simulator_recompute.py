@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from simulator import BACKWARD, FORWARD, GraphError, SwapParams, plan_swaps, replay
-from simulator.devices import CalibratedDevice, get_device
+from simulator import CalibratedDevice, SwapPlan, get_device, load_plan
 from simulator.ordering import categorized_levels, execution_order
 from simulator.recompute import (NEVER_RECOMPUTED, RECOMPUTE_CLASSES, Recompute, clone_name, original_name,
                                  with_recomputes)
@@ -330,7 +330,7 @@ def test_summary_report_and_plot_list_the_recomputations(tmp_path):
     g = conv_relu_graph().with_batch(64)
     device = dataclasses.replace(get_device("v100-16gb"), h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9)
     budget = int(replay(g, None, device).peak_bytes * 0.6)
-    result = tune_graph(g, device=device, memory=budget, trials=120, recompute=True)
+    result = tune_graph(g, device=device, memory=budget, trials=120)  # recomputation is the default
     summary = result.summary()
     assert result.feasible and summary["recomputes"]
     first = summary["recomputes"][0]
@@ -343,7 +343,10 @@ def test_summary_report_and_plot_list_the_recomputations(tmp_path):
     write_report(result, tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert "## Recomputation" in report and first["tensor"] in report
-    swap_only = tune_graph(g, device=device, memory=budget, trials=40)
+    plan_file = load_plan(tmp_path / "plan.json")  # the plan file carries the recomputations, its swaps name clones
+    assert plan_file.recomputes == tuple(result.recomputes)
+    assert SwapPlan.from_named(g, plan_file).n_swaps == result.plan.n_swaps
+    swap_only = tune_graph(g, device=device, memory=budget, trials=40, recompute=False)
     assert swap_only.summary()["recomputes"] == [] and swap_only.summary()["recomputed_bytes"] == 0
 
 
