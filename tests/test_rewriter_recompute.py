@@ -21,9 +21,11 @@ from simulator.plan import PlanError
 from rewriter.capture import import_step
 from rewriter.recompute import CLONE_ATTR, KEEP_ATTR, apply_recomputes, unclonable_reason
 from rewriter.verify import check_recomputes, collect_first_call
+from simulator import SwapParams, get_device, plan_swaps, replay
 from simulator.graph import BACKWARD, FORWARD
 from simulator.planning import TRIGGER_OP_TYPES
 from simulator.recompute import Recompute, clone_name
+from simulator.recompute_choice import recomputed_graph
 
 pytestmark = pytest.mark.tf
 
@@ -378,3 +380,41 @@ def test_unknown_names_and_malformed_actions_are_refused(cnn):
     late = next(n.name for n in graph_def.node if good.consumers[0] in {r.split(":")[0] for r in n.input})
     with pytest.raises(PlanError, match="cyclic"):
         apply_recomputes(graph_def, [Recompute(good.tensor, good.ops, late, good.consumers)])
+
+
+# ---------------------------------------------------------------------- the plan contract, end to end
+
+
+def test_a_plan_file_with_recomputations_and_swaps_trains_as_keras_and_peaks_as_predicted(tmp_path):
+    """The simulator's choice (cheap tensors recomputed, the rest swapped on the graph with the clones),
+    written as plan.json, applied by ``rewriter.apply`` from the file: every clone, far read and swap
+    survives Grappler, three steps train bit for bit as Keras', and the measured peak on the testbed
+    is the predicted one within 2 %."""
+    th.deterministic()
+    batch = 8
+
+    def build():
+        return build_model("small_cnn", seed=0, image_size=48)
+
+    graph = rewriter.capture(build(), batch)
+    testbed = get_device("cpu-testbed")
+    params = SwapParams(threshold=2, recompute="cheap")
+    plan_graph, actions = recomputed_graph(graph, params, testbed)
+    plan = plan_swaps(plan_graph, params, kept_reads=testbed.kept_reads)
+    assert actions and plan.n_swaps
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json(plan_graph))
+    model, reference = build(), build()
+    x, y = example_batch(model, batch)
+    step = rewriter.apply(model, path, verify_with=(x, y))
+    assert len(step.recomputed) == len(actions) and step.n_swap_outs == plan.n_swaps
+    assert step.verification.ok, step.verification.summary()
+    assert step.verification.recompute.clones == sum(len(a.ops) for a in actions)
+    predicted = replay(plan_graph, plan, testbed).peak_bytes
+    assert replay(graph, None, testbed).peak_bytes > predicted  # the plan saves memory
+    measured = rewriter.measure(step, x, y, warmup=1, repeats=1).peak_bytes
+    assert abs(measured / predicted - 1.0) <= 0.02, (measured, predicted)
+    for _ in range(3):
+        step(x, y)
+        reference.train_on_batch(x, y)
+    assert th.bitwise_equal(th.weights_of(model), th.weights_of(reference))
