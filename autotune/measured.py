@@ -121,7 +121,7 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     run = run_plan(model, graph if params is None else plan_graph, plan, device, data, placement=placement, **shapes)
     measured, predicted = run.measured, run.predicted
     baseline = plain = None
-    if plan.n_swaps or result.recomputes:
+    if result.has_actions:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
                                 **shapes).measured

@@ -131,6 +131,11 @@ class TuneResult:
         return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.recomputes)
                                                             or bool(self.graph_rewrites) or serialized)
 
+    @property
+    def has_actions(self) -> bool:
+        """Whether the shown plan swaps or recomputes anything (else it at most reorders the step)."""
+        return self.plan is not None and bool(self.plan.n_swaps or self.recomputes)
+
     def named_plan(self) -> NamedPlan | None:
         """The shown plan by name (what ``plan.json`` holds), its recomputations included."""
         return None if self.plan is None else self.plan.to_named(self.plan_graph if self.plan_graph is not None
@@ -495,7 +500,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     plan = problem.plan(shown.params) if shown is not None else None
     plan_graph = problem.graph_for(None if shown is None else shown.params)
     shown_replay = None if shown is None else replay(plan_graph, plan, device_model)
-    verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and plan.n_swaps),
+    recomputes = problem.recomputes(None if shown is None else shown.params)
+    verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and (plan.n_swaps or recomputes)),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured)
     return TuneResult(
@@ -505,7 +511,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         replay=shown_replay, baseline_replay=replay(g, None, device_model),
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,
         correction=correction, verdict=verdict, plan_graph=plan_graph,
-        recomputes=problem.recomputes(None if shown is None else shown.params),
+        recomputes=recomputes,
     )
 
 
