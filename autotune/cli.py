@@ -308,6 +308,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"
                      f"{' after_copies_out' if p.after_copies_out else ''}"
+                     f"{f' recompute={p.recompute} recompute_cost={p.recompute_cost:.3g}' if p.recomputes else ''}"
                      f"{f'; {len(p.keep_tensors)} tensors kept on the device for host room' if p.keep_tensors else ''}")
     lines.append(f"step times: {time_model_note(result.device)}")
     lines += [f"note: {note}" for note in result.notes]
