@@ -12,7 +12,7 @@ every plan; a pass slower than the best by more than the tolerance on any plan i
 plans are compared under the same load. Beside each measurement: the calibrated prediction
 (``simulator.replay(graph, plan, calibrated)``) and the uncalibrated ``cpu-testbed`` preset's.
 
-Targets (DESIGN.md 5): over every model and plan, median |error| <= 5 %, worst <= 15 %; per
+Targets (docs/design.md 5): over every model and plan, median |error| <= 5 %, worst <= 15 %; per
 model, Kendall's tau between predicted and measured step times >= 0.8.
 Writes ``benchmarks/results/step_time.{csv,md}``.
 """

@@ -1,4 +1,4 @@
-"""Step time you can trust: a device model calibrated from the user's own hardware (DESIGN.md 6).
+"""Step time you can trust: a device model calibrated from the user's own hardware (docs/design.md 4).
 
 ``calibrate(model, batch_sizes=(2, 4))`` runs the model's unswapped training step (the step
 ``rewriter.apply`` builds for an empty plan, serialized as every plan is: one compute stream) at
