@@ -3,7 +3,8 @@
 ``edit_graph_def(graph_def, plan, placement, ...)`` applies a ``simulator.NamedPlan`` to a traced
 step's GraphDef by name (``rewriter.apply`` traces the step and re-imports the result) and adds:
 
-* one swap-out node per swapped tensor, on the host device, reading the tensor;
+* one swap-out node per swapped tensor, reading the tensor, on ``placement.swap_out_device`` (the host,
+  or the accelerator where the copy runs there: the CPU testbed);
 * one swap-in per swap-in group, as two nodes (TFLMS' construction): ``<swap-in>_host``, an
   ``Identity`` on the host reading the swap-out, started by a control edge ``^trigger`` (or,
   synchronous, by control edges from the producers of its first consumer's other inputs and from its
@@ -441,7 +442,7 @@ def _add_swap(editor: GraphEditor, record: NamedSwap, placement: Placement, *, s
     if not groups:
         return None
     out_name = _node_name(SWAP_OUT_PREFIX, tensor)
-    editor.add_node(out_name, swap_op, [_tensor_ref(*tensor)], placement.host, dtype)
+    editor.add_node(out_name, swap_op, [_tensor_ref(*tensor)], placement.swap_out_device, dtype)
     rewired_all: set[tuple[str, int]] = set()
     swap_ins = []
     for j, item in enumerate(groups):

@@ -50,6 +50,7 @@ def test_every_copy_to_the_accelerator_waits_for_its_trigger(cnn):
     nodes = {node.name: node for node in old.node}
     host_nodes = {item.host_node: item for swap in step.applied for item in swap.swap_ins}
     for swap in step.applied:
+        nodes[swap.swap_out].device = step.placement.host  # the copy out made on the host, as it then was
         for item in swap.swap_ins:
             host = nodes[item.host_node]
             del nodes[item.name].input[:]

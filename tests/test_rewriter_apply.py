@@ -62,7 +62,8 @@ def test_graph_carries_the_plan(cnn_graph, full_plan):
         out = nodes[applied.swap_out]
         producer, _, index = record["tensor"].partition(":")
         assert applied.swap_out.startswith("swap_out/") and out.op == "DeepCopy"
-        assert out.device == "/device:CPU:1" and out.attr["_grappler_do_not_remove"].b
+        # the copy runs on the accelerator side; the host holds the copy (placement.swap_out_device)
+        assert out.device == "/device:CPU:0" and out.attr["_grappler_do_not_remove"].b
         assert list(out.input) == [producer if index == "0" else record["tensor"]]
         items = [i for i in record["swap_ins"] if set(i["consumers"]) & {c for s in applied.swap_ins for c in s.consumers}]
         for item, swap_in in zip(items, applied.swap_ins, strict=True):

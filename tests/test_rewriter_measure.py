@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import logging
@@ -16,7 +17,9 @@ import pytest
 
 import rewriter
 import rewriter.environment
+from benchmarks import fidelity
 from benchmarks.models import build_model, example_batch
+from benchmarks.zoo import SMALL
 from rewriter import placement as placement_module
 from simulator import SwapParams, plan_swaps, replay
 
@@ -87,12 +90,38 @@ def test_detect_and_placements():
     assert isinstance(place, rewriter.CpuTestbedPlacement) and not place.single_device
     assert (place.accelerator, place.host, place.swap_op) == ("/device:CPU:0", "/device:CPU:1", "DeepCopy")
     assert place.is_host_op("swap_out/a/b_0") and not place.is_host_op("swap_in/a/b_0/0")
+    assert place.swap_out_device == place.accelerator  # the copy is made beside the tensor, then handed over
     gpu = rewriter.GpuPlacement()
     assert (gpu.accelerator, gpu.host, gpu.swap_op, gpu.measured_on) == ("/device:GPU:0", "/device:CPU:0",
                                                                          "Identity", "gpu")
+    assert gpu.swap_out_device == gpu.host  # the executor's device-to-host copy is the transfer
     assert placement_module.gpu_memory() is None
     with pytest.raises(ValueError):
         placement_module.resolve("tpu")
+
+
+REPEATS = 8
+
+
+def test_swapped_plan_measures_its_predicted_peak_on_every_run():
+    """A measured run that confirms a plan must hold on the next run too. norm_mix_24 swapped (the zoo's
+    normalization model, a plan of the fidelity set) was measured 14-16 % above its prediction in 3 runs
+    of 150 under load, when a swapped tensor's buffer outlived its readers (held by the copy to the host:
+    ``CpuTestbedPlacement.swap_out_device``). Each of ``REPEATS`` runs is measured: none may exceed the
+    prediction by more than 1 %, and their median is the prediction within 1 %. A single run may fall
+    further below it: a swap-in that the host side sends late is allocated after the frees the
+    simulator puts after it (the safe side; 2-16 % below in 5 runs of 150)."""
+    entry = SMALL["normalization"]
+    model = entry.build()
+    x, y = entry.example_batch(model)
+    graph = rewriter.capture(model, entry.batch, name=entry.name)
+    params = SwapParams.from_dict(dict(fidelity.PLANS)["T5 lb2-ub20 g4 sync-out"])
+    plan = plan_swaps(graph, params, kept_reads=rewriter.detect().kept_reads)
+    predicted = replay(graph, plan, "cpu-testbed").peak_bytes
+    step = rewriter.apply(model, plan, graph=graph, batch_size=entry.batch, verify=False)
+    assert step.n_swap_outs > 0
+    ratios = [rewriter.measure(step, x, y, warmup=1, repeats=1).peak_bytes / predicted for _ in range(REPEATS)]
+    assert max(ratios) <= 1.01 and abs(statistics.median(ratios) - 1.0) <= 0.01, [round(r, 4) for r in ratios]
 
 
 # ---------------------------------------------------------------------- fresh processes
