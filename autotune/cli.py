@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="find the largest batch that fits with swapping, and tune for it")
     search.add_argument("--max-overhead", type=float,
                         help="with --maximize-batch: largest acceptable simulated slow-down, e.g. 0.3 for 30%%")
+    search.add_argument("--no-recompute", dest="recompute", action="store_false",
+                        help="swap only: never recompute a tensor for its far readers (by default the search "
+                             "recomputes cheap tensors where that costs less than keeping or swapping them)")
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
@@ -265,7 +268,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                       policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
                       timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
                       study_name=args.study_name, maximize_batch=args.maximize_batch,
-                      max_overhead=settings["max_overhead"], progress=not quiet)
+                      max_overhead=settings["max_overhead"], recompute=args.recompute, progress=not quiet)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
     result.notes += model_notes(model)
@@ -295,14 +298,17 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      + "; the figures below are of the rewritten step")
     lines.append(f"without swapping: peak {format_bytes(result.baseline.peak_bytes)}, "
                  f"step {result.baseline.step_s:.4g} s")
-    if result.applies_plan and result.plan.changes_step:
+    if result.applies_plan and (result.plan.changes_step or result.recomputes):
+        recomputed = result.recomputed()
         lines.append(f"with the plan:    peak {format_bytes(shown.peak_bytes)}, step {shown.step_s:.4g} s "
                      f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped, "
+                     f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
                      f"{result.plan.order_name} order")
         p = shown.params
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"
                      f"{' after_copies_out' if p.after_copies_out else ''}"
+                     f"{f' recompute={p.recompute} recompute_cost={p.recompute_cost:.3g}' if p.recomputes else ''}"
                      f"{f'; {len(p.keep_tensors)} tensors kept on the device for host room' if p.keep_tensors else ''}")
     lines.append(f"step times: {time_model_note(result.device)}")
     lines += [f"note: {note}" for note in result.notes]

@@ -40,7 +40,7 @@ def _promote_closest(result: TuneResult, check: Check) -> None:
     result.chosen, result.closest = replace(result.closest, feasible=True, excess_bytes=measured_excess), None
     result.notes.append("the corrected search found no plan under its stricter limit, but the closest plan's "
                         "measured peak is within the budget: the measurement decides")
-    result.verdict = predicted(fits=True, swaps=bool(result.plan.n_swaps),
+    result.verdict = predicted(fits=True, swaps=result.has_actions,
                                peak_bytes=result.correction.corrected(result.chosen.peak_bytes,
                                                                       result.graph.persistent_bytes),
                                budget_bytes=result.budget_bytes, measured=True)
@@ -87,7 +87,7 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
             if not result.feasible:  # the corrected search found none, but the closest plan measured within the budget
                 _promote_closest(result, check)
             plain = None
-            if not result.plan.n_swaps:
+            if not result.has_actions:
                 plain = _check(result, round_, m.plain_peak_bytes, PeakCorrection())
             result.verdict = confirmed(result.verdict, checks, plain=plain)
             return result

@@ -112,14 +112,16 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
                 f"accelerator, CPU:1 as the host) at batch {batch}"
                 + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + ".")
     graph = result.graph.with_batch(batch)
-    plan = SwapPlan.empty(graph) if params is None else plan_swaps(graph, params, kept_reads=device.kept_reads)
+    # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there
+    plan_graph = graph if result.plan_graph is None else result.plan_graph.with_batch(batch)
+    plan = SwapPlan.empty(graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
     predicted_base = replay(graph, None, device)
     shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)  # as captured
     data = synthetic_batch(model, batch, **shapes)
-    run = run_plan(model, graph, plan, device, data, placement=placement, **shapes)
+    run = run_plan(model, graph if params is None else plan_graph, plan, device, data, placement=placement, **shapes)
     measured, predicted = run.measured, run.predicted
     baseline = plain = None
-    if plan.n_swaps:
+    if result.has_actions:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
                                 **shapes).measured

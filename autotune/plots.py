@@ -16,9 +16,10 @@ import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from autotune.inputs import byte_unit  # noqa: E402
-from simulator import FORWARD, edge_distances  # noqa: E402
+from simulator import FORWARD, categorized_levels, edge_distances  # noqa: E402
 from simulator.ordering import slot_levels_view  # noqa: E402
 from simulator.planning import is_activation  # noqa: E402
+from simulator.recompute import original_levels  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,24 @@ def _save(fig, path: Path) -> Path:
 
 
 def memory_timeline(result, path: Path) -> Path:
-    """Device memory over the categorized ordering, without and with the plan, against the budget."""
+    """Device memory over the categorized ordering, without and with the plan, against the budget;
+    where the plan swaps tensors back in and recomputes them."""
     fig, ax = plt.subplots(figsize=(9, 4.2))
     measured = result.measurement.peak_bytes if result.measurement is not None else 0
     unit, scale = byte_unit(max(result.budget_bytes, result.baseline.peak_bytes, measured))
     base = result.baseline_replay.level_peak_bytes / scale
     ax.plot(np.arange(len(base)), base, color="tab:red", lw=1.2, label="without swapping")
-    if result.replay is not None and result.plan is not None and result.plan.changes_step:
-        ax.plot(np.arange(len(result.replay.level_peak_bytes)), result.replay.level_peak_bytes / scale,
-                color="tab:blue", lw=1.2, label=f"with the plan ({result.plan.n_swaps} tensors swapped, {result.plan.order_name} order)")
+    if result.replay is not None and result.plan is not None and (result.plan.changes_step or result.recomputes):
+        memory, swap_ins, recomputes = memory_by_original_level(result)
+        ax.plot(np.arange(len(memory)), memory / scale, color="tab:blue", lw=1.2,
+                label=f"with the plan ({result.plan.n_swaps} tensors swapped"
+                      + (f", {len(result.recomputes)} recomputed" if result.recomputes else "")
+                      + f", {result.plan.order_name} order)")
+        # where the plan acts: each swap-in and each recomputation at the level of its first reader
+        if len(swap_ins):
+            ax.plot(swap_ins, np.zeros(len(swap_ins)), "|", color="tab:purple", ms=10, label="swap-ins")
+        if len(recomputes):
+            ax.plot(recomputes, np.zeros(len(recomputes)), "|", color="tab:green", ms=16, label="recomputations")
     ax.axhline(result.budget_bytes / scale, color="black", ls="--", lw=1,
                label=f"budget {result.budget_bytes / scale:.2f} {unit}")
     m = result.measurement
@@ -49,8 +59,6 @@ def memory_timeline(result, path: Path) -> Path:
     ax.axhline(result.graph.persistent_bytes / scale, color="grey", ls=":", lw=1, label="weights, optimizer state, inputs")
     forward_levels = result.graph.op_phase == FORWARD
     if forward_levels.any():
-        from simulator import categorized_levels
-
         end = int(categorized_levels(result.graph)[forward_levels].max())
         ax.axvline(end, color="grey", lw=0.8)
         ax.text(end, ax.get_ylim()[1] * 0.98, " end of forward", va="top", fontsize=8, color="grey")
@@ -60,6 +68,28 @@ def memory_timeline(result, path: Path) -> Path:
     ax.legend(loc="upper left", fontsize=8)
     ax.set_ylim(bottom=0)
     return _save(fig, path)
+
+
+def memory_by_original_level(result) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The plan's device memory per level of the step as captured (clones counted at their far
+    readers' levels: ``simulator.recompute.original_levels``), and the levels of its swap-ins' and
+    recomputations' first readers."""
+    plan_graph = result.plan_graph if result.plan_graph is not None else result.graph
+    levels = categorized_levels(plan_graph)
+    stands_for = original_levels(result.graph, plan_graph) if result.recomputes else levels
+    # each level of the plan's graph stands for the earliest original level among its ops
+    key = np.full(int(levels.max()) + 1 if len(levels) else 0, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(key, levels, stands_for)
+    memory = np.zeros(len(result.baseline_replay.level_peak_bytes))
+    peaks = result.replay.level_peak_bytes
+    np.maximum.at(memory, key[:len(peaks)], peaks)
+    plan = result.plan
+    swap_ins = stands_for[plan.in_consumers[plan.in_consumer_ptr[:-1]]] if plan.n_swap_ins else np.zeros(0)
+    index = result.graph.op_index()
+    base_levels = categorized_levels(result.graph)
+    recomputes = np.asarray([min(base_levels[index[name]] for name in action.consumers)
+                             for action in result.recomputes], dtype=np.int64)
+    return memory, swap_ins, recomputes
 
 
 def distance_histogram(result, path: Path) -> Path:

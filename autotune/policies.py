@@ -15,7 +15,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 import optuna
@@ -127,7 +127,12 @@ class OptunaPolicy:
                     break
 
         with _progress(budget, problem) as (callback, advance), _stop_on_interrupt() as stop:
-            if guided and _complete(study) == 0:
+            if guided and _complete(study) == 0 and problem.space.recomputes:
+                # the search without recomputation first, its own budget: recomputation only adds
+                for evaluation in self._swaps_first(problem, budget):
+                    add_evaluation(study, evaluation, problem)
+                _enqueue_new(study, _threshold_frontier(problem, study, run, swaps=False))
+            elif guided and _complete(study) == 0:
                 made = TflmsV2Policy().search(problem, study, budget).evaluations
                 advance(len(made))
                 if left[0] is not None:
@@ -144,16 +149,24 @@ class OptunaPolicy:
         evaluations = _study_evaluations(study, problem)
         return Outcome(evaluations, best_of(evaluations))
 
+    def _swaps_first(self, problem: TuningProblem, budget: Budget) -> list[Evaluation]:
+        """What this search finds without recomputation (the swap-only space, the same simulations:
+        the problems share their memo), with ``budget`` of its own."""
+        swaps = replace(problem, space=problem.space.swap_only())
+        study = optuna.create_study(direction="minimize")
+        return OptunaPolicy(self.sampler_name, self.seed, self.name).search(
+            swaps, study, Budget(budget.trials, budget.timeout_s, False)).evaluations
+
     @staticmethod
     def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int, per_round: int = 12) -> None:
-        """Coordinate descent from the best plan that fits of each sync/order basin, the basins
-        taking turns a few moves at a time, within ``budget`` trials."""
+        """Coordinate descent from the best plan that fits of each sync/order(/recompute) basin, the
+        basins taking turns a few moves at a time, within ``budget`` trials."""
         space = problem.space
         on_grid = [e for e in _study_evaluations(study, problem)
                    if e.feasible and e.params is not None and space.choice(e.params) is not None]
         basins: dict[tuple, Evaluation] = {}
         for evaluation in on_grid:
-            key = (evaluation.params.sync, evaluation.params.order)
+            key = (evaluation.params.sync, evaluation.params.order, evaluation.params.recompute)
             if key not in basins or evaluation.step_s < basins[key].step_s:
                 basins[key] = evaluation
         waiting = sorted(basins, key=lambda key: basins[key].step_s)
@@ -195,7 +208,7 @@ def _complete(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
 
 
-def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> list[dict]:
+def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run, *, swaps: bool = True) -> list[dict]:
     """For each sync mode and execution order, a binary search (as trials) for the largest grid
     threshold that fits the device with a middling swap-in window, kept if it also fits the host:
     one feasible starting point per basin (swapping many tensors asynchronously and swapping a few
@@ -206,7 +219,14 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     order, with each swap-in waiting for the copies out of its trigger's outputs (each tensor then
     comes back right before its reader, and never beside the one copied out before it). Under a
     tight budget, or near the largest batch that fits at all, only such just-in-time plans fit;
-    the search's moves from there try them without that wait."""
+    the search's moves from there try them without that wait.
+    In a space with recomputation, the basins are searched without it first, every stage (unless
+    ``swaps`` is false: a search without recomputation ran before), then
+    (swapping asynchronously or with the next op waiting for the copy out) with the most of it
+    (``SearchSpace.recompute_corners``); then, where the most of it fits in the first stage, for
+    asynchronous swapping in each order, every recompute cost in turn, cheapest first: the
+    threshold that fits only grows with the cost, so each search starts where the last one ended
+    (recomputing a little and swapping the rest asynchronously is what keeps the overhead low)."""
     space = problem.space
     middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1,
                 "tensors": space.tensors[0]}
@@ -216,26 +236,70 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run) -> lis
     tries = [{**middling, **first}, {**tightest, **first}, {**tightest, **last}]
     tries = [t for k, t in enumerate(tries) if t not in tries[:k]]  # a narrowed space may make two alike
     frontier: list[dict] = []
-    basins = [(0, sync, order) for sync in space.sync for order in space.order]
-    while basins:
-        stage, sync, order = basins.pop(0)
-        base = dict(tries[stage], min_bytes=0, sync=sync, order=order)
-        low, high, best = 0, len(space.threshold) - 1, None
+    corners = space.recompute_corners()
+    # with the most recomputation, asynchronous swaps and swap-outs the next op waits for (what the
+    # largest sizes took); the synchronous swap-ins ("in", "both") only without it
+    syncs_with_most = [sync for sync in space.sync if sync in (space.sync[0], "out")]
+    basins = [(0, sync, order, corner) for sync in space.sync for corner, syncs in zip(corners, (space.sync,
+                                                                                              syncs_with_most))
+              if sync in syncs for order in space.order]
+
+    def largest(base: dict, low: int = 0) -> int | None | bool:
+        """The largest threshold index from ``low`` whose plan fits the device (None: none does;
+        False: out of budget)."""
+        high, best = len(space.threshold) - 1, None
         while low <= high:
             middle = (low + high) // 2
             choice = dict(base, threshold=middle)
             if not run(1, choice):
-                return frontier
+                return False
             # on the device alone: a larger threshold swaps less, so it needs more device memory
             # and less host memory; the largest that fits the device is the basin's best hope
             if problem.evaluate(space.params(choice)).excess_bytes <= 0:
                 best, low = middle, middle + 1
             else:
                 high = middle - 1
-        if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
-            frontier.append(dict(base, threshold=best))
-        elif stage + 1 < len(tries):
-            basins.append((stage + 1, sync, order))
+        return best
+
+    def sweep_costs() -> bool:
+        """Every recompute cost with asynchronous swaps, in each order; False when out of budget."""
+        for order in space.order:
+            low = 0
+            for cost in range(len(space.recompute_cost)):
+                base = dict(tries[0], min_bytes=0, sync=space.sync[0], order=order,
+                            **dict(corners[-1], recompute_cost=cost))
+                best = largest(base, low)
+                if best is False:
+                    return False
+                if best is not None:
+                    low = best
+                    if problem.evaluate(space.params(dict(base, threshold=best))).feasible:
+                        frontier.append(dict(base, threshold=best))
+        return True
+
+    most_fits = False  # with the most recomputation, a first-stage plan fits: less may fit too
+
+    def search(queue: list[tuple]) -> bool:
+        """The basins in ``queue``, each escalated through ``tries`` until a plan fits; False when
+        out of budget."""
+        nonlocal most_fits
+        while queue:
+            stage, sync, order, corner = queue.pop(0)
+            base = dict(tries[stage], min_bytes=0, sync=sync, order=order, **corner)
+            best = largest(base)
+            if best is False:
+                return False
+            if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
+                frontier.append(dict(base, threshold=best))
+                most_fits |= stage == 0 and corner is not corners[0]
+            elif stage + 1 < len(tries):
+                queue.append((stage + 1, sync, order, corner))
+        return True
+
+    # swapping alone first, every stage (``swaps=False``: done already, by a search of its own)
+    if (not swaps or search([basin for basin in basins if basin[3] is corners[0]])) and len(corners) > 1:
+        if search([basin for basin in basins if basin[3] is not corners[0]]) and most_fits:
+            sweep_costs()
     return frontier
 
 
@@ -253,12 +317,12 @@ def _neighbours(problem: TuningProblem, evaluation: Evaluation) -> list[dict]:
         return []
     windowed = centre["sync"] not in SYNC_IN_MODES
     moves: list[tuple[int, dict]] = []
-    for name in (*space.ORDERED, *space.CATEGORICAL):
+    for name in (*space.ordered, *space.categorical):
         if not windowed and name in ("lb", "window"):
             continue
         values = getattr(space, name)
         for index, value in enumerate(values):
-            if name in space.CATEGORICAL:
+            if name in space.categorical:
                 if value != centre[name]:
                     moves.append((1, dict(centre, **{name: value})))
                     if name == "sync" and not windowed and value not in SYNC_IN_MODES:

@@ -22,6 +22,8 @@ from autotune import plots
 from autotune.calibration import PRESET_TIME_ERROR, time_model_note
 from autotune.inputs import format_bytes
 
+RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
+
 
 @dataclass
 class Section:
@@ -57,9 +59,11 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     shown = result.shown
     sections = []
     verdict = [f"**{result.verdict.headline}**"]
-    if result.feasible and result.plan is not None and result.plan.changes_step:
+    if result.feasible and result.plan is not None and (result.plan.changes_step or result.recomputes):
         how = (f"swaps {result.plan.n_swaps} tensors" if result.plan.n_swaps else
                f"swaps nothing, runs the ops in the `{result.plan.order_name}` order,")
+        if result.recomputes:
+            how += f", recomputes {len(result.recomputes)}" + ("," if not result.plan.n_swaps else "")
         verdict.append(f"The plan {how} and brings the predicted peak from "
                        f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
                        f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
@@ -105,6 +109,9 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
             ("device -> host", "0", format_bytes(shown.metrics["d2h_bytes"]) if shown else "n/a"),
             ("host -> device", "0", format_bytes(shown.metrics["h2d_bytes"]) if shown else "n/a"),
             ("host memory for swapped tensors", "0", format_bytes(shown.metrics["host_peak_bytes"]) if shown else "n/a")]
+    if summary["recomputes"]:
+        rows += [("recomputed tensors", "0", f"{len(summary['recomputes'])} ({format_bytes(summary['recomputed_bytes'])})"),
+                 ("recomputation time", "0", _seconds(summary["predicted_recompute_s"]))]
     label = "with the plan" if result.feasible else "closest plan"
     predicted = pd.DataFrame(rows, columns=["predicted", "without swapping", label])
     params = pd.DataFrame(sorted((k, _listed(v) if isinstance(v, list) else str(v))
@@ -114,6 +121,19 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                                            time_model_note(result.device)],
                             [predicted] + ([params] if len(params) else []),
                             [n for n in ("memory_timeline.png", "pareto_front.png") if n in images]))
+
+    if summary["recomputes"]:
+        recomputed = pd.DataFrame(summary["recomputes"][:RECOMPUTES_SHOWN])
+        recomputed["bytes"] = recomputed["bytes"].map(format_bytes)
+        recomputed["seconds"] = recomputed["seconds"].map(_seconds)
+        more = len(summary["recomputes"]) - RECOMPUTES_SHOWN
+        sections.append(Section("Recomputation", [
+            f"Instead of being kept or swapped, {len(summary['recomputes'])} tensors "
+            f"({format_bytes(summary['recomputed_bytes'])}) are freed after their near readers and recomputed by "
+            f"clones of the forward ops that made them, shortly before their far readers, in "
+            f"{_seconds(summary['predicted_recompute_s'])} of extra compute (counted in the overhead)."
+            + (f" The largest {RECOMPUTES_SHOWN} (summary.json lists all):" if more > 0 else "")],
+            [recomputed.rename(columns={"ops": "ops cloned", "consumers": "far readers"})]))
 
     m = result.measurement
     if m is not None:
@@ -263,8 +283,9 @@ def write_report(result, out_dir: str | Path) -> dict[str, Path]:
         images = plots.draw_all(result, scratch)
         files: dict[str, Path] = dict(images)
         plan_file = "plan.json" if result.feasible else "closest_plan.json"
-        if result.plan is not None and (result.plan.changes_step or result.applies_plan):
-            (scratch / plan_file).write_text(result.plan.to_json(result.graph))
+        named = result.named_plan()
+        if named is not None and (named.changes_step or result.applies_plan):
+            (scratch / plan_file).write_text(named.to_json())
             files[plan_file] = scratch / plan_file
         pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)
         files["trials.csv"] = scratch / "trials.csv"

@@ -21,10 +21,11 @@ from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
 from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, predicted
-from simulator import BACKWARD, CalibratedDevice, DeviceModel, OpGraph, SwapPlan, get_device, replay
+from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
-from simulator.replay import Replay
+from simulator.recompute import Recompute, clone_name
+from simulator.replay import Replay, op_seconds
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class TuneResult:
     search_budget_bytes: int | None = None
     correction: PeakCorrection = field(default_factory=PeakCorrection)
     verdict: Verdict | None = None
+    # the step the plan is made on: ``graph`` with the plan's recomputations (``recomputes``), else ``graph``
+    plan_graph: OpGraph | None = None
+    recomputes: list[Recompute] = field(default_factory=list)
     # step times measured on this machine (rewriter.calibrate), when the run calibrated: the search's
     # device when it models the device searched for, and the measured run's prediction
     calibration: CalibratedDevice | None = None
@@ -95,6 +99,19 @@ class TuneResult:
     @property
     def feasible(self) -> bool:
         return self.chosen is not None
+
+    def recomputed(self) -> list[dict[str, Any]]:
+        """The plan's recomputations: tensor, its bytes, the ops cloned, their seconds on the
+        device, the far readers served, largest first."""
+        if not self.recomputes:
+            return []
+        g = self.plan_graph if self.plan_graph is not None else self.graph
+        index, ops = g.tensor_index(), g.op_index()
+        seconds = op_seconds(g, self.device)
+        rows = [{"tensor": action.tensor, "bytes": int(g.tensor_bytes[index[action.tensor]]), "ops": len(action.ops),
+                 "seconds": float(sum(seconds[ops[clone_name(op, k)]] for op in action.ops)),
+                 "consumers": len(action.consumers)} for k, action in enumerate(self.recomputes)]
+        return sorted(rows, key=lambda row: -row["bytes"])
 
     @property
     def params(self):
@@ -111,8 +128,18 @@ class TuneResult:
         """A plan fits and changes the step (swaps, reorders or rewrites it), or only the tool's
         serialized step fits: there is something to apply."""
         serialized = self.verdict is not None and self.verdict.train_with == SERIALIZED_STEP
-        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.graph_rewrites)
-                                                            or serialized)
+        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.recomputes)
+                                                            or bool(self.graph_rewrites) or serialized)
+
+    @property
+    def has_actions(self) -> bool:
+        """Whether the shown plan swaps or recomputes anything (else it at most reorders the step)."""
+        return self.plan is not None and bool(self.plan.n_swaps or self.recomputes)
+
+    def named_plan(self) -> NamedPlan | None:
+        """The shown plan by name (what ``plan.json`` holds), its recomputations included."""
+        return None if self.plan is None else self.plan.to_named(self.plan_graph if self.plan_graph is not None
+                                                                 else self.graph)
 
     @property
     def shown(self) -> Evaluation | None:
@@ -149,6 +176,9 @@ class TuneResult:
             "predicted_h2d_bytes": None if shown is None else int(shown.metrics["h2d_bytes"]),
             "predicted_host_peak_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
             "excess_bytes": None if shown is None else max(0, shown.excess_bytes),
+            "recomputes": self.recomputed(),
+            "recomputed_bytes": sum(row["bytes"] for row in self.recomputed()),
+            "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),
             "swaps": 0 if self.plan is None else self.plan.n_swaps,
             "swap_ins": 0 if self.plan is None else self.plan.n_swap_ins,
             "trials": len(self.evaluations),
@@ -270,16 +300,18 @@ class SwapProbes:
     a probe's search does not depend on the question, only which of its plans count does."""
 
     def __init__(self, graph: OpGraph, budget_bytes: int, device: DeviceModel, *, probe_trials: int = 80,
-                 seed: int | None = 0) -> None:
+                 seed: int | None = 0, recompute: bool = False) -> None:
         self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
-        self.probe_trials, self.seed = probe_trials, seed
+        self.probe_trials, self.seed, self.recompute = probe_trials, seed, recompute
         # batch -> every plan the search evaluated there; None: the step fits without swapping,
         # [] when not even its resident memory fits
         self.evaluations_at: dict[int, list[Evaluation] | None] = {}
 
     def at(self, batch: int) -> list[Evaluation] | None:
         if batch not in self.evaluations_at:
-            problem = TuningProblem(self.graph.with_batch(batch), self.device, self.budget_bytes)
+            graph = self.graph.with_batch(batch)
+            problem = TuningProblem(graph, self.device, self.budget_bytes,
+                                    space=SearchSpace.for_graph(graph, recompute=self.recompute))
             if problem.resident_bytes > self.budget_bytes:
                 found = []
             elif problem.baseline().feasible:
@@ -313,7 +345,8 @@ class SwapProbes:
         see only violated constraints), so those probes carry over; the others are searched again
         when asked."""
         device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
-        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed)
+        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed,
+                           recompute=self.recompute)
         limit = self.device.host_memory_bytes
         for batch, found in self.evaluations_at.items():
             if found is None or all(e.metrics["host_peak_bytes"] <= limit and not (e.params and e.params.keep_tensors)
@@ -323,16 +356,21 @@ class SwapProbes:
 
 
 def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel, *, max_overhead: float | None,
-                            probe_trials: int = 80, seed: int | None = 0) -> tuple[int, list[Evaluation]]:
+                            probe_trials: int = 80, seed: int | None = 0,
+                            recompute: bool = False) -> tuple[int, list[Evaluation]]:
     """The largest batch for which the search finds a plan that fits (and, if given, whose
     simulated overhead stays under ``max_overhead``), and the plans that did there (none when the
     step fits without swapping)."""
-    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed).largest(max_overhead)
+    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed,
+                      recompute=recompute).largest(max_overhead)
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
-                   sampler: str, seed: int | None) -> str:
+                   sampler: str, seed: int | None, recompute: bool = False) -> str:
+    """A study's default name; searches with and without recomputation keep theirs apart (a
+    swap-only search keeps the name it had before recomputation existed)."""
     key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
+    key += "|recompute" if recompute else ""
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
@@ -384,8 +422,12 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
                memory: int | None = None, policy: str = "optuna", sampler: str = "tpe", trials: int | None = 200,
                timeout_s: float | None = None, seed: int | None = 0, storage: str | None = None,
                study_name: str | None = None, maximize_batch: bool = False, max_overhead: float | None = None,
-               progress: bool = False, correction: PeakCorrection | None = None, measured: bool = False) -> TuneResult:
+               progress: bool = False, correction: PeakCorrection | None = None, measured: bool = False,
+               recompute: bool = True) -> TuneResult:
     """Search swap parameters for ``graph`` by simulation (no TensorFlow needed).
+
+    ``recompute`` (default): the search may also recompute tensors instead of keeping or swapping
+    them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
@@ -409,7 +451,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     no_swap_max = max_batch_without_swap(g, budget, device_model)
     found: list[Evaluation] = []  # plans the batch search found at the batch it picked
     if maximize_batch:
-        best_batch, found = largest_batch_with_swap(g, budget, device_model, max_overhead=max_overhead, seed=seed)
+        best_batch, found = largest_batch_with_swap(g, budget, device_model, max_overhead=max_overhead, seed=seed,
+                                                    recompute=recompute)
         cap = "" if max_overhead is None else f" with a simulated overhead of at most {max_overhead:.0%}"
         if best_batch == 0:
             notes.append(f"not even batch 1 fits with swapping{cap}: the report is of batch 1")
@@ -417,7 +460,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         else:
             notes.append(f"largest batch that fits{cap}: {best_batch} (without swapping: {no_swap_max})")
         g = g.with_batch(best_batch)
-    problem = TuningProblem(g, device_model, budget)
+    problem = TuningProblem(g, device_model, budget, space=SearchSpace.for_graph(g, recompute=recompute))
     baseline = problem.baseline()
     lower_bound = peak_lower_bound_bytes(g)
     if g.persistent_bytes <= budget < lower_bound:
@@ -425,7 +468,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
-    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed)
+    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute)
     study = open_study(storage, name, g, problem.space)
     if baseline.feasible:
         notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"
@@ -455,8 +498,10 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
     shown = chosen or closest
     plan = problem.plan(shown.params) if shown is not None else None
-    shown_replay = None if shown is None else replay(g, plan, device_model)
-    verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and plan.n_swaps),
+    plan_graph = problem.graph_for(None if shown is None else shown.params)
+    shown_replay = None if shown is None else replay(plan_graph, plan, device_model)
+    recomputes = problem.recomputes(None if shown is None else shown.params)
+    verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and (plan.n_swaps or recomputes)),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured)
     return TuneResult(
@@ -465,7 +510,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         evaluations=outcome_evaluations, study=study, plan=plan,
         replay=shown_replay, baseline_replay=replay(g, None, device_model),
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,
-        correction=correction, verdict=verdict,
+        correction=correction, verdict=verdict, plan_graph=plan_graph,
+        recomputes=recomputes,
     )
 
 

@@ -78,7 +78,8 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
     return path
 
 
-README_ORDER = ("max_batch", "fidelity", "fidelity_zoo", "verdict", "step_time", "tuning", "speed", "simulator_speed")
+README_ORDER = ("max_batch_v100", "max_batch", "recompute_measured", "fidelity", "fidelity_recompute", "fidelity_zoo",
+                "verdict", "step_time", "tuning", "speed", "simulator_speed")
 README_INTRO = """# Benchmarks
 
 Every table below is the latest output of the command above it, run on the machine it names
@@ -89,7 +90,10 @@ the notes say why.
 | benchmark | command | what it measures |
 |---|---|---|
 | max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping, the U-Net also with `--rewrite split-concat` and `elide-broadcasts` (simulated on V100 presets; measured on the CPU testbed, or on a visible GPU) |
+| max_batch_v100 | `python -m benchmarks max-batch --devices v100-16gb --no-measured --name max_batch_v100` | the same on the PCIe preset, each case with swapping alone and with recomputation beside it (issue 22), with a 20 % column, and Keras' `RematScope` modes on the same simulator |
+| recompute_measured | `python -m benchmarks recompute` | recomputation measured on the CPU testbed: Keras' step and its `RematScope` modes, the tool's serialized step, every cheap tensor recomputed, and per budget the tuned plan with swapping alone and with recomputation (predicted and measured peak, step time) |
 | fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models (and the U-Net with `--rewrite split-concat --rewrite elide-broadcasts`) x several plans, beside Grappler's static estimate |
+| fidelity_recompute | `python -m benchmarks fidelity --recompute --models ...` | the same with plans that recompute cheap tensors beside their swaps (issue 22) |
 | fidelity_zoo | `python -m benchmarks fidelity --zoo` | the same on the 22 models of `benchmarks.zoo` (models nobody tuned the simulator for: applications, U-Nets, mixed_float16, recurrent, attention, multi-input/output, ...) x 7 plans, measured in chunks (`--zoo --models a,b`), against issue 19's per-model targets |
 | verdict | `python -m benchmarks verdict` | the CLI, measured on the testbed, on zoo models whose prediction alone says "fits" (the cases of issue 19: mixed_float16, LSTM/GRU, U-Nets, multi-input/output): exit 0 only when a measured run confirms the plan within the budget, else exit 3 and no "Fits" |
 | step_time | `python -m benchmarks step-time` | predicted against measured step time on the CPU testbed: a device model calibrated by `rewriter.calibrate` at other batch sizes, and the uncalibrated preset, 4 models x 7 plans |

@@ -2,6 +2,7 @@
 
     python -m benchmarks fidelity [--models resnet50,vgg16] [--quick] [--timeout 900] [--repeats 3] [--peak-repeats 2]
     python -m benchmarks fidelity --zoo [--models lstm,gru]   # benchmarks.zoo, in chunks
+    python -m benchmarks fidelity --recompute --models resnet50,mobilenetv2   # plans that recompute (issue 22)
 
 For every model (one fresh Python process each, so models and allocator state never mix) the
 training step is captured, then for every plan (no swapping, and ``SwapParams`` settings that
@@ -107,6 +108,15 @@ PLANS: list[tuple[str, dict[str, Any] | None]] = [
                                   "tensors": "all"}),
     ("T1 slots ub1 all after copies", {"threshold": 1, "ub": 1, "trigger": "level", "tensors": "all", "distance": "slot",
                                        "after_copies_out": True}),
+]
+
+# ``--recompute``: plans with recomputation beside the swaps (issue 22): every cheap tensor of 1 MiB or more
+# recomputed for its far readers (``simulator.recompute_choice``), the rest swapped on the graph with the clones
+RECOMPUTE_PLANS: list[tuple[str, dict[str, Any] | None]] = [
+    ("none", None),
+    ("recompute cheap, T2", {"threshold": 2, "recompute": "cheap"}),
+    ("recompute cheap, T5 ub20 sync-out mem", {"threshold": 5, "ub": 20, "sync": "out", "order": "memory",
+                                               "recompute": "cheap"}),
 ]
 
 # ``--zoo``: every benchmarks.zoo model at its testbed batch (models nobody tuned the simulator for)
@@ -222,6 +232,7 @@ def _worker(spec_path: str, out_path: str) -> int:
     from benchmarks.models import build_model
     from rewriter.step_inputs import synthetic_batch
     from simulator import SwapParams, SwapPlan, get_device, n_levels, plan_swaps
+    from simulator.recompute_choice import recomputed_graph
 
     def emit(record: dict[str, Any]) -> None:
         with open(out_path, "a") as handle:
@@ -246,17 +257,21 @@ def _worker(spec_path: str, out_path: str) -> int:
         record: dict[str, Any] = {"kind": "plan", "plan": label, "params": params_dict}
         start = time.perf_counter()
         try:
+            plan_graph, recomputes = graph, []
             if params_dict is None:
                 plan = SwapPlan.empty(graph)
-            else:
-                plan = plan_swaps(graph, SwapParams.from_dict(params_dict), kept_reads=kept_reads)
+            else:  # the plan's recomputations first (none unless it asks), its swaps on the graph with them
+                params = SwapParams.from_dict(params_dict)
+                plan_graph, recomputes = recomputed_graph(graph, params, device)
+                plan = plan_swaps(plan_graph, params, kept_reads=kept_reads)
             # the first measurement times the step; every one profiles one more step's memory (the
             # measured peak moves by a few % from step to step: asynchronous swap copies, weight updates)
-            run = run_plan(model, graph, plan, device, (x, y), placement=place, repeats=int(spec["repeats"]),
+            run = run_plan(model, plan_graph, plan, device, (x, y), placement=place, repeats=int(spec["repeats"]),
                            peak_repeats=int(spec["peak_repeats"]))
             predicted, step, readings, measured = run.predicted, run.step, run.readings, run.measured
             record.update(order=plan.order_name, planned_swaps=plan.n_swaps, planned_swap_ins=plan.n_swap_ins,
-                          planned_swapped_bytes=plan.swapped_bytes(graph), predicted_bytes=predicted.peak_bytes,
+                          planned_swapped_bytes=plan.swapped_bytes(plan_graph), planned_recomputes=len(recomputes),
+                          predicted_bytes=predicted.peak_bytes,
                           predicted_step_s=predicted.step_s, predicted_compute_s=predicted.compute_s,
                           predicted_persistent_bytes=predicted.persistent_bytes,
                           predicted_host_peak_bytes=predicted.host_peak_bytes)
@@ -265,6 +280,7 @@ def _worker(spec_path: str, out_path: str) -> int:
             verification = step.verification
             peaks = [m.peak_bytes for m in readings]
             record.update(applied_swaps=step.n_swap_outs, applied_swap_ins=step.n_swap_ins,
+                          applied_recomputes=len(step.recomputed),
                           skipped_swaps=len(getattr(step, "skipped", []) or []),
                           surviving_swaps=measured.n_swap_outs,
                           verified=None if verification is None else bool(verification.ok),
@@ -358,6 +374,7 @@ def build_table(setup: ModelSetup, records: list[dict], status: dict[str, Any],
         row.update({
             "swaps": r.get("planned_swaps"), "swaps_applied": r.get("applied_swaps"),
             "swaps_surviving": r.get("surviving_swaps"), "swap_ins": r.get("planned_swap_ins"),
+            "recomputes": r.get("planned_recomputes"), "recomputes_applied": r.get("applied_recomputes"),
             "swapped_MiB": None if r.get("planned_swapped_bytes") is None else r["planned_swapped_bytes"] / MiB,
             "predicted_MiB": None if predicted is None else predicted / MiB,
             "measured_MiB": None if measured is None else measured / MiB,
@@ -402,7 +419,7 @@ def build_table(setup: ModelSetup, records: list[dict], status: dict[str, Any],
 
 
 COLUMNS = ["model", "setting", "plan", "params", "order", "swaps", "swaps_applied", "swaps_surviving", "swap_ins",
-           "swapped_MiB", "predicted_MiB", "measured_MiB", "allocator_MiB", "ratio", "error_pct", "spread_pct",
+           "recomputes", "recomputes_applied", "swapped_MiB", "predicted_MiB", "measured_MiB", "allocator_MiB", "ratio", "error_pct", "spread_pct",
            "measured_min_MiB", "measured_max_MiB", "pred_step_s", "meas_step_s", "step_ratio", "grappler_MiB",
            "grappler_ratio", "grappler+resident_ratio", "resident_MiB", "verified", "ops", "levels", "note"]
 
@@ -558,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the {len(ZOO_MODELS)} benchmarks.zoo models instead of the benchmark set, written as "
                              "fidelity_zoo.*; each model's run is kept under results/fidelity_zoo_runs/, so "
                              "--zoo --models a,b measures a and b again and the table shows every zoo model's latest run")
+    parser.add_argument("--recompute", action="store_true",
+                        help="plans with recomputation beside the swaps (RECOMPUTE_PLANS) instead of the swap plans, "
+                             "written as fidelity_recompute.*")
     parser.add_argument("--name", default=None, help="result file name (default fidelity, fidelity_quick)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -573,11 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"unknown model(s): {', '.join(unknown)}; known: {', '.join(catalog)}", file=sys.stderr)
             return 2
-    plans = [p for p in PLANS if not args.quick or p[0] in QUICK_PLANS]
+    plans = RECOMPUTE_PLANS if args.recompute else [p for p in PLANS if not args.quick or p[0] in QUICK_PLANS]
     if args.timeout <= 0 or args.repeats < 1 or args.peak_repeats < 1:
         print("--timeout must be > 0, --repeats and --peak-repeats >= 1", file=sys.stderr)
         return 2
-    name = args.name or ("fidelity_zoo" if args.zoo else "fidelity_quick" if args.quick else "fidelity")
+    name = args.name or ("fidelity_zoo" if args.zoo else "fidelity_recompute" if args.recompute
+                         else "fidelity_quick" if args.quick else "fidelity")
 
     rows, notes, statuses, measured_on, facts = [], [], [], set(), {}
     for model in (list(catalog) if args.zoo else names):  # the zoo's table: every model with a kept run

@@ -518,15 +518,35 @@ MODELS: dict[str, Callable[..., keras.Model]] = {
 }
 
 
-def build_model(name: str, **kwargs: Any) -> keras.Model:
-    """Build the compiled model registered as ``name`` with ``kwargs``."""
+# Keras' own recomputation (``keras.RematScope``, Keras >= 3.9) as a user would set it by hand: the
+# baselines of the recomputation benchmarks. ``list_of_layers`` names the layers with the largest
+# outputs (the full-resolution stage's convolutions and activations, not its batch normalisations:
+# Keras' remat of a layer called with ``training=`` fails in a traced step on the TF backend).
+REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
+REMAT_LAYERS: dict[str, tuple[str, ...]] = {
+    "resnet50": ("conv1_conv", "conv1_relu")
+    + tuple(f"conv2_block{b}_{k}_{kind}" for b in (1, 2, 3) for k in (1, 2) for kind in ("conv", "relu"))
+    + tuple(f"conv2_block{b}_3_conv" for b in (1, 2, 3)) + tuple(f"conv2_block{b}_out" for b in (1, 2, 3)),
+    "unet3d": tuple(f"{tag}_{kind}{i}" for tag in ("down0", "up0") for i in (1, 2) for kind in ("conv", "relu")),
+}
+
+
+def build_model(name: str, *, remat: str | None = None, **kwargs: Any) -> keras.Model:
+    """Build the compiled model registered as ``name`` with ``kwargs``; ``remat``: built inside
+    ``keras.RematScope(mode=remat)`` (``REMAT_MODES``; ``list_of_layers`` takes ``REMAT_LAYERS``)."""
     try:
         builder = MODELS[name]
     except KeyError:
         raise ValueError(
             f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}"
         ) from None
-    return builder(**kwargs)
+    if remat is None:
+        return builder(**kwargs)
+    if remat not in REMAT_MODES:
+        raise ValueError(f"unknown remat mode {remat!r}; known: {', '.join(REMAT_MODES)}")
+    layer_names = list(REMAT_LAYERS.get(name, ())) if remat == "list_of_layers" else None
+    with keras.RematScope(mode=remat, layer_names=layer_names):
+        return builder(**kwargs)
 
 
 # --------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Apply a swap plan to the real TensorFlow training step (docs/design.md 3, 8).
 
 ``apply(model, plan, batch_size=...)`` traces the model's ``train_step`` (``rewriter.capture``), edits
-the step's ``GraphDef`` by name (``rewriter.graph_edit``: swap nodes, rewired reads, the step chained in
-the plan's order) and re-imports it with the model's variables re-bound, so the returned ``SwapStep``
+the step's ``GraphDef`` by name (the plan's graph rewrites; its recomputations, ``rewriter.recompute``:
+clones of forward ops serving far reads; then ``rewriter.graph_edit``: swap nodes, rewired reads, the
+step chained in the plan's order, clones included) and re-imports it with the model's variables re-bound, so the returned ``SwapStep``
 (``rewriter.swap_step``) updates the same variables and optimizer slots in place; its first call is
 verified against what Grappler kept (``rewriter.verify``). The plan is read by ``simulator.load_plan``
 (the one reader of plan files); a plan that does not fit the model raises one ``PlanError`` before
@@ -22,6 +23,7 @@ from rewriter.grappler import foldable_ops
 from rewriter.host_memory import warn_if_pinned_limit_short
 from rewriter.passthrough import passthrough_ops
 from rewriter.placement import Placement, resolve as resolve_placement
+from rewriter.recompute import apply_recomputes, clone_tensor_info
 from rewriter.step_inputs import planned_step_inputs
 from rewriter.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
 from rewriter.verify import verify_first_call
@@ -90,9 +92,14 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
         except ValueError as error:
             raise PlanError(f"the plan asks for a graph rewrite this version does not have: {error}") from None
         rewritten = import_step(graph_def, traced, keep_input_names=True)
-    graph_def, applied, skipped = edit_graph_def(graph_def, named, place, swap_op=chosen_op,
-                                                 tensor_info=_tensor_info(rewritten), foldable=foldable_ops(rewritten),
-                                                 kept_reads=place.kept_reads, passthrough=passthrough_ops(rewritten.graph))
+    foldable, tensor_info = foldable_ops(rewritten), _tensor_info(rewritten)
+    recomputed = []
+    if named.recomputes:  # before the swaps: the plan's swaps were made on the step with the clones
+        graph_def, recomputed = apply_recomputes(graph_def, named.recomputes, foldable=foldable, order=named.order)
+        tensor_info = clone_tensor_info(tensor_info, recomputed)
+    graph_def, applied, skipped = edit_graph_def(graph_def, named, place, swap_op=chosen_op, tensor_info=tensor_info,
+                                                 foldable=foldable, kept_reads=place.kept_reads,
+                                                 passthrough=passthrough_ops(rewritten.graph))
     function = import_step(graph_def, traced)
 
     def at_batch(size: int) -> SwapStep:  # names do not depend on the batch size: the same plan, traced again
@@ -101,11 +108,11 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
 
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=named, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,
-                    at_batch=None if model is None else at_batch)
-    log.info("applied %d swap(s) with %d swap-in(s) (%d skipped), swap op %s, on %s", step.n_swap_outs,
-             step.n_swap_ins, len(skipped), chosen_op, place.describe())
+                    at_batch=None if model is None else at_batch, recomputed=recomputed)
+    log.info("applied %d swap(s) with %d swap-in(s) (%d skipped) and %d recomputation(s), swap op %s, on %s",
+             step.n_swap_outs, step.n_swap_ins, len(skipped), len(recomputed), chosen_op, place.describe())
     if place.measured_on == "gpu":  # copies out land in TF's pinned host allocator, which has a limit
         warn_if_pinned_limit_short(step.swapped_bytes)
-    if verify and applied:
+    if verify and (applied or recomputed):
         step.verification = verify_first_call(step, verify_with)
     return step

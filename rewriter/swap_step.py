@@ -3,7 +3,7 @@ state it can put back (``StateSnapshot``), built by ``rewriter.apply``."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -13,6 +13,7 @@ from rewriter.capture import TracedStep
 from rewriter.graph_edit import AppliedSwap, SkippedSwap
 from rewriter.grappler import fixed_grappler_config
 from rewriter.placement import Placement
+from rewriter.recompute import AppliedRecompute
 from simulator.plan import NamedPlan
 
 
@@ -21,19 +22,21 @@ class SwapStep:
 
     ``run(x, y)`` returns the step's logs as Keras' ``train_step`` does (the metrics dict). The step
     updates the model's variables in place. Attributes: ``plan`` (the ``NamedPlan`` that was applied),
-    ``applied``/``skipped`` (per-swap records), ``placement``, ``verification`` (what survived
+    ``applied``/``skipped`` (per-swap records), ``recomputed`` (the recomputations built,
+    ``rewriter.recompute.AppliedRecompute``), ``placement``, ``verification`` (what survived
     Grappler, see ``rewriter.verify``), ``graph_def`` (the edited GraphDef), ``batch_size``.
     """
 
     def __init__(self, *, function, traced: TracedStep, graph_def, plan: NamedPlan, applied: list[AppliedSwap],
                  skipped: list[SkippedSwap], placement: Placement, swap_op: str, model=None,
-                 at_batch: Callable[[int], SwapStep] | None = None):
+                 at_batch: Callable[[int], SwapStep] | None = None, recomputed: Sequence[AppliedRecompute] = ()):
         self._function = function
         self.traced = traced
         self.graph_def = graph_def
         self.plan = plan
         self.applied = applied
         self.skipped = skipped
+        self.recomputed = tuple(recomputed)
         self.placement = placement
         self.swap_op = swap_op
         self.batch_size = traced.batch_size

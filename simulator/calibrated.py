@@ -140,7 +140,8 @@ class CalibratedDevice(DeviceModel):
         return np.asarray(self.op_seconds_ab, dtype=np.float64).reshape(-1, 2)
 
     def coverage(self, g) -> float:
-        """Share of ``g``'s ops that have a measured time here."""
+        """Share of ``g``'s ops that have a measured time here (a recomputation's clone has its
+        original's, ``simulator.recompute``)."""
         index = self._op_index
         return sum(name in index or original_name(name) in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
 
@@ -165,7 +166,8 @@ class CalibratedDevice(DeviceModel):
 
     def graph_op_seconds(self, g):
         """Per-op time of graph ``g`` at its batch size (indexed like its ops): measured where the
-        calibration saw the op, else the preset's roofline scaled by ``roofline_scale``."""
+        calibration saw the op (a clone costs what its original costs), else the preset's roofline
+        scaled by ``roofline_scale``."""
         import numpy as np
 
         self.check_graph(g)

@@ -6,12 +6,14 @@ made it (``simulator.plan``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from simulator.graph import DISTANCES, ORDER_NAMES
+from simulator.recompute import RECOMPUTE_SCOPES
 
 SYNC_MODES = ("none", "out", "in", "both")
 SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
@@ -21,6 +23,9 @@ TRIGGER_POLICIES = ("ancestor", "level")
 
 class ParamsError(ValueError):
     """Swap parameters that make no sense (lb > ub, non-positive values, unknown modes)."""
+
+
+RECOMPUTE_FIELDS = ("recompute", "recompute_cost", "recompute_per_tensor", "recompute_tensors")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,16 @@ class SwapParams:
       the memory order sinks) are far.
     keep_tensors: tensors (by name, "op:output") never swapped whatever the rules say; the host-
       room pass (``simulator.host_room``) names there what it keeps on the device for the host's sake.
+    recompute: which ops may be cloned to recompute a tensor for its far readers instead of keeping
+      or swapping it ("none", "cheap": elementwise, activations, normalization, shapes, stateless
+      random; "expensive": convolutions and matrix products too; ``simulator.recompute``). The
+      recomputations are made first (``simulator.recompute_choice.recomputed_graph``) and the swap
+      rules then apply to the graph that holds them.
+    recompute_cost: the most device seconds a recomputation may cost per byte it frees.
+    recompute_per_tensor: per swapped tensor whose swap-in the step waits for, recompute it instead
+      where that takes less than the wait (the link cannot hide the swap; the search's per-tensor
+      pass, ``autotune.search.TuningProblem.evaluate``, names them in ``recompute_tensors``).
+    recompute_tensors: tensors (by name) recomputed whatever the cost rule says, when they can be.
     after_copies_out: a swap-in starts only once the op it starts after (its trigger; for a
       synchronous one, the last of its consumer's other inputs) has its own swapped outputs copied
       out, instead of beside those copies: while an op waits for its swap-ins, the buffers its
@@ -72,6 +87,10 @@ class SwapParams:
     distance: str = "level"
     after_copies_out: bool = False
     keep_tensors: tuple[str, ...] = ()
+    recompute: str = "none"
+    recompute_cost: float = math.inf
+    recompute_per_tensor: bool = False
+    recompute_tensors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tensors not in SWAP_SCOPES:
@@ -97,7 +116,16 @@ class SwapParams:
             raise ParamsError(f"trigger must be one of {TRIGGER_POLICIES}, got {self.trigger!r}")
         if self.order not in ORDER_NAMES:
             raise ParamsError(f"order must be one of {ORDER_NAMES}, got {self.order!r}")
-        for name in ("include_types", "exclude_types", "exclude_scopes", "keep_tensors"):
+        if self.recompute not in RECOMPUTE_SCOPES:
+            raise ParamsError(f"recompute must be one of {tuple(RECOMPUTE_SCOPES)}, got {self.recompute!r}")
+        cost = math.inf if self.recompute_cost is None else self.recompute_cost  # None: JSON's infinity
+        if isinstance(cost, bool) or not isinstance(cost, (int, float, np.integer, np.floating)) or not cost >= 0:
+            raise ParamsError(f"recompute_cost must be a non-negative number of seconds per byte, got {cost!r}")
+        object.__setattr__(self, "recompute_cost", float(cost))
+        if not isinstance(self.recompute_per_tensor, (bool, np.bool_)):
+            raise ParamsError(f"recompute_per_tensor must be true or false, got {self.recompute_per_tensor!r}")
+        object.__setattr__(self, "recompute_per_tensor", bool(self.recompute_per_tensor))
+        for name in ("include_types", "exclude_types", "exclude_scopes", "keep_tensors", "recompute_tensors"):
             value = getattr(self, name)
             try:
                 items = tuple(value) if not isinstance(value, str) else None
@@ -109,8 +137,21 @@ class SwapParams:
         for name in ("threshold", "lb", "ub", "groupby", "min_bytes"):
             object.__setattr__(self, name, int(getattr(self, name)))
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether these parameters recompute anything (else the swap rules alone make the plan)."""
+        return self.recompute != "none" or bool(self.recompute_tensors)
+
     def to_dict(self) -> dict[str, Any]:
-        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        """JSON-ready; parameters that recompute nothing leave the recompute fields out (they read
+        as before recomputation existed)."""
+        data = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        if not self.recomputes:
+            for name in RECOMPUTE_FIELDS:
+                del data[name]
+        elif math.isinf(self.recompute_cost):
+            data["recompute_cost"] = None
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SwapParams":

@@ -13,10 +13,12 @@ the rules of a valid plan: ``check_structure`` (whatever the graph: read back, o
 one swap-in per read) and, against a graph, ``validate_plan`` (indices) or ``missing_names_error``
 and ``not_read_error`` (the rewriter's checks against the TensorFlow graph say the same).
 
-Adding a kind of plan action (issue 22, ``simulator.recompute.Recompute``): a tuple of records on
-``NamedPlan`` (and its index form on ``SwapPlan``), written under its own key; bump
-``FORMAT_VERSION`` and add a reader to ``_READERS``, keeping the older readers (an older file has no
-such actions).
+Recomputations (issue 22, ``simulator.recompute.Recompute``) are the second kind of action:
+``NamedPlan.recomputes``, written under ``recomputes`` since ``swap-plan/2``; a ``SwapPlan`` made on a
+graph that holds them (``with_recomputes``) names them in its graph, and its swaps may name the clones.
+A ``swap-plan/1`` file still reads (no recomputations). Adding another kind of action: a tuple of
+records on ``NamedPlan``, written under its own key; bump ``FORMAT_VERSION`` and add a reader to
+``_READERS``, keeping the older readers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -35,9 +37,10 @@ from simulator.buffers import buffers, rewire_tables
 from simulator.graph import ORDER_NAMES, GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
+from simulator.recompute import Recompute, original_name, recomputed_tensors, with_recomputes
 
 FORMAT_NAME = "swap-plan"
-FORMAT_VERSION = 1  # what this version writes; it reads every version in _READERS
+FORMAT_VERSION = 2  # what this version writes; it reads every version in _READERS
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 
@@ -182,7 +185,8 @@ class SwapPlan:
                                      for swap_in in swap.swap_ins))
             for swap in self.swaps())
         return NamedPlan(
-            swaps=swaps, graph_fingerprint=g.fingerprint(), model=str(g.meta.get("model", "")),
+            swaps=swaps, recomputes=tuple(recomputed_tensors(g)), graph_fingerprint=g.fingerprint(),
+            model=str(g.meta.get("model", "")),
             batch_size=self.batch_size if self.batch_size is not None else g.batch_size, params=self.params,
             after_copies_out=self.after_copies_out, ordering=self.order_name,
             order=() if self.order is None else tuple(str(name) for name in g.op_name[self.order]),
@@ -193,7 +197,9 @@ class SwapPlan:
 
     @classmethod
     def from_named(cls, g: OpGraph, named: "NamedPlan") -> "SwapPlan":
-        """Rebuild a plan on ``g`` by name; names ``g`` does not have make one clear PlanError."""
+        """Rebuild a plan on ``g`` by name; names ``g`` does not have make one clear PlanError. A plan
+        with recomputations is rebuilt on ``plan_graph(g, named)``, ``g`` with them."""
+        g = plan_graph(g, named)
         ops, tensors = g.op_index(), g.tensor_index()
         missing = [name for name in named.names() if name not in ops and name not in tensors]
         if missing:
@@ -247,6 +253,41 @@ def check_structure(swaps: Iterable[Swap | NamedSwap], name: Callable[[Any], str
                 if consumer in fed:
                     raise PlanError(f"op {op_name(consumer)} is fed by two swap-ins of {name(swap.tensor)}")
                 fed.add(consumer)
+
+
+def check_recompute_structure(recomputes: Sequence[Recompute]) -> None:
+    """The rules recomputations obey whatever the graph: each lists ops and far readers, its last op
+    makes its tensor, one action per tensor, and they name original ops only (no chains of actions:
+    a clone's name, ``clone_name``, is the simulator's and the rewriter's, never the plan's)."""
+    seen = set()
+    for k, action in enumerate(recomputes):
+        if not action.ops or not action.consumers:
+            raise PlanError(f"recomputation {k} of {action.tensor} lists no ops or no far readers")
+        if action.tensor.rpartition(":")[0] != action.ops[-1]:
+            raise PlanError(f"recomputation {k}: its last op {action.ops[-1]!r} does not make its tensor "
+                            f"{action.tensor!r}")
+        if action.tensor in seen:
+            raise PlanError(f"a tensor is recomputed twice in one plan ({action.tensor})")
+        seen.add(action.tensor)
+        clones = [name for name in (*action.ops, action.trigger, *action.consumers) if original_name(name) != name]
+        if clones:
+            raise PlanError(f"recomputation {k} names the clone {clones[0]!r}: sources, triggers and far readers are "
+                            "ops of the original step (no chains of recomputations)")
+
+
+def plan_graph(g: OpGraph, named: "NamedPlan") -> OpGraph:
+    """The graph ``named``'s swaps are made on: ``g`` with its recomputations (``g`` itself when it has
+    none, or already holds them); a recomputation ``g`` cannot hold is a PlanError."""
+    held = recomputed_tensors(g)
+    if not named.recomputes or held == list(named.recomputes):
+        return g
+    if held:
+        raise PlanError("the graph holds other recomputations than the plan's: pass the captured step's graph")
+    try:
+        return with_recomputes(g, named.recomputes)
+    except GraphError as error:
+        raise PlanError(f"the plan's recomputations do not fit this graph ({error}): it was made for another "
+                        "model or version") from None
 
 
 def missing_names_error(missing: Sequence[str], where: str) -> PlanError:
@@ -350,12 +391,14 @@ class NamedPlan:
     """A swap plan by name: what ``plan.json`` holds (docs/design.md 8) and the rewriter applies.
 
     ``order``: every op in the execution order the plan was simulated in (``ordering``); the
-    rewriter chains the step in it. ``params``: the ``SwapParams`` that made the plan (None for a
-    hand-made or empty one). ``graph_rewrites``/``step_inputs``: how the step was captured (the
+    rewriter chains the step in it, clones included. ``recomputes``: tensors recomputed for their far
+    readers (``simulator.recompute``), built before the swaps, whose records may name the clones.
+    ``params``: the ``SwapParams`` that made the plan (None for a hand-made or empty one). ``graph_rewrites``/``step_inputs``: how the step was captured (the
     rewriter redoes the rewrites and traces at those input shapes).
     """
 
     swaps: tuple[NamedSwap, ...] = ()
+    recomputes: tuple[Recompute, ...] = ()
     order: tuple[str, ...] = ()
     ordering: str = "cto"
     after_copies_out: bool = False
@@ -368,8 +411,8 @@ class NamedPlan:
 
     @property
     def changes_step(self) -> bool:
-        """Whether applying it does anything but trace the step: swaps, an order, rewrites."""
-        return bool(self.swaps or self.order or self.graph_rewrites)
+        """Whether applying it does anything but trace the step: swaps, recomputations, an order, rewrites."""
+        return bool(self.swaps or self.recomputes or self.order or self.graph_rewrites)
 
     def names(self, swaps: Iterable[NamedSwap] | None = None) -> Iterator[str]:
         """Every op and tensor name the plan (or ``swaps`` of it) refers to, in file order."""
@@ -393,6 +436,8 @@ class NamedPlan:
                        "swap_ins": [{"consumers": list(item.consumers), "trigger": item.trigger, "after": item.after}
                                     for item in swap.swap_ins]}
                       for swap in self.swaps],
+            "recomputes": [{"tensor": action.tensor, "ops": list(action.ops), "trigger": action.trigger,
+                            "consumers": list(action.consumers)} for action in self.recomputes],
             "after_copies_out": self.after_copies_out,
             "ordering": self.ordering,
             "order": list(self.order),
@@ -414,6 +459,7 @@ class NamedPlan:
         version = _version(data)
         plan = _READERS[version](data)
         check_structure(plan.swaps)
+        check_recompute_structure(plan.recomputes)
         return plan
 
     @classmethod
@@ -488,8 +534,26 @@ def _read_v1(data: dict[str, Any]) -> NamedPlan:
                      step_inputs=step_inputs or None)
 
 
+def _read_v2(data: dict[str, Any]) -> NamedPlan:
+    """``swap-plan/2``: version 1 and the recomputations (``recomputes``, a list of records with
+    ``tensor``, ``ops``, ``trigger`` and ``consumers``; left out: none)."""
+    records = data.get("recomputes", [])
+    if not isinstance(records, list):
+        raise PlanError("the plan has no 'recomputes' list")
+    actions = []
+    for k, record in enumerate(records):
+        names = (record.get("ops"), record.get("consumers")) if isinstance(record, dict) else (None, None)
+        if not isinstance(record, dict) or not all(isinstance(record.get(key), str) for key in ("tensor", "trigger")) \
+                or not all(isinstance(value, list) and all(isinstance(n, str) for n in value) for value in names) \
+                or not record["tensor"].rpartition(":")[2].isdigit():
+            raise PlanError(f"recomputation {k} of the plan is malformed (needs 'tensor' as 'op:output', 'trigger' "
+                            "as an op name, and 'ops' and 'consumers' as lists of op names)")
+        actions.append(Recompute(record["tensor"], tuple(names[0]), record["trigger"], tuple(names[1])))
+    return replace(_read_v1(data), recomputes=tuple(actions))
+
+
 # format version -> reader; a new version adds its reader and keeps the older ones
-_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {1: _read_v1}
+_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {1: _read_v1, 2: _read_v2}
 
 
 def load_plan(plan: Any, graph: OpGraph | None = None) -> NamedPlan:

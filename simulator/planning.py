@@ -172,6 +172,35 @@ def _never_far(g: OpGraph, kept_reads: tuple[tuple[str, str], ...]) -> np.ndarra
 _NO_TABLE = np.zeros(1, np.int64)
 
 
+def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: np.ndarray, policy: str,
+                    ub: int) -> np.ndarray:
+    """Per request: the latest trigger candidate on a level in ``lo..hi`` (``g``'s levels) that
+    ``policy`` allows for ``first_consumer`` ("ancestor": one of its ancestors, looked up in a table
+    spanning ``ub`` levels; "level": any), -1 where there is none. Swap-ins and recomputations
+    (``simulator.recompute``) take their triggers here."""
+    trigger = np.full(len(first_consumer), -1, dtype=np.int64)
+    if not len(first_consumer):
+        return trigger
+    if policy == "level":
+        latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
+        found_level = latest_level[np.maximum(hi, 0)]
+        ok = (hi >= 0) & (found_level >= lo)
+        trigger[ok] = latest_op[np.maximum(hi, 0)][ok]
+        return trigger
+    depth = _trigger_depth(ub, n_levels(g))
+    table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth), structural=True)
+    start, stop = table["ptr"][first_consumer], table["ptr"][first_consumer + 1]
+    # per request, the last ancestor trigger whose level <= hi: one searchsorted over all of them
+    query = first_consumer * table["span"] + hi
+    pick = np.searchsorted(table["key"], query, side="right") - 1
+    ok = (hi >= 0) & (pick >= start) & (pick < stop)
+    pick_level = np.full(len(first_consumer), -1, dtype=np.int64)
+    pick_level[ok] = table["levels"][pick[ok]]
+    ok &= pick_level >= lo
+    trigger[ok] = table["ops"][pick[ok]]
+    return trigger
+
+
 def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, str], ...] = ()) -> SwapPlan:
     """Apply the swap rules to ``g`` (at its batch size) and return the plan.
 

@@ -96,8 +96,8 @@ def _grid_params(g: OpGraph, count: int, seed: int) -> list[SwapParams]:
     rng = np.random.default_rng(seed)
     seen: list[SwapParams] = []
     while len(seen) < count:
-        choice = {name: int(rng.integers(len(getattr(space, name)))) for name in space.ORDERED}
-        for name in space.CATEGORICAL:
+        choice = {name: int(rng.integers(len(getattr(space, name)))) for name in space.ordered}
+        for name in space.categorical:
             options = getattr(space, name)
             choice[name] = options[int(rng.integers(len(options)))]
         params = space.params(choice)

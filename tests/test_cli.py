@@ -183,7 +183,36 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and "<img alt='memory_timeline.png'" in html
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["format"] == "swap-plan/1" and plan["swaps"]
+    assert plan["format"] == "swap-plan/2" and (plan["swaps"] or plan["recomputes"])
+
+
+def test_recomputation_is_chosen_applied_and_measured_and_no_recompute_swaps_only(capsys, tmp_path):
+    """On the v100-16gb preset's time model (a PCIe link: swapping costs), a budget 26 % under the
+    unswapped peak: the default search recomputes (the plan file lists the recomputations), the
+    measured run on the testbed builds them and confirms the plan (exit 0); ``--no-recompute`` swaps
+    instead, at a larger simulated overhead."""
+    from benchmarks.models import build_model
+    from rewriter.capture import capture
+
+    from simulator import replay
+
+    model_dir = tmp_path / "cnn64"
+    model_dir.mkdir()
+    build_model("small_cnn", image_size=64).save(model_dir / "cnn.keras")
+    graph = capture(build_model("small_cnn", image_size=64), 32)
+    budget = int(0.74 * replay(graph, None, "v100-16gb").peak_bytes)
+    common = [model_dir, "--batch-size", "32", "--memory", str(budget), "--trials", "60", "--quiet"]
+    code, stdout, err = _run_main(capsys, *common, "--out", tmp_path / "both")
+    assert code == 0, err + stdout
+    summary = json.loads((tmp_path / "both" / "summary.json").read_text())
+    plan = json.loads((tmp_path / "both" / "plan.json").read_text())
+    assert summary["confirmed_by_measurement"] and summary["measured_peak_bytes"] <= budget
+    assert plan["recomputes"] and summary["recomputed_bytes"] > 0 and "recomputed" in stdout
+    code, stdout, err = _run_main(capsys, *common, "--no-recompute", "--no-measure", "--out", tmp_path / "swap")
+    assert code == 0, err + stdout
+    swap_only = json.loads((tmp_path / "swap" / "summary.json").read_text())
+    assert swap_only["recomputes"] == [] and swap_only["swaps"] > 0
+    assert swap_only["predicted_overhead"] > summary["predicted_overhead"]
 
 
 def test_graph_rewrites_end_to_end(capsys, tmp_path):

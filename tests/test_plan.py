@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulator import (GraphError, NamedPlan, OpGraph, PlanError, Swap, SwapIn, SwapPlan, get_device, load_plan,
-                       plan_swaps, replay)
+from simulator import (GraphError, NamedPlan, OpGraph, PlanError, Swap, SwapIn, SwapParams, SwapPlan, get_device,
+                       load_plan, plan_swaps, replay)
 from simulator.plan import FORMAT, check_structure
+from simulator.recompute import Recompute, recomputed_tensors, with_recomputes
+from simulator.recompute_choice import RecomputeParams, actions_of, choose_recomputes
 
 PLANS = Path(__file__).resolve().parent / "data" / "plans"
 FIXTURE_GRAPH = PLANS / "small_cnn_b4.npz"
@@ -37,9 +39,11 @@ def test_a_plan_written_before_the_contract_loads_the_same(fixture):
     assert (plan.order_name, plan.after_copies_out, plan.batch_size) == ("memory", True, 4)
     assert plan.n_swaps == 6 and plan.n_swap_ins == 12 and (plan.in_trigger >= 0).any() and plan.sync_out.all()
     assert replay(graph, plan, "cpu-testbed").peak_bytes == 1033968  # what that version predicted
-    # written again, byte for byte the same file
-    assert NamedPlan.from_json(text).to_json() == text
-    assert again.to_json(graph) == text
+    # written again in the current format: the same file with its version and an empty list of recomputations
+    written = json.loads(NamedPlan.from_json(text).to_json())
+    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/2"
+    assert written == {**json.loads(text), "format": FORMAT, "recomputes": []}
+    assert NamedPlan.from_json(text).recomputes == () and json.loads(again.to_json(graph)) == written
 
 
 def test_every_accepted_form_reads_the_same(fixture, tmp_path):
@@ -89,6 +93,15 @@ def _plan(**changes) -> dict:
     (_plan(params={"threshold": 0}), "params"),
     (_plan(params={"colour": "red"}), "params"),
     (_plan(batch_size="eight"), "batch_size"),
+    (_plan(recomputes={}), "no 'recomputes' list"),
+    (_plan(recomputes=[{"tensor": "a:0", "ops": ["a"], "trigger": "t"}]), "recomputation 0 of the plan is malformed"),
+    (_plan(recomputes=[{"tensor": "a", "ops": ["a"], "trigger": "t", "consumers": ["b"]}]), "op:output"),
+    (_plan(recomputes=[{"tensor": "a:0", "ops": "a", "trigger": "t", "consumers": ["b"]}]), "malformed"),
+    (_plan(recomputes=[{"tensor": "a:0", "ops": [], "trigger": "t", "consumers": ["b"]}]), "no ops"),
+    (_plan(recomputes=[{"tensor": "a:0", "ops": ["c"], "trigger": "t", "consumers": ["b"]}]), "does not make"),
+    (_plan(recomputes=[{"tensor": "a:0", "ops": ["a"], "trigger": "t", "consumers": ["b"]}] * 2), "recomputed twice"),
+    (_plan(recomputes=[{"tensor": "a:0", "ops": ["a"], "trigger": "t/recompute_0", "consumers": ["b"]}]),
+     "names the clone"),
 ])
 def test_malformed_plans_are_one_plan_error(data, message):
     with pytest.raises(PlanError, match=message) as info:
@@ -120,4 +133,46 @@ def test_names_the_graph_does_not_have_are_one_error(fixture):
     data["swaps"][0]["tensor"] = "old_model/conv9/Conv2D:0"
     data["swaps"][1]["swap_ins"][0]["consumers"] = ["old_model/gradients/conv9_grad"]
     with pytest.raises(PlanError, match=r"2 op\(s\)/tensor\(s\) this graph does not have.*old_model/conv9"):
+        SwapPlan.from_dict(graph, data)
+
+
+def _recomputing(graph: OpGraph) -> tuple[list[Recompute], OpGraph, SwapPlan]:
+    """The fixture graph's cheap recomputations (64 KiB or more), and a swap plan made on the graph with them."""
+    actions = actions_of(graph, choose_recomputes(graph, get_device("cpu-testbed"), RecomputeParams(min_bytes=64 << 10)))
+    transformed = with_recomputes(graph, actions)
+    return actions, transformed, plan_swaps(transformed, SwapParams(threshold=2, recompute="cheap"))
+
+
+def test_a_plan_with_recomputations_writes_reads_and_rebuilds_the_same(fixture):
+    graph, _ = fixture
+    actions, transformed, plan = _recomputing(graph)
+    assert actions and plan.n_swaps and recomputed_tensors(transformed) == actions
+    named = plan.to_named(transformed)
+    assert named.recomputes == tuple(actions) and named.changes_step
+    # the swaps and the order may name the clones: they exist once the recomputations are built
+    clones = {name for name in named.order if name not in graph.op_index()}
+    assert clones and clones <= set(transformed.op_index())
+    data = json.loads(named.to_json())
+    assert data["format"] == FORMAT and data["recomputes"][0] == {
+        "tensor": actions[0].tensor, "ops": list(actions[0].ops), "trigger": actions[0].trigger,
+        "consumers": list(actions[0].consumers)}
+    again = NamedPlan.from_dict(data)
+    assert again == named
+    # rebuilt on the captured graph (the recomputations are made there first) or on the graph holding them
+    for on in (graph, transformed):
+        rebuilt = SwapPlan.from_named(on, again)
+        for name in PLAN_ARRAYS:
+            assert np.array_equal(getattr(rebuilt, name), getattr(plan, name)), name
+    assert replay(transformed, SwapPlan.from_named(graph, again), "cpu-testbed").peak_bytes == \
+        replay(transformed, plan, "cpu-testbed").peak_bytes
+    with pytest.raises(PlanError, match="another graph"):  # its indices are of the graph with the clones
+        plan.to_named(graph)
+
+
+def test_recomputations_the_graph_cannot_hold_are_one_plan_error(fixture):
+    graph, _ = fixture
+    actions, transformed, plan = _recomputing(graph)
+    data = plan.to_named(transformed).to_dict()
+    data["recomputes"][0]["consumers"] = [data["recomputes"][0]["trigger"]]
+    with pytest.raises(PlanError, match="recomputations do not fit this graph"):
         SwapPlan.from_dict(graph, data)
