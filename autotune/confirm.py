@@ -43,7 +43,7 @@ def _promote_closest(result: TuneResult, check: Check) -> None:
     result.verdict = predicted(fits=True, swaps=result.has_actions,
                                peak_bytes=result.correction.corrected(result.chosen.peak_bytes,
                                                                       result.graph.persistent_bytes),
-                               budget_bytes=result.budget_bytes, measured=True)
+                               budget_bytes=result.budget_bytes, measured=True, action=result.action_phrase)
 
 
 def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None] = log.info,

@@ -20,7 +20,7 @@ import optuna
 from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
-from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, predicted
+from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, actions_phrase, predicted
 from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
@@ -130,6 +130,11 @@ class TuneResult:
         serialized = self.verdict is not None and self.verdict.train_with == SERIALIZED_STEP
         return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.recomputes)
                                                             or bool(self.graph_rewrites) or serialized)
+
+    @property
+    def action_phrase(self) -> str:
+        """What the shown plan does, in the verdict's words."""
+        return actions_phrase(0 if self.plan is None else self.plan.n_swaps, len(self.recomputes))
 
     @property
     def has_actions(self) -> bool:
@@ -503,7 +508,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     recomputes = problem.recomputes(None if shown is None else shown.params)
     verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and (plan.n_swaps or recomputes)),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
-                        budget_bytes=user_budget, measured=measured)
+                        budget_bytes=user_budget, measured=measured,
+                        action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes)))
     return TuneResult(
         model=str(g.meta.get("model", "model")), batch_size=g.batch_size, device=device_model, budget_bytes=user_budget,
         budget_source=source, graph=g, policy=policy, baseline=baseline, chosen=chosen, closest=closest,

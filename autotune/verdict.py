@@ -160,6 +160,7 @@ class Verdict:
     headline: str
     details: tuple[str, ...] = ()
     checks: tuple[Check, ...] = field(default=())
+    action: str = "swapping"  # what the plan does: swapping, recomputation or both (actions_phrase)
 
     @property
     def ok(self) -> bool:
@@ -175,8 +176,15 @@ class Verdict:
         return replace(self, checks=tuple(checks), details=tuple(self.details) + tuple(details))
 
 
+def actions_phrase(n_swaps: int, n_recomputes: int) -> str:
+    """What a plan does, as the verdict says it (a plan that only recomputes does not swap)."""
+    if n_recomputes and n_swaps:
+        return "swapping and recomputation"
+    return "recomputation" if n_recomputes else "swapping"
+
+
 def predicted(*, fits: bool, swaps: bool, peak_bytes: int | None, budget_bytes: int, measured: bool,
-              train_with: str | None = None) -> Verdict:
+              train_with: str | None = None, action: str = "swapping") -> Verdict:
     """The verdict of the simulator alone: before a measured run, or with ``--no-measure``."""
     suffix = "" if measured else " (predicted only: not measured, run without --no-measure to confirm)"
     if not fits:
@@ -185,13 +193,13 @@ def predicted(*, fits: bool, swaps: bool, peak_bytes: int | None, budget_bytes: 
             text += f": the closest plan peaks at {format_bytes(peak_bytes)}, over the budget of {format_bytes(budget_bytes)}"
         return Verdict(DOES_NOT_FIT, False, measured, None, text + ".")
     if swaps:
-        status, text = FITS, f"Fits with swapping: predicted peak {format_bytes(peak_bytes)} of {format_bytes(budget_bytes)}"
+        status, text = FITS, f"Fits with {action}: predicted peak {format_bytes(peak_bytes)} of {format_bytes(budget_bytes)}"
         train_with = SWAP_STEP
     else:
         status, text = FITS_WITHOUT_SWAPPING, (f"Fits without swapping: predicted peak {format_bytes(peak_bytes)} of "
                                                f"{format_bytes(budget_bytes)}")
         train_with = train_with or PLAIN_FIT
-    return Verdict(status, False, measured, train_with, text + suffix + ".")
+    return Verdict(status, False, measured, train_with, text + suffix + ".", action=action)
 
 
 def confirmed(base: Verdict, checks: list[Check], *, plain: Check | None = None) -> Verdict:
@@ -204,8 +212,9 @@ def confirmed(base: Verdict, checks: list[Check], *, plain: Check | None = None)
                 f", {format_bytes(last.projected_bytes)} carried to batch {last.requested_batch}"))
     rounds = "" if len(checks) == 1 else f" after {len(checks) - 1} correction(s) from measured runs"
     if base.status == FITS:
-        return Verdict(FITS, True, True, SWAP_STEP, f"Fits with swapping, confirmed by measurement: {where}, within "
-                       f"the budget of {format_bytes(last.budget_bytes)}{rounds}.", base.details, tuple(checks))
+        return Verdict(FITS, True, True, SWAP_STEP, f"Fits with {base.action}, confirmed by measurement: {where}, "
+                       f"within the budget of {format_bytes(last.budget_bytes)}{rounds}.", base.details, tuple(checks),
+                       base.action)
     if plain is not None and plain.within_budget:
         return Verdict(FITS_WITHOUT_SWAPPING, True, True, PLAIN_FIT,
                        f"Fits without swapping, confirmed by measurement: model.fit's own step "

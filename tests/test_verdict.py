@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autotune.verdict import (DOES_NOT_FIT, FITS, FITS_WITHOUT_SWAPPING, NOT_CONFIRMED, PLAIN_FIT, SERIALIZED_STEP,
-                              TOLERANCE, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
-                              predicted)
+                              TOLERANCE, PeakCorrection, actions_phrase, check_run, confirmed, next_correction,
+                              not_confirmed, predicted)
 
 MiB = 2**20
 
@@ -96,6 +96,15 @@ def test_verdicts_say_what_the_tool_can_stand_behind():
     assert confirmed(waiting, [ok]).ok and confirmed(waiting, [ok]).confirmed_by_measurement
     failed = not_confirmed([_check(measured=120 * MiB, predicted_bytes=90 * MiB)], reason="none confirmed")
     assert failed.status == NOT_CONFIRMED and not failed.ok and failed.to_dict()["confirmed_by_measurement"] is False
+
+
+def test_a_plan_that_only_recomputes_is_not_said_to_swap():
+    only = predicted(fits=True, swaps=True, peak_bytes=90 * MiB, budget_bytes=100 * MiB, measured=True,
+                     action=actions_phrase(n_swaps=0, n_recomputes=3))
+    assert only.headline.startswith("Fits with recomputation:") and "swapping" not in only.headline
+    done = confirmed(only, [_check(measured=88 * MiB, predicted_bytes=90 * MiB)])
+    assert done.headline.startswith("Fits with recomputation, confirmed by measurement")
+    assert actions_phrase(2, 1) == "swapping and recomputation" and actions_phrase(2, 0) == "swapping"
 
 
 def test_fits_without_swapping_must_hold_for_model_fit_too():
