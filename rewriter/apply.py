@@ -94,12 +94,14 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
         rewritten = import_step(graph_def, traced, keep_input_names=True)
     foldable, tensor_info = foldable_ops(rewritten), _tensor_info(rewritten)
     recomputed = []
+    passthrough = passthrough_ops(rewritten.graph)
     if named.recomputes:  # before the swaps: the plan's swaps were made on the step with the clones
-        graph_def, recomputed = apply_recomputes(graph_def, named.recomputes, foldable=foldable, order=named.order)
+        graph_def, recomputed = apply_recomputes(graph_def, named.recomputes, foldable=foldable, order=named.order,
+                                                 passthrough=passthrough)
         tensor_info = clone_tensor_info(tensor_info, recomputed)
     graph_def, applied, skipped = edit_graph_def(graph_def, named, place, swap_op=chosen_op, tensor_info=tensor_info,
                                                  foldable=foldable, kept_reads=place.kept_reads,
-                                                 passthrough=passthrough_ops(rewritten.graph))
+                                                 passthrough=passthrough)
     function = import_step(graph_def, traced)
 
     def at_batch(size: int) -> SwapStep:  # names do not depend on the batch size: the same plan, traced again

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from rewriter.gpu import jit_compile_note
 from rewriter.placement import Placement, resolve as resolve_placement
-from rewriter.verify import profiled_first_call
+from rewriter.collected import profiled_first_call
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ What Grappler does with the originals can still change: a source read by a clone
 reader, and the arithmetic optimizer merges an add chain only through nodes with one reader, so the
 original chain may be summed in another order than in Keras' own step (rounding: the transformer
 encoder's weights differ from Keras' by up to 3e-7 of their scale after two steps).
-``rewriter.verify.check_recomputes`` reads the optimized graphs of a first call and reports clones
+``rewriter.recompute_check.check_recomputes`` reads the optimized graphs of a first call and reports clones
 merged back, far reads lost and trigger edges dropped.
 """
 
@@ -44,7 +44,7 @@ from tensorflow.python.framework import op_def_registry
 
 from rewriter.graph_edit import GraphEditor, _parse, _tensor_ref
 from simulator.plan import PlanError
-from rewriter.capture import BYPASS_TYPES, SHAPE_TYPES
+from rewriter.capture import SHAPE_TYPES
 from simulator.recompute import Recompute, clone_name, original_name
 
 # Attributes every clone carries: its own name (how verification finds it under a name Grappler gave it),
@@ -116,20 +116,23 @@ def _action(record: Any) -> Recompute:
 
 
 def apply_recomputes(graph_def: graph_pb2.GraphDef, actions: Sequence[Recompute], *,
-                     foldable: frozenset[str] = frozenset(), order: Sequence[str] = ()
-                     ) -> tuple[graph_pb2.GraphDef, list[AppliedRecompute]]:
+                     foldable: frozenset[str] = frozenset(), order: Sequence[str] = (),
+                     passthrough: dict[str, int] | None = None) -> tuple[graph_pb2.GraphDef, list[AppliedRecompute]]:
     """A copy of ``graph_def`` with every action built; raise PlanError for one that cannot be.
 
     ``actions``: ``Recompute`` records, in the plan's order (``NamedPlan.recomputes``). ``foldable``
     (``rewriter.grappler.foldable_ops``) names ops Grappler removes, which must not carry a trigger's
     control edge: the op before one in ``order`` (the plan's) or its inputs' producers carry it
-    instead, as for swap-ins. Nothing is changed when any action is refused.
+    instead, as for swap-ins. ``passthrough`` (``rewriter.passthrough.passthrough_ops`` of the traced
+    step): arithmetic Grappler reduces to one input (a dropout mask's ``uniform * 1 + 0``), which the
+    capture reads through, so an action's listed ops may have them in between; they are cloned with
+    them. Nothing is changed when any action is refused.
     """
     edited = graph_pb2.GraphDef()
     edited.CopyFrom(graph_def)
     actions = [_action(record) for record in actions]
     runnable = [name for name in order if name in {node.name for node in edited.node}]
-    editor = GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)))
+    editor = GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)), passthrough=passthrough)
     _check_names(editor, actions)
     clone_sets = [_clone_set(editor, action, k) for k, action in enumerate(actions)]
     applied = [_build(editor, action, k, cloned) for k, (action, cloned) in enumerate(zip(actions, clone_sets))]
@@ -175,7 +178,7 @@ def _clone_set(editor: GraphEditor, action: Recompute, k: int) -> list[str]:
             return memo[name]
         memo[name] = False  # a cycle (none in a valid graph) ends here
         node = editor.nodes.get(name)
-        found = name in listed or (node is not None and node.op in BYPASS_TYPES
+        found = name in listed or (node is not None and editor.bypassed(node)
                                    and any(between(_parse(ref)[0]) for _, ref in editor.data_inputs(node)))
         memo[name] = found
         return found

@@ -18,41 +18,29 @@ reads them back and counts, for the swap nodes ``rewriter.apply`` added:
   sent from does. The partition graphs are joined at their ``_Send``/``_Recv`` pairs and each
   accelerator-side ``_Recv`` carrying a swap-in must depend on every control source apply gave it;
 * for the plan's recomputations (``rewriter.recompute``): the clones that still run, the far reads
-  they still serve, their trigger edges (``check_recomputes``; Grappler's common-subgraph
+  they still serve, their trigger edges (``rewriter.recompute_check``; Grappler's common-subgraph
   elimination would merge a clone back into its original, saving nothing).
+
+The collected graphs themselves are read by ``rewriter.collected``.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.eager import context
 
-from rewriter import memtrace
 from rewriter.capture import import_step
-from rewriter.graph_edit import Ancestry, _parse
+from rewriter.collected import collect_first_call, grappler_renames, pick_function_graph, profiled_first_call
+from rewriter.graph_edit import Ancestry
 from rewriter.placement import SWAP_IN_PREFIX
-from rewriter.recompute import CLONE_ATTR, AppliedRecompute
-from simulator.recompute import CLONE_MARK, original_name
+from rewriter.recompute import AppliedRecompute
+from rewriter.recompute_check import RecomputeVerification, check_recomputes, recompute_names
 
 log = logging.getLogger(__name__)
-
-# A node a Grappler optimizer rewrote under a new name: "ArithmeticOptimizer/AddOpsRewrite_AddN_3"
-# (the 3D U-Net's gradient sums, once elide-broadcasts made them AddV2 chains, are merged that way),
-# inside its scope for a scoped node: "a/MatMul/ArithmeticOptimizer/FoldTransposeIntoMatMul_MatMul"
-# stands for "a/MatMul/MatMul" (an attention gradient's matrix product)
-_RENAMED = re.compile(r"^(.*/)?[A-Za-z]+Optimizer/[A-Za-z]+_([^/]+)$")
-
-
-def grappler_renames(names) -> dict[str, str]:
-    """Original name -> the name a Grappler optimizer gave the node, for ``names`` of a graph."""
-    return {(match.group(1) or "") + match.group(2): name for name in names if (match := _RENAMED.match(name))}
 
 
 @dataclass
@@ -146,24 +134,12 @@ def _short(device: str) -> str:
     return device.rsplit("device:", 1)[-1] if device else ""
 
 
-def _pick_function_graph(function_graphs, names: set[str]):
-    """The collected function whose optimized graph holds the most of our swap nodes."""
-    best, best_count = None, -1
-    for fg in function_graphs:
-        count = sum(1 for node in fg.post_optimization_graph.node if node.name in names)
-        for partition in fg.partition_graphs:
-            count += sum(1 for node in partition.node if node.name in names)
-        if count > best_count:
-            best, best_count = fg, count
-    return best if best_count > 0 else None
-
-
 def check(function_graphs, applied, *, accelerator: str = "", host: str = "",
           recomputed: Sequence[AppliedRecompute] = ()) -> Verification:
     """Compare the collected graphs of one step with the applied swaps (``SwapStep.applied``) and
     recomputations (``SwapStep.recomputed``)."""
     swap_ins = [item for swap in applied for item in swap.swap_ins]
-    names = {swap.swap_out for swap in applied} | {item.name for item in swap_ins} | _recompute_names(recomputed)
+    names = {swap.swap_out for swap in applied} | {item.name for item in swap_ins} | recompute_names(recomputed)
     result = Verification(
         planned_swap_outs=len(applied), planned_swap_ins=len(swap_ins),
         planned_triggers=sum(1 for item in swap_ins if item.trigger),
@@ -171,7 +147,7 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "",
     )
     if recomputed:
         result.recompute = check_recomputes(function_graphs, recomputed)
-    fg = _pick_function_graph(function_graphs, names)
+    fg = pick_function_graph(function_graphs, names)
     if fg is None:
         result.collected = False
         return result
@@ -378,48 +354,6 @@ def _controls(node, nodes, recv_source) -> set[str]:
     return found
 
 
-def collect_first_call(fn, *args) -> tuple[Any, list[Any]]:
-    """Run ``fn(*args)`` with graph collection on; return its result and the collected function graphs.
-
-    Only a function's first call (its instantiation) records graphs.
-    """
-    ctx = context.context()
-    ctx.export_run_metadata()  # drop anything collected before
-    ctx.enable_graph_collection()
-    try:
-        result = fn(*args)
-        for tensor in tf.nest.flatten(result):
-            if hasattr(tensor, "numpy"):
-                tensor.numpy()
-        metadata = ctx.export_run_metadata()
-    finally:
-        ctx.disable_graph_collection()
-    return result, list(metadata.function_graphs) if metadata is not None else []
-
-
-def constant_nodes(function_graphs) -> set[str]:
-    """Names of the ``Const`` nodes of the graphs a function ran (post-optimization and partition graphs)."""
-    names: set[str] = set()
-    for function in function_graphs:
-        for graph in [*function.partition_graphs, function.post_optimization_graph]:
-            names.update(node.name for node in graph.node if node.op in ("Const", "HostConst"))
-    return names
-
-
-def profiled_first_call(fn, *args) -> tuple[Any, list[Any], int]:
-    """``fn``'s first call with graph collection and the profiler on: its result, the graphs that ran
-    and the bytes of the constants the call materialised (``memtrace.constant_bytes``)."""
-    found = []
-
-    def run(*inputs):
-        found.append(collect_first_call(fn, *inputs))
-        return found[-1]
-
-    space = memtrace.profile_call(run, *args)
-    result, graphs = found[0]
-    return result, graphs, memtrace.constant_bytes(memtrace.memory_events(space), constant_nodes(graphs))
-
-
 def verify_first_call(step, example=None) -> Verification:
     """Verify ``step`` on its first call (``apply`` does this), then restore every variable. The call
     is profiled too, for the constants it materialises (``step.constant_bytes``, ``rewriter.measure``)."""
@@ -456,166 +390,3 @@ def _report(result: Verification) -> None:
         log.info("swap plan verified: %s", result.summary())
     else:
         log.warning("parts of the swap plan did not survive graph optimization: %s", "; ".join(result.problems()))
-
-
-# ---------------------------------------------------------------------- recomputations (rewriter.recompute)
-
-
-@dataclass
-class RecomputeVerification:
-    """What of the recomputations ran, read from the collected graphs of the step's first call.
-
-    A clone is *lost* when it is gone while its original still runs (Grappler merged it back: the
-    original's buffer stays alive for the far readers); one gone together with its original was
-    fused or folded like it (a remapper fusion is named after its chain's last op, a multiplication
-    by one is removed, a value known statically becomes a constant), which changes nothing. A far
-    read is *lost* when the reader no longer reads a clone of its recomputation and no other node
-    does in its place. An original is lost when its node is gone while its clone runs (merged into
-    the clone: the near readers would wait for the recomputation).
-    """
-
-    planned_clones: int
-    planned_reads: int
-    planned_controls: int
-    clones: int = 0  # listed ops' clones running under their own or a Grappler name
-    clones_renamed: list[str] = field(default_factory=list)  # "clone -> new name"
-    clones_gone_with_original: list[str] = field(default_factory=list)  # fused or folded like the original
-    clones_lost: list[str] = field(default_factory=list)
-    originals_lost: list[str] = field(default_factory=list)
-    reads: int = 0  # far reads served by a clone
-    reads_renamed: list[str] = field(default_factory=list)  # another node reads the clone in the reader's place
-    # (the reader merged with another far reader that computes the same, fused, or its product rewritten)
-    reads_folded: list[str] = field(default_factory=list)  # the reader became a constant: it reads nothing
-    reads_lost: list[str] = field(default_factory=list)  # "reader:slot (reads x)"
-    controls_kept: int = 0  # control inputs still direct inputs of the clones that start a recomputation
-    controls_implied: int = 0  # removed as redundant: the clone still runs after the source
-    controls_lost: list[str] = field(default_factory=list)  # "clone <- source": it need not wait any more
-    controls_folded: list[str] = field(default_factory=list)  # "clone <- source": Grappler removed the source
-    collected: bool = True
-
-    @property
-    def ok(self) -> bool:
-        return self.collected and not (self.clones_lost or self.originals_lost or self.reads_lost
-                                       or self.controls_lost or self.controls_folded)
-
-    def problems(self) -> list[str]:
-        lines = []
-        if not self.collected:
-            lines.append("no optimized graph of the step was collected (it had run before verification)")
-        for label, items in (("clone(s) merged back into their original", self.clones_lost),
-                             ("original(s) merged into their clone", self.originals_lost),
-                             ("far read(s) no longer served by a clone", self.reads_lost),
-                             ("trigger edge(s) of clones dropped", self.controls_lost),
-                             ("trigger op(s) of clones folded away", self.controls_folded)):
-            if items:
-                lines.append(f"{len(items)} {label}: {', '.join(items[:10])}")
-        return lines
-
-    def counts(self) -> str:
-        return (f"clones {self.clones}/{self.planned_clones} ({len(self.clones_gone_with_original)} fused or folded "
-                f"with their original), far reads served {self.reads}/{self.planned_reads} "
-                f"({len(self.reads_folded)} readers folded), trigger edges "
-                f"{self.controls_kept}+{self.controls_implied} implied/{self.planned_controls}")
-
-    def summary(self) -> str:
-        problems = self.problems()
-        return self.counts() + ("" if not problems else "; " + "; ".join(problems))
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__) | {"ok": self.ok}
-
-
-def _recompute_names(applied: Sequence[AppliedRecompute]) -> set[str]:
-    """Nodes that tell the step's function graph apart: clones, far readers, originals."""
-    return {name for item in applied for name in (*item.nodes, *(c for c, _ in item.rewired), _parse(item.tensor)[0])}
-
-
-def check_recomputes(function_graphs, applied: Sequence[AppliedRecompute]) -> RecomputeVerification:
-    """Compare the collected graphs of one step (``rewriter.verify.collect_first_call``) with the
-    recomputations ``apply_recomputes`` built: on the partition graphs (what runs), with the
-    post-optimization graph for Grappler's renames and the control edges' ancestry. A clone is found
-    by name, by Grappler's rename of it, or by the ``CLONE_ATTR`` it carries."""
-    result = RecomputeVerification(planned_clones=sum(len(item.ops) for item in applied),
-                                   planned_reads=sum(len(item.rewired) for item in applied),
-                                   planned_controls=sum(len(item.controls) * len(item.starts) for item in applied))
-    fg = _pick_function_graph(function_graphs, _recompute_names(applied))
-    if fg is None:
-        result.collected = False
-        return result
-    post = {node.name: node for node in fg.post_optimization_graph.node}
-    running = {node.name: node for partition in fg.partition_graphs for node in partition.node} or post
-    renamed = grappler_renames(running)
-    renamed.update({node.attr[CLONE_ATTR].s.decode(): name for name, node in running.items()
-                    if CLONE_ATTR in node.attr and node.attr[CLONE_ATTR].s.decode() != name})
-    ancestry = Ancestry(fg.post_optimization_graph)
-
-    def runs(name: str) -> str | None:
-        """The name it runs under, if it still computes something (a node made a constant does not)."""
-        now = name if name in running else renamed.get(name)
-        return None if now is None or running[now].op == "Const" else now
-
-    def folded(name: str) -> bool:
-        now = name if name in running else renamed.get(name)
-        return now is not None and running[now].op == "Const"
-
-    recv_source = {node.name: node.attr["tensor_name"].s.decode().split(":")[0]
-                   for node in running.values() if node.op == "_Recv" and "tensor_name" in node.attr}
-    readers_of: dict[str, list[str]] = {}  # node -> running nodes reading it, once per input (through a _Recv)
-    for node in running.values():
-        for ref in node.input:
-            if not ref.startswith("^"):
-                source = _parse(ref)[0]
-                readers_of.setdefault(recv_source.get(source, source), []).append(node.name)
-    for item in applied:
-        for clone in item.ops:
-            now = runs(clone)
-            if now is not None:
-                result.clones += 1
-                if now != clone:
-                    result.clones_renamed.append(f"{clone} -> {now}")
-            elif runs(original_name(clone)) is None:
-                result.clones_gone_with_original.append(clone)
-            else:
-                result.clones_lost.append(clone)
-        producer = _parse(item.tensor)[0]
-        if runs(producer) is None and not folded(producer) and runs(_parse(item.clone)[0]) is not None:
-            result.originals_lost.append(producer)
-        mark = f"{CLONE_MARK}{item.index}"
-        serving = [name for name, node in running.items()
-                   if name.endswith(mark) or (CLONE_ATTR in node.attr and node.attr[CLONE_ATTR].s.decode().endswith(mark))]
-        found = Counter(reader for name in serving for reader in readers_of.get(name, ()) if reader not in serving)
-        planned = {runs(consumer) for consumer, _ in item.rewired}
-        unplanned = sum(count for name, count in found.items() if name not in planned)
-        for consumer, slot in item.rewired:
-            now = runs(consumer)
-            if now is not None and found[now] > 0:
-                found[now] -= 1
-                result.reads += 1
-            elif folded(consumer):
-                result.reads_folded.append(f"{consumer}:{slot}")
-            elif (now is None and found) or unplanned > 0:
-                # the reader is gone (merged with another far reader computing the same, or fused) while the
-                # clone is read, or Grappler rewrote the product and another node reads the clone in its place
-                unplanned -= now is not None
-                result.reads += 1
-                others = sorted(name for name in found if name not in planned) or sorted(found)
-                result.reads_renamed.append(f"{consumer}:{slot} -> {', '.join(others[:2])}")
-            else:
-                reads = [ref for ref in (running[now].input if now is not None else ()) if not ref.startswith("^")]
-                result.reads_lost.append(f"{consumer}:{slot} (reads {', '.join(reads[:3]) or 'nothing: gone'})")
-        for clone in item.starts:
-            now = runs(clone)
-            if now is None:
-                continue  # fused or folded: counted above
-            direct = {recv_source.get(ref[1:], ref[1:]) for ref in running[now].input if ref.startswith("^")}
-            for source in item.controls:
-                source_now = source if source in running or source in post else renamed.get(source)
-                if source_now is None:
-                    result.controls_folded.append(f"{clone} <- {source}")
-                elif source_now in direct:
-                    result.controls_kept += 1
-                elif ancestry.depends(now, source_now):
-                    result.controls_implied += 1
-                else:
-                    result.controls_lost.append(f"{clone} <- {source}")
-    return result

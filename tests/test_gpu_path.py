@@ -13,7 +13,7 @@ from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
 import rewriter
 from benchmarks.models import build_model
-from rewriter import gpu, verify as verify_module
+from rewriter import collected, gpu, verify as verify_module
 from rewriter.capture import import_step
 from simulator import SwapParams, plan_swaps
 
@@ -62,7 +62,7 @@ def test_every_copy_to_the_accelerator_waits_for_its_trigger(cnn):
                                                         for item in swap.swap_ins)) for swap in step.applied]
     snapshot = step.snapshot()
     try:
-        _, graphs = verify_module.collect_first_call(import_step(old, step.traced), *step.zeros())
+        _, graphs = collected.collect_first_call(import_step(old, step.traced), *step.zeros())
     finally:
         snapshot.restore()
     early = verify_module.check(graphs, applied, accelerator=step.placement.accelerator, host=step.placement.host)

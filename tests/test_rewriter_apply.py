@@ -545,7 +545,8 @@ def test_serialized_order_holds_past_the_reshapes_grappler_removes():
     op hung on it (multi_io's MaxPoolGrad then ran beside the filter gradient before it, 17 % above
     the prediction). In the partition graphs every op of the order still runs after the one before."""
     from rewriter.capture import import_step
-    from rewriter.verify import CopyWaits, _node_map, collect_first_call
+    from rewriter.collected import collect_first_call
+    from rewriter.verify import CopyWaits, _node_map
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((12, 12, 3))

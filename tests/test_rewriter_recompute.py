@@ -19,8 +19,10 @@ from rewriter.graph_edit import Ancestry
 from rewriter.grappler import fixed_grappler_config, foldable_ops
 from simulator.plan import PlanError
 from rewriter.capture import import_step
+from rewriter.passthrough import passthrough_ops
 from rewriter.recompute import CLONE_ATTR, KEEP_ATTR, apply_recomputes, unclonable_reason
-from rewriter.verify import check_recomputes, collect_first_call
+from rewriter.collected import collect_first_call
+from rewriter.recompute_check import check_recomputes
 from simulator import SwapParams, get_device, plan_swaps, replay
 from simulator.graph import BACKWARD, FORWARD
 from simulator.planning import TRIGGER_OP_TYPES
@@ -112,7 +114,8 @@ def _train_and_compare(build, batch: int, *, steps: int = 3, chain: int = 3, exp
     traced = rewriter.trace_keras_step(model, batch)
     actions = far_read_actions(graph, traced, chain=chain, expensive=expensive)
     assert actions, "no tensor to recompute"
-    graph_def, applied = apply_recomputes(traced.concrete.graph.as_graph_def(), actions)
+    graph_def, applied = apply_recomputes(traced.concrete.graph.as_graph_def(), actions,
+                                          passthrough=passthrough_ops(traced.concrete.graph))
     function = import_step(graph_def, traced)
     flat = _flat(traced, x, y)
     with fixed_grappler_config():
@@ -182,7 +185,8 @@ def test_dropout_mask_is_recomputed_from_the_original_key_and_counter():
     actions = [a for a in far_read_actions(graph, traced, chain=4) if "dropout" in a.tensor]
     random = [(k, op) for k, a in enumerate(actions) for op in a.ops if "StatelessRandomUniform" in op]
     assert random, [a.ops for a in actions]
-    graph_def, _ = apply_recomputes(traced.concrete.graph.as_graph_def(), actions)
+    graph_def, _ = apply_recomputes(traced.concrete.graph.as_graph_def(), actions,
+                                          passthrough=passthrough_ops(traced.concrete.graph))
     nodes = {node.name: node for node in graph_def.node}
     for k, op in random:
         clone = nodes[clone_name(op, k)]
@@ -211,7 +215,8 @@ def cnn():
 
 def test_clones_are_named_wired_and_started_by_the_trigger(cnn):
     _, traced, actions = cnn
-    graph_def, applied = apply_recomputes(traced.concrete.graph.as_graph_def(), actions)
+    graph_def, applied = apply_recomputes(traced.concrete.graph.as_graph_def(), actions,
+                                          passthrough=passthrough_ops(traced.concrete.graph))
     nodes = {node.name: node for node in graph_def.node}
     original = {node.name: node for node in traced.concrete.graph.as_graph_def().node}
     assert len(graph_def.node) == len(original) + sum(len(a.nodes) for a in applied)
@@ -311,7 +316,8 @@ def test_clones_survive_grappler_for_a_gpu(cnn):
     remapper fuses more than the CPU's (FusedBatchNorm/bias/activation chains): every clone survives
     and every far read is served by one."""
     _, traced, actions = cnn
-    graph_def, applied = apply_recomputes(traced.concrete.graph.as_graph_def(), actions)
+    graph_def, applied = apply_recomputes(traced.concrete.graph.as_graph_def(), actions,
+                                          passthrough=passthrough_ops(traced.concrete.graph))
     optimized = gpu.optimize_for_gpu(graph_def, [t.name for t in traced.concrete.outputs])
     collected = types.SimpleNamespace(post_optimization_graph=optimized, partition_graphs=[])
     result = check_recomputes([collected], applied)

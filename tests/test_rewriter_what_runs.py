@@ -15,7 +15,7 @@ import rewriter
 from rewriter import memtrace
 from rewriter.capture import trace_keras_step
 from rewriter.passthrough import passthrough_input
-from rewriter.verify import profiled_first_call
+from rewriter.collected import profiled_first_call
 from simulator import SwapPlan, get_device, replay
 
 pytestmark = pytest.mark.tf
