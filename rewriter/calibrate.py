@@ -23,8 +23,9 @@ each batch size and
   Where copies wait for a compute thread (the testbed, ``Placement.copies_wait_for_compute``) the op
   after a swapped tensor's producer waits for its copy out (``rewriter.graph_edit``): the result's
   ``copies_out_wait`` makes the replay wait there too, and the fit sees steps replayed so. In the
-  quiet run of 10:05 without it, plans without sync measured 1-8 % of the step above their replay
-  where the sync-out plan of the same model did not (re-anchored errors).
+  quiet run of 10:05 without it, the plans without sync and with the most swaps (T1, T2) were
+  replayed 3-6 % of their step further below their measurement than the same model's sync-out plan
+  in 7 of 8 cases (re-anchored errors, benchmarks/results/step_time.md of that run).
 
 The result, a ``simulator.CalibratedDevice``, serves every batch size of a graph captured from
 the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take it as their device.
