@@ -320,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"at least {timing['accepted']} of {timing['passes']} passes accepted per plan, the median pass "
                          f"{100 * timing['slowdown']:.0f} % slower than the fastest"
                          + ("" if timing["consistent"] else " (too few agreed: the closest were used)"))
-        if status.get("timeout") or status.get("returncode"):
+        if status.get("timeout") and timing:
+            notes.append(f"- {setup.key}: worker timed out after it wrote every record (while exiting)")
+        elif status.get("timeout") or status.get("returncode"):
             notes.append(f"- {setup.key}: worker {'timed out' if status.get('timeout') else 'failed'}: "
                          f"`{' / '.join(status.get('stderr', '').strip().splitlines()[-3:])}`")
         log.info("  done in %.0f s", status["wall_s"])
