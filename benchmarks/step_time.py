@@ -13,7 +13,8 @@ plans are compared under the same load. Beside each measurement: the calibrated 
 (``simulator.replay(graph, plan, calibrated)``) and the uncalibrated ``cpu-testbed`` preset's.
 
 Targets (docs/design.md 5): over every model and plan, median |error| <= 5 %, worst <= 15 %; per
-model, Kendall's tau between predicted and measured step times >= 0.8.
+model, Kendall's tau between predicted and measured step times >= 0.8 over the plans measured at least
+``RANK_GAP`` apart (``ranked_plans``; closer plans are ties within the timing's noise).
 Writes ``benchmarks/results/step_time.{csv,md}``.
 """
 
