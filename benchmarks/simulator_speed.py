@@ -1,7 +1,7 @@
 """Replays per second of ResNet-50's captured training graph (batch 32) with the 474-swap plan.
 
-    python -m benchmarks.simulator_speed [--batch 32] [--seconds 6] [--references numpy,compiled] [--first-call]
-                                         [--searches]
+    python -m benchmarks.simulator_speed [--batch 32] [--seconds 6] [--references numpy,compiled,one-call]
+                                         [--first-call] [--searches]
 
 Target (docs/design.md 5, issue 23): <= 0.1 ms per replay (474 swaps), 10,000 replays/s on one core. The
 tuner calls plan + replay once per trial, so both are timed, beside the simulators of
