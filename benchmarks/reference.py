@@ -32,7 +32,6 @@ REFERENCES = {
     "numpy": ("21b0f1b", "the numpy replay, the last commit before simulator/kernels.py"),
     "compiled": ("95ea400", "the first compiled replay (numba kernels per stage, Python between them), "
                             "main before the replay became one call"),
-    "one-call": ("2f1aeb2", "the one-call replay allocating its temporaries, main before the workspace"),
 }
 ROOT = Path(__file__).resolve().parents[1]
 
