@@ -228,8 +228,6 @@ def _markdown(title: str, sections: list[Section]) -> str:
 
 def _inline(text: str) -> str:
     """Escape, then the two bits of Markdown the paragraphs use: **bold** and `code`."""
-    import re
-
     text = html.escape(text)
     text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", text)

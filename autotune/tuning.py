@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -271,8 +272,6 @@ def _with_host_budget(model: DeviceModel, gpu) -> tuple[DeviceModel, str]:
 def _visible_gpu():
     """(name, bytes TensorFlow may use, host budget for a preset's host bytes) of GPU:0, or None.
     Only asks TF when it is already imported."""
-    import sys
-
     if "tensorflow" not in sys.modules:
         return None
     import rewriter.host_memory as host_memory

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from rewriter import memtrace
 from simulator.devices import get_device, preset_for_gpu
 from simulator.memory_budgets import usable_gpu_bytes
 
@@ -136,8 +137,6 @@ class GpuPlacement(Placement):
         allocator (the prediction's unit, as on the testbed), ``allocator_peak_bytes`` TensorFlow's own
         ``get_memory_info`` peak (BFC chunks, cuDNN workspaces included) of the same call; host copies
         (the pinned ``gpu_host_bfc`` allocator) are left out by allocator, and counted as the host peak."""
-        from rewriter import memtrace
-
         device = self.accelerator.rsplit("device:", 1)[-1]  # "GPU:0"
         tf.config.experimental.reset_memory_stats(device)
         current = int(tf.config.experimental.get_memory_info(device)["current"])
@@ -188,8 +187,6 @@ class CpuTestbedPlacement(Placement):
         return self.accelerator
 
     def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
-        from rewriter import memtrace
-
         warn_if_allocations_hidden()
         warn_if_onednn_off()
         if resident_bytes is None:
@@ -213,8 +210,6 @@ def gpu_reading(events, device: str, *, allocator_peak_bytes: int, current_bytes
     """A GPU call's ``PeakReading`` from its profiler memory events (``memtrace.parse_xspace``): the
     allocator named after the device ("GPU_0_bfc") is the device, "gpu_host_bfc" the host copies. When
     the trace holds no event of the device's allocator, the allocator's figure is all there is."""
-    from rewriter import memtrace
-
     prefix = allocator_prefix or f"GPU_{device.rsplit(':', 1)[-1]}_"
     names = {str(name) for name in events["allocator_name"].unique()} if len(events) else set()
     ours = sorted(name for name in names if name.upper().startswith(prefix))
