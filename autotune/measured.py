@@ -92,6 +92,15 @@ def testbed_batch_for(graph, batch_size: int) -> int:
     return batch
 
 
+def _clones(check: Any) -> dict:
+    """What of the plan's recomputations ran (``check``: a ``rewriter.recompute_check.RecomputeVerification``, None when
+    the plan recomputes nothing), as ``MeasuredRun`` keeps it."""
+    if check is None:
+        return {}
+    return {"clones_survived": check.clones + len(check.clones_gone_with_original),
+            "clones_planned": check.planned_clones, "recompute_problems": check.problems()}
+
+
 def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes=None, label_dtype=None) -> MeasuredRun:
     """Apply the chosen plan to ``model``'s real step, run it, and measure peak memory and time."""
     import rewriter  # TensorFlow only when a plan is measured
@@ -146,6 +155,7 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
         allocator_peak_bytes=None if measured is None else measured.allocator_peak_bytes,
         note=note, swaps_survived=None if verification is None else verification.swap_outs,
         swaps_planned=plan.n_swaps, plain_peak_bytes=None if plain is None else plain.peak_bytes,
+        **_clones(None if verification is None else verification.recompute),
         out_of_memory=run.out_of_memory,
     )
 

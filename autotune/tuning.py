@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,11 @@ class MeasuredRun:
     note: str = ""
     swaps_survived: int | None = None
     swaps_planned: int | None = None
+    # the plan's recomputations in the optimized graph that ran (rewriter.recompute_check): clones still
+    # running (or fused with their original) of those planned, and what Grappler undid
+    clones_survived: int | None = None
+    clones_planned: int | None = None
+    recompute_problems: list[str] = field(default_factory=list)
     # without swapping: the step a plain model.fit runs (Keras' own train_step, TF's executor order)
     plain_peak_bytes: int | None = None
     out_of_memory: bool = False  # the plan's run raised ResourceExhausted (peak_bytes is then 0)
@@ -209,6 +215,9 @@ class TuneResult:
                 "transfer_latency_s": self.calibration.transfer_latency_s,
                 "copy_contention": self.calibration.copy_contention,
                 "copy_overhead_s": self.calibration.copy_overhead_s, "notes": list(self.calibration.notes)},
+            "measured_clones_survived": None if m is None else m.clones_survived,
+            "measured_clones_planned": None if m is None else m.clones_planned,
+            "measured_recompute_problems": None if m is None else m.recompute_problems,
             "measured_plain_fit_peak_bytes": None if m is None else m.plain_peak_bytes,
             "measured_out_of_memory": None if m is None else m.out_of_memory,
             "notes": self.notes,
@@ -263,8 +272,6 @@ def _with_host_budget(model: DeviceModel, gpu) -> tuple[DeviceModel, str]:
 def _visible_gpu():
     """(name, bytes TensorFlow may use, host budget for a preset's host bytes) of GPU:0, or None.
     Only asks TF when it is already imported."""
-    import sys
-
     if "tensorflow" not in sys.modules:
         return None
     import rewriter.host_memory as host_memory

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
+import numpy as np
+
 from simulator.devices import GB, DeviceModel
 from simulator.recompute import original_name
 
@@ -31,8 +33,6 @@ def graph_identity(g) -> str:
     """Digest of a graph's tensor shapes and dtypes (``N`` for the batch dimension): two captures of
     one model at any batch sizes agree, the same layers at other widths or input shapes do not.
     Tensors without a shape (hand-made graphs) count by their sizes ``a + b * batch`` instead."""
-    import numpy as np  # lazy, as in DeviceModel.op_seconds
-
     shapes = g.tensor_shape.tolist()
     sizes = np.round(np.asarray(g.tensor_bytes_ab, dtype=np.float64)).astype(np.int64).tolist()
     text = json.dumps([[dtype, shape or size] for dtype, shape, size in zip(g.tensor_dtype.tolist(), shapes, sizes)])
@@ -102,8 +102,6 @@ class CalibratedDevice(DeviceModel):
         """The same calibration anchored to other unprofiled step times at its batch sizes (one per
         ``batch_sizes``, e.g. timed again beside the steps it predicts, so that a change of the machine's
         load in between cancels): each op keeps its share of the step, ``a + b * batch`` is refitted."""
-        import numpy as np
-
         new = np.asarray(measured_step_s, dtype=np.float64)
         if new.shape != (len(self.batch_sizes),) or not (new > 0).all():
             raise ValueError(f"{self.name}: one positive step time per batch size {self.batch_sizes}")
@@ -136,8 +134,6 @@ class CalibratedDevice(DeviceModel):
 
     @cached_property
     def _ab(self):
-        import numpy as np
-
         return np.asarray(self.op_seconds_ab, dtype=np.float64).reshape(-1, 2)
 
     def coverage(self, g) -> float:
@@ -169,8 +165,6 @@ class CalibratedDevice(DeviceModel):
         """Per-op time of graph ``g`` at its batch size (indexed like its ops): measured where the
         calibration saw the op (a clone costs what its original costs), else the preset's roofline
         scaled by ``roofline_scale``."""
-        import numpy as np
-
         self.check_graph(g)
         index = self._op_index
         # a recomputation's clone ("<op>/recompute_<k>") runs its original's kernel: it takes its time
