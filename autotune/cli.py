@@ -319,7 +319,16 @@ def _summary_text(result, report: Path, seconds: float) -> str:
         lines.append(f"measured on {m.measured_on} at batch {m.batch_size}: {peak} "
                      f"(predicted {format_bytes(m.predicted_peak_bytes)}), step {m.step_s:.4g} s "
                      f"(predicted {m.predicted_step_s:.4g} s{ratio}, "
-                     f"{'calibrated on this machine' if m.time_calibrated else 'a datasheet estimate'})")
+                     f"{_time_source(m)})")
     lines.append(f"verdict: {result.verdict.headline}")
     lines.append(f"report: {report}   ({seconds:.0f} s)")
     return "\n".join(lines)
+
+
+def _time_source(m) -> str:
+    """Where a measured run's predicted step time comes from, for the summary line."""
+    if not m.time_calibrated:
+        return "a datasheet estimate"
+    if m.time_anchored_to:
+        return "calibrated on this machine, re-anchored to the unswapped steps timed beside it"
+    return "calibrated on this machine"

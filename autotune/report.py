@@ -160,7 +160,10 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                          format_bytes(m.plain_peak_bytes), ""))
         table = pd.DataFrame(rows, columns=["", "predicted", "measured", "predicted / measured"])
         text = [f"Measured on {m.measured_on} at batch {m.batch_size}. {m.note}".strip(),
-                (f"The predicted step time is from the calibration of this machine ({m.time_model})." if m.time_calibrated
+                (f"The predicted step time is from the calibration of this machine ({m.time_model})"
+                 + (f", re-anchored to its {m.time_anchored_to}, timed in the same passes as the plan's step "
+                    f"(the machine's speed drifts; before: {_seconds(m.predicted_step_s_unanchored)})."
+                    if m.time_anchored_to else ".") if m.time_calibrated
                  else f"The predicted step time is a datasheet estimate of the {m.time_model or 'preset'} preset "
                       f"({PRESET_TIME_ERROR} on the testbed): --calibrate measures it.")]
         if m.swaps_planned and m.swaps_survived is not None:

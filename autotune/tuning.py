@@ -65,6 +65,10 @@ class MeasuredRun:
     # the device model that predicted step_s (a calibration, autotune.calibration, or a preset's estimate)
     time_model: str = ""
     time_calibrated: bool = False
+    # a calibrated prediction re-anchored to the calibration's unswapped steps timed beside the plan's
+    # (rewriter.anchored): what they were, and the prediction before it; step_s is then that timing's
+    time_anchored_to: str | None = None
+    predicted_step_s_unanchored: float | None = None
 
 
 @dataclass
@@ -207,6 +211,8 @@ class TuneResult:
                                 else None),
             "step_time_model": None if m is None else m.time_model,
             "step_time_calibrated": None if m is None else m.time_calibrated,
+            "step_time_anchored_to": None if m is None else m.time_anchored_to,
+            "predicted_step_s_before_anchoring": None if m is None else m.predicted_step_s_unanchored,
             "search_time_calibrated": isinstance(self.device, CalibratedDevice),
             "calibration": None if self.calibration is None else {
                 "device": self.calibration.name, "batch_sizes": list(self.calibration.batch_sizes),

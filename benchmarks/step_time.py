@@ -7,9 +7,11 @@ at batch sizes *other than* the measured one (a quarter and a half of it, 2 at l
 extrapolation, as when a user calibrates small and trains large), then captured at the measured
 batch, and every plan of ``benchmarks.fidelity.PLANS`` (no swapping and six swap plans with
 different stalls) is built with ``rewriter.apply`` and timed on the CPU testbed. All plans of a
-model are timed in the same interleaved passes (``rewriter.calibrate.timed_passes``: each pass runs
-every plan; a pass slower than the best by more than the tolerance on any plan is rejected), so
-plans are compared under the same load. Beside each measurement: the calibrated prediction
+model are timed in the same interleaved passes with the calibration's own unswapped steps
+(``rewriter.anchored.timed_beside_anchors``; ``timed_passes``: each pass runs every step; a pass
+slower than the best by more than the tolerance on any step is rejected), so plans are compared
+under the same load and "re-anchored" predictions take their totals from the calibration's steps
+timed beside them, as the product's measured run does (``autotune.measured``). Beside each measurement: the calibrated prediction
 (``simulator.replay(graph, plan, calibrated)``) and the uncalibrated ``cpu-testbed`` preset's.
 
 Targets (docs/design.md 5): over every model and plan, median |error| <= 5 %, worst <= 15 %; per
@@ -119,7 +121,7 @@ def _worker(spec_path: str, out_path: str) -> int:
 
     import rewriter
     from benchmarks.models import build_model, example_batch
-    from rewriter.calibrate import timed_passes
+    from rewriter.anchored import timed_beside_anchors
     from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
 
     def emit(record: dict[str, Any]) -> None:
@@ -162,18 +164,11 @@ def _worker(spec_path: str, out_path: str) -> int:
         records[label] = record
     # the calibration's own unswapped steps, timed again in the same passes: "re-anchored" predictions
     # take their totals from there, so that a change of the machine's load since the calibration cancels
-    for b in calibrated.batch_sizes:
-        at = graph.with_batch(b)
-        anchor = rewriter.apply(model, SwapPlan.empty(at), graph=at, batch_size=b, placement=place, verify=False)
-        flat = anchor._flat_inputs(*example_batch(model, b))
-        for _ in range(2):
-            anchor.run_flat(*flat)
-        calls[("anchor", b)] = (lambda step=anchor, flat=flat: step.run_flat(*flat))
     snapshot = steps[0].snapshot() if steps else None  # every step updates the model's own variables
     start = time.perf_counter()
-    timing = timed_passes(calls, max_passes=int(spec["max_passes"]), min_total_s=MEASURE_MIN_S,
-                          between=None if snapshot is None else snapshot.restore)
-    anchored = calibrated.with_step_times([timing.step_s[("anchor", b)] for b in calibrated.batch_sizes])
+    anchored, timing = timed_beside_anchors(
+        calibrated, model, graph, calls, placement=place, max_passes=int(spec["max_passes"]), min_total_s=MEASURE_MIN_S,
+        between=None if snapshot is None else snapshot.restore)
     for label, record in records.items():
         if label in calls:
             record.update(measured_step_s=timing.step_s[label], measured_all_s=timing.all_s[label],
@@ -360,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
          "same replay on the uncalibrated cpu-testbed preset. error_pct = predicted / measured - 1. anchored_ms: the "
          "calibration's per-op shares, link and contention as calibrated, its totals taken from the calibration "
          "batches' unswapped steps timed again in the same passes as the plans "
-         "(`CalibratedDevice.with_step_times`): the error of the model with the machine's drift between "
-         "calibration and measurement taken out; still no step at the measured batch is used. Both replay the "
+         "(`rewriter.anchored.timed_beside_anchors`, `CalibratedDevice.with_step_times`): the prediction the "
+         "product's measured run reports, the machine's drift between calibration and measurement taken out; "
+         "still no step at the measured batch is used. Both replay the "
          "testbed's copy-out wait (the op after a producer waits for its copy out: `copies_out_wait`) and refit "
          "the copies' contention and overhead on steps replayed so. calibrated_at: a quarter and a half of the "
          "measured batch, 2 at least (batch 1 is off the line: `benchmarks.step_time.calibration_batches`)."),
