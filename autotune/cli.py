@@ -8,8 +8,10 @@ Exit codes: 0 done (a plan fits, confirmed by a measured run unless --no-measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -212,6 +214,18 @@ def _say(quiet: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _said_if_slow(quiet: bool, text: str, after_s: float = 3.0):
+    """Say ``text`` once the block has run ``after_s`` seconds (a wait the user would otherwise not understand)."""
+    timer = threading.Timer(after_s, _say, args=(quiet, text))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -256,6 +270,11 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
         configure_testbed(gpu_memory_limit_bytes=_given_budget_bytes(settings))
     model = load_user_model(settings)  # the user's --import modules first
+    from simulator.warmup import warm_up
+
+    with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
+                              "minute on 2 cores) ..."):
+        warm_up()
     from autotune.confirm import tune
     from rewriter.capture import CaptureError
 
