@@ -384,11 +384,14 @@ def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceMod
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
-                   sampler: str, seed: int | None, recompute: bool = False) -> str:
+                   sampler: str, seed: int | None, recompute: bool = False, space: SearchSpace | None = None) -> str:
     """A study's default name; searches with and without recomputation keep theirs apart (a
-    swap-only search keeps the name it had before recomputation existed)."""
+    swap-only search keeps the name it had before recomputation existed). With recomputation the
+    name holds the search space too: a version whose recompute space changed starts a new study
+    instead of refusing the stored one (``open_study``), which is kept as it is."""
     key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
-    key += "|recompute" if recompute else ""
+    if recompute:
+        key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
@@ -486,7 +489,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
-    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute)
+    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
+                                        problem.space)
     study = open_study(storage, name, g, problem.space)
     if baseline.feasible:
         notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"

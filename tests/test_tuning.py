@@ -12,9 +12,11 @@ import optuna  # noqa: E402
 
 from autotune.policies import Budget, make_policy  # noqa: E402
 from autotune.search import SearchSpace, TuningProblem  # noqa: E402
+from autotune.tuning import study_name_for  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from rewriter.capture import capture  # noqa: E402
 from simulator import get_device, plan_swaps, replay  # noqa: E402
+from simulator.synthetic import training_graph  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -196,3 +198,17 @@ def test_batch_probes_are_shared_without_changing_answers():
     fresh = SwapProbes(g, budget, unlimited, probe_trials=30).at(batch)
     assert [(e.params, e.step_s, e.feasible) for e in fresh] == [
         (e.params, e.step_s, e.feasible) for e in probes.evaluations_at[batch]]
+
+
+def test_a_changed_recompute_space_gets_its_own_default_study_name():
+    """A version whose recompute space differs starts a new study instead of refusing the stored one;
+    a swap-only search keeps its name (and resumes)."""
+    g = training_graph(6)
+    device = get_device("v100-16gb")
+    space = SearchSpace.for_graph(g, recompute=True)
+    other = dataclasses.replace(space, recompute_cost=space.recompute_cost[:-1])
+    names = [study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, True, s) for s in (space, other, space)]
+    assert names[0] != names[1] and names[0] == names[2]
+    swap_only = SearchSpace.for_graph(g)
+    assert study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, False, swap_only) == \
+        study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0)
