@@ -176,7 +176,6 @@ def test_batch_probes_are_shared_without_changing_answers():
     own search gets; probes where no plan went over the host limit carry over to the unlimited
     question unchanged, the others are searched again."""
     from autotune.tuning import HOST_UNLIMITED_BYTES, SwapProbes, largest_batch_with_swap
-    from simulator.synthetic import training_graph
 
     g = training_graph(40, batch_size=1)
     plain_peak = replay(g.with_batch(64), None, "v100-16gb").peak_bytes
