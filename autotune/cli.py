@@ -8,8 +8,10 @@ Exit codes: 0 done (a plan fits, confirmed by a measured run unless --no-measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -216,6 +218,18 @@ def _say(quiet: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _said_if_slow(quiet: bool, text: str, after_s: float = 3.0):
+    """Say ``text`` once the block has run ``after_s`` seconds (a wait the user would otherwise not understand)."""
+    timer = threading.Timer(after_s, _say, args=(quiet, text))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -260,6 +274,11 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
         configure_testbed(gpu_memory_limit_bytes=_given_budget_bytes(settings))
     model = load_user_model(settings)  # the user's --import modules first
+    from simulator.warmup import warm_up
+
+    with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
+                              "minute on 2 cores) ..."):
+        warm_up()
     from autotune.confirm import tune
     from rewriter.capture import CaptureError
 
@@ -323,7 +342,16 @@ def _summary_text(result, report: Path, seconds: float) -> str:
         lines.append(f"measured on {m.measured_on} at batch {m.batch_size}: {peak} "
                      f"(predicted {format_bytes(m.predicted_peak_bytes)}), step {m.step_s:.4g} s "
                      f"(predicted {m.predicted_step_s:.4g} s{ratio}, "
-                     f"{'calibrated on this machine' if m.time_calibrated else 'a datasheet estimate'})")
+                     f"{_time_source(m)})")
     lines.append(f"verdict: {result.verdict.headline}")
     lines.append(f"report: {report}   ({seconds:.0f} s)")
     return "\n".join(lines)
+
+
+def _time_source(m) -> str:
+    """Where a measured run's predicted step time comes from, for the summary line."""
+    if not m.time_calibrated:
+        return "a datasheet estimate"
+    if m.time_anchored_to:
+        return "calibrated on this machine, re-anchored to the unswapped steps timed beside it"
+    return "calibrated on this machine"

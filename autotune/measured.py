@@ -92,6 +92,39 @@ def testbed_batch_for(graph, batch_size: int) -> int:
     return batch
 
 
+def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device: CalibratedDevice, data, placement,
+                shapes: dict) -> tuple[float, float, str] | None:
+    """The plan's step timed in passes beside the calibration's own unswapped steps, and predicted by the
+    calibration re-anchored to them (``rewriter.anchored``: the machine's speed drifts between the
+    calibration and this run; ``graph``: the model's step, ``run_graph``: the plan's, with its
+    recomputations): (measured step s, predicted step s, what it was anchored to); None when
+    those steps cannot run here (out of memory), the calibration's own prediction then stands."""
+    import tensorflow as tf  # TensorFlow only when a plan is measured
+    from rewriter.anchored import ANCHOR, timed_beside_anchors
+
+    flat = run.step._flat_inputs(*data)
+    snapshot = run.step.snapshot()  # the timed steps update the model's variables
+    try:
+        anchored, timing = timed_beside_anchors(device, model, graph, {"plan": lambda: run.step.run_flat(*flat)},
+                                                placement=placement, shapes=shapes, between=snapshot.restore)
+    except tf.errors.ResourceExhaustedError as error:
+        log.warning("the step times were not re-anchored (%s)", str(error).splitlines()[0][:200])
+        return None
+    finally:
+        snapshot.restore()
+    anchors = ", ".join(f"{b} ({timing.step_s[(ANCHOR, b)]:.4g} s)" for b in device.batch_sizes)
+    return timing.step_s["plan"], replay(run_graph, run.plan, anchored).step_s, f"unswapped steps at batch sizes {anchors}"
+
+
+def _clones(check: Any) -> dict:
+    """What of the plan's recomputations ran (``check``: a ``rewriter.recompute_check.RecomputeVerification``, None when
+    the plan recomputes nothing), as ``MeasuredRun`` keeps it."""
+    if check is None:
+        return {}
+    return {"clones_survived": check.clones + len(check.clones_gone_with_original),
+            "clones_planned": check.planned_clones, "recompute_problems": check.problems()}
+
+
 def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes=None, label_dtype=None) -> MeasuredRun:
     """Apply the chosen plan to ``model``'s real step, run it, and measure peak memory and time."""
     import rewriter  # TensorFlow only when a plan is measured
@@ -118,8 +151,15 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     predicted_base = replay(graph, None, device)
     shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)  # as captured
     data = synthetic_batch(model, batch, **shapes)
-    run = run_plan(model, graph if params is None else plan_graph, plan, device, data, placement=placement, **shapes)
+    run_graph = graph if params is None else plan_graph
+    run = run_plan(model, run_graph, plan, device, data, placement=placement, **shapes)
     measured, predicted = run.measured, run.predicted
+    step_s = float("nan") if measured is None else measured.step_s
+    predicted_step_s, anchored_to = predicted.step_s, None
+    if isinstance(device, CalibratedDevice) and measured is not None:
+        reanchored = _reanchored(model, graph, run_graph, run, device, data, placement, shapes)
+        if reanchored is not None:
+            step_s, predicted_step_s, anchored_to = reanchored
     baseline = plain = None
     if result.has_actions:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
@@ -137,15 +177,17 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     return MeasuredRun(
         measured_on=placement.measured_on if measured is None else measured.measured_on, batch_size=batch,
         peak_bytes=0 if measured is None else measured.peak_bytes,
-        step_s=float("nan") if measured is None else measured.step_s,
+        step_s=step_s,
         baseline_peak_bytes=None if baseline is None else baseline.peak_bytes,
         baseline_step_s=None if baseline is None else baseline.step_s,
-        predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s, time_model=device.name,
+        predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted_step_s, time_model=device.name,
+        predicted_step_s_unanchored=predicted.step_s if anchored_to is not None else None, time_anchored_to=anchored_to,
         time_calibrated=isinstance(device, CalibratedDevice),
         predicted_baseline_peak_bytes=predicted_base.peak_bytes,
         allocator_peak_bytes=None if measured is None else measured.allocator_peak_bytes,
         note=note, swaps_survived=None if verification is None else verification.swap_outs,
         swaps_planned=plan.n_swaps, plain_peak_bytes=None if plain is None else plain.peak_bytes,
+        **_clones(None if verification is None else verification.recompute),
         out_of_memory=run.out_of_memory,
     )
 

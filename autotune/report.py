@@ -54,17 +54,26 @@ def _listed(names: list[str], shown: int = 5) -> str:
     return f"{len(names)}: " + ", ".join(names[:shown]) + ", ..."
 
 
+def _plan_clauses(n_swaps: int, n_recomputes: int, order_name: str) -> str:
+    """What a plan does, for the report's verdict sentence ("swaps 3 tensors, recomputes 2 tensors")."""
+    clauses = []
+    if n_swaps or not n_recomputes:
+        clauses.append(f"swaps {n_swaps} tensor{'s' * (n_swaps != 1)}" if n_swaps else "swaps nothing")
+    if n_recomputes:
+        clauses.append(f"recomputes {n_recomputes} tensor{'s' * (n_recomputes != 1)}")
+    if not n_swaps:  # without swaps, the order is what else changes the step
+        clauses.append(f"runs the ops in the `{order_name}` order")
+    return ", ".join(clauses)
+
+
 def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
     sections = []
     verdict = [f"**{result.verdict.headline}**"]
     if result.feasible and result.plan is not None and (result.plan.changes_step or result.recomputes):
-        how = (f"swaps {result.plan.n_swaps} tensors" if result.plan.n_swaps else
-               f"swaps nothing, runs the ops in the `{result.plan.order_name}` order,")
-        if result.recomputes:
-            how += f", recomputes {len(result.recomputes)}" + ("," if not result.plan.n_swaps else "")
-        verdict.append(f"The plan {how} and brings the predicted peak from "
+        verdict.append(f"The plan {_plan_clauses(result.plan.n_swaps, len(result.recomputes), result.plan.order_name)}"
+                       f" and brings the predicted peak from "
                        f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
                        f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
                        f"{_seconds(shown.step_s)} ({_pct(shown.metrics['overhead'])} over computing alone).")
@@ -151,11 +160,17 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                          format_bytes(m.plain_peak_bytes), ""))
         table = pd.DataFrame(rows, columns=["", "predicted", "measured", "predicted / measured"])
         text = [f"Measured on {m.measured_on} at batch {m.batch_size}. {m.note}".strip(),
-                (f"The predicted step time is from the calibration of this machine ({m.time_model})." if m.time_calibrated
+                (f"The predicted step time is from the calibration of this machine ({m.time_model})"
+                 + (f", re-anchored to its {m.time_anchored_to}, timed in the same passes as the plan's step "
+                    f"(the machine's speed drifts; before: {_seconds(m.predicted_step_s_unanchored)})."
+                    if m.time_anchored_to else ".") if m.time_calibrated
                  else f"The predicted step time is a datasheet estimate of the {m.time_model or 'preset'} preset "
                       f"({PRESET_TIME_ERROR} on the testbed): --calibrate measures it.")]
         if m.swaps_planned and m.swaps_survived is not None:
             text.append(f"{m.swaps_survived} of {m.swaps_planned} swaps survived TensorFlow's graph optimizer.")
+        if m.clones_planned:
+            text.append(f"{m.clones_survived} of {m.clones_planned} recomputed ops survived TensorFlow's graph optimizer"
+                        + (" (" + "; ".join(m.recompute_problems) + ")." if m.recompute_problems else "."))
         rounds = result.verdict.checks
         if rounds:
             text.append("The measured run decides the verdict: a plan counts as confirmed when its measured peak is "
@@ -216,8 +231,6 @@ def _markdown(title: str, sections: list[Section]) -> str:
 
 def _inline(text: str) -> str:
     """Escape, then the two bits of Markdown the paragraphs use: **bold** and `code`."""
-    import re
-
     text = html.escape(text)
     text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
     return re.sub(r"`(.+?)`", r"<code>\1</code>", text)

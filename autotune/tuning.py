@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,12 +54,21 @@ class MeasuredRun:
     note: str = ""
     swaps_survived: int | None = None
     swaps_planned: int | None = None
+    # the plan's recomputations in the optimized graph that ran (rewriter.recompute_check): clones still
+    # running (or fused with their original) of those planned, and what Grappler undid
+    clones_survived: int | None = None
+    clones_planned: int | None = None
+    recompute_problems: list[str] = field(default_factory=list)
     # without swapping: the step a plain model.fit runs (Keras' own train_step, TF's executor order)
     plain_peak_bytes: int | None = None
     out_of_memory: bool = False  # the plan's run raised ResourceExhausted (peak_bytes is then 0)
     # the device model that predicted step_s (a calibration, autotune.calibration, or a preset's estimate)
     time_model: str = ""
     time_calibrated: bool = False
+    # a calibrated prediction re-anchored to the calibration's unswapped steps timed beside the plan's
+    # (rewriter.anchored): what they were, and the prediction before it; step_s is then that timing's
+    time_anchored_to: str | None = None
+    predicted_step_s_unanchored: float | None = None
 
 
 @dataclass
@@ -201,6 +211,8 @@ class TuneResult:
                                 else None),
             "step_time_model": None if m is None else m.time_model,
             "step_time_calibrated": None if m is None else m.time_calibrated,
+            "step_time_anchored_to": None if m is None else m.time_anchored_to,
+            "predicted_step_s_before_anchoring": None if m is None else m.predicted_step_s_unanchored,
             "search_time_calibrated": isinstance(self.device, CalibratedDevice),
             "calibration": None if self.calibration is None else {
                 "device": self.calibration.name, "batch_sizes": list(self.calibration.batch_sizes),
@@ -209,6 +221,9 @@ class TuneResult:
                 "transfer_latency_s": self.calibration.transfer_latency_s,
                 "copy_contention": self.calibration.copy_contention,
                 "copy_overhead_s": self.calibration.copy_overhead_s, "notes": list(self.calibration.notes)},
+            "measured_clones_survived": None if m is None else m.clones_survived,
+            "measured_clones_planned": None if m is None else m.clones_planned,
+            "measured_recompute_problems": None if m is None else m.recompute_problems,
             "measured_plain_fit_peak_bytes": None if m is None else m.plain_peak_bytes,
             "measured_out_of_memory": None if m is None else m.out_of_memory,
             "notes": self.notes,
@@ -263,8 +278,6 @@ def _with_host_budget(model: DeviceModel, gpu) -> tuple[DeviceModel, str]:
 def _visible_gpu():
     """(name, bytes TensorFlow may use, host budget for a preset's host bytes) of GPU:0, or None.
     Only asks TF when it is already imported."""
-    import sys
-
     if "tensorflow" not in sys.modules:
         return None
     import rewriter.host_memory as host_memory
@@ -373,11 +386,14 @@ def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceMod
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
-                   sampler: str, seed: int | None, recompute: bool = False) -> str:
+                   sampler: str, seed: int | None, recompute: bool = False, space: SearchSpace | None = None) -> str:
     """A study's default name; searches with and without recomputation keep theirs apart (a
-    swap-only search keeps the name it had before recomputation existed)."""
+    swap-only search keeps the name it had before recomputation existed). With recomputation the
+    name holds the search space too: a version whose recompute space changed starts a new study
+    instead of refusing the stored one (``open_study``), which is kept as it is."""
     key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
-    key += "|recompute" if recompute else ""
+    if recompute:
+        key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
@@ -475,7 +491,8 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
-    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute)
+    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
+                                        problem.space)
     study = open_study(storage, name, g, problem.space)
     if baseline.feasible:
         notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"

@@ -69,9 +69,10 @@ def constant_nodes(function_graphs) -> set[str]:
     return names
 
 
-def profiled_first_call(fn, *args) -> tuple[Any, list[Any], int]:
+def profiled_first_call(fn, *args, allocator_prefix: str | None = None) -> tuple[Any, list[Any], int]:
     """``fn``'s first call with graph collection and the profiler on: its result, the graphs that ran
-    and the bytes of the constants the call materialised (``memtrace.constant_bytes``)."""
+    and the bytes of the constants the call materialised on the accelerator (``memtrace.constant_bytes``;
+    ``allocator_prefix``: ``Placement.allocator_prefix``)."""
     found = []
 
     def run(*inputs):
@@ -80,4 +81,5 @@ def profiled_first_call(fn, *args) -> tuple[Any, list[Any], int]:
 
     space = memtrace.profile_call(run, *args)
     result, graphs = found[0]
-    return result, graphs, memtrace.constant_bytes(memtrace.memory_events(space), constant_nodes(graphs))
+    return result, graphs, memtrace.constant_bytes(memtrace.memory_events(space), constant_nodes(graphs),
+                                                   allocator_prefix)

@@ -105,13 +105,13 @@ def _state_bytes(step, flat: list[tf.Tensor]) -> int | None:
     return state + sum(int(np.prod(t.shape)) * t.dtype.size for t in flat)
 
 
-def _constant_bytes(step, call, flat: list[tf.Tensor]) -> int:
+def _constant_bytes(step, call, flat: list[tf.Tensor], place: Placement) -> int:
     """Bytes of the constants the step's kernels hold between calls (``memtrace.constant_bytes`` of
     its first call, the call that makes them): taken here when the step has not run yet, else what
     ``rewriter.verify`` took on the first call; 0 for a step that ran before without either."""
     known = getattr(step, "constant_bytes", None)
     if known is None and getattr(step, "calls", None) == 0:
-        _, _, known = profiled_first_call(call, *flat)
+        _, _, known = profiled_first_call(call, *flat, allocator_prefix=place.allocator_prefix)
         step.constant_bytes = known
     if known is None:
         log.debug("the step's constants are not known (its first call was not profiled): not counted as resident")
@@ -138,7 +138,7 @@ def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placeme
     call, flat = _inputs(step, x, y)
     snapshot = step.snapshot() if restore and hasattr(step, "snapshot") else None
     try:
-        constants = _constant_bytes(step, call, flat)  # the step's first call when it has not run yet
+        constants = _constant_bytes(step, call, flat, place)  # the step's first call when it has not run yet
         for _ in range(max(warmup, 1)):  # at least one: the first call optimizes the function
             _block(call(*flat))
         times = []

@@ -146,26 +146,33 @@ CONSTANT_FOLDED = "__cf__"  # in the names of the constants TensorFlow's runtime
 
 
 def kept_allocations(events: pd.DataFrame) -> pd.DataFrame:
-    """The allocations a traced call did not free (columns ``tf_op``, ``requested_bytes``)."""
-    live: dict[int, tuple[str, int]] = {}
-    for kind, addr, op, requested in events[["kind", "addr", "tf_op", "requested_bytes"]].itertuples(
-            index=False, name=None):
+    """The allocations a traced call did not free (columns ``tf_op``, ``requested_bytes``,
+    ``allocator_name``); an address is one allocation per allocator (a GPU's and the pinned host's
+    allocators can hand out equal addresses)."""
+    allocators = events["allocator_name"] if "allocator_name" in events else pd.Series("", index=events.index)
+    live: dict[tuple[str, int], tuple[str, int, str]] = {}
+    for kind, addr, op, requested, allocator in zip(events["kind"], events["addr"], events["tf_op"],
+                                                    events["requested_bytes"], allocators):
         if kind == "alloc":
-            live[addr] = (op, requested)
+            live[(allocator, addr)] = (op, requested, allocator)
         else:
-            live.pop(addr, None)
-    return pd.DataFrame(list(live.values()), columns=["tf_op", "requested_bytes"])
+            live.pop((allocator, addr), None)
+    return pd.DataFrame(list(live.values()), columns=["tf_op", "requested_bytes", "allocator_name"])
 
 
-def constant_bytes(events: pd.DataFrame, constant_ops: set[str]) -> int:
+def constant_bytes(events: pd.DataFrame, constant_ops: set[str], allocator_prefix: str | None = None) -> int:
     """Bytes of the constants a function's first call materialised and keeps: the allocations it did
     not free made by a ``Const`` node of the graph that ran (``constant_ops``: Grappler's folded
     constants keep the folded op's name) or by TensorFlow's runtime constant folding (``__cf__`` in the
     name, made after the graph is partitioned). Its kernels hold them from then on, outside any later
     call's trace and outside the step's variables, though they take device memory (a 48x48 image
     loss's mean-gradient tile: 108 KiB). Not every kept allocation is one: a variable whose update
-    replaced its buffer while something still held the old one keeps the new one too."""
+    replaced its buffer while something still held the old one keeps the new one too.
+    ``allocator_prefix`` (``Placement.allocator_prefix``): only the accelerator's allocator counts (a
+    GPU's host-side constants take no device memory)."""
     kept = kept_allocations(events)
+    if allocator_prefix is not None:
+        kept = kept[kept["allocator_name"].str.upper().str.startswith(allocator_prefix)]
     is_constant = kept["tf_op"].isin(constant_ops) | kept["tf_op"].str.contains(CONSTANT_FOLDED, regex=False)
     return int(kept.loc[is_constant, "requested_bytes"].sum())
 

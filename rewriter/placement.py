@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from rewriter import memtrace
 from simulator.devices import get_device, preset_for_gpu
 from simulator.memory_budgets import usable_gpu_bytes
 
@@ -86,6 +87,12 @@ class Placement:
         then makes the op after the producer wait for it)."""
         return False
 
+    @property
+    def allocator_prefix(self) -> str | None:
+        """The profiler's name (prefix, upper case) of the accelerator's own allocator, where it has one
+        apart from the host's (a GPU's "GPU_0_bfc"); None where the devices share one (the testbed)."""
+        return None
+
     def is_host_op(self, op_name: str) -> bool:
         return is_swap_out_op(op_name)
 
@@ -115,6 +122,10 @@ class GpuPlacement(Placement):
     measured_on: str = "gpu"
 
     @property
+    def allocator_prefix(self) -> str:
+        return f"GPU_{self.accelerator.rsplit(':', 1)[-1]}_"
+
+    @property
     def simulator_device(self) -> str | None:
         found = gpu_memory()
         if found is None:
@@ -126,8 +137,6 @@ class GpuPlacement(Placement):
         allocator (the prediction's unit, as on the testbed), ``allocator_peak_bytes`` TensorFlow's own
         ``get_memory_info`` peak (BFC chunks, cuDNN workspaces included) of the same call; host copies
         (the pinned ``gpu_host_bfc`` allocator) are left out by allocator, and counted as the host peak."""
-        from rewriter import memtrace
-
         device = self.accelerator.rsplit("device:", 1)[-1]  # "GPU:0"
         tf.config.experimental.reset_memory_stats(device)
         current = int(tf.config.experimental.get_memory_info(device)["current"])
@@ -140,7 +149,7 @@ class GpuPlacement(Placement):
         events = memtrace.record_memory_events(call, *args)
         allocator_peak = int(tf.config.experimental.get_memory_info(device)["peak"])
         return gpu_reading(events, device, allocator_peak_bytes=allocator_peak, current_bytes=current,
-                           resident_bytes=resident_bytes)
+                           resident_bytes=resident_bytes, allocator_prefix=self.allocator_prefix)
 
 
 @dataclass(frozen=True)
@@ -178,8 +187,6 @@ class CpuTestbedPlacement(Placement):
         return self.accelerator
 
     def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
-        from rewriter import memtrace
-
         warn_if_allocations_hidden()
         warn_if_onednn_off()
         if resident_bytes is None:
@@ -199,15 +206,13 @@ class CpuTestbedPlacement(Placement):
 
 
 def gpu_reading(events, device: str, *, allocator_peak_bytes: int, current_bytes: int,
-                resident_bytes: int | None = None) -> PeakReading:
+                resident_bytes: int | None = None, allocator_prefix: str | None = None) -> PeakReading:
     """A GPU call's ``PeakReading`` from its profiler memory events (``memtrace.parse_xspace``): the
     allocator named after the device ("GPU_0_bfc") is the device, "gpu_host_bfc" the host copies. When
     the trace holds no event of the device's allocator, the allocator's figure is all there is."""
-    from rewriter import memtrace
-
-    index = device.rsplit(":", 1)[-1]
+    prefix = allocator_prefix or f"GPU_{device.rsplit(':', 1)[-1]}_"
     names = {str(name) for name in events["allocator_name"].unique()} if len(events) else set()
-    ours = sorted(name for name in names if name.upper().startswith(f"GPU_{index}_"))
+    ours = sorted(name for name in names if name.upper().startswith(prefix))
     if not ours:
         log.warning("the profiler recorded no allocation of %s's allocator: the peak is TensorFlow's allocator "
                     "figure (chunk bytes), not requested bytes", device)

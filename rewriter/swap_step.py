@@ -73,13 +73,6 @@ class SwapStep:
         """Bytes copied back per step (h2d): one copy per swap-in."""
         return sum(s.bytes * len(s.swap_ins) for s in self.applied)
 
-    def swap_node_names(self) -> list[str]:
-        names = []
-        for swap in self.applied:
-            names.append(swap.swap_out)
-            names.extend(name for item in swap.swap_ins for name in (item.host_node, item.name) if name)
-        return names
-
     def __repr__(self) -> str:
         return (f"SwapStep(batch_size={self.batch_size}, swaps={self.n_swap_outs}, swap_ins={self.n_swap_ins}, "
                 f"skipped={len(self.skipped)}, placement={self.placement.describe()!r})")

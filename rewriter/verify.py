@@ -360,7 +360,8 @@ def verify_first_call(step, example=None) -> Verification:
     flat = step._flat_inputs(*example) if example is not None else step.zeros()
     snapshot = step.snapshot()
     try:
-        _, graphs, step.constant_bytes = profiled_first_call(step.run_flat, *flat)
+        _, graphs, step.constant_bytes = profiled_first_call(step.run_flat, *flat,
+                                                             allocator_prefix=step.placement.allocator_prefix)
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host,

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
+import numpy as np
+
 from simulator.devices import GB, DeviceModel
 from simulator.recompute import original_name
 
@@ -31,8 +33,6 @@ def graph_identity(g) -> str:
     """Digest of a graph's tensor shapes and dtypes (``N`` for the batch dimension): two captures of
     one model at any batch sizes agree, the same layers at other widths or input shapes do not.
     Tensors without a shape (hand-made graphs) count by their sizes ``a + b * batch`` instead."""
-    import numpy as np  # lazy, as in DeviceModel.op_seconds
-
     shapes = g.tensor_shape.tolist()
     sizes = np.round(np.asarray(g.tensor_bytes_ab, dtype=np.float64)).astype(np.int64).tolist()
     text = json.dumps([[dtype, shape or size] for dtype, shape, size in zip(g.tensor_dtype.tolist(), shapes, sizes)])
@@ -48,7 +48,8 @@ class CalibratedDevice(DeviceModel):
     anchored to unprofiled step times (``measured_step_s``, one per batch size). Ops the calibration
     did not see (a graph that differs a little, e.g. by a graph rewrite) take the preset's roofline
     times ``roofline_scale``. The link fields (``h2d_bytes_per_s``, ``d2h_bytes_per_s``,
-    ``transfer_latency_s``), ``copy_contention`` and ``copy_overhead_s`` are measured too; the rest is the preset's
+    ``transfer_latency_s``), ``copy_contention`` and ``copy_overhead_s`` are measured too, ``copies_out_wait`` is the
+    placement's; the rest is the preset's
     (``preset``). It serves every batch size of a graph captured from the same model
     (``graph_fingerprint``, ``graph_identity``) and refuses others' (``CalibrationMismatchError``).
     """
@@ -76,7 +77,7 @@ class CalibratedDevice(DeviceModel):
     @classmethod
     def from_preset(cls, base: DeviceModel, g, *, op_seconds_ab, batch_sizes, measured_step_s, h2d_bytes_per_s: float,
                     d2h_bytes_per_s: float, transfer_latency_s: float, copy_contention: float = 0.0,
-                    copy_overhead_s: float = 0.0,
+                    copy_overhead_s: float = 0.0, copies_out_wait: bool = False,
                     roofline_scale: float = 1.0, source: str = "", notes=()) -> "CalibratedDevice":
         """``base``'s memory figures and roofline with measured times for graph ``g``'s ops
         (``op_seconds_ab[i]`` for ``g.op_name[i]``) and link; named after ``base`` and a digest of
@@ -85,7 +86,7 @@ class CalibratedDevice(DeviceModel):
         kept.update(
             h2d_bytes_per_s=float(h2d_bytes_per_s), d2h_bytes_per_s=float(d2h_bytes_per_s),
             transfer_latency_s=float(transfer_latency_s), copy_contention=float(copy_contention),
-            copy_overhead_s=float(copy_overhead_s),
+            copy_overhead_s=float(copy_overhead_s), copies_out_wait=bool(copies_out_wait),
             source=source or f"calibrated on this machine; memory figures and roofline from {base.name}")
         measured = dict(
             preset=base.name, model_name=str(g.meta.get("model", "")), graph_fingerprint=g.fingerprint(),
@@ -101,8 +102,6 @@ class CalibratedDevice(DeviceModel):
         """The same calibration anchored to other unprofiled step times at its batch sizes (one per
         ``batch_sizes``, e.g. timed again beside the steps it predicts, so that a change of the machine's
         load in between cancels): each op keeps its share of the step, ``a + b * batch`` is refitted."""
-        import numpy as np
-
         new = np.asarray(measured_step_s, dtype=np.float64)
         if new.shape != (len(self.batch_sizes),) or not (new > 0).all():
             raise ValueError(f"{self.name}: one positive step time per batch size {self.batch_sizes}")
@@ -135,8 +134,6 @@ class CalibratedDevice(DeviceModel):
 
     @cached_property
     def _ab(self):
-        import numpy as np
-
         return np.asarray(self.op_seconds_ab, dtype=np.float64).reshape(-1, 2)
 
     def coverage(self, g) -> float:
@@ -168,8 +165,6 @@ class CalibratedDevice(DeviceModel):
         """Per-op time of graph ``g`` at its batch size (indexed like its ops): measured where the
         calibration saw the op (a clone costs what its original costs), else the preset's roofline
         scaled by ``roofline_scale``."""
-        import numpy as np
-
         self.check_graph(g)
         index = self._op_index
         # a recomputation's clone ("<op>/recompute_<k>") runs its original's kernel: it takes its time
@@ -188,7 +183,8 @@ class CalibratedDevice(DeviceModel):
         return (f"{self.name}: op times of {self.model_name} measured at batch sizes {sizes} ({len(self.op_names)} "
                 f"ops); link {self.h2d_bytes_per_s / GB:.1f} GB/s in, {self.d2h_bytes_per_s / GB:.1f} GB/s out, "
                 f"{self.transfer_latency_s * 1e6:.1f} us per copy; copy contention {self.copy_contention:.2f}, "
-                f"{self.copy_overhead_s * 1e6:.1f} us of step per copy")
+                f"{self.copy_overhead_s * 1e6:.1f} us of step per copy"
+                + ("; the op after a producer waits for its copy out" if self.copies_out_wait else ""))
 
 
 __all__ = ["CalibratedDevice", "CalibrationError", "CalibrationMismatchError", "MIN_OP_COVERAGE", "graph_identity"]

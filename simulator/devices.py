@@ -5,8 +5,8 @@ Why this module exists
 The simulator predicts the peak device memory and the step time of one training
 step, with and without activations swapped out to host memory, so that the
 auto-tuner can search swap plans quickly and without the hardware.  It is
-deliberately framework-free: it never imports TensorFlow (or numpy at import
-time), so it can run on a laptop, in CI, or on the head node of a cluster.
+deliberately framework-free: it never imports TensorFlow (numpy, pandas and numba
+only), so it can run on a laptop, in CI, or on the head node of a cluster.
 Everything it needs to know about the target machine is the handful of numbers
 in :class:`DeviceModel`: how much memory the TensorFlow process can really use,
 how fast kernels run (a roofline: compute- or bandwidth-bound, plus a fixed
@@ -42,6 +42,8 @@ Conventions
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 GiB = 1024**3
 GB = 1e9
@@ -80,6 +82,12 @@ class DeviceModel:
     # seconds each copy (swap-out or swap-in) adds to the step beyond its transfer: the executor's
     # cross-device hand-off on the compute's threads (the CPU testbed: fitted by rewriter.calibrate)
     copy_overhead_s: float = 0.0
+    # whether the op after a swapped tensor's producer waits for its copy out, as on the CPU testbed, whose
+    # copies wait for a compute thread and whose op after the producer is made to wait for the copy
+    # (rewriter.graph_edit, Placement.copies_wait_for_compute): the replay then waits for every copy out
+    # where it waits for a synchronous one (its first reader left on the device, else the op after its
+    # producer). Set by rewriter.calibrate on such a placement; the presets keep False
+    copies_out_wait: bool = False
 
     def __post_init__(self):
         positive = (
@@ -118,15 +126,13 @@ class DeviceModel:
         """Roofline time of one kernel (or of many, element-wise on arrays).
 
         ``max(flops / effective_flops, touched_bytes / effective_bandwidth) + op_overhead_s``.
-        Accepts Python/numpy scalars (returns a float) or array-likes (returns a
-        numpy array; numpy is imported only in that case).
+        Accepts Python/numpy scalars (returns a float, the search's fast path) or
+        array-likes (returns a numpy array).
         """
         if _is_scalar(flops) and _is_scalar(touched_bytes):
             compute = flops / self.effective_flops
             memory = touched_bytes / self.effective_bandwidth
             return (compute if compute > memory else memory) + self.op_overhead_s
-        import numpy as np  # lazy: the simulator core stays importable without numpy
-
         compute = np.asarray(flops, dtype=np.float64) / self.effective_flops
         memory = np.asarray(touched_bytes, dtype=np.float64) / self.effective_bandwidth
         return np.maximum(compute, memory) + self.op_overhead_s
@@ -149,8 +155,6 @@ class DeviceModel:
         bw = self.link_bytes_per_s(direction)
         if _is_scalar(nbytes):
             return self.transfer_latency_s + nbytes / bw
-        import numpy as np
-
         return self.transfer_latency_s + np.asarray(nbytes, dtype=np.float64) / bw
 
 

@@ -471,6 +471,14 @@ class NamedPlan:
         return cls.from_dict(data)
 
 
+_OUTPUT_REF = re.compile(r".+:[0-9]+")
+
+
+def _is_output_ref(name: str) -> bool:
+    """An "op:output" name with a decimal output index (``str.isdigit`` takes "²", which ``int`` refuses)."""
+    return _OUTPUT_REF.fullmatch(name) is not None
+
+
 _FORMAT_PATTERN = re.compile(rf"^{re.escape(FORMAT_NAME)}/(\d+)$")
 
 
@@ -495,8 +503,8 @@ def _read_v1(data: dict[str, Any]) -> NamedPlan:
     records = []
     for i, record in enumerate(swaps):
         if not isinstance(record, dict) or not isinstance(record.get("tensor"), str) \
-                or not isinstance(record.get("swap_ins"), list) or ":" not in record["tensor"] \
-                or not record["tensor"].rpartition(":")[2].isdigit():
+                or not isinstance(record.get("swap_ins"), list) \
+                or not _is_output_ref(record["tensor"]):
             raise PlanError(f"swap {i} of the plan is malformed (needs 'tensor' as 'op:output' and 'swap_ins')")
         swap_ins = []
         for item in record["swap_ins"]:
@@ -545,7 +553,7 @@ def _read_v2(data: dict[str, Any]) -> NamedPlan:
         names = (record.get("ops"), record.get("consumers")) if isinstance(record, dict) else (None, None)
         if not isinstance(record, dict) or not all(isinstance(record.get(key), str) for key in ("tensor", "trigger")) \
                 or not all(isinstance(value, list) and all(isinstance(n, str) for n in value) for value in names) \
-                or not record["tensor"].rpartition(":")[2].isdigit():
+                or not _is_output_ref(record["tensor"]):
             raise PlanError(f"recomputation {k} of the plan is malformed (needs 'tensor' as 'op:output', 'trigger' "
                             "as an op name, and 'ops' and 'consumers' as lists of op names)")
         actions.append(Recompute(record["tensor"], tuple(names[0]), record["trigger"], tuple(names[1])))
@@ -579,5 +587,7 @@ def load_plan(plan: Any, graph: OpGraph | None = None) -> NamedPlan:
                 text = path.read_text()
             except OSError as error:
                 raise PlanError(f"cannot read the plan file {path}: {error.strerror or error}") from None
+            except UnicodeDecodeError:
+                raise PlanError(f"the plan file {path} is not text (a plan is UTF-8 JSON)") from None
         return NamedPlan.from_json(text)
     return NamedPlan.from_dict(plan)

@@ -11,13 +11,14 @@ picked candidates become ``Recompute`` actions (``actions_of``) that ``with_reco
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from simulator.devices import DeviceModel
-from simulator.graph import BACKWARD, FORWARD, OpGraph
+from simulator.graph import BACKWARD, FORWARD, Analysis, OpGraph
 from simulator.ordering import categorized_levels, execution_order, position_of
 from simulator.params import TRIGGER_POLICIES, ParamsError, SwapParams
 from simulator.plan import SwapPlan
@@ -326,10 +327,33 @@ def actions_of(g: OpGraph, chosen: Sequence[Candidate]) -> list[Recompute]:
     return [c.action(g) for c in sorted(chosen, key=lambda c: c.tensor)]
 
 
-# the transformed graphs of recent choices, by (original structure, actions): every batch size and
-# every swap plan of one choice share one graph's structural analyses (levels, orders, buffers)
-_GRAPHS: dict[tuple[str, tuple[Recompute, ...]], OpGraph] = {}
-_GRAPHS_KEPT = 64
+# how many transformed graphs (one per distinct choice of recomputations) a graph keeps: every batch size
+# and every swap plan of one choice share one graph's structural analyses (levels, orders, buffers)
+RECOMPUTED_GRAPHS_KEPT = 64
+
+
+class _RecentGraphs:
+    """The transformed graphs of a graph's recent choices, by actions (memoised on that graph, so a
+    capture with the same names at other sizes never sees them); the lock keeps eviction thread-safe."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple[Recompute, ...], OpGraph] = {}
+        self.lock = threading.Lock()
+
+    def get(self, g: OpGraph, actions: tuple[Recompute, ...]) -> OpGraph:
+        with self.lock:
+            found = self.graphs.get(actions)
+        if found is not None:
+            return found
+        made = with_recomputes(g, list(actions))
+        with self.lock:
+            while len(self.graphs) >= RECOMPUTED_GRAPHS_KEPT:
+                self.graphs.pop(next(iter(self.graphs)))
+            return self.graphs.setdefault(actions, made)
+
+
+# shared by every view of one capture (orders, distances, batch sizes), never by another capture
+RECENT_GRAPHS = Analysis("recent_recomputed_graphs", lambda g: _RecentGraphs(), scope="graph")
 
 
 def recomputed_graph(g: OpGraph, params: SwapParams, device: DeviceModel) -> tuple[OpGraph, list[Recompute]]:
@@ -342,12 +366,7 @@ def recomputed_graph(g: OpGraph, params: SwapParams, device: DeviceModel) -> tup
     actions = actions_of(g, chosen_recomputes(g, device, rules))
     if not actions:
         return g, []
-    key = (g.fingerprint(), tuple(actions))
-    if key not in _GRAPHS:
-        if len(_GRAPHS) >= _GRAPHS_KEPT:
-            del _GRAPHS[next(iter(_GRAPHS))]
-        _GRAPHS[key] = with_recomputes(g, actions)
-    transformed = _GRAPHS[key]
+    transformed = RECENT_GRAPHS(g).get(g, tuple(actions))
     return transformed.with_batch(g.batch_size).with_order(g.order), actions
 
 

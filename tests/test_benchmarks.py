@@ -9,6 +9,7 @@ from benchmarks.__main__ import main as benchmarks_main
 from benchmarks.common import interleaved_seconds, per_second, write_results
 from benchmarks.reference import (REFERENCES, ReferenceUnavailable, reference_simulator, reference_simulators,
                                   speed_row)
+from benchmarks.simulator_speed import search_row
 from simulator import SwapParams
 from simulator.synthetic import training_graph
 
@@ -60,3 +61,17 @@ def test_speed_row_times_the_reference_beside_today():
     assert row["identical_numpy"] and row["swaps"] > 0
     assert row["ms_per_replay"] <= row["ms_per_replay_median"] <= row["ms_per_replay_max"]
     assert row["ms_per_replay_numpy"] > 0 and row["replay_speedup_numpy"] > 0 and row["trial_speedup_numpy"] > 0
+
+
+def test_search_row_times_the_same_trials_beside_the_reference():
+    """``simulator_speed --searches``: the same grid points planned and replayed by today's simulator
+    and the numpy reference, with how many give the same Replay (a synthetic graph: all of them)."""
+    try:
+        references = reference_simulators(["numpy"])
+    except ReferenceUnavailable as error:
+        pytest.skip(str(error))
+    row = search_row(training_graph(40, batch_size=8), "v100-16gb", references, 0.05, n_trials=6)
+    assert row["trials"] == 6 and row["identical_numpy"] == 6
+    assert 0 < row["ms_per_trial"] <= row["ms_per_trial_median"] <= row["ms_per_trial_max"]
+    assert row["trial_speedup_numpy"] == row["ms_per_trial_numpy"] / row["ms_per_trial"]
+    assert row["grid_walk_s_numpy"] == pytest.approx(row["ms_per_trial_numpy"] * row["grid_points"] / 1e3)

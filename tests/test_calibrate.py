@@ -145,6 +145,7 @@ def test_the_copies_cost_is_fitted_to_swapped_steps():
 
 def test_a_calibration_refuses_another_models_graph(quickly_calibrated_cnn):
     _, device = quickly_calibrated_cnn
+    assert device.copies_out_wait  # the testbed's op after a producer waits for its copy out (rewriter.graph_edit)
     other = rewriter.capture(build_model("mlp", seed=0), 4)
     with pytest.raises(CalibrationMismatchError, match="small_cnn"):
         replay(other, None, device)
@@ -182,8 +183,12 @@ def test_the_cli_calibrates_a_measured_run_and_shows_predicted_beside_measured(t
     ratio = summary["predicted_step_s_at_measured_batch"] / summary["measured_step_s"]
     assert summary["step_time_ratio"] == pytest.approx(ratio)
     assert "calibrated on this machine" in stdout and "predicted / measured" in stdout
+    # the measured run re-anchors the prediction to the calibration's own steps timed beside the plan's
+    assert "batch sizes 4 (" in summary["step_time_anchored_to"] and ", 8 (" in summary["step_time_anchored_to"]
+    assert summary["predicted_step_s_before_anchoring"] > 0
     report = (out / "report.md").read_text()
     assert "from the calibration of this machine" in report and "measured on this machine" in report
+    assert "re-anchored to its unswapped steps at batch sizes 4" in report
 
 
 def test_a_run_without_calibration_says_its_step_times_are_a_datasheet_estimate(tmp_path, capsys):

@@ -208,6 +208,12 @@ def test_recomputation_is_chosen_applied_and_measured_and_no_recompute_swaps_onl
     plan = json.loads((tmp_path / "both" / "plan.json").read_text())
     assert summary["confirmed_by_measurement"] and summary["measured_peak_bytes"] <= budget
     assert plan["recomputes"] and summary["recomputed_bytes"] > 0 and "recomputed" in stdout
+    report = (tmp_path / "both" / "report.md").read_text()
+    n = len(plan["recomputes"])
+    assert f"recomputes {n} tensor{'s' * (n != 1)}" in report and ",," not in report and ", and" not in report
+    assert summary["measured_clones_planned"] >= n and summary["measured_recompute_problems"] == []
+    assert summary["measured_clones_survived"] == summary["measured_clones_planned"]
+    assert f"{summary['measured_clones_survived']} of {summary['measured_clones_planned']} recomputed ops" in report
     code, stdout, err = _run_main(capsys, *common, "--no-recompute", "--no-measure", "--out", tmp_path / "swap")
     assert code == 0, err + stdout
     swap_only = json.loads((tmp_path / "swap" / "summary.json").read_text())

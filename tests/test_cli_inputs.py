@@ -4,11 +4,14 @@ all of these are refused before anything slow happens)."""
 from __future__ import annotations
 
 import json
+import time
 import zipfile
 
 import pytest
 
+from autotune import cli
 from autotune.cli import _settings, build_parser, main
+from simulator.warmup import warm_up
 
 
 @pytest.fixture
@@ -114,3 +117,15 @@ def test_corrupt_model_files_are_named_as_such(model_dir, capsys, tmp_path, cont
             archive.writestr("notes.txt", "no model here")
     line = _one_error_line(capsys, model_dir, "--batch-size", "4", "--out", tmp_path / "out")
     assert message in line and "File not found" not in line, line
+
+
+def test_a_slow_first_compile_is_said_and_a_fast_one_is_not(capsys):
+    """The kernels' first compile (``simulator.warmup``) takes a minute in silence unless the CLI says why."""
+    with cli._said_if_slow(False, "compiling ...", after_s=0.05):
+        time.sleep(0.3)
+    warm_up()  # compiles the kernels on a machine's first run (or loads them from numba's cache)
+    with cli._said_if_slow(False, "never said", after_s=5.0):
+        warm_up()  # compiled: milliseconds
+    time.sleep(0.1)
+    err = capsys.readouterr().err
+    assert "compiling ..." in err and "never said" not in err

@@ -84,6 +84,7 @@ def _plan(**changes) -> dict:
     (_plan(swaps=None), "no 'swaps' list"),
     (_plan(swaps=[{"tensor": "a:0"}]), "malformed"),
     (_plan(swaps=[{"tensor": "a", "swap_ins": []}]), "op:output"),
+    (_plan(swaps=[{"tensor": "a:²", "swap_ins": []}]), "op:output"),  # str.isdigit() takes it, int() does not
     (_plan(swaps=[{"tensor": "a:0", "swap_ins": []}]), "no swap-in"),
     (_plan(swaps=[{"tensor": "a:0", "swap_ins": [{"consumers": []}]}]), "consumers"),
     (_plan(swaps=[{"tensor": "a:0", "swap_ins": [{"consumers": "b"}]}]), "consumers"),
@@ -96,6 +97,7 @@ def _plan(**changes) -> dict:
     (_plan(recomputes={}), "no 'recomputes' list"),
     (_plan(recomputes=[{"tensor": "a:0", "ops": ["a"], "trigger": "t"}]), "recomputation 0 of the plan is malformed"),
     (_plan(recomputes=[{"tensor": "a", "ops": ["a"], "trigger": "t", "consumers": ["b"]}]), "op:output"),
+    (_plan(recomputes=[{"tensor": "a:²", "ops": ["a"], "trigger": "t", "consumers": ["b"]}]), "op:output"),
     (_plan(recomputes=[{"tensor": "a:0", "ops": "a", "trigger": "t", "consumers": ["b"]}]), "malformed"),
     (_plan(recomputes=[{"tensor": "a:0", "ops": [], "trigger": "t", "consumers": ["b"]}]), "no ops"),
     (_plan(recomputes=[{"tensor": "a:0", "ops": ["c"], "trigger": "t", "consumers": ["b"]}]), "does not make"),
@@ -109,9 +111,12 @@ def test_malformed_plans_are_one_plan_error(data, message):
     assert isinstance(info.value, GraphError) and isinstance(info.value, ValueError)
 
 
-def test_not_json_and_unreadable_files():
+def test_not_json_and_unreadable_files(tmp_path):
     with pytest.raises(PlanError, match="not valid JSON"):
         load_plan("{nope")
+    (tmp_path / "plan.json").write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(PlanError, match="not text"):
+        load_plan(tmp_path / "plan.json")
     with pytest.raises(PlanError, match="cannot read"):
         load_plan("/nonexistent/plan.json")
 

@@ -78,7 +78,7 @@ def test_graph_carries_the_plan(cnn_graph, full_plan):
             for consumer in item["consumers"]:
                 assert swap_in.name in nodes[consumer].input  # rewired in its own input slot
             if item["trigger"]:
-                # the trigger, or its inputs when it could be fused with the consumer (apply.safe_controls)
+                # the trigger, or its inputs when it could be fused with the consumer (graph_edit.GraphEditor.safe_controls)
                 assert controls
 
 

@@ -245,27 +245,35 @@ def test_prediction_matches_measurement_resnet50(resnet):
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
 
 
+UNET3D = dict(size=48, base_filters=8, depth=3)
+
+
+@pytest.fixture(scope="module")
+def unet3d():
+    """The plain 3D U-Net step, unswapped and with ``PLANS`` (one process for both tests below)."""
+    return _run("unet3d", UNET3D, 2, PLANS)
+
+
 @pytest.mark.slow
-def test_prediction_matches_measurement_unet3d():
-    table = _table("unet3d", _run("unet3d", dict(size=48, base_filters=8, depth=3), 2, PLANS)["rows"])
+def test_prediction_matches_measurement_unet3d(unet3d):
+    table = _table("unet3d", unet3d["rows"])
     assert len(table) >= 6
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
 
 
 @pytest.mark.slow
-def test_prediction_matches_measurement_unet3d_split_concat():
+def test_prediction_matches_measurement_unet3d_split_concat(unet3d):
     """The step rewritten by ``split-concat`` runs as the simulator predicts, swapped or not, and
     without swapping its measured peak is below the plain step's (same model, batch and settings)."""
-    kwargs = dict(size=48, base_filters=8, depth=3)
     plans = [SwapParams(threshold=1), SwapParams(threshold=3, ub=8, order="memory"), SwapParams(threshold=10, sync="in"),
              SwapParams(threshold=2, ub=8), SwapParams(threshold=2, ub=8, tensors="all")]
-    result = _run("unet3d", kwargs, 2, plans, graph_rewrites=["split-concat"])
+    result = _run("unet3d", UNET3D, 2, plans, graph_rewrites=["split-concat"])
     assert result["graph_rewrites"] == ["split-concat"]
     table = _table("unet3d split-concat", result["rows"])
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
     assert table["verified"].all()
     activations, everything = result["rows"][-2:]  # gradients and int64 labels also swapped: more swaps, all applied
     assert everything["planned"] > activations["planned"] and everything["swaps"] == everything["planned"]
-    plain = _run("unet3d", kwargs, 2, [])["rows"][0]
+    plain = unet3d["rows"][0]  # no swapping, in its own process like the rewritten step
     print(f"unswapped: plain {plain['measured'] / MiB:.1f} MiB, split-concat {result['rows'][0]['measured'] / MiB:.1f} MiB")
     assert result["rows"][0]["measured"] < plain["measured"]

@@ -88,6 +88,16 @@ def test_constants_are_the_kept_allocations_of_constant_nodes():
     assert memtrace.constant_bytes(events, {"loss/Reshape_1", "sgd/Const"}) == 64 + 32
 
 
+def test_on_a_gpu_only_the_devices_own_constants_count():
+    """A GPU's trace holds its allocator and the pinned host's, which may hand out equal addresses."""
+    events = _trace(("alloc", 7, 64, "loss/Reshape_1"), ("alloc", 7, 16, "host/Const"), ("free", 7, 16, ""),
+                    ("alloc", 8, 32, "sgd/Const"))
+    events["allocator_name"] = ["GPU_0_bfc", "gpu_host_bfc", "gpu_host_bfc", "gpu_host_bfc"]
+    constants = {"loss/Reshape_1", "sgd/Const", "host/Const"}
+    assert memtrace.constant_bytes(events, constants) == 64 + 32  # the host's free is not the device's
+    assert memtrace.constant_bytes(events, constants, allocator_prefix="GPU_0_") == 64
+
+
 def test_first_call_keeps_the_constants_it_folds():
     """A tile of constants is folded when the function first runs and held by its kernel from then on."""
     @tf.function

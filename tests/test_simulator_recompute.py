@@ -241,6 +241,20 @@ def test_recomputed_graph_follows_the_swap_params(unit):
     assert execution_order(again) is execution_order(transformed)
 
 
+def test_a_capture_of_the_same_structure_at_other_sizes_gets_its_own_recomputed_graph(unit):
+    """Two captures with the same op names (another input resolution, another model's meta) share no
+    transformed graph: each carries its own sizes and meta into the plan."""
+    params = SwapParams(threshold=100, recompute="cheap", recompute_cost=1.0)
+    g = relu_chain().with_batch(1 << 16)
+    g3 = dataclasses.replace(relu_chain(), tensor_bytes_ab=relu_chain().tensor_bytes_ab * 3,
+                             meta={**relu_chain().meta, "model": "other"}).with_batch(1 << 16)
+    assert g3.fingerprint() == g.fingerprint()
+    first, actions = recomputed_graph(g, params, unit)
+    other, other_actions = recomputed_graph(g3, params, unit)
+    assert other_actions == actions == [f1_action()]
+    assert other.tensor_bytes.sum() == 3 * first.tensor_bytes.sum() and other.meta["model"] == "other"
+
+
 def test_swap_params_without_recomputation_serialise_as_before():
     plain = SwapParams(threshold=3)
     assert "recompute" not in plain.to_dict()

@@ -12,9 +12,11 @@ import optuna  # noqa: E402
 
 from autotune.policies import Budget, make_policy  # noqa: E402
 from autotune.search import SearchSpace, TuningProblem  # noqa: E402
+from autotune.tuning import study_name_for  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from rewriter.capture import capture  # noqa: E402
 from simulator import get_device, plan_swaps, replay  # noqa: E402
+from simulator.synthetic import training_graph  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -174,7 +176,6 @@ def test_batch_probes_are_shared_without_changing_answers():
     own search gets; probes where no plan went over the host limit carry over to the unlimited
     question unchanged, the others are searched again."""
     from autotune.tuning import HOST_UNLIMITED_BYTES, SwapProbes, largest_batch_with_swap
-    from simulator.synthetic import training_graph
 
     g = training_graph(40, batch_size=1)
     plain_peak = replay(g.with_batch(64), None, "v100-16gb").peak_bytes
@@ -204,7 +205,6 @@ def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
     empty without a search; below that bound the probe searches."""
     import autotune.tuning as tuning
     from simulator.buffers import peak_lower_bound_bytes
-    from simulator.synthetic import training_graph
 
     g = training_graph(40, batch_size=1)
     device = get_device("v100-16gb")
@@ -216,3 +216,17 @@ def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
     above = next(b for b in range(65, 200) if peak_lower_bound_bytes(g.with_batch(b)) > budget)
     assert probes.at(above) == [] and not searched
     assert probes.at(64) is not None and searched
+
+
+def test_a_changed_recompute_space_gets_its_own_default_study_name():
+    """A version whose recompute space differs starts a new study instead of refusing the stored one;
+    a swap-only search keeps its name (and resumes)."""
+    g = training_graph(6)
+    device = get_device("v100-16gb")
+    space = SearchSpace.for_graph(g, recompute=True)
+    other = dataclasses.replace(space, recompute_cost=space.recompute_cost[:-1])
+    names = [study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, True, s) for s in (space, other, space)]
+    assert names[0] != names[1] and names[0] == names[2]
+    swap_only = SearchSpace.for_graph(g)
+    assert study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, False, swap_only) == \
+        study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0)
