@@ -39,7 +39,7 @@ from tensorflow.core.framework import graph_pb2
 
 from rewriter.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
-from simulator.fusion import fusion_neighbourhood
+from simulator.fusion import fused_as_siblings, fusion_neighbourhood
 from simulator.plan import NamedPlan, NamedSwap, PlanError, missing_names_error, not_read_error
 
 log = logging.getLogger(__name__)
@@ -393,7 +393,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: NamedPlan, placement: Pl
     if runnable:
         _bypass_identity_n(edited)
         editor = GraphEditor(edited, foldable, passthrough=passthrough)
-        _chain(editor, runnable, foldable)
+        _chain(editor, partners_adjacent(editor, runnable), foldable)
     editor.check_acyclic()
     return edited, applied, skipped
 
@@ -562,6 +562,74 @@ def _after_copies_out(editor: GraphEditor, applied: list[AppliedSwap], runnable:
                 item = replace(item, controls=item.controls + waits)
             swap_ins.append(item)
         result.append(replace(swap, swap_ins=tuple(swap_ins)))
+    return result
+
+
+def _merge_partners(editor: GraphEditor, op: str, position: dict[str, int]) -> list[str]:
+    """The ops before ``op`` in the order (``position``) that a graph pass may merge with it into one
+    node: a sibling (a filter gradient's bias gradient on the same input), or a part of its fused chain
+    (``GraphEditor.fusion_neighbourhood``) read by nothing outside the chain (a producer read elsewhere
+    too is never merged: oneDNN and the remapper fuse single readers only)."""
+    danger = [name for name in editor.fusion_neighbourhood([op]) if position.get(name, len(position)) < position[op]]
+    if not danger:
+        return []
+    readers = editor._readers_index()
+    kind = editor.nodes[op].op
+    chain = set(danger) | {op}
+
+    def merges(name: str) -> bool:
+        if fused_as_siblings(kind, editor.nodes[name].op):
+            return True
+        return all(reader in chain or reader not in editor.nodes or editor.bypassed(editor.nodes[reader])
+                   for reader in readers.get(name, ()))
+
+    return [name for name in danger if merges(name)]
+
+
+def partners_adjacent(editor: GraphEditor, order: list[str]) -> list[str]:
+    """``order`` with every op a graph pass may merge with a later op moved next to it, and the ops between
+    them that depend on it after it.
+
+    oneDNN's layout pass merges a Conv2DBackpropFilter and the BiasAddGrad reading the same gradient (a
+    Conv2D and its BiasAdd, a Pad and its Conv2D) into one node when the two have the same control inputs,
+    and the merged node takes over both nodes' edges; it does not look for other paths between them.
+    Chained in the plan's order, two partners with ops between them are joined by a path through those
+    ops, so merged they close a cycle: the step fails at its first call with "N nodes in a cycle". The
+    chain's own control edge usually keeps the later partner's control inputs apart from the earlier
+    one's, so nothing is merged; a recomputation breaks that when its clones run just before a filter
+    gradient reading one of them (the gradient's predecessor in the order is its data input: no control
+    edge), with the bias gradient and its update before the clones (issue 22: ResNet-50's recomputed
+    convolutions). Next to each other, the partners' only path is their own edge, merged or not, whatever
+    a pass does with their control inputs. The earlier partner runs where the merged node would (at the
+    later one), what depends on it after them: the bias gradient and its update, a few bytes each, one
+    recomputation later than the simulated order has them. A partner whose dependents the later op waits
+    for (a trigger among them) is left where it is, with a warning.
+    """
+    result = list(order)
+    ancestry: Ancestry | None = None
+    for op in order:
+        position = {name: k for k, name in enumerate(result)}
+        partners = _merge_partners(editor, op, position)
+        if not partners:
+            continue
+        end = position[op]
+        start = min(position[name] for name in partners)
+        if end - start == len(partners):  # already together
+            continue
+        if ancestry is None:
+            ancestry = Ancestry(editor.graph_def)
+        moved = set(partners)
+        segment = result[start:end]
+        dependents = [name for name in segment if name not in moved
+                      and any(ancestry.depends(name, partner) for partner in partners)]
+        blocking = [name for name in dependents if ancestry.depends(op, name)]
+        if blocking:
+            log.warning("%s and %s may be merged by a graph pass, but %s waits for %s, which depends on the "
+                        "first: left in the plan's order", op, partners[0], op, blocking[0])
+            continue
+        later = set(dependents)
+        result[start:end + 1] = ([name for name in segment if name not in moved and name not in later]
+                                 + [name for name in segment if name in moved] + [op] + dependents)
     return result
 
 
