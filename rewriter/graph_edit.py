@@ -39,7 +39,7 @@ from tensorflow.core.framework import graph_pb2
 
 from rewriter.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
-from simulator.fusion import fused_as_siblings, fusion_neighbourhood
+from simulator.fusion import CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings, fusion_neighbourhood
 from simulator.plan import NamedPlan, NamedSwap, PlanError, missing_names_error, not_read_error
 
 log = logging.getLogger(__name__)
@@ -575,40 +575,40 @@ def _merge_partners(editor: GraphEditor, op: str, position: dict[str, int]) -> l
         return []
     readers = editor._readers_index()
     kind = editor.nodes[op].op
-    chain = set(danger) | {op}
-
-    def merges(name: str) -> bool:
-        if fused_as_siblings(kind, editor.nodes[name].op):
-            return True
-        return all(reader in chain or reader not in editor.nodes or editor.bypassed(editor.nodes[reader])
-                   for reader in readers.get(name, ()))
-
-    return [name for name in danger if merges(name)]
+    partners = set(danger)
+    while True:  # a chain part merges when every reader is the op or a part that merges
+        chain = partners | {op}
+        dropped = {name for name in partners if not fused_as_siblings(kind, editor.nodes[name].op) and not all(
+            reader in chain or reader not in editor.nodes or editor.bypassed(editor.nodes[reader])
+            for reader in readers.get(name, ()))}
+        if not dropped:
+            return [name for name in danger if name in partners]
+        partners -= dropped
 
 
 def partners_adjacent(editor: GraphEditor, order: list[str]) -> list[str]:
     """``order`` with every op a graph pass may merge with a later op moved next to it, and the ops between
-    them that depend on it after it.
+    them that depend on it after them.
 
     oneDNN's layout pass merges a Conv2DBackpropFilter and the BiasAddGrad reading the same gradient (a
-    Conv2D and its BiasAdd, a Pad and its Conv2D) into one node when the two have the same control inputs,
-    and the merged node takes over both nodes' edges; it does not look for other paths between them.
-    Chained in the plan's order, two partners with ops between them are joined by a path through those
-    ops, so merged they close a cycle: the step fails at its first call with "N nodes in a cycle". The
-    chain's own control edge usually keeps the later partner's control inputs apart from the earlier
-    one's, so nothing is merged; a recomputation breaks that when its clones run just before a filter
-    gradient reading one of them (the gradient's predecessor in the order is its data input: no control
-    edge), with the bias gradient and its update before the clones (issue 22: ResNet-50's recomputed
-    convolutions). Next to each other, the partners' only path is their own edge, merged or not, whatever
-    a pass does with their control inputs. The earlier partner runs where the merged node would (at the
-    later one), what depends on it after them: the bias gradient and its update, a few bytes each, one
-    recomputation later than the simulated order has them. A partner whose dependents the later op waits
-    for (a trigger among them) is left where it is, with a warning.
+    Conv2D and its BiasAdd, a Pad and its Conv2D) when the two have the same control inputs; the merged
+    node takes over both nodes' edges, and no other path between them is looked for. Chained in the
+    plan's order, partners with ops between them are joined by a path through those ops, so merged they
+    close a cycle ("N nodes in a cycle" at the first call). The chain's own control edge on the later
+    partner usually keeps them unmerged; a recomputation breaks that: the filter gradient's predecessor
+    is then the clone it reads (a data input, no control edge), and the bias gradient and its update
+    sit before the clones (issue 22, ResNet-50's recomputed convolutions). Next to each other, the
+    partners' only path is their own edge, merged or not. The earlier partner runs where a merged node
+    would, its dependents (a bias gradient's update: a few bytes) after it; one the later op waits for
+    (through a trigger) cannot move: left as it is, with a warning.
     """
     result = list(order)
+    takers = CHAIN_TAILS | SIBLING_FUSIONS
+    position = {name: k for k, name in enumerate(result)}
     ancestry: Ancestry | None = None
     for op in order:
-        position = {name: k for k, name in enumerate(result)}
+        if editor.nodes[op].op not in takers:
+            continue
         partners = _merge_partners(editor, op, position)
         if not partners:
             continue
@@ -630,6 +630,7 @@ def partners_adjacent(editor: GraphEditor, order: list[str]) -> list[str]:
         later = set(dependents)
         result[start:end + 1] = ([name for name in segment if name not in moved and name not in later]
                                  + [name for name in segment if name in moved] + [op] + dependents)
+        position.update((name, k) for k, name in enumerate(result[start:end + 1], start))
     return result
 
 

@@ -16,7 +16,7 @@ import rewriter
 from benchmarks.models import build_model, example_batch
 from benchmarks.zoo import ZooModel
 from rewriter import gpu
-from rewriter.graph_edit import Ancestry
+from rewriter.graph_edit import Ancestry, GraphEditor, partners_adjacent
 from rewriter.grappler import fixed_grappler_config, foldable_ops
 from simulator.plan import PlanError
 from rewriter.capture import import_step
@@ -251,6 +251,24 @@ def test_recomputed_convolutions_chained_in_memory_order_run_with_onednn():
         step(x, y)
         reference.train_on_batch(x, y)
     _assert_trains_as_keras(th.weights_of(model), th.weights_of(reference), bitwise=False, noise_floor=1e-8)
+
+
+def test_merge_partners_are_chained_next_to_each_other():
+    """The order the step is chained in puts a bias gradient next to the filter gradient oneDNN merges it
+    with, its update after them, and a Conv2D (read by its BiasAdd only) next to its BiasAdd; a Conv2D
+    read elsewhere too is never merged, and stays."""
+    graph_def = tf.compat.v1.GraphDef()
+    for name, op, inputs in [("dy", "Placeholder", []), ("x", "Placeholder", []), ("w", "Placeholder", []),
+                             ("bias_grad", "BiasAddGrad", ["dy"]), ("update", "Mul", ["bias_grad", "w"]),
+                             ("clone", "Relu", ["x"]), ("other", "Relu", ["x"]),
+                             ("filter_grad", "Conv2DBackpropFilter", ["clone", "w", "dy"]),
+                             ("conv", "Conv2D", ["x", "w"]), ("bias", "BiasAdd", ["conv", "w"]),
+                             ("shared", "Conv2D", ["x", "w"]), ("bias2", "BiasAdd", ["shared", "w"]),
+                             ("tap", "Neg", ["shared"])]:
+        graph_def.node.add(name=name, op=op, input=inputs)
+    order = ["bias_grad", "update", "clone", "filter_grad", "conv", "other", "bias", "shared", "tap", "bias2"]
+    assert partners_adjacent(GraphEditor(graph_def), order) == [
+        "clone", "bias_grad", "filter_grad", "update", "other", "conv", "bias", "shared", "tap", "bias2"]
 
 
 # ---------------------------------------------------------------------- the graph it builds
