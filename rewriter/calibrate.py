@@ -20,6 +20,12 @@ each batch size and
   (``copy_overhead_s``: the executor's cross-device hand-off; the swapped steps of mobilenetv2 and
   unet2d ran 12-26 us per copy longer than replayed, with 2 us per chained copy). The link's speed
   itself stays the chained copies' (fitted too, it followed the timing noise: 0.3x-1.4x of it).
+  Where copies wait for a compute thread (the testbed, ``Placement.copies_wait_for_compute``) the op
+  after a swapped tensor's producer waits for its copy out (``rewriter.graph_edit``): the result's
+  ``copies_out_wait`` makes the replay wait there too, and the fit sees steps replayed so. In the
+  quiet run of 10:05 without it, the plans without sync and with the most swaps (T1, T2) were
+  replayed 3-6 % of their step further below their measurement than the same model's sync-out plan
+  in 7 of 8 cases (re-anchored errors, benchmarks/results/step_time.md of that run).
 
 The result, a ``simulator.CalibratedDevice``, serves every batch size of a graph captured from
 the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take it as their device.
@@ -511,6 +517,7 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
             base, graph, op_seconds_ab=ab, batch_sizes=sizes, measured_step_s=step_s,
             h2d_bytes_per_s=link.bytes_per_s, d2h_bytes_per_s=link.bytes_per_s,
             transfer_latency_s=link.latency_s, copy_contention=alpha, copy_overhead_s=overhead_s,
+            copies_out_wait=place.copies_wait_for_compute,
             roofline_scale=float(step_s[-1] / roofline) if roofline > 0 else 1.0, notes=notes_now,
             source=(f"calibrated on this machine by rewriter.calibrate ({place.describe()}); memory figures and "
                     f"the roofline for ops it did not see from {base.name}"))

@@ -48,7 +48,8 @@ class CalibratedDevice(DeviceModel):
     anchored to unprofiled step times (``measured_step_s``, one per batch size). Ops the calibration
     did not see (a graph that differs a little, e.g. by a graph rewrite) take the preset's roofline
     times ``roofline_scale``. The link fields (``h2d_bytes_per_s``, ``d2h_bytes_per_s``,
-    ``transfer_latency_s``), ``copy_contention`` and ``copy_overhead_s`` are measured too; the rest is the preset's
+    ``transfer_latency_s``), ``copy_contention`` and ``copy_overhead_s`` are measured too, ``copies_out_wait`` is the
+    placement's; the rest is the preset's
     (``preset``). It serves every batch size of a graph captured from the same model
     (``graph_fingerprint``, ``graph_identity``) and refuses others' (``CalibrationMismatchError``).
     """
@@ -76,7 +77,7 @@ class CalibratedDevice(DeviceModel):
     @classmethod
     def from_preset(cls, base: DeviceModel, g, *, op_seconds_ab, batch_sizes, measured_step_s, h2d_bytes_per_s: float,
                     d2h_bytes_per_s: float, transfer_latency_s: float, copy_contention: float = 0.0,
-                    copy_overhead_s: float = 0.0,
+                    copy_overhead_s: float = 0.0, copies_out_wait: bool = False,
                     roofline_scale: float = 1.0, source: str = "", notes=()) -> "CalibratedDevice":
         """``base``'s memory figures and roofline with measured times for graph ``g``'s ops
         (``op_seconds_ab[i]`` for ``g.op_name[i]``) and link; named after ``base`` and a digest of
@@ -85,7 +86,7 @@ class CalibratedDevice(DeviceModel):
         kept.update(
             h2d_bytes_per_s=float(h2d_bytes_per_s), d2h_bytes_per_s=float(d2h_bytes_per_s),
             transfer_latency_s=float(transfer_latency_s), copy_contention=float(copy_contention),
-            copy_overhead_s=float(copy_overhead_s),
+            copy_overhead_s=float(copy_overhead_s), copies_out_wait=bool(copies_out_wait),
             source=source or f"calibrated on this machine; memory figures and roofline from {base.name}")
         measured = dict(
             preset=base.name, model_name=str(g.meta.get("model", "")), graph_fingerprint=g.fingerprint(),
@@ -188,7 +189,8 @@ class CalibratedDevice(DeviceModel):
         return (f"{self.name}: op times of {self.model_name} measured at batch sizes {sizes} ({len(self.op_names)} "
                 f"ops); link {self.h2d_bytes_per_s / GB:.1f} GB/s in, {self.d2h_bytes_per_s / GB:.1f} GB/s out, "
                 f"{self.transfer_latency_s * 1e6:.1f} us per copy; copy contention {self.copy_contention:.2f}, "
-                f"{self.copy_overhead_s * 1e6:.1f} us of step per copy")
+                f"{self.copy_overhead_s * 1e6:.1f} us of step per copy"
+                + ("; the op after a producer waits for its copy out" if self.copies_out_wait else ""))
 
 
 __all__ = ["CalibratedDevice", "CalibrationError", "CalibrationMismatchError", "MIN_OP_COVERAGE", "graph_identity"]

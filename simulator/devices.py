@@ -80,6 +80,12 @@ class DeviceModel:
     # seconds each copy (swap-out or swap-in) adds to the step beyond its transfer: the executor's
     # cross-device hand-off on the compute's threads (the CPU testbed: fitted by rewriter.calibrate)
     copy_overhead_s: float = 0.0
+    # whether the op after a swapped tensor's producer waits for its copy out, as on the CPU testbed, whose
+    # copies wait for a compute thread and whose op after the producer is made to wait for the copy
+    # (rewriter.graph_edit, Placement.copies_wait_for_compute): the replay then waits for every copy out
+    # where it waits for a synchronous one (its first reader left on the device, else the op after its
+    # producer). Set by rewriter.calibrate on such a placement; the presets keep False
+    copies_out_wait: bool = False
 
     def __post_init__(self):
         positive = (

@@ -229,7 +229,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     (peak_slot, peak, level_peak, op_end, op_start, finish_s, out_start, out_end, in_start, in_end, in_ready, roots,
      root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
      host_peak_s, d2h, h2d, overlap_s) = kernels.replay_plan(
-        *context.tables, plan.tensor, plan.sync_out, plan.in_swap, plan.in_trigger, plan.in_after,
+        *context.tables, plan.tensor, _waited_copies_out(plan, device), plan.in_swap, plan.in_trigger, plan.in_after,
         plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out)
     # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
     # time that overlaps copies, and copy_overhead_s per copy
@@ -246,6 +246,12 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
         swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s,
         copy_overlap_s=overlap_s)
+
+
+def _waited_copies_out(plan: SwapPlan, device: DeviceModel) -> np.ndarray:
+    """Per swap, whether the step waits for its copy out: the plan's synchronous ones, or every one on a
+    device whose op after the producer waits for the copy (``DeviceModel.copies_out_wait``)."""
+    return np.ones_like(plan.sync_out) if device.copies_out_wait else plan.sync_out
 
 
 def _filled_replay(**fields) -> Replay:

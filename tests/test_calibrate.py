@@ -145,6 +145,7 @@ def test_the_copies_cost_is_fitted_to_swapped_steps():
 
 def test_a_calibration_refuses_another_models_graph(quickly_calibrated_cnn):
     _, device = quickly_calibrated_cnn
+    assert device.copies_out_wait  # the testbed's op after a producer waits for its copy out (rewriter.graph_edit)
     other = rewriter.capture(build_model("mlp", seed=0), 4)
     with pytest.raises(CalibrationMismatchError, match="small_cnn"):
         replay(other, None, device)

@@ -133,3 +133,19 @@ def test_a_recomputed_clone_takes_its_originals_time():
     measured = dict(zip(g.op_name.tolist(), op_seconds(g, device)))
     assert seconds[clone] == pytest.approx(measured["relu"]) and seconds["relu"] == pytest.approx(measured["relu"])
     assert device.coverage(recomputed) == 1.0
+
+
+def test_where_the_op_after_a_producer_waits_for_its_copy_out_every_copy_out_is_waited_for():
+    # the CPU testbed makes the op after a swapped tensor's producer wait for its copy out
+    # (Placement.copies_wait_for_compute): the replay waits for it as for a synchronous one
+    g = training_graph(12, batch_size=8)
+    plan = plan_swaps(g, SwapParams(threshold=1))
+    synchronous = plan_swaps(g, SwapParams(threshold=1, sync="out"))
+    assert not plan.sync_out.any() and synchronous.sync_out.all()
+    device = _calibrated(g)
+    waiting = dataclasses.replace(device, copies_out_wait=True)
+    assert waiting != device
+    free, waited = replay(g, plan, device), replay(g, plan, waiting)
+    assert waited.step_s > free.step_s
+    assert waited.step_s == pytest.approx(replay(g, synchronous, device).step_s)
+    assert replay(g, synchronous, waiting).step_s == pytest.approx(replay(g, synchronous, device).step_s)
