@@ -39,7 +39,7 @@ from tensorflow.core.framework import graph_pb2
 
 from rewriter.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
-from simulator.fusion import fusion_neighbourhood
+from simulator.fusion import CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings, fusion_neighbourhood
 from simulator.plan import NamedPlan, NamedSwap, PlanError, missing_names_error, not_read_error
 
 log = logging.getLogger(__name__)
@@ -393,7 +393,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: NamedPlan, placement: Pl
     if runnable:
         _bypass_identity_n(edited)
         editor = GraphEditor(edited, foldable, passthrough=passthrough)
-        _chain(editor, runnable, foldable)
+        _chain(editor, partners_adjacent(editor, runnable), foldable)
     editor.check_acyclic()
     return edited, applied, skipped
 
@@ -562,6 +562,75 @@ def _after_copies_out(editor: GraphEditor, applied: list[AppliedSwap], runnable:
                 item = replace(item, controls=item.controls + waits)
             swap_ins.append(item)
         result.append(replace(swap, swap_ins=tuple(swap_ins)))
+    return result
+
+
+def _merge_partners(editor: GraphEditor, op: str, position: dict[str, int]) -> list[str]:
+    """The ops before ``op`` in the order (``position``) that a graph pass may merge with it into one
+    node: a sibling (a filter gradient's bias gradient on the same input), or a part of its fused chain
+    (``GraphEditor.fusion_neighbourhood``) read by nothing outside the chain (a producer read elsewhere
+    too is never merged: oneDNN and the remapper fuse single readers only)."""
+    danger = [name for name in editor.fusion_neighbourhood([op]) if position.get(name, len(position)) < position[op]]
+    if not danger:
+        return []
+    readers = editor._readers_index()
+    kind = editor.nodes[op].op
+    partners = set(danger)
+    while True:  # a chain part merges when every reader is the op or a part that merges
+        chain = partners | {op}
+        dropped = {name for name in partners if not fused_as_siblings(kind, editor.nodes[name].op) and not all(
+            reader in chain or reader not in editor.nodes or editor.bypassed(editor.nodes[reader])
+            for reader in readers.get(name, ()))}
+        if not dropped:
+            return [name for name in danger if name in partners]
+        partners -= dropped
+
+
+def partners_adjacent(editor: GraphEditor, order: list[str]) -> list[str]:
+    """``order`` with every op a graph pass may merge with a later op moved next to it, and the ops between
+    them that depend on it after them.
+
+    oneDNN's layout pass merges a Conv2DBackpropFilter and the BiasAddGrad reading the same gradient (a
+    Conv2D and its BiasAdd, a Pad and its Conv2D) when the two have the same control inputs; the merged
+    node takes over both nodes' edges, and no other path between them is looked for. Chained in the
+    plan's order, partners with ops between them are joined by a path through those ops, so merged they
+    close a cycle ("N nodes in a cycle" at the first call). The chain's own control edge on the later
+    partner usually keeps them unmerged; a recomputation breaks that: the filter gradient's predecessor
+    is then the clone it reads (a data input, no control edge), and the bias gradient and its update
+    sit before the clones (issue 22, ResNet-50's recomputed convolutions). Next to each other, the
+    partners' only path is their own edge, merged or not. The earlier partner runs where a merged node
+    would, its dependents (a bias gradient's update: a few bytes) after it; one the later op waits for
+    (through a trigger) cannot move: left as it is, with a warning.
+    """
+    result = list(order)
+    takers = CHAIN_TAILS | SIBLING_FUSIONS
+    position = {name: k for k, name in enumerate(result)}
+    ancestry: Ancestry | None = None
+    for op in order:
+        if editor.nodes[op].op not in takers:
+            continue
+        partners = _merge_partners(editor, op, position)
+        if not partners:
+            continue
+        end = position[op]
+        start = min(position[name] for name in partners)
+        if end - start == len(partners):  # already together
+            continue
+        if ancestry is None:
+            ancestry = Ancestry(editor.graph_def)
+        moved = set(partners)
+        segment = result[start:end]
+        dependents = [name for name in segment if name not in moved
+                      and any(ancestry.depends(name, partner) for partner in partners)]
+        blocking = [name for name in dependents if ancestry.depends(op, name)]
+        if blocking:
+            log.warning("%s and %s may be merged by a graph pass, but %s waits for %s, which depends on the "
+                        "first: left in the plan's order", op, partners[0], op, blocking[0])
+            continue
+        later = set(dependents)
+        result[start:end + 1] = ([name for name in segment if name not in moved and name not in later]
+                                 + [name for name in segment if name in moved] + [op] + dependents)
+        position.update((name, k) for k, name in enumerate(result[start:end + 1], start))
     return result
 
 
