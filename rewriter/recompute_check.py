@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from rewriter.collected import grappler_renames, pick_function_graph
-from rewriter.graph_edit import Ancestry, _parse
+from rewriter.graph_refs import Ancestry, parse_ref
 from rewriter.recompute import CLONE_ATTR, AppliedRecompute
 from simulator.recompute import CLONE_MARK, original_name
 
@@ -88,7 +88,7 @@ class RecomputeVerification:
 
 def recompute_names(applied: Sequence[AppliedRecompute]) -> set[str]:
     """Nodes that tell the step's function graph apart: clones, far readers, originals."""
-    return {name for item in applied for name in (*item.nodes, *(c for c, _ in item.rewired), _parse(item.tensor)[0])}
+    return {name for item in applied for name in (*item.nodes, *(c for c, _ in item.rewired), parse_ref(item.tensor)[0])}
 
 
 def check_recomputes(function_graphs, applied: Sequence[AppliedRecompute]) -> RecomputeVerification:
@@ -125,13 +125,13 @@ def check_recomputes(function_graphs, applied: Sequence[AppliedRecompute]) -> Re
     for node in running.values():
         for ref in node.input:
             if not ref.startswith("^"):
-                source = _parse(ref)[0]
+                source = parse_ref(ref)[0]
                 readers_of.setdefault(recv_source.get(source, source), []).append(node.name)
     post_readers: dict[str, set[str]] = {}  # node -> nodes reading it in Grappler's output
     for node in post.values():
         for ref in node.input:
             if not ref.startswith("^"):
-                post_readers.setdefault(_parse(ref)[0], set()).add(node.name)
+                post_readers.setdefault(parse_ref(ref)[0], set()).add(node.name)
     for item in applied:
         clones = set(item.nodes)
         for clone in item.ops:
@@ -147,8 +147,8 @@ def check_recomputes(function_graphs, applied: Sequence[AppliedRecompute]) -> Re
                 result.clones_merged_forward.append(clone)
             else:
                 result.clones_lost.append(clone)
-        producer = _parse(item.tensor)[0]
-        if runs(producer) is None and not folded(producer) and runs(_parse(item.clone)[0]) is not None:
+        producer = parse_ref(item.tensor)[0]
+        if runs(producer) is None and not folded(producer) and runs(parse_ref(item.clone)[0]) is not None:
             result.originals_lost.append(producer)
         mark = f"{CLONE_MARK}{item.index}"
         serving = [name for name, node in running.items()

@@ -544,11 +544,12 @@ def test_serialized_order_holds_past_the_reshapes_grappler_removes():
     as a reshaped vector); Grappler removes the pair and, with it, the chain's control edge the next
     op hung on it (multi_io's MaxPoolGrad then ran beside the filter gradient before it, 17 % above
     the prediction). In the partition graphs every op of the order the step is chained in (the plan's,
-    with oneDNN's merge partners side by side: ``graph_edit.partners_adjacent``) still runs after the one
+    with oneDNN's merge partners side by side: ``chain_order.partners_adjacent``) still runs after the one
     before."""
     from rewriter.capture import import_step
     from rewriter.collected import collect_first_call
-    from rewriter.graph_edit import GraphEditor, partners_adjacent
+    from rewriter.chain_order import partners_adjacent
+    from rewriter.graph_edit import GraphEditor
     from rewriter.verify import CopyWaits, _node_map
 
     keras.utils.set_random_seed(0)

@@ -16,7 +16,9 @@ import rewriter
 from benchmarks.models import build_model, example_batch
 from benchmarks.zoo import ZooModel
 from rewriter import gpu
-from rewriter.graph_edit import Ancestry, GraphEditor, partners_adjacent
+from rewriter.chain_order import partners_adjacent
+from rewriter.graph_edit import GraphEditor
+from rewriter.graph_refs import Ancestry
 from rewriter.grappler import fixed_grappler_config, foldable_ops
 from simulator.plan import PlanError
 from rewriter.capture import import_step
@@ -225,7 +227,7 @@ def test_recomputed_convolutions_chained_in_memory_order_run_with_onednn():
     that feed the filter gradient beside it; oneDNN's layout pass merges the two gradients (same
     gradient input, same control inputs: none, the filter gradient's predecessor being its data input),
     and chained through the clones the merged node sat on a cycle: "60 nodes in a cycle" at the first
-    call (``rewriter.graph_edit.partners_adjacent``). Now the step runs, every clone and far read survives,
+    call (``rewriter.chain_order.partners_adjacent``). Now the step runs, every clone and far read survives,
     the peak is the predicted one and three steps train as Keras' (within 1e-5 of each weight's scale;
     a convolution's bias before BatchNormalization has no gradient in exact arithmetic, its value is
     rounding noise below 1e-8 that any other summation order changes: the same plan without the
