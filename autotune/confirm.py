@@ -61,11 +61,16 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
     checks: list[Check] = []
     measured_plans: dict = {}  # (params, batch) -> MeasuredRun: a plan chosen again is not run again
     inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
+    swap_only_note = ""  # set when a plan with recomputation could not run: the search then swaps only
     for round_ in range(1, rounds + 1):
         # a corrected search is another search: its own study, so stored trials keep the budget they were made for
         name = study_name if round_ == 1 or study_name is None else f"{study_name}-corrected-{round_ - 1}"
+        if swap_only_note and name is not None:
+            name = f"{name}-swap-only"
         result = tune_graph(graph, correction=correction, measured=True, study_name=name, **search)
         result.calibration = calibration
+        if swap_only_note:
+            result.notes.append(swap_only_note)
         if result.plan is None:  # not even a closest plan (e.g. the resident memory alone is over the budget)
             result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
             return result
@@ -77,6 +82,13 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
         except Exception as error:  # never a success without a measurement; the report says what failed
             log.debug("measured run failed", exc_info=True)
             reason = f"the measured run failed ({type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''})"
+            if result.recomputes and search.get("recompute", True) and round_ < rounds:
+                # a plan TensorFlow cannot run is no answer; swapping alone builds no clones
+                swap_only_note = (f"the plan with recomputation ({result.action_phrase}) could not run: {reason}; "
+                                  "the plan shown is the best swap-only plan, searched and measured instead")
+                say(f"{reason}: searching and measuring swap plans only instead")
+                search["recompute"] = False
+                continue
             result.verdict = not_confirmed(checks, reason=reason)
             return result
         m = result.measurement

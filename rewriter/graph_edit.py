@@ -37,6 +37,8 @@ from typing import Any, Iterable
 
 from tensorflow.core.framework import graph_pb2
 
+from rewriter.chain_order import chain_in_order, partners_adjacent
+from rewriter.graph_refs import Ancestry, parse_ref, tensor_ref
 from rewriter.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
 from simulator.fusion import fusion_neighbourhood
@@ -91,15 +93,6 @@ class SkippedSwap:
 # ---------------------------------------------------------------------- GraphDef editing
 
 
-def _parse(name: str) -> tuple[str, int]:
-    node, _, index = name.partition(":")
-    return node, int(index) if index else 0
-
-
-def _tensor_ref(node: str, index: int) -> str:
-    return node if index == 0 else f"{node}:{index}"
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-/>]", "_", name)
 
@@ -143,7 +136,7 @@ class GraphEditor:
         return self._walk(ref)[1]
 
     def _walk(self, ref: str) -> tuple[tuple[str, int], list[str]]:
-        name, index = _parse(ref)
+        name, index = parse_ref(ref)
         controls: list[str] = []
         for _ in range(10_000):
             node = self.nodes.get(name)
@@ -154,7 +147,7 @@ class GraphEditor:
             if pick >= len(data):
                 break
             controls.extend(item[1:] for item in node.input if item.startswith("^"))
-            name, index = _parse(data[pick][1])
+            name, index = parse_ref(data[pick][1])
         return (name, index), controls
 
     def bypassed(self, node) -> bool:
@@ -164,7 +157,7 @@ class GraphEditor:
 
     def unswapped(self, ref: str) -> str:
         """The tensor a read of a swap-in stands for (the read itself otherwise)."""
-        return self.swapped_reads.get(_parse(ref)[0], ref)
+        return self.swapped_reads.get(parse_ref(ref)[0], ref)
 
     def sources(self, name: str, *, raw: bool = True) -> list[str]:
         """Producers of a node's data inputs, resolved through bypassed ops (and as written, with ``raw``)."""
@@ -174,7 +167,7 @@ class GraphEditor:
         found = []
         for _, ref in self.data_inputs(node):
             ref = self.unswapped(ref)
-            for source in ((_parse(ref)[0], self.resolve(ref)[0]) if raw else (self.resolve(ref)[0],)):
+            for source in ((parse_ref(ref)[0], self.resolve(ref)[0]) if raw else (self.resolve(ref)[0],)):
                 if source in self.nodes and source not in found:
                     found.append(source)
         return found
@@ -260,7 +253,7 @@ class GraphEditor:
         children: dict[str, list[str]] = defaultdict(list)
         for node in self.graph_def.node:
             for ref in node.input:
-                source = _parse(ref.lstrip("^"))[0]
+                source = parse_ref(ref.lstrip("^"))[0]
                 if source in self.nodes:
                     children[source].append(node.name)
                     indegree[node.name] += 1
@@ -278,42 +271,6 @@ class GraphEditor:
                            and name.startswith((SWAP_IN_PREFIX, SWAP_OUT_PREFIX)))
             raise PlanError(f"the plan makes the step cyclic (a trigger or 'after' op depends on the consumer it "
                             f"should run before), e.g. around {stuck[:3] or 'the swap nodes'}")
-
-
-class Ancestry:
-    """Which nodes of a GraphDef each node depends on (data or control), as Python-int bitsets."""
-
-    def __init__(self, graph_def):
-        nodes = list(graph_def.node)
-        self.index = {node.name: i for i, node in enumerate(nodes)}
-        parents = [[self.index[p] for p in (_parse(ref.lstrip("^"))[0] for ref in node.input) if p in self.index]
-                   for node in nodes]
-        children: list[list[int]] = [[] for _ in nodes]
-        indegree = [len(p) for p in parents]
-        for child, plist in enumerate(parents):
-            for parent in plist:
-                children[parent].append(child)
-        queue = deque(i for i, count in enumerate(indegree) if count == 0)
-        self.bits = [0] * len(nodes)
-        while queue:
-            i = queue.popleft()
-            acc = 0
-            for parent in parents[i]:
-                acc |= self.bits[parent] | (1 << parent)
-            self.bits[i] = acc
-            for child in children[i]:
-                indegree[child] -= 1
-                if indegree[child] == 0:
-                    queue.append(child)
-
-    def depends(self, node: str, on: str) -> bool:
-        """True when ``node`` runs after ``on`` (a path of data/control edges from ``on`` to ``node``)."""
-        i, j = self.index.get(node), self.index.get(on)
-        return i is not None and j is not None and bool(self.bits[i] >> j & 1)
-
-    def latest(self, names: list[str]) -> list[str]:
-        """Drop the names another name of the list already depends on (their edges would be redundant)."""
-        return [a for a in names if not any(b != a and self.depends(b, a) for b in names)]
 
 
 def _node_name(kind: str, tensor: tuple[str, int], j: int | None = None) -> str:
@@ -336,7 +293,7 @@ def _bypass_identity_n(graph_def: graph_pb2.GraphDef) -> None:
         rewritten: list[str] = []
         extra_controls: list[str] = []
         for ref in node.input:
-            name, index = _parse(ref.lstrip("^"))
+            name, index = parse_ref(ref.lstrip("^"))
             if name not in doomed:
                 rewritten.append(ref)
                 continue
@@ -344,7 +301,7 @@ def _bypass_identity_n(graph_def: graph_pb2.GraphDef) -> None:
             data = [r for r in source.input if not r.startswith("^")]
             controls = [r for r in source.input if r.startswith("^")]
             if ref.startswith("^"):
-                extra_controls += [f"^{_parse(r)[0]}" for r in data] + controls
+                extra_controls += [f"^{parse_ref(r)[0]}" for r in data] + controls
             else:
                 rewritten.append(data[index])
                 extra_controls += controls
@@ -393,7 +350,7 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: NamedPlan, placement: Pl
     if runnable:
         _bypass_identity_n(edited)
         editor = GraphEditor(edited, foldable, passthrough=passthrough)
-        _chain(editor, runnable, foldable)
+        chain_in_order(editor, partners_adjacent(editor, runnable), foldable)
     editor.check_acyclic()
     return edited, applied, skipped
 
@@ -462,14 +419,14 @@ def _add_swap(editor: GraphEditor, record: NamedSwap, placement: Placement, *, s
     if not groups:
         return None
     out_name = _node_name(SWAP_OUT_PREFIX, tensor)
-    editor.add_node(out_name, swap_op, [_tensor_ref(*tensor)], placement.swap_out_device, dtype)
+    editor.add_node(out_name, swap_op, [tensor_ref(*tensor)], placement.swap_out_device, dtype)
     rewired_all: set[tuple[str, int]] = set()
     swap_ins = []
     for j, item in enumerate(groups):
         in_name = _node_name(SWAP_IN_PREFIX, tensor, j)
         consumers, trigger, after = item.consumers, item.trigger, item.after
         rewired = []
-        editor.swapped_reads[in_name] = _tensor_ref(*tensor)
+        editor.swapped_reads[in_name] = tensor_ref(*tensor)
         # control edges of ops the first consumer reads through (before its reads are rewired)
         passed_controls = [name for _, ref in editor.data_inputs(editor.nodes[consumers[0]])
                            for name in editor.bypassed_controls(ref)]
@@ -547,7 +504,7 @@ def _after_copies_out(editor: GraphEditor, applied: list[AppliedSwap], runnable:
     (``SwapParams.after_copies_out``)."""
     copies_of: dict[str, list[str]] = defaultdict(list)
     for swap in applied:
-        copies_of[_parse(swap.tensor)[0]].append(swap.swap_out)
+        copies_of[parse_ref(swap.tensor)[0]].append(swap.swap_out)
     position = {name: k for k, name in enumerate(runnable)}
     result = []
     for swap in applied:
@@ -565,15 +522,3 @@ def _after_copies_out(editor: GraphEditor, applied: list[AppliedSwap], runnable:
     return result
 
 
-def _chain(editor: GraphEditor, order: list[str], foldable: frozenset[str]) -> None:
-    """Run the step in the order the simulator assumed: each op waits for the one before it and, past
-    ops Grappler may remove (taking their control edges along), for every op back to one it keeps."""
-    since_kept: list[str] = []
-    for before, after in zip(order, order[1:]):
-        if not may_vanish(editor.nodes[before], editor.nodes, foldable):
-            since_kept.clear()
-        since_kept.append(before)
-        node = editor.nodes[after]
-        for source in since_kept:
-            if f"^{source}" not in node.input and source not in {_parse(ref)[0] for ref in node.input}:
-                node.input.append(f"^{source}")

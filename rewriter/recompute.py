@@ -14,7 +14,7 @@ GraphDef, the way the simulator's transformed graph has it (``docs/design.md``, 
   clone computes what its original computes as written, bit for bit;
 * every clone with no cloned data input waits for the trigger (a control edge), so the
   recomputation runs late, not beside its sources; a trigger a graph pass might fuse with a far
-  reader is replaced by its inputs' producers, as for swap-ins (``rewriter.apply.safe_controls``);
+  reader is replaced by its inputs' producers, as for swap-ins (``rewriter.graph_edit.GraphEditor.safe_controls``);
 * every input of a far reader (``consumers``) that reads the tensor, directly or through bypassed
   ops, reads the clone instead.
 
@@ -42,9 +42,10 @@ from typing import Any, Iterable, Sequence
 from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from rewriter.graph_edit import GraphEditor, _parse, _tensor_ref
-from simulator.plan import PlanError
 from rewriter.capture import SHAPE_TYPES
+from rewriter.graph_edit import GraphEditor
+from rewriter.graph_refs import parse_ref, tensor_ref
+from simulator.plan import PlanError
 from simulator.recompute import Recompute, clone_name, original_name
 
 # Attributes every clone carries: its own name (how verification finds it under a name Grappler gave it),
@@ -145,7 +146,7 @@ def _check_names(editor: GraphEditor, actions: list[Recompute]) -> None:
     for k, action in enumerate(actions):
         if not action.ops or not action.consumers:
             raise PlanError(f"recomputation {k} of {action.tensor} lists no ops or no far readers")
-        node, _ = _parse(action.tensor)
+        node, _ = parse_ref(action.tensor)
         if node != action.ops[-1]:
             raise PlanError(f"recomputation {k}: its last op {action.ops[-1]!r} does not make its tensor "
                             f"{action.tensor!r}")
@@ -179,7 +180,7 @@ def _clone_set(editor: GraphEditor, action: Recompute, k: int) -> list[str]:
         memo[name] = False  # a cycle (none in a valid graph) ends here
         node = editor.nodes.get(name)
         found = name in listed or (node is not None and editor.bypassed(node)
-                                   and any(between(_parse(ref)[0]) for _, ref in editor.data_inputs(node)))
+                                   and any(between(parse_ref(ref)[0]) for _, ref in editor.data_inputs(node)))
         memo[name] = found
         return found
 
@@ -195,12 +196,12 @@ def _clone_set(editor: GraphEditor, action: Recompute, k: int) -> list[str]:
             raise PlanError(f"recomputation {k} of {action.tensor} lists {name!r}, a {node.op}: constants, "
                             "variable reads and static shapes are shared, never recomputed")
         for _, ref in editor.data_inputs(node):
-            source = _parse(ref)[0]
+            source = parse_ref(ref)[0]
             if source in editor.nodes and editor.nodes[source].op not in SHARED_TYPES and between(source):
                 visit(source)
         order.append(name)
 
-    visit(_parse(action.tensor)[0])
+    visit(parse_ref(action.tensor)[0])
     unreached = [name for name in action.ops if name not in seen]
     if unreached:
         raise PlanError(f"recomputation {k} of {action.tensor} lists {unreached[0]!r}, which does not feed the "
@@ -214,7 +215,7 @@ def _clone_set(editor: GraphEditor, action: Recompute, k: int) -> list[str]:
 
 
 def _build(editor: GraphEditor, action: Recompute, k: int, cloned: list[str]) -> AppliedRecompute:
-    tensor = _parse(action.tensor)
+    tensor = parse_ref(action.tensor)
     names = {name: clone_name(name, k) for name in cloned}
     controls = editor.safe_controls([action.trigger], action.consumers)
     starts = []
@@ -227,9 +228,9 @@ def _build(editor: GraphEditor, action: Recompute, k: int, cloned: list[str]) ->
         for ref in original.input:
             if ref.startswith("^"):
                 continue  # the original's ordering: its data inputs are values already made
-            source, index = _parse(ref)
-            inputs.append(_tensor_ref(names[source], index) if source in names else ref)
-        if not any(_parse(ref)[0] in names for ref in original.input if not ref.startswith("^")):
+            source, index = parse_ref(ref)
+            inputs.append(tensor_ref(names[source], index) if source in names else ref)
+        if not any(parse_ref(ref)[0] in names for ref in original.input if not ref.startswith("^")):
             starts.append(node.name)
         if node.name in starts:
             inputs.extend(f"^{c}" for c in controls)
@@ -238,7 +239,7 @@ def _build(editor: GraphEditor, action: Recompute, k: int, cloned: list[str]) ->
         node.attr[CLONE_ATTR].s = node.name.encode()
         node.attr[KEEP_ATTR].b = True
         editor.nodes[node.name] = node
-    clone = _tensor_ref(names[tensor[0]], tensor[1])
+    clone = tensor_ref(names[tensor[0]], tensor[1])
     rewired: list[tuple[str, int]] = []
     for consumer in action.consumers:
         node = editor.nodes[consumer]

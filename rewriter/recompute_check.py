@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from rewriter.collected import grappler_renames, pick_function_graph
-from rewriter.graph_edit import Ancestry, _parse
+from rewriter.graph_refs import Ancestry, parse_ref
 from rewriter.recompute import CLONE_ATTR, AppliedRecompute
 from simulator.recompute import CLONE_MARK, original_name
 
@@ -25,7 +25,10 @@ class RecomputeVerification:
     by one is removed, a value known statically becomes a constant), which changes nothing. A far
     read is *lost* when the reader no longer reads a clone of its recomputation and no other node
     does in its place. An original is lost when its node is gone while its clone runs (merged into
-    the clone: the near readers would wait for the recomputation).
+    the clone: the near readers would wait for the recomputation). A clone still in Grappler's output
+    but not among the nodes that run was merged into the clone reading it by a pass after Grappler
+    (oneDNN's layout pass merges a Conv2D into its BiasAdd when the two have the same control inputs,
+    which a clone pair has and its original, chained, may not): neither lost nor merged back.
     """
 
     planned_clones: int
@@ -34,6 +37,9 @@ class RecomputeVerification:
     clones: int = 0  # listed ops' clones running under their own or a Grappler name
     clones_renamed: list[str] = field(default_factory=list)  # "clone -> new name"
     clones_gone_with_original: list[str] = field(default_factory=list)  # fused or folded like the original
+    # kept by Grappler, then merged into the clone reading it by a pass after Grappler (oneDNN's layout pass:
+    # Conv2D+BiasAdd); the merged node computes it, as the original's merged node or unmerged pair does
+    clones_merged_forward: list[str] = field(default_factory=list)
     clones_lost: list[str] = field(default_factory=list)
     originals_lost: list[str] = field(default_factory=list)
     reads: int = 0  # far reads served by a clone
@@ -67,7 +73,8 @@ class RecomputeVerification:
 
     def counts(self) -> str:
         return (f"clones {self.clones}/{self.planned_clones} ({len(self.clones_gone_with_original)} fused or folded "
-                f"with their original), far reads served {self.reads}/{self.planned_reads} "
+                f"with their original, {len(self.clones_merged_forward)} merged into the clone reading them), "
+                f"far reads served {self.reads}/{self.planned_reads} "
                 f"({len(self.reads_folded)} readers folded), trigger edges "
                 f"{self.controls_kept}+{self.controls_implied} implied/{self.planned_controls}")
 
@@ -81,7 +88,7 @@ class RecomputeVerification:
 
 def recompute_names(applied: Sequence[AppliedRecompute]) -> set[str]:
     """Nodes that tell the step's function graph apart: clones, far readers, originals."""
-    return {name for item in applied for name in (*item.nodes, *(c for c, _ in item.rewired), _parse(item.tensor)[0])}
+    return {name for item in applied for name in (*item.nodes, *(c for c, _ in item.rewired), parse_ref(item.tensor)[0])}
 
 
 def check_recomputes(function_graphs, applied: Sequence[AppliedRecompute]) -> RecomputeVerification:
@@ -118,9 +125,15 @@ def check_recomputes(function_graphs, applied: Sequence[AppliedRecompute]) -> Re
     for node in running.values():
         for ref in node.input:
             if not ref.startswith("^"):
-                source = _parse(ref)[0]
+                source = parse_ref(ref)[0]
                 readers_of.setdefault(recv_source.get(source, source), []).append(node.name)
+    post_readers: dict[str, set[str]] = {}  # node -> nodes reading it in Grappler's output
+    for node in post.values():
+        for ref in node.input:
+            if not ref.startswith("^"):
+                post_readers.setdefault(parse_ref(ref)[0], set()).add(node.name)
     for item in applied:
+        clones = set(item.nodes)
         for clone in item.ops:
             now = runs(clone)
             if now is not None:
@@ -129,10 +142,13 @@ def check_recomputes(function_graphs, applied: Sequence[AppliedRecompute]) -> Re
                     result.clones_renamed.append(f"{clone} -> {now}")
             elif runs(original_name(clone)) is None:
                 result.clones_gone_with_original.append(clone)
+            elif clone in post and post_readers.get(clone) and all(
+                    reader in clones and runs(reader) is not None for reader in post_readers[clone]):
+                result.clones_merged_forward.append(clone)
             else:
                 result.clones_lost.append(clone)
-        producer = _parse(item.tensor)[0]
-        if runs(producer) is None and not folded(producer) and runs(_parse(item.clone)[0]) is not None:
+        producer = parse_ref(item.tensor)[0]
+        if runs(producer) is None and not folded(producer) and runs(parse_ref(item.clone)[0]) is not None:
             result.originals_lost.append(producer)
         mark = f"{CLONE_MARK}{item.index}"
         serving = [name for name, node in running.items()

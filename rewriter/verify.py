@@ -35,7 +35,7 @@ from tensorflow.core.framework import graph_pb2
 
 from rewriter.capture import import_step
 from rewriter.collected import collect_first_call, grappler_renames, pick_function_graph, profiled_first_call
-from rewriter.graph_edit import Ancestry
+from rewriter.graph_refs import Ancestry
 from rewriter.placement import SWAP_IN_PREFIX
 from rewriter.recompute import AppliedRecompute
 from rewriter.recompute_check import RecomputeVerification, check_recomputes, recompute_names

@@ -221,6 +221,42 @@ def test_recomputation_is_chosen_applied_and_measured_and_no_recompute_swaps_onl
     assert swap_only["predicted_overhead"] > summary["predicted_overhead"]
 
 
+def test_a_recomputation_plan_tensorflow_cannot_run_falls_back_to_the_best_swap_plan(capsys, tmp_path, monkeypatch):
+    """The measured run of the chosen plan with recomputation fails in TensorFlow (issue 22's oneDNN cycle
+    did, at the first call): the tool searches swap plans only, measures the best one, and says why in
+    the report's notes; the verdict is the swap plan's, confirmed (exit 0)."""
+    import autotune.confirm
+    import tensorflow as tf
+    from benchmarks.models import build_model
+    from rewriter.capture import capture
+
+    from simulator import replay
+
+    measure_result = autotune.confirm.measure_result
+    failed = []
+
+    def fail_with_recomputation(model, result, **inputs):
+        if result.recomputes:
+            failed.append(len(result.recomputes))
+            raise tf.errors.InvalidArgumentError(None, None, "60 nodes in a cycle")
+        return measure_result(model, result, **inputs)
+
+    monkeypatch.setattr(autotune.confirm, "measure_result", fail_with_recomputation)
+    model_dir = tmp_path / "cnn64"
+    model_dir.mkdir()
+    build_model("small_cnn", image_size=64).save(model_dir / "cnn.keras")
+    graph = capture(build_model("small_cnn", image_size=64), 32)
+    budget = int(0.74 * replay(graph, None, "v100-16gb").peak_bytes)  # where the default search recomputes
+    code, stdout, err = _run_main(capsys, model_dir, "--batch-size", "32", "--memory", str(budget), "--trials", "60",
+                                  "--quiet", "--out", tmp_path / "out")
+    assert failed, "the search chose no recomputation: nothing to fall back from"
+    assert code == 0, err + stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["recomputes"] == [] and summary["swaps"] > 0
+    assert summary["confirmed_by_measurement"] and summary["measured_peak_bytes"] <= budget
+    assert any("could not run" in note and "nodes in a cycle" in note for note in summary["notes"]), summary["notes"]
+
+
 def test_graph_rewrites_end_to_end(capsys, tmp_path):
     """--rewrite split-concat --rewrite elide-broadcasts on a U-Net: the figures are of the
     rewritten step, the plan carries the rewrites, and the measured run of it agrees with the

@@ -543,9 +543,13 @@ def test_serialized_order_holds_past_the_reshapes_grappler_removes():
     """A convolution's bias gradient is reshaped [C] -> [1, 1, 1, C] -> [C] (Keras 3 adds the bias
     as a reshaped vector); Grappler removes the pair and, with it, the chain's control edge the next
     op hung on it (multi_io's MaxPoolGrad then ran beside the filter gradient before it, 17 % above
-    the prediction). In the partition graphs every op of the order still runs after the one before."""
+    the prediction). In the partition graphs every op of the order the step is chained in (the plan's,
+    with oneDNN's merge partners side by side: ``chain_order.partners_adjacent``) still runs after the one
+    before."""
     from rewriter.capture import import_step
     from rewriter.collected import collect_first_call
+    from rewriter.chain_order import partners_adjacent
+    from rewriter.graph_edit import GraphEditor
     from rewriter.verify import CopyWaits, _node_map
 
     keras.utils.set_random_seed(0)
@@ -561,6 +565,7 @@ def test_serialized_order_holds_past_the_reshapes_grappler_removes():
     order = [name for name in step.plan.order if name in serialized and serialized[name].op != "Placeholder"]
     assert any(serialized[name].op == "Reshape" and serialized[name].input[0].endswith("BiasAddGrad")
                for name in order)  # the pair Grappler removes is there
+    order = partners_adjacent(GraphEditor(step.traced.concrete.graph.as_graph_def()), order)
     snapshot = step.snapshot()
     try:
         _, collected = collect_first_call(import_step(step.graph_def, step.traced), *step.zeros())
