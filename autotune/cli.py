@@ -29,6 +29,7 @@ autotune.toml with defaults for the flags below, e.g.:
     device = "v100-16gb"          # or: memory = "16GiB"
     input_shapes = {image = [224, 224, 3]}   # where the model leaves dimensions open
     trials = 200
+    recompute = false             # swap only, as --no-recompute
     graph_rewrites = ["split-concat", "elide-broadcasts"]   # U-Nets: see --rewrite
     imports = ["my_layers"]       # the model's custom objects: see --import
 
@@ -80,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="find the largest batch that fits with swapping, and tune for it")
     search.add_argument("--max-overhead", type=float,
                         help="with --maximize-batch: largest acceptable simulated slow-down, e.g. 0.3 for 30%%")
-    search.add_argument("--no-recompute", dest="recompute", action="store_false",
-                        help="swap only: never recompute a tensor for its far readers (by default the search "
-                             "recomputes cheap tensors where that costs less than keeping or swapping them)")
+    search.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                        help="--no-recompute: swap only, never recompute a tensor for its far readers (by default "
+                             "the search recomputes tensors where that costs less than keeping or swapping them; "
+                             "also recompute = false in autotune.toml)")
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
@@ -145,6 +147,7 @@ def _settings(args: argparse.Namespace):
     if timeout is not None and timeout <= 0:
         raise InputError(f"--timeout must be positive, got {timeout}")
     max_overhead = args.max_overhead if args.max_overhead is not None else config.max_overhead
+    recompute = next((value for value in (args.recompute, config.recompute) if value is not None), True)
     if max_overhead is not None and max_overhead < 0:
         raise InputError(f"--max-overhead must not be negative, got {max_overhead}")
     from autotune.policies import POLICIES, SAMPLERS
@@ -181,6 +184,7 @@ def _settings(args: argparse.Namespace):
         "timeout_s": timeout,
         "seed": args.seed if args.seed is not None else (config.seed if config.seed is not None else 0),
         "max_overhead": max_overhead,
+        "recompute": recompute,
         "input_shapes": _input_shapes(args.input_shape) or config.input_shapes,
         "input_shapes_from": "--input-shape" if args.input_shape else "autotune.toml: input_shapes",
         "graph_rewrites": graph_rewrites,
@@ -287,7 +291,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                       policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
                       timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
                       study_name=args.study_name, maximize_batch=args.maximize_batch,
-                      max_overhead=settings["max_overhead"], recompute=args.recompute, progress=not quiet)
+                      max_overhead=settings["max_overhead"], recompute=settings["recompute"], progress=not quiet)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
     result.notes += model_notes(model)

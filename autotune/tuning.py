@@ -322,7 +322,9 @@ class SwapProbes:
         self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
         self.probe_trials, self.seed, self.recompute = probe_trials, seed, recompute
         # batch -> every plan the search evaluated there; None: the step fits without swapping,
-        # [] when not even its resident memory fits
+        # [] when no plan can fit: not even its resident memory and its largest op's working set
+        # (``peak_lower_bound_bytes``, which no swap or recomputation lowers: a clone's inputs and
+        # outputs are its original's), so the search there is not run
         self.evaluations_at: dict[int, list[Evaluation] | None] = {}
 
     def at(self, batch: int) -> list[Evaluation] | None:
@@ -330,7 +332,7 @@ class SwapProbes:
             graph = self.graph.with_batch(batch)
             problem = TuningProblem(graph, self.device, self.budget_bytes,
                                     space=SearchSpace.for_graph(graph, recompute=self.recompute))
-            if problem.resident_bytes > self.budget_bytes:
+            if problem.resident_bytes > self.budget_bytes or peak_lower_bound_bytes(graph) > self.budget_bytes:
                 found = []
             elif problem.baseline().feasible:
                 found = None

@@ -214,11 +214,12 @@ class _CandidateSearch:
                          seconds=float(self.seconds[list(ops)].sum()), freed_bytes=freed, extra_bytes=extra_bytes)
 
     def add(self, chosen: dict[int, Candidate], tensor: int, *, max_seconds_per_byte: float = math.inf,
-            max_seconds: float = math.inf) -> float | None:
+            max_seconds: float = math.inf, reclone_readers: bool = True) -> float | None:
         """Recompute ``tensor`` too, if it can be and that costs at most ``max_seconds_per_byte``
         per byte it frees and ``max_seconds`` in all: the recomputations that read it (a source)
-        then clone it again instead, and what that adds counts. Updates ``chosen``; returns the
-        seconds added, None when not."""
+        then clone it again instead, and what that adds counts; or (``reclone_readers`` false) they
+        keep reading the original, which the swap plan then keeps or swaps for them. Updates
+        ``chosen``; returns the seconds added, None when not."""
         if tensor in chosen:
             return None
         before = frozenset(chosen)
@@ -226,7 +227,7 @@ class _CandidateSearch:
         if own is None:
             return None
         after = before | {tensor}
-        readers = [c for c in chosen.values() if tensor in c.sources]
+        readers = [c for c in chosen.values() if tensor in c.sources] if reclone_readers else []
         redone = [self.candidate(c.tensor, after) for c in readers]
         if any(c is None for c in redone):
             return None
@@ -297,7 +298,10 @@ def choose_recomputes(g: OpGraph, device: DeviceModel, params: RecomputeParams) 
     """The candidates ``params`` picks: ranked by seconds per byte freed, each taken when it costs
     at most ``max_seconds_per_byte``, counting what it adds to those taken before that read it
     (they clone it again instead of holding it). The named ``tensors`` come last, whatever they
-    cost. Sorted by tensor (the order their actions are named in)."""
+    cost, recomputed for their own far readers only: the recomputations reading one keep reading
+    the original (the per-tensor pass names tensors whose swap-ins the step waits for; cloning
+    them again for every reader would cost more than the wait). Sorted by tensor (the order their
+    actions are named in)."""
     analysis = _CandidateSearch(g, device, params)
     chosen: dict[int, Candidate] = {}
     ranked = sorted((c for c in analysis.candidates(frozenset()) if c.seconds_per_byte <= params.max_seconds_per_byte),
@@ -308,7 +312,7 @@ def choose_recomputes(g: OpGraph, device: DeviceModel, params: RecomputeParams) 
         index = g.tensor_index()
         for name in params.tensors:
             if name in index:
-                analysis.add(chosen, index[name])
+                analysis.add(chosen, index[name], reclone_readers=False)
     return sorted(chosen.values(), key=lambda c: c.tensor)
 
 
@@ -397,7 +401,7 @@ def stalled_recomputes(g: OpGraph, device: DeviceModel, params: SwapParams, tran
                        result: Replay) -> tuple[tuple[str, ...], float]:
     """Tensors of ``g`` to recompute instead of swapping: swapped in ``plan`` (made on
     ``transformed``, ``g`` with ``params``' recomputations), their swap-ins waited for, and their
-    recomputation (with what it adds to the others) costs less than that wait
+    recomputation for their own far readers costs less than that wait
     (``SwapParams.recompute_per_tensor``); the longest waits first. And the seconds that should
     save (the waits less the recomputations)."""
     stalls = swap_in_stalls(transformed, plan, result)
@@ -408,7 +412,7 @@ def stalled_recomputes(g: OpGraph, device: DeviceModel, params: SwapParams, tran
     added, saved_s = [], 0.0
     for tensor, wait in sorted(stalls.items(), key=lambda item: -item[1]):
         name = transformed.tensor_name(tensor)
-        seconds = analysis.add(chosen, index[name], max_seconds=wait) if name in index else None
+        seconds = analysis.add(chosen, index[name], max_seconds=wait, reclone_readers=False) if name in index else None
         if seconds is not None:
             added.append(name)
             saved_s += wait - seconds

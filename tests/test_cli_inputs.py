@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 from autotune import cli
-from autotune.cli import main
+from autotune.cli import _settings, build_parser, main
 from simulator.warmup import warm_up
 
 
@@ -56,12 +56,27 @@ def _one_error_line(capsys, *args) -> str:
     ("imports = [3]", "autotune.toml: imports = [3]: expected a list of names"),
     ('imports = ["no_such_module_anywhere"]', "imports no_such_module_anywhere: no module 'no_such_module_anywhere'"),
     ('imports = ["missing.py"]', "imports missing.py: no such .py file"),
+    ('recompute = "no"', "autotune.toml: recompute = 'no' has the wrong type"),
+    ("recompute = 0", "autotune.toml: recompute = 0 has the wrong type"),
+    ("max_overhead = true", "autotune.toml: max_overhead = True has the wrong type"),
 ])
 def test_bad_toml_value_names_its_key_in_the_file(model_dir, capsys, tmp_path, toml, message):
     (model_dir / "autotune.toml").write_text(toml + "\n")
     line = _one_error_line(capsys, model_dir, "--batch-size", "4", "--no-measure", "--out", tmp_path / "out")
     assert message in line and "autotune.toml" in line, line
     assert "--" not in line.split("autotune.toml")[0], line  # blamed on the file, not on a flag
+
+
+@pytest.mark.parametrize("toml,flags,recompute", [
+    ("", [], True),
+    ("recompute = false", [], False),
+    ("recompute = true", ["--no-recompute"], False),
+    ("recompute = false", ["--recompute"], True),
+])
+def test_recompute_comes_from_the_flag_over_the_file_over_the_default(model_dir, toml, flags, recompute):
+    (model_dir / "autotune.toml").write_text(toml + "\n")
+    args = build_parser().parse_args([str(model_dir), "--batch-size", "4", *flags])
+    assert _settings(args)["recompute"] is recompute
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -23,13 +23,13 @@ from simulator.synthetic import OpSpec, from_spec
 ANY_SIZE = dict(min_bytes=0)  # the hand graphs' tensors are bytes, not MiB
 
 
-def relu_chain(backward_types=("MatMul", "ReluGrad", "Conv2DBackpropFilter"), relu_type="Relu"):
+def relu_chain(backward_types=("MatMul", "ReluGrad", "Conv2DBackpropFilter"), relu_type="Relu", f0_flops=1):
     """x (input) -> f0 conv -> f1 relu -> f2 conv; backward: b0 reads f2, b1 reads f1 (far), b2
     reads f0 (far). f1 can be recomputed from f0, which the backward keeps anyway."""
     b0, b1, b2 = backward_types
     return from_spec([
         OpSpec("x", "Placeholder", FORWARD, [], ((0, 10),), persistent=True),
-        OpSpec("f0", "Conv2D", FORWARD, ["x"], ((0, 100),), flops=1),
+        OpSpec("f0", "Conv2D", FORWARD, ["x"], ((0, 100),), flops=f0_flops),
         OpSpec("f1", relu_type, FORWARD, ["f0"], ((0, 100),), flops=1),
         OpSpec("f2", "Conv2D", FORWARD, ["f1"], ((0, 50),), flops=1),
         OpSpec("b0", b0, BACKWARD, ["f2"], ((0, 10),), flops=1),
@@ -154,6 +154,22 @@ def test_a_chosen_source_is_cloned_again_by_its_readers(unit):
     assert actions["f0:0"].ops == ("f0",)
     t = with_recomputes(g, actions_of(g, chosen))
     assert replay(t, None, unit).level_peak_bytes.max() < replay(g, None, unit).level_peak_bytes.max()
+
+
+def test_a_named_tensor_is_recomputed_for_its_own_far_readers_only(unit):
+    """A tensor named in ``tensors`` (what the per-tensor pass adds, where the step waits for its
+    swap-in) gets its own recomputation, while the recomputations already reading it keep reading
+    the original: cloning it again for each of them would cost more than the wait it saves."""
+    g = relu_chain(f0_flops=2)  # f0 costs twice f1 per byte: the cost rule takes f1 alone
+    cheap_f1 = RecomputeParams(classes=RECOMPUTE_CLASSES.keys(), max_seconds_per_byte=0.01, **ANY_SIZE)
+    assert [a.tensor for a in actions_of(g, choose_recomputes(g, unit, cheap_f1))] == ["f1:0"]
+    named = dataclasses.replace(cheap_f1, tensors=("f0:0",))
+    actions = {a.tensor: a for a in actions_of(g, choose_recomputes(g, unit, named))}
+    assert actions["f0:0"].ops == ("f0",) and actions["f0:0"].consumers == ("b2",)
+    assert actions["f1:0"].ops == ("f1",)  # reads the original f0, as without the name
+    t = with_recomputes(g, list(actions.values()))
+    f1_clone = t.op_index()[clone_name("f1", 1)]
+    assert [t.tensor_name(x) for x in t.edge_tensor[t.edge_consumer == f1_clone]] == ["f0:0"]
 
 
 def test_stateful_and_unlisted_ops_are_never_recomputed(unit):
