@@ -68,9 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "compute and link speeds time the simulation")
     search = parser.add_argument_group("search")
     search.add_argument("--policy", choices=POLICIES, help="search policy (default optuna)")
-    search.add_argument("--trials", type=int, help="candidates to simulate (default 200; a resumed study adds this many; "
-                                                   "the exhaustive policy walks its whole grid, --timeout stops it)")
-    search.add_argument("--timeout", type=float, help="stop the search after this many seconds")
+    search.add_argument("--trials", type=int, help="candidates to simulate (default 200; with recomputation, the "
+                                                   "default, a swap-only search of as many runs first; a resumed study "
+                                                   "adds this many; the exhaustive policy walks its whole grid, "
+                                                   "--timeout stops it)")
+    search.add_argument("--timeout", type=float, help="stop the search after this many seconds (with recomputation, "
+                                                      "the swap-only search first has half of them)")
     search.add_argument("--sampler", choices=sorted(SAMPLERS), help="Optuna sampler (default tpe)")
     search.add_argument("--seed", type=int, help="random seed of the sampler (default 0)")
     search.add_argument("--storage", help="Optuna storage: a journal file (default: study.log in --out, or the "

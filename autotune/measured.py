@@ -98,7 +98,7 @@ def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device:
     calibration re-anchored to them (``rewriter.anchored``: the machine's speed drifts between the
     calibration and this run; ``graph``: the model's step, ``run_graph``: the plan's, with its
     recomputations): (measured step s, predicted step s, what it was anchored to); None when
-    those steps cannot run here (out of memory), the calibration's own prediction then stands."""
+    those steps cannot run here (out of memory, say), the calibration's own prediction then stands."""
     import tensorflow as tf  # TensorFlow only when a plan is measured
     from rewriter.anchored import ANCHOR, timed_beside_anchors
 
@@ -107,13 +107,15 @@ def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device:
     try:
         anchored, timing = timed_beside_anchors(device, model, graph, {"plan": lambda: run.step.run_flat(*flat)},
                                                 placement=placement, shapes=shapes, between=snapshot.restore)
-    except tf.errors.ResourceExhaustedError as error:
-        log.warning("the step times were not re-anchored (%s)", str(error).splitlines()[0][:200])
+    except tf.errors.OpError as error:  # the plan's own measurement stands; only the re-anchoring is lost
+        log.warning("the step times were not re-anchored (%s: %s)", type(error).__name__,
+                    str(error).splitlines()[0][:200] if str(error) else "")
         return None
     finally:
         snapshot.restore()
     anchors = ", ".join(f"{b} ({timing.step_s[(ANCHOR, b)]:.4g} s)" for b in device.batch_sizes)
-    return timing.step_s["plan"], replay(run_graph, run.plan, anchored).step_s, f"unswapped steps at batch sizes {anchors}"
+    predicted_s = replay(run_graph, run.plan, anchored).step_s
+    return timing.step_s["plan"], predicted_s, f"unswapped steps at batch sizes {anchors}"
 
 
 def _clones(check: Any) -> dict:

@@ -129,9 +129,8 @@ class OptunaPolicy:
 
         with _progress(budget, problem) as (callback, advance), _stop_on_interrupt() as stop:
             if guided and _complete(study) == 0 and problem.space.recomputes:
-                # the search without recomputation first, its own budget: recomputation only adds
-                for evaluation in self._swaps_first(problem, budget):
-                    add_evaluation(study, evaluation, problem)
+                # the search without recomputation first, its own trials: recomputation only adds
+                self._swaps_first(problem, study, budget, deadline)
                 _enqueue_new(study, _threshold_frontier(problem, study, run, swaps=False))
             elif guided and _complete(study) == 0:
                 made = TflmsV2Policy().search(problem, study, budget).evaluations
@@ -150,13 +149,20 @@ class OptunaPolicy:
         evaluations = _study_evaluations(study, problem)
         return Outcome(evaluations, best_of(evaluations))
 
-    def _swaps_first(self, problem: TuningProblem, budget: Budget) -> list[Evaluation]:
-        """What this search finds without recomputation (the swap-only space, the same simulations:
-        the problems share their memo), with ``budget`` of its own."""
+    def _swaps_first(self, problem: TuningProblem, study: optuna.Study, budget: Budget, deadline: float | None) -> None:
+        """Search without recomputation (the swap-only space; the same simulations: the problems share
+        their memo) with ``budget.trials`` of its own, so that the search with recomputation is never
+        worse than ``--no-recompute``, and half the time left before ``deadline``, so that it always
+        gets some. Its trials go into ``study``, also when Ctrl-C stops it (the interrupt goes on)."""
         swaps = replace(problem, space=problem.space.swap_only())
-        study = optuna.create_study(direction="minimize")
-        return OptunaPolicy(self.sampler_name, self.seed, self.name).search(
-            swaps, study, Budget(budget.trials, budget.timeout_s, False)).evaluations
+        timeout_s = None if deadline is None else max(0.0, deadline - time.monotonic()) / 2
+        inner = optuna.create_study(direction="minimize")
+        try:
+            OptunaPolicy(self.sampler_name, self.seed, self.name).search(
+                swaps, inner, Budget(budget.trials, timeout_s, budget.progress))  # a progress bar of its own
+        finally:
+            for evaluation in _study_evaluations(inner, swaps):
+                add_evaluation(study, evaluation, problem)
 
     @staticmethod
     def _refine(problem: TuningProblem, study: optuna.Study, run, budget: int, per_round: int = 12) -> None:

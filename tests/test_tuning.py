@@ -12,11 +12,12 @@ import optuna  # noqa: E402
 
 from autotune.policies import Budget, make_policy  # noqa: E402
 from autotune.search import SearchSpace, TuningProblem  # noqa: E402
-from autotune.tuning import study_name_for  # noqa: E402
+from autotune.tuning import study_name_for, tune_graph  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from rewriter.capture import capture  # noqa: E402
 from simulator import get_device, plan_swaps, replay  # noqa: E402
 from simulator.synthetic import training_graph  # noqa: E402
+from tests.test_simulator_recompute import conv_relu_graph  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -230,3 +231,37 @@ def test_a_changed_recompute_space_gets_its_own_default_study_name():
     swap_only = SearchSpace.for_graph(g)
     assert study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, False, swap_only) == \
         study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0)
+
+
+def _slow_link_problem():
+    g = conv_relu_graph().with_batch(64)
+    device = dataclasses.replace(get_device("v100-16gb"), h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9)
+    return g, device, int(replay(g, None, device).peak_bytes * 0.6)
+
+
+def test_a_timed_search_with_recomputation_leaves_time_for_recomputation():
+    """The swap-only search that runs first gets half the time: the rest searches recomputation."""
+    g, device, budget = _slow_link_problem()
+    result = tune_graph(g, device=device, memory=budget, trials=None, timeout_s=3, recompute=True, seed=1)
+    assert any(e.params is not None and e.params.recomputes for e in result.evaluations)
+
+
+def test_an_interrupted_swap_only_phase_keeps_its_trials(monkeypatch):
+    """Ctrl-C during the swap-only search that runs first: its finished trials are in the user's study
+    (the same command resumes from them), and the interrupt goes on to the caller."""
+    g, device, budget = _slow_link_problem()
+    evaluate, calls = TuningProblem.evaluate, []
+
+    def interrupted(self, params):
+        calls.append(params)
+        if len(calls) == 25:
+            raise KeyboardInterrupt
+        return evaluate(self, params)
+
+    monkeypatch.setattr(TuningProblem, "evaluate", interrupted)
+    study = optuna.create_study(direction="minimize")
+    problem = TuningProblem(g, device, budget, space=SearchSpace.for_graph(g, recompute=True))
+    with pytest.raises(KeyboardInterrupt):
+        make_policy("optuna").search(problem, study, Budget(trials=40))
+    kept = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(kept) >= 10
