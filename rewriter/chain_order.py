@@ -22,7 +22,7 @@ def _merge_partners(editor: Any, op: str, position: dict[str, int]) -> list[str]
     danger = [name for name in editor.fusion_neighbourhood([op]) if position.get(name, len(position)) < position[op]]
     if not danger:
         return []
-    readers = editor._readers_index()
+    readers = editor.readers_index()
     kind = editor.nodes[op].op
     partners = set(danger)
     while True:  # a chain part merges when every reader is the op or a part that merges

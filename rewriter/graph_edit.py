@@ -172,7 +172,7 @@ class GraphEditor:
                     found.append(source)
         return found
 
-    def _readers_index(self) -> dict[str, list[str]]:
+    def readers_index(self) -> dict[str, list[str]]:
         if not hasattr(self, "_readers_cache"):
             index: dict[str, list[str]] = defaultdict(list)
             for node in self.graph_def.node:
@@ -184,7 +184,7 @@ class GraphEditor:
     def fusion_neighbourhood(self, consumers: Iterable[str]) -> set[str]:
         """Ops a graph pass might fuse with one of ``consumers`` (``simulator.fusion``, the same walk
         as the replay's)."""
-        readers = self._readers_index()
+        readers = self.readers_index()
 
         def op_type(name: str) -> str:
             node = self.nodes.get(name)

@@ -8,7 +8,7 @@ from collections import deque
 
 
 def parse_ref(name: str) -> tuple[str, int]:
-    """"node:index" (or "node") as (node, index); a control input keeps its "^"."""
+    """A reference "node:index" (or "node") as (node, index); a control input keeps its "^"."""
     node, _, index = name.partition(":")
     return node, int(index) if index else 0
 
