@@ -14,7 +14,7 @@ from typing import Any
 
 from autotune.inputs import format_bytes
 from autotune.tuning import MeasuredRun, TuneResult
-from simulator import CalibratedDevice, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
+from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
 from simulator.replay import Replay
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device:
     try:
         anchored, timing = timed_beside_anchors(device, model, graph, {"plan": lambda: run.step.run_flat(*flat)},
                                                 placement=placement, shapes=shapes, between=snapshot.restore)
-    except tf.errors.OpError as error:  # the plan's own measurement stands; only the re-anchoring is lost
+    except (tf.errors.OpError, CalibrationError) as error:  # the plan's measurement stands; only the re-anchoring is lost
         log.warning("the step times were not re-anchored (%s: %s)", type(error).__name__,
                     str(error).splitlines()[0][:200] if str(error) else "")
         return None

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rewriter.apply import apply as apply_plan
-from rewriter.calibrate import PassTimes, timed_passes
-from rewriter.step_inputs import synthetic_batch
+from rewriter.calibrate import PassTimes, build_step, timed_passes
 from simulator.calibrated import CalibratedDevice
 from simulator.graph import OpGraph
 from simulator.plan import SwapPlan
@@ -30,18 +28,13 @@ def timed_beside_anchors(calibration: CalibratedDevice, model, graph: OpGraph, c
     """Time ``calls`` (key -> one warmed-up step to predict) in passes interleaved with ``model``'s
     unswapped step at each of the calibration's batch sizes (``graph``: the model's step as captured,
     at any batch; ``shapes``: its input_shapes/label_shapes/label_dtype), and return the calibration
-    re-anchored to those steps' times, with the timing (``calls``' keys and ``(ANCHOR, b)``).
+    re-anchored to those steps' times, with the timing (``calls``' keys and ``(ANCHOR, b)``). A model that
+    cannot run one of those steps raises ``CalibrationError``.
     ``between`` runs after each pass (e.g. restoring weights the steps update)."""
-    shapes = shapes or {}
-    anchors: dict[Any, Callable[[], Any]] = {}
-    for batch in calibration.batch_sizes:
-        at = graph.with_batch(batch)
-        step = apply_plan(model, SwapPlan.empty(at), graph=at, batch_size=batch, placement=placement, verify=False,
-                          **shapes)
-        flat = step._flat_inputs(*synthetic_batch(model, batch, **shapes))
-        for _ in range(2):  # the first call optimizes the function
-            step.run_flat(*flat)
-        anchors[(ANCHOR, batch)] = (lambda step=step, flat=flat: step.run_flat(*flat))
+    anchors: dict[Any, Callable[[], Any]] = {
+        (ANCHOR, batch): build_step(model, SwapPlan.empty(graph.with_batch(batch)), graph.with_batch(batch), batch,
+                                    placement, shapes or {}).call  # built and warmed up, as the calibration's
+        for batch in calibration.batch_sizes}
     timing = timed_passes({**calls, **anchors}, max_passes=max_passes, min_total_s=min_total_s, between=between)
     anchored = calibration.with_step_times([timing.step_s[(ANCHOR, b)] for b in calibration.batch_sizes])
     return anchored, timing

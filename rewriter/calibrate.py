@@ -394,8 +394,8 @@ def _batch_sizes(batch_sizes) -> tuple[int, ...]:
     return sizes
 
 
-def _build(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement, shapes: dict, *,
-           warm: bool = True) -> _Step:
+def build_step(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement | None, shapes: dict, *,
+               warm: bool = True) -> _Step:
     """The rewritten step at ``batch`` (run twice with ``warm``: the first call optimizes the
     function); errors of a model that cannot run there become a ``CalibrationError``."""
     with _cannot_run(model, graph, batch):
@@ -456,7 +456,7 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     except (CaptureError, tf.errors.OpError, ValueError, TypeError, MemoryError) as error:
         raise CalibrationError(f"model {getattr(model, 'name', 'model')!r} cannot be captured at batch sizes "
                                f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {_first_line(error)})") from None
-    steps = {b: _build(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, shapes, warm=False)
+    steps = {b: build_step(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, shapes, warm=False)
              for b in sizes}
     snapshot = steps[sizes[0]].step.snapshot()  # the model's variables, before any step ran
     try:
@@ -496,7 +496,7 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
         plan = plan_swaps(at_top, params, kept_reads=base.kept_reads)
         if plan.n_swaps:
             swapped[what] = plan
-            calls[what] = _build(model, plan, at_top, top, place, shapes).call
+            calls[what] = build_step(model, plan, at_top, top, place, shapes).call
     timing = timed_passes(calls, steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, min_total_s=min_timing_s, between=snapshot.restore)
     notes.append(f"step times: {timing.n_passes} interleaved passes in {timing.seconds:.0f} s, at least "
