@@ -89,6 +89,24 @@ def anchors_note(calibration: dict | None, timing: dict) -> str:
         f"b{b} {1e3 * now:.2f} ms ({now / then:.2f}x the calibration's)" for b, now, then in pairs)
 
 
+def linearity_note(batch: int, timing: dict, none: dict | None) -> str:
+    """The unswapped step at ``batch`` against the line through the calibration's unswapped steps timed
+    beside it, in wall time and in CPU time (the process's, all threads: what other processes take is not
+    in it). Within a few % in CPU time and far off in wall time: the step is linear in batch and the
+    error is the machine's load, which slowed the steps of different batch sizes unequally."""
+    sizes = timing.get("anchor_batches") or []
+    if not none or "measured_cpu_s" not in none or len(sizes) < 2 or not timing.get("anchor_cpu_s"):
+        return ""
+    parts = []
+    for what, anchors, measured in (("wall", timing["anchor_step_s"], none["measured_step_s"]),
+                                    ("CPU", timing["anchor_cpu_s"], none["measured_cpu_s"])):
+        slope, intercept = np.polyfit(sizes, anchors, 1)
+        line = intercept + slope * batch
+        parts.append(f"{what} {1e3 * line:.2f} ms for {1e3 * measured:.2f} ms measured ({100 * (line / measured - 1):+.1f} %)")
+    return f"; the line through the unswapped steps at b{' and b'.join(map(str, sizes))} beside them, at b{batch}: " \
+        + ", ".join(parts)
+
+
 def kendall_tau(x, y) -> float:
     """Kendall's tau-b of two sequences (ties counted as in scipy.stats.kendalltau); nan below 2 items."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -192,11 +210,14 @@ def _worker(spec_path: str, out_path: str) -> int:
         if label in calls:
             record.update(measured_step_s=timing.step_s[label], measured_all_s=timing.all_s[label],
                           pass_medians_s=timing.pass_medians[label], spread=timing.spread(label),
+                          measured_cpu_s=timing.cpu_s[label],
 
                           anchored_step_s=replay(graph, plans[label], anchored).step_s)
         emit(record)
     emit({"kind": "timing", "seconds": time.perf_counter() - start, "passes": timing.n_passes,
           "anchor_step_s": [timing.step_s[(ANCHOR, b)] for b in calibrated.batch_sizes],
+          "anchor_cpu_s": [timing.cpu_s[(ANCHOR, b)] for b in calibrated.batch_sizes],
+          "anchor_batches": list(calibrated.batch_sizes),
           "accepted": timing.n_accepted, "consistent": timing.consistent, "slowdown": timing.slowdown()})
     if snapshot is not None:
         snapshot.restore()
@@ -240,6 +261,7 @@ def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
                "calibrated_at": "b" + "+b".join(str(b) for b in calibration_batches(setup.batch)),
                "plan": r["plan"], "swaps": r.get("swaps"), "swapped_MiB": (r.get("swapped_bytes") or 0) / 2**20,
                "measured_ms": None if measured is None else 1e3 * measured,
+               "measured_cpu_ms": 1e3 * r["measured_cpu_s"] if "measured_cpu_s" in r else None,
                "spread_pct": None if r.get("spread") is None else 100 * r["spread"],
                "predicted_ms": 1e3 * r["predicted_step_s"] if "predicted_step_s" in r else None,
                "predicted_stall_ms": 1e3 * r["predicted_stall_s"] if "predicted_stall_s" in r else None,
@@ -257,8 +279,7 @@ def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
 
 
 COLUMNS = ["model", "setting", "calibrated_at", "plan", "swaps", "swapped_MiB", "measured_ms", "spread_pct",
-
-           "predicted_ms", "error_pct", "anchored_ms", "anchored_error_pct", "predicted_stall_ms", "preset_ms",
+           "measured_cpu_ms", "predicted_ms", "error_pct", "anchored_ms", "anchored_error_pct", "predicted_stall_ms", "preset_ms",
            "preset_error_pct", "ranked", "contention", "copy_overhead_us", "note"]
 
 
@@ -336,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"at least {timing['accepted']} of {timing['passes']} passes accepted per plan, the median pass "
                          f"{100 * timing['slowdown']:.0f} % slower than the fastest"
                          + ("" if timing["consistent"] else " (too few agreed: the closest were used)")
-                         + anchors_note(calibration, timing))
+                         + anchors_note(calibration, timing)
+                         + linearity_note(setup.batch, timing, next((r for r in records if r["kind"] == "plan"
+                                                                      and r["plan"] == "none"), None)))
         if status.get("timeout") and timing:
             notes.append(f"- {setup.key}: worker timed out after it wrote every record (while exiting)")
         elif status.get("timeout") or status.get("returncode"):
@@ -370,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
          "this run and reads only the measurements, never the predictions; median and worst errors count every "
          "plan, and `*_tau_all` is tau over every plan."),
         ("- measured_ms: median step time over the accepted timing passes (every plan of a model timed in the same "
-         "passes, a pass accepted within 5 % of the plan's fastest); spread_pct: range of those over their median. "
+         "passes, a pass accepted within 5 % of the plan's fastest); spread_pct: range of those over their median; "
+         "measured_cpu_ms: the process's CPU time per step in the same passes (all threads; what other processes "
+         "take is not in it). "
          "predicted_ms: "
          "`simulator.replay(graph, plan, rewriter.calibrate(model, batch_sizes=calibrated_at))`; preset_ms: the "
          "same replay on the uncalibrated cpu-testbed preset. error_pct = predicted / measured - 1. anchored_ms: the "

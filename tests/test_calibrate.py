@@ -7,6 +7,7 @@ import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its r
 
 import importlib.util
 import json
+import time
 
 import keras
 import numpy as np
@@ -113,6 +114,21 @@ def test_timing_passes_leave_out_the_machines_slowdowns():
     few = pass_times({key: runs[:4] for key, runs in steps.items()}, tolerance=0.05, min_passes=3)
     assert not few.consistent and sum(few.accepted["c"]) == 3
     assert few.step_s["a"] == pytest.approx(undisturbed["a"], rel=0.03)
+
+
+def test_timing_passes_take_each_steps_cpu_time_beside_its_wall_time():
+    """A step that waits costs wall time and next to no CPU time; one that computes costs both (less CPU
+    than wall where other processes take the cores)."""
+    def compute():
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.004:
+            pass
+
+    times = timed_passes({"compute": compute, "wait": lambda: time.sleep(0.004)}, min_passes=2, max_passes=4,
+                         min_pass_s=0.01)
+    assert set(times.cpu_s) == {"compute", "wait"}
+    assert times.cpu_s["wait"] < 0.5 * times.step_s["wait"]
+    assert 3 * times.cpu_s["wait"] < times.cpu_s["compute"] <= 1.05 * times.step_s["compute"]
 
 
 def test_the_copies_cost_is_fitted_to_swapped_steps():
