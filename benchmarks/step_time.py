@@ -71,7 +71,10 @@ def calibration_batches(batch: int) -> tuple[int, int]:
     b4 step 12 % too slow on a quiet machine, 10:05 UTC) and where a neighbouring process slows the steps
     unequally (at 13:02 unet2d's unswapped b4 step ran 46.5 ms, 35 % slower than at 10:05, while its b2
     and b3 steps timed in the same passes extrapolated to 39.7 ms: re-anchored predictions 3.6-14.7 %
-    low). The product calibrates at half the measured batch and the batch itself
+    low). In CPU time, which other processes do not slow, the steps of small_cnn, transformer_encoder and
+    unet2d were linear from b2 up (lines through two batch sizes met a third within 0-5 % at load 7-11):
+    the rules differ by their noise and by the load, not by a bend of the step's own cost.
+    The product calibrates at half the measured batch and the batch itself
     (``autotune.calibration.calibration_batches``); this is the nearest to it that leaves the measured
     batch out."""
     if batch < 4 or batch % 4:
