@@ -4,7 +4,7 @@ import math
 
 import pandas as pd
 
-from benchmarks.step_time import kendall_tau, linearity_note, mark_ranked, ranked_plans, summary
+from benchmarks.step_time import anchors_note, kendall_tau, linearity_note, mark_ranked, ranked_plans, summary
 
 
 def test_ranked_plans_keep_measurements_at_least_the_gap_apart_from_the_fastest_up():
@@ -39,3 +39,10 @@ def test_the_unswapped_step_is_compared_with_the_line_through_the_calibrations_s
     note = linearity_note(8, timing, none)
     assert "wall 60.00 ms for 66.00 ms measured (-9.1 %)" in note and "CPU 130.00 ms for 130.00 ms measured (+0.0 %)" in note
     assert linearity_note(8, {}, none) == "" and linearity_note(8, timing, None) == ""
+
+
+def test_the_calibrations_steps_timed_beside_the_plans_are_set_against_its_own_timing_of_them():
+    calibration = {"calibration_batches": [4, 6], "calibration_step_s": [0.040, 0.050]}
+    note = anchors_note(calibration, {"anchor_step_s": [0.030, 0.050]})
+    assert "b4 30.00 ms (0.75x the calibration's)" in note and "b6 50.00 ms (1.00x the calibration's)" in note
+    assert anchors_note(None, {"anchor_step_s": [0.03]}) == "" and anchors_note(calibration, {}) == ""
