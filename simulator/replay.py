@@ -17,9 +17,10 @@ slot's figure is the larger of its op's and its wait's (``wait_slots``). Only sw
 re-accounted per plan, on top of a cached baseline.
 
 A replay is one compiled call (``kernels.replay_plan``, numba) from the plan's arrays to the
-Replay's, on tables built once per graph, batch size and device (``_context``): a little over a
-tenth of a millisecond for ResNet-50 at batch 32 with 474 swaps (README.md), results
-bit-identical to the numpy replay it replaced (tests/test_simulator_golden.py).
+Replay's, on tables built once per graph, batch size and device (``_context``); fields a search
+does not read are computed at their first read (``_OnDemand``): about a tenth of a millisecond for
+ResNet-50 at batch 32 with 474 swaps (README.md), results bit-identical to the numpy replay it
+replaced (tests/test_simulator_golden.py).
 """
 
 from __future__ import annotations
