@@ -25,7 +25,7 @@ replaced (tests/test_simulator_golden.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -92,6 +92,11 @@ class Replay:
 
     def fits(self, budget_bytes: int) -> bool:
         return self.peak_bytes <= budget_bytes
+
+    def __getstate__(self) -> dict:
+        """Pickled with every field computed, without what the fields read on demand are computed from
+        (``_OnDemand``: the graph's context, shared and large)."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
 
     def as_dict(self) -> dict:
         return {

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
 
+from benchmarks.reference import same_replay
 from simulator import SwapParams, kernel_memory, plan_swaps, replay
 from simulator.devices import get_device
 from simulator.ordering import execution_order
@@ -48,6 +50,8 @@ def test_a_replay_carries_every_field(device):
     fields = {field.name for field in dataclasses.fields(Replay)}
     assert set(vars(result)) == fields - set(ON_DEMAND_FIELDS) | {"_on_demand"} | (
         {"copy_overlap_s"} if get_device(device).copy_contention else set())
+    copy = pickle.loads(pickle.dumps(result))  # every field computed, not the graph's context
+    assert set(vars(copy)) == fields and same_replay(copy, result) and same_replay(result, copy)
     for name in fields:
         getattr(result, name)
     assert set(vars(result)) == fields | {"_on_demand"}
