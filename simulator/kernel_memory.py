@@ -19,9 +19,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
-    the host's peak (the compute during copies is ``copy_overlap``'s). Returns the peak slot (the first largest) and the peak per level (``levels_of_slot``;
-    ``sorted_levels``: slots sorted by level, as in the "cto" order, each level's peak taken from its
-    slots alone; otherwise from 0 bytes up), with the per-buffer fields of a Replay. All byte figures
+    the host's peak (the compute during copies is ``copy_overlap``'s). Returns the peak slot (the
+    first largest) and the peak per level (``levels_of_slot``; ``sorted_levels``: slots sorted by
+    level, as in the "cto" order, each level's peak taken from its slots alone; otherwise from 0
+    bytes up), with the per-buffer fields of a Replay. All byte figures
     are whole numbers (in float64, or ``int_bytes`` and the slots' running sums in int64: exact either
     way, so sums agree in any order); times are compared as the numpy code compared them. Only what a
     plan moved is visited, but for one pass over the slots that adds the changes to the baseline."""
