@@ -22,8 +22,7 @@ from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
 from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, actions_phrase, predicted
-from simulator import (BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapParams, SwapPlan, get_device,
-                       replay)
+from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.devices import preset_for_gpu
 from simulator.recompute import Recompute, clone_name
@@ -34,9 +33,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DEVICE = "v100-16gb"
 MAX_BATCH = 1 << 16
 HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
-# a batch probe also tries the fastest plans (this many) of the nearest probes (this many) before it
-NEIGHBOUR_PLANS = 2
-NEIGHBOUR_PROBES = 4
 
 
 @dataclass
@@ -344,26 +340,8 @@ class SwapProbes:
                 study = optuna.create_study(direction="minimize")
                 found = make_policy("optuna", seed=self.seed).search(problem, study,
                                                                     Budget(trials=self.probe_trials)).evaluations
-                found += self._from_neighbours(problem, batch)
             self.evaluations_at[batch] = found
         return self.evaluations_at[batch]
-
-    def _from_neighbours(self, problem: TuningProblem, batch: int) -> list[Evaluation]:
-        """The fastest plans found at the nearest batches probed so far, evaluated at ``batch``. A plan
-        that fits a larger batch fits a smaller one (its tensors shrink with the batch), so with them a
-        smaller batch never loses what a larger one found (without them, ResNet-50 on v100-16gb had no
-        plan under 20 % at 641-691 though 640 had one at 8.9 %); a smaller batch's may fit too."""
-        probed = sorted((b for b, found in self.evaluations_at.items() if found), key=lambda b: abs(b - batch))
-        seeds: list[SwapParams] = []
-        for near in probed[:NEIGHBOUR_PROBES]:
-            fitting = sorted((e for e in self.evaluations_at[near] if e.feasible), key=lambda e: e.step_s)
-            for e in fitting[:NEIGHBOUR_PLANS]:
-                # as asked: what evaluate mends (host room, the per-tensor pass) it mends for this batch
-                asked = replace(e.params, keep_tensors=(), recompute_tensors=() if e.params.recompute_per_tensor
-                                else e.params.recompute_tensors)
-                if asked not in seeds:
-                    seeds.append(asked)
-        return [problem.evaluate(params) for params in seeds if not problem.simulated(params)]
 
     def good_at(self, batch: int, max_overhead: float | None = None) -> list[Evaluation] | None:
         """The plans that fit at ``batch`` (None: no plan needed)."""
