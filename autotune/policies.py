@@ -131,12 +131,13 @@ class OptunaPolicy:
                 if left[0] is not None and left[0] <= keep or not run(None if left[0] is None else left[0] - keep):
                     break
 
-        # the off-grid refinement's share, kept from the stages before it (the frontier's binary
-        # searches can take a whole budget); a new search with recomputation, which runs a swap-only
-        # search of its own first, has it on top of its trials: its frontier takes them all
-        # (ResNet-50 at batch 692 on v100-16gb: with 15 % fewer it missed its 22 % plan for a 31 % one)
+        # the off-grid refinement's share: a new search has it on top of its trials, as taking it from
+        # the stages before it made them miss plans they found (the frontier's binary searches can take
+        # a whole budget: ResNet-50 on v100-16gb with 15 % fewer trials found a 31 % plan for the 22 %
+        # one at batch 692 with recomputation, 307 % for 278 % at 981 swapping alone); a resumed study
+        # keeps it within its trials (it adds as many as asked)
         off_grid = 0 if not guided or left[0] is None else int(left[0] * self.OFF_GRID_SHARE)
-        on_top = guided and _complete(study) == 0 and problem.space.recomputes
+        on_top = _complete(study) == 0
         if off_grid and not on_top:
             left[0] -= off_grid
         with _progress(budget, problem) as (callback, advance), _stop_on_interrupt() as stop:
