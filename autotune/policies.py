@@ -254,7 +254,7 @@ def _refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, d
 
 def _half_grid_step(space, name: str) -> float:
     """Half the space's typical step of an ordered parameter, as a ratio (its grid is geometric)."""
-    values = np.array([v for v in (getattr(space, "window" if name == "window" else name)) if np.isfinite(v)], float)
+    values = np.array([v for v in getattr(space, name) if np.isfinite(v)], float)
     values = np.unique(values + (1.0 if name in ("window", "groupby") else 0.0))
     values = values[values > 0]
     if len(values) < 2:

@@ -10,7 +10,7 @@ pytest.importorskip("tensorflow")
 
 import optuna  # noqa: E402
 
-from autotune.policies import Budget, make_policy  # noqa: E402
+from autotune.policies import Budget, OptunaPolicy, make_policy  # noqa: E402
 from autotune.search import SearchSpace, TuningProblem  # noqa: E402
 from autotune.tuning import study_name_for, tune_graph  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
@@ -47,7 +47,8 @@ def test_optuna_within_one_percent_of_exhaustive(small_unet, fraction):
     assert len(exhaustive.evaluations) == space.size() and exhaustive.chosen is not None
     for seed in (0, 1, 2):
         tuned = _search("optuna", g, budget, space, seed=seed)
-        assert len(tuned.evaluations) <= 200 and tuned.chosen is not None
+        # 200 trials, and a new search's off-grid refinement on top of them
+        assert len(tuned.evaluations) <= 200 + int(200 * OptunaPolicy.OFF_GRID_SHARE) and tuned.chosen is not None
         gap = tuned.chosen.step_s / exhaustive.chosen.step_s - 1
         print(f"\nbudget {fraction:.0%} of the unswapped peak, seed {seed}: exhaustive ({space.size()} plans) "
               f"{exhaustive.chosen.step_s:.5f} s, optuna (200 trials) {tuned.chosen.step_s:.5f} s, gap {gap:+.2%}")
@@ -73,7 +74,6 @@ def test_trials_refinement_does_not_complete_go_back_to_the_sampler(small_unet, 
     enqueuing points that failed or waited in the interrupted run, and the sampler's stand-ins may be
     repeats (pruned). The search must still complete as many new trials as it was given (the CLI
     promises "a resumed study adds this many"); here refinement completes none of its share."""
-    from autotune.policies import OptunaPolicy
 
     monkeypatch.setattr(OptunaPolicy, "_refine", staticmethod(lambda problem, study, run, budget, per_round=12: 0))
     g = small_unet
