@@ -156,7 +156,7 @@ class OptunaPolicy:
             if guided:
                 self._refine(problem, study, run, refine)
                 if off_grid:
-                    added = _refine_off_grid(problem, study, off_grid, deadline)
+                    added = _refine_off_grid(problem, study, off_grid, deadline, lambda: bool(stop.requested))
                     advance(added)
                     if not on_top:
                         left[0] += off_grid - added
@@ -217,7 +217,8 @@ OFF_GRID_STARTS = 3  # the best plans that fit it starts from, one after the oth
 OFF_GRID_LEAST_RATIO = 1.005  # a parameter's step, as a ratio, below which it stops moving
 
 
-def _refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, deadline: float | None) -> int:
+def _refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, deadline: float | None,
+                     interrupted: Callable[[], bool] = lambda: False) -> int:
     """A compass search off the grid from the best plans that fit (``OFF_GRID_STARTS`` of them, by
     step time, in turn): each ordered parameter one step up and down, by a ratio that starts at
     half a grid step (in log scale) and halves whenever no move helps. A grid is coarse where a
@@ -237,7 +238,7 @@ def _refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, d
     for current in starts[:OFF_GRID_STARTS]:
         ratios = dict(ratios0)
         while ratios and added < budget:
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and time.monotonic() >= deadline or interrupted():
                 return added
             moves = [m for m in _off_grid_moves(current, ratios) if not problem.simulated(m)][:budget - added]
             for params in moves:
@@ -469,6 +470,8 @@ def _stop_on_interrupt():
     def stop(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if requested:
             study.stop()
+
+    stop.requested = requested  # for stages outside ``study.optimize``
 
     if threading.current_thread() is not threading.main_thread():
         yield stop
