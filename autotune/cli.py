@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     search = parser.add_argument_group("search")
     search.add_argument("--policy", choices=POLICIES, help="search policy (default optuna)")
     search.add_argument("--trials", type=int, help="candidates to simulate (default 200; with recomputation, the "
-                                                   "default, a swap-only search of as many runs first; a resumed study "
+                                                   "default, a swap-only search of as many runs first; a new "
+                                                   "search refines off the grid with 15 %% more; a resumed study "
                                                    "adds this many; the exhaustive policy walks its whole grid, "
                                                    "--timeout stops it)")
     search.add_argument("--timeout", type=float, help="stop the search after this many seconds (with recomputation, "

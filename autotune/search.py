@@ -371,22 +371,31 @@ def constraint_values(evaluation: Evaluation, problem: TuningProblem) -> dict[st
 def evaluation_from_trial(trial: optuna.trial.FrozenTrial, problem: TuningProblem) -> Evaluation | None:
     """The candidate a finished trial stands for: its grid point, or (a candidate off the grid,
     e.g. found by the tflms-v2 search) the parameters stored with it."""
+    params = trial_params(trial, problem)
+    return None if params is None else problem.evaluate(params)
+
+
+def trial_params(trial: optuna.trial.FrozenTrial, problem: TuningProblem) -> SwapParams | None:
+    """The parameters a finished trial asked for (before ``TuningProblem.evaluate`` mends them)."""
     if trial.state != optuna.trial.TrialState.COMPLETE:
         return None
     if trial.params:
-        return problem.evaluate(problem.space.params(trial.params))
+        return problem.space.params(trial.params)
     if "params" in trial.user_attrs:
-        return problem.evaluate(SwapParams.from_dict(trial.user_attrs["params"]))
+        return SwapParams.from_dict(trial.user_attrs["params"])
     return None
 
 
-def add_evaluation(study: optuna.Study, evaluation: Evaluation, problem: TuningProblem) -> None:
+def add_evaluation(study: optuna.Study, evaluation: Evaluation, problem: TuningProblem,
+                   asked: SwapParams | None = None) -> None:
     """Record a candidate found by a non-Optuna policy as a finished trial (off the grid: with its
-    parameters as an attribute)."""
-    choice = problem.space.choice(evaluation.params) if evaluation.params is not None else None
+    parameters as an attribute). ``asked``: the parameters evaluated, when the evaluation carries
+    mended ones (``TuningProblem.evaluate``), so that a resumed study evaluates the same again."""
+    params = asked if asked is not None else evaluation.params
+    choice = problem.space.choice(params) if params is not None else None
     user_attrs: dict = _user_attrs(evaluation)
-    if choice is None and evaluation.params is not None:
-        user_attrs["params"] = evaluation.params.to_dict()
+    if choice is None and params is not None:
+        user_attrs["params"] = params.to_dict()
     constraints = {f"constraints:{name}": value for name, value in constraint_values(evaluation, problem).items()}
     study.add_trial(optuna.trial.create_trial(
         params=choice or {}, distributions=problem.space.distributions() if choice else {},
