@@ -127,8 +127,11 @@ def test_copying_swaps_equal_within_1e5(captured, reference):
 def test_forward_reads_through_copies_change_only_rounding(captured, reference):
     """Forward ops reading copies (skip connections, batch-norm inputs) may run other oneDNN kernels:
     the first loss moves by rounding only. (Later steps of a random-init model at batch 4 amplify
-    such differences, so only the first is compared.)"""
+    such differences, so only the first is compared.) ResNet-50 only: the U-Net's forward reads through
+    copies are checked bit for bit below (test_copying_swaps_bitwise_without_arithmetic_optimizer)."""
     name, kwargs, batch, graph = captured
+    if name != "resnet50":
+        pytest.skip("one model is enough for this variant (time); the U-Net's forward reads: the test below")
     th.deterministic()
     plan = plan_swaps(graph, SwapParams(threshold=1))
     _, step = _swapped_step(name, kwargs, batch, graph, plan, "DeepCopy")
@@ -142,6 +145,7 @@ def test_copying_swaps_bitwise_without_arithmetic_optimizer(captured):
         pytest.skip("one model is enough for this variant (time)")
     th.deterministic()
     plan = plan_swaps(graph, SwapParams(threshold=5, ub=20))
+    assert any(graph.op_phase[c] != BACKWARD for swap in plan.swaps() for i in swap.swap_ins for c in i.consumers)
     with th.grappler_options(arithmetic_optimization=False):
         plain, ref, swapped, step = _steps(name, kwargs, batch, graph, plan, "DeepCopy")
         x, y = example_batch(plain, batch)
