@@ -198,10 +198,11 @@ def _table(name, rows):
 
 @pytest.fixture(scope="module")
 def resnet():
-    # two of the plans (every far read; a window with a lower bound): a ResNet-50 step takes about
-    # 45 s per plan here (the suite's largest item), the U-Net tests below run all five, sync-in
-    # among them, and ``python -m benchmarks fidelity`` measures ten on ResNet-50
-    return _run("resnet50", {}, 8, [PLANS[0], PLANS[2]], keras_peak=True)
+    # one of the plans (every far read), beside the unswapped step: each ResNet-50 plan costs the suite
+    # 20-45 s (its largest item; a second plan, the window with a lower bound, was dropped for the CI
+    # budget), the U-Net tests below run all five, windows and sync-in among them, and
+    # ``python -m benchmarks fidelity`` measures ten on ResNet-50
+    return _run("resnet50", {}, 8, [PLANS[0]], keras_peak=True)
 
 
 @pytest.mark.slow
@@ -243,7 +244,7 @@ def test_swapping_every_activation_cuts_resnet50_peak(resnet):
 @pytest.mark.slow
 def test_prediction_matches_measurement_resnet50(resnet):
     table = _table("resnet50", resnet["rows"])
-    assert len(table) >= 3
+    assert len(table) >= 2
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
 
 
