@@ -30,9 +30,12 @@ PRESET_TIME_ERROR = "median 9-45 %, worst 49-88 % off the measured step time"
 
 
 def calibration_batches(graph: OpGraph, batch_size: int, placement) -> tuple[int, int]:
-    """Two batch sizes to calibrate at: on the testbed the measured run's batch and half of it (the
-    prediction the report compares is at that batch); beside a GPU the largest batch up to the tuned
-    one whose unswapped step the GPU's preset predicts within 80 % of its memory, and half of it."""
+    """Two batch sizes to calibrate at, 2 at least: on the testbed the measured run's batch and half of it
+    (the prediction the report compares is at that batch); beside a GPU the largest batch up to the tuned
+    one whose unswapped step the GPU's preset predicts within 80 % of its memory, and half of it. Never
+    batch 1: its step is off the line the larger ones lie on (unet2d's b1 and b2 steps extrapolated its b4
+    step 12 % too slow, ``benchmarks.step_time.calibration_batches``), and a run that maximizes the batch
+    starts from 1."""
     if placement.measured_on == "gpu":
         device = get_simulated(placement)
         high = max(2, batch_size)
@@ -40,7 +43,17 @@ def calibration_batches(graph: OpGraph, batch_size: int, placement) -> tuple[int
             high //= 2
     else:
         high = max(2, testbed_batch_for(graph, batch_size))
-    return max(1, high // 2), high
+    low = max(2, high // 2)
+    return low, max(high, low + 1)
+
+
+def extrapolation_note(batches: tuple[int, int], batch_size: int) -> str:
+    """What a report should know of step times predicted beyond the calibration's batch sizes ("" within)."""
+    if batch_size <= batches[-1]:
+        return ""
+    return (f"step times at batch {batch_size} extrapolate the calibration at batch sizes {batches[0]} and "
+            f"{batches[1]} linearly per op ({batch_size / batches[1]:.1f}x the larger; the further, the less certain: "
+            "python -m benchmarks step-time measures 1.33x)")
 
 
 def get_simulated(placement) -> DeviceModel:
@@ -65,6 +78,9 @@ def calibrate_for(model, graph: OpGraph, batch_size: int, *, input_shapes=None, 
     except CalibrationError as error:
         raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's estimates)") from None
     say(calibrated.describe())
+    note = extrapolation_note(batches, batch_size)
+    if note:
+        say(note)
     return calibrated
 
 

@@ -117,7 +117,6 @@ def _application(
     optimizer: Any,
     metrics: Any,
     jit_compile: bool | str,
-    **extra: Any,
 ) -> keras.Model:
     _check_positive(image_size=image_size, num_classes=num_classes)
     if image_size < min_size:
@@ -130,97 +129,42 @@ def _application(
         include_top=True,
         input_shape=(image_size, image_size, 3),
         classes=num_classes,
-        **extra,
     )
     return _compile(model, _classification_loss(), optimizer, metrics, jit_compile)
 
 
-def resnet50(
-    image_size: int = 224,
-    num_classes: int = 1000,
-    *,
-    seed: int = 0,
-    optimizer: Any = None,
-    metrics: Any = None,
-    jit_compile: bool | str = False,
-) -> keras.Model:
-    """ResNet-50: the headline image-classification workload of the LMS/swapping literature."""
-    return _application(
-        keras.applications.ResNet50,
-        image_size=image_size,
-        num_classes=num_classes,
-        min_size=32,
-        seed=seed,
-        optimizer=optimizer,
-        metrics=metrics,
-        jit_compile=jit_compile,
-    )
+def _application_builder(name: str, ctor: Callable[..., keras.Model], doc: str) -> Callable[..., keras.Model]:
+    """One builder per keras.applications family, all with the same keyword arguments."""
+
+    def build(
+        image_size: int = 224,
+        num_classes: int = 1000,
+        *,
+        seed: int = 0,
+        optimizer: Any = None,
+        metrics: Any = None,
+        jit_compile: bool | str = False,
+    ) -> keras.Model:
+        return _application(ctor, image_size=image_size, num_classes=num_classes, min_size=32, seed=seed,
+                            optimizer=optimizer, metrics=metrics, jit_compile=jit_compile)
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = doc
+    return build
 
 
-def vgg16(
-    image_size: int = 224,
-    num_classes: int = 1000,
-    *,
-    seed: int = 0,
-    optimizer: Any = None,
-    metrics: Any = None,
-    jit_compile: bool | str = False,
-) -> keras.Model:
-    """VGG-16: few, very large early activations and huge dense weights (swap vs. weight memory)."""
-    return _application(
-        keras.applications.VGG16,
-        image_size=image_size,
-        num_classes=num_classes,
-        min_size=32,
-        seed=seed,
-        optimizer=optimizer,
-        metrics=metrics,
-        jit_compile=jit_compile,
-    )
-
-
-def mobilenetv2(
-    image_size: int = 224,
-    num_classes: int = 1000,
-    *,
-    seed: int = 0,
-    optimizer: Any = None,
-    metrics: Any = None,
-    jit_compile: bool | str = False,
-) -> keras.Model:
-    """MobileNetV2: many cheap ops on large tensors, where swap transfers are hardest to hide."""
-    return _application(
-        keras.applications.MobileNetV2,
-        image_size=image_size,
-        num_classes=num_classes,
-        min_size=32,
-        seed=seed,
-        optimizer=optimizer,
-        metrics=metrics,
-        jit_compile=jit_compile,
-    )
-
-
-def densenet121(
-    image_size: int = 224,
-    num_classes: int = 1000,
-    *,
-    seed: int = 0,
-    optimizer: Any = None,
-    metrics: Any = None,
-    jit_compile: bool | str = False,
-) -> keras.Model:
-    """DenseNet-121: dense concatenations keep activations alive for long spans (long-lived swap candidates)."""
-    return _application(
-        keras.applications.DenseNet121,
-        image_size=image_size,
-        num_classes=num_classes,
-        min_size=32,
-        seed=seed,
-        optimizer=optimizer,
-        metrics=metrics,
-        jit_compile=jit_compile,
-    )
+resnet50 = _application_builder(
+    "resnet50", keras.applications.ResNet50,
+    "ResNet-50: the headline image-classification workload of the LMS/swapping literature.")
+vgg16 = _application_builder(
+    "vgg16", keras.applications.VGG16,
+    "VGG-16: few, very large early activations and huge dense weights (swap vs. weight memory).")
+mobilenetv2 = _application_builder(
+    "mobilenetv2", keras.applications.MobileNetV2,
+    "MobileNetV2: many cheap ops on large tensors, where swap transfers are hardest to hide.")
+densenet121 = _application_builder(
+    "densenet121", keras.applications.DenseNet121,
+    "DenseNet-121: dense concatenations keep activations alive for long spans (long-lived swap candidates).")
 
 
 # --------------------------------------------------------------------------

@@ -32,6 +32,8 @@ REFERENCES = {
     "numpy": ("21b0f1b", "the numpy replay, the last commit before simulator/kernels.py"),
     "compiled": ("95ea400", "the first compiled replay (numba kernels per stage, Python between them), "
                             "main before the replay became one call"),
+    "onecall": ("8a64197", "the one-call compiled replay that computed every field in the call, main before "
+                           "op_end_s, op_start_s and copy_overlap_s were read on demand"),
 }
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,11 +1,12 @@
 """Replays per second of ResNet-50's captured training graph (batch 32) with the 474-swap plan.
 
-    python -m benchmarks.simulator_speed [--batch 32] [--seconds 6] [--references numpy,compiled]
+    python -m benchmarks.simulator_speed [--batch 32] [--seconds 6] [--references numpy,compiled,onecall]
                                          [--first-call] [--searches]
 
 Target (docs/design.md 5, issue 23): <= 0.1 ms per replay (474 swaps), 10,000 replays/s on one core. The
 tuner calls plan + replay once per trial, so both are timed, beside the simulators of
-``benchmarks.reference.REFERENCES`` (the numpy replay, the first compiled one) in the same process.
+``benchmarks.reference.REFERENCES`` (the numpy replay, the first compiled one, the one-call replay before its
+fields were read on demand) in the same process.
 ``--first-call`` also times, in fresh processes, the first replay with an empty numba cache (the
 kernels compile) and with that cache filled (they load). ``--searches`` also times what the tuning
 and max-batch benchmarks spend their time on, a search's trials (plan + replay of 200 points of the

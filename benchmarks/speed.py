@@ -1,6 +1,6 @@
 """Simulator speed against graph size, and the end-to-end CLI time for ResNet-50.
 
-    python -m benchmarks speed [--seconds 4] [--no-cli] [--references numpy,compiled]
+    python -m benchmarks speed [--seconds 4] [--no-cli] [--references numpy,compiled,onecall]
 
 Replays (and plans) per second for synthetic training graphs of about 1k, 10k and 100k ops and for
 captured graphs (3D U-Net, ResNet-50, DenseNet-121), each with a plan that swaps a good share of
@@ -8,8 +8,8 @@ the activations, and ResNet-50 at batch 32 with the 474-swap plan of the issue. 
 autotune`` on a saved ResNet-50 (batch 256, v100-16gb preset, 200 trials, --no-measure) timed as a
 user would run it. Targets (docs/design.md 5, issue 23): ResNet-50 b32 474 swaps <= 0.1 ms per
 replay, DenseNet-121 <= 0.2 ms, 100k ops <= 5 ms, on one core; the CLI run in about a minute. The
-simulators of ``benchmarks.reference.REFERENCES`` (the numpy replay, the first compiled one) are
-timed beside today's in the same process.
+simulators of ``benchmarks.reference.REFERENCES`` (the numpy replay, the first compiled one, the one-call
+replay before its fields were read on demand) are timed beside today's in the same process.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.loglog(table["ops"], table["ms_per_replay"], "o-", label="replay")
     ax.loglog(table["ops"], table["ms_per_trial"], "s--", label="plan + replay (one trial)")
-    for label, style in zip(labels, ("o:", "o-.")):
+    for label, style in zip(labels, ("o:", "o-.", "x:")):
         ax.loglog(table["ops"], table[f"ms_per_replay_{label}"], style, color="grey",
                   label=f"{label} replay ({REFERENCES[label][0]})")
     for _, row in table.iterrows():

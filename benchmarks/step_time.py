@@ -3,9 +3,9 @@
     python -m benchmarks step-time [--models small_cnn,mobilenetv2] [--timeout 600] [--max-passes 10]
 
 For every model (one fresh Python process each) the step is calibrated with ``rewriter.calibrate``
-at batch sizes *other than* the measured one (a quarter and a half of it, 2 at least: the prediction is an
-extrapolation, as when a user calibrates small and trains large), then captured at the measured
-batch, and every plan of ``benchmarks.fidelity.PLANS`` (no swapping and six swap plans with
+at batch sizes *other than* the measured one (half and three quarters of it, ``calibration_batches``:
+the prediction is an extrapolation, as when a user calibrates small and trains large), then captured at
+the measured batch, and every plan of ``benchmarks.fidelity.PLANS`` (no swapping and six swap plans with
 different stalls) is built with ``rewriter.apply`` and timed on the CPU testbed. All plans of a
 model are timed in the same interleaved passes with the calibration's own unswapped steps
 (``rewriter.anchored.timed_beside_anchors``; ``timed_passes``: each pass runs every step; a pass
@@ -48,7 +48,7 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
     ModelSetup("small_cnn", {"image_size": 64}, 16),
     ModelSetup("mobilenetv2", {"image_size": 96}, 8),
     ModelSetup("transformer_encoder", {"seq_len": 64}, 8),
-    ModelSetup("unet2d", {"image_size": 64}, 4),
+    ModelSetup("unet2d", {"image_size": 64}, 8),
 )}
 
 TARGET_MEDIAN, TARGET_WORST, TARGET_TAU = 0.05, 0.15, 0.8
@@ -61,14 +61,53 @@ MEASURE_MIN_S = 15.0
 
 
 def calibration_batches(batch: int) -> tuple[int, int]:
-    """The calibration's batch sizes for a measured ``batch``: a quarter and a half of it, 2 and 3 at least.
+    """The calibration's batch sizes for a measured ``batch`` (a multiple of 4): half and three quarters
+    of it, the same rule for every model.
 
-    Batch 1 is off the line the larger ones lie on: unet2d's b1 and b2 steps, timed in the same passes
-    as its b4 plans on a quiet machine (10:05 UTC), extrapolated its b4 step 12 % too slow (per-sample
-    time still falling from b1 to b2), where mobilenetv2's and transformer_encoder's b2 and b4 steps
-    extrapolated their b8 step within 0.2 % and 3 %."""
-    low = max(2, batch // 4)
-    return low, max(low + 1, batch // 2)
+    The prediction extrapolates the calibration's two unswapped steps linearly to ``batch``: from a half
+    and three quarters it is ``2 t(3b/4) - t(b/2)``, from a quarter and a half (the rule before)
+    ``3 t(b/2) - 2 t(b/4)``, which carries 13 timing errors' variance for 5 and is twice as far from its
+    points, where a step's time bends (batch 1 is off the line: unet2d's b1 and b2 steps extrapolated its
+    b4 step 12 % too slow on a quiet machine, 10:05 UTC) and where a neighbouring process slows the steps
+    unequally (at 13:02 unet2d's unswapped b4 step ran 46.5 ms, 35 % slower than at 10:05, while its b2
+    and b3 steps timed in the same passes extrapolated to 39.7 ms: re-anchored predictions 3.6-14.7 %
+    low). In CPU time, which other processes do not slow, the steps of small_cnn, transformer_encoder and
+    unet2d were linear from b2 up (lines through two batch sizes met a third within 0-5 % at load 7-11):
+    the rules differ by their noise and by the load, not by a bend of the step's own cost.
+    The product calibrates at half the measured batch and the batch itself
+    (``autotune.calibration.calibration_batches``); this is the nearest to it that leaves the measured
+    batch out."""
+    if batch < 4 or batch % 4:
+        raise ValueError(f"the measured batch must be a multiple of 4, got {batch}")
+    return batch // 2, 3 * batch // 4
+
+
+def anchors_note(calibration: dict | None, timing: dict) -> str:
+    """How the calibration's unswapped steps timed beside the plans compare with the calibration's own timing
+    of them (a ratio that differs between batch sizes: the machine's load changed unequally for them)."""
+    if not calibration or not timing.get("anchor_step_s"):
+        return ""
+    pairs = zip(calibration["calibration_batches"], timing["anchor_step_s"], calibration["calibration_step_s"])
+    return "; the calibration's unswapped steps beside them: " + ", ".join(
+        f"b{b} {1e3 * now:.2f} ms ({now / then:.2f}x the calibration's)" for b, now, then in pairs)
+
+
+def linearity_note(batch: int, timing: dict, none: dict | None) -> str:
+    """The unswapped step at ``batch`` against the line through the calibration's unswapped steps timed
+    beside it, in wall time and in CPU time (the process's, all threads: what other processes take is not
+    in it). Within a few % in CPU time and far off in wall time: the step is linear in batch and the
+    error is the machine's load, which slowed the steps of different batch sizes unequally."""
+    sizes = timing.get("anchor_batches") or []
+    if not none or "measured_cpu_s" not in none or len(sizes) < 2 or not timing.get("anchor_cpu_s"):
+        return ""
+    parts = []
+    for what, anchors, measured in (("wall", timing["anchor_step_s"], none["measured_step_s"]),
+                                    ("CPU", timing["anchor_cpu_s"], none["measured_cpu_s"])):
+        slope, intercept = np.polyfit(sizes, anchors, 1)
+        line = intercept + slope * batch
+        parts.append(f"{what} {1e3 * line:.2f} ms for {1e3 * measured:.2f} ms measured ({100 * (line / measured - 1):+.1f} %)")
+    return f"; the line through the unswapped steps at b{' and b'.join(map(str, sizes))} beside them, at b{batch}: " \
+        + ", ".join(parts)
 
 
 def kendall_tau(x, y) -> float:
@@ -121,7 +160,7 @@ def _worker(spec_path: str, out_path: str) -> int:
 
     import rewriter
     from benchmarks.models import build_model, example_batch
-    from rewriter.anchored import timed_beside_anchors
+    from rewriter.anchored import ANCHOR, timed_beside_anchors
     from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
 
     def emit(record: dict[str, Any]) -> None:
@@ -139,7 +178,8 @@ def _worker(spec_path: str, out_path: str) -> int:
           "describe": calibrated.describe(), "notes": list(calibrated.notes),
           "copy_contention": calibrated.copy_contention, "copy_overhead_s": calibrated.copy_overhead_s,
           "link_bytes_per_s": calibrated.h2d_bytes_per_s,
-          "latency_s": calibrated.transfer_latency_s, "calibration_step_s": list(calibrated.measured_step_s)})
+          "latency_s": calibrated.transfer_latency_s, "calibration_step_s": list(calibrated.measured_step_s),
+          "calibration_batches": list(calibrated.batch_sizes)})
     graph = rewriter.capture(model, batch, name=spec["model"])
     x, y = example_batch(model, batch)
     calls, records, steps, plans = {}, {}, [], {}
@@ -173,10 +213,14 @@ def _worker(spec_path: str, out_path: str) -> int:
         if label in calls:
             record.update(measured_step_s=timing.step_s[label], measured_all_s=timing.all_s[label],
                           pass_medians_s=timing.pass_medians[label], spread=timing.spread(label),
+                          measured_cpu_s=timing.cpu_s[label],
 
                           anchored_step_s=replay(graph, plans[label], anchored).step_s)
         emit(record)
     emit({"kind": "timing", "seconds": time.perf_counter() - start, "passes": timing.n_passes,
+          "anchor_step_s": [timing.step_s[(ANCHOR, b)] for b in calibrated.batch_sizes],
+          "anchor_cpu_s": [timing.cpu_s[(ANCHOR, b)] for b in calibrated.batch_sizes],
+          "anchor_batches": list(calibrated.batch_sizes),
           "accepted": timing.n_accepted, "consistent": timing.consistent, "slowdown": timing.slowdown()})
     if snapshot is not None:
         snapshot.restore()
@@ -220,6 +264,7 @@ def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
                "calibrated_at": "b" + "+b".join(str(b) for b in calibration_batches(setup.batch)),
                "plan": r["plan"], "swaps": r.get("swaps"), "swapped_MiB": (r.get("swapped_bytes") or 0) / 2**20,
                "measured_ms": None if measured is None else 1e3 * measured,
+               "measured_cpu_ms": 1e3 * r["measured_cpu_s"] if "measured_cpu_s" in r else None,
                "spread_pct": None if r.get("spread") is None else 100 * r["spread"],
                "predicted_ms": 1e3 * r["predicted_step_s"] if "predicted_step_s" in r else None,
                "predicted_stall_ms": 1e3 * r["predicted_stall_s"] if "predicted_stall_s" in r else None,
@@ -237,8 +282,7 @@ def _rows(setup: ModelSetup, records: list[dict]) -> list[dict]:
 
 
 COLUMNS = ["model", "setting", "calibrated_at", "plan", "swaps", "swapped_MiB", "measured_ms", "spread_pct",
-
-           "predicted_ms", "error_pct", "anchored_ms", "anchored_error_pct", "predicted_stall_ms", "preset_ms",
+           "measured_cpu_ms", "predicted_ms", "error_pct", "anchored_ms", "anchored_error_pct", "predicted_stall_ms", "preset_ms",
            "preset_error_pct", "ranked", "contention", "copy_overhead_us", "note"]
 
 
@@ -315,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"- {setup.key}: plans timed in {timing['seconds']:.0f} s, "
                          f"at least {timing['accepted']} of {timing['passes']} passes accepted per plan, the median pass "
                          f"{100 * timing['slowdown']:.0f} % slower than the fastest"
-                         + ("" if timing["consistent"] else " (too few agreed: the closest were used)"))
+                         + ("" if timing["consistent"] else " (too few agreed: the closest were used)")
+                         + anchors_note(calibration, timing)
+                         + linearity_note(setup.batch, timing, next((r for r in records if r["kind"] == "plan"
+                                                                      and r["plan"] == "none"), None)))
         if status.get("timeout") and timing:
             notes.append(f"- {setup.key}: worker timed out after it wrote every record (while exiting)")
         elif status.get("timeout") or status.get("returncode"):
@@ -349,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
          "this run and reads only the measurements, never the predictions; median and worst errors count every "
          "plan, and `*_tau_all` is tau over every plan."),
         ("- measured_ms: median step time over the accepted timing passes (every plan of a model timed in the same "
-         "passes, a pass accepted within 5 % of the plan's fastest); spread_pct: range of those over their median. "
+         "passes, a pass accepted within 5 % of the plan's fastest); spread_pct: range of those over their median; "
+         "measured_cpu_ms: the process's CPU time per step in the same passes (all threads; what other processes "
+         "take is not in it). "
          "predicted_ms: "
          "`simulator.replay(graph, plan, rewriter.calibrate(model, batch_sizes=calibrated_at))`; preset_ms: the "
          "same replay on the uncalibrated cpu-testbed preset. error_pct = predicted / measured - 1. anchored_ms: the "
@@ -359,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
          "product's measured run reports, the machine's drift between calibration and measurement taken out; "
          "still no step at the measured batch is used. Both replay the "
          "testbed's copy-out wait (the op after a producer waits for its copy out: `copies_out_wait`) and refit "
-         "the copies' contention and overhead on steps replayed so. calibrated_at: a quarter and a half of the "
-         "measured batch, 2 at least (batch 1 is off the line: `benchmarks.step_time.calibration_batches`)."),
+         "the copies' contention and overhead on steps replayed so. calibrated_at: half and three quarters of the "
+         "measured batch for every model (`benchmarks.step_time.calibration_batches`: the prediction is "
+         "2 t(3b/4) - t(b/2), nearer its points and less noisy than from a quarter and a half)."),
         (f"- Spread of the measured step times (range of the accepted passes' medians / their median): median "
          f"{pd.to_numeric(table['spread_pct'], errors='coerce').median():.1f} %, max "
          f"{pd.to_numeric(table['spread_pct'], errors='coerce').max():.1f} %."),

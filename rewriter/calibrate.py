@@ -90,7 +90,11 @@ class PassTimes:
     not the step's); ``step_s[key]``: the median of the accepted pass medians; ``all_s[key]``: every
     step of the accepted passes; ``consistent``: whether every key had ``min_passes`` accepted
     passes; ``pass_speed``: per pass, the median over keys of its median over the key's fastest
-    (1.0: the machine as fast as it gets), to say how disturbed the timing was."""
+    (1.0: the machine as fast as it gets), to say how disturbed the timing was; ``cpu_s[key]``: the
+    process's CPU time per step (all its threads), the median of the accepted passes' medians: other
+    processes that take the cores away do not count in it, so it tells the step's own cost from the
+    machine's load (at load 7-9 the interquartile range of one step's CPU times was 2-4x narrower than
+    that of its wall times)."""
 
     step_s: dict[Any, float]
     all_s: dict[Any, list[float]]
@@ -99,6 +103,7 @@ class PassTimes:
     pass_speed: list[float]
     consistent: bool
     seconds: float = 0.0
+    cpu_s: dict[Any, float] = field(default_factory=dict)
 
     def spread(self, key) -> float:
         """Range over median of ``key``'s accepted pass medians (0 with one pass)."""
@@ -134,16 +139,19 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
     if steps_per_pass < 1 or min_passes < 1 or max_passes < min_passes:
         raise ValueError("steps_per_pass and min_passes must be >= 1, max_passes >= min_passes")
     steps: dict[Any, list[list[float]]] = {key: [] for key in calls}
+    cpu: dict[Any, list[list[float]]] = {key: [] for key in calls}
     count = dict.fromkeys(calls, steps_per_pass)
     started = time.perf_counter()
     for p in range(max_passes):
         for key, call in calls.items():
-            times = []
+            times, cpu_times = [], []
             for _ in range(count[key]):
-                start = time.perf_counter()
+                cpu_start, start = time.process_time(), time.perf_counter()
                 _block(call())
                 times.append(time.perf_counter() - start)
+                cpu_times.append(time.process_time() - cpu_start)
             steps[key].append(times)
+            cpu[key].append(cpu_times)
             if p == 0:  # short steps: more of them per pass, so a pass is not one scheduler tick
                 count[key] = max(steps_per_pass, int(np.ceil(min_pass_s / max(min(times), 1e-6))))
         if between is not None:
@@ -151,15 +159,17 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
         if (min(sum(ok) for ok in _accepted(steps, tolerance).values()) >= min_passes
                 and time.perf_counter() - started >= min_total_s):
             break
-    times = pass_times(steps, tolerance=tolerance, min_passes=min_passes)
+    times = pass_times(steps, tolerance=tolerance, min_passes=min_passes, cpu=cpu)
     if not times.consistent:
         log.warning("timing: fewer than %d passes within %.0f %% of the fastest (the machine was busy): using the "
                     "%d fastest", min_passes, 100 * tolerance, min_passes)
     return replace(times, seconds=time.perf_counter() - started)
 
 
-def pass_times(steps: dict[Any, list[list[float]]], *, tolerance: float = 0.05, min_passes: int = 6) -> PassTimes:
-    """``timed_passes``' estimate from the step times it measured (``steps[key][pass]``: seconds)."""
+def pass_times(steps: dict[Any, list[list[float]]], *, tolerance: float = 0.05, min_passes: int = 6,
+               cpu: dict[Any, list[list[float]]] | None = None) -> PassTimes:
+    """``timed_passes``' estimate from the step times it measured (``steps[key][pass]``: seconds; ``cpu``:
+    the same steps' CPU times)."""
     accepted = _accepted(steps, tolerance)
     consistent = min(sum(ok) for ok in accepted.values()) >= min_passes
     pass_medians = {key: [statistics.median(t) for t in runs] for key, runs in steps.items()}
@@ -170,8 +180,10 @@ def pass_times(steps: dict[Any, list[list[float]]], *, tolerance: float = 0.05, 
     step_s = {key: float(statistics.median([m for m, ok in zip(pass_medians[key], accepted[key]) if ok]))
               for key in steps}
     kept = {key: [s for runs, ok in zip(steps[key], accepted[key]) if ok for s in runs] for key in steps}
+    cpu_s = {key: float(statistics.median([statistics.median(t) for t, ok in zip(runs, accepted[key]) if ok]))
+             for key, runs in (cpu or {}).items()}
     return PassTimes(step_s=step_s, all_s=kept, pass_medians=pass_medians, accepted=accepted,
-                     pass_speed=_pass_speed(steps), consistent=consistent)
+                     pass_speed=_pass_speed(steps), consistent=consistent, cpu_s=cpu_s)
 
 
 def _accepted(steps: dict[Any, list[list[float]]], tolerance: float) -> dict[Any, list[bool]]:

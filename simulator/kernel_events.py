@@ -36,8 +36,8 @@ def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_dura
 
 
 @njit(cache=True, nogil=True)
-def schedule(finish_plain, plain_op_end, plain_op_start, order, duration, out_ready, out_duration, trigger, in_swap,
-             in_duration, need, sync_wait, after_copies_out, copies_slot):
+def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duration, need, sync_wait, after_copies_out,
+             copies_slot):
     """The event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
     Queues are FIFO by ready time; a transfer's ready time depends only on slots before the one
@@ -47,10 +47,9 @@ def schedule(finish_plain, plain_op_end, plain_op_start, order, duration, out_re
     trigger, after the stalls of the slots before. With ``after_copies_out`` swap-in j also waits for
     the copies out of what the op at ``copies_slot[j]`` made. Transfer ends not known yet are -1.0.
     Returns the copies' start and
-    end times, each swap-in's ready time, every slot's finish time with the stalls, each op's end
-    and start (``order``: the op of each slot, ``duration``: its time; ``plain_op_*``: without
-    stalls, as they stay before the first), the copies out in queue order and the swap-ins in the
-    order they are copied."""
+    end times, each swap-in's ready time, every slot's finish time with the stalls (each op's end
+    and start follow from it, ``replay.Replay.op_end_s``, read on demand), the copies out in queue
+    order and the swap-ins in the order they are copied."""
     n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
     in_ready = np.zeros(n_ins)
     in_start = np.zeros(n_ins)
@@ -193,17 +192,12 @@ def schedule(finish_plain, plain_op_end, plain_op_start, order, duration, out_re
                       finish_plain, seg_slot, seg_shift, seg_count, shift)
     for k in range(len(late_queue)):
         out_start[late_queue[k]] = late_start[k]
-    first = 0
-    if seg_count == 1 or seg_slot[1] > n_slots // 2:  # nothing moves before the first stall (finish + 0.0
-        first = 1                                    # is finish): copied when that is most of the step
-        finish_all, op_end, op_start = finish_plain.copy(), plain_op_end.copy(), plain_op_start.copy()
-    else:
-        finish_all, op_end, op_start = np.empty(n_slots), np.empty(n_slots), np.empty(n_slots)
-    for s in range(first, seg_count):
+    # before the first stall nothing moves (finish + 0.0 is finish): copied; then each segment's shift
+    finish_all = np.empty(n_slots)
+    unmoved = seg_slot[1] if seg_count > 1 else n_slots
+    finish_all[:unmoved] = finish_plain[:unmoved]
+    for s in range(1, seg_count):
         stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
         for slot in range(seg_slot[s], stop):
-            finish = finish_plain[slot] + seg_shift[s]
-            finish_all[slot] = finish
-            op_end[order[slot]] = finish
-            op_start[order[slot]] = finish - duration[slot]
-    return out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed
+            finish_all[slot] = finish_plain[slot] + seg_shift[s]
+    return out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue, in_processed

@@ -19,9 +19,10 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
     """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
     swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
-    the host's peak. Returns the peak slot (the first largest) and the peak per level (``levels_of_slot``;
-    ``sorted_levels``: slots sorted by level, as in the "cto" order, each level's peak taken from its
-    slots alone; otherwise from 0 bytes up), with the per-buffer fields of a Replay. All byte figures
+    the host's peak (the compute during copies is ``copy_overlap``'s). Returns the peak slot (the
+    first largest) and the peak per level (``levels_of_slot``; ``sorted_levels``: slots sorted by
+    level, as in the "cto" order, each level's peak taken from its slots alone; otherwise from 0
+    bytes up), with the per-buffer fields of a Replay. All byte figures
     are whole numbers (in float64, or ``int_bytes`` and the slots' running sums in int64: exact either
     way, so sums agree in any order); times are compared as the numpy code compared them. Only what a
     plan moved is visited, but for one pass over the slots that adds the changes to the baseline."""
@@ -138,10 +139,6 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
     level_peak = np.full(n_levels, -np.inf if sorted_levels else 0.0)
     running = 0
     peak_slot, peak = 0, baseline_bytes[0] + delta[0]
-    # in the same pass (its float sum runs beside the bytes'): each slot's start and the compute done
-    # by it (np.cumsum of the spans finish - start, see _copy_overlap), and whether the starts ascend
-    start, done = np.empty(n_slots), np.empty(n_slots + 1)
-    done[0], computed, ascending = 0.0, 0.0, True
     level, level_best = levels_of_slot[0], -np.inf
     for slot in range(n_slots):
         running += delta[slot]
@@ -157,10 +154,6 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
                 level_best = value
         elif value > level_peak[levels_of_slot[slot]]:
             level_peak[levels_of_slot[slot]] = value
-        begin = finish_all[slot] - duration[slot]
-        computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
-        start[slot], done[slot + 1] = begin, computed
-        ascending &= slot == 0 or begin >= start[slot - 1]
     if sorted_levels:
         level_peak[level] = level_best
     wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots,
@@ -174,10 +167,8 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
         if value > level_peak[levels_of_slot[slot]]:
             level_peak[levels_of_slot[slot]] = value
     host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed)
-    overlap_s = _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_start, in_end, out_queue,
-                              in_processed)
     return (peak_slot, float(peak), level_peak, new_free, copy_end, in_alloc_slot, in_free_slot,
-            in_place_out, wait_slots, wait_moment, host_peak, host_peak_s, overlap_s)
+            in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
 
 
 @array_helper
@@ -487,6 +478,26 @@ def _numpy_searchsorted_right(values, keys, found):
             else:
                 hi = mid
         found[q] = lo
+
+
+@njit(cache=True, nogil=True)
+def copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue, in_processed):
+    """``Replay.copy_overlap_s``: the compute of the slots (``finish_all`` less ``duration`` to
+    ``finish_all``) that runs inside the copies, summed over them (``_copy_overlap``). ``out_queue``,
+    ``in_processed``: the copies in an order their starts ascend in (the engines' queues), where
+    each search starts from the last find (any order gives the same sums, only slower)."""
+    n_slots = len(finish_all)
+    # each slot's start and the compute done by it (np.cumsum of the spans finish - start), and
+    # whether the starts ascend
+    start, done = np.empty(n_slots), np.empty(n_slots + 1)
+    done[0], computed, ascending = 0.0, 0.0, True
+    for slot in range(n_slots):
+        begin = finish_all[slot] - duration[slot]
+        computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
+        start[slot], done[slot + 1] = begin, computed
+        ascending &= slot == 0 or begin >= start[slot - 1]
+    return _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_start, in_end, out_queue,
+                         in_processed)
 
 
 @njit(cache=True, nogil=True)

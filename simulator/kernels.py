@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from simulator.kernel_events import schedule
-from simulator.kernel_memory import account
+from simulator.kernel_memory import account, copy_overlap
 from simulator.kernel_tools import (contains_value, contains_value_in, distinct_sorted, doubled, radix_argsort,
                                     search_right_in)
 
@@ -302,18 +302,20 @@ def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_
 
 
 @njit(cache=True, nogil=True)
-def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_start, baseline_bytes, alloc_bytes,
+def replay_plan(position, duration, finish_plain, baseline_bytes, alloc_bytes,
                 levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
                 tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
                 tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
                 tensor_segment, n_keys, late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read,
                 has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
                 input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, swap_tensor, sync_out, in_swap,
-                in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out):
+                in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out, overlap):
     """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
     passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
-    pass and the memory accounting, in one call. Per-slot work is two passes (finish times and the
-    slots' bytes); the rest visits what the plan moved."""
+    pass and the memory accounting, in one call; with ``overlap`` the compute during copies too (else
+    0.0: ``Replay.copy_overlap_s`` computes it on demand). Per-slot work is two passes (finish times
+    from the first stall and the slots' bytes), three with ``overlap``; the rest visits what the plan
+    moved."""
     n_ops = len(position)
     in_tensor = swap_tensor[in_swap]
     far_tensor = np.empty(len(in_consumers), np.int64)  # the tensor of each far read
@@ -340,24 +342,26 @@ def replay_plan(order, position, duration, finish_plain, plain_op_end, plain_op_
     in_bytes = tensor_bytes[in_tensor]
     out_duration = d2h_seconds[swap_tensor]
     in_duration = h2d_seconds[in_tensor]
-    out_start, out_end, in_ready, in_start, in_end, finish_all, op_end, op_start, out_queue, in_processed = schedule(
-        finish_plain, plain_op_end, plain_op_start, order, duration, out_ready_slot, out_duration, trigger_slot,
-        in_swap, in_duration, need_slot, sync_wait, after_copies_out, copies_slot)
+    out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue, in_processed = schedule(
+        finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot, sync_wait,
+        after_copies_out, copies_slot)
     root_base_free_slot = free_slot[roots]
     (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
-     wait_moment, host_peak, host_peak_s, overlap_s) = account(
+     wait_moment, host_peak, host_peak_s) = account(
         baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot, n_levels,
         sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot, root_last_slot,
         moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end, in_processed, in_bytes,
         need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_out,
         late_root_ptr, late_by_root, late_read_ptr, late_by_read)
     level_peak += persistent
+    overlap_s = copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue,
+                             in_processed) if overlap else 0.0
     d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
     for i in range(len(swap_bytes)):
         d2h_bytes += swap_bytes[i]
     for j in range(len(in_bytes)):
         h2d_bytes += in_bytes[j]
-    return (peak_slot, peak, level_peak, op_end, op_start, finish_all[-1], out_start, out_end, in_start, in_end,
+    return (peak_slot, peak, level_peak, finish_all, out_start, out_end, in_start, in_end,
             in_ready, roots, new_free, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment,
             host_peak, host_peak_s, d2h_bytes, h2d_bytes, overlap_s)
 

@@ -17,14 +17,15 @@ slot's figure is the larger of its op's and its wait's (``wait_slots``). Only sw
 re-accounted per plan, on top of a cached baseline.
 
 A replay is one compiled call (``kernels.replay_plan``, numba) from the plan's arrays to the
-Replay's, on tables built once per graph, batch size and device (``_context``): a little over a
-tenth of a millisecond for ResNet-50 at batch 32 with 474 swaps (README.md), results
-bit-identical to the numpy replay it replaced (tests/test_simulator_golden.py).
+Replay's, on tables built once per graph, batch size and device (``_context``); fields a search
+does not read are computed at their first read (``_OnDemand``): about a tenth of a millisecond for
+ResNet-50 at batch 32 with 474 swaps (README.md), results bit-identical to the numpy replay it
+replaced (tests/test_simulator_golden.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -92,6 +93,11 @@ class Replay:
     def fits(self, budget_bytes: int) -> bool:
         return self.peak_bytes <= budget_bytes
 
+    def __getstate__(self) -> dict:
+        """Pickled with every field computed, without what the fields read on demand are computed from
+        (``_OnDemand``: the graph's context, shared and large)."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
     def as_dict(self) -> dict:
         return {
             "peak_bytes": self.peak_bytes, "host_peak_bytes": self.host_peak_bytes, "step_s": self.step_s,
@@ -99,6 +105,49 @@ class Replay:
             "d2h_bytes": self.d2h_bytes, "h2d_bytes": self.h2d_bytes, "n_swap_outs": self.n_swap_outs,
             "n_swap_ins": self.n_swap_ins, "persistent_bytes": self.persistent_bytes, "peak_level": self.peak_level,
         }
+
+
+class _OnDemand:
+    """A Replay field the compiled replay leaves out, computed at its first read (then kept) from what
+    it kept in ``_on_demand``: the slots' finish times and the graph's ``_Context``. A search reads
+    the scalars; these took a pass over the slots each (op_end_s, op_start_s: writes scattered over
+    the ops) or one and a search per copy (copy_overlap_s): a quarter of a ResNet-50 replay together.
+    A Replay built by ``__init__`` has them all."""
+
+    def __init__(self, name: str, compute, default=None):
+        self.name, self.compute, self.default = name, compute, default
+
+    def __get__(self, result, owner=None):
+        if result is None:
+            return self.default
+        try:
+            finish_all, context = result.__dict__["_on_demand"]
+        except KeyError:
+            raise AttributeError(self.name) from None
+        value = self.compute(result, finish_all, context)
+        result.__dict__[self.name] = value
+        return value
+
+
+def _op_end_s(result: Replay, finish_all: np.ndarray, context: _Context) -> np.ndarray:
+    return finish_all[context.position]
+
+
+def _op_start_s(result: Replay, finish_all: np.ndarray, context: _Context) -> np.ndarray:
+    return result.op_end_s - context.op_seconds  # as the slot's finish less its time (kernels' rounding)
+
+
+def _copy_overlap_s(result: Replay, finish_all: np.ndarray, context: _Context) -> float:
+    return float(kernels.copy_overlap(finish_all, context.duration, result.swap_out_start_s, result.swap_out_end_s,
+                                      result.swap_in_start_s, result.swap_in_end_s,
+                                      np.argsort(result.swap_out_start_s, kind="stable"),
+                                      np.argsort(result.swap_in_start_s, kind="stable")))
+
+
+ON_DEMAND_FIELDS = {"op_end_s": _op_end_s, "op_start_s": _op_start_s, "copy_overlap_s": _copy_overlap_s}
+# set after the dataclass took its fields (and copy_overlap_s's default) from the class body
+for _name, _compute in ON_DEMAND_FIELDS.items():
+    setattr(Replay, _name, _OnDemand(_name, _compute, getattr(Replay, _name, None)))
 
 
 def op_seconds(g: OpGraph, device: DeviceModel) -> np.ndarray:
@@ -188,29 +237,40 @@ class _Context:
     levels_of_slot: np.ndarray
     persistent_bytes: int
     compute_s: float
+    position: np.ndarray  # each op's slot
+    op_seconds: np.ndarray  # each op's time
+    duration: np.ndarray  # each slot's time
 
 
 def _context(g: OpGraph, device: DeviceModel) -> _Context:
+    """The replay's view of ``g`` on ``device``, found by the device object first (a lookup by its value
+    hashes its ~20 fields, twice: a microsecond a replay), then by its value."""
+    by_object = g.cached("replay_context_by_device_object", lambda graph: {}, structural=False)
+    known = by_object.get(id(device))  # (the device, its context): the entry keeps the object, whose id stays its own
+    if known is not None and known[0] is device:
+        return known[1]
+
     def compute(graph: OpGraph) -> _Context:
         duration, finish_plain = graph.cached(("slot_times", device), lambda view: _slot_times(view, device),
                                               structural=False)
         levels_of_slot = slot_levels(graph)
         float_bytes = _float_bytes(graph)
         persistent = graph.persistent_bytes
-        plain_op_end = finish_plain[position_of(graph)]  # each op's end and start without stalls
         d2h_seconds = _per_transfer(device.transfer_seconds(float_bytes, "d2h"), graph.n_tensors)
         h2d_seconds = _per_transfer(device.transfer_seconds(float_bytes, "h2d"), graph.n_tensors)
         tables = kernels.replay_tables(
-            order=execution_order(graph), position=position_of(graph), duration=duration, finish_plain=finish_plain,
-            plain_op_end=plain_op_end, plain_op_start=plain_op_end - op_seconds(graph, device),
+            position=position_of(graph), duration=duration, finish_plain=finish_plain,
             # byte figures are whole numbers: the slots' running sums are taken in int64 (exact, as in float64)
             baseline_bytes=baseline_slot_bytes(graph).astype(np.int64), alloc_bytes=alloc_slot_bytes(graph),
             levels_of_slot=levels_of_slot, n_levels=int(levels_of_slot.max(initial=-1)) + 1,
             sorted_levels=graph.order == "cto", persistent=persistent, tensor_bytes=float_bytes,
             int_bytes=np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
             d2h_seconds=d2h_seconds, h2d_seconds=h2d_seconds, **_plan_tables(graph))
-        return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0)
-    return g.cached(("replay_context", device), compute, structural=False)
+        return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0,
+                        position_of(graph), op_seconds(graph, device), duration)
+    context = g.cached(("replay_context", device), compute, structural=False)
+    by_object[id(device)] = (device, context)
+    return context
 
 
 def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str = "v100-16gb") -> Replay:
@@ -225,27 +285,31 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     if plan.graph_fingerprint and plan.graph_fingerprint != fingerprint:
         raise GraphError("this plan was made for another graph")
     context = _context(g, device)
-    # one compiled call from the plan's arrays to the Replay's (its docstring and kernel_memory.account give the rules)
-    (peak_slot, peak, level_peak, op_end, op_start, finish_s, out_start, out_end, in_start, in_end, in_ready, roots,
+    # one compiled call from the plan's arrays to the Replay's (its docstring and kernel_memory.account give the
+    # rules); the compute during copies only where the step time depends on it (else read on demand)
+    contended = device.copy_contention != 0.0
+    (peak_slot, peak, level_peak, finish_all, out_start, out_end, in_start, in_end, in_ready, roots,
      root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
      host_peak_s, d2h, h2d, overlap_s) = kernels.replay_plan(
         *context.tables, plan.tensor, _waited_copies_out(plan, device), plan.in_swap, plan.in_trigger, plan.in_after,
-        plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out)
+        plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out, contended)
     # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
-    # time that overlaps copies, and copy_overhead_s per copy
-    contention_s = device.copy_contention * overlap_s + device.copy_overhead_s * (plan.n_swaps + plan.n_swap_ins)
-    step_s = finish_s + contention_s
+    # time that overlaps copies (0.0 x it without contention), and copy_overhead_s per copy
+    contention_s = (device.copy_contention * overlap_s if contended else 0.0) + device.copy_overhead_s * (
+        plan.n_swaps + plan.n_swap_ins)
+    step_s = float(finish_all[-1]) + contention_s
+    on_demand = {"copy_overlap_s": overlap_s} if contended else {}
     return _filled_replay(
+        _on_demand=(finish_all, context), **on_demand,
         peak_bytes=int(round(peak)) + context.persistent_bytes, host_peak_bytes=int(host_peak), step_s=step_s,
         compute_s=context.compute_s, stall_s=max(0.0, step_s - context.compute_s), d2h_bytes=int(d2h),
         h2d_bytes=int(h2d), n_swap_outs=plan.n_swaps, n_swap_ins=plan.n_swap_ins,
         persistent_bytes=context.persistent_bytes, peak_level=int(context.levels_of_slot[peak_slot]),
-        level_peak_bytes=level_peak, op_start_s=op_start, op_end_s=op_end, swap_out_start_s=out_start,
+        level_peak_bytes=level_peak, swap_out_start_s=out_start,
         swap_out_end_s=out_end, swap_in_start_s=in_start, swap_in_end_s=in_end, peak_slot=peak_slot,
         swapped_roots=roots, swapped_root_free_slot=root_free_slot, swap_in_alloc_slot=in_alloc_slot,
         swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
-        swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s,
-        copy_overlap_s=overlap_s)
+        swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
 
 
 def _waited_copies_out(plan: SwapPlan, device: DeviceModel) -> np.ndarray:
@@ -255,11 +319,12 @@ def _waited_copies_out(plan: SwapPlan, device: DeviceModel) -> np.ndarray:
 
 
 def _filled_replay(**fields) -> Replay:
-    """``Replay(**fields)`` given every field, without the frozen dataclass's ``__init__`` (which sets
-    each of 30 fields through ``object.__setattr__``: a tenth of a fast replay). A field left out
-    is missing, not defaulted (tests/test_simulator_golden.py reads every one)."""
+    """``Replay(**fields)`` given every field but those computed on demand (``_OnDemand``, from
+    ``_on_demand``), without the frozen dataclass's ``__init__`` (which sets each of 30 fields
+    through ``object.__setattr__``: a tenth of a fast replay). Any other field left out is missing,
+    not defaulted (tests/test_simulator_golden.py reads every one)."""
     result = object.__new__(Replay)
-    result.__dict__.update(fields)
+    object.__setattr__(result, "__dict__", fields)  # (the call's own dict: not copied)
     return result
 
 

@@ -7,6 +7,7 @@ import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its r
 
 import importlib.util
 import json
+import time
 
 import keras
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 import rewriter
 from autotune.cli import main
 from benchmarks.models import build_model, example_batch
+from rewriter.anchored import timed_beside_anchors
 from rewriter.calibrate import fit_copies, pass_times, timed_passes
 from simulator import CalibratedDevice, CalibrationError, CalibrationMismatchError, SwapParams, SwapPlan, plan_swaps, replay
 from simulator.devices import get_device
@@ -78,6 +80,23 @@ def test_a_calibration_at_two_batch_sizes_predicts_a_third(calibrated_cnn):
 
 
 @pytest.mark.timing
+def test_a_calibration_re_anchored_beside_the_step_predicts_a_third(calibrated_cnn):
+    """As the measured run predicts (``rewriter.anchored``): the calibration's own unswapped steps (b4, b8)
+    timed in the same passes as the b12 step, so that the machine's drift since the calibration cancels
+    (the plain prediction above was 27 % off either way at load 4.5 and 10 on 2026-12-02)."""
+    model, device = calibrated_cnn
+    batch = 12
+    graph = rewriter.capture(model, batch)
+    step, call = _timed_step(model, graph, SwapPlan.empty(graph), batch)
+    snapshot = step.snapshot()
+    anchored, timing = timed_beside_anchors(device, model, graph, {"none": call}, min_total_s=8.0,
+                                            between=snapshot.restore)
+    snapshot.restore()
+    assert anchored.batch_sizes == (4, 8)
+    assert replay(graph, None, anchored).step_s == pytest.approx(timing.step_s["none"], rel=0.15)
+
+
+@pytest.mark.timing
 def test_a_calibration_orders_plans_of_clearly_different_stalls_as_measured(calibrated_cnn):
     model, device = calibrated_cnn
     batch = 12
@@ -113,6 +132,21 @@ def test_timing_passes_leave_out_the_machines_slowdowns():
     few = pass_times({key: runs[:4] for key, runs in steps.items()}, tolerance=0.05, min_passes=3)
     assert not few.consistent and sum(few.accepted["c"]) == 3
     assert few.step_s["a"] == pytest.approx(undisturbed["a"], rel=0.03)
+
+
+def test_timing_passes_take_each_steps_cpu_time_beside_its_wall_time():
+    """A step that waits costs wall time and next to no CPU time; one that computes costs both (less CPU
+    than wall where other processes take the cores)."""
+    def compute():
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.004:
+            pass
+
+    times = timed_passes({"compute": compute, "wait": lambda: time.sleep(0.004)}, min_passes=2, max_passes=4,
+                         min_pass_s=0.01)
+    assert set(times.cpu_s) == {"compute", "wait"}
+    assert times.cpu_s["wait"] < 0.5 * times.step_s["wait"]
+    assert 3 * times.cpu_s["wait"] < times.cpu_s["compute"] <= 1.05 * times.step_s["compute"]
 
 
 def test_the_copies_cost_is_fitted_to_swapped_steps():

@@ -4,11 +4,14 @@ calibrated model's graph, copies add their contention, and another model's graph
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from autotune.calibration import calibration_batches, extrapolation_note
 from autotune.tuning import resolve_device
+from benchmarks.step_time import MODELS as BENCH_MODELS, calibration_batches as bench_calibration_batches
 from simulator import CalibratedDevice, CalibrationError, CalibrationMismatchError, SwapParams, plan_swaps, replay
 from simulator.devices import get_device
 from simulator.graph import BACKWARD, FORWARD, OpGraph
@@ -149,3 +152,23 @@ def test_where_the_op_after_a_producer_waits_for_its_copy_out_every_copy_out_is_
     assert waited.step_s > free.step_s
     assert waited.step_s == pytest.approx(replay(g, synchronous, device).step_s)
     assert replay(g, synchronous, waiting).step_s == pytest.approx(replay(g, synchronous, device).step_s)
+
+
+def test_the_product_calibrates_at_two_batch_sizes_of_2_or_more_up_to_the_measured_one():
+    g = training_graph(12, batch_size=1)
+    testbed = SimpleNamespace(measured_on="cpu")
+    assert calibration_batches(g, 16, testbed) == (8, 16)  # the measured run's batch and half of it
+    # batch 1 is off the line the larger ones lie on; a run that maximizes the batch starts from 1
+    assert calibration_batches(g, 1, testbed) == (2, 3)
+    assert calibration_batches(g, 2, testbed) == (2, 3)
+    assert calibration_batches(g, 4, testbed) == (2, 4)
+    assert extrapolation_note((8, 16), 16) == ""
+    assert "4.0x" in extrapolation_note((8, 16), 64)
+
+
+def test_the_benchmark_calibrates_every_model_at_half_and_three_quarters_of_its_measured_batch():
+    assert bench_calibration_batches(4) == (2, 3) and bench_calibration_batches(16) == (8, 12)
+    assert all(bench_calibration_batches(setup.batch)[-1] < setup.batch for setup in BENCH_MODELS.values())
+    for bad in (2, 6):
+        with pytest.raises(ValueError):
+            bench_calibration_batches(bad)

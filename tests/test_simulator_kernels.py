@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
 
+from benchmarks.reference import same_replay
 from simulator import SwapParams, kernel_memory, plan_swaps, replay
-from simulator.replay import Replay
+from simulator.devices import get_device
+from simulator.ordering import execution_order
+from simulator.replay import ON_DEMAND_FIELDS, Replay, op_seconds
 from simulator.synthetic import training_graph
 
 
@@ -35,10 +39,42 @@ def test_searchsorted_is_numpys_where_values_are_not_in_order():
         assert np.array_equal(found, np.searchsorted(values, keys, side="right"))
 
 
-def test_a_replay_carries_every_field():
+@pytest.mark.parametrize("device", ["v100-16gb", "cpu-testbed"])
+def test_a_replay_carries_every_field(device):
     """The replay fills a Replay without its ``__init__``: a field it leaves out would read as the
-    class default, not fail."""
+    class default, not fail; those it leaves to be computed on demand are computed at their first read
+    (copy_overlap_s at once where the step time depends on it: a device with copy contention)."""
     g = training_graph(30, batch_size=4)
-    result = replay(g, plan_swaps(g, SwapParams(threshold=3, lb=1, ub=4)), "v100-16gb")
+    result = replay(g, plan_swaps(g, SwapParams(threshold=3, lb=1, ub=4)), device)
     assert result.n_swap_outs > 0
-    assert set(vars(result)) == {field.name for field in dataclasses.fields(Replay)}
+    fields = {field.name for field in dataclasses.fields(Replay)}
+    assert set(vars(result)) == fields - set(ON_DEMAND_FIELDS) | {"_on_demand"} | (
+        {"copy_overlap_s"} if get_device(device).copy_contention else set())
+    copy = pickle.loads(pickle.dumps(result))  # every field computed, not the graph's context
+    assert set(vars(copy)) == fields and same_replay(copy, result) and same_replay(result, copy)
+    for name in fields:
+        getattr(result, name)
+    assert set(vars(result)) == fields | {"_on_demand"}
+
+
+def test_fields_on_demand_are_the_replays():
+    """op_end_s, op_start_s and copy_overlap_s, read on demand, are what the kernels made before they
+    were left out: each op's slot finish, less its time; the compute inside copies (here against
+    numpy's own ``cumsum``, ``clip`` and ``sum`` of it, as the numpy replay took it)."""
+    g = training_graph(30, batch_size=4)
+    device = get_device("v100-16gb")
+    result = replay(g, plan_swaps(g, SwapParams(threshold=3, lb=1, ub=4)), device)
+    finish = result.op_end_s[execution_order(g)]
+    assert np.array_equal(result.op_start_s, result.op_end_s - op_seconds(g, device))
+    assert np.all(np.diff(finish) > 0) and finish[-1] == result.step_s
+    start = result.op_start_s[execution_order(g)]
+    done = np.concatenate([[0.0], np.cumsum(finish - start)])
+    copies = [(result.swap_out_start_s, result.swap_out_end_s), (result.swap_in_start_s, result.swap_in_end_s)]
+
+    def done_by(times):
+        slot = np.searchsorted(start, times, side="right") - 1
+        inside = done[slot] + np.clip(times - start[slot], 0.0, (finish - start)[slot])
+        return np.where(slot >= 0, inside, 0.0)
+
+    expected = np.sum(np.concatenate([done_by(end) - done_by(begin) for begin, end in copies]))
+    assert result.copy_overlap_s > 0 and result.copy_overlap_s == expected

@@ -4,7 +4,7 @@ import math
 
 import pandas as pd
 
-from benchmarks.step_time import kendall_tau, mark_ranked, ranked_plans, summary
+from benchmarks.step_time import anchors_note, kendall_tau, linearity_note, mark_ranked, ranked_plans, summary
 
 
 def test_ranked_plans_keep_measurements_at_least_the_gap_apart_from_the_fastest_up():
@@ -31,3 +31,18 @@ def test_the_summary_takes_tau_over_the_ranked_plans_and_errors_over_every_plan(
     assert row["calibrated_tau_all"] < 1.0
     assert math.isclose(row["calibrated_worst_abs_pct"], 100 * (1 - 9.2 / 12.0))
     assert stats.iloc[-1]["model"] == "all" and stats.iloc[-1]["calibrated_tau"] == 1.0
+
+
+def test_the_unswapped_step_is_compared_with_the_line_through_the_calibrations_steps_in_wall_and_cpu_time():
+    timing = {"anchor_batches": [4, 6], "anchor_step_s": [0.040, 0.050], "anchor_cpu_s": [0.070, 0.100]}
+    none = {"measured_step_s": 0.066, "measured_cpu_s": 0.130}  # the wall line says 60 ms, the CPU line 130 ms
+    note = linearity_note(8, timing, none)
+    assert "wall 60.00 ms for 66.00 ms measured (-9.1 %)" in note and "CPU 130.00 ms for 130.00 ms measured (+0.0 %)" in note
+    assert linearity_note(8, {}, none) == "" and linearity_note(8, timing, None) == ""
+
+
+def test_the_calibrations_steps_timed_beside_the_plans_are_set_against_its_own_timing_of_them():
+    calibration = {"calibration_batches": [4, 6], "calibration_step_s": [0.040, 0.050]}
+    note = anchors_note(calibration, {"anchor_step_s": [0.030, 0.050]})
+    assert "b4 30.00 ms (0.75x the calibration's)" in note and "b6 50.00 ms (1.00x the calibration's)" in note
+    assert anchors_note(None, {"anchor_step_s": [0.03]}) == "" and anchors_note(calibration, {}) == ""
