@@ -116,9 +116,10 @@ def _measured_peak(model, batch):
     return float(np.median(peaks))
 
 
+# ResNet-50 at batch 8 was a case here too; tests/test_rewriter_measure.py's ResNet-50 run (one process that
+# captures, measures and runs the plain Keras step anyway) asserts the same of it (test_unswapped_...).
 @pytest.mark.slow
 @pytest.mark.parametrize("name,batch,kwargs", [
-    ("resnet50", 8, {}),
     ("unet3d", 1, {"size": 64}),
 ])
 def test_predicted_peak_matches_the_real_step(name, batch, kwargs, tmp_path):
@@ -133,13 +134,12 @@ def test_predicted_peak_matches_the_real_step(name, batch, kwargs, tmp_path):
     print(f"\n{name} batch {batch}: predicted {predicted / MiB:.1f} MiB, "
           f"get_memory_info peak {measured / MiB:.1f} MiB, ratio {ratio:.3f}")
     assert 0.75 <= ratio <= 1.25
-    if name == "resnet50":
-        _replays_without_tensorflow(g, predicted, tmp_path)
+    _replays_without_tensorflow(g, predicted, tmp_path)
 
 
 def _replays_without_tensorflow(g, predicted, tmp_path):
     """The saved graph loads and replays in a process where TensorFlow cannot even be imported."""
-    path = g.save(tmp_path / "resnet50.npz")
+    path = g.save(tmp_path / "graph.npz")
     script = textwrap.dedent(f"""
         import sys
         sys.modules["tensorflow"] = None  # any import of TF now fails

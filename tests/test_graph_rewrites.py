@@ -19,6 +19,15 @@ pytestmark = pytest.mark.tf
 UNET = dict(size=16, base_filters=4, depth=2)
 
 
+@pytest.fixture(scope="module")
+def unet():
+    """One small 3D U-Net and its step captured plain, with split-concat, and with both rewrites: the
+    tests read them (a capture costs seconds) and leave the model's variables as they found them."""
+    model = build_model("unet3d", seed=0, **UNET)
+    return (model, capture(model, 2), capture(model, 2, graph_rewrites=["split-concat"]),
+            capture(model, 2, graph_rewrites=["split-concat", "elide-broadcasts"]))
+
+
 def _state(model) -> list[np.ndarray]:
     return th.weights_of(model) + th.optimizer_state(model)
 
@@ -29,17 +38,17 @@ def _restore(model, state) -> None:
 
 
 def _update(model, plan, graph, x, y, start) -> list[np.ndarray]:
-    """The change one step of ``plan`` makes to every variable, from ``start``."""
+    """The change one step of ``plan`` makes to every variable, from ``start`` (restored after it)."""
     _restore(model, start)
     step = rewriter.apply(model, plan, graph=graph, batch_size=len(x))
     step(x, y)
-    return [after - before for after, before in zip(_state(model), start, strict=True)]
+    after = _state(model)
+    _restore(model, start)
+    return [a - before for a, before in zip(after, start, strict=True)]
 
 
-def test_split_concat_removes_the_concatenations_and_keeps_the_update():
-    model = build_model("unet3d", seed=0, **UNET)
-    plain = capture(model, 2)
-    split = capture(model, 2, graph_rewrites=["split-concat"])
+def test_split_concat_removes_the_concatenations_and_keeps_the_update(unet):
+    model, plain, split, _ = unet
     assert split.meta["graph_rewrites"] == ["split-concat"]
     assert split.meta["graph_rewrite_changes"]["split-concat"] == ["unet3d_1/up1_concat_1/concat",
                                                                    "unet3d_1/up0_concat_1/concat"]
@@ -63,9 +72,8 @@ def test_split_concat_removes_the_concatenations_and_keeps_the_update():
     assert th.max_relative_difference(swapped, reference) < 2e-3
 
 
-def test_split_concat_plan_carries_the_rewrite_and_apply_redoes_it():
-    model = build_model("unet3d", seed=0, **UNET)
-    split = capture(model, 2, graph_rewrites=["split-concat"])
+def test_split_concat_plan_carries_the_rewrite_and_apply_redoes_it(unet):
+    model, _, split, _ = unet
     plan = plan_swaps(split, SwapParams(threshold=2)).to_dict(split)
     assert plan["graph_rewrites"] == ["split-concat"]
     assert any("/part" in name for name in plan["order"])
@@ -101,37 +109,32 @@ def test_a_concatenation_read_elsewhere_stays_whole():
     assert "graph_rewrites" not in shared.meta and "ConcatV2" in set(shared.op_type)
 
 
-def test_tuning_points_to_the_rewrite_when_a_concatenation_sets_the_floor():
+def test_tuning_points_to_the_rewrite_when_a_concatenation_sets_the_floor(unet):
     """A budget below what any swap plan can reach because of a U-Net's concatenation: the note says
     which op and that --rewrite split-concat removes it; on the rewritten graph it says no such thing."""
     from autotune.tuning import tune_graph
     from simulator.buffers import peak_lower_bound_bytes
 
-    model = build_model("unet3d", seed=0, **UNET)
-    plain = capture(model, 2)
+    _, plain, split, both = unet
     budget = (plain.persistent_bytes + peak_lower_bound_bytes(plain)) // 2
     result = tune_graph(plain, device="cpu-testbed", memory=budget, trials=5, progress=False)
     assert any("ConcatV2" in n and "--rewrite split-concat" in n for n in result.notes), result.notes
-    split = capture(model, 2, graph_rewrites=["split-concat"])
     budget = (split.persistent_bytes + peak_lower_bound_bytes(split)) // 2
     result = tune_graph(split, device="cpu-testbed", memory=budget, trials=5, progress=False)
     assert any("no swap plan can fit" in n for n in result.notes)
     assert not any("split-concat" in n for n in result.notes), result.notes
     # the batch norms' tiled gradients are left: the other rewrite is pointed to, until it is made
     assert any("--rewrite elide-broadcasts" in n for n in result.notes), result.notes
-    both = capture(model, 2, graph_rewrites=["split-concat", "elide-broadcasts"])
     budget = (both.persistent_bytes + peak_lower_bound_bytes(both)) // 2
     result = tune_graph(both, device="cpu-testbed", memory=budget, trials=5, progress=False)
     assert any("no swap plan can fit" in n for n in result.notes)
     assert not any("--rewrite" in n for n in result.notes), result.notes
 
 
-def test_elide_broadcasts_shrinks_the_batch_norm_gradient_and_keeps_the_update():
+def test_elide_broadcasts_shrinks_the_batch_norm_gradient_and_keeps_the_update(unet):
     """Keras' batch norm: its moments' gradients tile per-channel values to the activation's shape;
     the rewrite divides them per channel, sums the terms by broadcasting adds, same update."""
-    model = build_model("unet3d", seed=0, **UNET)
-    split = capture(model, 2, graph_rewrites=["split-concat"])
-    both = capture(model, 2, graph_rewrites=["split-concat", "elide-broadcasts"])
+    model, _, split, both = unet
     assert both.meta["graph_rewrites"] == ["split-concat", "elide-broadcasts"]
     dropped = both.meta["graph_rewrite_changes"]["elide-broadcasts"]
     n_norms = sum(1 for layer in model.layers if isinstance(layer, tf.keras.layers.BatchNormalization))

@@ -198,10 +198,11 @@ def _table(name, rows):
 
 @pytest.fixture(scope="module")
 def resnet():
-    # two of the plans (every far read; a window with a lower bound): a ResNet-50 step takes about
-    # 45 s per plan here (the suite's largest item), the U-Net tests below run all five, sync-in
-    # among them, and ``python -m benchmarks fidelity`` measures ten on ResNet-50
-    return _run("resnet50", {}, 8, [PLANS[0], PLANS[2]], keras_peak=True)
+    # one of the plans (every far read), beside the unswapped step: each ResNet-50 plan costs the suite
+    # 20-45 s (its largest item; a second plan, the window with a lower bound, was dropped for the CI
+    # budget), the U-Net tests below run all five, windows and sync-in among them, and
+    # ``python -m benchmarks fidelity`` measures ten on ResNet-50
+    return _run("resnet50", {}, 8, [PLANS[0]], keras_peak=True)
 
 
 @pytest.mark.slow
@@ -214,16 +215,18 @@ def test_unswapped_measurement_agrees_with_tensorflow(resnet):
     Peaks of different steps are not compared closely: they move by a few percent from step to step
     (the BFC allocator leaves a free chunk unsplit when it is less than twice the request, so what is
     counted depends on which chunks are free), the plain Keras step's also with the executor's
-    interleaving (986-1053 MiB over five steps of one process)."""
+    interleaving (986-1053 MiB over five steps of one process). The simulator's prediction of the
+    unswapped step is that plain Keras step's peak within 25 % (as test_capture's models are)."""
     unswapped, keras_peak = resnet["rows"][0], resnet["keras_peak"]
     own_peak, own_trace_peak = resnet["own_peak"], resnet["own_trace_peak"]
     print(f"\nResNet-50 b8 unswapped: measured {unswapped['measured'] / MiB:.1f} MiB requested, "
           f"{unswapped['allocator'] / MiB:.1f} MiB allocator; one more step: get_memory_info peak "
           f"{own_peak / MiB:.1f} MiB, from its trace {own_trace_peak / MiB:.1f} MiB; plain Keras step "
-          f"{keras_peak / MiB:.1f} MiB")
+          f"{keras_peak / MiB:.1f} MiB, predicted {unswapped['predicted'] / MiB:.1f} MiB")
     assert abs(own_trace_peak - own_peak) <= 0.01 * own_peak
     assert unswapped["measured"] <= unswapped["allocator"]
     assert 0.85 * keras_peak <= unswapped["measured"] <= keras_peak
+    assert 0.75 <= unswapped["predicted"] / keras_peak <= 1.25
 
 
 @pytest.mark.slow
@@ -241,7 +244,7 @@ def test_swapping_every_activation_cuts_resnet50_peak(resnet):
 @pytest.mark.slow
 def test_prediction_matches_measurement_resnet50(resnet):
     table = _table("resnet50", resnet["rows"])
-    assert len(table) >= 3
+    assert len(table) >= 2
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
 
 
