@@ -10,12 +10,14 @@ pytest.importorskip("tensorflow")
 
 import optuna  # noqa: E402
 
+from autotune.off_grid import refine_off_grid  # noqa: E402
 from autotune.policies import Budget, OptunaPolicy, make_policy  # noqa: E402
-from autotune.search import SearchSpace, TuningProblem  # noqa: E402
+from autotune.search import SearchSpace, TuningProblem, evaluation_from_trial  # noqa: E402
 from autotune.tuning import study_name_for, tune_graph  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from rewriter.capture import capture  # noqa: E402
 from simulator import SwapParams, get_device, plan_swaps, replay  # noqa: E402
+from simulator.plan import validate_plan  # noqa: E402
 from simulator.synthetic import training_graph  # noqa: E402
 from tests.test_simulator_recompute import conv_relu_graph  # noqa: E402
 
@@ -275,10 +277,6 @@ def test_off_grid_refinement_beats_the_whole_grid_and_resumes():
     """The compass search off the grid finds a plan faster than every grid point (checked by walking
     the whole grid), valid and within the budget; its trials are in the study with their parameters,
     so a resumed search (a new problem, nothing memoised) evaluates them again to the same plan."""
-    from autotune.policies import _refine_off_grid
-    from autotune.search import evaluation_from_trial
-    from simulator.plan import validate_plan
-
     g = training_graph(24, batch_size=1).with_batch(64)
     device = get_device("v100-16gb")
     budget = int(replay(g, None, device).peak_bytes * 0.5)
@@ -291,7 +289,7 @@ def test_off_grid_refinement_beats_the_whole_grid_and_resumes():
     grid = make_policy("exhaustive").search(problem, study, Budget(trials=None))
     assert len(grid.evaluations) == space.size() and grid.chosen is not None
     assert len(study.trials) == 1  # the exhaustive policy records its choice
-    added = _refine_off_grid(problem, study, 40, None)
+    added = refine_off_grid(problem, study, 40, None)
     assert 0 < added <= 40 and len(study.trials) == 1 + added
     best = min((t for t in study.trials if t.user_attrs["feasible"]), key=lambda t: t.value)
     assert best.value < grid.chosen.step_s * 0.95, "nothing off the grid beat the grid's best"
