@@ -344,7 +344,7 @@ H200_141GB = DeviceModel(
 # 17.9 GB/s, 0.41 us per tiny op, copies of 64-256 MiB 19.4 GB/s, 1.8 us per small copy: the machine's
 # figures move with its load, so the ones below are kept as an estimate of the quiet machine.
 # STEP TIMES from this roofline are a datasheet-style estimate: against measured steps on the testbed
-# (python -m benchmarks step-time, 4 models x 7 plans, five runs) they were off by median 9-45 %, worst 49-88 %;
+# (python -m benchmarks step-time, 4 models x 7 plans, six runs) they were off by median 9-55 %, worst 49-88 %;
 # rewriter.calibrate (autotune --calibrate, the default for a measured run) replaces them with the
 # model's own measured op times, link and copy contention.
 # Modelling caveat: unlike a GPU's copy engines, DeepCopy runs on the same two cores as the
