@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 import optuna
+from tqdm import tqdm
 
 from autotune.inputs import format_bytes
 from autotune.off_grid import refine_off_grid
@@ -139,7 +140,7 @@ class OptunaPolicy:
         on_top = _complete(study) == 0
         if off_grid and not on_top:
             left[0] -= off_grid
-        with _progress(budget, problem) as (callback, advance), _stop_on_interrupt() as stop:
+        with _progress(budget, problem, off_grid if on_top else 0) as (callback, advance), _stop_on_interrupt() as stop:
             if guided and _complete(study) == 0 and problem.space.recomputes:
                 # the search without recomputation first, its own trials: recomputation only adds
                 self._swaps_first(problem, study, budget, deadline)
@@ -405,13 +406,13 @@ def _stop_on_interrupt():
 
 
 @contextlib.contextmanager
-def _progress(budget: Budget, problem: TuningProblem):
+def _progress(budget: Budget, problem: TuningProblem, on_top: int = 0):
     """A progress bar showing the best plan that fits so far (Optuna's own bar would show the
     fastest trial even when it breaks the budget). Yields the study callback and a function that
-    counts trials added without ``study.optimize``."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=budget.trials, disable=not budget.progress, desc="search", unit="trial", leave=False)
+    counts trials added without ``study.optimize``; ``on_top``: simulations beyond the trials (a new
+    search's off-grid refinement), counted in the total."""
+    bar = tqdm(total=None if budget.trials is None else budget.trials + on_top, disable=not budget.progress,
+               desc="search", unit="trial", leave=False)
     best: list[float] = []
 
     def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -434,8 +435,6 @@ class ExhaustivePolicy:
     name = "exhaustive"
 
     def search(self, problem: TuningProblem, study: optuna.Study, budget: Budget) -> Outcome:
-        from tqdm import tqdm
-
         grid = problem.space.grid()
         total = problem.space.size()
         deadline = time.monotonic() + budget.timeout_s if budget.timeout_s else None
