@@ -177,11 +177,15 @@ def pass_times(steps: dict[Any, list[list[float]]], *, tolerance: float = 0.05, 
         for key, medians in pass_medians.items():
             cut = sorted(medians)[min(min_passes, len(medians)) - 1]
             accepted[key] = [m <= cut for m in medians]
-    step_s = {key: float(statistics.median([m for m, ok in zip(pass_medians[key], accepted[key]) if ok]))
-              for key in steps}
+
+    def accepted_median(times: dict[Any, list[list[float]]]) -> dict[Any, float]:
+        """Per key, the median of the accepted passes' medians (wall or CPU times alike)."""
+        return {key: float(statistics.median([statistics.median(t) for t, ok in zip(runs, accepted[key]) if ok]))
+                for key, runs in times.items()}
+
+    step_s = accepted_median(steps)
     kept = {key: [s for runs, ok in zip(steps[key], accepted[key]) if ok for s in runs] for key in steps}
-    cpu_s = {key: float(statistics.median([statistics.median(t) for t, ok in zip(runs, accepted[key]) if ok]))
-             for key, runs in (cpu or {}).items()}
+    cpu_s = accepted_median(cpu or {})
     return PassTimes(step_s=step_s, all_s=kept, pass_medians=pass_medians, accepted=accepted,
                      pass_speed=_pass_speed(steps), consistent=consistent, cpu_s=cpu_s)
 
