@@ -270,19 +270,22 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
 
     _say(quiet, f"loading {settings['model_file']} ...")
     from autotune.imports import load_user_model, model_notes
+    from autotune.stage_times import StageClock
 
-    if not args.no_measure or settings["calibrate"]:
-        from rewriter.placement import configure_testbed
+    clock = StageClock(started)
+    with clock.stage("load"):
+        if not args.no_measure or settings["calibrate"]:
+            from rewriter.placement import configure_testbed
 
-        # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
-        # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
-        configure_testbed(gpu_memory_limit_bytes=_given_budget_bytes(settings))
-    model = load_user_model(settings)  # the user's --import modules first
-    from simulator.warmup import warm_up
+            # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
+            # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
+            configure_testbed(gpu_memory_limit_bytes=_given_budget_bytes(settings))
+        model = load_user_model(settings)  # the user's --import modules first
+        from simulator.warmup import warm_up
 
-    with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
-                              "minute on 2 cores) ..."):
-        warm_up()
+        with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
+                                  "minute on 2 cores) ..."):
+            warm_up()
     from autotune.confirm import tune
     from rewriter.capture import CaptureError
 
@@ -295,7 +298,8 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                       policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
                       timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
                       study_name=args.study_name, maximize_batch=args.maximize_batch,
-                      max_overhead=settings["max_overhead"], recompute=settings["recompute"], progress=not quiet)
+                      max_overhead=settings["max_overhead"], recompute=settings["recompute"], progress=not quiet,
+                      clock=clock)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
     result.notes += model_notes(model)
@@ -303,7 +307,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     from autotune.report import write_report
 
     try:
-        files = write_report(result, out)
+        files = write_report(result, out, clock)
     except OSError as error:  # the study keeps the trials: the same command writes the report again
         raise InputError(f"cannot write the report into {out}: {error.strerror or error} (the trials are kept "
                          f"in the study; run the same command again once it is writable)") from None

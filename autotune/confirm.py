@@ -15,6 +15,7 @@ from typing import Any, Callable
 from autotune.calibration import calibrate_for, search_device
 from autotune.inputs import format_bytes
 from autotune.measured import measure_result
+from autotune.stage_times import StageClock
 from autotune.tuning import TuneResult, tune_graph
 from autotune.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
                               predicted)
@@ -48,14 +49,15 @@ def _promote_closest(result: TuneResult, check: Check) -> None:
 
 def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None] = log.info,
             input_shapes=None, label_shapes=None, label_dtype=None, study_name: str | None = None,
-            calibration: CalibratedDevice | None = None, **search: Any) -> TuneResult:
+            calibration: CalibratedDevice | None = None, clock: StageClock | None = None, **search: Any) -> TuneResult:
     """Search plans for ``graph`` (captured from ``model``), measure the winner, and repeat with a
     correction from the measurement until one is confirmed or ``rounds`` measured runs are spent.
     ``calibration``: step times measured on this machine (``autotune.calibration``): the search runs
     on it where it models the device searched for, and it predicts the measured run's step time.
-    ``search`` takes ``tune_graph``'s keyword arguments."""
+    ``search`` takes ``tune_graph``'s keyword arguments; ``clock`` times the stages."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
+    clock = clock or StageClock()
     search["device"], search["memory"] = search_device(search.get("device"), search.get("memory"), calibration)
     correction = PeakCorrection()
     checks: list[Check] = []
@@ -67,7 +69,8 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
         name = study_name if round_ == 1 or study_name is None else f"{study_name}-corrected-{round_ - 1}"
         if swap_only_note and name is not None:
             name = f"{name}-swap-only"
-        result = tune_graph(graph, correction=correction, measured=True, study_name=name, **search)
+        with clock.stage("search"):
+            result = tune_graph(graph, correction=correction, measured=True, study_name=name, **search)
         result.calibration = calibration
         if swap_only_note:
             result.notes.append(swap_only_note)
@@ -77,7 +80,7 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
         key = (result.shown.params, result.batch_size)
         try:
             if key not in measured_plans:
-                measured_plans[key] = measure_result(model, result, **inputs)
+                measured_plans[key] = measure_result(model, result, **inputs, clock=clock)
             result.measurement = measured_plans[key]
         except Exception as error:  # never a success without a measurement; the report says what failed
             log.debug("measured run failed", exc_info=True)
@@ -118,7 +121,7 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
 def tune(model, *, batch_size: int | None = None, device=None, memory: int | None = None, measure: bool = True,
          calibrate: bool | None = None, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
          rounds: int = MAX_ROUNDS, name: str | None = None, say: Callable[[str], None] = log.info,
-         **search: Any) -> TuneResult:
+         clock: StageClock | None = None, **search: Any) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner until a
     measured run confirms it (``result.verdict``). ``python -m autotune`` comes through here.
 
@@ -128,7 +131,8 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     ``measure=False``: the simulator's answer alone (the verdict says it is a prediction only).
     ``calibrate`` (default: when measuring): step times measured on this machine
     (``autotune.calibration``) instead of the preset's datasheet estimate.
-    ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes.
+    ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes;
+    ``clock``: times the run's stages (``autotune.stage_times``).
     A model that cannot be captured raises ``CaptureError`` before anything is searched.
     """
     from rewriter.capture import capture  # TensorFlow only when a model is tuned
@@ -137,21 +141,26 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         if not search.get("maximize_batch"):
             raise ValueError("batch_size is required unless maximize_batch=True")
         batch_size = 1  # only where the capture starts: sizes are linear in the batch
+    clock = clock or StageClock()
     say(f"capturing the training step at batch {batch_size} ...")
-    graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                    label_dtype=label_dtype, name=name or getattr(model, "name", None), graph_rewrites=graph_rewrites)
+    with clock.stage("capture"):
+        graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
+                        label_dtype=label_dtype, name=name or getattr(model, "name", None),
+                        graph_rewrites=graph_rewrites)
     say(f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    calibration = calibrate_for(model, graph, batch_size, **inputs, say=say) \
-        if (measure if calibrate is None else calibrate) else None
+    with clock.stage("calibration"):
+        calibration = calibrate_for(model, graph, batch_size, **inputs, say=say) \
+            if (measure if calibrate is None else calibrate) else None
     if not measure:
         device, memory = search_device(device, memory, calibration)
-        result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
+        with clock.stage("search"):
+            result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
         result.calibration = calibration
         return result
     say("searching, then measuring the chosen plan on the real training step ...")
     return confirm(model, graph, rounds=rounds, say=lambda text: say(f"measured: {text}"), batch_size=batch_size,
-                   device=device, memory=memory, calibration=calibration, **inputs, **search)
+                   device=device, memory=memory, calibration=calibration, clock=clock, **inputs, **search)

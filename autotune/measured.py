@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.inputs import format_bytes
+from autotune.stage_times import StageClock
 from autotune.tuning import MeasuredRun, TuneResult
 from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
 from simulator.replay import Replay
@@ -48,16 +49,18 @@ class PlanRun:
 
 def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, batch: tuple[Any, Any], *,
              placement=None, verify: bool = True, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1,
-             **shapes: Any) -> PlanRun:
+             clock: StageClock | None = None, **shapes: Any) -> PlanRun:
     """Predict ``plan`` on ``device`` (``graph`` at the batch it runs), apply it to ``model``'s step at
     that batch (``rewriter.apply``; ``shapes``: its input_shapes/label_shapes/label_dtype) and measure
     it on ``batch`` = (x, y): ``warmup`` steps, then ``repeats`` timed ones, then ``peak_repeats - 1``
-    more profiled steps (a measured peak moves by a few % from step to step)."""
+    more profiled steps (a measured peak moves by a few % from step to step). ``clock``: the apply is
+    timed as its own stage."""
     import rewriter  # TensorFlow only when a plan is measured
 
     predicted = replay(graph, plan, device)
-    step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement, verify=verify,
-                          verify_with=batch if verify else None, **shapes)
+    with (clock or StageClock()).stage("apply"):
+        step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement,
+                              verify=verify, verify_with=batch if verify else None, **shapes)
     return PlanRun(plan, predicted, step, _readings(step, *batch, warmup=warmup, repeats=repeats,
                                                     peak_repeats=peak_repeats))
 
@@ -127,8 +130,17 @@ def _clones(check: Any) -> dict:
             "clones_planned": check.planned_clones, "recompute_problems": check.problems()}
 
 
-def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes=None, label_dtype=None) -> MeasuredRun:
-    """Apply the chosen plan to ``model``'s real step, run it, and measure peak memory and time."""
+def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes=None, label_dtype=None,
+                   clock: StageClock | None = None) -> MeasuredRun:
+    """Apply the chosen plan to ``model``'s real step, run it, and measure peak memory and time
+    (``clock``: timed as the measured-run stage, its applies as their own)."""
+    clock = clock or StageClock()
+    with clock.stage("measured_run"):
+        return _measure_result(model, result, dict(input_shapes=input_shapes, label_shapes=label_shapes,
+                                                   label_dtype=label_dtype), clock)
+
+
+def _measure_result(model, result: TuneResult, shapes: dict, clock: StageClock) -> MeasuredRun:
     import rewriter  # TensorFlow only when a plan is measured
     from rewriter.step_inputs import synthetic_batch
 
@@ -151,10 +163,9 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     plan_graph = graph if result.plan_graph is None else result.plan_graph.with_batch(batch)
     plan = SwapPlan.empty(graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
     predicted_base = replay(graph, None, device)
-    shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)  # as captured
     data = synthetic_batch(model, batch, **shapes)
     run_graph = graph if params is None else plan_graph
-    run = run_plan(model, run_graph, plan, device, data, placement=placement, **shapes)
+    run = run_plan(model, run_graph, plan, device, data, placement=placement, clock=clock, **shapes)
     measured, predicted = run.measured, run.predicted
     step_s = float("nan") if measured is None else measured.step_s
     predicted_step_s, anchored_to = predicted.step_s, None
@@ -166,7 +177,7 @@ def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes
     if result.has_actions:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
-                                **shapes).measured
+                                clock=clock, **shapes).measured
     else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
         readings = _readings(rewriter.KerasStep(model), *data)
         plain = readings[0] if readings else None
