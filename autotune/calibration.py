@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from autotune import calibration_cache
+from autotune.calibration_cache import MachineKey, calibration_key
 from autotune.inputs import InputError
 from autotune.measured import testbed_batch_for
 from autotune.tuning import resolve_device
@@ -63,20 +65,35 @@ def get_simulated(placement) -> DeviceModel:
 
 
 def calibrate_for(model, graph: OpGraph, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
-                  say: Callable[[str], None] = log.info) -> CalibratedDevice:
-    """Calibrate ``model``'s step (captured as ``graph``) on this machine's placement."""
+                  say: Callable[[str], None] = log.info, recalibrate: bool = False) -> CalibratedDevice:
+    """Calibrate ``model``'s step (captured as ``graph``) on this machine's placement, or reuse the
+    calibration an earlier run of the same graph made here (``autotune.calibration_cache``; not when
+    ``recalibrate``, which replaces it)."""
     import rewriter
+    import tensorflow as tf
+    from rewriter.placement import gpu_memory
 
     placement = rewriter.detect(configure=False)
     batches = calibration_batches(graph, batch_size, placement)
-    say(f"calibrating step times on {placement.describe()} at batch sizes {batches[0]} and {batches[1]} ...")
-    try:
-        calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement, input_shapes=input_shapes,
-                                        label_shapes=label_shapes, label_dtype=label_dtype,
-                                        name=graph.meta.get("model"), graph_rewrites=graph.meta.get("graph_rewrites", ()))
-        calibrated.check_graph(graph)
-    except CalibrationError as error:
-        raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's estimates)") from None
+    gpu = gpu_memory() if placement.measured_on == "gpu" else None
+    machine = MachineKey.of(placement, None if gpu is None else gpu[0], tf.__version__)
+    key = calibration_key(graph, batches, str(placement.simulator_device), machine)
+    calibrated = None if recalibrate else calibration_cache.load(key, graph)
+    if calibrated is not None:
+        say(f"step times calibrated on this machine by an earlier run of this model ({calibration_cache.cache_dir()}; "
+            "--recalibrate measures them again)")
+    else:
+        say(f"calibrating step times on {placement.describe()} at batch sizes {batches[0]} and {batches[1]} ...")
+        try:
+            calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement,
+                                            input_shapes=input_shapes, label_shapes=label_shapes,
+                                            label_dtype=label_dtype, name=graph.meta.get("model"),
+                                            graph_rewrites=graph.meta.get("graph_rewrites", ()))
+            calibrated.check_graph(graph)
+        except CalibrationError as error:
+            raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's "
+                             "estimates)") from None
+        calibration_cache.store(key, calibrated, machine)
     say(calibrated.describe())
     note = extrapolation_note(batches, batch_size)
     if note:

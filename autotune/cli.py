@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "runs on them where they model the device searched for (a visible GPU, or --device "
                           "cpu-testbed without one), and they predict the measured run's step time (default: on "
                           "whenever the run is measured)")
+    run.add_argument("--recalibrate", action="store_true",
+                     help="measure the step times again instead of reusing the calibration an earlier run of the same "
+                          "model made on this machine (kept in $AUTOTUNE_CACHE_DIR, else ~/.cache/autotune)")
     run.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
                      help="shape of an input without the batch, where the model leaves dimensions open or has no "
                           "defined inputs (a subclassed model never built: NAME is its call()'s first argument, "
@@ -299,7 +302,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                       timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
                       study_name=args.study_name, maximize_batch=args.maximize_batch,
                       max_overhead=settings["max_overhead"], recompute=settings["recompute"], progress=not quiet,
-                      clock=clock)
+                      clock=clock, recalibrate=args.recalibrate)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
     result.notes += model_notes(model)

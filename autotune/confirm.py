@@ -121,7 +121,7 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
 def tune(model, *, batch_size: int | None = None, device=None, memory: int | None = None, measure: bool = True,
          calibrate: bool | None = None, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
          rounds: int = MAX_ROUNDS, name: str | None = None, say: Callable[[str], None] = log.info,
-         clock: StageClock | None = None, **search: Any) -> TuneResult:
+         clock: StageClock | None = None, recalibrate: bool = False, **search: Any) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner until a
     measured run confirms it (``result.verdict``). ``python -m autotune`` comes through here.
 
@@ -130,7 +130,8 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
     ``measure=False``: the simulator's answer alone (the verdict says it is a prediction only).
     ``calibrate`` (default: when measuring): step times measured on this machine
-    (``autotune.calibration``) instead of the preset's datasheet estimate.
+    (``autotune.calibration``) instead of the preset's datasheet estimate, reused from an earlier run of
+    the same graph on this machine unless ``recalibrate``.
     ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes;
     ``clock``: times the run's stages (``autotune.stage_times``).
     A model that cannot be captured raises ``CaptureError`` before anything is searched.
@@ -153,7 +154,7 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     with clock.stage("calibration"):
-        calibration = calibrate_for(model, graph, batch_size, **inputs, say=say) \
+        calibration = calibrate_for(model, graph, batch_size, **inputs, say=say, recalibrate=recalibrate) \
             if (measure if calibrate is None else calibrate) else None
     if not measure:
         device, memory = search_device(device, memory, calibration)
