@@ -7,6 +7,7 @@ plan to the real training step and measures it until a measured run confirms it 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ import optuna
 from autotune.inputs import InputError, format_bytes
 from autotune.policies import Budget, make_policy
 from autotune.search import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
+from autotune.study_copy import in_memory
 from autotune.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, actions_phrase, predicted
 from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
@@ -500,12 +502,13 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         outcome_evaluations, chosen = [baseline], baseline
     else:
         chosen_policy = make_policy(policy, sampler=sampler, seed=seed)
-        outcome = chosen_policy.search(problem, study, Budget(trials, timeout_s, progress))
-        outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
-        best = best_of([e for e in (chosen, *found) if e is not None])
-        if best is not chosen:  # a short search may miss what the batch search found: it counts, and enters the study
-            add_evaluation(study, best, problem)
-            outcome_evaluations, chosen = outcome_evaluations + [best], best
+        with in_memory(study) if storage is not None else contextlib.nullcontext(study) as searched:
+            outcome = chosen_policy.search(problem, searched, Budget(trials, timeout_s, progress))
+            outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
+            best = best_of([e for e in (chosen, *found) if e is not None])
+            if best is not chosen:  # a short search may miss what the batch search found: it counts, and enters the study
+                add_evaluation(searched, best, problem)
+                outcome_evaluations, chosen = outcome_evaluations + [best], best
         if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
             notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
                          f"over the {max_overhead:.0%} asked for")

@@ -1,6 +1,6 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
-NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute, cli-time (``python -m benchmarks NAME --help`` for its options).
+NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute, cli-time, search-speed (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ BENCHMARKS = {
     "step-time": "benchmarks.step_time",
     "recompute": "benchmarks.recompute",
     "cli-time": "benchmarks.cli_time",
+    "search-speed": "benchmarks.search_speed",
 }
 
 

@@ -78,10 +78,11 @@ def _swap_budget_bytes(model, batch: int) -> int:
     return (unswapped + lowest) // 2
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+def commit_of(root: Path) -> str:
+    """The commit checked out at ``root``, marked when tracked files differ from it."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip()
+                           cwd=root).stdout.strip()
     return (done.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown model {unknown[0]!r}; known: {', '.join(CASES)}" if unknown
               else "error: give at least one model and one run", file=sys.stderr)
         return 2
-    commit = _commit()
+    commit = commit_of(ROOT)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for name in names:

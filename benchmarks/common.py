@@ -79,7 +79,7 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
 
 
 README_ORDER = ("max_batch_v100", "max_batch", "recompute_measured", "fidelity", "fidelity_recompute", "fidelity_zoo",
-                "verdict", "step_time", "tuning", "speed", "simulator_speed", "cli_time")
+                "verdict", "step_time", "tuning", "speed", "simulator_speed", "cli_time", "search_speed")
 README_INTRO = """# Benchmarks
 
 Every table below is the latest output of the command above it, run on the machine it names
@@ -100,6 +100,7 @@ the notes say why.
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays (and plan + replay trials) per second against graph size, beside the numpy replay and the first compiled one in the same process, and the CLI's end-to-end time |
 | cli_time | `python -m benchmarks cli-time [--models small_cnn] [--runs 2]` | `python -m autotune` end to end on a small zoo CNN, the demo's ResNet-50, DenseNet-121 and EfficientNetV2B0 (32x32, batch 16): the seconds of each stage (load, capture, calibration, search, apply, measured run, report) from summary.json, with the load average |
+| search_speed | `python -m benchmarks search-speed --reference COMMIT` | trials per second of a search on the demo's ResNet-50 (b256, v100-16gb, journal storage), swapping only and with recomputation, and its seconds per trial outside the simulation, beside a reference commit's searches interleaved with them |
 | simulator_speed | `python -m benchmarks.simulator_speed [--first-call]` | replays per second of ResNet-50's graph (batch 32, the 474-swap plan) beside the earlier replays; with `--first-call`, the first replay in fresh processes, compiling and loading the compiled kernels |
 """
 
