@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from autotune.report import markdown_table
+from autotune.report.writer import markdown_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STARTED_S = time.perf_counter()  # each benchmark is its own process: its runtime is counted from here
@@ -32,7 +32,7 @@ def start_measuring_process() -> None:
     from rewriter.environment import prepare_environment  # must run before TensorFlow is imported
 
     prepare_environment()
-    from rewriter.placement import configure_testbed  # imports TensorFlow
+    from rewriter.placement.placements import configure_testbed  # imports TensorFlow
 
     configure_testbed()
 
