@@ -17,8 +17,8 @@ BENCHMARKS = {
     "gpu-check": "benchmarks.gpu_check",
     "step-time": "benchmarks.step_time",
     "recompute": "benchmarks.recompute",
-    "cli-time": "benchmarks.cli_time",
-    "search-speed": "benchmarks.search_speed",
+    "cli-time": "benchmarks.tool_time.cli_time",
+    "search-speed": "benchmarks.tool_time.search_speed",
 }
 
 
