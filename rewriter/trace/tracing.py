@@ -10,8 +10,10 @@ from two traces.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -90,10 +92,37 @@ TRACE_HINT = ("the step is traced once into a graph with fixed shapes, without a
               "tensor values, .numpy() and other eager-only code in train_step or call() cannot be captured")
 
 
+# the traces of each model's step (a model traced at one batch size and step inputs is traced once: the
+# capture, the calibration, each plan's apply and the measured run share the trace), the latest few kept
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+TRACES_KEPT = 4
+
+
 def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> TracedStep:
     """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
-    (``rewriter.trace.step_loss``); inputs and labels by name (``rewriter.trace.step_inputs``)."""
+    (``rewriter.trace.step_loss``); inputs and labels by name (``rewriter.trace.step_inputs``). A step traced
+    before at the same batch size and inputs, with the same optimizer, loss and trainable variables, is not
+    traced again: plans are edits of the traced graph (``rewriter.step.apply_plan`` imports an edited copy),
+    never of the trace itself."""
     check_compiled(model)
+    key = (int(batch_size), json.dumps([input_shapes, label_shapes, label_dtype], sort_keys=True, default=str))
+    try:
+        traces = _TRACES.setdefault(model, {})
+    except TypeError:  # an object weak references cannot point to: traced each time
+        traces = {}
+    found, compiled = traces.get(key), (model.optimizer, model.loss, len(model.trainable_variables))
+    if found is not None and found[0] is compiled[0] and found[1] is compiled[1] and found[2] == compiled[2]:
+        return found[3]
+    traced = _trace_keras_step(model, int(batch_size), input_shapes=input_shapes, label_shapes=label_shapes,
+                               label_dtype=label_dtype)
+    traces.pop(key, None)
+    traces[key] = (*compiled, traced)
+    while len(traces) > TRACES_KEPT:
+        traces.pop(next(iter(traces)))
+    return traced
+
+
+def _trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> TracedStep:
     inputs = step_inputs(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
                          label_dtype=label_dtype)
     build_if_needed(model, inputs)
