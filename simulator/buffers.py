@@ -18,6 +18,7 @@ import numpy as np
 
 from simulator import kernels
 from simulator.graph import Analysis, OpGraph
+from simulator.kernel_records import BufferRecord
 from simulator.ordering import ORDERS, categorized_levels, distance_levels, execution_order, position_of
 from simulator.sharing import SHARING_IN_LEVEL_ORDER, share_buffers
 
@@ -162,9 +163,10 @@ class RewireTables:
     seg_parent: np.ndarray
     tensor_segment: np.ndarray
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """Every table but ``read_keys``, in the order the kernels take them."""
-        return tuple(getattr(self, name) for name in self.__dataclass_fields__)[1:]
+    def record_fields(self) -> dict[str, np.ndarray | int]:
+        """Every table but ``read_keys`` by name, and their number (``n_keys``): a ``BufferRecord``'s."""
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__ if name != "read_keys"},
+                "n_keys": len(self.read_keys)}
 
 
 def rewire_tables(g: OpGraph) -> RewireTables:
@@ -195,6 +197,16 @@ def rewire_tables(g: OpGraph) -> RewireTables:
             seg_parent=np.where(parent >= 0, number[np.maximum(parent, 0)], -1),
             tensor_segment=number[info.segment])
     return g.cached("rewire_tables", compute, structural=True)
+
+
+def buffer_record(g: OpGraph) -> BufferRecord:
+    """``g``'s buffers as the compiled lifetimes take them (``kernels.after_ops``, ``kernels.plan_reads``,
+    ``kernels.replay_plan``), built once per view."""
+    def compute(graph: OpGraph) -> BufferRecord:
+        return BufferRecord(position=position_of(graph), order=execution_order(graph),
+                            tensor_producer=graph.tensor_producer, root=buffers(graph).root,
+                            **rewire_tables(graph).record_fields())
+    return g.cached("buffer_record", compute, structural=True)
 
 
 def alloc_slot_bytes(g: OpGraph) -> np.ndarray:
