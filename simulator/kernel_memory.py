@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from simulator.kernel_records import Memory
+from simulator.kernel_records import Memory, RootFrees
 from simulator.kernel_tools import (array_helper, contains_value, lexsort, precedes, radix_argsort, search_left_near,
                                     search_right_near)
 
@@ -173,8 +173,9 @@ def account(step, plan, far, slots, lifetimes, transfers):
             level_peak[levels_of_slot[slot]] = value
     if sorted_levels:
         level_peak[level] = level_best
-    wait_slots, wait_moment = _wait_peaks(step, transfers, slot_bytes, roots, new_free, copy_free_slot, copy_end,
-                                          in_alloc_slot, in_bytes, in_place_slot, in_place_out)
+    frees = RootFrees(new_free, copy_free_slot, copy_end)
+    wait_slots, wait_moment = _wait_peaks(step, transfers, slot_bytes, roots, frees, in_alloc_slot, in_bytes,
+                                          in_place_slot, in_place_out)
     for k in range(len(wait_slots)):  # the waits only raise a few slots
         slot = wait_slots[k]
         value = slot_bytes[slot]
@@ -196,9 +197,8 @@ def _candidate(candidate_of, slots, slot):
 
 
 @njit(cache=True, nogil=True)
-def _wait_peaks(step, transfers, slot_bytes, roots, root_free_slot, copy_free_slot, copy_end, in_alloc_slot, in_bytes,
-                in_place_slot, in_place_out):
-    """Memory during the waits in which a copy out ends after a swap-in was allocated (before the op
+def _wait_peaks(step, transfers, slot_bytes, roots, frees, in_alloc_slot, in_bytes, in_place_slot, in_place_out):
+    """Memory during the waits (``frees``: the swapped roots' ``RootFrees``) in which a copy out ends after a swap-in was allocated (before the op
     at slot s starts, its wait holds what lives on from slot s-1, the swap-ins allocated so far and the
     swapped buffers whose copy out has not ended, not the op's own outputs). Raises ``slot_bytes`` in
     place where a wait's peak is larger; returns those slots and the moments of their peaks. A wait
@@ -206,6 +206,7 @@ def _wait_peaks(step, transfers, slot_bytes, roots, root_free_slot, copy_free_sl
     and the swap-ins allocated there are visited."""
     alloc_bytes, tensor_bytes, duration = step.alloc_bytes, step.tensor_bytes, step.duration
     finish_all, in_ready = transfers.finish_all, transfers.in_ready
+    root_free_slot, copy_free_slot, copy_end = frees.last_slot, frees.copy_slot, frees.copy_end
     n_slots, n_roots, n_ins = len(slot_bytes), len(roots), len(in_ready)
     empty = (np.zeros(0, np.int64), np.zeros(0))
     # roots whose copy out frees them after their last slot ended: in the next slot's wait

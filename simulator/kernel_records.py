@@ -240,6 +240,10 @@ Memory = namedtuple("Memory", ["peak_slot", "peak", "level_peak", "new_free", "c
                                "in_free_slot", "in_place_out", "wait_slots", "wait_moment", "host_peak",
                                "host_peak_s"])
 
+# when each swapped root buffer is freed (``last_slot``: the later of its last reader's slot and its
+# copies out's), the slot its copies out end in and when (``kernel_memory.account``)
+RootFrees = namedtuple("RootFrees", ["last_slot", "copy_slot", "copy_end"])
+
 # one replay's arrays and figures (``kernels.replay_plan``), the fields of a Replay
 ReplayArrays = namedtuple("ReplayArrays", ["peak_slot", "peak", "level_peak", "finish_all", "out_start", "out_end",
                                            "in_start", "in_end", "in_ready", "roots", "root_free_slot",
