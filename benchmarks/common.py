@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from autotune.report import markdown_table
+from autotune.report.writer import markdown_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STARTED_S = time.perf_counter()  # each benchmark is its own process: its runtime is counted from here
@@ -30,7 +30,7 @@ def start_measuring_process() -> None:
     from rewriter.environment import prepare_environment  # must run before TensorFlow is imported
 
     prepare_environment()
-    from rewriter.placement import configure_testbed  # imports TensorFlow
+    from rewriter.placement.placements import configure_testbed  # imports TensorFlow
 
     configure_testbed()
 
@@ -96,7 +96,7 @@ the notes say why.
 | fidelity_recompute | `python -m benchmarks fidelity --recompute --models ...` | the same with plans that recompute cheap tensors beside their swaps (issue 22) |
 | fidelity_zoo | `python -m benchmarks fidelity --zoo` | the same on the 22 models of `benchmarks.zoo` (models nobody tuned the simulator for: applications, U-Nets, mixed_float16, recurrent, attention, multi-input/output, ...) x 7 plans, measured in chunks (`--zoo --models a,b`), against issue 19's per-model targets |
 | verdict | `python -m benchmarks verdict` | the CLI, measured on the testbed, on zoo models whose prediction alone says "fits" (the cases of issue 19: mixed_float16, LSTM/GRU, U-Nets, multi-input/output): exit 0 only when a measured run confirms the plan within the budget, else exit 3 and no "Fits" |
-| step_time | `python -m benchmarks step-time` | predicted against measured step time on the CPU testbed: a device model calibrated by `rewriter.calibrate` at other batch sizes, and the uncalibrated preset, 4 models x 7 plans |
+| step_time | `python -m benchmarks step-time` | predicted against measured step time on the CPU testbed: a device model calibrated by `rewriter.timing.device_calibration` at other batch sizes, and the uncalibrated preset, 4 models x 7 plans |
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays (and plan + replay trials) per second against graph size, beside the numpy replay and the first compiled one in the same process, and the CLI's end-to-end time |
 | simulator_speed | `python -m benchmarks.simulator_speed [--first-call]` | replays per second of ResNet-50's graph (batch 32, the 474-swap plan) beside the earlier replays; with `--first-call`, the first replay in fresh processes, compiling and loading the compiled kernels |

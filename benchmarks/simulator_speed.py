@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from autotune.report import markdown_table
+from autotune.report.writer import markdown_table
 from benchmarks.common import interleaved_seconds, write_results
-from benchmarks.graphs import captured_graph
+from benchmarks.models.graphs import captured_graph
 from benchmarks.reference import (add_reference_options, reference_graph, references_from_options, references_note,
                                   same_replay, speed_row)
 from benchmarks.tuning import CASES as TUNING_CASES

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
-from benchmarks.graphs import captured_graph  # noqa: E402
+from benchmarks.models.graphs import captured_graph  # noqa: E402
 from benchmarks.reference import (REFERENCES, add_reference_options, references_from_options,  # noqa: E402
                                   references_note, speed_row)
 from simulator import SwapParams  # noqa: E402

@@ -51,7 +51,7 @@ CASES = (
 
 def _budget(case: Case, model, batch: int) -> tuple[int, int, int]:
     """(budget, predicted unswapped peak, lowest predicted swap peak) at ``batch`` on the testbed."""
-    from rewriter.capture import capture
+    from rewriter.trace.tracing import capture
     from simulator import SwapParams, plan_swaps, replay
 
     graph = capture(model, batch)

@@ -18,7 +18,7 @@ import numpy as np
 
 from simulator import kernels
 from simulator.graph import Analysis, OpGraph
-from simulator.kernel_records import BufferRecord
+from simulator.kernels.records import BufferRecord
 from simulator.ordering import ORDERS, categorized_levels, distance_levels, execution_order, position_of
 from simulator.sharing import SHARING_IN_LEVEL_ORDER, share_buffers
 

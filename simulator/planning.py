@@ -11,7 +11,7 @@ import numpy as np
 from simulator import kernels
 from simulator.buffers import buffer_record
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
-from simulator.kernel_records import PlanningRecord, TriggerRecord
+from simulator.kernels.records import PlanningRecord, TriggerRecord
 from simulator.ordering import distance_levels, execution_order, n_levels, position_of, slot_levels_view
 from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES, TRIGGER_POLICIES,  # noqa: F401
                               ParamsError, SwapParams)
@@ -213,7 +213,7 @@ def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: 
     """Per request: the latest trigger candidate on a level in ``lo..hi`` (``g``'s levels) that
     ``policy`` allows for ``first_consumer`` ("ancestor": one of its ancestors, looked up in a table
     spanning ``ub`` levels; "level": any), -1 where there is none. Swap-ins and recomputations
-    (``simulator.recompute``) take their triggers here."""
+    (``simulator.recompute.actions``) take their triggers here."""
     trigger = np.full(len(first_consumer), -1, dtype=np.int64)
     if not len(first_consumer):
         return trigger

@@ -13,7 +13,7 @@ from typing import Any
 import keras
 from keras import layers
 
-from benchmarks.models import _application, _classification_loss, _compile, transformer_encoder, unet2d
+from benchmarks.models.builders import _application, _classification_loss, _compile, transformer_encoder, unet2d
 
 NUM_CLASSES = 10
 
