@@ -79,7 +79,7 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
 
 
 README_ORDER = ("max_batch_v100", "max_batch", "recompute_measured", "fidelity", "fidelity_recompute", "fidelity_zoo",
-                "verdict", "step_time", "tuning", "speed", "simulator_speed")
+                "verdict", "step_time", "tuning", "speed", "simulator_speed", "floor_split")
 README_INTRO = """# Benchmarks
 
 Every table below is the latest output of the command above it, run on the machine it names
@@ -100,6 +100,7 @@ the notes say why.
 | tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
 | speed | `python -m benchmarks speed` | simulator replays (and plan + replay trials) per second against graph size, beside the numpy replay and the first compiled one in the same process, and the CLI's end-to-end time |
 | simulator_speed | `python -m benchmarks.simulator_speed [--first-call]` | replays per second of ResNet-50's graph (batch 32, the 474-swap plan) beside the earlier replays; with `--first-call`, the first replay in fresh processes, compiling and loading the compiled kernels |
+| floor_split | `python -m benchmarks floor-split` | the floor (resident state plus the largest op's working set, under which no swap or recomputation plan goes) before and after splitting along the batch in 2, 4 and 8 parts, over the benchmark models and the zoo (simulated; nothing offers a split yet, docs/design.md 10) |
 """
 
 
