@@ -41,7 +41,8 @@ def part_name(op: str, part: int) -> str:
     return f"{op}{SPLIT_MARK}part_{part}"
 
 
-def combine_name(op: str, step: int) -> str:
+def combine_name(op: str, step: int | str) -> str:
+    """Step ``step`` of the running combine of ``op``'s partials (``<output>_<step>`` for an op of several)."""
     return f"{op}{SPLIT_MARK}combine_{step}"
 
 
@@ -199,8 +200,8 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
                 so_far, combine_ops = parts[0], []
                 elements = a / _itemsize(str(g.tensor_dtype[tensor]))
                 for step, partial in enumerate(parts[1:]):
-                    combine = builder.add_op(combine_name(name, step) if len(made[op]) == 1 else
-                                             combine_name(f"{name}:{g.tensor_output[tensor]}", step), op,
+                    combine = builder.add_op(combine_name(name, step if len(made[op]) == 1 else
+                                                          f"{g.tensor_output[tensor]}_{step}"), op,
                                              type_=COMBINE_OP_TYPES[classes[op].combine], flops=(elements, 0.0),
                                              touched=(3.0 * a, 0.0), forwards=True)
                     builder.edges += [(so_far, combine, 0), (partial, combine, 1)]

@@ -92,7 +92,14 @@ def batch_dependent(g: OpGraph) -> np.ndarray:
 
 
 def _leading_batch(shape: str) -> bool:
-    return shape in ("", *OWN_BUFFER_SHAPES) or shape == "(N)" or shape.startswith("(N,")
+    """Whether a block of rows of the batch axis is a block of the tensor's memory: the batch is the first
+    dimension but for dimensions of size 1 (``(1,N,1,8,...)``, an upsampling's repeat, lies as ``(N,...)``)."""
+    if shape in ("", *OWN_BUFFER_SHAPES):
+        return True
+    dims = shape.strip("()").split(",")
+    while dims and dims[0] == "1":
+        dims.pop(0)
+    return bool(dims) and dims[0] == "N"
 
 
 def op_split(g: OpGraph, op: int) -> OpSplit:

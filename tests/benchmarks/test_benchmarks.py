@@ -84,6 +84,8 @@ def test_floor_split_row_lowers_the_floor_and_says_where_no_split_exists():
     assert row["floor_pct"] > row["k2_pct"] > row["k4_pct"] > 0
     assert row["split_peak_pct"] >= row["k4_pct"] and row["region_ops"] > 0
     single = row_of("synthetic", graph, 1, "fixed", [2])
-    assert single["k2_pct"] == single["floor_pct"] and "no split into 2 parts" in single["stop"]
+    assert single["k2_pct"] == single["floor_pct"] and single["parts_note"] == "batch 1: no split"
+    few = row_of("synthetic", graph, 3, "fixed", [2, 4])  # four parts of three samples: three
+    assert few["k4_pct"] < few["k2_pct"] and few["parts_note"] == "batch 3: 3 parts at most"
     assert floor_split_main(["--parts", "1"]) == 2
     assert floor_split_main(["--models", "no-such-model"]) == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulator import FORWARD, BACKWARD, GraphError, SwapParams, plan_swaps, replay
+from simulator import BACKWARD, FORWARD, GraphError, OpGraph, SwapParams, plan_swaps, replay
 from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
 from simulator.split import (BATCH_SUM, ENDS, PER_SAMPLE, SplitRegion, floor_after_splitting, grow_region, op_split,
                              part_batches, split_regions, with_splits)
@@ -36,6 +36,12 @@ def test_op_classes_from_types_and_sizes():
     kept = from_spec([OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 64.0),)),
                       OpSpec("m", "Sum", FORWARD, ["x"], ((0.0, 4.0),))], outputs=["m"])
     assert op_split(kept, 1).kind == PER_SAMPLE
+    # leading dimensions of size 1 keep a block of the batch a block of memory; a batch further in does not
+    for shape, kind in (("(1,N,1,8)", PER_SAMPLE), ("(N,4)", PER_SAMPLE), ("(2,N,8)", ENDS), ("(4,N)", ENDS)):
+        shaped = OpGraph.build(op_name=["x", "r"], op_type=["Conv2D", "Reshape"], op_phase=[FORWARD, FORWARD],
+                               tensor_producer=[0, 1], tensor_bytes_ab=[(0.0, 64.0), (0.0, 64.0)],
+                               tensor_shape=["(N,8)", shape], edge_tensor=[0], edge_consumer=[1], outputs=[1])
+        assert op_split(shaped, 1).kind == kind, shape
     # an op whose rows are not blocks of samples ends a region
     moved = from_spec([OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 64.0),)),
                        OpSpec("s2b", "SpaceToBatchND", FORWARD, ["x"], ((0.0, 64.0),))], outputs=["s2b"])
