@@ -11,15 +11,13 @@ graph's own unswapped peak, which no replay of it goes under the floor of; what 
 largest k. Each model at the batch whose unswapped step fills the v100-16gb preset's budget (where a
 user starts to need the tool), the zoo's models also at their testbed batch. The 3D U-Net trains at
 batch 1 (it grows by voxels), where no split along the batch exists. Nothing here is offered by the
-search or the CLI: the rewriter cannot build a split yet (docs/design.md 10).
+search or the CLI: the rewriter cannot build a split yet (docs/design.md 12).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 
@@ -35,7 +33,7 @@ from simulator.split import SplitFloor, floor_after_splitting, split_origin
 NAME = "floor_split"
 DEVICE = "v100-16gb"
 MiB = 2 ** 20
-TARGET_PCT = 40.0  # the median floor after splitting, as a share of the unswapped peak (docs/design.md 10)
+TARGET_PCT = 40.0  # the median floor after splitting, as a share of the unswapped peak (docs/design.md 12)
 # the benchmark models (``benchmarks.models``) and their builders' keyword arguments
 BENCHMARK_MODELS: dict[str, dict] = {"resnet50": {}, "vgg16": {}, "mobilenetv2": {}, "densenet121": {},
                                      "unet2d": {}, "unet3d": {"size": 64}, "transformer_encoder": {}}
@@ -124,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(parts)
     fills = table[(table["batch_rule"] == f"fills {DEVICE}") & ~table["model"].str.startswith("median")]
     testbed = table[(table["batch_rule"] == "testbed") & ~table["model"].str.startswith("median")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
 
     def verdict(group: pd.DataFrame) -> str:
         median = group[f"k{largest}_pct"].median()
@@ -154,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         *(f"- Not captured: {line}" for line in failed),
     ]
     settings = {"command": "python -m benchmarks floor-split " + " ".join(argv if argv is not None else sys.argv[2:]),
-                "commit": commit, "device": DEVICE, "parts": ", ".join(map(str, parts))}
+                "device": DEVICE, "parts": ", ".join(map(str, parts))}
     path = write_results(args.name, table, settings=settings, notes=[n for n in notes if n], float_format="{:.4g}")
     print("\n".join(n for n in notes if n))
     print(f"written {path}")

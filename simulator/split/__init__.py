@@ -1,4 +1,4 @@
-"""Splitting ops along the batch (docs/design.md 10): which ops run exactly in parts (``classes``), the
+"""Splitting ops along the batch (docs/design.md 12): which ops run exactly in parts (``classes``), the
 graph that runs a region of them in parts (``actions``: ``with_splits``), and the floor of a step before
 and after splitting the ops that set it (``floor``). Simulation only: no search or command offers a split
 until the rewriter can build one."""

@@ -1,4 +1,4 @@
-"""A split region as a graph transformation: its ops run in parts along the batch (docs/design.md 10).
+"""A split region as a graph transformation: its ops run in parts along the batch (docs/design.md 12).
 
 ``with_splits(g, regions)`` returns a new ``OpGraph`` in which every op of a region is replaced by
 ``parts`` ops, each running on its part of the batch, as ``with_recomputes`` adds clones. The split

@@ -1,6 +1,6 @@
 """Which ops can run in parts along the batch, and how far a split region reaches.
 
-An op of a training step is one of three things to a split along the batch (docs/design.md 10):
+An op of a training step is one of three things to a split along the batch (docs/design.md 12):
 
 - *per-sample*: every output sample depends on the same sample of its inputs (convolutions, matmuls
   over features, elementwise ops, pooling, LayerNorm-like reductions over the features, their

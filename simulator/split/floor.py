@@ -1,4 +1,4 @@
-"""The floor of a step before and after splitting the ops that set it (docs/design.md 10).
+"""The floor of a step before and after splitting the ops that set it (docs/design.md 12).
 
 Swaps and recomputations move whole tensors, so no plan's peak goes under the *floor*: resident
 memory plus the largest working set of one op, its inputs and outputs together

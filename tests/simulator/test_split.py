@@ -1,4 +1,4 @@
-"""Splitting ops along the batch (simulator/split, docs/design.md 10): hand-computed small graphs."""
+"""Splitting ops along the batch (simulator/split, docs/design.md 12): hand-computed small graphs."""
 
 from __future__ import annotations
 
