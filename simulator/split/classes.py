@@ -71,6 +71,10 @@ NEVER_SPLIT: dict[str, str] = {
     "FusedBatchNormV3": "normalises with moments it computes itself: split it into moments and normalisation first",
 }
 
+# per-sample where they gather from a table that does not grow with the batch (an embedding lookup); from a
+# batch-dependent tensor an index may name another sample
+GATHERS = frozenset({"GatherV2", "Gather", "ResourceGather", "GatherNd"})
+
 # shape texts of batch-dependent tensors an op keeps for itself (oneDNN's pooling workspace, kernel scratch):
 # per-sample like the op that makes them
 OWN_BUFFER_SHAPES = ("(workspace)", "(scratch)")
@@ -120,6 +124,8 @@ def op_split(g: OpGraph, op: int) -> OpSplit:
                                     "batch as its leading axis")
     if any(g.tensor_persistent[t] for t in outputs):
         return OpSplit(ENDS, reason="makes a resident tensor")
+    if op_type in GATHERS and inputs and grows[inputs[0]]:
+        return OpSplit(ENDS, reason=f"a {op_type} from a batch-dependent tensor: it may pick other samples")
     if grown_out and len(grown_out) == len(outputs):
         if op_type in PER_SAMPLE_TYPES:
             return OpSplit(PER_SAMPLE)

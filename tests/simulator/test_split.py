@@ -42,6 +42,13 @@ def test_op_classes_from_types_and_sizes():
                                tensor_producer=[0, 1], tensor_bytes_ab=[(0.0, 64.0), (0.0, 64.0)],
                                tensor_shape=["(N,8)", shape], edge_tensor=[0], edge_consumer=[1], outputs=[1])
         assert op_split(shaped, 1).kind == kind, shape
+    # a gather is per-sample from an embedding table, not from a batch-dependent tensor
+    lookup = from_spec([OpSpec("table", "Identity", FORWARD, [], (4096,)),
+                        OpSpec("ids", "Cast", FORWARD, [], ((0.0, 8.0),)),
+                        OpSpec("rows", "GatherV2", FORWARD, ["table", "ids"], ((0.0, 64.0),)),
+                        OpSpec("picked", "GatherV2", FORWARD, ["rows", "ids"], ((0.0, 64.0),))], outputs=["picked"])
+    assert op_split(lookup, 2).kind == PER_SAMPLE
+    assert op_split(lookup, 3).kind == ENDS and "other samples" in op_split(lookup, 3).reason
     # an op whose rows are not blocks of samples ends a region
     moved = from_spec([OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 64.0),)),
                        OpSpec("s2b", "SpaceToBatchND", FORWARD, ["x"], ((0.0, 64.0),))], outputs=["s2b"])
