@@ -17,8 +17,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import types_pb2
-from tensorflow.python.ops import handle_data_util
 
 from rewriter.tf_effects import conditionals, loops
 
@@ -33,6 +31,7 @@ from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, red
 from rewriter.trace.graph_rewrites import apply_rewrites
 from rewriter.trace.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
+from rewriter.trace import state_kinds
 from rewriter.trace.step_loss import recording_losses
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
@@ -272,36 +271,8 @@ def _pool_pairs(reduced: Reduced) -> list[tuple[str, str]]:
 
 def _resident_bytes(concrete) -> tuple[int, int]:
     """(variables, inputs) bytes: variable sizes from the ops that read or write them."""
-    graph = concrete.graph
-    handles = {t.op.name for _, t in graph.captures if t.dtype == tf.resource}
-    size: dict[str, int] = {}
-    for op in graph.get_operations():
-        if not op.inputs or op.inputs[0].op.name not in handles:
-            continue
-        handle = op.inputs[0].op.name
-        if op.type == "ReadVariableOp":
-            size[handle] = max(size.get(handle, 0), tensor_nbytes(op.outputs[0]))
-        elif op.type.startswith("Assign") and len(op.inputs) > 1:
-            size[handle] = max(size.get(handle, 0), tensor_nbytes(op.inputs[1]))
-    for _, internal in graph.captures:  # read only inside a branch or loop (a LossScaleOptimizer's
-        if internal.dtype == tf.resource and internal.op.name not in size:  # update under tf.cond)
-            size[internal.op.name] = _handle_bytes(internal)
     inputs = sum(tensor_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
-    return sum(size.values()), inputs
-
-
-def _handle_bytes(handle) -> int:
-    """Bytes of the variable behind a resource handle, from the shape and dtype it carries (0 if none)."""
-    try:
-        data = handle_data_util.get_resource_handle_data(handle)
-    except (AssertionError, AttributeError, TypeError, ValueError):
-        return 0
-    total = 0
-    for item in data.shape_and_type:
-        shape = tf.TensorShape(item.shape)
-        if shape.is_fully_defined() and item.dtype not in (types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT):
-            total += shape.num_elements() * tf.as_dtype(item.dtype).size
-    return total
+    return sum(state_kinds.variable_sizes(concrete).values()), inputs
 
 
 def _linear_fit(small: float, large: float, b1: int, b2: int) -> tuple[float, float]:
@@ -510,7 +481,8 @@ def capture(model, batch_size: int, *, input_shapes=None, label_shapes=None, lab
     kwargs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     first = trace_keras_step(model, int(batch_size), **kwargs)
     second = trace_keras_step(model, _second_batch(int(batch_size)), **kwargs)
-    meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__}
+    meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
+            "variables": state_kinds.describe_variables(first.concrete, model)}
     if given_step_inputs(**kwargs):  # plans made on the graph are applied at these shapes
         meta["step_inputs"] = given_step_inputs(**kwargs)
     first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
@@ -524,7 +496,8 @@ def capture_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.Tensor
     ``graph_rewrites`` as for ``capture``."""
     first = trace_function_step(step_fn, specs_at, int(batch_size), optimizer=optimizer)
     second = trace_function_step(step_fn, specs_at, _second_batch(int(batch_size)), optimizer=optimizer)
-    first, second, meta = _with_rewrites(first, second, graph_rewrites, {"model": name})
+    meta = {"model": name, "variables": state_kinds.describe_variables(first.concrete)}
+    first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
     return build_opgraph(first, second, meta=meta)
 
 

@@ -19,6 +19,7 @@ import pytest
 import rewriter
 from benchmarks import fidelity
 from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
+from simulator.buffers import gradient_bytes, resident_split_bytes
 
 pytestmark = pytest.mark.tf
 MiB = 2**20
@@ -104,3 +105,22 @@ def test_gradient_accumulation_is_predicted_at_its_update_step(plan_name):
                                                   phases=steps)
     assert _within(predicted, measured), (plan_name, round(predicted, 2), measured)
     assert max(measured) <= predicted * (1 + TOLERANCE)
+
+
+def test_resident_bytes_split_into_weights_slots_accumulators_and_inputs():
+    """What a later move of the state builds on: each variable's kind, the batch, the gradients."""
+    mlp = dense_mlp("adamw")
+    graph = rewriter.capture(mlp, 32)
+    weights = sum(int(np.prod(v.shape)) * 4 for v in mlp.trainable_variables)
+    split = resident_split_bytes(graph)
+    assert sum(split.values()) == graph.persistent_bytes
+    assert split["weights"] == weights and split["optimizer slots"] == 2 * weights  # Adam's two moments
+    assert split["inputs"] == 32 * 256 * 4 + 32 * 4  # float32 features, int32 class labels
+    assert 0 < split["optimizer scalars"] < 1024 and gradient_bytes(graph) == weights
+    cnn = small_cnn("adam", gradient_accumulation_steps=4)
+    graph = rewriter.capture(cnn, 16)
+    weights = sum(int(np.prod(v.shape)) * 4 for v in cnn.trainable_variables)
+    split = resident_split_bytes(graph)
+    assert split["gradient accumulators"] == weights and split["optimizer slots"] == 2 * weights
+    assert split["constants"] >= weights  # the accumulators' zeros (rewriter.tf_effects.conditionals)
+    assert gradient_bytes(graph) == weights
