@@ -2,7 +2,7 @@
 
     python -m benchmarks fidelity [--models resnet50,vgg16] [--quick] [--timeout 900] [--repeats 3] [--peak-repeats 2]
     python -m benchmarks fidelity --zoo [--models lstm,gru]   # benchmarks.zoo, in chunks
-    python -m benchmarks fidelity --recompute --models resnet50,mobilenetv2   # plans that recompute (issue 22)
+    python -m benchmarks fidelity --recompute --models resnet50,mobilenetv2   # plans that recompute
 
 For every model (one fresh Python process each, so models and allocator state never mix) the
 training step is captured, then for every plan (no swapping, and ``SwapParams`` settings that
@@ -29,7 +29,7 @@ full table. Target (docs/design.md 5): median error within 5 %, worst within 10 
 ``--zoo`` measures the models of ``benchmarks.zoo`` instead (models nobody tuned the simulator for)
 and writes ``fidelity_zoo.*``; each model's records are kept in ``results/fidelity_zoo_runs/``, so
 the zoo can be measured in chunks (``--zoo --models a,b``: those again, the others from their kept
-run) and its runtime is the sum of the models' runs. Its targets (issue 19) hold per model: median
+run) and its runtime is the sum of the models' runs. Its targets (docs/design.md 5) hold per model: median
 |error| <= 2 %, worst <= 10 %, measured above predicted never more than 5 %; the notes give per model
 what the capture could not size or swap (``graph.meta``) and, where a model misses, why.
 """
@@ -95,7 +95,7 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
 # docs/design.md 1.4: thresholds from 1 (every far read) to 20, swap-in windows, groupby, the size
 # filter, the sync modes (out, both), both trigger policies, both execution orders, both sets of
 # swappable tensors, both units of distance, and swap-ins after their trigger's copies out; 6 swap
-# plans, not more, so that the 7 setups stay within the issue's 30 minutes on the 2-core machine
+# plans, not more, so that the 7 setups stay within docs/design.md 5's 30 minutes on the 2-core machine
 # (each plan is a rewrite, a verifying first run and 3 measured steps: 50-75 s on ResNet-50 or
 # DenseNet-121; with 7 swap plans the run took 31.6 min).
 PLANS: list[tuple[str, dict[str, Any] | None]] = [
@@ -110,7 +110,7 @@ PLANS: list[tuple[str, dict[str, Any] | None]] = [
                                        "after_copies_out": True}),
 ]
 
-# ``--recompute``: plans with recomputation beside the swaps (issue 22): every cheap tensor of 1 MiB or more
+# ``--recompute``: plans with recomputation beside the swaps: every cheap tensor of 1 MiB or more
 # recomputed for its far readers (``simulator.recompute.choice``), the rest swapped on the graph with the clones
 RECOMPUTE_PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("none", None),
@@ -129,7 +129,7 @@ QUICK_MODELS = ("transformer_encoder", "vgg16")
 QUICK_PLANS = ("none", "T1", "T3 ub5 g2 sync-both mem")
 
 TARGET_MEDIAN, TARGET_WORST = 0.05, 0.10
-# the zoo's targets (issue 19): per model, and measured above predicted (the side of an OOM) at most 5 %
+# the zoo's targets (docs/design.md 5): per model, and measured above predicted (the side of an OOM) at most 5 %
 ZOO_TARGET_MEDIAN, ZOO_TARGET_WORST, ZOO_TARGET_UNDER = 0.02, 0.10, 0.05
 # what a captured graph says about memory it could not size or swap (shown in the zoo's notes)
 GRAPH_META_REPORTED = ("unknown_shapes", "unresolved_tensors", "unswappable", "mixed_precision")
@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         met = int(per_model["targets_met"].fillna(False).sum()) if "targets_met" in per_model else 0
         result_notes += [
             "## Per model (zoo targets)", "",
-            (f"Targets (issue 19): per model median |error| <= {100 * ZOO_TARGET_MEDIAN:.0f} %, worst <= "
+            (f"Targets (docs/design.md 5): per model median |error| <= {100 * ZOO_TARGET_MEDIAN:.0f} %, worst <= "
              f"{100 * ZOO_TARGET_WORST:.0f} %, measured above predicted never more than {100 * ZOO_TARGET_UNDER:.0f} % "
              f"(worst_measured_above_pct = measured / predicted - 1). Met by {met} of {len(per_model)} models."),
             "", _markdown(per_model), "",

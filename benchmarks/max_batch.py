@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     table = pd.DataFrame(rows)
     notes = [
         "Targets: the LMS paper's 4.9x (ResNet-50 batch) and 5.6x (3D U-Net voxels) on a 16 GB V100; "
-        "docs/design.md asks for 6x; with recomputation (issue 22): ResNet-50 >= 8x at any overhead and >= 4x at "
+        "docs/design.md asks for 6x; with recomputation: ResNet-50 >= 8x at any overhead and >= 4x at "
         "<= 20 % overhead, 3D U-Net >= 6x, on v100-16gb.",
         "recompute: the search with recomputation beside swapping (autotune's default), else swapping alone "
         "(`--no-recompute`); time_model: where the overheads' op times come from (preset: the device preset's "

@@ -1,5 +1,5 @@
 """Earlier simulators, importable beside today's, so speed benchmarks can time them in one process
-(issue 23: today's replay against the ones it replaced).
+(today's replay against the ones it replaced, docs/design.md 2).
 
 ``reference_simulator(commit)`` extracts ``simulator/`` at ``commit`` with ``git archive`` into a
 directory of its own under the system's temporary directory (kept between runs: a compiled

@@ -68,11 +68,11 @@ def calibration_batches(batch: int) -> tuple[int, int]:
     and three quarters it is ``2 t(3b/4) - t(b/2)``, from a quarter and a half (the rule before)
     ``3 t(b/2) - 2 t(b/4)``, which carries 13 timing errors' variance for 5 and is twice as far from its
     points, where a step's time bends (batch 1 is off the line: unet2d's b1 and b2 steps extrapolated its
-    b4 step 12 % too slow on a quiet machine, 10:05 UTC) and where a neighbouring process slows the steps
-    unequally (at 13:02 unet2d's unswapped b4 step ran 46.5 ms, 35 % slower than at 10:05, while its b2
-    and b3 steps timed in the same passes extrapolated to 39.7 ms: re-anchored predictions 3.6-14.7 %
-    low). In CPU time, which other processes do not slow, the steps of small_cnn, transformer_encoder and
-    unet2d were linear from b2 up (lines through two batch sizes met a third within 0-5 % at load 7-11):
+    b4 step 12 % too slow on a quiet machine) and where a neighbouring process slows the steps
+    unequally (in one loaded run unet2d's unswapped b4 step ran 46.5 ms, 35 % slower than in a quiet one,
+    while its b2 and b3 steps timed in the same passes extrapolated to 39.7 ms: re-anchored predictions
+    3.6-14.7 % low; benchmarks/results/step_time.md). In CPU time, which other processes do not slow, the steps of small_cnn, transformer_encoder and
+    unet2d were linear from b2 up (lines through two batch sizes met a third within 0-5 % with several busy processes per core):
     the rules differ by their noise and by the load, not by a bend of the step's own cost.
     The product calibrates at half the measured batch and the batch itself
     (``autotune.run.calibrated_timing.calibration_batches``); this is the nearest to it that leaves the measured

@@ -2,7 +2,7 @@
 
     python -m benchmarks verdict [--cases NAME,...]
 
-The cases are those a new user met before the measured run decided the verdict (issue 19): a
+The cases are those a new user met before the measured run decided the verdict (docs/design.md 6): a
 mixed_float16 CNN and U-Net, LSTM and GRU classifiers, a U-Net with transposed convolutions (swapped,
 and without swapping against model.fit's own step), a multi-input multi-output model. Each zoo model
 is saved, its budget set from the simulator's own prediction (so the prediction alone says "fits"),

@@ -5,7 +5,7 @@ so the calibration's totals, timed before the search, can be 8-15 % off the spee
 the plan is measured, and no rejection of disturbed passes within the calibration removes that.
 Timing the calibration's own unswapped steps (same batch sizes, never another) in the same
 interleaved passes as the steps to predict, and scaling its per-op times to them
-(``CalibratedDevice.with_step_times``), cancels the drift: in the quiet step-time run of 10:05 UTC the
+(``CalibratedDevice.with_step_times``), cancels the drift: in a quiet step-time run (benchmarks/results/step_time.md) the
 median error went from 10.6 % to 3.6 % and the worst from 16.6 % to 12.3 %.
 ``autotune.run.plan_run`` does this for the measured run, ``benchmarks/step_time.py`` for every plan.
 """

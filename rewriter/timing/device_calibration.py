@@ -93,7 +93,7 @@ class PassTimes:
     (1.0: the machine as fast as it gets), to say how disturbed the timing was; ``cpu_s[key]``: the
     process's CPU time per step (all its threads), the median of the accepted passes' medians: other
     processes that take the cores away do not count in it, so it tells the step's own cost from the
-    machine's load (at load 7-9 the interquartile range of one step's CPU times was 2-4x narrower than
+    machine's load (with several busy processes per core the interquartile range of one step's CPU times was 2-4x narrower than
     that of its wall times)."""
 
     step_s: dict[Any, float]

@@ -336,11 +336,11 @@ H200_141GB = DeviceModel(
 # cpu-testbed: the development VM (2-core AMD EPYC "Genoa" -- family 25 model 17 -- KVM guest,
 # 24 GiB RAM).  Two logical TF CPU devices play accelerator (/CPU:0) and host (/CPU:1); a swap
 # is a tf.raw_ops.DeepCopy between them.  The compute, bandwidth and copy figures are a roofline of
-# microbenchmarks, measured on 2026-11-30 between 03:15 and 03:27 UTC (TF 2.21, fp32, graph mode,
+# microbenchmarks, measured on 2026-11-30 (TF 2.21, fp32, graph mode,
 # TF_CPU_ALLOCATOR_USE_BFC=true as in the testbed; each figure the median over 6 runs in which other
 # processes used < 1 % of the CPU) by the measurements rewriter.timing.device_calibration.measure_preset now makes in
 # the repository (matmul, elementwise add, tiny-op chain, chained copies).  Re-measured with it on
-# 2026-12-02 under a load average of 9 (other jobs on the 2 cores): matmul 444 GFLOP/s, elementwise
+# 2026-12-02 with other jobs busy on both cores: matmul 444 GFLOP/s, elementwise
 # 17.9 GB/s, 0.41 us per tiny op, copies of 64-256 MiB 19.4 GB/s, 1.8 us per small copy: the machine's
 # figures move with its load, so the ones below are kept as an estimate of the quiet machine.
 # STEP TIMES from this roofline are a datasheet-style estimate: against measured steps on the testbed

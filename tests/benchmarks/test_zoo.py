@@ -23,8 +23,8 @@ UNDER = 0.05  # measured never more than 5 % above the prediction (the side of a
 MEAN = 0.02  # and a model's plans within 2 % on average (its median over the benchmark's 7 plans)
 # A deviation known and measured on the safe side only (every plan predicted at or above its measurement),
 # with its reason: the swapped small U-Net measures 0-5 % under its prediction from run to run (a clean
-# checkout's suite, 2026-12-02 10:26 UTC: 0.3451 MiB predicted, 0.3286 measured), as the testbed's executor
-# starts a swap-in only when its reader needs it (benchmarks/README.md, Known sources of deviation). Its two
+# checkout's suite: 0.3451 MiB predicted, 0.3286 measured), as the testbed's executor
+# starts a swap-in only when its reader needs it (benchmarks/results/fidelity_zoo.md, Known sources of deviation). Its two
 # plans' mean may reach 3.5 % (the swapped plan up to 7 % under, the unswapped one exact), no more.
 SAFE_SIDE_MEAN = {"unet": 0.035}
 PEAK_READINGS = 3  # profiled steps per plan, their median: a loaded testbed delays a swap's host copy

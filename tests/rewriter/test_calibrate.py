@@ -83,7 +83,7 @@ def test_a_calibration_at_two_batch_sizes_predicts_a_third(calibrated_cnn):
 def test_a_calibration_re_anchored_beside_the_step_predicts_a_third(calibrated_cnn):
     """As the measured run predicts (``rewriter.timing.anchored``): the calibration's own unswapped steps (b4, b8)
     timed in the same passes as the b12 step, so that the machine's drift since the calibration cancels
-    (the plain prediction above was 27 % off either way at load 4.5 and 10 on 2026-12-02)."""
+    (under load the plain prediction above was 27 % off either way)."""
     model, device = calibrated_cnn
     batch = 12
     graph = rewriter.capture(model, batch)
