@@ -337,7 +337,8 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"{' after_copies_out' if p.after_copies_out else ''}"
                      f"{f' recompute={p.recompute} recompute_cost={p.recompute_cost:.3g}' if p.recomputes else ''}"
                      f"{f'; {len(p.keep_tensors)} tensors kept on the device for host room' if p.keep_tensors else ''}")
-    lines.append(f"step times: {time_model_note(result.device)}")
+    if result.plan is not None:  # a foregone verdict (autotune.floor) timed nothing
+        lines.append(f"step times: {time_model_note(result.device)}")
     lines += [f"note: {note}" for note in result.notes]
     m = result.measurement
     if m is not None:

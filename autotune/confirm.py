@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from autotune.calibration import calibrate_for, search_device
+from autotune.floor import foregone
 from autotune.inputs import format_bytes
 from autotune.measured import measure_result
 from autotune.tuning import TuneResult, tune_graph
@@ -145,6 +146,12 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
+    known = foregone(graph, device=device, memory=memory, policy=search.get("policy", "optuna"),
+                     recompute=search.get("recompute", True),
+                     recaptured=lambda more: capture(model, batch_size, **inputs, name=graph.meta.get("model"),
+                                                     graph_rewrites=[*graph_rewrites, *more]))
+    if known is not None:  # under the floor: no calibration, search or measured run can change the answer
+        return known
     calibration = calibrate_for(model, graph, batch_size, **inputs, say=say) \
         if (measure if calibrate is None else calibrate) else None
     if not measure:

@@ -27,6 +27,7 @@ from rewriter.graph_rewrites import apply_rewrites
 from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.step_loss import recording_losses
+from rewriter.training_setup import describe_training
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
 
@@ -482,7 +483,8 @@ def capture(model, batch_size: int, *, input_shapes=None, label_shapes=None, lab
     kwargs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     first = trace_keras_step(model, int(batch_size), **kwargs)
     second = trace_keras_step(model, _second_batch(int(batch_size)), **kwargs)
-    meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__}
+    meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
+            "training": describe_training(model)}
     if given_step_inputs(**kwargs):  # plans made on the graph are applied at these shapes
         meta["step_inputs"] = given_step_inputs(**kwargs)
     first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
