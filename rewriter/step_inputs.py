@@ -169,24 +169,41 @@ def check_input_shape_names(model, input_shapes) -> None:
 def input_specs(model, batch_size: int, input_shapes=None) -> tuple[Any, list[str], list[tf.TensorSpec]]:
     structure, names, declared_shapes, dtypes = model_inputs(model)
     given = _given_shapes(names, input_shapes)
-    specs = []
+    specs, open_inputs = [], []
     for name, declared, dtype, shape in zip(names, declared_shapes or [None] * len(names), dtypes, given):
-        if declared is None and shape is None:
-            raise CaptureError(f"the model has no defined inputs (never built: subclassed, or Sequential without "
-                               f"an Input): give the shape of its input {name!r} without the batch (--input-shape "
-                               f"{name}=D1,D2,... or input_shapes = {{{name} = [...]}} in autotune.toml), or call "
-                               "the model once before saving it")
         if shape is not None:
             shape = tuple(int(d) for d in shape)
             if declared is not None and (len(shape) != len(declared)
                                          or any(d is not None and d != s for d, s in zip(declared, shape))):
                 raise CaptureError(f"input {name!r}: shape {shape} does not match the model's {tuple(declared)}")
             declared = shape
-        if any(d is None for d in declared):
-            raise CaptureError(f"input {name!r} has open dimensions {('batch',) + tuple(declared)}: give its shape "
-                               f"without the batch (--input-shape {name}=D1,D2,... or input_shapes in autotune.toml)")
+        if declared is None or any(d is None for d in declared):
+            open_inputs.append((name, declared))
+            continue
         specs.append(tf.TensorSpec((batch_size,) + tuple(declared), tf.as_dtype(dtype), name=spec_name(name)))
+    if open_inputs:
+        raise CaptureError(open_inputs_message(open_inputs))
     return structure, names, specs
+
+
+def open_inputs_message(open_inputs: list[tuple[str, tuple | None]]) -> str:
+    """One message for every input whose shape is not known (None: the model was never built), with the
+    --input-shape flags and the autotune.toml line to copy, open dimensions to fill in as D1, D2, ..."""
+    count = iter(range(1, 1 << 30))
+    filled = {name: None if declared is None else [str(d) if d is not None else f"D{next(count)}" for d in declared]
+              for name, declared in open_inputs}
+    for name, dims in filled.items():
+        if dims is None:  # never built: the rank is not known either
+            filled[name] = [f"D{next(count)}", f"D{next(count)}", "..."]
+    described = ", ".join(f"{name} {('batch', *declared) if declared is not None else '(shape unknown)'}".replace("'", "")
+                          for name, declared in open_inputs)
+    flags = " ".join(f"--input-shape {name}={','.join(dims)}" for name, dims in filled.items())
+    toml = "input_shapes = {" + ", ".join(f"{name} = [{', '.join(dims)}]" for name, dims in filled.items()) + "}"
+    never_built = [name for name, declared in open_inputs if declared is None]
+    why = (" (the model has no defined inputs: never built, a subclassed model or a Sequential without an Input; "
+           "or call the model once before saving it)" if never_built else "")
+    return (f"{len(open_inputs)} input(s) with open dimensions (None){why}: {described}; give each its shape without "
+            f"the batch, D1, D2, ... replaced by the lengths to tune for: {flags}  (or in autotune.toml: {toml})")
 
 
 def _outputs(model, x_structure, x_specs) -> tuple[Any, list[str], list[tuple]]:
