@@ -315,10 +315,12 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
 
 def _summary_text(result, report: Path, seconds: float) -> str:
     from autotune.calibration import time_model_note
+    from autotune.training import training_phrase
 
     shown = result.shown
     lines = [f"model {result.model}, batch {result.batch_size}, budget {format_bytes(result.budget_bytes)} "
-             f"({result.budget_source})"]
+             f"({result.budget_source})",
+             f"trained with: {training_phrase(result.graph.meta.get('training'))}"]
     if result.graph_rewrites:
         changes = result.graph.meta.get("graph_rewrite_changes", {})
         lines.append("graph rewrites: " + ", ".join(f"{r} ({len(changes.get(r, []))} ops)" for r in result.graph_rewrites)

@@ -20,7 +20,9 @@ import pandas as pd
 
 from autotune import plots
 from autotune.calibration import PRESET_TIME_ERROR, time_model_note
+from autotune.floor import floor_of
 from autotune.inputs import format_bytes
+from autotune.training import training_phrase
 
 RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
 
@@ -96,6 +98,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                        f"budget of {format_bytes(result.budget_bytes)}.{miss}")
     settings = pd.DataFrame([
         ("model", result.model), ("batch size", result.batch_size), ("device model", result.device.name),
+        ("trained with", training_phrase(result.graph.meta.get("training"))),
         ("budget", f"{format_bytes(result.budget_bytes)}, from {result.budget_source}"),
         ("search", f"{result.policy}, {len(result.evaluations)} candidates simulated"
                    + ("" if result.search_budget_bytes in (None, result.budget_bytes) else
@@ -104,7 +107,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
         ("graph", f"{result.graph.n_ops} ops, {result.graph.n_tensors} tensors"),
         ("graph rewrites (every figure is of the rewritten step)" if result.graph_rewrites else "graph rewrites",
          _rewrites_text(summary["graph_rewrite_changes"]) or "none"),
-        ("resident (weights, optimizer state, inputs)", format_bytes(result.graph.persistent_bytes)),
+        ("resident (weights, optimizer state, inputs)", floor_of(result.graph).resident_parts()),
         ("least peak any swap plan can reach (largest op's inputs and outputs + resident)",
          format_bytes(summary["peak_lower_bound_bytes"])),
         ("largest batch without swapping", summary["max_batch_without_swap"]),

@@ -178,6 +178,8 @@ class TuneResult:
             "feasible": self.feasible,
             "params": None if self.params is None else self.params.to_dict(),
             "closest_params": None if self.chosen or not shown or not shown.params else shown.params.to_dict(),
+            # what was tuned (rewriter.training_setup): a plan is made for this optimizer, loss and dtype policy
+            **{key: (self.graph.meta.get("training") or {}).get(key) for key in ("optimizer", "loss", "dtype_policy")},
             "graph_rewrites": self.graph_rewrites,
             "graph_rewrite_changes": self.graph.meta.get("graph_rewrite_changes", {}),
             "resident_bytes": self.graph.persistent_bytes,

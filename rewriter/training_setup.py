@@ -6,6 +6,7 @@ and a foregone verdict can say what holds the resident memory (``autotune.floor`
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 import tensorflow as tf
@@ -71,31 +72,25 @@ def describe_loss(loss: Any) -> Any:
     return getattr(loss, "__name__", None) or type(loss).__name__
 
 
+def dtype_policies(model) -> str | None:
+    """The dtype policies of the layers that hold weights (the model's own when none do): one name when
+    they agree, else each with its count, most used first (``mixed_float16 (3 layers), float32 (1 layer)``)."""
+    layers = [layer for layer in model._flatten_layers(include_self=False) if layer.weights]
+    names = Counter(getattr(layer.dtype_policy, "name", str(layer.dtype_policy)) for layer in layers)
+    if not names:
+            return None if policy is None else getattr(policy, "name", str(policy))
+    if len(names) == 1:
+        return next(iter(names))
+    return ", ".join(f"{name} ({count} layer{'s' * (count != 1)})" for name, count in names.most_common())
+
+
 def describe_training(model) -> dict[str, Any]:
     """What ``model`` trains with, and the bytes of its weights and optimizer state (once built)."""
     optimizer = getattr(model, "optimizer", None)
-    policy = getattr(model, "dtype_policy", None)
     return {
         "optimizer": describe_optimizer(optimizer),
         "loss": describe_loss(getattr(model, "loss", None)),
-        "dtype_policy": getattr(policy, "name", None if policy is None else str(policy)),
+        "dtype_policy": dtype_policies(model),
         "weight_bytes": variable_bytes(model.weights),
         "optimizer_state_bytes": None if optimizer is None else variable_bytes(optimizer.variables),
     }
-
-
-def optimizer_phrase(optimizer: dict[str, Any] | None) -> str:
-    """``describe_optimizer``'s answer in words: ``Adam (learning rate 0.001; beta_1 0.9, ...)``."""
-    if optimizer is None:
-        return "none"
-    if "inner" in optimizer:
-        inner = optimizer["inner"]
-        return f"{optimizer['class']} around {optimizer_phrase(inner)}" + _settings_phrase(optimizer["settings"])
-    return f"{optimizer['class']} (learning rate {optimizer['learning_rate']}{_settings_phrase(optimizer['settings'], '; ')})"
-
-
-def _settings_phrase(settings: dict[str, Any], lead: str = " ") -> str:
-    """The settings that are on (None and False left out), ``name value``."""
-    shown = [f"{key} {value}" for key, value in settings.items() if value not in (None, False)
-             and not (key == "ema_momentum" and not settings.get("use_ema"))]
-    return (lead + ", ".join(shown)) if shown else ""
