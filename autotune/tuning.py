@@ -192,7 +192,9 @@ class TuneResult:
             "predicted_d2h_bytes": None if shown is None else int(shown.metrics["d2h_bytes"]),
             "predicted_h2d_bytes": None if shown is None else int(shown.metrics["h2d_bytes"]),
             "predicted_host_peak_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
-            "excess_bytes": None if shown is None else max(0, shown.excess_bytes),
+            # without any plan (a budget under the floor, autotune.floor): what the least peak any plan reaches is over
+            "excess_bytes": max(0, shown.excess_bytes if shown is not None
+                                else peak_lower_bound_bytes(self.graph) - self.budget_bytes),
             "recomputes": self.recomputed(),
             "recomputed_bytes": sum(row["bytes"] for row in self.recomputed()),
             "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),
