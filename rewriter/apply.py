@@ -21,6 +21,7 @@ from rewriter.costs import tensor_nbytes
 from rewriter.graph_edit import SWAP_OPS, AppliedSwap, AppliedSwapIn, SkippedSwap, edit_graph_def  # noqa: F401
 from rewriter.grappler import foldable_ops
 from rewriter.host_memory import warn_if_pinned_limit_short
+from rewriter.op_names import traced_names
 from rewriter.passthrough import passthrough_ops
 from rewriter.placement import Placement, resolve as resolve_placement
 from rewriter.recompute import apply_recomputes, clone_tensor_info
@@ -78,6 +79,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
         traced = trace_keras_step(model, int(batch_size), input_shapes=input_shapes,
                                   label_shapes=label_shapes, label_dtype=label_dtype)
+    planned = named  # by the names the capture gives (rewriter.op_names), whatever this process called the layers
+    named = traced_names(named, traced.canonical)
     planned_batch = named.batch_size
     if planned_batch and int(planned_batch) != traced.batch_size:
         log.info("plan made at batch size %s applied at %d (names do not depend on it; sizes do)",
@@ -105,7 +108,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     function = import_step(graph_def, traced)
 
     def at_batch(size: int) -> SwapStep:  # names do not depend on the batch size: the same plan, traced again
-        return apply(model, named, batch_size=size, placement=place, swap_op=chosen_op, input_shapes=input_shapes,
+        return apply(model, planned, batch_size=size, placement=place, swap_op=chosen_op, input_shapes=input_shapes,
                      label_shapes=label_shapes, label_dtype=label_dtype, verify=False)
 
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=named, applied=applied,

@@ -27,6 +27,7 @@ from rewriter.graph_rewrites import apply_rewrites
 from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.step_loss import recording_losses
+from rewriter.op_names import canonical, canonical_names
 from rewriter.training_setup import describe_training
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
@@ -61,6 +62,8 @@ class TracedStep:
     optimizer_scope: str | None
     input_names: list[str] = field(default_factory=list)
     inputs: StepInputs | None = None  # names and structures of a Keras step's inputs and labels
+    # traced op name -> the name the capture and plans use (rewriter.op_names; empty: the traced names)
+    canonical: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- Keras entry point
@@ -113,7 +116,8 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
         raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "
                            "nor took a gradient of a scalar loss (tape.gradient)")
     return TracedStep(concrete, batch_size, underlying(loss).op.name, _optimizer_scope(model.optimizer),
-                      [s.name for s in inputs.x_specs + inputs.y_specs], inputs)
+                      [s.name for s in inputs.x_specs + inputs.y_specs], inputs,
+                      canonical_names(op.name for op in concrete.graph.get_operations()))
 
 
 def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.TensorSpec]], batch_size: int,
@@ -131,7 +135,7 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
     if not isinstance(loss, tf.Tensor):
         raise CaptureError("the step function must return its loss tensor (or a dict with a 'loss' entry)")
     return TracedStep(concrete, batch_size, underlying(loss).op.name, _optimizer_scope(optimizer),
-                      [s.name for s in specs])
+                      [s.name for s in specs], canonical=canonical_names(op.name for op in concrete.graph.get_operations()))
 
 
 def import_step(graph_def, traced: TracedStep, *, keep_input_names: bool = False):
@@ -175,7 +179,7 @@ def rewritten_step(traced: TracedStep, rewrites: Sequence[str]) -> tuple[TracedS
         return traced, changed
     function = import_step(graph_def, traced, keep_input_names=True)
     return TracedStep(function, traced.batch_size, traced.loss_op, traced.optimizer_scope, traced.input_names,
-                      traced.inputs), changed
+                      traced.inputs, traced.canonical), changed
 
 
 # ---------------------------------------------------------------------- phases
@@ -407,7 +411,9 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             "mixed_precision": _mixed_precision_facts(one, scratch, dtype),
             "pool_workspace_bytes": int(sum(one["workspace"].values())),
             "xla_scratch_bytes": int(sum(one["xla_scratch"].values())),
-            "loop_working_set_bytes": int(sum(one["loop_scratch"].values()))}
+            "loop_working_set_bytes": int(sum(one["loop_scratch"].values())),
+            # each op's name as any copy of the model traces it (rewriter.op_names): plans carry it
+            "canonical_names": {name: canonical(name, first.canonical) for name in names} if first.canonical else {}}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,

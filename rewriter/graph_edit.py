@@ -334,6 +334,13 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: NamedPlan, placement: Pl
     edited = graph_pb2.GraphDef()
     edited.CopyFrom(graph_def)
     node_op = {node.name: node.op for node in edited.node}
+    unknown = [name for name in plan.order if name not in node_op]
+    if unknown and plan.canonical_names:  # an order that skipped them would chain another step than simulated
+        raise missing_names_error(unknown, "this model's training step")
+    if unknown:  # a plan written before canonical names: its optimizer's ops may carry another process's number
+        log.warning("%d op(s) of the plan's order are not in this model's training step (e.g. %s) and run "
+                    "unordered: the plan was written without canonical names (make it again to carry them)",
+                    len(unknown), ", ".join(unknown[:3]))
     runnable = [name for name in plan.order if node_op.get(name, "Placeholder") != "Placeholder"]
     # the op the simulator runs after each one (what a synchronous swap-out with no reader left holds)
     next_in_order = dict(zip(runnable, runnable[1:]))
