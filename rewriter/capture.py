@@ -88,12 +88,13 @@ TRACE_HINT = ("the step is traced once into a graph with fixed shapes, without a
               "tensor values, .numpy() and other eager-only code in train_step or call() cannot be captured")
 
 
-def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> TracedStep:
+def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
+                     sample_weight: bool = False) -> TracedStep:
     """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
     (``rewriter.step_loss``); inputs and labels by name (``rewriter.step_inputs``)."""
     check_compiled(model)
     inputs = step_inputs(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                         label_dtype=label_dtype)
+                         label_dtype=label_dtype, sample_weight=sample_weight)
     build_if_needed(model, inputs)
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
@@ -101,7 +102,7 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
     def step(x, y):
         return model.train_step(inputs.pack(x, y))
 
-    function = tf.function(step, input_signature=[inputs.x_specs, inputs.y_specs], autograph=False)
+    function = tf.function(step, input_signature=[inputs.x_specs, inputs.label_specs], autograph=False)
     with recording_losses(model) as recorded:
         try:
             concrete = function.get_concrete_function()
@@ -116,7 +117,7 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
         raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "
                            "nor took a gradient of a scalar loss (tape.gradient)")
     return TracedStep(concrete, batch_size, underlying(loss).op.name, _optimizer_scope(model.optimizer),
-                      [s.name for s in inputs.x_specs + inputs.y_specs], inputs,
+                      [s.name for s in inputs.x_specs + inputs.label_specs], inputs,
                       canonical_names(op.name for op in concrete.graph.get_operations()))
 
 

@@ -73,11 +73,23 @@ class StepInputs:
     y_specs: tuple[tf.TensorSpec, ...]
     x_structure: Any  # the model's input structure, leaves replaced by their flat index
     y_structure: Any
+    # a per-sample weight of the loss (what model.fit makes of sample_weight and class_weight), the
+    # step's last label when it is traced with one (rewriter.keras)
+    weight_spec: tf.TensorSpec | None = None
+
+    @property
+    def label_specs(self) -> tuple[tf.TensorSpec, ...]:
+        """The step's label inputs: the labels, and the sample weight when it takes one."""
+        return self.y_specs + (() if self.weight_spec is None else (self.weight_spec,))
 
     def pack(self, xs, ys):
-        """Flat tensors -> (x, y) in the structures Keras' ``train_step`` expects."""
+        """Flat tensors -> (x, y) or (x, y, sample_weight) in the structures Keras' ``train_step`` expects."""
+        ys = list(ys)
+        if self.weight_spec is not None:
+            return (keras.tree.pack_sequence_as(self.x_structure, list(xs)),
+                    keras.tree.pack_sequence_as(self.y_structure, ys[:-1]), ys[-1])
         return (keras.tree.pack_sequence_as(self.x_structure, list(xs)),
-                keras.tree.pack_sequence_as(self.y_structure, list(ys)))
+                keras.tree.pack_sequence_as(self.y_structure, ys))
 
     def flatten(self, x, y) -> tuple[list, list]:
         """A batch given as dicts (by name), lists (flat order) or single arrays -> flat lists."""
@@ -270,11 +282,15 @@ def label_specs(model, batch_size: int, x_structure, x_specs, label_shapes=None,
     return structure, names, specs
 
 
-def step_inputs(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> StepInputs:
+def step_inputs(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
+                sample_weight: bool = False) -> StepInputs:
+    """The step's inputs and labels; ``sample_weight``: one weight per sample of the loss too (a model
+    with several outputs takes one weight for all of them, as ``class_weight`` gives)."""
     x_structure, x_names, x_specs = input_specs(model, batch_size, input_shapes)
     y_structure, y_names, y_specs = label_specs(model, batch_size, x_structure, x_specs, label_shapes, label_dtype)
+    weight = tf.TensorSpec((batch_size,), tf.float32, name="sample_weight") if sample_weight else None
     return StepInputs(tuple(x_names), tuple(y_names), tuple(x_specs), tuple(y_specs),
-                      _indexed(x_structure), _indexed(y_structure))
+                      _indexed(x_structure), _indexed(y_structure), weight)
 
 
 def build_if_needed(model, step: StepInputs) -> None:

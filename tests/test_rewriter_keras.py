@@ -41,7 +41,7 @@ def test_fit_with_rewritten_step_equals_plain_fit(plan_json):
     assert history_swapped.history == history_plain.history  # loss and accuracy logs as Keras makes them
     assert th.bitwise_equal(th.weights_of(plain), th.weights_of(swapped))
     assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(swapped))
-    assert 4 in step._others  # the last, smaller batch ran the same plan at its size
+    assert (4, False) in step._others  # the last, smaller batch ran the same plan at its size
     assert swapped.train_on_batch(x[:BATCH], y[:BATCH]) == plain.train_on_batch(x[:BATCH], y[:BATCH])
     rewriter.restore_train_function(swapped)
     assert rewriter.swap_step_of(swapped) is None
@@ -54,8 +54,8 @@ def test_swapping_context_and_sample_weights(plan_json):
     x, y = example_batch(model, BATCH)
     with rewriter.swapping(model, text, batch_size=BATCH) as step:
         assert rewriter.swap_step_of(model) is step
-        with pytest.raises(ValueError, match="sample_weight"):
-            model.fit(x, y, sample_weight=np.ones(BATCH), batch_size=BATCH, epochs=1, verbose=0)
+        model.fit(x, y, sample_weight=np.ones(BATCH), batch_size=BATCH, epochs=1, verbose=0)
+        assert step._others[(BATCH, True)].weighted  # the plan on the step traced with the weights
     assert rewriter.swap_step_of(model) is None
     model.fit(x, y, sample_weight=np.ones(BATCH), batch_size=BATCH, epochs=1, verbose=0)  # plain again
 
