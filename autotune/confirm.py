@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from autotune.calibration import calibrate_for, search_device
 from autotune.floor import foregone
+from autotune.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.measured import measure_result
 from autotune.tuning import TuneResult, tune_graph
@@ -109,8 +110,10 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
             return result
         correction = next_correction(check, correction, result.graph.with_batch(m.batch_size).persistent_bytes)
         if round_ < rounds:
-            say(f"the measured run contradicts the prediction: re-tuning with a correction "
-                f"({correction.describe()})")
+            what = (f"the measured run agrees with the prediction, but its peak is "
+                    f"{format_bytes(check.projected_bytes - check.budget_bytes)} over the budget" if check.agrees
+                    else "the measured run is above the prediction")
+            say(f"{what}: re-tuning with a correction ({correction.describe()})")
     result.verdict = not_confirmed(checks, reason=f"{len(checks)} measured runs and none confirmed a plan; the last, "
                                                   f"{checks[-1].describe()}")
     return result
@@ -158,7 +161,10 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         device, memory = search_device(device, memory, calibration)
         result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
         result.calibration = calibration
-        return result
-    say("searching, then measuring the chosen plan on the real training step ...")
-    return confirm(model, graph, rounds=rounds, say=lambda text: say(f"measured: {text}"), batch_size=batch_size,
-                   device=device, memory=memory, calibration=calibration, **inputs, **search)
+    else:
+        say("searching, then measuring the chosen plan on the real training step ...")
+        result = confirm(model, graph, rounds=rounds, say=lambda text: say(f"measured: {text}"), batch_size=batch_size,
+                         device=device, memory=memory, calibration=calibration, **inputs, **search)
+    weights = fit_weights_note(model, result.named_plan(), result.batch_size, **inputs) if result.applies_plan else None
+    result.notes += [weights] if weights else []  # said at tuning time, not at the first weighted batch
+    return result

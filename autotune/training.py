@@ -41,3 +41,19 @@ def _settings_phrase(settings: dict[str, Any], lead: str = " ") -> str:
     shown = [f"{key} {value}" for key, value in settings.items() if value not in (None, False)
              and not (key == "ema_momentum" and not settings.get("use_ema"))]
     return (lead + ", ".join(shown)) if shown else ""
+
+
+def fit_weights_note(model, plan, batch_size: int, **inputs) -> str | None:
+    """Why ``model.fit`` cannot pass ``class_weight`` or ``sample_weight`` with ``plan`` (None: it can):
+    a weighted batch runs the plan applied to the step traced with a weight per sample (``rewriter.keras``),
+    which a ``train_step`` of the model's own may not take, or whose ops may differ from the plan's."""
+    from rewriter.apply import apply
+
+    try:
+        apply(model, plan, batch_size=batch_size, verify=False, sample_weight=True, **inputs)
+    except Exception as error:  # noqa: BLE001 -- whatever tracing or applying raised is the reason
+        reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        return (f"model.fit with class_weight or sample_weight cannot use this plan: the training step with a weight "
+                f"per sample could not take it ({type(error).__name__}: {reason}); train without them, or with a "
+                "plain model.fit")
+    return None

@@ -41,3 +41,35 @@ def test_class_weight_with_the_plan_trains_as_plain_fit_does():
     unweighted = build_model("small_cnn", seed=0)
     unweighted.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert not all(np.allclose(a, b) for a, b in zip(th.weights_of(unweighted), th.weights_of(plain)))
+
+
+def test_a_train_step_that_takes_no_weights_is_said_at_tuning_time():
+    """A model whose train_step unpacks (x, y) cannot take a weight per sample: the tuning says so
+    (autotune.training.fit_weights_note), a model with Keras' own train_step can."""
+    import keras
+    import tensorflow as tf
+
+    from autotune.training import fit_weights_note
+
+    class Unweighted(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            return {"loss": loss}
+
+    def build(cls):
+        inputs = keras.Input((6,))
+        model = cls(inputs, keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    for cls, takes_weights in ((keras.Model, True), (Unweighted, False)):
+        model = build(cls)
+        graph = rewriter.capture(model, BATCH)
+        plan = plan_swaps(graph, SwapParams(threshold=1)).to_named(graph)
+        note = fit_weights_note(model, plan, BATCH)
+        assert (note is None) == takes_weights, note
+        if not takes_weights:
+            assert "class_weight or sample_weight cannot use this plan" in note and "unpack" in note
