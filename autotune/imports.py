@@ -128,12 +128,12 @@ def describe_load_error(error: BaseException) -> str:
     return " ".join(first.split())[:500] + hint
 
 
-def load_user_model(settings: dict):
+def load_user_model(settings: dict, notes: list[str] | None = None):
     """Import the user's code, load and check the model (the CLI's model, with everything that makes
-    it usable checked before capture)."""
+    it usable checked before capture); what loading it said for the report goes into ``notes``."""
     model_file: Path = settings["model_file"]
     import_user_code(settings.get("imports", []), model_file.parent)
-    model = load_model(model_file, describe_error=describe_load_error)
+    model = load_model(model_file, describe_error=describe_load_error, notes=notes)
     shapes = settings.get("input_shapes")
     if shapes:
         from rewriter.step_inputs import CaptureError, check_input_shape_names

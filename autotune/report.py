@@ -68,6 +68,17 @@ def _plan_clauses(n_swaps: int, n_recomputes: int, order_name: str) -> str:
     return ", ".join(clauses)
 
 
+def param_text(name: str, value) -> str:
+    """A swap parameter as a reader takes it: sizes in bytes' units, the recomputation cost per MiB freed."""
+    if isinstance(value, list):
+        return _listed(value)
+    if name == "min_bytes":
+        return format_bytes(value)
+    if name == "recompute_cost":
+        return "no limit" if value is None else f"{value * 2 ** 20 * 1e6:.3g} µs of compute per MiB freed"
+    return str(value)
+
+
 def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
@@ -126,11 +137,11 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                  ("recomputation time", "0", _seconds(summary["predicted_recompute_s"]))]
     label = "with the plan" if result.feasible else "closest plan"
     predicted = pd.DataFrame(rows, columns=["predicted", "without swapping", label])
-    params = pd.DataFrame(sorted((k, _listed(v) if isinstance(v, list) else str(v))
+    params = pd.DataFrame(sorted((k, param_text(k, v))
                                  for k, v in (shown.params.to_dict().items() if shown and shown.params else [])),
                           columns=["parameter", "value"])
     sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model.",
-                                           time_model_note(result.device)],
+                                           time_model_note(result.device, result.calibration)],
                             [predicted] + ([params] if len(params) else []),
                             [n for n in ("memory_timeline.png", "pareto_front.png") if n in images]))
 
@@ -171,6 +182,9 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                       f"({PRESET_TIME_ERROR} on the testbed): --calibrate measures it.")]
         if m.swaps_planned and m.swaps_survived is not None:
             text.append(f"{m.swaps_survived} of {m.swaps_planned} swaps survived TensorFlow's graph optimizer.")
+        if m.verification_problems:
+            text.append("Not everything of the plan survived TensorFlow's graph optimizer: "
+                        + "; ".join(m.verification_problems) + ".")
         if m.clones_planned:
             text.append(f"{m.clones_survived} of {m.clones_planned} recomputed ops survived TensorFlow's graph optimizer"
                         + (" (" + "; ".join(m.recompute_problems) + ")." if m.recompute_problems else "."))

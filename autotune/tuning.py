@@ -59,6 +59,8 @@ class MeasuredRun:
     clones_survived: int | None = None
     clones_planned: int | None = None
     recompute_problems: list[str] = field(default_factory=list)
+    # what of the plan's swaps Grappler undid (rewriter.verify), with the names: the report's, not the log's
+    verification_problems: list[str] = field(default_factory=list)
     # without swapping: the step a plain model.fit runs (Keras' own train_step, TF's executor order)
     plain_peak_bytes: int | None = None
     out_of_memory: bool = False  # the plan's run raised ResourceExhausted (peak_bytes is then 0)
