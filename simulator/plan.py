@@ -13,7 +13,7 @@ the rules of a valid plan: ``check_structure`` (whatever the graph: read back, o
 one swap-in per read) and, against a graph, ``validate_plan`` (indices) or ``missing_names_error``
 and ``not_read_error`` (the rewriter's checks against the TensorFlow graph say the same).
 
-Recomputations (issue 22, ``simulator.recompute.Recompute``) are the second kind of action:
+Recomputations (docs/design.md 9, ``simulator.recompute.actions.Recompute``) are the second kind of action:
 ``NamedPlan.recomputes``, written under ``recomputes`` since ``swap-plan/2``; a ``SwapPlan`` made on a
 graph that holds them (``with_recomputes``) names them in its graph, and its swaps may name the clones.
 A ``swap-plan/1`` file still reads (no recomputations). Adding another kind of action: a tuple of
@@ -37,7 +37,7 @@ from simulator.buffers import buffers, rewire_tables
 from simulator.graph import ORDER_NAMES, GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
-from simulator.recompute import Recompute, original_name, recomputed_tensors, with_recomputes
+from simulator.recompute.actions import Recompute, original_name, recomputed_tensors, with_recomputes
 
 FORMAT_NAME = "swap-plan"
 FORMAT_VERSION = 2  # what this version writes; it reads every version in _READERS
@@ -393,7 +393,7 @@ class NamedPlan:
 
     ``order``: every op in the execution order the plan was simulated in (``ordering``); the
     rewriter chains the step in it, clones included. ``recomputes``: tensors recomputed for their far
-    readers (``simulator.recompute``), built before the swaps, whose records may name the clones.
+    readers (``simulator.recompute.actions``), built before the swaps, whose records may name the clones.
     ``params``: the ``SwapParams`` that made the plan (None for a hand-made or empty one). ``graph_rewrites``/``step_inputs``: how the step was captured (the
     rewriter redoes the rewrites and traces at those input shapes).
     """
@@ -409,8 +409,7 @@ class NamedPlan:
     params: SwapParams | None = None
     graph_rewrites: tuple[str, ...] = ()
     step_inputs: dict[str, Any] | None = field(default=None, hash=False)
-    # each name as any copy of the model traces it (the capture's graph.meta["canonical_names"]): a copy
-    # whose layers Keras or TensorFlow numbered otherwise gets the plan by these (rewriter.op_names)
+    # each name as any copy of the model traces it (graph.meta["canonical_names"], rewriter.trace.op_names)
     canonical_names: dict[str, str] | None = field(default=None, hash=False, compare=False)
 
     @property
@@ -450,9 +449,7 @@ class NamedPlan:
             plan["graph_rewrites"] = list(self.graph_rewrites)
         if self.step_inputs:
             plan["step_inputs"] = dict(self.step_inputs)
-        if self.canonical_names:
-            plan["canonical_names"] = dict(self.canonical_names)
-        return plan
+        return plan | ({"canonical_names": dict(self.canonical_names)} if self.canonical_names else {})
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 1), **kwargs)
@@ -542,8 +539,8 @@ def _read_v1(data: dict[str, Any]) -> NamedPlan:
     if step_inputs is not None and not isinstance(step_inputs, dict):
         raise PlanError("the plan's step_inputs must be an object")
     canonical_names = data.get("canonical_names")
-    if canonical_names is not None and (not isinstance(canonical_names, dict) or not all(
-            isinstance(key, str) and isinstance(value, str) for key, value in canonical_names.items())):
+    if canonical_names is not None and not (isinstance(canonical_names, dict) and all(isinstance(n, str) for n in [
+            *canonical_names, *canonical_names.values()])):
         raise PlanError("the plan's canonical_names must map op names to op names")
     return NamedPlan(swaps=tuple(records), order=tuple(order), ordering=ordering,
                      after_copies_out=bool(data.get("after_copies_out", False)),
