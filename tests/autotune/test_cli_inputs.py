@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from autotune.cli.command import command as cli
+from autotune.cli import command as cli
 from autotune.cli.command import _settings, build_parser, main
 from simulator.warmup import warm_up
 

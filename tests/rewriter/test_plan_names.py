@@ -6,6 +6,7 @@ plan; another model is refused; no op of a plan's order is dropped silently."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def test_another_process_takes_the_plan(saved, plan_of_first_copy):
     assert f"applied {len(planned['swaps'])} 0 True" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
-def test_another_model_is_refused_and_no_op_of_the_order_is_dropped(saved, plan_of_first_copy):
+def test_another_model_is_refused_and_no_op_of_the_order_is_dropped(saved, plan_of_first_copy, caplog):
     _, path = saved
     _, _, plan_file = plan_of_first_copy
     inputs = keras.Input((8,))
@@ -124,9 +125,14 @@ def test_another_model_is_refused_and_no_op_of_the_order_is_dropped(saved, plan_
     other.compile(optimizer="adam", loss="categorical_crossentropy")
     with pytest.raises(PlanError, match="made for another model"):
         rewriter.apply(other, plan_file, batch_size=BATCH)
-    # a swap-only plan whose order names an op the step does not have: refused, not chained without it
+    # a swap-only plan whose order names an op the step does not have: said, not dropped silently; one whose
+    # order is mostly of another step: refused
     data = json.loads(plan_file.read_text())
     data["swaps"] = []
     data["order"] = data["order"][:3] + ["functional/block/no_such_op"] + data["order"][3:]
-    with pytest.raises(PlanError, match="no_such_op"):
+    with caplog.at_level(logging.WARNING, logger="rewriter.edit.graph_edit"):
+        rewriter.apply(keras.models.load_model(path), data, batch_size=BATCH, verify=False)
+    assert any("1 of the" in r.getMessage() and "no_such_op" in r.getMessage() for r in caplog.records)
+    data["order"] = [f"other/{name}" for name in data["order"]]
+    with pytest.raises(PlanError, match="made for another model"):
         rewriter.apply(keras.models.load_model(path), data, batch_size=BATCH)
