@@ -195,7 +195,11 @@ def load_model(path: Path, describe_error=None, notes: list[str] | None = None):
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         text = describe_error(error) if describe_error is not None else first[:300]
         raise InputError(f"{path} could not be loaded as a Keras model: {text}") from None
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None or model.loss is None:
+    from rewriter.trace.step_inputs import trains_itself
+
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None or (
+            model.loss is None and not trains_itself(model)):
         raise InputError(f"{path} holds a model that is not compiled with an optimizer and a loss: "
-                         "call model.compile(optimizer=..., loss=...) before model.save(...)")
+                         "call model.compile(optimizer=..., loss=...) before model.save(...) (a model whose "
+                         "own train_step computes its losses needs only the optimizer)")
     return model

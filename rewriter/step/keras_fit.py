@@ -60,7 +60,7 @@ def make_train_function(model, step: SwapStep):
         logs = None
         for data in _batches(iterator, max(int(getattr(model, "steps_per_execution", 1) or 1), 1)):
             x, y, sample_weight = _unpack(data)
-            if y is None:
+            if y is None and step.traced.inputs is not None and step.traced.inputs.y_names:
                 raise ValueError("the swap-rewritten training step needs labels (x, y)")
             if isinstance(sample_weight, (dict, list, tuple)):
                 raise ValueError("the swap-rewritten training step takes one sample weight per sample (as "
@@ -134,7 +134,8 @@ class KerasStep:
 
     def __init__(self, model) -> None:
         self._model = model
-        self._function = tf.function(lambda x, y: model.train_step((x, y)), autograph=False)
+        # fit(x) gives a model that trains on its inputs alone x itself (rewriter.trace.step_inputs.trains_itself)
+        self._function = tf.function(lambda x, y: model.train_step(x if y is None else (x, y)), autograph=False)
         self.calls = 0  # its first call makes its constants (rewriter.timing.measurement)
         self.constant_bytes: int | None = None
 

@@ -84,7 +84,7 @@ class SwapStep:
         """Whether the step takes a weight per sample of the loss after the labels (``rewriter.apply``)."""
         return self.traced.inputs is not None and self.traced.inputs.weight_spec is not None
 
-    def _flat_inputs(self, x, y, sample_weight=None) -> list[tf.Tensor]:
+    def _flat_inputs(self, x, y=None, sample_weight=None) -> list[tf.Tensor]:
         if sample_weight is not None and not self.weighted:
             raise ValueError("this step takes no sample weights: use step.for_batch(n, weighted=True)")
         if self.traced.inputs is not None:  # a Keras step: dicts by name (any key order), lists in flat order
@@ -124,12 +124,13 @@ class SwapStep:
         logs = tf.nest.pack_sequence_as(self._output_structure, list(outputs[:-1]))
         return logs, loss
 
-    def run(self, x, y, sample_weight=None):
+    def run(self, x, y=None, sample_weight=None):
         """One optimizer step; returns the logs of Keras' ``train_step`` (e.g. ``{'loss': ...}``)."""
         return self.run_flat(*self._flat_inputs(x, y, sample_weight))[0]
 
-    def __call__(self, x, y):
-        """One optimizer step; returns this batch's loss (a scalar tensor)."""
+    def __call__(self, x, y=None):
+        """One optimizer step; returns this batch's loss (a scalar tensor); y None for a model that trains
+        on its inputs alone (``rewriter.trace.step_inputs.trains_itself``)."""
         return self.run_flat(*self._flat_inputs(x, y))[1]
 
     def zeros(self) -> list[tf.Tensor]:

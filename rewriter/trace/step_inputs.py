@@ -80,13 +80,18 @@ class StepInputs:
         return self.y_specs + (() if self.weight_spec is None else (self.weight_spec,))
 
     def pack(self, xs, ys):
-        """Flat tensors -> (x, y) or (x, y, sample_weight) in the structures Keras' ``train_step`` expects."""
+        """Flat tensors -> (x, y) or (x, y, sample_weight) in the structures Keras' ``train_step`` expects
+        (y None for a model that trains on its inputs alone, ``trains_itself``)."""
         ys = list(ys)
-        if self.weight_spec is not None:
-            return (keras.tree.pack_sequence_as(self.x_structure, list(xs)),
-                    keras.tree.pack_sequence_as(self.y_structure, ys[:-1]), ys[-1])
-        return (keras.tree.pack_sequence_as(self.x_structure, list(xs)),
-                keras.tree.pack_sequence_as(self.y_structure, ys))
+        labels = ys[:-1] if self.weight_spec is not None else ys
+        y = None if self.y_structure is None else keras.tree.pack_sequence_as(self.y_structure, labels)
+        x = keras.tree.pack_sequence_as(self.x_structure, list(xs))
+        return (x, y, ys[-1]) if self.weight_spec is not None else (x, y)
+
+    def train_data(self, xs, ys):
+        """What ``train_step`` is given: as ``pack``, but x alone for a model fit with x only (``fit(x)``)."""
+        packed = self.pack(xs, ys)
+        return packed[0] if self.y_structure is None and self.weight_spec is None else packed
 
     def flatten(self, x, y) -> tuple[list, list]:
         """A batch given as dicts (by name), lists (flat order) or single arrays -> flat lists."""
@@ -94,6 +99,8 @@ class StepInputs:
 
 
 def _flat(data, names: tuple[str, ...], what: str) -> list:
+    if data is None and not names:  # a model trained on its inputs alone has no labels
+        return []
     if isinstance(data, dict):
         missing = [n for n in names if n not in data]
         extra = [k for k in data if k not in names]
@@ -107,6 +114,8 @@ def _flat(data, names: tuple[str, ...], what: str) -> list:
 
 
 def _indexed(structure) -> Any:
+    if structure is None:
+        return None
     leaves = keras.tree.flatten(structure)
     return keras.tree.pack_sequence_as(structure, list(range(len(leaves))))
 
@@ -255,8 +264,17 @@ def _per_output(value, names: list[str], i: int, what: str):
         (None if isinstance(value, (list, tuple)) else value)
 
 
+def trains_itself(model) -> bool:
+    """A model with a ``train_step`` of its own and no compiled loss computes its losses itself (the
+    guide's VAE, compiled with an optimizer only and trained with ``fit(x)``): its step takes x alone."""
+    return getattr(model, "loss", None) is None and type(model).train_step is not keras.Model.train_step
+
+
 def label_specs(model, batch_size: int, x_structure, x_specs, label_shapes=None, label_dtype=None):
-    """(structure, names, specs) of the labels: one per output, its loss's shape and dtype."""
+    """(structure, names, specs) of the labels: one per output, its loss's shape and dtype; none for a
+    model that ``trains_itself`` unless ``label_shapes`` are given."""
+    if label_shapes is None and trains_itself(model):
+        return None, [], []
     structure, names, shapes = _outputs(model, x_structure, x_specs)
     if label_shapes is not None and not isinstance(label_shapes, dict) and len(names) == 1 and label_shapes \
             and not isinstance(label_shapes[0], (list, tuple)):

@@ -31,7 +31,7 @@ from rewriter.trace.costs import op_flops, op_touched_bytes, static_dims, tensor
 from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
 from rewriter.trace.graph_rewrites import apply_rewrites
 from rewriter.trace.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
-                                  synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
+                                  synthetic_batch, trains_itself)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.trace.step_loss import recording_losses
 from rewriter.trace.op_names import canonical, canonical_names
 from rewriter.trace.training_setup import describe_training
@@ -81,8 +81,9 @@ def check_compiled(model) -> None:
         raise CaptureError(f"{type(model).__name__} is not a Keras model")
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
         raise CaptureError("the model is not compiled: call model.compile(optimizer=..., loss=...) first")
-    if getattr(model, "loss", None) is None:
-        raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first")
+    if getattr(model, "loss", None) is None and not trains_itself(model):
+        raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first (a model "
+                           "whose own train_step computes its losses needs none)")
 
 
 def _optimizer_scope(optimizer) -> str | None:
@@ -106,7 +107,7 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
         model.optimizer.build(model.trainable_variables)
 
     def step(x, y):
-        return model.train_step(inputs.pack(x, y))
+        return model.train_step(inputs.train_data(x, y))
 
     function = tf.function(step, input_signature=[inputs.x_specs, inputs.label_specs], autograph=False)
     with recording_losses(model) as recorded:
