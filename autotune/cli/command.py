@@ -336,7 +336,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
                      f"{result.plan.order_name} order")
         p = shown.params
-        cost = param_text("recompute_cost", p.to_dict()["recompute_cost"])  # a unit, not 1.13e-11
+        cost = param_text("recompute_cost", p.to_dict().get("recompute_cost"))  # a unit, not 1.13e-11
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"
                      f"{' after_copies_out' if p.after_copies_out else ''}"
