@@ -20,9 +20,10 @@ from autotune.search.space import SearchSpace, TuningProblem
 from autotune.run.tuning import TuneResult, largest_batch, resolve_device
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, DeviceModel, OpGraph, replay
-from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
+from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
+OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,12 @@ class Floor:
     op_name: str
     op_type: str
     working_set_bytes: int
-    weight_bytes: int | None
-    optimizer_state_bytes: int | None
-    input_bytes: int | None
-    constant_bytes: int | None
+    resident_split: dict[str, int]  # resident bytes by kind (simulator.buffers.resident_split_bytes)
 
     def resident_parts(self) -> str:
-        """The resident state in words: what it is made of, where the capture knows."""
-        parts = [(name, value) for name, value in (("weights", self.weight_bytes),
-                                                   ("optimizer state", self.optimizer_state_bytes),
-                                                   (f"inputs at batch {self.batch_size}", self.input_bytes),
-                                                   ("constants", self.constant_bytes))
-                 if value]
-        inside = ", ".join(f"{name} {format_bytes(value)}" for name, value in parts)
+        """The resident state in words: what it is made of, by kind."""
+        inside = ", ".join(f"{kind}{f' at batch {self.batch_size}' if kind == INPUTS else ''} {format_bytes(size)}"
+                           for kind, size in self.resident_split.items() if size)
         return format_bytes(self.resident_bytes) + (f" ({inside})" if inside else "")
 
     def describe(self) -> str:
@@ -58,18 +52,11 @@ class Floor:
 
 
 def floor_of(g: OpGraph) -> Floor:
-    training = g.meta.get("training") or {}
     bound = peak_lower_bound_bytes(g)
-    resident = g.persistent_bytes
     op = largest_working_set_op(g) if g.n_ops else 0
-    variables = g.meta.get("variable_bytes")
-    constants = g.meta.get("constant_bytes") or 0
-    return Floor(batch_size=g.batch_size, floor_bytes=bound, resident_bytes=resident,
+    return Floor(batch_size=g.batch_size, floor_bytes=bound, resident_bytes=g.persistent_bytes,
                  op_name=str(g.op_name[op]) if g.n_ops else "", op_type=str(g.op_type[op]) if g.n_ops else "",
-                 working_set_bytes=bound - resident, weight_bytes=training.get("weight_bytes"),
-                 optimizer_state_bytes=training.get("optimizer_state_bytes"),
-                 input_bytes=None if variables is None else max(0, resident - int(variables) - int(constants)),
-                 constant_bytes=int(constants))
+                 working_set_bytes=bound - g.persistent_bytes, resident_split=resident_split_bytes(g))
 
 
 def rewrites_touching(g: OpGraph, op: int) -> list[str]:
@@ -108,7 +95,7 @@ def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[
     else:
         ways.append(f"no batch size gets under the budget: at batch 1 the floor is "
                     f"{format_bytes(peak_lower_bound_bytes(g.with_batch(1)))}")
-    state = floor.optimizer_state_bytes or 0
+    state = floor.resident_split.get(OPTIMIZER_SLOTS, 0)  # per-weight state; an optimizer without it keeps none
     if not batch and state and peak_lower_bound_bytes(g.with_batch(1)) - state <= budget_bytes:
         ways.append(f"an optimizer without per-weight state (plain SGD) would leave out its "
                     f"{format_bytes(state)} of state and bring the floor at batch 1 within the budget")

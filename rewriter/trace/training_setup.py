@@ -1,25 +1,17 @@
-"""What a compiled Keras model trains with: optimizer, loss, dtype policy, and the bytes its weights
-and optimizer state hold. Recorded in the captured graph's ``meta["training"]`` so the report says
-what was tuned (a plan made for Adam is not a plan for SGD: the optimizer state is resident memory)
-and a foregone verdict can say what holds the resident memory (``autotune.run.floor``)."""
+"""What a compiled Keras model trains with: optimizer, loss and dtype policy. Recorded in the captured
+graph's ``meta["training"]`` so the report says what was tuned (a plan made for Adam is not a plan
+for SGD: the optimizer state is resident memory, ``rewriter.trace.state_kinds``)."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Any
 
-import tensorflow as tf
 
 # optimizer settings that change what the optimizer keeps (its state) or how a step updates it
 STATE_SETTINGS = ("momentum", "nesterov", "beta_1", "beta_2", "amsgrad", "rho", "centered", "weight_decay",
                   "use_ema", "ema_momentum", "gradient_accumulation_steps", "clipnorm", "global_clipnorm", "clipvalue",
                   "loss_scale_factor", "initial_scale", "dynamic_growth_steps")
-
-
-def variable_bytes(variables) -> int:
-    """Bytes of Keras variables, from their shapes and dtypes."""
-    return int(sum(math.prod(int(d) for d in v.shape) * tf.as_dtype(v.dtype).size for v in variables))
 
 
 def _plain(value: Any) -> Any:
@@ -85,12 +77,10 @@ def dtype_policies(model) -> str | None:
 
 
 def describe_training(model) -> dict[str, Any]:
-    """What ``model`` trains with, and the bytes of its weights and optimizer state (once built)."""
+    """What ``model`` trains with."""
     optimizer = getattr(model, "optimizer", None)
     return {
         "optimizer": describe_optimizer(optimizer),
         "loss": describe_loss(getattr(model, "loss", None)),
         "dtype_policy": dtype_policies(model),
-        "weight_bytes": variable_bytes(model.weights),
-        "optimizer_state_bytes": None if optimizer is None else variable_bytes(optimizer.variables),
     }

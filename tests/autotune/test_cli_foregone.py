@@ -63,7 +63,7 @@ def test_a_budget_between_the_rewritten_floor_and_the_floor_points_to_the_rewrit
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["verdict"] == "does-not-fit" and summary["trials"] == 1  # the unswapped step only
     assert "(ConcatV2) needs its inputs and outputs" in summary["headline"]
-    assert "optimizer state" in summary["headline"] and "weights" in summary["headline"]
+    assert "optimizer slots" in summary["headline"] and "weights" in summary["headline"]
     assert "--rewrite split-concat lowers the floor to" in text and "within the budget" in text
     assert "no calibration, search or measured run" in text
     assert "elide-broadcasts" not in text  # it does not touch the concatenation: not computed, not suggested
