@@ -280,13 +280,17 @@ def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, i
 
 @njit(cache=True, nogil=True)
 def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
-                             rewired, swap_tensor, sync_out):
+                             rewired, swap_tensor, sync_out, has_danger, endangered):
     """Per swapped tensor with a synchronous copy out: the first slot that still reads it on the
     device (its reads not rewired to a swap-in; they wait for the copy), or when none does, the slot
     after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
-    where the producer runs last."""
+    where the producer runs last. ``sync_out`` 2 (a copy the step waits for only because the device's
+    copies wait for compute, ``replay._waited_copies_out``): past ops of a fused chain, which a control
+    edge would keep unfused (``simulator.fusion.in_fused_chain``), as the rewriter places that wait."""
     n_ops = len(position)
     sync_wait = np.full(len(swap_tensor), -1, np.int64)
+    op_at = np.empty(n_ops, np.int64)
+    op_at[position] = np.arange(n_ops)
     for i in range(len(swap_tensor)):
         if not sync_out[i]:
             continue
@@ -296,6 +300,8 @@ def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_
             if not rewired[tensor_read_id[e]]:
                 earliest = min(earliest, position[tensor_read_consumer[e]])
         first = earliest if earliest < n_ops else position[tensor_producer[tensor]] + 1
+        while sync_out[i] == 2 and first < n_ops and (has_danger[op_at[first]] or endangered[op_at[first]]):
+            first += 1
         if first < n_ops:
             sync_wait[i] = first
     return sync_wait
@@ -337,7 +343,7 @@ def replay_plan(position, duration, finish_plain, baseline_bytes, alloc_bytes,
         seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
         rewired, roots, swap_tensor, swap_root)
     sync_wait = _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer,
-                                         tensor_read_id, rewired, swap_tensor, sync_out)
+                                         tensor_read_id, rewired, swap_tensor, sync_out, has_danger, endangered)
     swap_bytes = tensor_bytes[swap_tensor]
     in_bytes = tensor_bytes[in_tensor]
     out_duration = d2h_seconds[swap_tensor]
