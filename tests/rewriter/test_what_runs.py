@@ -112,14 +112,14 @@ def test_first_call_keeps_the_constants_it_folds():
     assert graphs and 64 * 1024 * 4 <= constants < 64 * 1024 * 4 + 8192
 
 
-FORWARD_FUSIONS = ("_MklNativeFusedConv2D", "_MklNativeFusedMatMul", "_MklSwish")
+FUSED_OPS = ("_MklNativeFusedConv2D", "_MklNativeFusedMatMul", "_MklSwish", "_MklNativeConv2DBackpropFilterWithBias")
 
 
 def _fused_op_counts(step, x, y) -> dict[str, int]:
-    """The forward fusions in the partition graphs of ``step``'s first call (one training step on x, y)."""
+    """The fused oneDNN ops in the partition graphs of ``step``'s first call (one training step on x, y)."""
     _, graphs = collect_first_call(step, tf.constant(x), tf.constant(y))
     kinds = [node.op for function in graphs for part in function.partition_graphs for node in part.node]
-    return {kind: kinds.count(kind) for kind in FORWARD_FUSIONS}
+    return {kind: kinds.count(kind) for kind in FUSED_OPS}
 
 
 def _fusion_model():
@@ -154,7 +154,7 @@ def test_swaps_keep_onednns_forward_fusions_and_train_as_keras():
     step = rewriter.apply(model, plan, graph=graph, batch_size=batch, verify=False)
     assert any(swap.started_by for swap in step.applied)  # the testbed's waits for copies out are there
     expected = _fused_op_counts(plain, x, y)
-    assert expected["_MklNativeFusedConv2D"] and expected["_MklNativeFusedMatMul"] and expected["_MklSwish"] >= 2
+    assert all(expected[kind] for kind in FUSED_OPS) and expected["_MklSwish"] >= 2
     assert _fused_op_counts(step, x, y) == expected  # the first call: one training step
     for _ in range(2):
         step(x, y)
