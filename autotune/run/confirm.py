@@ -13,6 +13,8 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from autotune.run.calibrated_timing import calibrate_for, search_device
+from autotune.run.floor import foregone
+from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import measure_result
 from autotune.run.tuning import TuneResult, tune_graph
@@ -108,8 +110,10 @@ def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None
             return result
         correction = next_correction(check, correction, result.graph.with_batch(m.batch_size).persistent_bytes)
         if round_ < rounds:
-            say(f"the measured run contradicts the prediction: re-tuning with a correction "
-                f"({correction.describe()})")
+            what = (f"the measured run agrees with the prediction, but its peak is "
+                    f"{format_bytes(check.projected_bytes - check.budget_bytes)} over the budget" if check.agrees
+                    else "the measured run is above the prediction")
+            say(f"{what}: re-tuning with a correction ({correction.describe()})")
     result.verdict = not_confirmed(checks, reason=f"{len(checks)} measured runs and none confirmed a plan; the last, "
                                                   f"{checks[-1].describe()}")
     return result
@@ -145,13 +149,22 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
+    known = foregone(graph, device=device, memory=memory, policy=search.get("policy", "optuna"),
+                     recompute=search.get("recompute", True),
+                     recaptured=lambda more: capture(model, batch_size, **inputs, name=graph.meta.get("model"),
+                                                     graph_rewrites=[*graph_rewrites, *more]))
+    if known is not None:  # under the floor: no calibration, search or measured run can change the answer
+        return known
     calibration = calibrate_for(model, graph, batch_size, **inputs, say=say) \
         if (measure if calibrate is None else calibrate) else None
     if not measure:
         device, memory = search_device(device, memory, calibration)
         result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
         result.calibration = calibration
-        return result
-    say("searching, then measuring the chosen plan on the real training step ...")
-    return confirm(model, graph, rounds=rounds, say=lambda text: say(f"measured: {text}"), batch_size=batch_size,
-                   device=device, memory=memory, calibration=calibration, **inputs, **search)
+    else:
+        say("searching, then measuring the chosen plan on the real training step ...")
+        result = confirm(model, graph, rounds=rounds, say=lambda text: say(f"measured: {text}"), batch_size=batch_size,
+                         device=device, memory=memory, calibration=calibration, **inputs, **search)
+    weights = fit_weights_note(model, result.named_plan(), result.batch_size, **inputs) if result.applies_plan else None
+    result.notes += [weights] if weights else []  # said at tuning time, not at the first weighted batch
+    return result
