@@ -202,14 +202,13 @@ def _table(name, rows):
 
 @pytest.fixture(scope="module")
 def resnet():
-    # one of the plans (every far read), beside the unswapped step: each ResNet-50 plan costs the suite
-    # 20-45 s (its largest item; a second plan, the window with a lower bound, was dropped for the CI
-    # budget), the U-Net tests below run all five, windows and sync-in among them, and
-    # ``python -m benchmarks fidelity`` measures ten on ResNet-50
+    # one of the plans (every far read), beside the unswapped step: ResNet-50 at 224 px is the longest item
+    # of the tests (``-m long``); the U-Net tests below run all five plans in the default run, windows and
+    # sync-in among them, and ``python -m benchmarks fidelity`` measures ten on ResNet-50
     return _run("resnet50", {}, 8, [PLANS[0]], keras_peak=True)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_unswapped_measurement_agrees_with_tensorflow(resnet):
     """With no swaps, the trace the testbed measures from gives TF's own get_memory_info('CPU:0')
     peak of the same step (allocator chunk bytes, everything the process holds counted as resident),
@@ -233,7 +232,7 @@ def test_unswapped_measurement_agrees_with_tensorflow(resnet):
     assert 0.75 <= unswapped["predicted"] / keras_peak <= 1.25
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_swapping_every_activation_cuts_resnet50_peak(resnet):
     unswapped, swapped = resnet["rows"][0], resnet["rows"][1]  # PLANS[0]: threshold=1, every far read
     assert swapped["params"]["threshold"] == 1
@@ -245,7 +244,7 @@ def test_swapping_every_activation_cuts_resnet50_peak(resnet):
     assert swapped["swaps"] > 0.9 * swapped["planned"]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_prediction_matches_measurement_resnet50(resnet):
     table = _table("resnet50", resnet["rows"])
     assert len(table) >= 2

@@ -22,7 +22,9 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+# ResNet-50 is the longest of them (``-m long``); the U-Net runs in the default run
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.long) if name == "resnet50" else name
+                                        for name in sorted(MODELS)])
 def captured(request):
     th.deterministic()
     name = request.param
