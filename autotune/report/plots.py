@@ -77,12 +77,12 @@ def memory_by_original_level(result) -> tuple[np.ndarray, np.ndarray, np.ndarray
     plan_graph = result.plan_graph if result.plan_graph is not None else result.graph
     levels = categorized_levels(plan_graph)
     stands_for = original_levels(result.graph, plan_graph) if result.recomputes else levels
-    # each level of the plan's graph stands for the earliest original level among its ops
-    key = np.full(int(levels.max()) + 1 if len(levels) else 0, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(key, levels, stands_for)
+    # an original level holds what the plan's graph holds at the levels its ops (and clones standing for
+    # it) run at, the most of them: every original level has ops there, so none is drawn empty
     memory = np.zeros(len(result.baseline_replay.level_peak_bytes))
     peaks = result.replay.level_peak_bytes
-    np.maximum.at(memory, key[:len(peaks)], peaks)
+    ran = levels < len(peaks)
+    np.maximum.at(memory, stands_for[ran], peaks[levels[ran]])
     plan = result.plan
     swap_ins = stands_for[plan.in_consumers[plan.in_consumer_ptr[:-1]]] if plan.n_swap_ins else np.zeros(0)
     index = result.graph.op_index()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from simulator import BACKWARD, FORWARD, GraphError, SwapParams, plan_swaps, replay
-from simulator import CalibratedDevice, SwapPlan, get_device, load_plan
+from simulator import CalibratedDevice, OpGraph, SwapPlan, get_device, load_plan
 from simulator.ordering import categorized_levels, execution_order
 from simulator.recompute.actions import (NEVER_RECOMPUTED, RECOMPUTE_CLASSES, Recompute, clone_name, original_name,
                                  with_recomputes)
@@ -390,3 +392,21 @@ def test_a_transformed_graph_knows_its_recomputations():
     # the originals keep their levels; the clone stands at its far reader's (b1)
     assert levels[:g.n_ops].tolist() == categorized_levels(g).tolist()
     assert levels[t.op_index()["f1/recompute_0"]] == categorized_levels(g)[g.op_index()["b1"]]
+
+
+def test_the_memory_plot_draws_what_the_plan_holds_at_every_level():
+    """ResNet-50 at batch 256 on a V100 (the demo's case, from the stored golden graph) with recomputation:
+    clones shift later ops to levels shared with earlier ones, and every level of the captured step that
+    holds memory unswapped is drawn with what the plan holds there, never as 0 bytes below the weights."""
+    import optuna
+
+    from autotune.report.plots import memory_by_original_level
+    from autotune.run.tuning import tune_graph
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    g = OpGraph.load(Path(__file__).resolve().parents[1] / "data" / "golden" / "resnet50.npz").with_batch(256)
+    result = tune_graph(g, device="v100-16gb", trials=60)
+    assert result.recomputes
+    memory, _, _ = memory_by_original_level(result)
+    held = result.baseline_replay.level_peak_bytes > 0
+    assert (memory[held] >= g.persistent_bytes).all(), np.flatnonzero(held & (memory < g.persistent_bytes))
