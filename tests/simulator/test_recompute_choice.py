@@ -7,7 +7,6 @@ numbers worked out from the rules in simulator/recompute/actions.py and simulato
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import numpy as np
