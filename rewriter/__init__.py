@@ -29,6 +29,7 @@ prepare_environment()  # before the modules below import TensorFlow
 from rewriter.swap_step import StateSnapshot, SwapStep  # noqa: E402
 from rewriter.calibrate import CalibrationError  # noqa: E402
 from rewriter.capture import CaptureError, capture_step, trace_function_step, trace_keras_step  # noqa: E402
+from rewriter.step_inputs import StepInputs  # noqa: E402
 from rewriter.keras import KerasStep, restore_train_function, swap_step_of, swapping, use_swap_step  # noqa: E402
 from rewriter.measure import Measurement  # noqa: E402
 from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect  # noqa: E402
@@ -54,7 +55,7 @@ measure = _sys.modules[f"{__name__}.measure"]
 verify = _sys.modules[f"{__name__}.verify"]
 
 __all__ = [
-    "CalibrationError", "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "KerasStep", "Measurement", "Placement", "PlanError", "StateSnapshot",
+    "CalibrationError", "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "KerasStep", "Measurement", "Placement", "PlanError", "StateSnapshot", "StepInputs",
     "SwapStep", "Verification", "apply", "calibrate", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
     "measure", "prepare_environment", "restore_train_function", "rewritten_graph_def", "swap_step_of", "swapping", "trace_function_step",
     "trace_keras_step", "use_swap_step", "verify",

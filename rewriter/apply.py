@@ -24,7 +24,7 @@ from rewriter.host_memory import warn_if_pinned_limit_short
 from rewriter.passthrough import passthrough_ops
 from rewriter.placement import Placement, resolve as resolve_placement
 from rewriter.recompute import apply_recomputes, clone_tensor_info
-from rewriter.step_inputs import planned_step_inputs
+from rewriter.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
 from rewriter.verify import verify_first_call
 from simulator.plan import PlanError, load_plan  # noqa: F401 -- the error apply raises
@@ -41,8 +41,7 @@ def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
 
 
 def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
-          swap_op: str = "auto", input_shapes=None, label_shapes=None, label_dtype=None,
-          verify: bool = True, verify_with=None, serialize: bool = True) -> SwapStep:
+          swap_op: str = "auto", inputs: StepInputs = NO_STEP_INPUTS, verify: bool = True, verify_with=None, serialize: bool = True) -> SwapStep:
     """Apply ``plan`` to ``model``'s training step and return the rewritten step.
 
     ``model``: a compiled Keras model (its ``train_step`` is traced at ``batch_size``), or a
@@ -61,7 +60,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     (nothing is changed), ``CaptureError`` for a model that cannot be traced.
     """
     named = load_plan(plan, graph)
-    input_shapes, label_shapes, label_dtype = planned_step_inputs(named, input_shapes, label_shapes, label_dtype)
+    inputs = inputs.or_planned(named)
     if not serialize:
         named = replace(named, order=())
     place = resolve_placement(placement)
@@ -76,8 +75,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             batch_size = named.batch_size
         if batch_size is None or int(batch_size) < 1:
             raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
-        traced = trace_keras_step(model, int(batch_size), input_shapes=input_shapes,
-                                  label_shapes=label_shapes, label_dtype=label_dtype)
+        traced = trace_keras_step(model, int(batch_size), inputs)
     planned_batch = named.batch_size
     if planned_batch and int(planned_batch) != traced.batch_size:
         log.info("plan made at batch size %s applied at %d (names do not depend on it; sizes do)",
@@ -105,8 +103,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     function = import_step(graph_def, traced)
 
     def at_batch(size: int) -> SwapStep:  # names do not depend on the batch size: the same plan, traced again
-        return apply(model, named, batch_size=size, placement=place, swap_op=chosen_op, input_shapes=input_shapes,
-                     label_shapes=label_shapes, label_dtype=label_dtype, verify=False)
+        return apply(model, named, batch_size=size, placement=place, swap_op=chosen_op, inputs=inputs, verify=False)
 
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=named, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,

@@ -24,7 +24,7 @@ from rewriter import loops, mixed_precision, onednn, xla_scratch
 from rewriter.costs import op_flops, op_touched_bytes, static_dims, tensor_nbytes
 from rewriter.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
 from rewriter.graph_rewrites import apply_rewrites
-from rewriter.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
+from rewriter.step_inputs import (NO_STEP_INPUTS, CaptureError, StepInputs, StepSpecs, build_if_needed, step_specs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.step_loss import recording_losses
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
@@ -59,7 +59,7 @@ class TracedStep:
     loss_op: str
     optimizer_scope: str | None
     input_names: list[str] = field(default_factory=list)
-    inputs: StepInputs | None = None  # names and structures of a Keras step's inputs and labels
+    inputs: StepSpecs | None = None  # names and structures of a Keras step's inputs and labels
 
 
 # ---------------------------------------------------------------------- Keras entry point
@@ -84,12 +84,11 @@ TRACE_HINT = ("the step is traced once into a graph with fixed shapes, without a
               "tensor values, .numpy() and other eager-only code in train_step or call() cannot be captured")
 
 
-def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None) -> TracedStep:
+def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS) -> TracedStep:
     """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
-    (``rewriter.step_loss``); inputs and labels by name (``rewriter.step_inputs``)."""
+    (``rewriter.step_loss``); inputs and labels by name, at the shapes ``given`` sets (``rewriter.step_inputs``)."""
     check_compiled(model)
-    inputs = step_inputs(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                         label_dtype=label_dtype)
+    inputs = step_specs(model, batch_size, given)
     build_if_needed(model, inputs)
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
@@ -467,24 +466,23 @@ def _second_batch(batch_size: int) -> int:
     return batch_size * 2 if batch_size > 1 else 2
 
 
-def capture(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
-            name: str | None = None, graph_rewrites: Sequence[str] = ()) -> OpGraph:
+def capture(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, name: str | None = None,
+            graph_rewrites: Sequence[str] = ()) -> OpGraph:
     """Capture a compiled Keras 3 model's training step (loss and optimizer from ``model.compile``).
 
-    ``input_shapes`` (without the batch) is needed where the model leaves dimensions open;
-    ``label_shapes``/``label_dtype`` override the labels inferred from the outputs and the loss.
+    ``inputs``: ``StepInputs(input_shapes=...)`` (without the batch) where the model leaves dimensions
+    open; its ``label_shapes``/``label_dtype`` override the labels inferred from the outputs and the loss.
     ``graph_rewrites`` (``rewriter.graph_rewrites.REWRITES``): exact rewrites applied to the step
     first; those that changed something are in ``meta["graph_rewrites"]``, and plans made on the
     graph carry them to ``rewriter.apply``.
     """
     if batch_size is None or int(batch_size) < 1:
         raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
-    kwargs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    first = trace_keras_step(model, int(batch_size), **kwargs)
-    second = trace_keras_step(model, _second_batch(int(batch_size)), **kwargs)
+    first = trace_keras_step(model, int(batch_size), inputs)
+    second = trace_keras_step(model, _second_batch(int(batch_size)), inputs)
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__}
-    if given_step_inputs(**kwargs):  # plans made on the graph are applied at these shapes
-        meta["step_inputs"] = given_step_inputs(**kwargs)
+    if inputs.to_dict():  # plans made on the graph are applied at these shapes
+        meta["step_inputs"] = inputs.to_dict()
     first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
     return build_opgraph(first, second, meta=meta)
 
