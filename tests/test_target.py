@@ -66,6 +66,49 @@ tf = pytest.importorskip("tensorflow")
 
 
 @pytest.mark.tf
+def test_a_u_net_measured_on_the_testbed_is_confirmed_for_the_v100(tmp_path, capsys):
+    """A small U-Net with transposed convolutions at batch 8, v100-16gb timings, a budget near 50 % of
+    its unswapped peak there where the chosen plan's v100 prediction meets the budget and its testbed
+    prediction does not (the testbed keeps other reads on the device). The measurement agrees with the
+    testbed's prediction, so the plan is confirmed for the v100, in at most two measured rounds and
+    never by measuring a plan twice."""
+    from autotune.cli import main
+    from autotune.measured import planned_run
+    from autotune.tuning import tune_graph
+    from benchmarks.zoo import SMALL
+    from rewriter.capture import capture
+    from tests.cli_helpers import uncalibrated
+
+    model = SMALL["unet"].build()
+    directory = tmp_path / "unet"
+    directory.mkdir()
+    model.save(directory / "model.keras")
+    graph = capture(model, 8)
+    unswapped = replay(graph, None, "v100-16gb").peak_bytes
+    for fraction in (0.5, 0.55, 0.45, 0.6):  # the search's own choice decides where the case arises
+        budget = int(fraction * unswapped)
+        run = planned_run(tune_graph(graph, device="v100-16gb", memory=budget, trials=60))
+        testbed_predicted = replay(run.plan_graph, run.plan, run.device).peak_bytes
+        if testbed_predicted > budget:
+            break
+    assert testbed_predicted > budget, "no budget where the testbed's prediction is over the v100's"
+    out = tmp_path / "out"
+    code = main(uncalibrated([directory, "--batch-size", 8, "--device", "v100-16gb", "--memory", budget,
+                              "--trials", 60, "--out", out, "--quiet"]))
+    stdout = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    rounds = summary["measured_rounds"]
+    assert code == 0 and summary["confirmed_by_measurement"], stdout
+    assert 1 <= len(rounds) <= 2 and all(r["reused_from"] is None for r in rounds), rounds
+    first, last = rounds[0], rounds[-1]
+    assert first["predicted_bytes"] == testbed_predicted > budget  # the plan simulated above, over on the testbed
+    assert abs(first["measured_bytes"] / first["predicted_bytes"] - 1) <= first["tolerance"]  # yet as predicted
+    assert last["target_predicted_bytes"] == summary["predicted_peak_bytes"] <= budget
+    assert last["projected_bytes"] <= budget and last["confirmed"]
+    assert "carried to the v100-16gb" in summary["headline"]
+
+
+@pytest.mark.tf
 def test_the_cli_resolves_the_target_once_and_reports_where_it_came_from(tmp_path, capsys, monkeypatch):
     import autotune.confirm
     import autotune.target
