@@ -126,7 +126,7 @@ def check_config_value(where: str, key: str, value) -> None:
     if key == "memory":
         parse_bytes(value, where)
     if key == "device":
-        from simulator.devices import DEVICES
+        from simulator.device.presets import DEVICES
 
         if value.lower().replace("_", "-") not in DEVICES:
             raise InputError(f"{where}: unknown device {value!r}; known: {', '.join(sorted(DEVICES))}")

@@ -1,0 +1,1 @@
+"""The benchmark harness: ``python -m benchmarks NAME`` (benchmarks/README.md), the benchmark models and the zoo."""

@@ -1,7 +1,8 @@
 """What every benchmark shares: the machine record, result files, and timing helpers.
 
 Each benchmark writes ``benchmarks/results/<name>.csv``, ``<name>.md`` (a Markdown table with the
-machine, versions and settings above it) and its PNG plots next to them.
+commit, machine, versions and settings above it) and its PNG plots next to them. benchmarks/README.md
+is kept by hand: each benchmark's headline numbers and a link to its result file.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import subprocess
 import time
 import timeit
 from importlib import metadata
@@ -17,7 +19,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from autotune.report import markdown_table
+from autotune.report.writer import markdown_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STARTED_S = time.perf_counter()  # each benchmark is its own process: its runtime is counted from here
@@ -30,9 +32,18 @@ def start_measuring_process() -> None:
     from rewriter.environment import prepare_environment  # must run before TensorFlow is imported
 
     prepare_environment()
-    from rewriter.placement import configure_testbed  # imports TensorFlow
+    from rewriter.placement.placements import configure_testbed  # imports TensorFlow
 
     configure_testbed()
+
+
+def _commit() -> str:
+    """The code a result was measured on (a result file names it beside the command)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS_DIR.parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
 
 
 def machine() -> dict[str, Any]:
@@ -50,6 +61,7 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {
+        "commit": _commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
         "cpu": cpu,
@@ -66,56 +78,13 @@ def write_results(name: str, table: pd.DataFrame, *, settings: dict[str, Any], n
     directory.mkdir(parents=True, exist_ok=True)
     table.to_csv(directory / f"{name}.csv", index=False)
     lines = [f"# {name}", ""]
-    # the issue's budget is 30 minutes per benchmark: every table says what its run took
+    # docs/design.md 5 gives each benchmark 30 minutes: every table says what its run took
     runtime = {"runtime_s": round(time.perf_counter() - STARTED_S, 1)}
     lines += [f"- {key}: {value}" for key, value in {**machine(), **runtime, **settings}.items()]
     lines += ["", markdown_table(table, float_format), ""]
     lines += [f"{note}" for note in (notes or [])]
     path = directory / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")
-    if directory == RESULTS_DIR:
-        update_readme()
-    return path
-
-
-README_ORDER = ("max_batch_v100", "max_batch", "recompute_measured", "fidelity", "fidelity_recompute", "fidelity_zoo",
-                "verdict", "step_time", "tuning", "speed", "simulator_speed")
-README_INTRO = """# Benchmarks
-
-Every table below is the latest output of the command above it, run on the machine it names
-(`python -m benchmarks NAME` writes `results/NAME.csv`, `.md` and `.png`, then rebuilds this page).
-Targets are those of docs/design.md section 5; where a number misses its target, the table says so and
-the notes say why.
-
-| benchmark | command | what it measures |
-|---|---|---|
-| max-batch | `python -m benchmarks max-batch` | largest ResNet-50 batch / 3D U-Net input with and without swapping, the U-Net also with `--rewrite split-concat` and `elide-broadcasts` (simulated on V100 presets; measured on the CPU testbed, or on a visible GPU) |
-| max_batch_v100 | `python -m benchmarks max-batch --devices v100-16gb --no-measured --name max_batch_v100` | the same on the PCIe preset, each case with swapping alone and with recomputation beside it (issue 22), with a 20 % column, and Keras' `RematScope` modes on the same simulator |
-| recompute_measured | `python -m benchmarks recompute` | recomputation measured on the CPU testbed: Keras' step and its `RematScope` modes, the tool's serialized step, every cheap tensor recomputed, and per budget the tuned plan with swapping alone and with recomputation (predicted and measured peak, step time) |
-| fidelity | `python -m benchmarks fidelity` | predicted against measured peak memory on the CPU testbed (or a visible GPU), 6 models (and the U-Net with `--rewrite split-concat --rewrite elide-broadcasts`) x several plans, beside Grappler's static estimate |
-| fidelity_recompute | `python -m benchmarks fidelity --recompute --models ...` | the same with plans that recompute cheap tensors beside their swaps (issue 22) |
-| fidelity_zoo | `python -m benchmarks fidelity --zoo` | the same on the 22 models of `benchmarks.zoo` (models nobody tuned the simulator for: applications, U-Nets, mixed_float16, recurrent, attention, multi-input/output, ...) x 7 plans, measured in chunks (`--zoo --models a,b`), against issue 19's per-model targets |
-| verdict | `python -m benchmarks verdict` | the CLI, measured on the testbed, on zoo models whose prediction alone says "fits" (the cases of issue 19: mixed_float16, LSTM/GRU, U-Nets, multi-input/output): exit 0 only when a measured run confirms the plan within the budget, else exit 3 and no "Fits" |
-| step_time | `python -m benchmarks step-time` | predicted against measured step time on the CPU testbed: a device model calibrated by `rewriter.calibrate` at other batch sizes, and the uncalibrated preset, 4 models x 7 plans |
-| tuning | `python -m benchmarks tuning` | Optuna, random, tflms-v2 and the exhaustive grid on the same simulator |
-| speed | `python -m benchmarks speed` | simulator replays (and plan + replay trials) per second against graph size, beside the numpy replay and the first compiled one in the same process, and the CLI's end-to-end time |
-| simulator_speed | `python -m benchmarks.simulator_speed [--first-call]` | replays per second of ResNet-50's graph (batch 32, the 474-swap plan) beside the earlier replays; with `--first-call`, the first replay in fresh processes, compiling and loading the compiled kernels |
-"""
-
-
-def update_readme() -> Path:
-    """Rebuild benchmarks/README.md from the latest result pages."""
-    parts = [README_INTRO]
-    for name in README_ORDER:
-        page = RESULTS_DIR / f"{name}.md"
-        if page.exists():
-            text = page.read_text()
-            body = text.split("\n", 1)[1] if text.startswith("# ") else text
-            images = sorted(RESULTS_DIR.glob(f"{name}*.png"))
-            parts.append(f"## {name}\n" + body.replace("](", "](results/")
-                         + "".join(f"\n![{image.stem}](results/{image.name})\n" for image in images))
-    path = RESULTS_DIR.parent / "README.md"
-    path.write_text("\n".join(parts))
     return path
 
 

@@ -2,13 +2,13 @@
 
     python -m benchmarks fidelity [--models resnet50,vgg16] [--quick] [--timeout 900] [--repeats 3] [--peak-repeats 2]
     python -m benchmarks fidelity --zoo [--models lstm,gru]   # benchmarks.zoo, in chunks
-    python -m benchmarks fidelity --recompute --models resnet50,mobilenetv2   # plans that recompute (issue 22)
+    python -m benchmarks fidelity --recompute --models resnet50,mobilenetv2   # plans that recompute
 
 For every model (one fresh Python process each, so models and allocator state never mix) the
 training step is captured, then for every plan (no swapping, and ``SwapParams`` settings that
 exercise the threshold, the swap-in window lb/ub, groupby, the sync modes and both execution
-orders) the rewritten step is built with ``rewriter.apply`` (serialized in the plan's order, as by
-default) and measured with ``rewriter.measure`` on the CPU testbed (``CPU:0`` plays the accelerator,
+orders) the rewritten step is built with ``rewriter.step.apply_plan`` (serialized in the plan's order, as by
+default) and measured with ``rewriter.timing.measurement`` on the CPU testbed (``CPU:0`` plays the accelerator,
 ``CPU:1`` the host, swaps are ``DeepCopy``), or on GPU:0 when one is visible (automatic). Beside each
 measurement: the simulator's prediction (``simulator.replay(graph, plan, device)``, with the
 ``cpu-testbed`` preset or the visible GPU's) and, for the unswapped step, Grappler's static
@@ -29,7 +29,7 @@ full table. Target (docs/design.md 5): median error within 5 %, worst within 10 
 ``--zoo`` measures the models of ``benchmarks.zoo`` instead (models nobody tuned the simulator for)
 and writes ``fidelity_zoo.*``; each model's records are kept in ``results/fidelity_zoo_runs/``, so
 the zoo can be measured in chunks (``--zoo --models a,b``: those again, the others from their kept
-run) and its runtime is the sum of the models' runs. Its targets (issue 19) hold per model: median
+run) and its runtime is the sum of the models' runs. Its targets (docs/design.md 5) hold per model: median
 |error| <= 2 %, worst <= 10 %, measured above predicted never more than 5 %; the notes give per model
 what the capture could not size or swap (``graph.meta``) and, where a model misses, why.
 """
@@ -66,7 +66,7 @@ class ModelSetup:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     batch: int = 8
-    graph_rewrites: tuple[str, ...] = ()  # rewriter.graph_rewrites made before the plans
+    graph_rewrites: tuple[str, ...] = ()  # rewriter.trace.graph_rewrites made before the plans
     zoo: bool = False  # a benchmarks.zoo model (built by its entry), not a benchmarks.models one
 
     @property
@@ -95,7 +95,7 @@ MODELS: dict[str, ModelSetup] = {setup.key: setup for setup in (
 # docs/design.md 1.4: thresholds from 1 (every far read) to 20, swap-in windows, groupby, the size
 # filter, the sync modes (out, both), both trigger policies, both execution orders, both sets of
 # swappable tensors, both units of distance, and swap-ins after their trigger's copies out; 6 swap
-# plans, not more, so that the 7 setups stay within the issue's 30 minutes on the 2-core machine
+# plans, not more, so that the 7 setups stay within docs/design.md 5's 30 minutes on the 2-core machine
 # (each plan is a rewrite, a verifying first run and 3 measured steps: 50-75 s on ResNet-50 or
 # DenseNet-121; with 7 swap plans the run took 31.6 min).
 PLANS: list[tuple[str, dict[str, Any] | None]] = [
@@ -110,8 +110,8 @@ PLANS: list[tuple[str, dict[str, Any] | None]] = [
                                        "after_copies_out": True}),
 ]
 
-# ``--recompute``: plans with recomputation beside the swaps (issue 22): every cheap tensor of 1 MiB or more
-# recomputed for its far readers (``simulator.recompute_choice``), the rest swapped on the graph with the clones
+# ``--recompute``: plans with recomputation beside the swaps: every cheap tensor of 1 MiB or more
+# recomputed for its far readers (``simulator.recompute.choice``), the rest swapped on the graph with the clones
 RECOMPUTE_PLANS: list[tuple[str, dict[str, Any] | None]] = [
     ("none", None),
     ("recompute cheap, T2", {"threshold": 2, "recompute": "cheap"}),
@@ -129,23 +129,23 @@ QUICK_MODELS = ("transformer_encoder", "vgg16")
 QUICK_PLANS = ("none", "T1", "T3 ub5 g2 sync-both mem")
 
 TARGET_MEDIAN, TARGET_WORST = 0.05, 0.10
-# the zoo's targets (issue 19): per model, and measured above predicted (the side of an OOM) at most 5 %
+# the zoo's targets (docs/design.md 5): per model, and measured above predicted (the side of an OOM) at most 5 %
 ZOO_TARGET_MEDIAN, ZOO_TARGET_WORST, ZOO_TARGET_UNDER = 0.02, 0.10, 0.05
 # what a captured graph says about memory it could not size or swap (shown in the zoo's notes)
 GRAPH_META_REPORTED = ("unknown_shapes", "unresolved_tensors", "unswappable", "mixed_precision")
 # the folded constants a step's kernels hold, counted by the capture and left out of the measurement before
 CONSTANTS = ("the measurement left out the constants the step's first call folds and its kernels hold "
-             "(rewriter.measure counts them now, memtrace.constant_bytes)")
+             "(rewriter.timing.measurement counts them now, memtrace.constant_bytes)")
 # why a zoo model missed its targets, as diagnosed (the mechanism, not one run's numbers; comparing the
 # profiler trace's live set at its peak with simulator.explain.live_buffers at the same op)
 ZOO_NOTES: dict[str, str] = {
     "efficientnetb0": ("was 10 % over unswapped: swish's beta * x (beta 1), which Grappler removes, was counted and "
-                       "held from the forward pass to the backward one (rewriter.passthrough); then its sync-both plan "
-                       "12 % under: synchronous swap-ins ran right after the forward pass (rewriter.graph_edit now waits for "
+                       "held from the forward pass to the backward one (rewriter.tf_effects.passthrough); then its sync-both plan "
+                       "12 % under: synchronous swap-ins ran right after the forward pass (rewriter.edit.graph_edit now waits for "
                        "the control edges of the ops a consumer reads through, as the simulator does)"),
     "attention": ("was 11-13 % over: a softmax gradient's dy * softmax writes into the swap-in of softmax when dy is "
                   "still read (simulator.sharing: every input an op may write into, in input order), and a dropout "
-                  "mask's uniform * 1 + 0 was swapped three times over (rewriter.passthrough)"),
+                  "mask's uniform * 1 + 0 was swapped three times over (rewriter.tf_effects.passthrough)"),
     "mixed16_attention": f"was 2-4 % over in every plan (0.13 MiB): {CONSTANTS}",
     "custom_layer_loss": f"was 1.6-2.2 % over in every plan (its loss gradient's 108 KiB tile): {CONSTANTS}",
     "unet2d_upsampling": (f"was 1.1-1.4 % over in every plan: {CONSTANTS}. T2 level-trigger: 9 % over (the safe side), "
@@ -154,13 +154,13 @@ ZOO_NOTES: dict[str, str] = {
                          "in 4 of 5 profiled steps, the fifth at the prediction (2.870 vs 2.873 MB): step to step, as a "
                          "swap-in the executor queues until its reader needs it (Known sources of deviation); not traced"),
     "separable_cnn": ("its 17-22 % misses and multi_io's 17-20 % were the serialized order broken where Grappler removes "
-                      "a convolution bias gradient's reshape pair, taking the chain's control edge along; rewriter.graph_edit "
+                      "a convolution bias gradient's reshape pair, taking the chain's control edge along; rewriter.edit.graph_edit "
                       "chains past such ops. Its T2 level-trigger measured 4.5 % above the prediction in the run "
                       "before (not diagnosed; copies out the executor queued behind the chain are one such cause, "
                       "now prevented on the testbed)"),
     **{name: ("was 2-4 % either side: a While loop's variables replace their starting values, a list's zeros hold one "
               "tensor per element, the input sequence lives in the gradient's list, one iteration's temporaries are "
-              "live while the loop runs (rewriter.loops)") for name in ("lstm", "gru", "bilstm", "stacked_gru")},
+              "live while the loop runs (rewriter.tf_effects.loops)") for name in ("lstm", "gru", "bilstm", "stacked_gru")},
 }
 
 # What the deviations seen so far came from (diagnosed by comparing the profiler trace's live set at
@@ -172,7 +172,7 @@ KNOWN_DEVIATIONS = [
      "chain of ops it runs inline, so left alone it ran right after its producer in some steps and just before its "
      "swap-in in others (separable_cnn's 'T20 lb3-ub30 >=1MiB mem' measured 4.49 MiB in 5 of 6 profiled steps and "
      "7.63 MiB in one; a small dense model 96.1 or 112.1 KiB against 103.8 predicted). The rewriter now makes the op after "
-     "the producer wait for the copy out on the testbed (rewriter.graph_edit, Placement.copies_wait_for_compute); "
+     "the producer wait for the copy out on the testbed (rewriter.edit.graph_edit, Placement.copies_wait_for_compute); "
      "a GPU's copy engine does not wait for the compute cores. The zoo's measured peak is the median of 5 profiled "
      "steps."),
     ("- Swap-in start on the testbed (the safe side): a swap-in may run from its trigger on, but the executor can "
@@ -197,7 +197,7 @@ def _grappler_estimate(model, batch: int) -> dict[str, Any]:
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import item as gitem
 
-    from rewriter.capture import trace_keras_step
+    from rewriter.trace.tracing import trace_keras_step
 
     graph = trace_keras_step(model, batch).concrete.graph
     with graph.as_default():  # export_meta_graph refuses to run eagerly
@@ -227,12 +227,12 @@ def _worker(spec_path: str, out_path: str) -> int:
     import gc
 
     import rewriter
-    from autotune.measured import run_plan
-    from autotune.tuning import DEFAULT_DEVICE
+    from autotune.run.plan_run import run_plan
+    from autotune.run.tuning import DEFAULT_DEVICE
     from benchmarks.models import build_model
-    from rewriter.step_inputs import synthetic_batch
+    from rewriter.trace.step_inputs import synthetic_batch
     from simulator import SwapParams, SwapPlan, get_device, n_levels, plan_swaps
-    from simulator.recompute_choice import recomputed_graph
+    from simulator.recompute.choice import recomputed_graph
 
     def emit(record: dict[str, Any]) -> None:
         with open(out_path, "a") as handle:
@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         met = int(per_model["targets_met"].fillna(False).sum()) if "targets_met" in per_model else 0
         result_notes += [
             "## Per model (zoo targets)", "",
-            (f"Targets (issue 19): per model median |error| <= {100 * ZOO_TARGET_MEDIAN:.0f} %, worst <= "
+            (f"Targets (docs/design.md 5): per model median |error| <= {100 * ZOO_TARGET_MEDIAN:.0f} %, worst <= "
              f"{100 * ZOO_TARGET_WORST:.0f} %, measured above predicted never more than {100 * ZOO_TARGET_UNDER:.0f} % "
              f"(worst_measured_above_pct = measured / predicted - 1). Met by {met} of {len(per_model)} models."),
             "", _markdown(per_model), "",
@@ -784,7 +784,7 @@ def _graph_facts(records: list[dict]) -> str:
 
 
 def _markdown(table: pd.DataFrame) -> str:
-    from autotune.report import markdown_table
+    from autotune.report.writer import markdown_table
 
     return markdown_table(table, "{:.3g}")
 

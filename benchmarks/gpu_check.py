@@ -4,16 +4,16 @@
     python -m benchmarks gpu-check --dry-run --model small_cnn --batch 8   # no GPU needed
 
 ResNet-50 at a small batch, a plan of about ``--swaps`` swaps (every far read of the largest
-activations) and the empty plan, each measured on GPU:0 (``rewriter.measure``: the peak in requested
+activations) and the empty plan, each measured on GPU:0 (``rewriter.timing.measurement``: the peak in requested
 bytes from the profiler, as the prediction counts, beside TensorFlow's allocator figure) next to the
 simulator's prediction for the GPU's preset. From the partition graphs of the swapped step's first call
-(``rewriter.verify``) it lists, for every swap-in, the ops its copy to the GPU waits for: each must be
+(``rewriter.check.verification``) it lists, for every swap-in, the ops its copy to the GPU waits for: each must be
 its trigger (or the ops apply gave it instead); a copy that waits for nothing is the failure this check
 is for (the copy would start right after the copy out, and the swap would save nothing).
 
 ``--memory`` makes the budget GPU:0's memory limit before the model is built. ``--dry-run`` needs no
 GPU: it builds the GraphDef the GPU would run (``rewriter.rewritten_graph_def``), runs Grappler's GPU
-passes on it offline (``rewriter.gpu.optimize_for_gpu``) and checks the same two properties on it:
+passes on it offline (``rewriter.step.gpu_graph.optimize_for_gpu``) and checks the same two properties on it:
 every host-side node a GPU swap-in reads waits for the swap-in's control sources, and nothing stands
 between a producer and its swap-out. Writes ``benchmarks/results/gpu_check.{csv,md}`` (``--dry-run``:
 ``gpu_check_dry.*``).
@@ -129,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     import tensorflow as tf
 
     import rewriter
-    from autotune.measured import run_plan
+    from autotune.run.plan_run import run_plan
     from benchmarks.models import build_model
-    from rewriter.gpu import jit_compile_note, optimize_for_gpu
-    from rewriter.step_inputs import synthetic_batch
-    from rewriter.placement import limit_device_memory
+    from rewriter.step.gpu_graph import jit_compile_note, optimize_for_gpu
+    from rewriter.trace.step_inputs import synthetic_batch
+    from rewriter.placement.placements import limit_device_memory
     from simulator import SwapPlan, get_device, replay
 
     if not tf.config.list_physical_devices("GPU") and not args.dry_run:

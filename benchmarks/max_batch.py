@@ -16,7 +16,7 @@ and what its recomputation costs. The U-Net size found by batch scaling is check
 model at that size. Measured counterpart (1 GiB accelerator-side budget, on GPU:0 when one is
 visible, else the CPU testbed): the largest ResNet-50 batch whose real step stays within it,
 without and with swapping.
-The 3D U-Net also with ``--rewrite split-concat`` (rewriter.graph_rewrites), whose bound is higher:
+The 3D U-Net also with ``--rewrite split-concat`` (rewriter.trace.graph_rewrites), whose bound is higher:
 swapping alone reaches the plain graph's bound, set by the decoder's concatenation; and with
 ``elide-broadcasts`` as well, which leaves batch normalisation's backward two activation-sized
 buffers instead of three. ResNet-50 also with ``elide-broadcasts``: with recomputation its batch
@@ -42,13 +42,13 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from autotune.measured import run_plan  # noqa: E402
-from autotune.policies import Budget, make_policy  # noqa: E402
-from autotune.search import SearchSpace, TuningProblem, best_of  # noqa: E402
-from autotune.tuning import (SwapProbes, largest_batch, largest_batch_with_swap, max_batch_without_swap,  # noqa: E402
+from autotune.run.plan_run import run_plan  # noqa: E402
+from autotune.search.policies import Budget, make_policy  # noqa: E402
+from autotune.search.space import SearchSpace, TuningProblem, best_of  # noqa: E402
+from autotune.run.tuning import (SwapProbes, largest_batch, largest_batch_with_swap, max_batch_without_swap,  # noqa: E402
                              tune_graph)
 from benchmarks.common import RESULTS_DIR, STARTED_S, start_measuring_process, write_results  # noqa: E402
-from benchmarks.graphs import captured_graph  # noqa: E402
+from benchmarks.models.graphs import captured_graph  # noqa: E402
 from benchmarks.models import REMAT_MODES, build_model, unet3d_voxels  # noqa: E402
 from simulator import FORWARD, CalibratedDevice, SwapPlan, get_device, replay  # noqa: E402
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes  # noqa: E402
@@ -56,7 +56,7 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes  # 
 REPO = Path(__file__).resolve().parents[1]
 UNET_SIZE = 64  # captured size; other sizes by batch scaling, then checked by a capture
 UNET_STEP = 16  # the U-Net's input must be divisible by 2**depth
-# rewriter.graph_rewrites: the U-Net's second and third rows
+# rewriter.trace.graph_rewrites: the U-Net's second and third rows
 UNET_REWRITES = (("split-concat",), ("split-concat", "elide-broadcasts"))
 PROBE_TRIALS = 200  # the search space has distance and trigger too: 120 left the 30 %-capped ResNet-50 search short
 TRIALS = 200
@@ -250,7 +250,7 @@ def _measure_worker(batch: int, budget: int, swap: bool, device_name: str) -> in
     swapped), predicted, applied and measured (``autotune.run_plan``); prints one ``RESULT`` line."""
     start_measuring_process()
     import rewriter  # after the process is set up to measure
-    from rewriter.step_inputs import synthetic_batch
+    from rewriter.trace.step_inputs import synthetic_batch
 
     model = build_model("resnet50", seed=0)
     graph = rewriter.capture(model, batch)
@@ -286,13 +286,13 @@ def _measure(batch: int, budget: int, swap: bool, device: str) -> dict:
 def measured_device() -> str:
     """The preset modelling where the measured part runs: the visible GPU's, else the CPU testbed."""
     import rewriter
-    from autotune.tuning import DEFAULT_DEVICE
+    from autotune.run.tuning import DEFAULT_DEVICE
 
     return rewriter.detect(configure=False).simulator_device or DEFAULT_DEVICE
 
 
 def measured(budget: int, device_name: str) -> list[dict]:
-    """Largest ResNet-50 batch whose real step stays within ``budget`` where ``rewriter.measure``
+    """Largest ResNet-50 batch whose real step stays within ``budget`` where ``rewriter.timing.measurement``
     runs (``device_name``: the preset modelling it): start at the simulator's answer and step down
     until the measurement agrees."""
     device = get_device(device_name)
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     table = pd.DataFrame(rows)
     notes = [
         "Targets: the LMS paper's 4.9x (ResNet-50 batch) and 5.6x (3D U-Net voxels) on a 16 GB V100; "
-        "docs/design.md asks for 6x; with recomputation (issue 22): ResNet-50 >= 8x at any overhead and >= 4x at "
+        "docs/design.md asks for 6x; with recomputation: ResNet-50 >= 8x at any overhead and >= 4x at "
         "<= 20 % overhead, 3D U-Net >= 6x, on v100-16gb.",
         "recompute: the search with recomputation beside swapping (autotune's default), else swapping alone "
         "(`--no-recompute`); time_model: where the overheads' op times come from (preset: the device preset's "
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     notes.append("graph_rewrites: rewrites made before swapping (`--rewrite`); such a row's without_swap is the "
                  "plain model's, so its multiplier is what the rewrite and swapping give together; "
                  "without_swap_rewritten: what the rewritten step alone fits.")
-    from autotune.report import markdown_table
+    from autotune.report.writer import markdown_table
     if not args.no_remat:
         remat = pd.DataFrame([row for device in args.devices for row in remat_baselines(device)])
         remat.to_csv(RESULTS_DIR / f"{args.name}_remat.csv", index=False)

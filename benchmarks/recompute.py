@@ -4,7 +4,7 @@
                                    [--rounds 3] [--trials 150] [--no-remat]
 
 One model at one batch, every configuration in this one process (the CPU testbed: ``CPU:0`` plays the
-accelerator, ``CPU:1`` the host), each measured with ``rewriter.measure`` (accelerator-side peak in
+accelerator, ``CPU:1`` the host), each measured with ``rewriter.timing.measurement`` (accelerator-side peak in
 requested bytes, the median of ``--rounds`` profiled steps; step time, the median of the rounds'
 timed steps, each round timing every configuration once after a round that warms them all up, so
 that the machine's slow episodes fall on all of them alike):
@@ -14,9 +14,9 @@ that the machine's slow episodes fall on all of them alike):
   for each mode (``benchmarks.models.REMAT_MODES``; ``list_of_layers`` names ``REMAT_LAYERS``). A
   mode whose step Keras cannot trace is a row with Keras' reason.
 * The tool's serialized step: no plan; every cheap tensor of 64 KiB or more recomputed
-  (``simulator.recompute_choice``, no swaps); and, per budget (a fraction of the way from the resident state to the unswapped peak),
+  (``simulator.recompute.choice``, no swaps); and, per budget (a fraction of the way from the resident state to the unswapped peak),
   the plan the search finds with swapping alone and with recomputation beside it
-  (``autotune.tuning.tune_graph``). The search's time model is the ``v100-16gb`` preset's (a GPU's
+  (``autotune.run.tuning.tune_graph``). The search's time model is the ``v100-16gb`` preset's (a GPU's
   compute against a PCIe link: on the testbed a copy costs next to nothing, so swapping always wins
   there) with the testbed's memory rules (its kept reads); each plan's peak is predicted for the
   testbed (``simulator.replay(..., 'cpu-testbed')``) and measured.
@@ -40,14 +40,14 @@ import pandas as pd
 import tensorflow as tf
 
 import rewriter
-from autotune.tuning import tune_graph
+from autotune.run.tuning import tune_graph
 from benchmarks.common import STARTED_S, write_results
 from benchmarks.max_batch import _reason
 from benchmarks.models import REMAT_MODES, build_model, example_batch
-from rewriter.placement import configure_testbed
+from rewriter.placement.placements import configure_testbed
 from simulator import SwapPlan, get_device, replay
-from simulator.recompute import with_recomputes
-from simulator.recompute_choice import RecomputeParams, actions_of, choose_recomputes
+from simulator.recompute.actions import with_recomputes
+from simulator.recompute.choice import RecomputeParams, actions_of, choose_recomputes
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -61,7 +61,7 @@ class Configuration:
 
     label: str
     kind: str  # "keras" (Keras' own step) or "tool" (the serialized, rewritten step)
-    build: Callable[[], Any] | None = None  # -> a step rewriter.measure takes
+    build: Callable[[], Any] | None = None  # -> a step rewriter.timing.measurement takes
     info: dict[str, Any] = field(default_factory=dict)
     step: Any = None
     peaks: list[int] = field(default_factory=list)

@@ -1,5 +1,5 @@
 """Earlier simulators, importable beside today's, so speed benchmarks can time them in one process
-(issue 23: today's replay against the ones it replaced).
+(today's replay against the ones it replaced, docs/design.md 2).
 
 ``reference_simulator(commit)`` extracts ``simulator/`` at ``commit`` with ``git archive`` into a
 directory of its own under the system's temporary directory (kept between runs: a compiled
@@ -29,7 +29,7 @@ from simulator import plan_swaps, replay
 
 # the simulators timed beside today's: label -> (commit, what it is)
 REFERENCES = {
-    "numpy": ("21b0f1b", "the numpy replay, the last commit before simulator/kernels.py"),
+    "numpy": ("21b0f1b", "the numpy replay, the last commit before the compiled kernels"),
     "compiled": ("95ea400", "the first compiled replay (numba kernels per stage, Python between them), "
                             "main before the replay became one call"),
     "onecall": ("8a64197", "the one-call compiled replay that computed every field in the call, main before "

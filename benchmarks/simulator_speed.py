@@ -3,15 +3,15 @@
     python -m benchmarks.simulator_speed [--batch 32] [--seconds 6] [--references numpy,compiled,onecall]
                                          [--first-call] [--searches]
 
-Target (docs/design.md 5, issue 23): <= 0.1 ms per replay (474 swaps), 10,000 replays/s on one core. The
+Target (docs/design.md 5): <= 0.1 ms per replay (474 swaps), 10,000 replays/s on one core. The
 tuner calls plan + replay once per trial, so both are timed, beside the simulators of
 ``benchmarks.reference.REFERENCES`` (the numpy replay, the first compiled one, the one-call replay before its
 fields were read on demand) in the same process.
 ``--first-call`` also times, in fresh processes, the first replay with an empty numba cache (the
 kernels compile) and with that cache filled (they load). ``--searches`` also times what the tuning
 and max-batch benchmarks spend their time on, a search's trials (plan + replay of 200 points of the
-tuning benchmark's grid), with today's simulator and the references in the same process (issue 23
-asks for those benchmarks' runtimes before and after the compiled replay).
+tuning benchmark's grid), with today's simulator and the references in the same process (the tuning and
+max-batch benchmarks' runtimes with and without the compiled replay).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from autotune.report import markdown_table
+from autotune.report.writer import markdown_table
 from benchmarks.common import interleaved_seconds, write_results
-from benchmarks.graphs import captured_graph
+from benchmarks.models.graphs import captured_graph
 from benchmarks.reference import (add_reference_options, reference_graph, references_from_options, references_note,
                                   same_replay, speed_row)
 from benchmarks.tuning import CASES as TUNING_CASES
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                            "peak_GiB": result.peak_bytes / 2**30, "baseline_peak_GiB": base.peak_bytes / 2**30,
                            **first}])
     met = "met" if row["ms_per_replay"] <= 0.1 else "missed"
-    notes = [f"Target (issue 23): 10,000 replays/s on one core (<= 0.1 ms per replay): {met} "
+    notes = [f"Target (docs/design.md 5): 10,000 replays/s on one core (<= 0.1 ms per replay): {met} "
              f"({row['ms_per_replay']:.3g} ms, median {row['ms_per_replay_median']:.3g}).",
              "ms_per_*: the fastest of 15 timed rounds (timeit), with the median and slowest; trial: plan_swaps + "
              "replay. " + references_note(labels),

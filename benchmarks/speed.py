@@ -4,9 +4,9 @@
 
 Replays (and plans) per second for synthetic training graphs of about 1k, 10k and 100k ops and for
 captured graphs (3D U-Net, ResNet-50, DenseNet-121), each with a plan that swaps a good share of
-the activations, and ResNet-50 at batch 32 with the 474-swap plan of the issue. Then ``python -m
+the activations, and ResNet-50 at batch 32 with the 474-swap plan of docs/design.md 5's target. Then ``python -m
 autotune`` on a saved ResNet-50 (batch 256, v100-16gb preset, 200 trials, --no-measure) timed as a
-user would run it. Targets (docs/design.md 5, issue 23): ResNet-50 b32 474 swaps <= 0.1 ms per
+user would run it. Targets (docs/design.md 5): ResNet-50 b32 474 swaps <= 0.1 ms per
 replay, DenseNet-121 <= 0.2 ms, 100k ops <= 5 ms, on one core; the CLI run in about a minute. The
 simulators of ``benchmarks.reference.REFERENCES`` (the numpy replay, the first compiled one, the one-call
 replay before its fields were read on demand) are timed beside today's in the same process.
@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
-from benchmarks.graphs import captured_graph  # noqa: E402
+from benchmarks.models.graphs import captured_graph  # noqa: E402
 from benchmarks.reference import (REFERENCES, add_reference_options, references_from_options,  # noqa: E402
                                   references_note, speed_row)
 from simulator import SwapParams  # noqa: E402
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = [f"{graph}: {row['ms_per_replay']:.3g} ms per replay (median {row['ms_per_replay_median']:.3g}), "
                 f"target {target} ms: {'met' if row['ms_per_replay'] <= target else 'missed'}"
                 for graph, target in TARGETS_MS.items() for _, row in table[table["graph"] == graph].iterrows()]
-    notes = ["Targets (issue 23): ResNet-50 b32 with the 474-swap plan (all sizes) <= 0.1 ms per replay, "
+    notes = ["Targets (docs/design.md 5): ResNet-50 b32 with the 474-swap plan (all sizes) <= 0.1 ms per replay, "
              "DenseNet-121 <= 0.2 ms, 100k ops (synthetic 25000 layers) <= 5 ms, on one core. " + "; ".join(verdicts)
              + ".",
              "ms_per_replay: the fastest of 15 timed rounds (timeit), with the median and slowest; ms_per_trial: "

@@ -2,16 +2,16 @@
 
     python -m benchmarks step-time [--models small_cnn,mobilenetv2] [--timeout 600] [--max-passes 10]
 
-For every model (one fresh Python process each) the step is calibrated with ``rewriter.calibrate``
+For every model (one fresh Python process each) the step is calibrated with ``rewriter.timing.device_calibration``
 at batch sizes *other than* the measured one (half and three quarters of it, ``calibration_batches``:
 the prediction is an extrapolation, as when a user calibrates small and trains large), then captured at
 the measured batch, and every plan of ``benchmarks.fidelity.PLANS`` (no swapping and six swap plans with
-different stalls) is built with ``rewriter.apply`` and timed on the CPU testbed. All plans of a
+different stalls) is built with ``rewriter.step.apply_plan`` and timed on the CPU testbed. All plans of a
 model are timed in the same interleaved passes with the calibration's own unswapped steps
-(``rewriter.anchored.timed_beside_anchors``; ``timed_passes``: each pass runs every step; a pass
+(``rewriter.timing.anchored.timed_beside_anchors``; ``timed_passes``: each pass runs every step; a pass
 slower than the best by more than the tolerance on any step is rejected), so plans are compared
 under the same load and "re-anchored" predictions take their totals from the calibration's steps
-timed beside them, as the product's measured run does (``autotune.measured``). Beside each measurement: the calibrated prediction
+timed beside them, as the product's measured run does (``autotune.run.plan_run``). Beside each measurement: the calibrated prediction
 (``simulator.replay(graph, plan, calibrated)``) and the uncalibrated ``cpu-testbed`` preset's.
 
 Targets (docs/design.md 5): over every model and plan, median |error| <= 5 %, worst <= 15 %; per
@@ -68,14 +68,14 @@ def calibration_batches(batch: int) -> tuple[int, int]:
     and three quarters it is ``2 t(3b/4) - t(b/2)``, from a quarter and a half (the rule before)
     ``3 t(b/2) - 2 t(b/4)``, which carries 13 timing errors' variance for 5 and is twice as far from its
     points, where a step's time bends (batch 1 is off the line: unet2d's b1 and b2 steps extrapolated its
-    b4 step 12 % too slow on a quiet machine, 10:05 UTC) and where a neighbouring process slows the steps
-    unequally (at 13:02 unet2d's unswapped b4 step ran 46.5 ms, 35 % slower than at 10:05, while its b2
-    and b3 steps timed in the same passes extrapolated to 39.7 ms: re-anchored predictions 3.6-14.7 %
-    low). In CPU time, which other processes do not slow, the steps of small_cnn, transformer_encoder and
-    unet2d were linear from b2 up (lines through two batch sizes met a third within 0-5 % at load 7-11):
+    b4 step 12 % too slow on a quiet machine) and where a neighbouring process slows the steps
+    unequally (in one loaded run unet2d's unswapped b4 step ran 46.5 ms, 35 % slower than in a quiet one,
+    while its b2 and b3 steps timed in the same passes extrapolated to 39.7 ms: re-anchored predictions
+    3.6-14.7 % low; benchmarks/results/step_time.md). In CPU time, which other processes do not slow, the steps of small_cnn, transformer_encoder and
+    unet2d were linear from b2 up (lines through two batch sizes met a third within 0-5 % with several busy processes per core):
     the rules differ by their noise and by the load, not by a bend of the step's own cost.
     The product calibrates at half the measured batch and the batch itself
-    (``autotune.calibration.calibration_batches``); this is the nearest to it that leaves the measured
+    (``autotune.run.calibrated_timing.calibration_batches``); this is the nearest to it that leaves the measured
     batch out."""
     if batch < 4 or batch % 4:
         raise ValueError(f"the measured batch must be a multiple of 4, got {batch}")
@@ -154,13 +154,13 @@ def _worker(spec_path: str, out_path: str) -> int:
     from rewriter.environment import prepare_environment
 
     prepare_environment()
-    from rewriter.placement import configure_testbed
+    from rewriter.placement.placements import configure_testbed
 
     configure_testbed()
 
     import rewriter
     from benchmarks.models import build_model, example_batch
-    from rewriter.anchored import ANCHOR, timed_beside_anchors
+    from rewriter.timing.anchored import ANCHOR, timed_beside_anchors
     from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
 
     def emit(record: dict[str, Any]) -> None:
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     table = mark_ranked(table)[COLUMNS]
     stats = summary(table)
     overall = stats.iloc[-1]
-    from autotune.report import markdown_table
+    from autotune.report.writer import markdown_table
 
     load_after = os.getloadavg()
     runtime = time.perf_counter() - STARTED_S
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
          "same replay on the uncalibrated cpu-testbed preset. error_pct = predicted / measured - 1. anchored_ms: the "
          "calibration's per-op shares, link and contention as calibrated, its totals taken from the calibration "
          "batches' unswapped steps timed again in the same passes as the plans "
-         "(`rewriter.anchored.timed_beside_anchors`, `CalibratedDevice.with_step_times`): the prediction the "
+         "(`rewriter.timing.anchored.timed_beside_anchors`, `CalibratedDevice.with_step_times`): the prediction the "
          "product's measured run reports, the machine's drift between calibration and measurement taken out; "
          "still no step at the measured batch is used. Both replay the "
          "testbed's copy-out wait (the op after a producer waits for its copy out: `copies_out_wait`) and refit "

@@ -23,11 +23,11 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from autotune.policies import Budget, make_policy  # noqa: E402
-from autotune.search import SearchSpace, TuningProblem  # noqa: E402
-from autotune.report import markdown_table  # noqa: E402
+from autotune.search.policies import Budget, make_policy  # noqa: E402
+from autotune.search.space import SearchSpace, TuningProblem  # noqa: E402
+from autotune.report.writer import markdown_table  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
-from benchmarks.graphs import captured_graph  # noqa: E402
+from benchmarks.models.graphs import captured_graph  # noqa: E402
 from simulator import get_device, replay  # noqa: E402
 
 CASES = {

@@ -2,7 +2,7 @@
 
     python -m benchmarks verdict [--cases NAME,...]
 
-The cases are those a new user met before the measured run decided the verdict (issue 19): a
+The cases are those a new user met before the measured run decided the verdict (docs/design.md 6): a
 mixed_float16 CNN and U-Net, LSTM and GRU classifiers, a U-Net with transposed convolutions (swapped,
 and without swapping against model.fit's own step), a multi-input multi-output model. Each zoo model
 is saved, its budget set from the simulator's own prediction (so the prediction alone says "fits"),
@@ -51,7 +51,7 @@ CASES = (
 
 def _budget(case: Case, model, batch: int) -> tuple[int, int, int]:
     """(budget, predicted unswapped peak, lowest predicted swap peak) at ``batch`` on the testbed."""
-    from rewriter.capture import capture
+    from rewriter.trace.tracing import capture
     from simulator import SwapParams, plan_swaps, replay
 
     graph = capture(model, batch)

@@ -32,7 +32,7 @@ TESTBED_ENV: Mapping[str, str] = {
 
 def prepare_environment() -> None:
     """Set the testbed's settings where the user has not set them. Without effect once TensorFlow
-    is imported (``rewriter.placement`` warns when a measurement depends on a setting that missed)."""
+    is imported (``rewriter.placement.placements`` warns when a measurement depends on a setting that missed)."""
     for name, value in TESTBED_ENV.items():
         os.environ.setdefault(name, value)
     raise_pinned_limit()

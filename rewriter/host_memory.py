@@ -1,7 +1,7 @@
 """Pinned host memory beside a GPU: the limit TensorFlow enforces, and raising it before it starts.
 
 Copies out of a GPU land in TensorFlow's pinned host allocator, limited by
-``TF_GPU_HOST_MEM_LIMIT_IN_MB`` (default 128 GiB; ``simulator.memory_budgets`` has the source). TensorFlow
+``TF_GPU_HOST_MEM_LIMIT_IN_MB`` (default 128 GiB; ``simulator.device.memory_budgets`` has the source). TensorFlow
 reads it once, when that allocator is first needed, long before a plan exists: so
 ``prepare_environment()`` (``import rewriter``, the CLI, tests, benchmarks) raises it, when it is
 unset, to this machine's RAM less a margin, which is what any plan may need at most. The allocator
@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-from simulator.memory_budgets import (PINNED_LIMIT_ENV, HostBudget, host_usable_bytes, pinned_limit_bytes,
+from simulator.device.memory_budgets import (PINNED_LIMIT_ENV, HostBudget, host_usable_bytes, pinned_limit_bytes,
                                       pinned_limit_to_set)
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def pinned_limit_source(environ: MutableMapping[str, str] | None = None) -> str:
 
 def host_budget(preset_bytes: int, *, environ: MutableMapping[str, str] | None = None,
                 physical_bytes: int | None = None) -> HostBudget:
-    """The host memory a plan may fill beside a GPU of this machine (``simulator.memory_budgets.HostBudget``)."""
+    """The host memory a plan may fill beside a GPU of this machine (``simulator.device.memory_budgets.HostBudget``)."""
     env = os.environ if environ is None else environ
     physical = physical_memory_bytes() if physical_bytes is None else int(physical_bytes)
     usable = host_usable_bytes(physical) if physical else int(preset_bytes)

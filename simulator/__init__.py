@@ -4,11 +4,11 @@ The pieces: ``OpGraph`` (graph.py) holds one step as arrays and puts ops on leve
 (``categorized_levels``); ``ordering.py`` gives execution orders; ``plan_swaps`` (planning.py) turns
 ``SwapParams`` (params.py) into a ``SwapPlan``; plan.py owns the plan and its file (``NamedPlan``, the
 form the rewriter applies); ``replay`` (replay.py) predicts peak memory and step time on a
-``DeviceModel`` (devices.py).
+``DeviceModel`` (``device/``). Rooms: ``kernels/`` (the compiled loops, a leaf), ``device/`` (presets, calibrated
+devices, memory budgets), ``recompute/`` (recomputation's action and choice).
 """
 
-from simulator.calibrated import CalibratedDevice, CalibrationError, CalibrationMismatchError
-from simulator.devices import DEVICES, DeviceModel, get_device
+from simulator.device import DEVICES, CalibratedDevice, CalibrationError, CalibrationMismatchError, DeviceModel, get_device
 from simulator.graph import BACKWARD, FORWARD, OTHER, PHASE_NAMES, UPDATE, GraphError, OpGraph, categorized_levels
 from simulator.ordering import edge_distances, execution_order, n_levels
 from simulator.params import ParamsError, SwapParams

@@ -4,7 +4,7 @@ TF's graph passes fuse chains of ops (oneDNN's layout pass: Conv2D+BiasAdd, Pad+
 Conv2DBackpropFilter+BiasAddGrad; Grappler's remapper: contraction+bias(+add)(+activation),
 FusedBatchNorm+activation, Sigmoid+Mul). A fused node takes over the control edges of its parts, so
 a control edge from one part to a swap-in that feeds a later part would become a cycle. The rewriter
-(``rewriter.apply``) therefore makes such a swap-in wait for the inputs of that part instead: it
+(``rewriter.step.apply_plan``) therefore makes such a swap-in wait for the inputs of that part instead: it
 starts one op or so earlier than the plan says, with its buffer live during that op. The replay
 applies the same rule (``safe_wait_slots``) so that it predicts the step the rewriter builds (a
 replay without it under-predicted a measured peak by 11.6 %). Both walk the same neighbourhood

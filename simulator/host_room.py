@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from simulator.devices import DeviceModel
+from simulator.device.presets import DeviceModel
 from simulator.graph import OpGraph
 from simulator.params import SwapParams
 from simulator.plan import SwapPlan

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from simulator.graph import DISTANCES, ORDER_NAMES
-from simulator.recompute import RECOMPUTE_SCOPES
+from simulator.recompute.actions import RECOMPUTE_SCOPES
 
 SYNC_MODES = ("none", "out", "in", "both")
 SYNC_IN_MODES = ("in", "both")  # swap-ins wait for the consumer's other inputs: no trigger window
@@ -57,13 +57,13 @@ class SwapParams:
       room pass (``simulator.host_room``) names there what it keeps on the device for the host's sake.
     recompute: which ops may be cloned to recompute a tensor for its far readers instead of keeping
       or swapping it ("none", "cheap": elementwise, activations, normalization, shapes, stateless
-      random; "expensive": convolutions and matrix products too; ``simulator.recompute``). The
-      recomputations are made first (``simulator.recompute_choice.recomputed_graph``) and the swap
+      random; "expensive": convolutions and matrix products too; ``simulator.recompute.actions``). The
+      recomputations are made first (``simulator.recompute.choice.recomputed_graph``) and the swap
       rules then apply to the graph that holds them.
     recompute_cost: the most device seconds a recomputation may cost per byte it frees.
     recompute_per_tensor: per swapped tensor whose swap-in the step waits for, recompute it instead
       where that takes less than the wait (the link cannot hide the swap; the search's per-tensor
-      pass, ``autotune.search.TuningProblem.evaluate``, names them in ``recompute_tensors``).
+      pass, ``autotune.search.space.TuningProblem.evaluate``, names them in ``recompute_tensors``).
     recompute_tensors: tensors (by name) recomputed whatever the cost rule says, when they can be.
     after_copies_out: a swap-in starts only once the op it starts after (its trigger; for a
       synchronous one, the last of its consumer's other inputs) has its own swapped outputs copied

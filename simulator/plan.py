@@ -13,7 +13,7 @@ the rules of a valid plan: ``check_structure`` (whatever the graph: read back, o
 one swap-in per read) and, against a graph, ``validate_plan`` (indices) or ``missing_names_error``
 and ``not_read_error`` (the rewriter's checks against the TensorFlow graph say the same).
 
-Recomputations (issue 22, ``simulator.recompute.Recompute``) are the second kind of action:
+Recomputations (docs/design.md 9, ``simulator.recompute.actions.Recompute``) are the second kind of action:
 ``NamedPlan.recomputes``, written under ``recomputes`` since ``swap-plan/2``; a ``SwapPlan`` made on a
 graph that holds them (``with_recomputes``) names them in its graph, and its swaps may name the clones.
 A ``swap-plan/1`` file still reads (no recomputations). Adding another kind of action: a tuple of
@@ -37,7 +37,7 @@ from simulator.buffers import buffers, rewire_tables
 from simulator.graph import ORDER_NAMES, GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
-from simulator.recompute import Recompute, original_name, recomputed_tensors, with_recomputes
+from simulator.recompute.actions import Recompute, original_name, recomputed_tensors, with_recomputes
 
 FORMAT_NAME = "swap-plan"
 FORMAT_VERSION = 2  # what this version writes; it reads every version in _READERS
@@ -392,7 +392,7 @@ class NamedPlan:
 
     ``order``: every op in the execution order the plan was simulated in (``ordering``); the
     rewriter chains the step in it, clones included. ``recomputes``: tensors recomputed for their far
-    readers (``simulator.recompute``), built before the swaps, whose records may name the clones.
+    readers (``simulator.recompute.actions``), built before the swaps, whose records may name the clones.
     ``params``: the ``SwapParams`` that made the plan (None for a hand-made or empty one). ``graph_rewrites``/``step_inputs``: how the step was captured (the
     rewriter redoes the rewrites and traces at those input shapes).
     """

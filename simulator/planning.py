@@ -177,7 +177,7 @@ def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: 
     """Per request: the latest trigger candidate on a level in ``lo..hi`` (``g``'s levels) that
     ``policy`` allows for ``first_consumer`` ("ancestor": one of its ancestors, looked up in a table
     spanning ``ub`` levels; "level": any), -1 where there is none. Swap-ins and recomputations
-    (``simulator.recompute``) take their triggers here."""
+    (``simulator.recompute.actions``) take their triggers here."""
     trigger = np.full(len(first_consumer), -1, dtype=np.int64)
     if not len(first_consumer):
         return trigger

@@ -1,6 +1,6 @@
 """Replay a training step with a swap plan: peak device memory, host memory, step time, transfers.
 
-Time model (issue 2): ops run one after another on one compute stream in the plan's execution
+Time model (docs/design.md 1.5): ops run one after another on one compute stream in the plan's execution
 order; one copy engine per direction, transfers queue in the order they become ready; a
 swapped-out buffer is freed when its device-to-host copy is done and its remaining readers have
 run; a swap-in allocates when it becomes ready (trigger done, data on the host), even if the
@@ -20,7 +20,8 @@ A replay is one compiled call (``kernels.replay_plan``, numba) from the plan's a
 Replay's, on tables built once per graph, batch size and device (``_context``); fields a search
 does not read are computed at their first read (``_OnDemand``): about a tenth of a millisecond for
 ResNet-50 at batch 32 with 474 swaps (README.md), results bit-identical to the numpy replay it
-replaced (tests/test_simulator_golden.py).
+replaced (tests/simulator/test_golden.py). ``live_buffers`` tells what holds device memory at one moment
+of a replay, for reports and for debugging plans.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 import numpy as np
+import pandas as pd
 
 from simulator import kernels
 from simulator.buffers import alloc_slot_bytes, baseline_slot_bytes, buffers, rewire_tables, slot_levels
-from simulator.calibrated import CalibratedDevice
-from simulator.devices import DeviceModel, get_device
+from simulator.device.calibrated import CalibratedDevice
+from simulator.device.presets import DeviceModel, get_device
 from simulator.fusion import fusion_tables, safe_wait_slots
-from simulator.graph import GraphError, OpGraph
+from simulator.graph import PHASE_NAMES, GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
 
@@ -68,7 +70,7 @@ class Replay:
     swap_in_start_s: np.ndarray = field(repr=False)
     swap_in_end_s: np.ndarray = field(repr=False)
     peak_slot: int = 0
-    # where the plan moved buffers, in execution slots (see simulator.explain)
+    # where the plan moved buffers, in execution slots (see live_buffers)
     swapped_roots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     swapped_root_free_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     swap_in_alloc_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
@@ -322,7 +324,7 @@ def _filled_replay(**fields) -> Replay:
     """``Replay(**fields)`` given every field but those computed on demand (``_OnDemand``, from
     ``_on_demand``), without the frozen dataclass's ``__init__`` (which sets each of 30 fields
     through ``object.__setattr__``: a tenth of a fast replay). Any other field left out is missing,
-    not defaulted (tests/test_simulator_golden.py reads every one)."""
+    not defaulted (tests/simulator/test_golden.py reads every one)."""
     result = object.__new__(Replay)
     object.__setattr__(result, "__dict__", fields)  # (the call's own dict: not copied)
     return result
@@ -379,3 +381,58 @@ def _unswapped(g: OpGraph, device: DeviceModel) -> Replay:
         h2d_bytes=0, n_swap_outs=0, n_swap_ins=0, persistent_bytes=persistent, peak_level=peak_level,
         level_peak_bytes=level_peak, op_start_s=op_start, op_end_s=op_end, swap_out_start_s=nothing,
         swap_out_end_s=nothing, swap_in_start_s=nothing, swap_in_end_s=nothing, peak_slot=peak_slot)
+
+
+def live_buffers(g: OpGraph, plan: SwapPlan | None, result: Replay, slot: int | None = None) -> pd.DataFrame:
+    """Buffers live during execution ``slot`` (default: the peak), largest first.
+
+    Columns: tensor, op_type, phase, bytes, kind ("activation", "swapped", "swap-in", "in place":
+    written into the swapped buffer its op read last, no bytes of its own in that slot;
+    "copying out": a swapped buffer its copy out still holds), alloc_slot, free_slot. Resident
+    memory (weights, optimizer state, inputs) is one row; the bytes sum to the replay's memory at
+    ``slot``. Where that is the memory during the op's wait for its swap-ins
+    (``Replay.wait_slots``), the rows are what lives at that moment (``attrs["moment_s"]``): not the
+    op's outputs, the swap-ins allocated by then, the copies out not yet done.
+    """
+    slot = result.peak_slot if slot is None else slot
+    waits = np.flatnonzero(result.wait_slots == slot)
+    moment = float(result.wait_moment_s[waits[0]]) if len(waits) else None
+    if plan is not None:
+        g = g.with_order(plan.order_name)
+    info = buffers(g)
+    owners = np.flatnonzero(info.alloc_slot >= 0)
+    free = info.free_slot.copy()
+    kind = np.full(g.n_tensors, "activation", dtype=object)
+    if plan is not None and plan.n_swaps:
+        free[result.swapped_roots] = result.swapped_root_free_slot
+        kind[result.swapped_roots] = "swapped"
+    sizes = g.tensor_bytes.copy()
+    in_place = result.in_place_outputs[info.alloc_slot[result.in_place_outputs] == slot]
+    sizes[in_place], kind[in_place] = 0, "in place"
+    live = owners[(info.alloc_slot[owners] <= slot) & (free[owners] >= slot)]
+    if moment is not None:
+        live = live[info.alloc_slot[live] < slot]
+        held = result.swapped_roots[(result.swapped_root_free_slot == slot - 1)
+                                    & (result.swapped_root_copy_end_s - 1e-9 > moment)]
+        kind[held] = "copying out"
+        live = np.concatenate([live, held])
+    rows = [{"tensor": g.tensor_name(t), "op_type": str(g.op_type[g.tensor_producer[t]]),
+             "phase": PHASE_NAMES[g.op_phase[g.tensor_producer[t]]], "bytes": int(sizes[t]), "kind": kind[t],
+             "alloc_slot": int(info.alloc_slot[t]), "free_slot": int(free[t])} for t in live]
+    if plan is not None and plan.n_swap_ins:
+        alive = np.flatnonzero((result.swap_in_alloc_slot <= slot) & (result.swap_in_free_slot >= slot))
+        if moment is not None:
+            alive = alive[(result.swap_in_alloc_slot[alive] < slot) | (result.swap_in_alloc_s[alive] <= moment)]
+        for j in alive:
+            t = int(plan.tensor[plan.in_swap[j]])
+            rows.append({"tensor": g.tensor_name(t), "op_type": str(g.op_type[g.tensor_producer[t]]),
+                         "phase": PHASE_NAMES[g.op_phase[g.tensor_producer[t]]], "bytes": int(sizes[t]),
+                         "kind": "swap-in", "alloc_slot": int(result.swap_in_alloc_slot[j]),
+                         "free_slot": int(result.swap_in_free_slot[j])})
+    rows.append({"tensor": "(weights, optimizer state, inputs)", "op_type": "", "phase": "", "kind": "resident",
+                 "bytes": g.persistent_bytes, "alloc_slot": 0, "free_slot": g.n_ops - 1})
+    table = pd.DataFrame(rows).sort_values("bytes", ascending=False, ignore_index=True)
+    table.attrs["slot"] = slot
+    table.attrs["moment_s"] = moment
+    table.attrs["op"] = str(g.op_name[execution_order(g)[slot]]) if g.n_ops else ""
+    return table

@@ -7,7 +7,7 @@ whatever simulation comes first. Doing it up front on a small graph lets the cal
 
 from __future__ import annotations
 
-from simulator.devices import get_device
+from simulator.device.presets import get_device
 from simulator.params import SwapParams
 from simulator.planning import plan_swaps
 from simulator.replay import replay

@@ -18,7 +18,7 @@ prepare_environment()
 
 def unit_device(bandwidth_bytes_per_s: float = 100.0, latency_s: float = 0.0):
     """A device on which an op takes its FLOP count in seconds and a copy bytes/bandwidth."""
-    from simulator.devices import get_device
+    from simulator.device.presets import get_device
 
     return dataclasses.replace(
         get_device("v100-16gb"), name="unit", peak_flops=1.0, compute_efficiency=1.0,

@@ -1,5 +1,5 @@
 """A golden set of (graph, plan, device) cases: the replay's and the plan's every field, as they were
-computed before the replay was compiled (issue 23), so a faster replay can be held to bit-identical results.
+computed before the replay was compiled, so a faster replay can be held to bit-identical results.
 
     python -m tests.replay_golden write   # re-record (only when a change of results is intended)
 
@@ -15,7 +15,7 @@ which ``Replay.copy_overlap_s`` and the step time depend on).
 
 Recorded from the reference, never from the code under test: all 427 cases were last written by this
 generator run on the zoo branch at abb83c1 (main 402ec6b, whose replay is per-stage kernels with numpy
-between them and ``compute_during`` in numpy, plus issue 19's in-place rule: every input an output
+between them and ``compute_during`` in numpy, plus the in-place rule: every input an output
 could be written into, in input order), from a ``git archive`` of that commit with this file copied in:
 ``PYTHONPATH=<copy> python -m tests.replay_golden write``. Its 397 cases agree with the zoo's own
 re-recorded set (86eb635) field for field (they now also hold ``copy_overlap_s``).
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from simulator import OpGraph, SwapParams, plan_swaps, replay
-from simulator.devices import get_device
+from simulator.device.presets import get_device
 from simulator.host_room import fit_host
 from simulator.planning import SwapPlan
 from simulator.replay import Replay
@@ -90,7 +90,7 @@ def record(plan: SwapPlan, result: Replay) -> dict:
 
 def _grid_params(g: OpGraph, count: int, seed: int) -> list[SwapParams]:
     """Grid points of the tuner's search space, drawn uniformly (seeded), deduplicated."""
-    from autotune.search import SearchSpace  # the tuner's own space (autotune imports optuna)
+    from autotune.search.space import SearchSpace  # the tuner's own space (autotune imports optuna)
 
     space = SearchSpace.for_graph(g)
     rng = np.random.default_rng(seed)
@@ -156,7 +156,7 @@ def recompute(case: dict) -> dict:
 
 def _write_graphs() -> None:
     """Copy the captured graphs (from the benchmarks' cache) and make the synthetic ones."""
-    from benchmarks.graphs import captured_graph
+    from benchmarks.models.graphs import captured_graph
 
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     captured_graph("resnet50").save(DATA_DIR / "resnet50.npz")

@@ -1,6 +1,6 @@
-"""The shape of the code (issue 21), read from the sources (no imports, no TensorFlow): one home for the
-plan format, no import cycles (dodged or not), dependencies one way, rooms of at most 600 lines, one
-name per class."""
+"""The shape of the code, read from the sources (no imports, no TensorFlow): one home for the plan format,
+no import cycles (dodged or not), dependencies one way, rooms in their order, folders of a dozen modules or
+fewer, files of at most 600 lines, one name per class (docs/design.md 2)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("simulator", "rewriter", "autotune", "benchmarks")
 LAYER = {name: rank for rank, name in enumerate(PACKAGES)}  # simulator <- rewriter <- autotune <- benchmarks
 MAX_LINES = 600
+MAX_MODULES_PER_FOLDER = 12
+# The rooms of each package in the order they may import each other: a module imports modules of its own
+# room or of a room before it, never after (a package's __init__ and __main__ stand above them all).
+ROOMS = {
+    "rewriter": ("errors", "host_memory", "environment", "tf_effects", "trace", "placement", "edit", "check", "step",
+                 "timing"),
+    "autotune": ("inputs", "search", "run", "report", "cli"),
+}
+LEAF_ROOMS = ("simulator.kernels",)  # import nothing else of their package
 
 
 def _sources() -> dict[str, Path]:
@@ -163,3 +172,57 @@ def test_distinct_things_have_distinct_names():
             if isinstance(node, ast.ClassDef):
                 homes[node.name].append(name)
     assert {cls: modules for cls, modules in homes.items() if len(modules) > 1} == {}
+
+
+def _room(module: str) -> tuple[str, str]:
+    package, _, rest = module.partition(".")
+    return package, rest.partition(".")[0]
+
+
+def test_rooms_import_only_rooms_before_them():
+    wrong = []
+    for name, path in SOURCES.items():
+        package, room = _room(name)
+        if package not in ROOMS or room in ("", "__main__"):
+            continue
+        rank = ROOMS[package].index(room)
+        for target in _imports(path, module_level=False):
+            target_package, target_room = _room(target)
+            if target_package == package and target_room and ROOMS[package].index(target_room) > rank:
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []
+
+
+def test_every_room_is_declared():
+    found = {package: sorted({_room(name)[1] for name in SOURCES if name.startswith(package + ".")} - {"__main__"})
+             for package in ROOMS}
+    assert found == {package: sorted(rooms) for package, rooms in ROOMS.items()}
+
+
+def test_leaf_rooms_import_nothing_else_of_their_package():
+    wrong = [f"{name} -> {target}" for name, path in SOURCES.items() for leaf in LEAF_ROOMS
+             if name.startswith(leaf + ".") or name == leaf
+             for target in _imports(path, module_level=False)
+             if target.partition(".")[0] == leaf.partition(".")[0] and not target.startswith(leaf)]
+    assert wrong == []
+
+
+def test_no_folder_holds_more_than_a_dozen_modules():
+    """Packages and tests alike: a folder that outgrows a dozen modules gets rooms."""
+    crowded = {}
+    for top in (*PACKAGES, "tests"):
+        for folder in [ROOT / top, *(p for p in (ROOT / top).rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+            modules = [p for p in folder.glob("*.py") if not p.name.startswith("__")]
+            if len(modules) > MAX_MODULES_PER_FOLDER:
+                crowded[folder.relative_to(ROOT).as_posix()] = len(modules)
+    assert crowded == {}
+
+
+def test_every_room_says_what_lives_in_it():
+    """Each sub-package's __init__ has a docstring, and no module is made callable (its functions are
+    re-exported by name instead)."""
+    silent = [name for name, path in SOURCES.items() if path.name == "__init__.py" and not ast.get_docstring(
+        ast.parse(path.read_text()))]
+    assert silent == []
+    tricks = [name for name, path in SOURCES.items() if re.search(r"sys\.modules\[[^\]]+\]\.__class__", path.read_text())]
+    assert tricks == []

@@ -20,7 +20,7 @@ prepare_environment()
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from rewriter.placement import configure_testbed  # noqa: E402
+from rewriter.placement.placements import configure_testbed  # noqa: E402
 
 TESTBED = configure_testbed()
 REPO = Path(__file__).resolve().parents[1]

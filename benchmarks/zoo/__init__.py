@@ -3,7 +3,7 @@
 ``ZOO`` maps a name to a :class:`ZooModel`: the name of a builder in ``benchmarks.zoo.builders``
 (a compiled Keras 3 model, random weights, nothing downloaded, deterministic for a seed) and the
 batch at which one measured step on the 2-core CPU testbed takes a few seconds at most. The
-families (``ZooModel.family``) cover what issue 19 lists: keras.applications beyond
+families (``ZooModel.family``) cover what users' models are made of: keras.applications beyond
 ``benchmarks.models`` (EfficientNet, Xception, MobileNetV3, ConvNeXt, EfficientNetV2 (NAS-found, fused MBConv); NASNetMobile builds
 too, ``builders.BUILDERS``, but its 17,600-op step takes over two minutes per measured plan here),
 U-Nets with transposed convolutions and with upsampling, ``mixed_float16`` variants, recurrent

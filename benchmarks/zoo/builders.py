@@ -13,7 +13,7 @@ from typing import Any
 import keras
 from keras import layers
 
-from benchmarks.models import _application, _classification_loss, _compile, transformer_encoder, unet2d
+from benchmarks.models.builders import _application, _classification_loss, _compile, transformer_encoder, unet2d
 
 NUM_CLASSES = 10
 
@@ -51,7 +51,7 @@ def _classifier(inputs, x, name: str, loss: Any = None) -> keras.Model:
 
 
 def mixed_cnn(*, image_size: int = 64, seed: int = 0) -> keras.Model:
-    """Conv/BN/ReLU/MaxPool CNN (the issue's mixed-precision case when built under mixed_float16)."""
+    """Conv/BN/ReLU/MaxPool CNN (the verdict benchmark's mixed-precision case when built under mixed_float16)."""
     keras.utils.set_random_seed(seed)
     inputs = _image_input(image_size)
     x = inputs

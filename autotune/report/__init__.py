@@ -1,0 +1,4 @@
+"""The output directory: report.md and report.html, the figures (one function per PNG), tables and the plan."""
+
+from autotune.report.plots import memory_by_original_level
+from autotune.report.writer import markdown_table, write_report

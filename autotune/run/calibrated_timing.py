@@ -1,0 +1,104 @@
+"""``--calibrate``: step times measured on this machine instead of a preset's datasheet estimate.
+
+A preset times ops with a roofline of datasheet figures and guessed efficiencies; on the CPU testbed
+its predictions were off by the figures in ``PRESET_TIME_ERROR`` (``python -m benchmarks step-time``).
+A calibration (``rewriter.timing.device_calibration``) profiles the model's own unswapped step at two batch sizes
+and times copies and swapped steps, so predicted step times are measured ones. It is used
+
+* for the search, when the device the search is about is the one this machine has (a visible GPU
+  modelled by its preset, or ``--device cpu-testbed`` on the testbed);
+* for the measured run's prediction in every case (the report shows it beside the measured step).
+
+Bad input (a model that cannot run at the calibration batch sizes) is an ``InputError`` (exit 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+from autotune.inputs import InputError
+from autotune.run.plan_run import testbed_batch_for
+from autotune.run.target import Target, resolve_device
+from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, replay
+
+if TYPE_CHECKING:  # TensorFlow only when a model is calibrated
+    from rewriter.trace.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+# the uncalibrated cpu-testbed preset against measured steps (python -m benchmarks step-time, 4 models x 7
+# plans, five runs on 2026-12-01/02): what a report says of a step time that is a datasheet estimate
+PRESET_TIME_ERROR = "median 9-55 %, worst 49-88 % off the measured step time"
+
+
+def calibration_batches(graph: OpGraph, batch_size: int, placement) -> tuple[int, int]:
+    """Two batch sizes to calibrate at, 2 at least: on the testbed the measured run's batch and half of it
+    (the prediction the report compares is at that batch); beside a GPU the largest batch up to the tuned
+    one whose unswapped step the GPU's preset predicts within 80 % of its memory, and half of it. Never
+    batch 1: its step is off the line the larger ones lie on (unet2d's b1 and b2 steps extrapolated its b4
+    step 12 % too slow, ``benchmarks.step_time.calibration_batches``), and a run that maximizes the batch
+    starts from 1."""
+    if placement.measured_on == "gpu":
+        device = get_simulated(placement)
+        high = max(2, batch_size)
+        while high > 2 and replay(graph.with_batch(high), None, device).peak_bytes > 0.8 * device.budget_bytes:
+            high //= 2
+    else:
+        high = max(2, testbed_batch_for(graph, batch_size))
+    low = max(2, high // 2)
+    return low, max(high, low + 1)
+
+
+def extrapolation_note(batches: tuple[int, int], batch_size: int) -> str:
+    """What a report should know of step times predicted beyond the calibration's batch sizes ("" within)."""
+    if batch_size <= batches[-1]:
+        return ""
+    return (f"step times at batch {batch_size} extrapolate the calibration at batch sizes {batches[0]} and "
+            f"{batches[1]} linearly per op ({batch_size / batches[1]:.1f}x the larger; the further, the less certain: "
+            "python -m benchmarks step-time measures 1.33x)")
+
+
+def get_simulated(placement) -> DeviceModel:
+    """The preset modelling ``placement``'s device (``cpu-testbed``, or the GPU's; v100-16gb without one)."""
+    device, _, _ = resolve_device(placement.simulator_device, None)
+    return device
+
+
+def calibrate_for(model, graph: OpGraph, batch_size: int, inputs: StepInputs, *,
+                  say: Callable[[str], None] = log.info) -> CalibratedDevice:
+    """Calibrate ``model``'s step (captured as ``graph`` with ``inputs``) on this machine's placement."""
+    import rewriter
+
+    placement = rewriter.detect(configure=False)
+    batches = calibration_batches(graph, batch_size, placement)
+    say(f"calibrating step times on {placement.describe()} at batch sizes {batches[0]} and {batches[1]} ...")
+    try:
+        calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement, inputs=inputs,
+                                        name=graph.meta.get("model"), graph_rewrites=graph.meta.get("graph_rewrites", ()))
+        calibrated.check_graph(graph)
+    except CalibrationError as error:
+        raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's estimates)") from None
+    say(calibrated.describe())
+    note = extrapolation_note(batches, batch_size)
+    if note:
+        say(note)
+    return calibrated
+
+
+def search_target(target: Target, calibration: CalibratedDevice | None) -> Target:
+    """The target the search runs on: timed by the calibration where it models the target's device
+    (same preset), with the target's budgets; else as given."""
+    if calibration is None or target.device.name != calibration.preset:
+        return target
+    return target.with_timings(calibration)
+
+
+def time_model_note(device: DeviceModel) -> str:
+    """What the step times of a result simulated on ``device`` are, for the report."""
+    if isinstance(device, CalibratedDevice):
+        return (f"Step times are measured on this machine ({device.describe()}); "
+                + "; ".join(device.notes[:1]) + ".")
+    return (f"Step times are a datasheet estimate of the {device.name} preset, not measured: on the CPU testbed "
+            f"the uncalibrated preset was {PRESET_TIME_ERROR} (python -m benchmarks step-time); a calibrated run "
+            f"(--calibrate, the default when measuring) predicts the testbed's from measured op times.")

@@ -1,0 +1,235 @@
+"""Predict, apply, measure: one plan simulated, applied to the real training step and run.
+
+``run_plan`` is the one place where a plan's prediction meets a measurement; the tuning's measured run
+(``measure_result``: on a GPU at the requested batch, else on the CPU testbed at a batch this machine
+can run, with the prediction for that same batch beside it) and the benchmarks (fidelity, max-batch,
+gpu-check) come through it. TensorFlow is imported only when something is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autotune.inputs import format_bytes
+from autotune.run.tuning import MeasuredRun, TuneResult
+from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
+from simulator.replay import Replay
+
+if TYPE_CHECKING:  # TensorFlow only when a plan is measured
+    from rewriter.trace.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+# what a measured run on the CPU testbed may cost this machine
+TESTBED_MAX_PEAK_BYTES = 3 * 2**30
+TESTBED_MAX_STEP_S = 4.0
+
+
+@dataclass
+class PlanRun:
+    """One plan predicted, applied and measured: ``readings`` holds one ``rewriter.Measurement`` per
+    measured call (the first times ``repeats`` steps, each one profiles a step's memory); none when
+    the step ran out of memory (on a GPU whose memory limit is the budget: a measured "does not fit",
+    not a crash)."""
+
+    plan: SwapPlan
+    predicted: Replay
+    step: Any  # rewriter.SwapStep
+    readings: list[Any]
+
+    @property
+    def out_of_memory(self) -> bool:
+        return not self.readings
+
+    @property
+    def measured(self):
+        """The first reading (its step times are the timed ones), None when out of memory."""
+        return self.readings[0] if self.readings else None
+
+
+def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, batch: tuple[Any, Any], *,
+             placement=None, verify: bool = True, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1,
+             inputs: StepInputs | None = None) -> PlanRun:
+    """Predict ``plan`` on ``device`` (``graph`` at the batch it runs), apply it to ``model``'s step at
+    that batch (``rewriter.apply``; ``inputs``: the shapes the step was captured with) and measure
+    it on ``batch`` = (x, y): ``warmup`` steps, then ``repeats`` timed ones, then ``peak_repeats - 1``
+    more profiled steps (a measured peak moves by a few % from step to step)."""
+    import rewriter  # TensorFlow only when a plan is measured
+
+    predicted = replay(graph, plan, device)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement, verify=verify,
+                          verify_with=batch if verify else None, **({} if inputs is None else {"inputs": inputs}))
+    return PlanRun(plan, predicted, step, _readings(step, *batch, warmup=warmup, repeats=repeats,
+                                                    peak_repeats=peak_repeats))
+
+
+def _readings(step, x, y, *, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1) -> list[Any]:
+    """``rewriter.timing.measurement`` of ``step`` (``run_plan``), none when it runs out of memory."""
+    import rewriter  # TensorFlow only when a plan is measured
+    import tensorflow as tf
+
+    try:
+        readings = [rewriter.measure(step, x, y, warmup=warmup, repeats=repeats)]
+        return readings + [rewriter.measure(step, x, y, warmup=0, repeats=1) for _ in range(peak_repeats - 1)]
+    except tf.errors.ResourceExhaustedError as error:
+        log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+        return []
+
+
+def testbed_batch(result: TuneResult) -> int:
+    """The largest batch, up to the tuned one, whose unswapped step the CPU testbed runs quickly."""
+    return testbed_batch_for(result.graph, result.batch_size)
+
+
+def testbed_batch_for(graph, batch_size: int) -> int:
+    """The largest batch up to ``batch_size`` whose unswapped step of ``graph`` the CPU testbed runs quickly."""
+    testbed = get_device("cpu-testbed")
+    batch = batch_size
+    while batch > 1:
+        base = replay(graph.with_batch(batch), None, testbed)
+        if base.peak_bytes <= TESTBED_MAX_PEAK_BYTES and base.step_s <= TESTBED_MAX_STEP_S:
+            break
+        batch = max(1, batch // 2)
+    return batch
+
+
+def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device: CalibratedDevice, data, placement,
+                inputs: StepInputs) -> tuple[float, float, str] | None:
+    """The plan's step timed in passes beside the calibration's own unswapped steps, and predicted by the
+    calibration re-anchored to them (``rewriter.timing.anchored``: the machine's speed drifts between the
+    calibration and this run; ``graph``: the model's step, ``run_graph``: the plan's, with its
+    recomputations): (measured step s, predicted step s, what it was anchored to); None when
+    those steps cannot run here (out of memory, say), the calibration's own prediction then stands."""
+    import tensorflow as tf  # TensorFlow only when a plan is measured
+    from rewriter.timing.anchored import ANCHOR, timed_beside_anchors
+
+    flat = run.step._flat_inputs(*data)
+    snapshot = run.step.snapshot()  # the timed steps update the model's variables
+    try:
+        anchored, timing = timed_beside_anchors(device, model, graph, {"plan": lambda: run.step.run_flat(*flat)},
+                                                placement=placement, inputs=inputs, between=snapshot.restore)
+    except (tf.errors.OpError, CalibrationError) as error:  # the plan's measurement stands; only the re-anchoring is lost
+        log.warning("the step times were not re-anchored (%s: %s)", type(error).__name__,
+                    str(error).splitlines()[0][:200] if str(error) else "")
+        return None
+    finally:
+        snapshot.restore()
+    anchors = ", ".join(f"{b} ({timing.step_s[(ANCHOR, b)]:.4g} s)" for b in device.batch_sizes)
+    predicted_s = replay(run_graph, run.plan, anchored).step_s
+    return timing.step_s["plan"], predicted_s, f"unswapped steps at batch sizes {anchors}"
+
+
+def _clones(check: Any) -> dict:
+    """What of the plan's recomputations ran (``check``: a ``rewriter.check.recompute_check.RecomputeVerification``, None when
+    the plan recomputes nothing), as ``MeasuredRun`` keeps it."""
+    if check is None:
+        return {}
+    return {"clones_survived": check.clones + len(check.clones_gone_with_original),
+            "clones_planned": check.planned_clones, "recompute_problems": check.problems()}
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What the measured run of a result runs here: the shown plan made for this machine's device model
+    (``device``: a calibration of it, else its preset) on ``plan_graph`` at ``batch`` (the requested one
+    on a GPU, else one the CPU testbed runs quickly)."""
+
+    placement: Any  # rewriter.Placement
+    batch: int
+    device: DeviceModel
+    graph: OpGraph  # the model's step at ``batch``
+    plan_graph: OpGraph  # the same with the plan's recomputations
+    plan: SwapPlan
+    note: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.placement.measured_on == "gpu"
+
+    @property
+    def key(self) -> str:
+        """The plan's identity: where and at which batch it runs, and what it does (whatever parameters made it)."""
+        named = {**self.plan.to_named(self.plan_graph).to_dict(), "params": None}
+        return json.dumps([self.placement.measured_on, self.batch, self.device.name, named], sort_keys=True)
+
+
+def planned_run(result: TuneResult) -> PlannedRun:
+    """The run that measures ``result``'s shown plan on this machine (``measure_result``)."""
+    import rewriter  # TensorFlow only when a plan is measured
+
+    placement = rewriter.detect(configure=False)
+    shown = result.shown
+    params = None if shown is None else shown.params
+    if placement.measured_on == "gpu":
+        batch, device, note = result.batch_size, result.device, ""
+    else:
+        batch = testbed_batch(result)
+        calibration = result.calibration
+        device = calibration if calibration is not None and calibration.preset == "cpu-testbed" else get_device("cpu-testbed")
+        note = (f"No GPU here: the plan's parameters were applied on the CPU testbed (CPU:0 as the "
+                f"accelerator, CPU:1 as the host) at batch {batch}"
+                + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + ".")
+    graph = result.graph.with_batch(batch)
+    # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there
+    plan_graph = graph if params is None or result.plan_graph is None else result.plan_graph.with_batch(batch)
+    plan = SwapPlan.empty(graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
+    return PlannedRun(placement, batch, device, graph, plan_graph, plan, note)
+
+
+def measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun | None = None) -> MeasuredRun:
+    """Apply the chosen plan to ``model``'s real step (captured with ``inputs``), run it, and measure
+    peak memory and time (``planned``: what ``planned_run(result)`` gives, when already known)."""
+    import rewriter  # TensorFlow only when a plan is measured
+    from rewriter.trace.step_inputs import synthetic_batch
+
+    planned = planned or planned_run(result)
+    placement, batch, device, graph, plan, note = (planned.placement, planned.batch, planned.device, planned.graph,
+                                                   planned.plan, planned.note)
+    on_gpu = planned.on_gpu
+    params = None if result.shown is None else result.shown.params
+    plan_graph = planned.plan_graph
+    predicted_base = replay(graph, None, device)
+    data = synthetic_batch(model, batch, inputs)  # as captured
+    run_graph = graph if params is None else plan_graph
+    run = run_plan(model, run_graph, plan, device, data, placement=placement, inputs=inputs)
+    measured, predicted = run.measured, run.predicted
+    step_s = float("nan") if measured is None else measured.step_s
+    predicted_step_s, anchored_to = predicted.step_s, None
+    if isinstance(device, CalibratedDevice) and measured is not None:
+        reanchored = _reanchored(model, graph, run_graph, run, device, data, placement, inputs)
+        if reanchored is not None:
+            step_s, predicted_step_s, anchored_to = reanchored
+    baseline = plain = None
+    if result.has_actions:
+        if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
+            baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
+                                inputs=inputs).measured
+    else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
+        readings = _readings(rewriter.KerasStep(model), *data)
+        plain = readings[0] if readings else None
+        if not readings:
+            log.info("model.fit's own step ran out of memory at batch %d", batch)
+    verification = run.step.verification
+    if measured is not None:
+        log.info("measured at batch %d: peak %s (predicted %s)", batch, format_bytes(measured.peak_bytes),
+                 format_bytes(predicted.peak_bytes))
+    return MeasuredRun(
+        measured_on=placement.measured_on if measured is None else measured.measured_on, batch_size=batch,
+        peak_bytes=0 if measured is None else measured.peak_bytes,
+        step_s=step_s,
+        baseline_peak_bytes=None if baseline is None else baseline.peak_bytes,
+        baseline_step_s=None if baseline is None else baseline.step_s,
+        predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted_step_s, time_model=device.name,
+        predicted_step_s_unanchored=predicted.step_s if anchored_to is not None else None, time_anchored_to=anchored_to,
+        time_calibrated=isinstance(device, CalibratedDevice),
+        predicted_baseline_peak_bytes=predicted_base.peak_bytes,
+        allocator_peak_bytes=None if measured is None else measured.allocator_peak_bytes,
+        note=note, swaps_survived=None if verification is None else verification.swap_outs,
+        swaps_planned=plan.n_swaps, plain_peak_bytes=None if plain is None else plain.peak_bytes,
+        **_clones(None if verification is None else verification.recompute),
+        out_of_memory=run.out_of_memory,
+    )
+

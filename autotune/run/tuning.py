@@ -1,0 +1,537 @@
+"""The tuning run: pick a budget, search swap parameters by simulation, check the winner for real.
+
+``tune_graph`` works on a captured OpGraph and never needs TensorFlow (benchmarks use it);
+``autotune.run.confirm.tune`` captures a Keras model first and, unless told not to, applies the winning
+plan to the real training step and measures it until a measured run confirms it (``autotune.run.verdict``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+
+from autotune.inputs import InputError, format_bytes
+from autotune.run.options import SearchOptions
+from autotune.search.policies import Budget, make_policy
+from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
+from autotune.run.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, actions_phrase, predicted
+from autotune.run.target import DEFAULT_DEVICE, Target, resolve_device, resolve_target  # noqa: F401 -- DEFAULT_DEVICE, resolve_device: re-exported
+from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, replay
+from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
+from simulator.recompute.actions import Recompute, clone_name
+from simulator.replay import Replay, op_seconds
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 1 << 16
+HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
+
+
+@dataclass
+class MeasuredRun:
+    """A measured run of the chosen plan (on a GPU, or on the CPU testbed at a smaller batch), with the
+    prediction for the same batch beside it (``autotune.run.plan_run``; one measured step is a
+    ``rewriter.Measurement``)."""
+
+    measured_on: str
+    batch_size: int
+    peak_bytes: int
+    step_s: float
+    baseline_peak_bytes: int | None
+    baseline_step_s: float | None
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    predicted_baseline_peak_bytes: int
+    allocator_peak_bytes: int | None = None
+    note: str = ""
+    swaps_survived: int | None = None
+    swaps_planned: int | None = None
+    # the plan's recomputations in the optimized graph that ran (rewriter.check.recompute_check): clones still
+    # running (or fused with their original) of those planned, and what Grappler undid
+    clones_survived: int | None = None
+    clones_planned: int | None = None
+    recompute_problems: list[str] = field(default_factory=list)
+    # without swapping: the step a plain model.fit runs (Keras' own train_step, TF's executor order)
+    plain_peak_bytes: int | None = None
+    out_of_memory: bool = False  # the plan's run raised ResourceExhausted (peak_bytes is then 0)
+    # the device model that predicted step_s (a calibration, autotune.run.calibrated_timing, or a preset's estimate)
+    time_model: str = ""
+    time_calibrated: bool = False
+    # a calibrated prediction re-anchored to the calibration's unswapped steps timed beside the plan's
+    # (rewriter.timing.anchored): what they were, and the prediction before it; step_s is then that timing's
+    time_anchored_to: str | None = None
+    predicted_step_s_unanchored: float | None = None
+
+
+@dataclass
+class TuneResult:
+    """Everything a run found; ``summary()`` is what goes into summary.json."""
+
+    model: str
+    batch_size: int
+    target: Target  # the device the plan is for, its budgets and where they came from (resolved once)
+    graph: OpGraph
+    policy: str
+    baseline: Evaluation
+    chosen: Evaluation | None
+    closest: Evaluation | None
+    evaluations: list[Evaluation]
+    study: optuna.Study | None
+    plan: SwapPlan | None
+    replay: Replay | None
+    baseline_replay: Replay
+    space: SearchSpace
+    max_batch_without_swap: int | None = None
+    measurement: MeasuredRun | None = None
+    notes: list[str] = field(default_factory=list)
+    # the budget the search held predicted peaks to: the budget less what measured runs showed the
+    # simulator misses on this model (``correction``); equal to budget_bytes before any measured run
+    search_budget_bytes: int | None = None
+    correction: PeakCorrection = field(default_factory=PeakCorrection)
+    verdict: Verdict | None = None
+    # the step the plan is made on: ``graph`` with the plan's recomputations (``recomputes``), else ``graph``
+    plan_graph: OpGraph | None = None
+    recomputes: list[Recompute] = field(default_factory=list)
+    # step times measured on this machine (rewriter.timing.device_calibration), when the run calibrated: the search's
+    # device when it models the device searched for, and the measured run's prediction
+    calibration: CalibratedDevice | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.chosen is not None
+
+    @property
+    def device(self) -> DeviceModel:
+        """The device model the search simulated (the target's, timed by a calibration where it models it)."""
+        return self.target.device
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.target.device_budget_bytes
+
+    @property
+    def budget_source(self) -> str:
+        return self.target.budget_source
+
+    def recomputed(self) -> list[dict[str, Any]]:
+        """The plan's recomputations: tensor, its bytes, the ops cloned, their seconds on the
+        device, the far readers served, largest first."""
+        if not self.recomputes:
+            return []
+        g = self.plan_graph if self.plan_graph is not None else self.graph
+        index, ops = g.tensor_index(), g.op_index()
+        seconds = op_seconds(g, self.device)
+        rows = [{"tensor": action.tensor, "bytes": int(g.tensor_bytes[index[action.tensor]]), "ops": len(action.ops),
+                 "seconds": float(sum(seconds[ops[clone_name(op, k)]] for op in action.ops)),
+                 "consumers": len(action.consumers)} for k, action in enumerate(self.recomputes)]
+        return sorted(rows, key=lambda row: -row["bytes"])
+
+    @property
+    def params(self):
+        return None if self.chosen is None else self.chosen.params
+
+    @property
+    def graph_rewrites(self) -> list[str]:
+        """Rewrites the step was captured with (``rewriter.trace.graph_rewrites``): every figure here,
+        the unswapped ones too, is of the rewritten step, and the plan makes the rewriter redo them."""
+        return list(self.graph.meta.get("graph_rewrites", []))
+
+    @property
+    def applies_plan(self) -> bool:
+        """A plan fits and changes the step (swaps, reorders or rewrites it), or only the tool's
+        serialized step fits: there is something to apply."""
+        serialized = self.verdict is not None and self.verdict.train_with == SERIALIZED_STEP
+        return self.feasible and self.plan is not None and (self.plan.changes_step or bool(self.recomputes)
+                                                            or bool(self.graph_rewrites) or serialized)
+
+    @property
+    def action_phrase(self) -> str:
+        """What the shown plan does, in the verdict's words."""
+        return actions_phrase(0 if self.plan is None else self.plan.n_swaps, len(self.recomputes))
+
+    @property
+    def has_actions(self) -> bool:
+        """Whether the shown plan swaps or recomputes anything (else it at most reorders the step)."""
+        return self.plan is not None and bool(self.plan.n_swaps or self.recomputes)
+
+    def named_plan(self) -> NamedPlan | None:
+        """The shown plan by name (what ``plan.json`` holds), its recomputations included."""
+        return None if self.plan is None else self.plan.to_named(self.plan_graph if self.plan_graph is not None
+                                                                 else self.graph)
+
+    @property
+    def shown(self) -> Evaluation | None:
+        """The chosen candidate, or the closest miss when nothing fits."""
+        return self.chosen or self.closest
+
+    def summary(self) -> dict[str, Any]:
+        shown = self.shown
+        m = self.measurement
+        return {
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "device": self.device.name,
+            "policy": self.policy,
+            "study_name": None if self.study is None else self.study.study_name,
+            "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source,
+            "target": self.target.to_dict(),
+            **(self.verdict.to_dict() if self.verdict is not None else {}),
+            "search_budget_bytes": self.search_budget_bytes,
+            "peak_correction": {"factor": self.correction.factor, "excess_bytes": self.correction.excess_bytes},
+            "feasible": self.feasible,
+            "params": None if self.params is None else self.params.to_dict(),
+            "closest_params": None if self.chosen or not shown or not shown.params else shown.params.to_dict(),
+            "graph_rewrites": self.graph_rewrites,
+            "graph_rewrite_changes": self.graph.meta.get("graph_rewrite_changes", {}),
+            "resident_bytes": self.graph.persistent_bytes,
+            "peak_lower_bound_bytes": peak_lower_bound_bytes(self.graph),
+            "baseline_peak_bytes": self.baseline.peak_bytes,
+            "baseline_step_s": self.baseline.step_s,
+            "predicted_peak_bytes": None if shown is None else shown.peak_bytes,
+            "predicted_step_s": None if shown is None else shown.step_s,
+            "predicted_overhead": None if shown is None else shown.metrics["overhead"],
+            "predicted_d2h_bytes": None if shown is None else int(shown.metrics["d2h_bytes"]),
+            "predicted_h2d_bytes": None if shown is None else int(shown.metrics["h2d_bytes"]),
+            "predicted_host_peak_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
+            "excess_bytes": None if shown is None else max(0, shown.excess_bytes),
+            "recomputes": self.recomputed(),
+            "recomputed_bytes": sum(row["bytes"] for row in self.recomputed()),
+            "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),
+            "swaps": 0 if self.plan is None else self.plan.n_swaps,
+            "swap_ins": 0 if self.plan is None else self.plan.n_swap_ins,
+            "trials": len(self.evaluations),
+            "max_batch_without_swap": self.max_batch_without_swap,
+            "measured_on": None if m is None else m.measured_on,
+            "measured_batch_size": None if m is None else m.batch_size,
+            "measured_peak_bytes": None if m is None else m.peak_bytes,
+            "measured_step_s": None if m is None else m.step_s,
+            "measured_baseline_peak_bytes": None if m is None else m.baseline_peak_bytes,
+            "measured_baseline_step_s": None if m is None else m.baseline_step_s,
+            "predicted_peak_bytes_at_measured_batch": None if m is None else m.predicted_peak_bytes,
+            "predicted_step_s_at_measured_batch": None if m is None else m.predicted_step_s,
+            # predicted over measured step time at the measured batch, and what predicted it
+            "step_time_ratio": (m.predicted_step_s / m.step_s if m is not None and m.step_s and m.step_s == m.step_s
+                                else None),
+            "step_time_model": None if m is None else m.time_model,
+            "step_time_calibrated": None if m is None else m.time_calibrated,
+            "step_time_anchored_to": None if m is None else m.time_anchored_to,
+            "predicted_step_s_before_anchoring": None if m is None else m.predicted_step_s_unanchored,
+            "search_time_calibrated": isinstance(self.device, CalibratedDevice),
+            "calibration": None if self.calibration is None else {
+                "device": self.calibration.name, "batch_sizes": list(self.calibration.batch_sizes),
+                "measured_step_s": list(self.calibration.measured_step_s),
+                "h2d_bytes_per_s": self.calibration.h2d_bytes_per_s,
+                "transfer_latency_s": self.calibration.transfer_latency_s,
+                "copy_contention": self.calibration.copy_contention,
+                "copy_overhead_s": self.calibration.copy_overhead_s, "notes": list(self.calibration.notes)},
+            "measured_clones_survived": None if m is None else m.clones_survived,
+            "measured_clones_planned": None if m is None else m.clones_planned,
+            "measured_recompute_problems": None if m is None else m.recompute_problems,
+            "measured_plain_fit_peak_bytes": None if m is None else m.plain_peak_bytes,
+            "measured_out_of_memory": None if m is None else m.out_of_memory,
+            "notes": self.notes,
+        }
+
+
+def max_batch_without_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel) -> int:
+    """The largest batch whose unswapped step fits (0 if not even batch 1)."""
+    def fits(batch: int) -> bool:
+        return replay(graph.with_batch(batch), None, device).peak_bytes <= budget_bytes
+
+    return largest_batch(fits)
+
+
+def largest_batch(fits) -> int:
+    """The largest batch in 1..MAX_BATCH for which the monotone predicate ``fits`` holds (0: none)."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_BATCH and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_BATCH + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+class SwapProbes:
+    """Swap searches at each batch size of one graph, kept so that several questions about it
+    (the largest batch, the largest under an overhead cap) share the searches they have in common:
+    a probe's search does not depend on the question, only which of its plans count does."""
+
+    def __init__(self, graph: OpGraph, budget_bytes: int, device: DeviceModel, *, probe_trials: int = 80,
+                 seed: int | None = 0, recompute: bool = False) -> None:
+        self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
+        self.probe_trials, self.seed, self.recompute = probe_trials, seed, recompute
+        # batch -> every plan the search evaluated there; None: the step fits without swapping,
+        # [] when no plan can fit: not even its resident memory and its largest op's working set
+        # (``peak_lower_bound_bytes``, which no swap or recomputation lowers: a clone's inputs and
+        # outputs are its original's), so the search there is not run
+        self.evaluations_at: dict[int, list[Evaluation] | None] = {}
+
+    def at(self, batch: int) -> list[Evaluation] | None:
+        if batch not in self.evaluations_at:
+            graph = self.graph.with_batch(batch)
+            problem = TuningProblem(graph, self.device, self.budget_bytes,
+                                    space=SearchSpace.for_graph(graph, recompute=self.recompute))
+            if problem.resident_bytes > self.budget_bytes or peak_lower_bound_bytes(graph) > self.budget_bytes:
+                found = []
+            elif problem.baseline().feasible:
+                found = None
+            else:
+                study = optuna.create_study(direction="minimize")
+                found = make_policy("optuna", seed=self.seed).search(problem, study,
+                                                                    Budget(trials=self.probe_trials)).evaluations
+            self.evaluations_at[batch] = found
+        return self.evaluations_at[batch]
+
+    def good_at(self, batch: int, max_overhead: float | None = None) -> list[Evaluation] | None:
+        """The plans that fit at ``batch`` (None: no plan needed)."""
+        found = self.at(batch)
+        if found is None:
+            return None
+        return [e for e in found if e.feasible and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
+
+    def largest(self, max_overhead: float | None = None) -> tuple[int, list[Evaluation]]:
+        """As :func:`largest_batch_with_swap`."""
+        def fits(batch: int) -> bool:
+            good = self.good_at(batch, max_overhead)
+            return good is None or bool(good)
+
+        batch = largest_batch(fits)
+        return batch, (self.good_at(batch, max_overhead) or []) if batch else []
+
+    def host_unlimited(self) -> SwapProbes:
+        """The same probes with no limit on host memory. A search where no plan went over the host
+        limit, nor was mended to fit it (``keep_tensors``), runs the same way without it (samplers
+        see only violated constraints), so those probes carry over; the others are searched again
+        when asked."""
+        device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
+        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed,
+                           recompute=self.recompute)
+        limit = self.device.host_memory_bytes
+        for batch, found in self.evaluations_at.items():
+            if found is None or all(e.metrics["host_peak_bytes"] <= limit and not (e.params and e.params.keep_tensors)
+                                    for e in found):
+                other.evaluations_at[batch] = found
+        return other
+
+
+def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel, *, max_overhead: float | None,
+                            probe_trials: int = 80, seed: int | None = 0,
+                            recompute: bool = False) -> tuple[int, list[Evaluation]]:
+    """The largest batch for which the search finds a plan that fits (and, if given, whose
+    simulated overhead stays under ``max_overhead``), and the plans that did there (none when the
+    step fits without swapping)."""
+    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed,
+                      recompute=recompute).largest(max_overhead)
+
+
+def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
+                   sampler: str, seed: int | None, recompute: bool = False, space: SearchSpace | None = None) -> str:
+    """A study's default name; searches with and without recomputation keep theirs apart (a
+    swap-only search keeps the name it had before recomputation existed). With recomputation the
+    name holds the search space too: a version whose recompute space changed starts a new study
+    instead of refusing the stored one (``open_study``), which is kept as it is."""
+    key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
+    if recompute:
+        key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    model = str(graph.meta.get("model", "model")).replace(" ", "_")
+    return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
+
+
+def optuna_storage(storage: str | None):
+    """What ``--storage`` names: a database URL (``sqlite:///...``, ``postgresql://...``) as Optuna
+    takes it, or else a journal file (Optuna's JournalStorage). A journal appends one line per
+    change, where SQLite commits a transaction: a 200-trial search took 6 s instead of 44 s."""
+    if storage is None or "://" in storage:
+        return storage
+    path = Path(storage)
+    if path.is_file() and path.stat().st_size:  # never append to a file that is not a journal
+        with path.open("rb") as file:
+            first = file.readline()
+        if first.startswith(b"SQLite format 3\x00"):  # a database given as a path
+            return f"sqlite:///{path.resolve()}"
+        try:
+            is_journal = "op_code" in json.loads(first)
+        except (ValueError, TypeError):
+            is_journal = False
+        if not is_journal:
+            raise InputError("it is neither an Optuna journal nor an SQLite database (it is left as it is)")
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return JournalStorage(JournalFileBackend(storage))
+
+
+def open_study(storage: str | None, name: str, graph: OpGraph, space: SearchSpace) -> optuna.Study:
+    """Create or resume a study; refuse to mix trials of another model or search space into it."""
+    try:
+        study = optuna.create_study(storage=optuna_storage(storage), study_name=name, direction="minimize",
+                                    load_if_exists=True)
+    except Exception as error:  # bad URL, unreachable server, unreadable file
+        raise InputError(f"cannot open the Optuna storage {storage!r}: {error}") from None
+    fingerprint = graph.fingerprint()
+    found = study.user_attrs.get("graph_fingerprint")
+    if found is None:
+        study.set_user_attr("graph_fingerprint", fingerprint)
+        study.set_user_attr("space", space.to_dict())
+    elif found != fingerprint or study.user_attrs.get("space") != space.to_dict():
+        raise InputError(f"the study {name!r} in {storage} was made for another model or search space; "
+                         "give another --study-name (the existing study is left as it is)")
+    return study
+
+
+def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | DeviceModel | None = None,
+               memory: int | None = None, target: Target | None = None, options: SearchOptions | None = None,
+               **option_fields: Any) -> TuneResult:
+    """Search swap parameters for ``graph`` by simulation (no TensorFlow needed): ``search_graph`` for
+    the ``target`` given, else the one ``device`` and ``memory`` name (``resolve_target``).
+    ``option_fields``: ``SearchOptions`` fields (trials=..., recompute=...), over ``options``."""
+    options = replace(options or SearchOptions(), **option_fields)
+    return search_graph(graph, target or resolve_target(device, memory), options, batch_size=batch_size)
+
+
+def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
+                 correction: PeakCorrection | None = None, measured: bool = False) -> TuneResult:
+    """Search swap parameters for ``graph`` on ``target`` by simulation.
+
+    ``options.recompute`` (default): the search may also recompute tensors instead of keeping or swapping
+    them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
+
+    ``correction``: what measured runs showed the simulator misses on this model; the search holds
+    corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
+    waits for it instead of calling the prediction final)."""
+    device_model, user_budget = target.device, target.device_budget_bytes
+    policy, sampler, seed, recompute = options.policy, options.sampler, options.seed, options.recompute
+    max_overhead = options.max_overhead
+    correction = correction or PeakCorrection()
+    notes: list[str] = []
+    g = graph.with_batch(batch_size or graph.batch_size)
+    budget = correction.search_budget(user_budget, g.persistent_bytes)
+    if not correction.is_identity and budget <= g.persistent_bytes:
+        notes.append(f"measured runs showed the simulator short on this model ({correction.describe()}): with "
+                     f"that correction not even the resident memory leaves room in the budget of "
+                     f"{format_bytes(user_budget)}, so no plan can fit")
+    elif not correction.is_identity:
+        notes.append(f"measured runs showed the simulator short on this model ({correction.describe()}): the "
+                     f"search held predicted peaks to {format_bytes(budget)} so that the corrected peak fits "
+                     f"the budget of {format_bytes(user_budget)}")
+    elif g.persistent_bytes > budget:
+        notes.append(f"the model's weights, optimizer state and inputs alone take {format_bytes(g.persistent_bytes)}, "
+                     f"more than the budget of {format_bytes(budget)}: no swap plan can fit")
+    no_swap_max = max_batch_without_swap(g, budget, device_model)
+    found: list[Evaluation] = []  # plans the batch search found at the batch it picked
+    if options.maximize_batch:
+        best_batch, found = largest_batch_with_swap(g, budget, device_model, max_overhead=max_overhead, seed=seed,
+                                                    recompute=recompute)
+        cap = "" if max_overhead is None else f" with a simulated overhead of at most {max_overhead:.0%}"
+        if best_batch == 0:
+            notes.append(f"not even batch 1 fits with swapping{cap}: the report is of batch 1")
+            best_batch = 1
+        else:
+            notes.append(f"largest batch that fits{cap}: {best_batch} (without swapping: {no_swap_max})")
+        g = g.with_batch(best_batch)
+    problem = TuningProblem(g, device_model, budget, space=SearchSpace.for_graph(g, recompute=recompute))
+    baseline = problem.baseline()
+    lower_bound = peak_lower_bound_bytes(g)
+    if g.persistent_bytes <= budget < lower_bound:
+        op = largest_working_set_op(g)
+        notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
+                     f"device at once, {format_bytes(lower_bound)} with the resident memory"
+                     + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
+    name = options.study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
+                                        problem.space)
+    study = open_study(options.storage, name, g, problem.space)
+    if baseline.feasible:
+        notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"
+                     if g.meta.get("graph_rewrites") else "the step fits without swapping: no plan needed")
+        outcome_evaluations, chosen = [baseline], baseline
+    else:
+        chosen_policy = make_policy(policy, sampler=sampler, seed=seed)
+        outcome = chosen_policy.search(problem, study, Budget(options.trials, options.timeout_s, options.progress))
+        outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
+        best = best_of([e for e in (chosen, *found) if e is not None])
+        if best is not chosen:  # a short search may miss what the batch search found: it counts, and enters the study
+            add_evaluation(study, best, problem)
+            outcome_evaluations, chosen = outcome_evaluations + [best], best
+        if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
+            notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
+                         f"over the {max_overhead:.0%} asked for")
+    notes += _capture_notes(g)
+    tiled = _broadcasts_left(g) if chosen is None else 0
+    if tiled:
+        notes.append(f"{tiled} gradients are tiled to an activation's full shape (the gradient of a mean, as in "
+                     "batch normalisation's backward): --rewrite elide-broadcasts lets the ops that read them "
+                     "broadcast")
+    if chosen is not None and chosen.params is not None and chosen.params.keep_tensors:
+        notes.append(f"{len(chosen.params.keep_tensors)} tensors the swap rules pick stay on the device: the host's "
+                     f"{format_bytes(problem.host_limit_bytes)} of RAM cannot hold every copy at once "
+                     "(keep_tensors in the parameters)")
+    closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
+    shown = chosen or closest
+    plan = problem.plan(shown.params) if shown is not None else None
+    plan_graph = problem.graph_for(None if shown is None else shown.params)
+    shown_replay = None if shown is None else replay(plan_graph, plan, device_model)
+    recomputes = problem.recomputes(None if shown is None else shown.params)
+    verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and (plan.n_swaps or recomputes)),
+                        peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
+                        budget_bytes=user_budget, measured=measured,
+                        action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes)))
+    return TuneResult(
+        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, target=target, graph=g, policy=policy, baseline=baseline, chosen=chosen, closest=closest,
+        evaluations=outcome_evaluations, study=study, plan=plan,
+        replay=shown_replay, baseline_replay=replay(g, None, device_model),
+        space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,
+        correction=correction, verdict=verdict, plan_graph=plan_graph,
+        recomputes=recomputes,
+    )
+
+
+def _capture_notes(g: OpGraph) -> list[str]:
+    """What the capture could not size or no plan can move (``graph.meta``), said where it applies."""
+    notes = []
+    held = g.meta.get("unswappable") or {}
+    if held.get("bytes"):
+        names = ", ".join(item["tensor"] for item in held.get("tensors", [])[:3])
+        notes.append(f"{format_bytes(held['bytes'])} (at batch {held.get('batch')}) is held inside loops no plan can "
+                     f"swap ({names}{', ...' if len(held.get('tensors', [])) > 3 else ''}): {held.get('reason', '')}")
+    unresolved = g.meta.get("unresolved_tensors") or []
+    if unresolved:
+        names = ", ".join(str(item.get("tensor", item)) if isinstance(item, dict) else str(item)
+                          for item in unresolved[:3])
+        notes.append(f"{len(unresolved)} tensor(s) of unknown size are counted as 0 bytes ({names}"
+                     f"{', ...' if len(unresolved) > 3 else ''}): the measured run is what shows what they take")
+    return notes
+
+
+def _broadcasts_left(g: OpGraph) -> int:
+    """Backward ``Tile``/``BroadcastTo`` ops whose output grows with the batch, not yet rewritten:
+    the case of ``--rewrite elide-broadcasts`` (the capture checks which of them it can drop)."""
+    if "elide-broadcasts" in g.meta.get("graph_rewrites", []):
+        return 0
+    ops = np.flatnonzero(np.isin(g.op_type, ["Tile", "BroadcastTo"]) & (g.op_phase == BACKWARD))
+    return int((g.tensor_bytes_ab[np.isin(g.tensor_producer, ops), 1] > 0).sum())
+
+
+def _splittable(g: OpGraph, op: int) -> bool:
+    """A concatenation a convolution reads, not yet rewritten: the case of ``--rewrite split-concat``
+    (which also needs the convolution to be its only reader; the capture checks the rest)."""
+    if g.op_type[op] != "ConcatV2" or "split-concat" in g.meta.get("graph_rewrites", []):
+        return False
+    outputs = np.flatnonzero(g.tensor_producer == op)
+    readers = g.edge_consumer[np.isin(g.edge_tensor, outputs)]
+    return bool(np.isin(g.op_type[readers], ["Conv2D", "Conv3D"]).any())

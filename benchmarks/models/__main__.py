@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.models.builders import main
+
+sys.exit(main())

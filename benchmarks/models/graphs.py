@@ -1,0 +1,42 @@
+"""Captured training graphs of the suite's models, cached as .npz under benchmarks/results/graphs/
+so simulation-only benchmarks need TensorFlow once per model and size."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR
+from benchmarks.models.builders import build_model
+from simulator import OpGraph
+
+# a cached graph is stale when the code that captured it changed
+CAPTURE_SOURCES = ("rewriter/trace/tracing.py", "rewriter/trace/graph_rewrites.py")
+
+
+def _capture_code() -> str:
+    root = Path(__file__).resolve().parents[2]
+    return hashlib.sha256(b"".join((root / path).read_bytes() for path in CAPTURE_SOURCES)).hexdigest()[:16]
+
+
+def captured_graph(name: str, graph_rewrites: tuple[str, ...] = (), **kwargs) -> OpGraph:
+    """``build_model(name, **kwargs)``'s step captured at batch 1 (sizes are linear in the batch),
+    after ``graph_rewrites`` (``rewriter.trace.tracing``'s)."""
+    key = "_".join([name] + [f"{k}{v}" for k, v in sorted(kwargs.items())] + list(graph_rewrites))
+    path = RESULTS_DIR / "graphs" / f"{key}.npz"
+    if path.exists():
+        graph = OpGraph.load(path)
+        if (graph.meta.get("build_kwargs") == json.loads(json.dumps(kwargs))
+                and graph.meta.get("capture_code") == _capture_code()):
+            return graph
+    from rewriter.environment import prepare_environment  # before TensorFlow is imported
+
+    prepare_environment()
+    from rewriter.trace.tracing import capture
+
+    graph = capture(build_model(name, **kwargs), 1, name=name, graph_rewrites=graph_rewrites)
+    graph.meta["build_kwargs"] = kwargs
+    graph.meta["capture_code"] = _capture_code()
+    graph.save(path)
+    return graph

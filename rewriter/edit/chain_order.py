@@ -1,0 +1,97 @@
+"""The order the edited step runs in: the plan's order, with the ops a graph pass may merge moved next to
+each other (``partners_adjacent``), enforced by control edges (``chain_in_order``). ``editor`` is the
+``rewriter.edit.graph_edit.GraphEditor`` of the step being edited."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rewriter.edit.graph_refs import Ancestry, parse_ref
+from rewriter.tf_effects.grappler import may_vanish
+from simulator.fusion import CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings
+
+log = logging.getLogger(__name__)
+
+
+def _merge_partners(editor: Any, op: str, position: dict[str, int]) -> list[str]:
+    """The ops before ``op`` in the order (``position``) that a graph pass may merge with it into one
+    node: a sibling (a filter gradient's bias gradient on the same input), or a part of its fused chain
+    (``GraphEditor.fusion_neighbourhood``) read by nothing outside the chain (a producer read elsewhere
+    too is never merged: oneDNN and the remapper fuse single readers only)."""
+    danger = [name for name in editor.fusion_neighbourhood([op]) if position.get(name, len(position)) < position[op]]
+    if not danger:
+        return []
+    readers = editor.readers_index()
+    kind = editor.nodes[op].op
+    partners = set(danger)
+    while True:  # a chain part merges when every reader is the op or a part that merges
+        chain = partners | {op}
+        dropped = {name for name in partners if not fused_as_siblings(kind, editor.nodes[name].op) and not all(
+            reader in chain or reader not in editor.nodes or editor.bypassed(editor.nodes[reader])
+            for reader in readers.get(name, ()))}
+        if not dropped:
+            return [name for name in danger if name in partners]
+        partners -= dropped
+
+
+def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
+    """``order`` with every op a graph pass may merge with a later op moved next to it, and the ops between
+    them that depend on it after them.
+
+    oneDNN's layout pass merges a Conv2DBackpropFilter and the BiasAddGrad reading the same gradient (a
+    Conv2D and its BiasAdd, a Pad and its Conv2D) when the two have the same control inputs; the merged
+    node takes over both nodes' edges, and no other path between them is looked for. Chained in the
+    plan's order, partners with ops between them are joined by a path through those ops, so merged they
+    close a cycle ("N nodes in a cycle" at the first call). The chain's own control edge on the later
+    partner usually keeps them unmerged; a recomputation breaks that: the filter gradient's predecessor
+    is then the clone it reads (a data input, no control edge), and the bias gradient and its update
+    sit before the clones (ResNet-50's recomputed convolutions, tests/rewriter/test_recompute_clones.py). Next to each other, the
+    partners' only path is their own edge, merged or not. The earlier partner runs where a merged node
+    would, its dependents (a bias gradient's update: a few bytes) after it; one the later op waits for
+    (through a trigger) cannot move: left as it is, with a warning.
+    """
+    result = list(order)
+    takers = CHAIN_TAILS | SIBLING_FUSIONS
+    position = {name: k for k, name in enumerate(result)}
+    ancestry: Ancestry | None = None
+    for op in order:
+        if editor.nodes[op].op not in takers:
+            continue
+        partners = _merge_partners(editor, op, position)
+        if not partners:
+            continue
+        end = position[op]
+        start = min(position[name] for name in partners)
+        if end - start == len(partners):  # already together
+            continue
+        if ancestry is None:
+            ancestry = Ancestry(editor.graph_def)
+        moved = set(partners)
+        segment = result[start:end]
+        dependents = [name for name in segment if name not in moved
+                      and any(ancestry.depends(name, partner) for partner in partners)]
+        blocking = [name for name in dependents if ancestry.depends(op, name)]
+        if blocking:
+            log.warning("%s and %s may be merged by a graph pass, but %s waits for %s, which depends on the "
+                        "first: left in the plan's order", op, partners[0], op, blocking[0])
+            continue
+        later = set(dependents)
+        result[start:end + 1] = ([name for name in segment if name not in moved and name not in later]
+                                 + [name for name in segment if name in moved] + [op] + dependents)
+        position.update((name, k) for k, name in enumerate(result[start:end + 1], start))
+    return result
+
+
+def chain_in_order(editor: Any, order: list[str], foldable: frozenset[str]) -> None:
+    """Run the step in the order the simulator assumed: each op waits for the one before it and, past
+    ops Grappler may remove (taking their control edges along), for every op back to one it keeps."""
+    since_kept: list[str] = []
+    for before, after in zip(order, order[1:]):
+        if not may_vanish(editor.nodes[before], editor.nodes, foldable):
+            since_kept.clear()
+        since_kept.append(before)
+        node = editor.nodes[after]
+        for source in since_kept:
+            if f"^{source}" not in node.input and source not in {parse_ref(ref)[0] for ref in node.input}:
+                node.input.append(f"^{source}")

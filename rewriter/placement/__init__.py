@@ -1,0 +1,7 @@
+"""Where swap ops run and how the accelerator-side peak is read: a real GPU or the CPU testbed
+(docs/design.md 4)."""
+
+from rewriter.placement.memtrace import accelerator_peak
+from rewriter.placement.placements import (SWAP_IN_PREFIX, SWAP_OUT_PREFIX, CpuTestbedPlacement, GpuPlacement,
+                                           PeakReading, Placement, configure_testbed, detect, gpu_reading,
+                                           limit_device_memory, resolve)

@@ -1,0 +1,7 @@
+"""The rewritten training step: built from a plan, run, trained with through ``model.fit``, and the GraphDef a
+GPU would run, built without one."""
+
+from rewriter.step.apply_plan import apply
+from rewriter.step.gpu_graph import jit_compile_note, optimize_for_gpu, rewritten_graph_def
+from rewriter.step.keras_fit import KerasStep, restore_train_function, swap_step_of, swapping, use_swap_step
+from rewriter.step.swap_step import StateSnapshot, SwapStep

@@ -1,0 +1,96 @@
+"""The GPU path, built and checked without a GPU: the GraphDef a placement runs, what Grappler would
+make of it on a GPU, the device memory limit, and what XLA means for the plan.
+
+* ``rewritten_graph_def(model, plan, placement=GpuPlacement())``: the rewritten step's GraphDef as the
+  placement would run it (swap nodes on its devices); needs no such device.
+* ``optimize_for_gpu(graph_def, fetches)``: Grappler's meta-optimizer run offline on a virtual cluster
+  with one GPU (``tf_optimizer.OptimizeGraph``), with the rewritten step's configuration
+  (``grappler.swap_grappler_config``) or another: what a GPU's graph passes (the layout optimizer, which
+  runs only for GPUs) do to the swap nodes, seen on a CPU.
+* ``limit_device_memory(budget_bytes)`` (``rewriter.placement.placements``, re-exported): the budget as GPU:0's
+  memory limit, before TensorFlow's runtime starts (before the model is loaded), so that a plan that
+  does not fit runs out of memory as it would on a GPU of that size.
+* ``jit_compile_note(model)``: whether the user's own ``model.fit`` compiles with XLA, and what that
+  means for the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2
+from tensorflow.python.grappler import cluster as gcluster
+from tensorflow.python.grappler import tf_optimizer
+
+from rewriter.step.apply_plan import apply
+from rewriter.tf_effects.grappler import swap_grappler_config
+from rewriter.placement.placements import GpuPlacement, Placement, limit_device_memory  # noqa: F401 -- re-exported
+
+GPU_DEVICE = "/job:localhost/replica:0/task:0/device:GPU:0"
+CPU_DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+def rewritten_graph_def(model, plan, *, graph=None, batch_size: int | None = None,
+                        placement: Placement | str | None = None, **apply_kwargs: Any) -> graph_pb2.GraphDef:
+    """The GraphDef ``rewriter.step.apply_plan`` builds for ``placement`` (default ``GpuPlacement()``), without
+    running it: nothing needs the placement's devices. Same arguments as ``rewriter.step.apply_plan``."""
+    step = apply(model, plan, graph=graph, batch_size=batch_size,
+                 placement=GpuPlacement() if placement is None else placement, verify=False, **apply_kwargs)
+    return step.graph_def
+
+
+def place_unassigned(graph_def: graph_pb2.GraphDef, device: str = "/device:GPU:0") -> graph_pb2.GraphDef:
+    """A copy with every node that has no device put on ``device``, as TensorFlow's placer does for ops
+    with a kernel there (Grappler runs on placed graphs)."""
+    placed = graph_pb2.GraphDef()
+    placed.CopyFrom(graph_def)
+    for node in placed.node:
+        if not node.device:
+            node.device = device
+    return placed
+
+
+def virtual_gpu_cluster(*, memory_bytes: int = 16 * 2**30, compute_capability: str = "7.0") -> gcluster.Cluster:
+    """A Grappler cluster of one GPU (a V100 by default) and one CPU, for offline optimization."""
+    gpu = device_properties_pb2.DeviceProperties(
+        type="GPU", vendor="NVIDIA", model="virtual", frequency=1530, num_cores=80, num_registers=65536,
+        l1_cache_size=24576, l2_cache_size=6291456, shared_memory_size_per_multiprocessor=98304,
+        memory_size=int(memory_bytes), bandwidth=900_000_000,
+        environment={"architecture": compute_capability, "cuda": "12030", "cudnn": "8900"})
+    cpu = device_properties_pb2.DeviceProperties(type="CPU", frequency=2000, num_cores=8)
+    return gcluster.Cluster(devices=[device_properties_pb2.NamedDevice(name=GPU_DEVICE, properties=gpu),
+                                     device_properties_pb2.NamedDevice(name=CPU_DEVICE, properties=cpu)])
+
+
+def optimize_for_gpu(graph_def: graph_pb2.GraphDef, fetches: Iterable[str], *,
+                     config: config_pb2.ConfigProto | None = None, cluster: gcluster.Cluster | None = None,
+                     ) -> graph_pb2.GraphDef:
+    """Grappler's output for ``graph_def`` on a GPU (``virtual_gpu_cluster``), unplaced nodes on GPU:0.
+
+    ``fetches``: the step's output node names. ``config``: default, the rewritten step's
+    (``swap_grappler_config`` on TensorFlow's defaults)."""
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(place_unassigned(graph_def))
+    for name in fetches:
+        meta.collection_def["train_op"].node_list.value.append(name.split(":")[0].lstrip("^"))
+    if config is None:
+        config = swap_grappler_config(config_pb2.ConfigProto())
+    return tf_optimizer.OptimizeGraph(config, meta, cluster=cluster or virtual_gpu_cluster())
+
+
+def jit_compile_note(model) -> tuple[bool | None, str]:
+    """(whether the user's ``model.fit`` compiles ``train_step`` with XLA, a sentence on what follows).
+
+    Keras 3 compiles with XLA by default when a GPU is visible (``jit_compile="auto"``); the tool captures,
+    simulates, measures and installs the step without XLA."""
+    value = getattr(model, "jit_compile", None)
+    if value is None:
+        return None, "jit_compile: unknown (not a compiled Keras model)"
+    if not value:
+        return False, "jit_compile: off; model.fit runs the same (non-XLA) step the tool captured and measured"
+    return True, ("jit_compile: on (Keras compiles model.fit's train_step with XLA, its default on a GPU): the tool "
+                  "captured, measured and installs the step without XLA, so rewriter.use_swap_step makes model.fit "
+                  "run without XLA; your own fit without the tool runs another program, whose memory (XLA fuses "
+                  "elementwise chains, usually less) and speed the prediction does not describe. Compile with "
+                  "jit_compile=False to compare like with like")

@@ -1,0 +1,565 @@
+"""The per-plan loops of the replay and the planner, compiled with numba: one call from a
+plan to a Replay's fields (``replay_plan``: fusion-safe waits, the plan in slot terms, buffer
+lifetimes once reads are rewired, then ``kernel_events.schedule`` and ``kernel_memory.account``),
+and the swap rules (``plan_reads``, ``after_ops``).
+
+Each kernel does, operation for operation, what the numpy code it replaced did (the same float
+additions in the same order, the same tie-breaking), so results are bit-identical to it: the golden
+set (tests/simulator/test_golden.py) holds them to that. ``cache=True`` keeps the machine code under
+``__pycache__``, so a new process loads it instead of compiling again (``kernel_tools`` says how the
+small helpers are compiled).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+from numba import njit
+
+from simulator.kernels.events import schedule
+from simulator.kernels.memory import account, copy_overlap
+from simulator.kernels.tools import (contains_value, contains_value_in, distinct_sorted, doubled, radix_argsort,
+                                    search_right_in)
+
+
+@njit(cache=True, nogil=True)
+def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor, read_consumer):
+    """Which read ids (``buffers.RewireTables``) the reads (``read_tensor``, ``read_consumer``)
+    rewire (the last entry: id -1, no read), each read's id and its place in the per-tensor reads
+    (-1: not a read of the graph)."""
+    rewired = np.zeros(n_keys + 1, np.bool_)
+    read_ids = np.full(len(read_tensor), -1, np.int64)
+    read_edge = np.full(len(read_tensor), -1, np.int64)
+    for k in range(len(read_tensor)):
+        for e in range(tensor_read_ptr[read_tensor[k]], tensor_read_ptr[read_tensor[k] + 1]):
+            if tensor_read_consumer[e] == read_consumer[k]:
+                read_ids[k] = tensor_read_id[e]
+                read_edge[k] = e
+                rewired[tensor_read_id[e]] = True
+                break
+    return rewired, read_ids, read_edge
+
+
+@njit(cache=True, nogil=True)
+def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+               rewired, roots, tensors, tensor_root):
+    """Last slots once the reads ``rewired`` (by read id, ``buffers.RewireTables``) go to swap-ins.
+
+    Returns, for each of ``roots`` (unique root buffers, sorted), the last slot that still reads the
+    original buffer (its producer at least); the rewired links that carried a segment away (their
+    keys ``tensor * n_ops + op`` and read ids) with the last slot of what now lives in the swap-in
+    buffer; and for each of ``tensors`` (``tensor_root``: the index in ``roots`` of each one's root)
+    the link that carried it into a swap-in's buffer, key and id, -1 where it stays in the original
+    buffer. A segment lives in the buffer of its nearest ancestor (itself included) whose link was
+    cut, or the root's. Segments are numbered locally, the roots' one after the other (a root's
+    segment numbers are consecutive in the tables); a segment's last use is its latest not
+    rewired, found from the latest down (the rewired reads are the late ones)."""
+    n_roots = len(roots)
+    base = np.empty(n_roots + 1, np.int64)  # each root's first local number
+    base[0] = 0
+    for r in range(n_roots):
+        base[r + 1] = base[r] + seg_ptr[roots[r] + 1] - seg_ptr[roots[r]]
+    n_segments = base[n_roots]
+    cut = np.empty(n_segments, np.bool_)
+    owner = np.empty(n_segments, np.int64)
+    segment_last = np.empty(n_segments, np.int64)
+    root_last = np.empty(n_roots, np.int64)
+    cut_links = np.empty(n_segments, np.int64)
+    cut_ids = np.empty(n_segments, np.int64)
+    cut_last = np.empty(n_segments, np.int64)
+    n_cut = 0
+    for r in range(n_roots):  # a segment's owner is in its root's buffer: one root at a time
+        first, stop = seg_ptr[roots[r]], seg_ptr[roots[r] + 1]
+        shift = base[r] - first
+        # a segment lives in the buffer of its nearest ancestor (itself included) whose link was cut,
+        # or the root's: parents come first, so one pass settles each
+        for m in range(first, stop):
+            s = m + shift
+            last = -1
+            for u in range(seg_use_ptr[m], seg_use_ptr[m + 1]):
+                if not rewired[seg_use_id[u]]:
+                    last = seg_use_slot[u]
+                    break
+            segment_last[s] = last
+            cut[s] = rewired[seg_link_id[m]]
+            owner[s] = owner[seg_parent[m] + shift] if seg_parent[m] >= 0 and not cut[s] else s
+        if stop - first == 1:  # one segment: its own owner, not cut
+            root_last[r] = segment_last[first + shift]
+            continue
+        for m in range(first, stop):  # each owner's last: the latest of the segments it holds
+            if owner[m + shift] != m + shift:
+                segment_last[owner[m + shift]] = max(segment_last[owner[m + shift]], segment_last[m + shift])
+        root_last[r] = segment_last[owner[tensor_segment[roots[r]] + shift]]
+        for m in range(first, stop):
+            if cut[m + shift]:
+                cut_links[n_cut], cut_ids[n_cut] = seg_link_key[m], seg_link_id[m]
+                cut_last[n_cut] = segment_last[m + shift]
+                n_cut += 1
+    home_link = np.full(len(tensors), -1, np.int64)
+    home_ids = np.full(len(tensors), -1, np.int64)
+    for i in range(len(tensors)):
+        r = tensor_root[i]
+        if base[r + 1] - base[r] == 1:  # one segment: never cut
+            continue
+        shift = base[r] - seg_ptr[roots[r]]
+        home = owner[tensor_segment[tensors[i]] + shift]
+        if cut[home]:
+            home_link[i], home_ids[i] = seg_link_key[home - shift], seg_link_id[home - shift]
+    return root_last, cut_links[:n_cut], cut_ids[:n_cut], cut_last[:n_cut], home_link, home_ids
+
+
+@njit(cache=True, nogil=True)
+def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
+                    source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor, trigger,
+                    after, consumer_ptr, consumers):
+    """``fusion.safe_wait_slots`` (which documents it) on the tables of ``fusion.FusionTables``: per
+    swap-in, whether an op it waits for may be fused with one of its consumers, and if so the latest
+    slot among the ops it waits for instead (-1: none). Only swap-ins with a reader in some fusion
+    neighbourhood and (synchronous, or a trigger or ``after`` inside one) are looked at."""
+    n = len(tensor)
+    changed = np.zeros(n, np.bool_)
+    slots = np.full(n, -1, np.int64)
+    scratch = np.empty((4, 32), np.int64)
+    for j in range(n):
+        near = False
+        for k in range(consumer_ptr[j], consumer_ptr[j + 1]):
+            near |= has_danger[consumers[k]]
+        if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
+            continue
+        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
+                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
+                                          trigger[j], after[j], consumers, consumer_ptr[j], consumer_ptr[j + 1],
+                                          scratch)
+    return changed, slots
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+               input_source, control_ptr, control_ops, tensor, trigger, after, consumers, lo, hi, scratch):
+    """One swap-in of ``safe_wait_slots`` (readers ``consumers[lo:hi]``): whether a wait is in danger,
+    and the latest slot it waits for instead. The sets involved are a few ops, kept in the rows of
+    ``scratch`` (copied to larger arrays, ``doubled``, when full) and searched linearly."""
+    # what it waits for, as the rewriter builds it: its trigger, or (synchronous) its first
+    # consumer's other inputs and control predecessors; and ``after`` unless that made the tensor
+    first = consumers[lo]
+    waits = scratch[0]
+    capacity = input_ptr[first + 1] - input_ptr[first] + control_ptr[first + 1] - control_ptr[first] + 2
+    if capacity > len(waits):
+        waits = np.empty(capacity, np.int64)
+    n_waits = 0
+    if trigger >= 0:
+        waits[0] = trigger
+        n_waits = 1
+    else:
+        for e in range(input_ptr[first], input_ptr[first + 1]):
+            if input_tensor[e] != tensor:
+                waits[n_waits] = input_source[e]
+                n_waits += 1
+        for e in range(control_ptr[first], control_ptr[first + 1]):
+            waits[n_waits] = control_ops[e]
+            n_waits += 1
+    if after >= 0 and after != tensor_producer[tensor]:
+        waits[n_waits] = after
+        n_waits += 1
+    danger = scratch[1]
+    n_danger = 0
+    for k in range(lo, hi):
+        for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
+            if not contains_value(danger, n_danger, danger_ops[d]):
+                if n_danger == len(danger):
+                    danger = doubled(danger)
+                danger[n_danger] = danger_ops[d]
+                n_danger += 1
+    hit = False
+    for w in range(n_waits):
+        hit |= contains_value(danger, n_danger, waits[w])
+    if not hit:
+        return False, -1
+    # each wait in danger replaced by its own sources, repeatedly: the latest of what is left
+    pending = scratch[2] if n_waits <= scratch.shape[1] else np.empty(n_waits, np.int64)
+    seen = scratch[3]
+    for w in range(n_waits):
+        pending[w] = waits[w]
+    n_pending, n_seen, latest = n_waits, 0, -1
+    while n_pending:
+        n_pending -= 1
+        op = pending[n_pending]
+        if contains_value(seen, n_seen, op):
+            continue
+        if n_seen == len(seen):
+            seen = doubled(seen)
+        seen[n_seen] = op
+        n_seen += 1
+        if contains_value(danger, n_danger, op):
+            for e in range(source_ptr[op], source_ptr[op + 1]):
+                if n_pending == len(pending):
+                    pending = doubled(pending)
+                pending[n_pending] = source_ops[e]
+                n_pending += 1
+        elif position[op] > latest:
+            latest = position[op]
+    return True, latest
+
+
+@njit(cache=True, nogil=True)
+def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
+                       source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, read_safe_hit,
+                       read_safe_slot, tensor, trigger, after, consumer_ptr, consumers, read_edge):
+    """``safe_wait_slots`` for the replay, with the graph's answers per read (``read_safe_*``: a
+    synchronous swap-in of that read alone, waiting for nothing else) and the plan's reads' places
+    among them (``read_edge``). A wait's result is the union of what each of its ops leads to, so a
+    swap-in whose first reader's fusion neighbourhood holds its other readers' needs a walk only
+    when its trigger or ``after`` is itself in danger."""
+    n = len(tensor)
+    changed = np.zeros(n, np.bool_)
+    slots = np.full(n, -1, np.int64)
+    scratch = np.empty((4, 32), np.int64)
+    for j in range(n):
+        lo, hi = consumer_ptr[j], consumer_ptr[j + 1]
+        near = False
+        for k in range(lo, hi):
+            near |= has_danger[consumers[k]]
+        if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
+            continue
+        reader = consumers[lo]
+        alone = True  # every other reader's neighbourhood inside the first's: the first's alone counts
+        for k in range(lo + 1, hi):
+            for d in range(danger_ptr[consumers[k]], danger_ptr[consumers[k] + 1]):
+                alone &= contains_value_in(danger_ops, danger_ptr[reader], danger_ptr[reader + 1], danger_ops[d])
+        if alone:
+            wait_after = after[j] >= 0 and after[j] != tensor_producer[tensor[j]]
+            after_safe = not (wait_after and contains_value_in(danger_ops, danger_ptr[reader], danger_ptr[reader + 1],
+                                                       after[j]))
+            if trigger[j] >= 0 and after_safe and not contains_value_in(danger_ops, danger_ptr[reader],
+                                                                danger_ptr[reader + 1], trigger[j]):
+                continue  # neither of its waits is in danger
+            if trigger[j] < 0 and after_safe:
+                if read_safe_hit[read_edge[lo]]:
+                    changed[j] = True
+                    slots[j] = max(read_safe_slot[read_edge[lo]], position[after[j]] if wait_after else -1)
+                continue
+        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
+                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
+                                          trigger[j], after[j], consumers, lo, hi, scratch)
+    return changed, slots
+
+
+@njit(cache=True, nogil=True)
+def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+            in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot):
+    """A plan in slot terms (see ``replay.replay``): when each copy out may start, which slot each
+    swap-in's first consumer runs at, the slot whose end releases each swap-in (its trigger's; a
+    synchronous one's after the consumer's other inputs, ``replay._other_input_slots``; a fused
+    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the swapped
+    buffers (sorted) and each swap's among them."""
+    n_swaps, n_ins = len(swap_tensor), len(in_swap)
+    out_ready = np.empty(n_swaps, np.int64)
+    for i in range(n_swaps):
+        out_ready[i] = position[tensor_producer[swap_tensor[i]]]
+    need = np.empty(n_ins, np.int64)
+    trigger_slot = np.empty(n_ins, np.int64)
+    copies_slot = np.empty(n_ins, np.int64)
+    for j in range(n_ins):
+        first = in_consumers[in_consumer_ptr[j]]
+        tensor = swap_tensor[in_swap[j]]
+        need[j] = position[first]
+        planned = position[max(in_trigger[j], 0)]
+        if in_trigger[j] < 0:  # synchronous: after the first consumer's other inputs
+            other = max2[first] if max1_tensor[first] == tensor else max1[first]
+            slot = max(other, position[in_after[j]])
+        else:
+            slot = planned
+        if fused_wait[j]:
+            slot = safe_slot[j]
+        trigger_slot[j] = slot
+        copies_slot[j] = slot if in_trigger[j] < 0 else planned
+    roots, swap_root = distinct_sorted(root[swap_tensor], len(root))
+    return out_ready, need, trigger_slot, copies_slot, roots, swap_root
+
+
+@njit(cache=True, nogil=True)
+def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
+                             rewired, swap_tensor, sync_out):
+    """Per swapped tensor with a synchronous copy out: the first slot that still reads it on the
+    device (its reads not rewired to a swap-in; they wait for the copy), or when none does, the slot
+    after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
+    where the producer runs last."""
+    n_ops = len(position)
+    sync_wait = np.full(len(swap_tensor), -1, np.int64)
+    for i in range(len(swap_tensor)):
+        if not sync_out[i]:
+            continue
+        tensor = swap_tensor[i]
+        earliest = n_ops
+        for e in range(tensor_read_ptr[tensor], tensor_read_ptr[tensor + 1]):
+            if not rewired[tensor_read_id[e]]:
+                earliest = min(earliest, position[tensor_read_consumer[e]])
+        first = earliest if earliest < n_ops else position[tensor_producer[tensor]] + 1
+        if first < n_ops:
+            sync_wait[i] = first
+    return sync_wait
+
+
+@njit(cache=True, nogil=True)
+def replay_plan(position, duration, finish_plain, baseline_bytes, alloc_bytes,
+                levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
+                tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
+                tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+                tensor_segment, n_keys, late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read,
+                has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
+                input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, swap_tensor, sync_out, in_swap,
+                in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out, overlap):
+    """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
+    passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
+    pass and the memory accounting, in one call; with ``overlap`` the compute during copies too (else
+    0.0: ``Replay.copy_overlap_s`` computes it on demand). Per-slot work is two passes (finish times
+    from the first stall and the slots' bytes), three with ``overlap``; the rest visits what the plan
+    moved."""
+    n_ops = len(position)
+    in_tensor = swap_tensor[in_swap]
+    far_tensor = np.empty(len(in_consumers), np.int64)  # the tensor of each far read
+    for j in range(len(in_swap)):
+        for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
+            far_tensor[k] = in_tensor[j]
+    # far reads rewired (their ids and places among the graph's reads)
+    rewired, far_ids, far_edge = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys,
+                                                far_tensor, in_consumers)
+    fused_wait, safe_slot = _replay_safe_waits(
+        position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
+        input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, in_tensor, in_trigger,
+        in_after, in_consumer_ptr, in_consumers, far_edge)
+    out_ready_slot, need_slot, trigger_slot, copies_slot, roots, swap_root = prepare(
+        position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
+        in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
+    # the swapped buffers' lifetimes; the original buffer's remaining readers
+    root_last_slot, _, moved_ids, moved_last, _, home_ids = _lifetimes(
+        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+        rewired, roots, swap_tensor, swap_root)
+    sync_wait = _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer,
+                                         tensor_read_id, rewired, swap_tensor, sync_out)
+    swap_bytes = tensor_bytes[swap_tensor]
+    in_bytes = tensor_bytes[in_tensor]
+    out_duration = d2h_seconds[swap_tensor]
+    in_duration = h2d_seconds[in_tensor]
+    out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue, in_processed = schedule(
+        finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot, sync_wait,
+        after_copies_out, copies_slot)
+    root_base_free_slot = free_slot[roots]
+    (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
+     wait_moment, host_peak, host_peak_s) = account(
+        baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot, n_levels,
+        sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot, root_last_slot,
+        moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end, in_processed, in_bytes,
+        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_out,
+        late_root_ptr, late_by_root, late_read_ptr, late_by_read)
+    level_peak += persistent
+    overlap_s = copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue,
+                             in_processed) if overlap else 0.0
+    d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
+    for i in range(len(swap_bytes)):
+        d2h_bytes += swap_bytes[i]
+    for j in range(len(in_bytes)):
+        h2d_bytes += in_bytes[j]
+    return (peak_slot, peak, level_peak, finish_all, out_start, out_end, in_start, in_end,
+            in_ready, roots, new_free, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment,
+            host_peak, host_peak_s, d2h_bytes, h2d_bytes, overlap_s)
+
+
+@njit(cache=True, nogil=True)
+def _sorted_level_peaks(slot_bytes, level_starts):
+    """The largest figure per level, slots sorted by level (``np.maximum.reduceat``)."""
+    level_peak = np.empty(len(level_starts))
+    for k in range(len(level_starts)):
+        stop = level_starts[k + 1] if k + 1 < len(level_starts) else len(slot_bytes)
+        best = slot_bytes[level_starts[k]]
+        for slot in range(level_starts[k] + 1, stop):
+            if slot_bytes[slot] > best:
+                best = slot_bytes[slot]
+        level_peak[k] = best
+    return level_peak
+
+
+@njit(cache=True, nogil=True)
+def _level_peaks(slot_bytes, levels_of_slot):
+    """The largest figure per level, from 0 (``np.maximum.at`` into zeros)."""
+    level_peak = np.zeros(levels_of_slot.max() + 1)
+    for slot in range(len(slot_bytes)):
+        level = levels_of_slot[slot]
+        if slot_bytes[slot] > level_peak[level]:
+            level_peak[level] = slot_bytes[slot]
+    return level_peak
+
+
+@njit(cache=True, nogil=True)
+def summarize(slot_bytes, levels_of_slot, level_starts, persistent, finish_all, position, op_duration):
+    """The dense fields of a Replay: the peak slot (the first largest), the peak per level plus the
+    resident bytes (``level_starts``: each level's first slot where slots are sorted by level, as in
+    the "cto" order; empty otherwise: levels taken from ``levels_of_slot``, from 0 bytes), and each
+    op's end and start."""
+    peak_slot = np.argmax(slot_bytes)
+    # (each branch in a function of its own: a loop writing an array that two branches define ran
+    # 15x slower, numba reloading it on every access)
+    if len(level_starts):
+        level_peak = _sorted_level_peaks(slot_bytes, level_starts)
+    else:
+        level_peak = _level_peaks(slot_bytes, levels_of_slot)
+    level_peak += persistent
+    op_end = finish_all[position]
+    return peak_slot, level_peak, op_end, op_end - op_duration
+
+
+@njit(cache=True, nogil=True)
+def after_ops(group_tensor, ptr, consumers, position, order, root, tensor_read_ptr, tensor_read_consumer,
+              tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
+              tensor_segment, n_keys):
+    """``planning._after_ops`` (which documents it) on ``buffers.RewireTables``: per swap-in group (a
+    tensor's groups consecutive, ``consumers[ptr[k]:ptr[k + 1]]``), the op it must follow."""
+    n_groups = len(group_tensor)
+    if n_groups == 0:
+        return np.zeros(0, np.int64)
+    n_tensors = len(root)
+    # the swapped tensors (sorted, distinct) and each one's first group; their buffers (sorted, distinct)
+    by_tensor = radix_argsort(group_tensor, 0, n_tensors)
+    swapped = np.empty(n_groups, np.int64)
+    first_group = np.empty(n_groups, np.int64)
+    n_swapped = 0
+    for k in range(n_groups):
+        tensor = group_tensor[by_tensor[k]]
+        if n_swapped == 0 or swapped[n_swapped - 1] != tensor:
+            swapped[n_swapped] = tensor
+            first_group[n_swapped] = by_tensor[k]
+            n_swapped += 1
+    swapped = swapped[:n_swapped]
+    roots, root_of_swapped = distinct_sorted(root[swapped], n_tensors)
+    read_tensor = np.empty(len(consumers), np.int64)
+    for k in range(n_groups):
+        for m in range(ptr[k], ptr[k + 1]):
+            read_tensor[m] = group_tensor[k]
+    rewired, _, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
+                                   consumers)
+    root_last, _, cut_ids, cut_last, _, home_ids = _lifetimes(
+        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, rewired,
+        roots, swapped, root_of_swapped)
+    # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the device
+    # until that buffer's last reader, not the original's (which may be done before it exists)
+    n_cut = len(cut_ids)
+    cut_of_id = np.empty(n_keys + 1, np.int64)  # valid where cut_ids[cut_of_id[id]] == id: the first cut
+    for k in range(n_cut - 1, -1, -1):
+        cut_of_id[cut_ids[k]] = k
+    after_slot = np.empty(n_groups, np.int64)
+    for k in range(1, n_groups):  # each later group follows the last consumer of the group before it
+        last = position[consumers[ptr[k - 1]]]
+        for m in range(ptr[k - 1] + 1, ptr[k]):
+            last = max(last, position[consumers[m]])
+        after_slot[k] = last
+    for i in range(n_swapped):  # the first follows the last op still reading its buffer
+        near = root_last[root_of_swapped[i]]
+        if home_ids[i] >= 0:
+            near = cut_last[cut_of_id[home_ids[i]]]
+        after_slot[first_group[i]] = near
+    after = np.empty(n_groups, np.int64)
+    for k in range(n_groups):
+        after[k] = order[after_slot[k]]
+    return after
+
+
+@njit(cache=True, nogil=True)
+def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, threshold, groupby, lb, ub, triggers,
+               producer, levels, position, order, root, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
+               seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
+               n_keys, latest_level, latest_op, ancestor_ptr, ancestor_ops, ancestor_levels, ancestor_key, span):
+    """The core of ``planning.plan_swaps`` (which documents the rules): the far reads, grouped per swap-in,
+    groups still read on the device at their first consumer dropped, each group's ``after`` op and
+    trigger. ``edge_order``: the edges by tensor, then their consumer's slot (the reads of a tensor in
+    execution order, so no sort per plan); ``excluded``: reads never far (update-phase readers,
+    ``kept_reads``); ``candidate``: per tensor, whether the rules may swap it; ``triggers``: 0 none
+    (synchronous swap-ins), 1 by level (``latest_*``: per level the latest level at or below it
+    holding a trigger candidate, and that op), 2 among the first consumer's ancestors (the table of
+    ``planning._ancestor_triggers``). Returns the swapped tensors, each group's swap, trigger and
+    ``after`` op, and the groups' reads (CSR)."""
+    n_edges = len(edge_order)
+    far_tensor = np.empty(n_edges, np.int64)
+    far_consumer = np.empty(n_edges, np.int64)
+    n_far = 0
+    for e in edge_order:  # one read per (tensor, consumer): its edges are next to each other here
+        tensor, consumer = edge_tensor[e], edge_consumer[e]
+        if (candidate[tensor] and not excluded[e] and levels[consumer] - levels[producer[tensor]] > threshold
+                and not (n_far and far_tensor[n_far - 1] == tensor and far_consumer[n_far - 1] == consumer)):
+            far_tensor[n_far], far_consumer[n_far] = tensor, consumer
+            n_far += 1
+    far_tensor, far_consumer = far_tensor[:n_far], far_consumer[:n_far]
+    while True:
+        # a new group at each new tensor and (groupby 0) each new level, or once a read lies more than
+        # groupby levels past its group's first
+        ptr = np.empty(n_far + 1, np.int64)
+        n_groups, start_level = 0, 0
+        for k in range(n_far):
+            level = levels[far_consumer[k]]
+            if (k == 0 or far_tensor[k] != far_tensor[k - 1]
+                    or (level != levels[far_consumer[k - 1]] if groupby == 0 else level - start_level > groupby)):
+                ptr[n_groups] = k
+                n_groups += 1
+                start_level = level
+        ptr[n_groups] = n_far
+        ptr = ptr[:n_groups + 1]
+        group_tensor = np.empty(n_groups, np.int64)
+        for k in range(n_groups):
+            group_tensor[k] = far_tensor[ptr[k]]
+        after = after_ops(group_tensor, ptr, far_consumer, position, order, root, tensor_read_ptr,
+                          tensor_read_consumer, tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr,
+                          seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys)
+        # a group whose tensor is still read on the device at or after its first consumer (through an
+        # alias) would gain nothing from a swap-in: drop it and re-derive the rest
+        n_kept = 0
+        for k in range(n_groups):
+            if position[after[k]] < position[far_consumer[ptr[k]]]:
+                for m in range(ptr[k], ptr[k + 1]):
+                    far_tensor[n_kept], far_consumer[n_kept] = far_tensor[m], far_consumer[m]
+                    n_kept += 1
+        if n_kept == n_far:
+            break
+        n_far = n_kept
+        far_tensor, far_consumer = far_tensor[:n_far].copy(), far_consumer[:n_far].copy()
+    trigger = np.full(n_groups, -1, np.int64)
+    for k in range(n_groups if triggers else 0):
+        first = far_consumer[ptr[k]]
+        hi = levels[first] - lb
+        lo = max(levels[first] - ub, levels[producer[group_tensor[k]]] + 1)
+        if hi < 0:
+            continue
+        if triggers == 1:
+            if latest_level[hi] >= lo:
+                trigger[k] = latest_op[hi]
+        else:  # the last ancestor trigger whose level <= hi
+            pick = search_right_in(ancestor_key, 0, len(ancestor_key), first * span + hi) - 1
+            if ancestor_ptr[first] <= pick < ancestor_ptr[first + 1] and ancestor_levels[pick] >= lo:
+                trigger[k] = ancestor_ops[pick]
+        # the trigger must run after the previous copy is released and before the consumer
+        if trigger[k] >= 0 and (position[trigger[k]] <= position[after[k]]
+                                or position[trigger[k]] >= position[first]):
+            trigger[k] = -1
+    swapped = np.empty(n_groups, np.int64)
+    in_swap = np.empty(n_groups, np.int64)
+    n_swapped = 0
+    for k in range(n_groups):  # groups of a tensor are consecutive, tensors ascending
+        if n_swapped == 0 or swapped[n_swapped - 1] != group_tensor[k]:
+            swapped[n_swapped] = group_tensor[k]
+            n_swapped += 1
+        in_swap[k] = n_swapped - 1
+    return swapped[:n_swapped].copy(), in_swap, trigger, after, ptr, far_consumer.copy()
+
+
+# what replay_plan reads of a graph at one batch size on one device: its arguments before the plan's
+_REPLAY_ARGUMENTS = tuple(inspect.signature(replay_plan.py_func).parameters)
+
+
+REPLAY_TABLE_FIELDS = _REPLAY_ARGUMENTS[:_REPLAY_ARGUMENTS.index("swap_tensor")]
+
+
+def replay_tables(**fields) -> tuple:
+    """``replay_plan``'s graph arguments (``REPLAY_TABLE_FIELDS``) from their names, in its order."""
+    if fields.keys() != set(REPLAY_TABLE_FIELDS):
+        apart = sorted(fields.keys() ^ set(REPLAY_TABLE_FIELDS))
+        raise TypeError(f"replay_plan's tables are exactly its fields, got {apart} apart")
+    return tuple(fields[name] for name in REPLAY_TABLE_FIELDS)

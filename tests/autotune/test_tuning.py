@@ -1,0 +1,302 @@
+"""Search quality on real captured graphs: Optuna against the exhaustive grid and against tflms-v2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+import optuna  # noqa: E402
+
+from autotune.search.off_grid import refine_off_grid  # noqa: E402
+from autotune.search.policies import Budget, OptunaPolicy, make_policy  # noqa: E402
+from autotune.search.space import SearchSpace, TuningProblem, evaluation_from_trial  # noqa: E402
+from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
+from benchmarks.models import build_model  # noqa: E402
+from rewriter.trace.tracing import capture  # noqa: E402
+from simulator import SwapParams, get_device, plan_swaps, replay  # noqa: E402
+from simulator.plan import validate_plan  # noqa: E402
+from simulator.synthetic import training_graph  # noqa: E402
+from tests.simulator.test_recompute_choice import conv_relu_graph  # noqa: E402
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.fixture(scope="module")
+def small_unet():
+    return capture(build_model("unet3d", size=32, base_filters=8, depth=3), 1).with_batch(64)
+
+
+def _search(policy, graph, budget, space=None, seed=0, trials=200):
+    problem = TuningProblem(graph, get_device("v100-16gb"), budget, space=space)
+    outcome = make_policy(policy, seed=seed).search(problem, optuna.create_study(), Budget(trials=trials))
+    return outcome
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.4])
+def test_optuna_within_one_percent_of_exhaustive(small_unet, fraction):
+    g = small_unet
+    base = replay(g, None, "v100-16gb").peak_bytes
+    default = SearchSpace.for_graph(g, points=8)
+    # every rule's dimension, the ordered ones narrowed to keep the exhaustive walk short (18,432
+    # plans: every categorical choice doubles it, and the suite must stay within its time budget)
+    space = SearchSpace(threshold=default.threshold, lb=(1, 4, 8), window=(0, 16, 64), groupby=(0, 16),
+                        min_bytes=(4096,))
+    budget = int(base * fraction)
+    exhaustive = _search("exhaustive", g, budget, space, trials=None)
+    assert len(exhaustive.evaluations) == space.size() and exhaustive.chosen is not None
+    for seed in (0, 1, 2):
+        tuned = _search("optuna", g, budget, space, seed=seed)
+        # 200 trials, and a new search's off-grid refinement on top of them
+        assert len(tuned.evaluations) <= 200 + int(200 * OptunaPolicy.OFF_GRID_SHARE) and tuned.chosen is not None
+        gap = tuned.chosen.step_s / exhaustive.chosen.step_s - 1
+        print(f"\nbudget {fraction:.0%} of the unswapped peak, seed {seed}: exhaustive ({space.size()} plans) "
+              f"{exhaustive.chosen.step_s:.5f} s, optuna (200 trials) {tuned.chosen.step_s:.5f} s, gap {gap:+.2%}")
+        assert gap <= 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kwargs,batch", [("resnet50", {}, 256), ("unet3d", {"size": 64}, 96)])
+def test_optuna_no_worse_than_tflms_v2(name, kwargs, batch):
+    g = capture(build_model(name, **kwargs), 1).with_batch(batch)
+    budget = get_device("v100-16gb").budget_bytes
+    assert replay(g, None, "v100-16gb").peak_bytes > budget  # swapping is needed
+    tflms = _search("tflms-v2", g, budget)
+    tuned = _search("optuna", g, budget)
+    assert tuned.chosen is not None
+    print(f"\n{name} batch {batch}: tflms-v2 {tflms.chosen.step_s if tflms.chosen else float('nan'):.4f} s, "
+          f"optuna {tuned.chosen.step_s:.4f} s")
+    assert tflms.chosen is None or tuned.chosen.step_s <= tflms.chosen.step_s
+
+
+def test_trials_refinement_does_not_complete_go_back_to_the_sampler(small_unet, monkeypatch):
+    """Refinement can spend its share without completing trials: on a resumed study, Optuna skips
+    enqueuing points that failed or waited in the interrupted run, and the sampler's stand-ins may be
+    repeats (pruned). The search must still complete as many new trials as it was given (the CLI
+    promises "a resumed study adds this many"); here refinement completes none of its share."""
+
+    monkeypatch.setattr(OptunaPolicy, "_refine", staticmethod(lambda problem, study, run, budget, per_round=12: 0))
+    g = small_unet
+    budget = int(replay(g, None, "v100-16gb").peak_bytes * 0.5)
+    study = optuna.create_study()
+    make_policy("optuna", seed=0).search(TuningProblem(g, get_device("v100-16gb"), budget), study, Budget(trials=40))
+    before = len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
+    make_policy("optuna", seed=0).search(TuningProblem(g, get_device("v100-16gb"), budget), study, Budget(trials=10))
+    assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) - before == 10
+
+
+def test_threshold_frontier_finds_the_plans_host_memory_leaves(small_unet):
+    """A larger threshold swaps less: more device memory, less host memory. When host memory also
+    binds, only a window of thresholds fits; the frontier's binary search must look for the largest
+    that fits the device (then check the host), not for the largest that fits both, which steers
+    away from that window whenever it probes below it."""
+    from autotune.search.policies import _threshold_frontier
+
+    g = small_unet
+    default = SearchSpace.for_graph(g, points=24)
+    space = SearchSpace(threshold=default.threshold, lb=default.lb, window=default.window, groupby=default.groupby,
+                        sync=("none",), order=("cto",), tensors=("activations",), min_bytes=(4096,))
+    middling = {"lb": len(space.lb) // 3, "window": len(space.window) // 2, "groupby": len(space.groupby) - 1}
+    device = get_device("v100-16gb")
+    probe = TuningProblem(g, device, 1 << 62, space=space)
+    runs = [probe.replay(space.params(dict(middling, threshold=i, sync="none", order="cto", min_bytes=0,
+                                           tensors="activations"))) for i in range(len(space.threshold))]
+    # a threshold above the binary search's first probe such that the device budget (the largest peak up
+    # to it) admits it and every smaller one, but no larger one, and the host limit (its host peak)
+    # admits it but no smaller one: the window is that one threshold
+    first_probe = (len(space.threshold) - 1) // 2
+    peak = [r.peak_bytes for r in runs]
+    host = [r.host_peak_bytes for r in runs]
+    index = next(i for i in range(first_probe + 1, len(runs) - 1)
+                 if min(peak[i + 1:]) > max(peak[:i + 1]) and host[i] > 0 and min(host[:i]) > host[i])
+    problem = TuningProblem(g, device, max(peak[:index + 1]), host_limit_bytes=host[index], space=space)
+    frontier = _threshold_frontier(problem, optuna.create_study(), lambda n, *choices: True)
+    assert frontier, "no starting point found"
+    assert all(problem.evaluate(space.params(choice)).feasible for choice in frontier)
+    assert frontier[0]["threshold"] == index
+
+
+def test_search_space_covers_both_sets_of_tensors(small_unet):
+    space = SearchSpace.for_graph(small_unet)
+    assert space.tensors == ("activations", "all")
+    choice = next(c for c in space.grid() if c["tensors"] == "all")
+    params = space.params(choice)
+    assert params.tensors == "all" and space.choice(params) == choice
+    older = {k: v for k, v in choice.items() if k != "tensors"}  # a trial of a study made before the option
+    assert space.params(older).tensors == "activations"
+    # size() counts what grid() walks, every dimension included (the long ordered ones cut to a few values:
+    # walking the whole grid, millions of points, took 19 s of the suite)
+    few = dataclasses.replace(space, threshold=space.threshold[:3], lb=space.lb[:2], window=space.window[:2],
+                              groupby=space.groupby[:2])
+    assert few.size() == len(list(few.grid())) < space.size()
+
+
+def test_search_space_counts_distances_in_levels_or_slots(small_unet):
+    space = SearchSpace.for_graph(small_unet)
+    assert space.distance == ("level", "slot") and space.trigger == ("ancestor", "level")
+    assert space.after_copies_out == (False, True)
+    choice = next(c for c in space.grid() if c["distance"] == "slot" and c["trigger"] == "level"
+                  and c["after_copies_out"])
+    params = space.params(choice)
+    assert (params.distance, params.trigger, params.after_copies_out) == ("slot", "level", True)
+    assert space.choice(params) == choice
+    older = {k: v for k, v in choice.items() if k not in ("distance", "trigger", "after_copies_out")}  # studies
+    # made before them
+    assert (space.params(older).distance, space.params(older).trigger) == ("level", "ancestor")
+    assert space.params(older).after_copies_out is False
+    # the same rules, other units: the slot plan swaps reads of one level that the order runs apart
+    level_plan = plan_swaps(small_unet, dataclasses.replace(params, distance="level"))
+    slot_plan = plan_swaps(small_unet, params)
+    assert slot_plan.n_swap_ins > level_plan.n_swap_ins
+
+
+def test_parameters_off_a_narrowed_space_have_no_grid_point(small_unet):
+    """A policy's candidate (tflms-v2, a probe) enters a study only as a point of its space."""
+    full = SearchSpace.for_graph(small_unet)
+    narrow = dataclasses.replace(full, sync=("none",), order=("memory",))
+    choice = next(full.grid())
+    assert full.choice(full.params(choice)) == choice
+    assert narrow.choice(full.params(dict(choice, sync="out", order="memory"))) is None
+    assert narrow.choice(full.params(dict(choice, sync="none", order="cto"))) is None
+    assert narrow.choice(full.params(dict(choice, sync="none", order="memory"))) is not None
+
+
+def test_python_api_tunes_a_keras_model_and_can_pick_the_batch():
+    """``autotune.tune`` as the README shows it, and with the batch left to the search."""
+    import autotune
+
+    model = build_model("small_cnn", image_size=32)
+    fixed = autotune.tune(model, batch_size=9, device="cpu-testbed", memory=2 << 20, measure=False, trials=40)
+    assert fixed.batch_size == 9 and fixed.feasible and fixed.plan is not None
+    assert fixed.shown.peak_bytes <= 2 << 20 < fixed.baseline.peak_bytes
+    picked = autotune.tune(model, device="cpu-testbed", memory=2 << 20, measure=False, trials=3, maximize_batch=True)
+    assert picked.feasible and picked.batch_size > picked.max_batch_without_swap >= 1
+    with pytest.raises(ValueError, match="batch_size is required"):
+        autotune.tune(model, device="cpu-testbed", memory=2 << 20, measure=False)
+
+
+def test_batch_probes_are_shared_without_changing_answers():
+    """The max-batch benchmark asks three questions of one set of probes (largest batch, largest
+    under a 30 % overhead cap, largest with host memory unlimited). Each must get the answer its
+    own search gets; probes where no plan went over the host limit carry over to the unlimited
+    question unchanged, the others are searched again."""
+    from autotune.run.tuning import HOST_UNLIMITED_BYTES, SwapProbes, largest_batch_with_swap
+
+    g = training_graph(40, batch_size=1)
+    plain_peak = replay(g.with_batch(64), None, "v100-16gb").peak_bytes
+    budget = plain_peak // 2
+    device = dataclasses.replace(get_device("v100-16gb"), host_memory_bytes=2 * plain_peak)
+    unlimited = dataclasses.replace(device, host_memory_bytes=HOST_UNLIMITED_BYTES)
+    probes = SwapProbes(g, budget, device, probe_trials=30)
+    swapped, _ = probes.largest()
+    capped, _ = probes.largest(max_overhead=0.3)
+    any_host = probes.host_unlimited()
+    assert swapped == largest_batch_with_swap(g, budget, device, max_overhead=None, probe_trials=30)[0]
+    assert capped == largest_batch_with_swap(g, budget, device, max_overhead=0.3, probe_trials=30)[0]
+    assert any_host.largest()[0] == largest_batch_with_swap(g, budget, unlimited, max_overhead=None,
+                                                            probe_trials=30)[0] > swapped
+    carried = [b for b, found in probes.evaluations_at.items() if any_host.evaluations_at.get(b, 0) is found]
+    searched_again = [b for b in probes.evaluations_at if b not in carried and b in any_host.evaluations_at]
+    assert searched_again, "no probe hit the host limit: the test does not exercise the re-search"
+    batch = max(b for b in carried if probes.evaluations_at[b])  # a probe that searched and stayed under the limit
+    fresh = SwapProbes(g, budget, unlimited, probe_trials=30).at(batch)
+    assert [(e.params, e.step_s, e.feasible) for e in fresh] == [
+        (e.params, e.step_s, e.feasible) for e in probes.evaluations_at[batch]]
+
+
+def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
+    """A batch whose resident memory plus largest op working set exceeds the budget fits no plan
+    (swapping and recomputation leave every op's inputs and outputs on the device): its probe is
+    empty without a search; below that bound the probe searches."""
+    import autotune.run.tuning as tuning
+    from simulator.buffers import peak_lower_bound_bytes
+
+    g = training_graph(40, batch_size=1)
+    device = get_device("v100-16gb")
+    budget = peak_lower_bound_bytes(g.with_batch(64))
+    searched = []
+    real = tuning.make_policy
+    monkeypatch.setattr(tuning, "make_policy", lambda *a, **k: searched.append(a) or real(*a, **k))
+    probes = tuning.SwapProbes(g, budget, device, probe_trials=10)
+    above = next(b for b in range(65, 200) if peak_lower_bound_bytes(g.with_batch(b)) > budget)
+    assert probes.at(above) == [] and not searched
+    assert probes.at(64) is not None and searched
+
+
+def test_a_changed_recompute_space_gets_its_own_default_study_name():
+    """A version whose recompute space differs starts a new study instead of refusing the stored one;
+    a swap-only search keeps its name (and resumes)."""
+    g = training_graph(6)
+    device = get_device("v100-16gb")
+    space = SearchSpace.for_graph(g, recompute=True)
+    other = dataclasses.replace(space, recompute_cost=space.recompute_cost[:-1])
+    names = [study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, True, s) for s in (space, other, space)]
+    assert names[0] != names[1] and names[0] == names[2]
+    swap_only = SearchSpace.for_graph(g)
+    assert study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, False, swap_only) == \
+        study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0)
+
+
+def _slow_link_problem():
+    g = conv_relu_graph().with_batch(64)
+    device = dataclasses.replace(get_device("v100-16gb"), h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9)
+    return g, device, int(replay(g, None, device).peak_bytes * 0.6)
+
+
+def test_a_timed_search_with_recomputation_leaves_time_for_recomputation():
+    """The swap-only search that runs first gets half the time: the rest searches recomputation."""
+    g, device, budget = _slow_link_problem()
+    result = tune_graph(g, device=device, memory=budget, trials=None, timeout_s=3, recompute=True, seed=1)
+    assert any(e.params is not None and e.params.recomputes for e in result.evaluations)
+
+
+def test_an_interrupted_swap_only_phase_keeps_its_trials(monkeypatch):
+    """Ctrl-C during the swap-only search that runs first: its finished trials are in the user's study
+    (the same command resumes from them), and the interrupt goes on to the caller."""
+    g, device, budget = _slow_link_problem()
+    evaluate, calls = TuningProblem.evaluate, []
+
+    def interrupted(self, params):
+        calls.append(params)
+        if len(calls) == 25:
+            raise KeyboardInterrupt
+        return evaluate(self, params)
+
+    monkeypatch.setattr(TuningProblem, "evaluate", interrupted)
+    study = optuna.create_study(direction="minimize")
+    problem = TuningProblem(g, device, budget, space=SearchSpace.for_graph(g, recompute=True))
+    with pytest.raises(KeyboardInterrupt):
+        make_policy("optuna").search(problem, study, Budget(trials=40))
+    kept = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(kept) >= 10
+
+
+def test_off_grid_refinement_beats_the_whole_grid_and_resumes():
+    """The compass search off the grid finds a plan faster than every grid point (checked by walking
+    the whole grid), valid and within the budget; its trials are in the study with their parameters,
+    so a resumed search (a new problem, nothing memoised) evaluates them again to the same plan."""
+    g = training_graph(24, batch_size=1).with_batch(64)
+    device = get_device("v100-16gb")
+    budget = int(replay(g, None, device).peak_bytes * 0.5)
+    full = SearchSpace.for_graph(g)
+    space = SearchSpace(threshold=full.threshold[::4], lb=(1, 8), window=(0, 16), groupby=(0, 16), sync=("none",),
+                        order=("cto",), min_bytes=(4096,), tensors=("activations",), distance=("level",),
+                        trigger=("ancestor",), after_copies_out=(False,))
+    problem = TuningProblem(g, device, budget, space=space)
+    study = optuna.create_study()
+    grid = make_policy("exhaustive").search(problem, study, Budget(trials=None))
+    assert len(grid.evaluations) == space.size() and grid.chosen is not None
+    assert len(study.trials) == 1  # the exhaustive policy records its choice
+    added = refine_off_grid(problem, study, 40, None)
+    assert 0 < added <= 40 and len(study.trials) == 1 + added
+    best = min((t for t in study.trials if t.user_attrs["feasible"]), key=lambda t: t.value)
+    assert best.value < grid.chosen.step_s * 0.95, "nothing off the grid beat the grid's best"
+    assert not best.params and space.choice(SwapParams.from_dict(best.user_attrs["params"])) is None  # off the grid
+    resumed = TuningProblem(g, device, budget, space=space)
+    again = evaluation_from_trial(best, resumed)
+    assert again.feasible and again.step_s == best.value and again.peak_bytes <= budget
+    validate_plan(g, resumed.plan(again.params))
+    outcome = make_policy("optuna").search(resumed, study, Budget(trials=5))
+    assert outcome.chosen.step_s <= best.value

@@ -1,0 +1,118 @@
+"""The verdict's arithmetic: a measured run overrules the prediction (no TensorFlow needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.run.verdict import (DOES_NOT_FIT, FITS, FITS_WITHOUT_SWAPPING, NOT_CONFIRMED, PLAIN_FIT, SERIALIZED_STEP,
+                              TOLERANCE, PeakCorrection, actions_phrase, check_run, confirmed, next_correction,
+                              not_confirmed, predicted)
+
+MiB = 2**20
+
+
+def _check(measured, predicted_bytes, *, budget=100 * MiB, resident=10 * MiB, batch=8, requested=8,
+           at_request=None, resident_at_request=None, correction=PeakCorrection(), round_=1):
+    return check_run(round=round_, measured_on="cpu-testbed", measured_bytes=measured, predicted_bytes=predicted_bytes,
+                     resident_bytes=resident, predicted_at_request_bytes=at_request or predicted_bytes,
+                     resident_at_request_bytes=resident_at_request or resident, measured_batch=batch,
+                     requested_batch=requested, budget_bytes=budget, correction=correction)
+
+
+@pytest.mark.parametrize("factor,excess", [(1.0, 0), (1.3, 0), (1.0, 7 * MiB), (1.8, 3 * MiB)])
+@pytest.mark.parametrize("budget,resident", [(100 * MiB, 10 * MiB), (7 * MiB, 1 * MiB), (16 << 30, 5 << 30)])
+def test_search_budget_is_the_largest_prediction_whose_corrected_peak_fits(factor, excess, budget, resident):
+    correction = PeakCorrection(factor, excess)
+    limit = correction.search_budget(budget, resident)
+    assert correction.corrected(limit, resident) <= budget
+    assert correction.corrected(limit + 2, resident) > budget or limit + 2 > budget
+
+
+def test_a_peak_above_the_prediction_is_not_confirmed_even_within_the_budget():
+    check = _check(measured=80 * MiB, predicted_bytes=60 * MiB)
+    assert check.within_budget and not check.agrees and not check.confirmed
+    assert "above the prediction" in check.describe()
+
+
+def test_noise_within_the_tolerance_confirms_but_not_over_the_budget():
+    assert _check(measured=int(60 * MiB * (1 + TOLERANCE / 2)), predicted_bytes=60 * MiB).confirmed
+    over = _check(measured=101 * MiB, predicted_bytes=99 * MiB)
+    assert over.agrees and not over.within_budget and not over.confirmed and "over the budget" in over.describe()
+
+
+def test_out_of_memory_is_never_confirmed():
+    check = _check(measured=None, predicted_bytes=60 * MiB)
+    assert not check.confirmed and "ran out of memory" in check.describe()
+    stricter = next_correction(check, PeakCorrection(), 10 * MiB)
+    assert stricter.corrected(60 * MiB, 10 * MiB) > 100 * MiB  # the plan that ran out can no longer be chosen
+
+
+def test_a_miss_at_a_smaller_batch_is_carried_to_the_requested_one():
+    """Measured 20 % above at batch 8: the step's own memory at batch 64 is taken as 20 % above too."""
+    check = _check(measured=70 * MiB, predicted_bytes=60 * MiB, batch=8, requested=64, at_request=95 * MiB,
+                   resident_at_request=15 * MiB)
+    assert check.projected_bytes == pytest.approx(15 * MiB + (60 / 50) * 80 * MiB, rel=1e-6)
+    assert not check.within_budget and not check.confirmed
+    same_ratio_fits = _check(measured=61 * MiB, predicted_bytes=60 * MiB, batch=8, requested=64,
+                             at_request=90 * MiB, resident_at_request=15 * MiB)
+    assert same_ratio_fits.confirmed and same_ratio_fits.projected_bytes <= 100 * MiB
+
+
+def test_corrections_grow_every_round_and_budget_for_what_was_measured():
+    correction = PeakCorrection()
+    resident = 10 * MiB
+    for round_ in range(1, 4):
+        check = _check(measured=101 * MiB, predicted_bytes=95 * MiB, resident=resident, correction=correction,
+                       round_=round_)
+        assert not check.confirmed  # over the budget, whatever the prediction
+        stricter = next_correction(check, correction, resident)
+        assert stricter.factor > correction.factor and stricter.excess_bytes >= correction.excess_bytes
+        # the plan just measured no longer passes the search
+        assert stricter.corrected(95 * MiB, resident) > 100 * MiB
+        correction = stricter
+
+
+def test_an_allocation_the_simulator_cannot_see_is_budgeted_for_at_the_same_batch():
+    """A constant unseen 12 MiB: after one correction, any plan the search allows fits when measured."""
+    unseen, resident, budget = 12 * MiB, 10 * MiB, 100 * MiB
+    check = _check(measured=90 * MiB + unseen, predicted_bytes=90 * MiB, resident=resident, budget=budget)
+    assert not check.confirmed
+    correction = next_correction(check, PeakCorrection(), resident)
+    limit = correction.search_budget(budget, resident)
+    for plan_peak in (limit, limit - 5 * MiB, 40 * MiB):
+        again = _check(measured=plan_peak + unseen, predicted_bytes=plan_peak, resident=resident, budget=budget,
+                       correction=correction, round_=2)
+        assert again.confirmed, again.describe()
+
+
+def test_verdicts_say_what_the_tool_can_stand_behind():
+    fits = predicted(fits=True, swaps=True, peak_bytes=90 * MiB, budget_bytes=100 * MiB, measured=False)
+    assert fits.status == FITS and fits.ok and not fits.confirmed_by_measurement and "predicted only" in fits.headline
+    waiting = predicted(fits=True, swaps=True, peak_bytes=90 * MiB, budget_bytes=100 * MiB, measured=True)
+    assert not waiting.ok  # a measured run was asked for and has not confirmed it
+    miss = predicted(fits=False, swaps=True, peak_bytes=120 * MiB, budget_bytes=100 * MiB, measured=False)
+    assert miss.status == DOES_NOT_FIT and not miss.ok
+    ok = _check(measured=88 * MiB, predicted_bytes=90 * MiB)
+    assert confirmed(waiting, [ok]).ok and confirmed(waiting, [ok]).confirmed_by_measurement
+    failed = not_confirmed([_check(measured=120 * MiB, predicted_bytes=90 * MiB)], reason="none confirmed")
+    assert failed.status == NOT_CONFIRMED and not failed.ok and failed.to_dict()["confirmed_by_measurement"] is False
+
+
+def test_a_plan_that_only_recomputes_is_not_said_to_swap():
+    only = predicted(fits=True, swaps=True, peak_bytes=90 * MiB, budget_bytes=100 * MiB, measured=True,
+                     action=actions_phrase(n_swaps=0, n_recomputes=3))
+    assert only.headline.startswith("Fits with recomputation:") and "swapping" not in only.headline
+    done = confirmed(only, [_check(measured=88 * MiB, predicted_bytes=90 * MiB)])
+    assert done.headline.startswith("Fits with recomputation, confirmed by measurement")
+    assert actions_phrase(2, 1) == "swapping and recomputation" and actions_phrase(2, 0) == "swapping"
+
+
+def test_fits_without_swapping_must_hold_for_model_fit_too():
+    base = predicted(fits=True, swaps=False, peak_bytes=60 * MiB, budget_bytes=100 * MiB, measured=True)
+    serialized = _check(measured=61 * MiB, predicted_bytes=60 * MiB)
+    plain_over = _check(measured=130 * MiB, predicted_bytes=60 * MiB, correction=PeakCorrection())
+    verdict = confirmed(base, [serialized], plain=plain_over)
+    assert verdict.status == FITS_WITHOUT_SWAPPING and verdict.train_with == SERIALIZED_STEP and verdict.ok
+    assert "only with the tool's serialized step" in verdict.headline and "plain model.fit" in verdict.headline
+    plain_ok = _check(measured=75 * MiB, predicted_bytes=60 * MiB)
+    assert confirmed(base, [serialized], plain=plain_ok).train_with == PLAIN_FIT
