@@ -1,6 +1,6 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
-NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute (``python -m benchmarks NAME --help`` for its options).
+NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute, floor-split (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ BENCHMARKS = {
     "gpu-check": "benchmarks.gpu_check",
     "step-time": "benchmarks.step_time",
     "recompute": "benchmarks.recompute",
+    "floor-split": "benchmarks.floor_split",
 }
 
 

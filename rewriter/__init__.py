@@ -20,23 +20,40 @@ The CPU testbed (two logical CPUs) must be configured before TensorFlow initiali
 (``rewriter.environment``); imported after it, measurements warn about what missed.
 """
 
+import importlib
+
 from rewriter.environment import prepare_environment
 
-prepare_environment()  # before the modules below import TensorFlow
+prepare_environment()  # before anything below imports TensorFlow
 
-from rewriter.errors import CaptureError  # noqa: E402
-from rewriter.check import Verification, verify  # noqa: E402
-from rewriter.placement import CpuTestbedPlacement, GpuPlacement, Placement, configure_testbed, detect  # noqa: E402
-from rewriter.step import (KerasStep, StateSnapshot, SwapStep, apply, restore_train_function,  # noqa: E402
-                           rewritten_graph_def, swap_step_of, swapping, use_swap_step)
-from rewriter.timing import CalibrationError, Measurement, calibrate, measure  # noqa: E402
-from rewriter.trace import capture, capture_step, trace_function_step, trace_keras_step  # noqa: E402
-from rewriter.trace.step_inputs import StepInputs  # noqa: E402
-from simulator.plan import PlanError, load_plan  # noqa: E402 -- the plan's one reader and error
+# The public API by name -> the room that defines it. Loaded on first use (PEP 562), so that
+# ``import rewriter`` (and ``rewriter.environment``, which a process imports before TensorFlow) costs
+# nothing until the tool needs TensorFlow.
+_HOMES = {
+    "CaptureError": "rewriter.errors",
+    "Verification": "rewriter.check", "verify": "rewriter.check",
+    "CpuTestbedPlacement": "rewriter.placement", "GpuPlacement": "rewriter.placement", "Placement": "rewriter.placement",
+    "configure_testbed": "rewriter.placement", "detect": "rewriter.placement",
+    "KerasStep": "rewriter.step", "StateSnapshot": "rewriter.step", "SwapStep": "rewriter.step", "apply": "rewriter.step",
+    "restore_train_function": "rewriter.step", "rewritten_graph_def": "rewriter.step", "swap_step_of": "rewriter.step",
+    "swapping": "rewriter.step", "use_swap_step": "rewriter.step",
+    "CalibrationError": "rewriter.timing", "Measurement": "rewriter.timing", "calibrate": "rewriter.timing",
+    "measure": "rewriter.timing",
+    "capture": "rewriter.trace", "capture_step": "rewriter.trace", "trace_function_step": "rewriter.trace",
+    "trace_keras_step": "rewriter.trace", "StepInputs": "rewriter.trace",
+    "PlanError": "simulator.plan", "load_plan": "simulator.plan",  # the plan's one reader and error
+}
 
-__all__ = [
-    "CalibrationError", "CaptureError", "CpuTestbedPlacement", "GpuPlacement", "KerasStep", "Measurement", "Placement", "PlanError", "StateSnapshot", "StepInputs",
-    "SwapStep", "Verification", "apply", "calibrate", "capture", "capture_step", "configure_testbed", "detect", "load_plan",
-    "measure", "prepare_environment", "restore_train_function", "rewritten_graph_def", "swap_step_of", "swapping", "trace_function_step",
-    "trace_keras_step", "use_swap_step", "verify",
-]
+__all__ = sorted([*_HOMES, "prepare_environment"])
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'rewriter' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

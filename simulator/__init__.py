@@ -5,7 +5,8 @@ The pieces: ``OpGraph`` (graph.py) holds one step as arrays and puts ops on leve
 ``SwapParams`` (params.py) into a ``SwapPlan``; plan.py owns the plan and its file (``NamedPlan``, the
 form the rewriter applies); ``replay`` (replay.py) predicts peak memory and step time on a
 ``DeviceModel`` (``device/``). Rooms: ``kernels/`` (the compiled loops, a leaf), ``device/`` (presets, calibrated
-devices, memory budgets), ``recompute/`` (recomputation's action and choice).
+devices, memory budgets), ``recompute/`` (recomputation's action and choice), ``split/`` (ops run in parts
+along the batch, and the floor before and after; simulation only).
 """
 
 from simulator.device import DEVICES, CalibratedDevice, CalibrationError, CalibrationMismatchError, DeviceModel, get_device

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -226,3 +228,20 @@ def test_every_room_says_what_lives_in_it():
     assert silent == []
     tricks = [name for name, path in SOURCES.items() if re.search(r"sys\.modules\[[^\]]+\]\.__class__", path.read_text())]
     assert tricks == []
+
+
+def test_the_simulators_tests_need_no_tensorflow():
+    """tests/simulator/ runs from stored graphs: none of its modules imports TensorFlow, Keras, the rewriter
+    or the TensorFlow test helpers, and the suite's conftest (with ``import rewriter``, which prepares the
+    environment) loads no TensorFlow either."""
+    wrong = []
+    for path in sorted((ROOT / "tests" / "simulator").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            wrong += [f"{path.name}: {name}" for name in names
+                      if name.partition(".")[0] in ("tensorflow", "keras", "rewriter") or name == "tests.tf_helpers"]
+    assert wrong == []
+    script = "import sys, tests.conftest, rewriter, simulator; sys.exit('tensorflow' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -260,17 +260,16 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
     search = replace(settings["search"], storage=args.storage or default_storage(out))
     measurement = settings["measurement"]
-    from autotune.run.target import resolve_target
-
-    # resolved once, here, and handed down to the search, the measured run, the verdict and the report
-    target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
-                            device_from=settings["device_from"])
     _say(quiet, f"loading {settings['model_file']} ...")
     from autotune.cli.imports import load_user_model, model_notes
+    from autotune.run.target import resolve_target
+    from rewriter.placement.placements import configure_testbed  # imports TensorFlow; its runtime starts later
 
+    # resolved once, here (TensorFlow imported: a visible GPU is seen), and handed down to the search, the
+    # measured run, the verdict and the report
+    target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
+                            device_from=settings["device_from"])
     if measurement.measure or measurement.calibrates:
-        from rewriter.placement.placements import configure_testbed
-
         # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
         # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
         configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)

@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.__main__ import main as benchmarks_main
 from benchmarks.common import interleaved_seconds, per_second, write_results
+from benchmarks.floor_split import main as floor_split_main, row_of
 from benchmarks.reference import (REFERENCES, ReferenceUnavailable, reference_simulator, reference_simulators,
                                   speed_row)
 from benchmarks.simulator_speed import search_row
@@ -75,3 +76,16 @@ def test_search_row_times_the_same_trials_beside_the_reference():
     assert 0 < row["ms_per_trial"] <= row["ms_per_trial_median"] <= row["ms_per_trial_max"]
     assert row["trial_speedup_numpy"] == row["ms_per_trial_numpy"] / row["ms_per_trial"]
     assert row["grid_walk_s_numpy"] == pytest.approx(row["ms_per_trial_numpy"] * row["grid_points"] / 1e3)
+
+
+def test_floor_split_row_lowers_the_floor_and_says_where_no_split_exists():
+    graph = training_graph(6, seed=3)
+    row = row_of("synthetic", graph, 8, "fixed", [2, 4])
+    assert row["floor_pct"] > row["k2_pct"] > row["k4_pct"] > 0
+    assert row["split_peak_pct"] >= row["k4_pct"] and row["region_ops"] > 0
+    single = row_of("synthetic", graph, 1, "fixed", [2])
+    assert single["k2_pct"] == single["floor_pct"] and single["parts_note"] == "batch 1: no split"
+    few = row_of("synthetic", graph, 3, "fixed", [2, 4])  # four parts of three samples: three
+    assert few["k4_pct"] < few["k2_pct"] and few["parts_note"] == "batch 3: 3 parts at most"
+    assert floor_split_main(["--parts", "1"]) == 2
+    assert floor_split_main(["--models", "no-such-model"]) == 2

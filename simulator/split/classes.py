@@ -1,0 +1,174 @@
+"""Which ops can run in parts along the batch, and how far a split region reaches.
+
+An op of a training step is one of three things to a split along the batch (docs/design.md 12):
+
+- *per-sample*: every output sample depends on the same sample of its inputs (convolutions, matmuls
+  over features, elementwise ops, pooling, LayerNorm-like reductions over the features, their
+  gradients): part i of its outputs is the op run on part i of its inputs, exactly;
+- *batch-summing*: it reduces over the batch (batch normalisation's moments and the sums in their
+  gradient, the loss's mean, a filter or weight gradient, which sums over the samples): each part makes a
+  partial result of the whole output's size, combined over the parts (``COMBINE_KINDS``);
+- anything else ends a split region, with the reason (an op whose cross-sample semantics are not
+  known, one that moves samples across the batch axis, a stateful or random one).
+
+The class is read from the op type and the tensor sizes the ``OpGraph`` holds: a tensor is
+batch-dependent when its ``b`` of ``a + b * batch`` is not zero, and its shape text (``N`` marks a
+dimension that grows with the batch) must start with the batch, so that a part is a block of rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from simulator.graph import OpGraph
+from simulator.recompute.actions import NEVER_RECOMPUTED, RECOMPUTE_CLASSES, inputs_of, outputs_of
+
+PER_SAMPLE, BATCH_SUM, ENDS = "per-sample", "batch-sum", "ends"
+
+# Per-sample op types: part i of every batch-dependent output is the op on part i of the
+# batch-dependent inputs. Reductions are per-sample where their output keeps the batch (a LayerNorm's
+# moments, global pooling); the same types reduce over the batch where the output does not.
+PER_SAMPLE_TYPES = (RECOMPUTE_CLASSES["activation"] | RECOMPUTE_CLASSES["elementwise"]
+                    | RECOMPUTE_CLASSES["expensive"] | frozenset({
+                        # shapes and copies that keep the batch as the leading axis
+                        "Reshape", "Squeeze", "ExpandDims", "Identity", "Pad", "PadV2", "MirrorPad", "MirrorPadGrad",
+                        "Slice", "StridedSlice", "StridedSliceGrad", "ConcatV2", "Tile", "BroadcastTo", "Fill",
+                        "Split", "SplitV", "GatherV2", "Transpose",
+                        # convolutions' and pooling's gradients with respect to their inputs, pooling
+                        "DepthwiseConv2dNativeBackpropInput", "Conv2DBackpropInputV2", "Conv3DBackpropInput",
+                        "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D", "MaxPoolGrad", "MaxPoolGradV2",
+                        "AvgPoolGrad", "MaxPool3DGrad", "AvgPool3DGrad",
+                        # activations' gradients, softmax and the per-sample losses
+                        "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SigmoidGrad", "TanhGrad",
+                        "SoftplusGrad", "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad",
+                        "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
+                        "Mean", "Sum", "Max", "Min", "Prod", "ArgMax", "ArgMin", "L2Loss"}))
+
+# Types that reduce over the batch where a batch-dependent input makes a batch-independent output, and
+# how their parts' partial results combine: "sum" adds them, "mean" adds them weighted by each part's
+# share of the batch, "max"/"min"/"prod" take the elementwise maximum, minimum or product.
+COMBINE_KINDS: dict[str, str] = {
+    "Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "Prod": "prod", "L2Loss": "sum", "BiasAddGrad": "sum",
+    "Conv2DBackpropFilter": "sum", "Conv2DBackpropFilterV2": "sum", "Conv3DBackpropFilter": "sum",
+    "Conv3DBackpropFilterV2": "sum", "DepthwiseConv2dNativeBackpropFilter": "sum", "MatMul": "sum",
+    "BatchMatMul": "sum", "BatchMatMulV2": "sum", "BatchMatMulV3": "sum", "Einsum": "sum",
+}
+
+# ops whose parts could not be exact whatever their shapes: state, randomness drawn per call, inputs,
+# control flow (``NEVER_RECOMPUTED``), and ops that move samples across the batch axis
+NEVER_SPLIT: dict[str, str] = {
+    **{name: "stateful, random, an input or control flow" for name in NEVER_RECOMPUTED},
+    **{name: "draws its random numbers per call: parts would not draw the whole batch's" for name in
+       RECOMPUTE_CLASSES["random"]},
+    "SpaceToBatchND": "moves spatial blocks into the batch axis: a block of its rows is not a block of samples",
+    "BatchToSpaceND": "moves the batch axis into spatial blocks: a block of its rows is not a block of samples",
+    "SpaceToBatch": "moves spatial blocks into the batch axis: a block of its rows is not a block of samples",
+    "BatchToSpace": "moves the batch axis into spatial blocks: a block of its rows is not a block of samples",
+    "FusedBatchNorm": "normalises with moments it computes itself: split it into moments and normalisation first",
+    "FusedBatchNormV2": "normalises with moments it computes itself: split it into moments and normalisation first",
+    "FusedBatchNormV3": "normalises with moments it computes itself: split it into moments and normalisation first",
+}
+
+# per-sample where they gather from a table that does not grow with the batch (an embedding lookup); from a
+# batch-dependent tensor an index may name another sample
+GATHERS = frozenset({"GatherV2", "Gather", "ResourceGather", "GatherNd"})
+
+# shape texts of batch-dependent tensors an op keeps for itself (oneDNN's pooling workspace, kernel scratch):
+# per-sample like the op that makes them
+OWN_BUFFER_SHAPES = ("(workspace)", "(scratch)")
+
+
+@dataclass(frozen=True)
+class OpSplit:
+    """How one op runs in parts: ``kind`` (``PER_SAMPLE``, ``BATCH_SUM``, ``ENDS``), the combine of a
+    batch-summing op (``COMBINE_KINDS``), and why an op that ends a region does."""
+
+    kind: str
+    combine: str = ""
+    reason: str = ""
+
+
+def batch_dependent(g: OpGraph) -> np.ndarray:
+    """Per tensor: whether its size grows with the batch."""
+    return g.tensor_bytes_ab[:, 1] > 0
+
+
+def _leading_batch(shape: str) -> bool:
+    """Whether a block of rows of the batch axis is a block of the tensor's memory: the batch is the first
+    dimension but for dimensions of size 1 (``(1,N,1,8,...)``, an upsampling's repeat, lies as ``(N,...)``)."""
+    if shape in ("", *OWN_BUFFER_SHAPES):
+        return True
+    dims = shape.strip("()").split(",")
+    while dims and dims[0] == "1":
+        dims.pop(0)
+    return bool(dims) and dims[0] == "N"
+
+
+def op_split(g: OpGraph, op: int) -> OpSplit:
+    """The class of ``op`` of ``g`` for a split along the batch (see the module's docstring)."""
+    grows = batch_dependent(g)
+    op_type = str(g.op_type[op])
+    inputs = [tensor for tensor, _ in inputs_of(g)[op]]
+    outputs = outputs_of(g)[op]
+    grown_in = [t for t in inputs if grows[t]]
+    grown_out = [t for t in outputs if grows[t]]
+    if not grown_in and not grown_out:
+        return OpSplit(ENDS, reason="nothing it reads or makes grows with the batch")
+    if op_type in NEVER_SPLIT:
+        return OpSplit(ENDS, reason=f"a {op_type}: {NEVER_SPLIT[op_type]}")
+    off_axis = [t for t in grown_in + grown_out if not _leading_batch(str(g.tensor_shape[t]))]
+    if off_axis:
+        return OpSplit(ENDS, reason=f"{g.tensor_name(off_axis[0])} {g.tensor_shape[off_axis[0]]} does not have the "
+                                    "batch as its leading axis")
+    if any(g.tensor_persistent[t] for t in outputs):
+        return OpSplit(ENDS, reason="makes a resident tensor")
+    if op_type in GATHERS and inputs and grows[inputs[0]]:
+        return OpSplit(ENDS, reason=f"a {op_type} from a batch-dependent tensor: it may pick other samples")
+    if grown_out and len(grown_out) == len(outputs):
+        if op_type in PER_SAMPLE_TYPES:
+            return OpSplit(PER_SAMPLE)
+        return OpSplit(ENDS, reason=f"a {op_type}: how its outputs depend on other samples is not known")
+    if grown_out:
+        return OpSplit(ENDS, reason=f"a {op_type} making per-sample and batch-wide outputs at once")
+    if not outputs:
+        return OpSplit(ENDS, reason=f"a {op_type} with no outputs")
+    if op_type in COMBINE_KINDS:
+        return OpSplit(BATCH_SUM, combine=COMBINE_KINDS[op_type])
+    return OpSplit(ENDS, reason=f"a {op_type} reducing over the batch in a way that is not known")
+
+
+def splittable(g: OpGraph, op: int) -> bool:
+    return op_split(g, op).kind != ENDS
+
+
+def grow_region(g: OpGraph, start: int, exclude: frozenset[int] = frozenset()) -> tuple[list[int], dict[int, str]]:
+    """The ops reached from ``start`` over batch-dependent tensors through splittable ops (not in
+    ``exclude``), sorted, and the ops where the region ends with their reasons. A batch-summing op
+    is a region's edge on its output side: its combined output no longer grows with the batch.
+    ``start`` itself ending a region gives no ops and its reason."""
+    grows = batch_dependent(g)
+    first = op_split(g, start)
+    if first.kind == ENDS or start in exclude:
+        return [], {start: first.reason or "split already"}
+    readers: list[list[int]] = [[] for _ in range(g.n_tensors)]
+    for tensor, consumer in zip(g.edge_tensor.tolist(), g.edge_consumer.tolist()):
+        readers[tensor].append(consumer)
+    made, read = outputs_of(g), inputs_of(g)
+    region, ends = {start}, {}
+    frontier = [start]
+    while frontier:
+        op = frontier.pop()
+        neighbours = [int(g.tensor_producer[t]) for t, _ in read[op] if grows[t]]
+        neighbours += [reader for t in made[op] if grows[t] for reader in readers[t]]
+        for other in neighbours:
+            if other in region or other in ends or other in exclude:
+                continue
+            found = op_split(g, other)
+            if found.kind == ENDS:
+                ends[other] = found.reason
+                continue
+            region.add(other)
+            frontier.append(other)
+    return sorted(region), ends

@@ -1,0 +1,226 @@
+"""Splitting ops along the batch (simulator/split, docs/design.md 12): hand-computed small graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator import BACKWARD, FORWARD, GraphError, OpGraph, SwapParams, plan_swaps, replay
+from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
+from simulator.split import (BATCH_SUM, ENDS, PER_SAMPLE, SplitRegion, floor_after_splitting, grow_region, op_split,
+                             part_batches, split_regions, with_splits)
+from simulator.synthetic import OpSpec, from_spec, training_graph
+from tests.conftest import unit_device
+
+
+def chain(batch: int = 4, persistent: float = 0.0):
+    """a -> b -> c -> s: per-sample ops (100, 100, 50 B a sample) and the loss's sum over the batch."""
+    return from_spec([
+        OpSpec("a", "Conv2D", FORWARD, [], ((0.0, 100.0),), flops=(10.0, 1.0)),
+        OpSpec("b", "Relu", FORWARD, ["a"], ((0.0, 100.0),), flops=(0.0, 1.0)),
+        OpSpec("c", "Conv2D", FORWARD, ["b"], ((0.0, 50.0),), flops=(0.0, 1.0)),
+        OpSpec("s", "Sum", FORWARD, ["c"], (4,), flops=(1.0, 0.0)),
+    ], outputs=["s"], batch_size=batch, persistent_bytes=(persistent, 0.0))
+
+
+def names(g):
+    return g.op_name.tolist()
+
+
+def test_op_classes_from_types_and_sizes():
+    g = chain()
+    index = g.op_index()
+    assert op_split(g, index["a"]).kind == PER_SAMPLE
+    assert op_split(g, index["b"]).kind == PER_SAMPLE
+    assert op_split(g, index["s"]) == op_split(g, index["s"]).__class__(BATCH_SUM, combine="sum")
+    # a Sum that keeps the batch (a LayerNorm's moments) is per-sample
+    kept = from_spec([OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 64.0),)),
+                      OpSpec("m", "Sum", FORWARD, ["x"], ((0.0, 4.0),))], outputs=["m"])
+    assert op_split(kept, 1).kind == PER_SAMPLE
+    # leading dimensions of size 1 keep a block of the batch a block of memory; a batch further in does not
+    for shape, kind in (("(1,N,1,8)", PER_SAMPLE), ("(N,4)", PER_SAMPLE), ("(2,N,8)", ENDS), ("(4,N)", ENDS)):
+        shaped = OpGraph.build(op_name=["x", "r"], op_type=["Conv2D", "Reshape"], op_phase=[FORWARD, FORWARD],
+                               tensor_producer=[0, 1], tensor_bytes_ab=[(0.0, 64.0), (0.0, 64.0)],
+                               tensor_shape=["(N,8)", shape], edge_tensor=[0], edge_consumer=[1], outputs=[1])
+        assert op_split(shaped, 1).kind == kind, shape
+    # a gather is per-sample from an embedding table, not from a batch-dependent tensor
+    lookup = from_spec([OpSpec("table", "Identity", FORWARD, [], (4096,)),
+                        OpSpec("ids", "Cast", FORWARD, [], ((0.0, 8.0),)),
+                        OpSpec("rows", "GatherV2", FORWARD, ["table", "ids"], ((0.0, 64.0),)),
+                        OpSpec("picked", "GatherV2", FORWARD, ["rows", "ids"], ((0.0, 64.0),))], outputs=["picked"])
+    assert op_split(lookup, 2).kind == PER_SAMPLE
+    assert op_split(lookup, 3).kind == ENDS and "other samples" in op_split(lookup, 3).reason
+    # an op whose rows are not blocks of samples ends a region
+    moved = from_spec([OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 64.0),)),
+                       OpSpec("s2b", "SpaceToBatchND", FORWARD, ["x"], ((0.0, 64.0),))], outputs=["s2b"])
+    assert op_split(moved, 1).kind == ENDS and "batch axis" in op_split(moved, 1).reason
+
+
+def test_part_batches_uneven():
+    assert part_batches(4, 2) == [2, 2]
+    assert part_batches(4, 3) == [2, 1, 1]
+    assert part_batches(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(GraphError, match="cannot run in 5 parts"):
+        part_batches(4, 5)
+    with pytest.raises(GraphError):
+        part_batches(1, 2)
+
+
+def test_chain_in_two_parts_peak_and_floor(unit):
+    g = chain()
+    # unsplit: slot b holds a (400) and b (400); the floor is b's working set
+    assert replay(g, None, unit).peak_bytes == 800
+    assert peak_lower_bound_bytes(g) == 800
+    s = with_splits(g, [SplitRegion(("a", "b", "c", "s"), 2)])
+    assert names(s) == ["a/split_part_0", "a/split_part_1", "b/split_part_0", "b/split_part_1", "c/split_part_0",
+                        "c/split_part_1", "s/split_part_0", "s/split_part_1", "s/split_combine_0"]
+    assert s.tensor_bytes.tolist() == [200, 200, 200, 200, 100, 100, 4, 4, 4]
+    # CTO: a0 a1 b0 b1 c0 c1 s0 s1 combine; at b0: a0 + a1 + b0 = 600 (a0 freed after b0),
+    # at b1: a1 + b0 + b1 = 600; then 500, 400, 204, 108 and the combine writes into s0: 8
+    r = replay(s, None, unit)
+    assert r.level_peak_bytes.tolist() == [400, 600, 500, 204, 8]
+    assert r.peak_bytes == 600
+    # the floor: a part of b reads a part of a, 200 + 200
+    assert peak_lower_bound_bytes(s) == 400
+    # the combine reads the partial sums; the step's fetch is the combined sum
+    assert s.tensor_name(int(s.outputs[0])) == "s/split_combine_0:0"
+    assert split_regions(s)[0]["combines"] == {"s": "sum"}
+    assert split_regions(s)[0]["concats"] == [] and split_regions(s)[0]["entries"] == []
+
+
+def test_uneven_parts_sizes_and_costs(unit):
+    g = chain()
+    s = with_splits(g, [SplitRegion(("a", "b", "c", "s"), 3)])  # 2, 1, 1 samples
+    by_name = dict(zip(names(s), range(s.n_ops)))
+    sizes = {s.tensor_name(t): int(size) for t, size in enumerate(s.tensor_bytes)}
+    assert [sizes[f"a/split_part_{i}:0"] for i in range(3)] == [200, 100, 100]
+    assert [sizes[f"c/split_part_{i}:0"] for i in range(3)] == [100, 50, 50]
+    # an op's cost at its part's batch, a + b * n_i: a has 10 + 1 * batch FLOPs
+    assert [s.op_flops[by_name[f"a/split_part_{i}"]] for i in range(3)] == [12.0, 11.0, 11.0]
+    assert s.op_flops[by_name["s/split_part_2"]] == 1.0
+    # a running combine: two steps, the third partial waits for the first step
+    assert [n for n in names(s) if "combine" in n] == ["s/split_combine_0", "s/split_combine_1"]
+    controls = {(s.op_name[a], s.op_name[b]) for a, b in zip(s.control_src, s.control_dst)}
+    assert controls == {("s/split_combine_0", "s/split_part_2")}
+    # the largest working set is a part of b on 2 samples: 200 + 200
+    assert peak_lower_bound_bytes(s) == 400
+    assert replay(s, None, unit).peak_bytes >= peak_lower_bound_bytes(s)
+
+
+def batch_norm():
+    """x -> mean over the batch -> x - mean -> loss; the mean reduces over the batch."""
+    return from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 100.0),), flops=(0.0, 1.0)),
+        OpSpec("mean", "Mean", FORWARD, ["x"], (16,), flops=(0.0, 1.0)),
+        OpSpec("centred", "Sub", FORWARD, ["x", "mean"], ((0.0, 100.0),), flops=(0.0, 1.0)),
+        OpSpec("loss", "Sum", FORWARD, ["centred"], (4,), flops=(0.0, 1.0)),
+    ], outputs=["loss"], batch_size=8)
+
+
+def test_batch_mixing_ops_get_partials_and_a_combine(unit):
+    g = batch_norm()
+    region, ends = grow_region(g, g.op_index()["centred"])
+    assert [g.op_name[op] for op in region] == ["x", "mean", "centred", "loss"] and ends == {}
+    s = with_splits(g, [SplitRegion(tuple(g.op_name[op] for op in region), 4)])
+    record = split_regions(s)[0]
+    assert record["combines"] == {"mean": "mean", "loss": "sum"} and record["part_batches"] == [2, 2, 2, 2]
+    by_name = dict(zip(names(s), range(s.n_ops)))
+    combined = s.tensor_index()["mean/split_combine_2:0"]
+    # every part of the subtraction reads its part of x and the combined mean, not a partial
+    for i in range(4):
+        read = sorted(s.tensor_name(t) for t, c in zip(s.edge_tensor, s.edge_consumer)
+                      if c == by_name[f"centred/split_part_{i}"])
+        assert read == sorted([f"x/split_part_{i}:0", "mean/split_combine_2:0"])
+    assert int(s.tensor_bytes[combined]) == 16
+    assert s.op_type[by_name["mean/split_combine_0"]] == "AddV2"
+    # partials of the mean are of the whole mean's size; parts of x a quarter of x
+    assert int(s.tensor_bytes[s.tensor_index()["mean/split_part_3:0"]]) == 16
+    assert int(s.tensor_bytes[s.tensor_index()["x/split_part_3:0"]]) == 200
+    # the floor: x's part and the subtraction's part with the mean, 200 + 200 + 16
+    assert peak_lower_bound_bytes(g) == 800 + 800 + 16
+    assert peak_lower_bound_bytes(s) == 416
+
+
+def test_an_unknown_op_ends_a_region_and_reads_the_whole():
+    g = from_spec([
+        OpSpec("a", "Conv2D", FORWARD, [], ((0.0, 100.0),)),
+        OpSpec("odd", "MysteryOp", FORWARD, ["a"], ((0.0, 100.0),)),
+        OpSpec("c", "Relu", FORWARD, ["odd"], ((0.0, 100.0),)),
+    ], outputs=["c"], batch_size=4)
+    region, ends = grow_region(g, 0)
+    assert region == [0]
+    assert list(ends) == [1] and "MysteryOp" in ends[1] and "not known" in ends[1]
+    with pytest.raises(GraphError, match="cannot run in parts: a MysteryOp"):
+        with_splits(g, [SplitRegion(("a", "odd"), 2)])
+    s = with_splits(g, [SplitRegion(("a",), 2)])
+    by_name = dict(zip(names(s), range(s.n_ops)))
+    # the unknown op reads a concatenation of a's parts; its working set is whole again
+    assert [s.tensor_name(t) for t, c in zip(s.edge_tensor, s.edge_consumer) if c == by_name["odd"]] == [
+        "a/split_concat_0:0"]
+    assert s.op_type[by_name["a/split_concat_0"]] == "ConcatV2"
+    assert split_regions(s)[0]["concats"] == ["a:0"]
+    ws = op_working_set_bytes(s)
+    assert ws[by_name["a/split_concat_0"]] == 800  # both parts and the whole
+    assert ws[by_name["odd"]] == 800
+
+
+def test_a_region_entry_shares_the_whole_buffer():
+    """A region that starts at c cuts b at its entry: the parts share b's buffer, so each part of c
+    still has all of b on the device."""
+    g = chain()
+    s = with_splits(g, [SplitRegion(("c",), 2)])
+    by_name = dict(zip(names(s), range(s.n_ops)))
+    entry = s.tensor_index()["b/split_batch_0_0:1"]
+    assert s.tensor_alias_of[entry] == s.tensor_index()["b:0"]
+    assert split_regions(s)[0]["entries"] == ["b:0"]
+    ws = op_working_set_bytes(s)
+    assert ws[by_name["c/split_part_1"]] == 400 + 100
+
+
+def test_floor_after_splitting_is_lower_where_it_should_be():
+    g = chain(persistent=1000.0)
+    assert peak_lower_bound_bytes(g) == 1800
+    halves, quarters = floor_after_splitting(g, 2), floor_after_splitting(g, 4)
+    assert (halves.floor_bytes, halves.split_floor_bytes) == (1800, 1400)
+    assert (quarters.floor_bytes, quarters.split_floor_bytes) == (1800, 1200)
+    assert halves.regions == (SplitRegion(("a", "b", "c", "s"), 2),)
+    assert "a part of a split region" in quarters.stop_reason
+    # a floor set by an op whose sizes do not grow with the batch stays where it is
+    fixed = from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 10.0),)),
+        OpSpec("w", "Mul", BACKWARD, ["x"], ((0.0, 10.0),)),
+        OpSpec("grad", "Sum", BACKWARD, ["w"], (5000,)),
+        OpSpec("update", "AssignSubVariableOp", BACKWARD, ["grad"], (5000,)),
+    ], outputs=["update"], batch_size=4)
+    found = floor_after_splitting(fixed, 2)
+    assert found.split_floor_bytes == found.floor_bytes == peak_lower_bound_bytes(fixed)
+    assert found.regions == () and "cannot run in parts" in found.stop_reason
+
+
+def test_split_graph_replays_consistently_with_its_floor():
+    """A training-like step: no replay of the split graph, with or without swaps, goes under its floor, and
+    swapping in the memory-aware order takes it below the captured step's floor, which the same
+    plan rules on the captured step reach and do not pass."""
+    g = training_graph(6, seed=3, batch_size=8)
+    device = unit_device(bandwidth_bytes_per_s=1e9)
+    found = floor_after_splitting(g, 4)
+    assert found.floor_bytes == peak_lower_bound_bytes(g)
+    assert found.split_floor_bytes == peak_lower_bound_bytes(found.split_graph) < found.floor_bytes / 2
+    s = found.split_graph
+    params = SwapParams(threshold=1, lb=1, ub=2, order="memory")
+    plain = replay(s, None, device).peak_bytes
+    swapped = replay(s.with_order("memory"), plan_swaps(s, params), device).peak_bytes
+    assert plain >= found.split_floor_bytes and swapped >= found.split_floor_bytes
+    assert swapped < found.floor_bytes
+    captured = replay(g.with_order("memory"), plan_swaps(g, params), device).peak_bytes
+    assert found.floor_bytes <= captured < found.floor_bytes * 1.001
+
+
+def test_split_graph_rejects_bad_regions():
+    g = chain()
+    with pytest.raises(GraphError, match="not an op"):
+        with_splits(g, [SplitRegion(("nope",), 2)])
+    with pytest.raises(GraphError, match="in region 0 already"):
+        with_splits(g, [SplitRegion(("a",), 2), SplitRegion(("a", "b"), 2)])
+    s = with_splits(g, [SplitRegion(("a", "b"), 2)])
+    with pytest.raises(GraphError, match="not an op of the captured step"):
+        with_splits(s, [SplitRegion(("a/split_part_0",), 2)])
