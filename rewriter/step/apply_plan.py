@@ -41,7 +41,8 @@ def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
 
 
 def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
-          swap_op: str = "auto", inputs: StepInputs = NO_STEP_INPUTS, verify: bool = True, verify_with=None, serialize: bool = True) -> SwapStep:
+          swap_op: str = "auto", inputs: StepInputs = NO_STEP_INPUTS, verify: bool = True, verify_with=None,
+          serialize: bool = True) -> SwapStep:
     """Apply ``plan`` to ``model``'s training step and return the rewritten step.
 
     ``model``: a compiled Keras model (its ``train_step`` is traced at ``batch_size``), or a
