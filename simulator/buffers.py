@@ -8,6 +8,12 @@ A buffer is a tree of tensors. Links that read their parent from two or more lev
 slots) away could be rewired to a swap-in by a plan; such a link starts a *segment*, because once
 rewired, the segment (say, a gradient op writing into the activation it read) lives in the
 swap-in's buffer instead.
+
+What the resident bytes are made of (``resident_split_bytes``): weights, model state, optimizer slots,
+gradient accumulators, optimizer scalars, metrics (each variable's kind, named by the capture in
+``graph.meta["variables"]``, ``rewriter.trace.state_kinds``), the inputs (the step's placeholders) and
+the constants (the rest); the gradients are not resident but made by the backward pass and read by
+the update (``gradient_bytes``). A plan that moves part of the state starts from them.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator import kernels
-from simulator.graph import Analysis, OpGraph
+from simulator.graph import BACKWARD, UPDATE, Analysis, OpGraph
+from simulator.kernels.records import BufferRecord
 from simulator.ordering import ORDERS, categorized_levels, distance_levels, execution_order, position_of
 from simulator.sharing import SHARING_IN_LEVEL_ORDER, share_buffers
 
@@ -162,9 +169,10 @@ class RewireTables:
     seg_parent: np.ndarray
     tensor_segment: np.ndarray
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """Every table but ``read_keys``, in the order the kernels take them."""
-        return tuple(getattr(self, name) for name in self.__dataclass_fields__)[1:]
+    def record_fields(self) -> dict[str, np.ndarray | int]:
+        """Every table but ``read_keys`` by name, and their number (``n_keys``): a ``BufferRecord``'s."""
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__ if name != "read_keys"},
+                "n_keys": len(self.read_keys)}
 
 
 def rewire_tables(g: OpGraph) -> RewireTables:
@@ -195,6 +203,16 @@ def rewire_tables(g: OpGraph) -> RewireTables:
             seg_parent=np.where(parent >= 0, number[np.maximum(parent, 0)], -1),
             tensor_segment=number[info.segment])
     return g.cached("rewire_tables", compute, structural=True)
+
+
+def buffer_record(g: OpGraph) -> BufferRecord:
+    """``g``'s buffers as the compiled lifetimes take them (``kernels.after_ops``, ``kernels.plan_reads``,
+    ``kernels.replay_plan``), built once per view."""
+    def compute(graph: OpGraph) -> BufferRecord:
+        return BufferRecord(position=position_of(graph), order=execution_order(graph),
+                            tensor_producer=graph.tensor_producer, root=buffers(graph).root,
+                            **rewire_tables(graph).record_fields())
+    return g.cached("buffer_record", compute, structural=True)
 
 
 def alloc_slot_bytes(g: OpGraph) -> np.ndarray:
@@ -278,3 +296,41 @@ def peak_lower_bound_bytes(g: OpGraph) -> int:
     A plan picks its execution order, and buffer forwarding depends on it, so the bound is taken
     in the order where it is least; outputs a plan may let an op write in place do not count."""
     return int(g.persistent_bytes + _binding_working_set_bytes(g).max(initial=0))
+
+
+# ---------------------------------------------------------------------- what resident memory is made of
+
+INPUTS, CONSTANTS = "inputs", "constants"
+
+
+def input_bytes(g: OpGraph) -> int:
+    """Bytes of the step's input batch (its placeholders) at ``g``'s batch size."""
+    made_by_placeholder = g.op_type[g.tensor_producer] == "Placeholder"
+    return int(g.tensor_bytes[g.tensor_persistent & made_by_placeholder].sum())
+
+
+def resident_split_bytes(g: OpGraph) -> dict[str, int]:
+    """Resident bytes by kind at ``g``'s batch size, summing to ``g.persistent_bytes``: the variables'
+    kinds the capture named (``"variable"`` where it knew none), ``"inputs"`` and ``"constants"``
+    (the rest: what the step's kernels hold)."""
+    split: dict[str, int] = {}
+    for variable in g.meta.get("variables", []):
+        split[variable["kind"]] = split.get(variable["kind"], 0) + int(variable["bytes"])
+    split[INPUTS] = input_bytes(g)
+    split[CONSTANTS] = max(0, g.persistent_bytes - sum(split.values()))
+    return split
+
+
+# a plain assignment stores a value the backward pass made without a gradient step: a metric's total
+STORE_TYPES = frozenset({"AssignVariableOp"})
+
+
+def gradient_bytes(g: OpGraph) -> int:
+    """Bytes of the buffers the backward pass makes and the update reads (the gradients), at ``g``'s
+    batch; values a plain assignment stores (``STORE_TYPES``: a metric's running total) are not gradients."""
+    info = buffers(g)
+    read_by_update = (g.op_phase[g.edge_consumer] == UPDATE) & ~np.isin(g.op_type[g.edge_consumer], list(STORE_TYPES))
+    made_in_backward = g.op_phase[g.tensor_producer[g.edge_tensor]] == BACKWARD
+    roots = np.unique(info.root[g.edge_tensor[read_by_update & made_in_backward]])
+    roots = roots[~info.persistent[roots]]
+    return int(g.tensor_bytes[roots].sum())

@@ -25,6 +25,7 @@ import numpy as np
 
 from simulator import kernels
 from simulator.graph import OpGraph
+from simulator.kernels.records import FusionRecord
 from simulator.ordering import position_of
 
 _ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Selu", "Tanh", "Sigmoid", "Softplus", "Gelu"})
@@ -164,8 +165,6 @@ class FusionTables:
     control_ptr: np.ndarray
     control_ops: np.ndarray
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
 
 
 def fusion_tables(g: OpGraph) -> FusionTables:
@@ -189,6 +188,15 @@ def fusion_tables(g: OpGraph) -> FusionTables:
     return g.cached("fusion_tables", compute, structural=True)
 
 
+def fusion_record(g: OpGraph) -> FusionRecord:
+    """``FusionTables`` of ``g`` as the compiled walk takes them (``kernels.safe_wait_slots``, the replay's)."""
+    def compute(graph: OpGraph) -> FusionRecord:
+        tables = fusion_tables(graph)
+        return FusionRecord(position=position_of(graph), tensor_producer=graph.tensor_producer,
+                            **{name: getattr(tables, name) for name in tables.__dataclass_fields__})
+    return g.cached("fusion_record", compute, structural=True)
+
+
 def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: np.ndarray,
                     consumer_ptr: np.ndarray, consumers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per swap-in of ``tensor[j]`` (a SwapPlan's in_trigger/in_after/in_consumer_ptr/in_consumers
@@ -200,7 +208,6 @@ def safe_wait_slots(g: OpGraph, tensor: np.ndarray, trigger: np.ndarray, after: 
     tensor; each of them inside a consumer's fusion neighbourhood is replaced by its own sources,
     repeatedly. Compiled (``kernels.safe_wait_slots``); the replay calls the same walk.
     """
-    return kernels.safe_wait_slots(position_of(g), g.tensor_producer, *fusion_tables(g).arrays(),
-                                   np.asarray(tensor, np.int64), np.asarray(trigger, np.int64),
+    return kernels.safe_wait_slots(fusion_record(g), np.asarray(tensor, np.int64), np.asarray(trigger, np.int64),
                                    np.asarray(after, np.int64), np.asarray(consumer_ptr, np.int64),
                                    np.asarray(consumers, np.int64))

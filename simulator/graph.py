@@ -97,6 +97,10 @@ class OpGraph:
     Control edges: ``control_src`` -> ``control_dst``.
     ``persistent_bytes_ab``: weights, optimizer state and inputs resident through the step.
     ``outputs``: tensors fetched by the step (alive to its end).
+    Held variable buffers, pairs ``held_tensor`` -> ``held_read``: a write to a variable while a read
+    of it (a persistent tensor) is still read later keeps the variable's old buffer beside the new one
+    (TensorFlow's copy-on-write) until that read's last reader; ``held_tensor`` is the write's output
+    that stands for the old buffer, ``held_read`` one read it pairs with (``simulator.sharing``).
     """
 
     op_name: np.ndarray
@@ -120,6 +124,8 @@ class OpGraph:
     control_dst: np.ndarray
     persistent_bytes_ab: np.ndarray
     outputs: np.ndarray
+    held_tensor: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    held_read: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     batch_size: int = 1
     meta: dict = field(default_factory=dict)
     order: str = "cto"
@@ -156,6 +162,8 @@ class OpGraph:
         control_dst=(),
         persistent_bytes_ab=(0, 0),
         outputs=(),
+        held_tensor=(),
+        held_read=(),
         batch_size: int = 1,
         meta: dict | None = None,
     ) -> "OpGraph":
@@ -194,6 +202,8 @@ class OpGraph:
             control_dst=_ints(control_dst),
             persistent_bytes_ab=np.asarray(persistent_bytes_ab, dtype=np.float64).reshape(2),
             outputs=_ints(outputs),
+            held_tensor=_ints(held_tensor),
+            held_read=_ints(held_read),
             batch_size=int(batch_size),
             meta=dict(meta or {}),
         )
@@ -213,6 +223,8 @@ class OpGraph:
             raise GraphError("edge_tensor, edge_consumer and edge_slot differ in length")
         if len(self.control_src) != len(self.control_dst):
             raise GraphError("control_src and control_dst differ in length")
+        if len(self.held_tensor) != len(self.held_read):
+            raise GraphError("held_tensor and held_read differ in length")
         if len(set(self.op_name.tolist())) != n_ops:
             raise GraphError("op names are not unique")
         for name, values, limit in (
@@ -222,12 +234,16 @@ class OpGraph:
             ("control_src", self.control_src, n_ops),
             ("control_dst", self.control_dst, n_ops),
             ("outputs", self.outputs, n_tensors),
+            ("held_tensor", self.held_tensor, n_tensors),
+            ("held_read", self.held_read, n_tensors),
         ):
             if len(values) and (values.min() < 0 or values.max() >= limit):
                 raise GraphError(f"{name} holds an index outside 0..{limit - 1}")
         alias = self.tensor_alias_of
         if len(alias) and (alias.min() < -1 or alias.max() >= n_tensors):
             raise GraphError("tensor_alias_of holds an index outside -1..n_tensors-1")
+        if len(self.held_read) and not self.tensor_persistent[self.held_read].all():
+            raise GraphError("held_read must name persistent tensors (variable reads)")
         if np.any((self.op_phase < 0) | (self.op_phase > OTHER)):
             raise GraphError("op_phase must be 0..3 (forward, backward, update, other)")
         if np.any(self.tensor_bytes_ab < 0) or np.any(self.op_flops_ab < 0) or np.any(self.op_touched_bytes_ab < 0):
@@ -354,12 +370,13 @@ class OpGraph:
         "tensor_alias_of", "tensor_persistent", "tensor_swappable", "edge_tensor", "edge_consumer",
         "edge_slot", "control_src", "control_dst", "persistent_bytes_ab", "outputs",
     )
+    _OPTIONAL_ARRAY_FIELDS = ("held_tensor", "held_read")  # absent from files written before they existed
 
     def save(self, path: str | Path) -> Path:
         """Write one ``.npz`` file (numpy only, no pickles) that ``OpGraph.load`` reads back."""
         path = Path(path)
         header = {"format_version": FORMAT_VERSION, "batch_size": self.batch_size, "meta": self.meta}
-        arrays = {name: getattr(self, name) for name in self._ARRAY_FIELDS}
+        arrays = {name: getattr(self, name) for name in self._ARRAY_FIELDS + self._OPTIONAL_ARRAY_FIELDS}
         arrays["header_json"] = np.asarray(json.dumps(header))
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as handle:
@@ -373,6 +390,7 @@ class OpGraph:
             with np.load(path, allow_pickle=False) as data:
                 header = json.loads(str(data["header_json"]))
                 arrays = {name: data[name] for name in cls._ARRAY_FIELDS}
+                arrays.update({name: data[name] for name in cls._OPTIONAL_ARRAY_FIELDS if name in data.files})
         except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as error:
             raise GraphError(f"{path} is not a saved OpGraph ({error})") from None
         if header.get("format_version") != FORMAT_VERSION:

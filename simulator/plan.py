@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from simulator import kernels
-from simulator.buffers import buffers, rewire_tables
+from simulator.buffers import buffer_record
 from simulator.graph import ORDER_NAMES, GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
@@ -349,10 +349,8 @@ def after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers: 
     consumer of the group before it. Compiled (``kernels.after_ops``; ``plan_swaps`` calls it from
     its own kernel).
     """
-    tables = rewire_tables(g)
     return kernels.after_ops(np.asarray(group_tensor, np.int64), np.asarray(ptr, np.int64),
-                             np.asarray(consumers, np.int64), position_of(g), execution_order(g), buffers(g).root,
-                             *tables.arrays(), len(tables.read_keys))
+                             np.asarray(consumers, np.int64), buffer_record(g))
 
 
 # ---------------------------------------------------------------------- the plan by name (plan.json)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from simulator import kernels
-from simulator.buffers import buffers, rewire_tables
+from simulator.buffers import buffer_record
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
+from simulator.kernels.records import PlanningRecord, TriggerRecord
 from simulator.ordering import distance_levels, execution_order, n_levels, position_of, slot_levels_view
 from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES, TRIGGER_POLICIES,  # noqa: F401
                               ParamsError, SwapParams)
@@ -172,6 +173,41 @@ def _never_far(g: OpGraph, kept_reads: tuple[tuple[str, str], ...]) -> np.ndarra
 _NO_TABLE = np.zeros(1, np.int64)
 
 
+def _planning_record(g: OpGraph) -> PlanningRecord:
+    """What ``kernels.plan_reads`` reads of ``g`` (a view in one order and distance), built once."""
+    return g.cached("planning_record", lambda graph: PlanningRecord(
+        edge_order=_edges_by_tensor_slot(graph), edge_tensor=graph.edge_tensor, edge_consumer=graph.edge_consumer,
+        levels=distance_levels(graph), buffers=buffer_record(graph)), structural=True)
+
+
+def _trigger_record(g: OpGraph, params: SwapParams) -> TriggerRecord:
+    """How ``params`` picks triggers on ``g``, as ``kernels.plan_reads`` takes it (built once per view and
+    policy): none (synchronous swap-ins), by level, or among the first consumer's ancestors."""
+    if params.sync in SYNC_IN_MODES:
+        key, mode, depth = ("trigger_record", 0), 0, 0
+    elif params.trigger == "level":
+        key, mode, depth = ("trigger_record", 1), 1, 0
+    else:
+        depth = _trigger_depth(params.ub, n_levels(g))
+        key, mode = ("trigger_record", 2, depth), 2
+
+    def compute(graph: OpGraph) -> TriggerRecord:
+        tables = {name: _NO_TABLE for name in ("latest_level", "latest_op", "ancestor_ptr", "ancestor_ops",
+                                               "ancestor_levels", "ancestor_key")}
+        span = 0
+        if mode == 1:
+            tables["latest_level"], tables["latest_op"] = graph.cached("level_triggers", _level_triggers,
+                                                                       structural=True)
+        elif mode == 2:
+            table = graph.cached(("ancestor_triggers", depth), lambda view: _ancestor_triggers(view, depth),
+                                 structural=True)
+            tables.update(ancestor_ptr=table["ptr"], ancestor_ops=table["ops"], ancestor_levels=table["levels"],
+                          ancestor_key=table["key"])
+            span = int(table["span"])
+        return TriggerRecord(mode=mode, span=span, **tables)
+    return g.cached(key, compute, structural=True)
+
+
 def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: np.ndarray, policy: str,
                     ub: int) -> np.ndarray:
     """Per request: the latest trigger candidate on a level in ``lo..hi`` (``g``'s levels) that
@@ -215,27 +251,9 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     g = g.with_order(params.order)
     if params.distance == "slot":
         g = slot_levels_view(g)
-    tables = rewire_tables(g)
-    latest_level = latest_op = ancestor_ptr = ancestor_ops = ancestor_levels = ancestor_key = _NO_TABLE
-    span = 0
-    if params.sync in SYNC_IN_MODES:
-        triggers = 0
-    elif params.trigger == "level":
-        triggers = 1
-        latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
-    else:
-        triggers = 2
-        depth = _trigger_depth(params.ub, n_levels(g))
-        table = g.cached(("ancestor_triggers", depth), lambda graph: _ancestor_triggers(graph, depth),
-                         structural=True)
-        ancestor_ptr, ancestor_ops, ancestor_levels = table["ptr"], table["ops"], table["levels"]
-        ancestor_key, span = table["key"], table["span"]
     swapped, in_swap, trigger, after, ptr, consumers = kernels.plan_reads(
-        _edges_by_tensor_slot(g), g.edge_tensor, g.edge_consumer, _never_far(g, tuple(kept_reads)),
-        _candidate_tensors(g, params), params.threshold, params.groupby, params.lb, params.ub, triggers,
-        g.tensor_producer, distance_levels(g), position_of(g), execution_order(g), buffers(g).root,
-        *tables.arrays(), len(tables.read_keys), latest_level, latest_op, ancestor_ptr, ancestor_ops,
-        ancestor_levels, ancestor_key, span)
+        _planning_record(g), _trigger_record(g, params), _never_far(g, tuple(kept_reads)),
+        _candidate_tensors(g, params), params.threshold, params.groupby, params.lb, params.ub)
     return SwapPlan(
         tensor=swapped,
         sync_out=np.full(len(swapped), params.sync in ("out", "both")),

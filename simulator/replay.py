@@ -17,7 +17,7 @@ slot's figure is the larger of its op's and its wait's (``wait_slots``). Only sw
 re-accounted per plan, on top of a cached baseline.
 
 A replay is one compiled call (``kernels.replay_plan``, numba) from the plan's arrays to the
-Replay's, on tables built once per graph, batch size and device (``_context``); fields a search
+Replay's, on records built once per graph, batch size and device (``_context``); fields a search
 does not read are computed at their first read (``_OnDemand``): about a tenth of a millisecond for
 ResNet-50 at batch 32 with 474 swaps (README.md), results bit-identical to the numpy replay it
 replaced (tests/simulator/test_golden.py). ``live_buffers`` tells what holds device memory at one moment
@@ -32,11 +32,13 @@ import numpy as np
 import pandas as pd
 
 from simulator import kernels
-from simulator.buffers import alloc_slot_bytes, baseline_slot_bytes, buffers, rewire_tables, slot_levels
+from simulator.buffers import (alloc_slot_bytes, baseline_slot_bytes, buffer_record, buffers, rewire_tables,
+                               slot_levels)
 from simulator.device.calibrated import CalibratedDevice
 from simulator.device.presets import DeviceModel, get_device
-from simulator.fusion import fusion_tables, safe_wait_slots
+from simulator.fusion import fusion_record, safe_wait_slots
 from simulator.graph import PHASE_NAMES, GraphError, OpGraph
+from simulator.kernels.records import PlanArrays, ReplayGraphRecord, StepRecord, Transfers
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
 
@@ -140,10 +142,12 @@ def _op_start_s(result: Replay, finish_all: np.ndarray, context: _Context) -> np
 
 
 def _copy_overlap_s(result: Replay, finish_all: np.ndarray, context: _Context) -> float:
-    return float(kernels.copy_overlap(finish_all, context.duration, result.swap_out_start_s, result.swap_out_end_s,
-                                      result.swap_in_start_s, result.swap_in_end_s,
-                                      np.argsort(result.swap_out_start_s, kind="stable"),
-                                      np.argsort(result.swap_in_start_s, kind="stable")))
+    transfers = Transfers(out_start=result.swap_out_start_s, out_end=result.swap_out_end_s,
+                          in_ready=result.swap_in_alloc_s, in_start=result.swap_in_start_s,
+                          in_end=result.swap_in_end_s, finish_all=finish_all,
+                          out_queue=np.argsort(result.swap_out_start_s, kind="stable"),
+                          in_processed=np.argsort(result.swap_in_start_s, kind="stable"))
+    return float(kernels.copy_overlap(transfers, context.duration))
 
 
 ON_DEMAND_FIELDS = {"op_end_s": _op_end_s, "op_start_s": _op_start_s, "copy_overlap_s": _copy_overlap_s}
@@ -198,15 +202,13 @@ def _csr(keys: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     return ptr, by_key.astype(np.int64)
 
 
-def _plan_tables(g: OpGraph) -> dict[str, np.ndarray | int]:
-    """What ``kernels.replay_plan`` reads of the structure (of ``kernels.REPLAY_TABLE_FIELDS``): the
-    buffer analysis with the reads a plan can rewire (``buffers.RewireTables``), the forwards a plan
-    makes possible (grouped by root and by read id), the fusion tables and each read's fusion-safe
-    wait."""
-    def compute(graph: OpGraph) -> dict[str, np.ndarray | int]:
+def _plan_tables(g: OpGraph) -> ReplayGraphRecord:
+    """What ``kernels.replay_plan`` reads of the structure: the buffer analysis with the reads a plan can
+    rewire (``buffers.buffer_record``), the forwards a plan makes possible (grouped by root and by read
+    id), the fusion tables and each read's fusion-safe wait."""
+    def compute(graph: OpGraph) -> ReplayGraphRecord:
         info = buffers(graph)
         tables = rewire_tables(graph)
-        fusion = fusion_tables(graph)
         max1, max1_tensor, max2 = _other_input_slots(graph)
         late_root_ptr, late_by_root = _csr(info.late_root, graph.n_tensors)
         late_read_ptr, late_by_read = _csr(np.searchsorted(tables.read_keys, info.late_key), len(tables.read_keys))
@@ -216,26 +218,20 @@ def _plan_tables(g: OpGraph) -> dict[str, np.ndarray | int]:
         nothing = np.full(len(read_tensor), -1, np.int64)
         read_safe_hit, read_safe_slot = safe_wait_slots(graph, read_tensor, nothing, nothing,
                                                         np.arange(len(read_tensor) + 1), tables.tensor_read_consumer)
-        named = {
-            "tensor_producer": graph.tensor_producer, "root": info.root, "free_slot": info.free_slot, "max1": max1,
-            "max1_tensor": max1_tensor, "max2": max2,
-            **{name: getattr(tables, name) for name in tables.__dataclass_fields__ if name != "read_keys"},
-            "n_keys": len(tables.read_keys), "late_slot": info.late_slot, "late_out": info.late_out,
-            "late_root_ptr": late_root_ptr, "late_by_root": late_by_root, "late_read_ptr": late_read_ptr,
-            "late_by_read": late_by_read,
-            **{name: getattr(fusion, name) for name in fusion.__dataclass_fields__},
-            "read_safe_hit": read_safe_hit, "read_safe_slot": read_safe_slot}
-        return {name: np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
-                for name, value in named.items()}
+        return ReplayGraphRecord(
+            free_slot=info.free_slot, max1=max1, max1_tensor=max1_tensor, max2=max2, late_slot=info.late_slot,
+            late_out=info.late_out, late_root_ptr=late_root_ptr, late_by_root=late_by_root,
+            late_read_ptr=late_read_ptr, late_by_read=late_by_read, read_safe_hit=read_safe_hit,
+            read_safe_slot=read_safe_slot, buffers=buffer_record(graph), fusion=fusion_record(graph))
     return g.cached("replay_plan_tables", compute, structural=True)
 
 
 @dataclass(frozen=True)
 class _Context:
-    """A graph at one batch size on one device, as the replay reads it: ``tables`` is what
-    ``kernels.replay_plan`` takes before the plan's arrays."""
+    """A graph at one batch size on one device, as the replay reads it: ``step`` is what
+    ``kernels.replay_plan`` takes beside the plan's arrays."""
 
-    tables: tuple  # kernels.replay_plan's arguments before the plan's
+    step: StepRecord
     levels_of_slot: np.ndarray
     persistent_bytes: int
     compute_s: float
@@ -260,15 +256,15 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
         persistent = graph.persistent_bytes
         d2h_seconds = _per_transfer(device.transfer_seconds(float_bytes, "d2h"), graph.n_tensors)
         h2d_seconds = _per_transfer(device.transfer_seconds(float_bytes, "h2d"), graph.n_tensors)
-        tables = kernels.replay_tables(
-            position=position_of(graph), duration=duration, finish_plain=finish_plain,
+        step = StepRecord(
+            duration=duration, finish_plain=finish_plain,
             # byte figures are whole numbers: the slots' running sums are taken in int64 (exact, as in float64)
             baseline_bytes=baseline_slot_bytes(graph).astype(np.int64), alloc_bytes=alloc_slot_bytes(graph),
             levels_of_slot=levels_of_slot, n_levels=int(levels_of_slot.max(initial=-1)) + 1,
             sorted_levels=graph.order == "cto", persistent=persistent, tensor_bytes=float_bytes,
             int_bytes=np.ascontiguousarray(graph.tensor_bytes, dtype=np.int64),
-            d2h_seconds=d2h_seconds, h2d_seconds=h2d_seconds, **_plan_tables(graph))
-        return _Context(tables, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0,
+            d2h_seconds=d2h_seconds, h2d_seconds=h2d_seconds, graph=_plan_tables(graph))
+        return _Context(step, levels_of_slot, persistent, float(finish_plain[-1]) if len(finish_plain) else 0.0,
                         position_of(graph), op_seconds(graph, device), duration)
     context = g.cached(("replay_context", device), compute, structural=False)
     by_object[id(device)] = (device, context)
@@ -290,28 +286,29 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     # one compiled call from the plan's arrays to the Replay's (its docstring and kernel_memory.account give the
     # rules); the compute during copies only where the step time depends on it (else read on demand)
     contended = device.copy_contention != 0.0
-    (peak_slot, peak, level_peak, finish_all, out_start, out_end, in_start, in_end, in_ready, roots,
-     root_free_slot, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment, host_peak,
-     host_peak_s, d2h, h2d, overlap_s) = kernels.replay_plan(
-        *context.tables, plan.tensor, _waited_copies_out(plan, device), plan.in_swap, plan.in_trigger, plan.in_after,
-        plan.in_consumer_ptr, plan.in_consumers, plan.after_copies_out, contended)
+    out = kernels.replay_plan(context.step, PlanArrays(
+        swap_tensor=plan.tensor, sync_out=_waited_copies_out(plan, device), in_swap=plan.in_swap,
+        in_trigger=plan.in_trigger, in_after=plan.in_after, in_consumer_ptr=plan.in_consumer_ptr,
+        in_consumers=plan.in_consumers, after_copies_out=plan.after_copies_out), contended)
     # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
     # time that overlaps copies (0.0 x it without contention), and copy_overhead_s per copy
-    contention_s = (device.copy_contention * overlap_s if contended else 0.0) + device.copy_overhead_s * (
+    contention_s = (device.copy_contention * out.overlap_s if contended else 0.0) + device.copy_overhead_s * (
         plan.n_swaps + plan.n_swap_ins)
-    step_s = float(finish_all[-1]) + contention_s
-    on_demand = {"copy_overlap_s": overlap_s} if contended else {}
+    step_s = float(out.finish_all[-1]) + contention_s
+    on_demand = {"copy_overlap_s": out.overlap_s} if contended else {}
     return _filled_replay(
-        _on_demand=(finish_all, context), **on_demand,
-        peak_bytes=int(round(peak)) + context.persistent_bytes, host_peak_bytes=int(host_peak), step_s=step_s,
-        compute_s=context.compute_s, stall_s=max(0.0, step_s - context.compute_s), d2h_bytes=int(d2h),
-        h2d_bytes=int(h2d), n_swap_outs=plan.n_swaps, n_swap_ins=plan.n_swap_ins,
-        persistent_bytes=context.persistent_bytes, peak_level=int(context.levels_of_slot[peak_slot]),
-        level_peak_bytes=level_peak, swap_out_start_s=out_start,
-        swap_out_end_s=out_end, swap_in_start_s=in_start, swap_in_end_s=in_end, peak_slot=peak_slot,
-        swapped_roots=roots, swapped_root_free_slot=root_free_slot, swap_in_alloc_slot=in_alloc_slot,
-        swap_in_free_slot=in_free_slot, in_place_outputs=in_place_out, swapped_root_copy_end_s=copy_end,
-        swap_in_alloc_s=in_ready, wait_slots=wait_slots, wait_moment_s=wait_moment, host_peak_s=host_peak_s)
+        _on_demand=(out.finish_all, context), **on_demand,
+        peak_bytes=int(round(out.peak)) + context.persistent_bytes, host_peak_bytes=int(out.host_peak),
+        step_s=step_s, compute_s=context.compute_s, stall_s=max(0.0, step_s - context.compute_s),
+        d2h_bytes=int(out.d2h_bytes), h2d_bytes=int(out.h2d_bytes), n_swap_outs=plan.n_swaps,
+        n_swap_ins=plan.n_swap_ins, persistent_bytes=context.persistent_bytes,
+        peak_level=int(context.levels_of_slot[out.peak_slot]), level_peak_bytes=out.level_peak,
+        swap_out_start_s=out.out_start, swap_out_end_s=out.out_end, swap_in_start_s=out.in_start,
+        swap_in_end_s=out.in_end, peak_slot=out.peak_slot, swapped_roots=out.roots,
+        swapped_root_free_slot=out.root_free_slot, swap_in_alloc_slot=out.in_alloc_slot,
+        swap_in_free_slot=out.in_free_slot, in_place_outputs=out.in_place_out, swapped_root_copy_end_s=out.copy_end,
+        swap_in_alloc_s=out.in_ready, wait_slots=out.wait_slots, wait_moment_s=out.wait_moment,
+        host_peak_s=out.host_peak_s)
 
 
 def _waited_copies_out(plan: SwapPlan, device: DeviceModel) -> np.ndarray:

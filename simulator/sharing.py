@@ -2,7 +2,8 @@
 
 TF does not give every tensor its own memory: Identity/Reshape-like ops alias their input, and ops
 such as Relu, AddN or BiasAdd write into an input buffer they are the last to read (decided in
-execution order). This is the first half of the buffer analysis (``simulator.buffers``), apart
+execution order). A write to a variable that a read still pending holds keeps the variable's old
+buffer beside the new one (``OpGraph.held_tensor``). This is the first half of the buffer analysis (``simulator.buffers``), apart
 because the memory-aware execution order (``simulator.ordering``) needs it in level order, before
 any other order exists.
 """
@@ -26,7 +27,7 @@ class Sharing:
     TF's kernels try their inputs in order; ``kernel_memory.account``)."""
 
     root: np.ndarray
-    persistent: np.ndarray
+    persistent: np.ndarray  # resident, or a held variable buffer no pending read holds (no buffer of its own)
     parent: np.ndarray
     link_op: np.ndarray
     buffer_last: np.ndarray
@@ -104,8 +105,29 @@ def share_buffers(g: OpGraph, position: np.ndarray) -> Sharing:
         root = np.asarray([find(t) for t in range(n_tensors)], dtype=np.int64)
         buffer_last = np.asarray(last_list, dtype=np.int64)
         parent, link_op = np.asarray(parent_list, dtype=np.int64), np.asarray(link_list, dtype=np.int64)
+    persistent, buffer_last = _held_variable_buffers(g, position, root, persistent, buffer_last)
     return Sharing(root=root, persistent=persistent, parent=parent, link_op=link_op, buffer_last=buffer_last,
                    late=late)
+
+
+def _held_variable_buffers(g: OpGraph, position: np.ndarray, root: np.ndarray, persistent: np.ndarray,
+                           buffer_last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A variable write's old buffer (``OpGraph.held_tensor``) lives from the write to the last reader of
+    the reads it pairs with, when one reads after the write: TensorFlow's update ops copy a variable
+    whose buffer another tensor still references (a forward read a backward MatMul has not run yet)
+    and ``AssignVariableOp`` leaves the old buffer to its readers. Otherwise the write is in place
+    and its held tensor owns no buffer (marked persistent: resident memory counts it already)."""
+    if not len(g.held_tensor):
+        return persistent, buffer_last
+    read_last = np.full(g.n_tensors, -1, dtype=np.int64)
+    np.maximum.at(read_last, g.held_tensor, buffer_last[root[g.held_read]])
+    holders = np.unique(g.held_tensor)
+    written = position[g.tensor_producer[holders]]
+    held = read_last[holders] > written
+    persistent, buffer_last = persistent.copy(), buffer_last.copy()
+    persistent[holders[~held]] = True
+    buffer_last[holders[held]] = read_last[holders[held]]
+    return persistent, buffer_last
 
 
 def _in_level_order(g: OpGraph) -> Sharing:

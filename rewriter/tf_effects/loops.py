@@ -290,15 +290,16 @@ def forwards_inputs(op) -> bool:
     return op.type in WHILE_TYPES
 
 
-def _readiness_order(body) -> list:
+def _readiness_order(body, constant: frozenset[str] = frozenset()) -> list:
     """The body's ops in the order an executor runs them when each op's newly ready readers run next
-    (TensorFlow's executor runs them inline, depth first): Kahn's algorithm with a stack."""
+    (TensorFlow's executor runs them inline, depth first): Kahn's algorithm with a stack. Ops of
+    ``constant`` (folded by Grappler into constants that exist before the body runs) keep no reader waiting."""
     ops = body.get_operations()
     index = {inner.name: i for i, inner in enumerate(ops)}
     waiting = [0] * len(ops)
     readers: list[list[int]] = [[] for _ in ops]
     for i, inner in enumerate(ops):
-        parents = {index[t.op.name] for t in inner.inputs if t.op.name in index}
+        parents = {index[t.op.name] for t in inner.inputs if t.op.name in index and t.op.name not in constant}
         parents |= {index[c.name] for c in inner.control_inputs if c.name in index}
         waiting[i] = len(parents)
         for parent in parents:
@@ -320,20 +321,30 @@ def _readiness_order(body) -> list:
 def body_working_set_bytes(op, nbytes: Callable[[Any], int], *, forwarding: frozenset[str],
                            aliasing: frozenset[str]) -> int:
     """The most bytes one iteration of While ``op``'s body holds at once beyond what the loop's inputs
-    and outputs count: its ops replayed in the executor's order (``_readiness_order``), each output live
-    from its op to its last reader in the body (a body output to the iteration's end). ``aliasing`` ops
-    share their input's buffer and ``forwarding`` ops write into an input buffer of the same size they
-    read last (a loop variable's too, which costs nothing here). Elements read from a list are the
-    list's (and stay in it); elements pushed into one are counted in it; an element popped from a list
-    the loop's inputs count is freed after its last reader (the lists are counted whole until the loop
-    ends, so the first iteration, where the peak is, holds one element less). 0 for other ops."""
+    and outputs count (``graph_working_set_bytes`` of its body); 0 for other ops."""
     body = _body_graph(op) if op.type in WHILE_TYPES else None
     if body is None:
         return 0
-    ops = _readiness_order(body)
-    end = len(ops)
     counted = {body.inputs[k].name for k, t in enumerate(op.inputs)
                if k < len(body.inputs) and t.dtype == tf.variant and (list_bytes(t, nbytes) or 0) > 0}
+    return graph_working_set_bytes(body, counted, nbytes, forwarding=forwarding, aliasing=aliasing)
+
+
+def graph_working_set_bytes(body, counted: set[str], nbytes: Callable[[Any], int], *, forwarding: frozenset[str],
+                            aliasing: frozenset[str], constant: frozenset[str] = frozenset()) -> int:
+    """The most bytes a function body (a loop's, a conditional's branch) holds at once beyond its inputs
+    and outputs: its ops replayed in the executor's order (``_readiness_order``), each output live
+    from its op to its last reader in the body (a body output to the body's end). ``aliasing`` ops
+    share their input's buffer and ``forwarding`` ops write into an input buffer of the same size they
+    read last (a loop variable's too, which costs nothing here); a variable read shares the variable's
+    buffer. Elements read from a list are the list's (and stay in it); elements pushed into one are
+    counted in it; an element popped from a list of ``counted`` (the body's list inputs the caller
+    counts) is freed after its last reader (the lists are counted whole until the loop ends, so the
+    first iteration, where the peak is, holds one element less). ``constant``: ops whose outputs are
+    constants Grappler folds (resident, counted by the caller); a variable assigned one of them shares
+    its buffer and frees its own from then on (an accumulator's reset to zeros)."""
+    ops = _readiness_order(body, constant)
+    end = len(ops)
     last_read: dict[str, int] = {}
     for i, inner in enumerate(ops):
         for tensor in inner.inputs:
@@ -346,6 +357,7 @@ def body_working_set_bytes(op, nbytes: Callable[[Any], int], *, forwarding: froz
     start: dict[str, int] = {}
     stop: dict[str, int] = {}  # owner -> last position a tensor in its buffer is read
     locked: set[str] = set()  # owners no op may write into (constants, elements a list still holds)
+    variable_reads: dict[str, list[Any]] = {}  # a variable's handle -> its reads so far
 
     def own(tensor, at: int, nbytes_: int, *, writable: bool = True) -> None:
         root[tensor.name], size[tensor.name], start[tensor.name] = tensor.name, nbytes_, at
@@ -361,13 +373,21 @@ def body_working_set_bytes(op, nbytes: Callable[[Any], int], *, forwarding: froz
         kind = inner.type
         sources = [root.get(t.name) for t in inner.inputs]
         names = [t.name for t in inner.inputs]
+        if kind == "ReadVariableOp" and inner.inputs:
+            variable_reads.setdefault(inner.inputs[0].name, []).append(inner.outputs[0])
+        if kind == "AssignVariableOp" and len(inner.inputs) > 1 and inner.inputs[1].op.name in constant:
+            # a variable reset from a constant takes the constant's buffer and frees its own once the
+            # reads before it are read
+            held = [last_read.get(t.name, i) for t in variable_reads.get(inner.inputs[0].name, [])]
+            size[inner.name], start[inner.name] = -nbytes(inner.inputs[1]), i
+            stop[inner.name] = max([i] + held)
         written = LIST_WRITE_SLOTS.get(kind, len(sources))
         if written < len(sources) and sources[written] is not None:
             size[sources[written]] = 0  # kept by the list: counted in the loop's output
             locked.add(sources[written])
         for k, tensor in enumerate(inner.outputs):
-            if kind in ("Placeholder", "Const"):
-                own(tensor, i, 0, writable=kind == "Placeholder")  # loop variables and constants
+            if kind in ("Placeholder", "Const", "ReadVariableOp") or inner.name in constant:
+                own(tensor, i, 0, writable=kind == "Placeholder")
             elif kind in LIST_READ_TYPES and tensor.dtype != tf.variant:
                 popped = kind == "TensorListPopBack" and _origin(inner.inputs[0]).name in counted
                 own(tensor, i, -nbytes(tensor) if popped else 0, writable=popped)

@@ -17,21 +17,21 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import types_pb2
-from tensorflow.python.ops import handle_data_util
 
-from rewriter.tf_effects import loops
+from rewriter.tf_effects import conditionals, loops
 
 from rewriter.tf_effects import mixed_precision
 
 from rewriter.tf_effects import onednn
 
-from rewriter.tf_effects import xla_scratch
+from rewriter.tf_effects import variable_writes, xla_scratch
+from rewriter.tf_effects.variable_writes import WRITE_TYPES_PREFIX
 from rewriter.trace.costs import op_flops, op_touched_bytes, static_dims, tensor_nbytes
 from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
 from rewriter.trace.graph_rewrites import apply_rewrites
 from rewriter.trace.step_inputs import (NO_STEP_INPUTS, CaptureError, StepInputs, StepSpecs, build_if_needed, step_specs,  # noqa: F401
                                   synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
+from rewriter.trace import state_kinds
 from rewriter.trace.step_loss import recording_losses
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
@@ -49,7 +49,6 @@ FORWARDING_TYPES = frozenset({
     "BiasAdd", "Rsqrt", "RsqrtGrad", "Sqrt", "SqrtGrad", "Neg", "Square", "Exp", "Log", "Log1p", "Reciprocal",
     "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "ClipByValue", "SelectV2",
 })
-WRITE_TYPES_PREFIX = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
 # what a swap may move: floats, and int64 (the labels Keras' sparse losses cast, as large as an
 # activation and kept from the forward pass's start to the loss; plans swap them with tensors="all");
 # int32 stays out, as TF keeps it in host memory beside a GPU
@@ -240,20 +239,24 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
     xla = {op.name: xla_scratch.call_scratch_bytes(op) for op in reduced.ops}
     loop = {op.name: loops.body_working_set_bytes(op, tensor_nbytes, forwarding=FORWARDING_TYPES,
                                                   aliasing=ALIAS_TYPES | BYPASS_TYPES) for op in reduced.ops}
+    branch = {op.name: conditionals.working_set_bytes(op, tensor_nbytes, forwarding=FORWARDING_TYPES,
+                                                      aliasing=ALIAS_TYPES | BYPASS_TYPES) for op in reduced.ops}
+    constants = list(reduced.constants) + [t for op in reduced.ops for t in conditionals.constant_tensors(op)]
     sized = {op.name: loops.output_bytes(op, tensor_nbytes) for op in reduced.ops}  # While loops' lists resolved
     return {
         "reduced": reduced,
         "shapes": {op.name: [static_dims(t.shape) for t in op.outputs] for op in reduced.ops},
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
-        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] + loop[op.name]
+        "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] + loop[op.name] + branch[op.name]
                     for op in reduced.ops},
         "xla_scratch": xla,
         "loop_scratch": loop,
+        "branch_scratch": branch,
         "workspace": {op.name: onednn.pool_workspace_bytes(op, op.name in paired) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
-        "resident": _resident_bytes(traced.concrete) + (sum(tensor_nbytes(t) for t in reduced.constants),),
+        "resident": _resident_bytes(traced.concrete) + (sum(tensor_nbytes(t) for t in constants),),
     }
 
 
@@ -267,36 +270,8 @@ def _pool_pairs(reduced: Reduced) -> list[tuple[str, str]]:
 
 def _resident_bytes(concrete) -> tuple[int, int]:
     """(variables, inputs) bytes: variable sizes from the ops that read or write them."""
-    graph = concrete.graph
-    handles = {t.op.name for _, t in graph.captures if t.dtype == tf.resource}
-    size: dict[str, int] = {}
-    for op in graph.get_operations():
-        if not op.inputs or op.inputs[0].op.name not in handles:
-            continue
-        handle = op.inputs[0].op.name
-        if op.type == "ReadVariableOp":
-            size[handle] = max(size.get(handle, 0), tensor_nbytes(op.outputs[0]))
-        elif op.type.startswith("Assign") and len(op.inputs) > 1:
-            size[handle] = max(size.get(handle, 0), tensor_nbytes(op.inputs[1]))
-    for _, internal in graph.captures:  # read only inside a branch or loop (a LossScaleOptimizer's
-        if internal.dtype == tf.resource and internal.op.name not in size:  # update under tf.cond)
-            size[internal.op.name] = _handle_bytes(internal)
     inputs = sum(tensor_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
-    return sum(size.values()), inputs
-
-
-def _handle_bytes(handle) -> int:
-    """Bytes of the variable behind a resource handle, from the shape and dtype it carries (0 if none)."""
-    try:
-        data = handle_data_util.get_resource_handle_data(handle)
-    except (AssertionError, AttributeError, TypeError, ValueError):
-        return 0
-    total = 0
-    for item in data.shape_and_type:
-        shape = tf.TensorShape(item.shape)
-        if shape.is_fully_defined() and item.dtype not in (types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT):
-            total += shape.num_elements() * tf.as_dtype(item.dtype).size
-    return total
+    return sum(state_kinds.variable_sizes(concrete).values()), inputs
 
 
 def _linear_fit(small: float, large: float, b1: int, b2: int) -> tuple[float, float]:
@@ -375,6 +350,21 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             persistent.append(False)
             swappable.append(False)
             alias.append(-1)
+    held_tensor, held_read = [], []  # a write's old variable buffer, held by pending reads (variable_writes)
+    for write, reads in variable_writes.held_reads(first.concrete.graph, set(names)).items():
+        read_tensors = [tensor_of[(read, 0)] for read in reads if (read, 0) in tensor_of]
+        if not read_tensors:
+            continue
+        held_tensor.extend([len(producer)] * len(read_tensors))
+        held_read.extend(read_tensors)
+        output.append(sum(p == index[write] for p in producer))
+        producer.append(index[write])
+        dtype.append("uint8")
+        shape_text.append("(held variable buffer)")
+        bytes_ab.append(max((bytes_ab[t] for t in read_tensors), key=lambda ab: ab[0] + ab[1] * b1))
+        persistent.append(False)
+        swappable.append(False)
+        alias.append(-1)
     for op in ops:  # static aliases: input 0's buffer (resolved after all tensors are numbered)
         if op.type in ALIAS_TYPES and reduced.inputs[op.name] and reduced.inputs[op.name][0][0] == 0:
             _, src, k = reduced.inputs[op.name][0]
@@ -411,7 +401,8 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             "mixed_precision": _mixed_precision_facts(one, scratch, dtype),
             "pool_workspace_bytes": int(sum(one["workspace"].values())),
             "xla_scratch_bytes": int(sum(one["xla_scratch"].values())),
-            "loop_working_set_bytes": int(sum(one["loop_scratch"].values()))}
+            "loop_working_set_bytes": int(sum(one["loop_scratch"].values())),
+            "branch_working_set_bytes": int(sum(one["branch_scratch"].values()))}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -435,6 +426,8 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
         control_dst=control_dst,
         persistent_bytes_ab=resident,
         outputs=[tensor_of[o] for o in reduced.outputs],
+        held_tensor=held_tensor,
+        held_read=held_read,
         batch_size=b1,
         meta=info,
     )
@@ -454,7 +447,7 @@ def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: 
     if "float16" not in dtype:
         return {}
     sizes = [snapshot["scratch"][name] - snapshot["xla_scratch"][name] - snapshot["loop_scratch"][name]
-             for name in scratch]
+             - snapshot["branch_scratch"][name] for name in scratch]
     return {"float16_tensors": dtype.count("float16"), "kernel_scratch_ops": sum(size > 0 for size in sizes),
             "largest_kernel_scratch_bytes": max(sizes, default=0),
             "eigen_half_kernels": mixed_precision.eigen_half_kernels()}
@@ -486,7 +479,8 @@ def capture(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, name
         raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
     first = trace_keras_step(model, int(batch_size), inputs)
     second = trace_keras_step(model, _second_batch(int(batch_size)), inputs)
-    meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__}
+    meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
+            "variables": state_kinds.describe_variables(first.concrete, model)}
     if inputs.to_dict():  # plans made on the graph are applied at these shapes
         meta["step_inputs"] = inputs.to_dict()
     first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
@@ -500,7 +494,8 @@ def capture_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.Tensor
     ``graph_rewrites`` as for ``capture``."""
     first = trace_function_step(step_fn, specs_at, int(batch_size), optimizer=optimizer)
     second = trace_function_step(step_fn, specs_at, _second_batch(int(batch_size)), optimizer=optimizer)
-    first, second, meta = _with_rewrites(first, second, graph_rewrites, {"model": name})
+    meta = {"model": name, "variables": state_kinds.describe_variables(first.concrete)}
+    first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
     return build_opgraph(first, second, meta=meta)
 
 

@@ -2,5 +2,4 @@
 imports nothing else of the simulator. The golden replays (tests/simulator/test_golden.py) guard their values."""
 
 from simulator.kernels.memory import copy_overlap
-from simulator.kernels.plan_loops import (REPLAY_TABLE_FIELDS, after_ops, plan_reads, replay_plan, replay_tables,
-                                          safe_wait_slots, summarize)
+from simulator.kernels.plan_loops import after_ops, plan_reads, replay_plan, safe_wait_slots, summarize

@@ -6,15 +6,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from simulator.kernels.records import LateCopies, Transfers
 from simulator.kernels.tools import array_helper, heap_pop, heap_push, search_left, search_right, slot_argsort
 
 
 @array_helper
-def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start, finish_plain,
-                  seg_slot, seg_shift, seg_count, shift):
-    """The end of copy out ``i``, scheduling the late copies out in queue order up to it
-    (``cursor[0]``: the next late copy out, ``cursor[1]``: the segment of the last one's slot, which
-    only moves on, as their slots do; ``d2h_free[0]``: when the d2h engine is free)."""
+def _swap_out_end(i, out_end, late, finish_plain, seg_slot, seg_shift, seg_count, shift):
+    """The end of copy out ``i``, scheduling the late copies out (``LateCopies``) in queue order up to it
+    (``late.cursor[0]``: the next late copy out, ``late.cursor[1]``: the segment of the last one's
+    slot, which only moves on, as their slots do; ``late.d2h_free[0]``: when the d2h engine is free)."""
+    cursor, d2h_free, late_queue, late_slot = late.cursor, late.d2h_free, late.queue, late.slot
+    late_duration, late_start = late.duration, late.start
     while out_end[i] < 0.0:
         k = cursor[0]
         slot = late_slot[k]  # before the waiting slot at hand: its finish is settled
@@ -36,20 +38,25 @@ def _swap_out_end(i, out_end, cursor, d2h_free, late_queue, late_slot, late_dura
 
 
 @njit(cache=True, nogil=True)
-def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duration, need, sync_wait, after_copies_out,
-             copies_slot):
-    """The event pass: walk the slots that wait for a transfer in order, shifting later ops by the stall.
+def schedule(step, plan, slots, in_tensor, sync_wait):
+    """The event pass of ``plan`` (``PlanArrays``; ``slots``: its ``SlotPlan``; ``in_tensor``: each
+    swap-in's tensor; ``sync_wait``: ``plan_loops._first_remaining_readers``) on ``step`` (a
+    ``StepRecord``): walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
     Queues are FIFO by ready time; a transfer's ready time depends only on slots before the one
     waiting for it, so one pass suffices. Finish times are plain finish + a piecewise-constant shift
     (``seg_slot``/``seg_shift``). Copies out that become ready before the first waiting slot are
     scheduled in bulk; swap-ins are released in trigger order at the first waiting slot after their
     trigger, after the stalls of the slots before. With ``after_copies_out`` swap-in j also waits for
-    the copies out of what the op at ``copies_slot[j]`` made. Transfer ends not known yet are -1.0.
-    Returns the copies' start and
-    end times, each swap-in's ready time, every slot's finish time with the stalls (each op's end
-    and start follow from it, ``replay.Replay.op_end_s``, read on demand), the copies out in queue
-    order and the swap-ins in the order they are copied."""
+    the copies out of what the op at ``slots.copies[j]`` made. Transfer ends not known yet are -1.0.
+    Returns ``Transfers``: the copies' start and end times, each swap-in's ready time, every slot's
+    finish time with the stalls (each op's end and start follow from it, ``replay.Replay.op_end_s``,
+    read on demand), the copies out in queue order and the swap-ins in the order they are copied."""
+    finish_plain = step.finish_plain
+    out_ready, trigger, need, copies_slot = slots.out_ready, slots.trigger, slots.need, slots.copies
+    in_swap, after_copies_out = plan.in_swap, plan.after_copies_out
+    out_duration = step.d2h_seconds[plan.swap_tensor]
+    in_duration = step.h2d_seconds[in_tensor]
     n_slots, n_swaps, n_ins = len(finish_plain), len(out_ready), len(trigger)
     in_ready = np.zeros(n_ins)
     in_start = np.zeros(n_ins)
@@ -106,13 +113,10 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
         end = cumulative + latest
         out_end[out_queue[k]] = end
         out_start[out_queue[k]] = end - durations[k]
-    late_queue = out_queue[early:]
-    late_slot = ready_slots[early:]
-    late_duration = durations[early:]
-    late_start = np.empty(len(late_queue))
-    cursor = np.zeros(2, np.int64)
     d2h_free = np.zeros(1)
     d2h_free[0] = end if early else 0.0
+    late = LateCopies(out_queue[early:], ready_slots[early:], durations[early:], np.empty(n_swaps - early),
+                      np.zeros(2, np.int64), d2h_free)
 
     # a swap-in after the copies out of the op it starts after: the swaps made at each slot (CSR)
     outs_order, outs_slots = out_queue, ready_slots
@@ -143,8 +147,7 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
             source = in_swap[j]
             data = out_end[source]
             if data < 0.0:
-                data = _swap_out_end(source, out_end, cursor, d2h_free, late_queue, late_slot, late_duration,
-                                     late_start, finish_plain, seg_slot, seg_shift, seg_count, shift)
+                data = _swap_out_end(source, out_end, late, finish_plain, seg_slot, seg_shift, seg_count, shift)
             if after_copies_out:
                 lo = search_left(outs_slots, copies_slot[j])
                 hi = search_right(outs_slots, copies_slot[j])
@@ -152,9 +155,8 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
                     other = outs_order[m]
                     copied = out_end[other]
                     if copied < 0.0:
-                        copied = _swap_out_end(other, out_end, cursor, d2h_free, late_queue, late_slot,
-                                               late_duration, late_start, finish_plain, seg_slot, seg_shift,
-                                               seg_count, shift)
+                        copied = _swap_out_end(other, out_end, late, finish_plain, seg_slot, seg_shift, seg_count,
+                                               shift)
                     if copied > data:
                         data = copied
             if data > ready:
@@ -166,8 +168,7 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
             item = wait_items[index]
             index += 1
             if item < 0:
-                done = _swap_out_end(-1 - item, out_end, cursor, d2h_free, late_queue, late_slot, late_duration,
-                                     late_start, finish_plain, seg_slot, seg_shift, seg_count, shift)
+                done = _swap_out_end(-1 - item, out_end, late, finish_plain, seg_slot, seg_shift, seg_count, shift)
             else:
                 while in_end[item] < 0.0:
                     ready, j, heap_size = heap_pop(heap_times, heap_items, heap_size)
@@ -187,11 +188,10 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
             seg_slot[seg_count] = slot
             seg_shift[seg_count] = shift
             seg_count += 1
-    if len(late_queue):  # a swap-out nobody waited for still happens
-        _swap_out_end(late_queue[-1], out_end, cursor, d2h_free, late_queue, late_slot, late_duration, late_start,
-                      finish_plain, seg_slot, seg_shift, seg_count, shift)
-    for k in range(len(late_queue)):
-        out_start[late_queue[k]] = late_start[k]
+    if len(late.queue):  # a swap-out nobody waited for still happens
+        _swap_out_end(late.queue[-1], out_end, late, finish_plain, seg_slot, seg_shift, seg_count, shift)
+    for k in range(len(late.queue)):
+        out_start[late.queue[k]] = late.start[k]
     # before the first stall nothing moves (finish + 0.0 is finish): copied; then each segment's shift
     finish_all = np.empty(n_slots)
     unmoved = seg_slot[1] if seg_count > 1 else n_slots
@@ -200,4 +200,4 @@ def schedule(finish_plain, out_ready, out_duration, trigger, in_swap, in_duratio
         stop = seg_slot[s + 1] if s + 1 < seg_count else n_slots
         for slot in range(seg_slot[s], stop):
             finish_all[slot] = finish_plain[slot] + seg_shift[s]
-    return out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue, in_processed
+    return Transfers(out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue, in_processed)

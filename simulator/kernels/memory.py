@@ -7,25 +7,42 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from simulator.kernels.records import Memory, RootFrees
 from simulator.kernels.tools import (array_helper, contains_value, lexsort, precedes, radix_argsort, search_left_near,
                                     search_right_near)
 
 
 @njit(cache=True, nogil=True)
-def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot,
-            n_levels, sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot,
-            root_last_slot, moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end,
-            in_processed, in_bytes, need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys,
-            late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read):
-    """Device memory per slot once the transfers are timed, on top of the unswapped baseline:
-    swapped buffers freed earlier, swap-in buffers, outputs written in place, the waits' peaks; and
-    the host's peak (the compute during copies is ``copy_overlap``'s). Returns the peak slot (the
-    first largest) and the peak per level (``levels_of_slot``; ``sorted_levels``: slots sorted by
-    level, as in the "cto" order, each level's peak taken from its slots alone; otherwise from 0
-    bytes up), with the per-buffer fields of a Replay. All byte figures
+def account(step, plan, far, slots, lifetimes, transfers):
+    """Device memory per slot once the transfers of ``plan`` are timed (``plan_loops.replay_plan`` names
+    the records), on top of the unswapped baseline: swapped buffers freed earlier, swap-in buffers,
+    outputs written in place, the waits' peaks; and the host's peak (the compute during copies is
+    ``copy_overlap``'s). Returns ``Memory``: the peak slot (the first largest) and the peak per level
+    (``step.levels_of_slot``; ``step.sorted_levels``: slots sorted by level, as in the "cto" order,
+    each level's peak taken from its slots alone; otherwise from 0 bytes up), with the per-buffer
+    fields of a Replay. All byte figures
     are whole numbers (in float64, or ``int_bytes`` and the slots' running sums in int64: exact either
     way, so sums agree in any order); times are compared as the numpy code compared them. Only what a
     plan moved is visited, but for one pass over the slots that adds the changes to the baseline."""
+    graph = step.graph
+    baseline_bytes, alloc_bytes, tensor_bytes, int_bytes = (step.baseline_bytes, step.alloc_bytes, step.tensor_bytes,
+                                                            step.int_bytes)
+    duration, levels_of_slot = step.duration, step.levels_of_slot
+    n_levels, sorted_levels = step.n_levels, step.sorted_levels
+    position, n_keys = graph.buffers.position, graph.buffers.n_keys
+    late_slot, late_out = graph.late_slot, graph.late_out
+    late_root_ptr, late_by_root, late_read_ptr, late_by_read = (graph.late_root_ptr, graph.late_by_root,
+                                                                graph.late_read_ptr, graph.late_by_read)
+    finish_all, out_end, out_queue = transfers.finish_all, transfers.out_end, transfers.out_queue
+    in_ready = transfers.in_ready
+    swap_root, roots, need_slot, trigger_slot = slots.swap_root, slots.roots, slots.need, slots.trigger
+    root_last_slot, moved_ids, moved_last, home_ids = (lifetimes.root_last, lifetimes.cut_ids, lifetimes.cut_last,
+                                                       lifetimes.home_ids)
+    in_consumer_ptr, in_consumers = plan.in_consumer_ptr, plan.in_consumers
+    in_tensor, far_tensor, far_ids = far.in_tensor, far.tensor, far.ids
+    swap_bytes = tensor_bytes[plan.swap_tensor]
+    in_bytes = tensor_bytes[in_tensor]
+    root_base_free_slot = graph.free_slot[roots]
     n_slots, n_swaps, n_ins, n_roots = len(duration), len(out_end), len(in_ready), len(roots)
     # a copy out frees its buffer in the slot running when it ends; one that ends while the slot's
     # op still waits (a stall) frees it before the op allocates anything: it does not count in that
@@ -156,8 +173,8 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             level_peak[levels_of_slot[slot]] = value
     if sorted_levels:
         level_peak[level] = level_best
-    wait_slots, wait_moment = _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots,
-                                          new_free, copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes,
+    frees = RootFrees(new_free, copy_free_slot, copy_end)
+    wait_slots, wait_moment = _wait_peaks(step, transfers, slot_bytes, roots, frees, in_alloc_slot, in_bytes,
                                           in_place_slot, in_place_out)
     for k in range(len(wait_slots)):  # the waits only raise a few slots
         slot = wait_slots[k]
@@ -166,9 +183,9 @@ def account(baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, fini
             peak_slot, peak = slot, value
         if value > level_peak[levels_of_slot[slot]]:
             level_peak[levels_of_slot[slot]] = value
-    host_peak, host_peak_s = _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed)
-    return (peak_slot, float(peak), level_peak, new_free, copy_end, in_alloc_slot, in_free_slot,
-            in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
+    host_peak, host_peak_s = _host_peak(swap_bytes, plan.in_swap, transfers)
+    return Memory(peak_slot, float(peak), level_peak, new_free, copy_end, in_alloc_slot, in_free_slot,
+                  in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
 
 
 @array_helper
@@ -180,14 +197,16 @@ def _candidate(candidate_of, slots, slot):
 
 
 @njit(cache=True, nogil=True)
-def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roots, root_free_slot,
-                copy_free_slot, copy_end, in_alloc_slot, in_ready, in_bytes, in_place_slot, in_place_out):
+def _wait_peaks(step, transfers, slot_bytes, roots, frees, in_alloc_slot, in_bytes, in_place_slot, in_place_out):
     """Memory during the waits in which a copy out ends after a swap-in was allocated (before the op
     at slot s starts, its wait holds what lives on from slot s-1, the swap-ins allocated so far and the
-    swapped buffers whose copy out has not ended, not the op's own outputs). Raises ``slot_bytes`` in
-    place where a wait's peak is larger; returns those slots and the moments of their peaks. A wait
-    needs a copy out ending in it: only the slots right after such buffers' last (the candidates)
-    and the swap-ins allocated there are visited."""
+    swapped buffers whose copy out has not ended, not the op's own outputs; ``frees``: the swapped
+    roots' ``RootFrees``). Raises ``slot_bytes`` in place where a wait's peak is larger; returns those
+    slots and the moments of their peaks. A wait needs a copy out ending in it: only the slots right
+    after such buffers' last (the candidates) and the swap-ins allocated there are visited."""
+    alloc_bytes, tensor_bytes, duration = step.alloc_bytes, step.tensor_bytes, step.duration
+    finish_all, in_ready = transfers.finish_all, transfers.in_ready
+    root_free_slot, copy_free_slot, copy_end = frees.last_slot, frees.copy_slot, frees.copy_end
     n_slots, n_roots, n_ins = len(slot_bytes), len(roots), len(in_ready)
     empty = (np.zeros(0, np.int64), np.zeros(0))
     # roots whose copy out frees them after their last slot ended: in the next slot's wait
@@ -333,7 +352,7 @@ def _wait_peaks(slot_bytes, alloc_bytes, tensor_bytes, finish_all, duration, roo
 
 
 @njit(cache=True, nogil=True)
-def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
+def _host_peak(swap_bytes, in_swap, transfers):
     """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in
     (frees before allocations at the same instant; events ordered by time, size, then index with
     the copies out before the frees). One engine per direction copies first in, first out: the
@@ -341,6 +360,8 @@ def _host_peak(swap_bytes, out_start, out_queue, in_swap, in_end, in_processed):
     swap-ins' copies (``in_processed``, along which copies end in order); each side is checked to be
     in order (else sorted). The memory only grows at a copy out, so the peak is right after one
     (or at the first event)."""
+    out_start, out_queue = transfers.out_start, transfers.out_queue
+    in_end, in_processed = transfers.in_end, transfers.in_processed
     n_swaps = len(swap_bytes)
     if n_swaps == 0:
         return 0.0, 0.0
@@ -481,11 +502,13 @@ def _numpy_searchsorted_right(values, keys, found):
 
 
 @njit(cache=True, nogil=True)
-def copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue, in_processed):
-    """``Replay.copy_overlap_s``: the compute of the slots (``finish_all`` less ``duration`` to
-    ``finish_all``) that runs inside the copies, summed over them (``_copy_overlap``). ``out_queue``,
-    ``in_processed``: the copies in an order their starts ascend in (the engines' queues), where
-    each search starts from the last find (any order gives the same sums, only slower)."""
+def copy_overlap(transfers, duration):
+    """``Replay.copy_overlap_s``: the compute of the slots (``transfers.finish_all`` less ``duration``
+    to ``finish_all``) that runs inside the copies, summed over them (``_copy_overlap``).
+    ``transfers.out_queue``, ``in_processed``: the copies in an order their starts ascend in (the
+    engines' queues), where each search starts from the last find (any order gives the same sums,
+    only slower)."""
+    finish_all = transfers.finish_all
     n_slots = len(finish_all)
     # each slot's start and the compute done by it (np.cumsum of the spans finish - start), and
     # whether the starts ascend
@@ -496,12 +519,11 @@ def copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out
         computed = computed + (finish_all[slot] - begin) if slot else finish_all[slot] - begin
         start[slot], done[slot + 1] = begin, computed
         ascending &= slot == 0 or begin >= start[slot - 1]
-    return _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_start, in_end, out_queue,
-                         in_processed)
+    return _copy_overlap(transfers, start, done, ascending)
 
 
 @njit(cache=True, nogil=True)
-def _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_start, in_end, out_queue, in_processed):
+def _copy_overlap(transfers, start, done, ascending):
     """Compute time of the one compute stream inside the copies (out and in), summed over them: for
     each copy, the compute done by its end less that done by its start, where the compute done by t
     is the time of the slots begun before t, up to t (slots run from ``start`` = finish - duration to
@@ -510,6 +532,9 @@ def _copy_overlap(finish_all, start, done, ascending, out_start, out_end, in_sta
     numpy on the arrays (``np.cumsum``, ``np.clip``, ``np.sum``); a copy's slots are found from the
     previous copy's (the engines copy first in, first out; a copy starts where the one before ended,
     or later) when the starts are ``ascending``, else by numpy's own search."""
+    finish_all, out_start, out_end = transfers.finish_all, transfers.out_start, transfers.out_end
+    in_start, in_end = transfers.in_start, transfers.in_end
+    out_queue, in_processed = transfers.out_queue, transfers.in_processed
     n_slots, n_outs, n_ins = len(finish_all), len(out_start), len(in_start)
     n = n_outs + n_ins
     if n == 0 or n_slots == 0:

@@ -12,22 +12,23 @@ small helpers are compiled).
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 from numba import njit
 
 from simulator.kernels.events import schedule
 from simulator.kernels.memory import account, copy_overlap
+from simulator.kernels.records import FarReads, Lifetimes, ReplayArrays, SlotPlan
 from simulator.kernels.tools import (contains_value, contains_value_in, distinct_sorted, doubled, radix_argsort,
                                     search_right_in)
 
 
 @njit(cache=True, nogil=True)
-def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor, read_consumer):
-    """Which read ids (``buffers.RewireTables``) the reads (``read_tensor``, ``read_consumer``)
-    rewire (the last entry: id -1, no read), each read's id and its place in the per-tensor reads
-    (-1: not a read of the graph)."""
+def _rewired_reads(buffers, read_tensor, read_consumer):
+    """Which read ids (``buffers.RewireTables``, in the ``BufferRecord``) the reads (``read_tensor``,
+    ``read_consumer``) rewire (the last entry: id -1, no read), each read's id and its place in the
+    per-tensor reads (-1: not a read of the graph)."""
+    tensor_read_ptr, tensor_read_consumer = buffers.tensor_read_ptr, buffers.tensor_read_consumer
+    tensor_read_id, n_keys = buffers.tensor_read_id, buffers.n_keys
     rewired = np.zeros(n_keys + 1, np.bool_)
     read_ids = np.full(len(read_tensor), -1, np.int64)
     read_edge = np.full(len(read_tensor), -1, np.int64)
@@ -42,11 +43,11 @@ def _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys
 
 
 @njit(cache=True, nogil=True)
-def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
-               rewired, roots, tensors, tensor_root):
-    """Last slots once the reads ``rewired`` (by read id, ``buffers.RewireTables``) go to swap-ins.
+def _lifetimes(buffers, rewired, roots, tensors, tensor_root):
+    """Last slots once the reads ``rewired`` (by read id, ``buffers.RewireTables`` in the
+    ``BufferRecord``) go to swap-ins, a ``Lifetimes``.
 
-    Returns, for each of ``roots`` (unique root buffers, sorted), the last slot that still reads the
+    Holds, for each of ``roots`` (unique root buffers, sorted), the last slot that still reads the
     original buffer (its producer at least); the rewired links that carried a segment away (their
     keys ``tensor * n_ops + op`` and read ids) with the last slot of what now lives in the swap-in
     buffer; and for each of ``tensors`` (``tensor_root``: the index in ``roots`` of each one's root)
@@ -55,6 +56,9 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
     cut, or the root's. Segments are numbered locally, the roots' one after the other (a root's
     segment numbers are consecutive in the tables); a segment's last use is its latest not
     rewired, found from the latest down (the rewired reads are the late ones)."""
+    seg_use_ptr, seg_use_slot, seg_use_id = buffers.seg_use_ptr, buffers.seg_use_slot, buffers.seg_use_id
+    seg_ptr, seg_link_id, seg_link_key = buffers.seg_ptr, buffers.seg_link_id, buffers.seg_link_key
+    seg_parent, tensor_segment = buffers.seg_parent, buffers.tensor_segment
     n_roots = len(roots)
     base = np.empty(n_roots + 1, np.int64)  # each root's first local number
     base[0] = 0
@@ -106,17 +110,16 @@ def _lifetimes(seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_
         home = owner[tensor_segment[tensors[i]] + shift]
         if cut[home]:
             home_link[i], home_ids[i] = seg_link_key[home - shift], seg_link_id[home - shift]
-    return root_last, cut_links[:n_cut], cut_ids[:n_cut], cut_last[:n_cut], home_link, home_ids
+    return Lifetimes(root_last, cut_links[:n_cut], cut_ids[:n_cut], cut_last[:n_cut], home_link, home_ids)
 
 
 @njit(cache=True, nogil=True)
-def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
-                    source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor, trigger,
-                    after, consumer_ptr, consumers):
-    """``fusion.safe_wait_slots`` (which documents it) on the tables of ``fusion.FusionTables``: per
-    swap-in, whether an op it waits for may be fused with one of its consumers, and if so the latest
-    slot among the ops it waits for instead (-1: none). Only swap-ins with a reader in some fusion
-    neighbourhood and (synchronous, or a trigger or ``after`` inside one) are looked at."""
+def safe_wait_slots(fusion, tensor, trigger, after, consumer_ptr, consumers):
+    """``fusion.safe_wait_slots`` (which documents it) on a graph's ``FusionRecord``: per swap-in, whether
+    an op it waits for may be fused with one of its consumers, and if so the latest slot among the ops
+    it waits for instead (-1: none). Only swap-ins with a reader in some fusion neighbourhood and
+    (synchronous, or a trigger or ``after`` inside one) are looked at."""
+    has_danger, endangered = fusion.has_danger, fusion.endangered
     n = len(tensor)
     changed = np.zeros(n, np.bool_)
     slots = np.full(n, -1, np.int64)
@@ -127,19 +130,21 @@ def safe_wait_slots(position, tensor_producer, has_danger, endangered, danger_pt
             near |= has_danger[consumers[k]]
         if not near or (trigger[j] >= 0 and not (endangered[trigger[j]] or endangered[max(after[j], 0)])):
             continue
-        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
-                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
-                                          trigger[j], after[j], consumers, consumer_ptr[j], consumer_ptr[j + 1],
-                                          scratch)
+        changed[j], slots[j] = _safe_wait(fusion, tensor[j], trigger[j], after[j], consumers, consumer_ptr[j],
+                                          consumer_ptr[j + 1], scratch)
     return changed, slots
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
-               input_source, control_ptr, control_ops, tensor, trigger, after, consumers, lo, hi, scratch):
+def _safe_wait(fusion, tensor, trigger, after, consumers, lo, hi, scratch):
     """One swap-in of ``safe_wait_slots`` (readers ``consumers[lo:hi]``): whether a wait is in danger,
     and the latest slot it waits for instead. The sets involved are a few ops, kept in the rows of
     ``scratch`` (copied to larger arrays, ``doubled``, when full) and searched linearly."""
+    position, tensor_producer = fusion.position, fusion.tensor_producer
+    danger_ptr, danger_ops = fusion.danger_ptr, fusion.danger_ops
+    source_ptr, source_ops = fusion.source_ptr, fusion.source_ops
+    input_ptr, input_tensor, input_source = fusion.input_ptr, fusion.input_tensor, fusion.input_source
+    control_ptr, control_ops = fusion.control_ptr, fusion.control_ops
     # what it waits for, as the rewriter builds it: its trigger, or (synchronous) its first
     # consumer's other inputs and control predecessors; and ``after`` unless that made the tensor
     first = consumers[lo]
@@ -203,14 +208,20 @@ def _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, so
 
 
 @njit(cache=True, nogil=True)
-def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr,
-                       source_ops, input_ptr, input_tensor, input_source, control_ptr, control_ops, read_safe_hit,
-                       read_safe_slot, tensor, trigger, after, consumer_ptr, consumers, read_edge):
-    """``safe_wait_slots`` for the replay, with the graph's answers per read (``read_safe_*``: a
-    synchronous swap-in of that read alone, waiting for nothing else) and the plan's reads' places
-    among them (``read_edge``). A wait's result is the union of what each of its ops leads to, so a
-    swap-in whose first reader's fusion neighbourhood holds its other readers' needs a walk only
-    when its trigger or ``after`` is itself in danger."""
+def _replay_safe_waits(graph, plan, far):
+    """``safe_wait_slots`` for the replay of ``plan`` (``PlanArrays``; ``far``: its ``FarReads``), with
+    the graph's answers per read (``ReplayGraphRecord.read_safe_*``: a synchronous swap-in of that
+    read alone, waiting for nothing else) and the plan's reads' places among them (``far.edge``). A
+    wait's result is the union of what each of its ops leads to, so a swap-in whose first reader's
+    fusion neighbourhood holds its other readers' needs a walk only when its trigger or ``after`` is
+    itself in danger."""
+    fusion = graph.fusion
+    position, tensor_producer = fusion.position, fusion.tensor_producer
+    has_danger, endangered = fusion.has_danger, fusion.endangered
+    danger_ptr, danger_ops = fusion.danger_ptr, fusion.danger_ops
+    read_safe_hit, read_safe_slot = graph.read_safe_hit, graph.read_safe_slot
+    tensor, trigger, after, read_edge = far.in_tensor, plan.in_trigger, plan.in_after, far.edge
+    consumer_ptr, consumers = plan.in_consumer_ptr, plan.in_consumers
     n = len(tensor)
     changed = np.zeros(n, np.bool_)
     slots = np.full(n, -1, np.int64)
@@ -239,20 +250,21 @@ def _replay_safe_waits(position, tensor_producer, has_danger, endangered, danger
                     changed[j] = True
                     slots[j] = max(read_safe_slot[read_edge[lo]], position[after[j]] if wait_after else -1)
                 continue
-        changed[j], slots[j] = _safe_wait(position, tensor_producer, danger_ptr, danger_ops, source_ptr, source_ops,
-                                          input_ptr, input_tensor, input_source, control_ptr, control_ops, tensor[j],
-                                          trigger[j], after[j], consumers, lo, hi, scratch)
+        changed[j], slots[j] = _safe_wait(fusion, tensor[j], trigger[j], after[j], consumers, lo, hi, scratch)
     return changed, slots
 
 
 @njit(cache=True, nogil=True)
-def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
-            in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot):
-    """A plan in slot terms (see ``replay.replay``): when each copy out may start, which slot each
-    swap-in's first consumer runs at, the slot whose end releases each swap-in (its trigger's; a
-    synchronous one's after the consumer's other inputs, ``replay._other_input_slots``; a fused
-    wait's safe slot) and whose copies out it waits for with ``after_copies_out``; the swapped
-    buffers (sorted) and each swap's among them."""
+def prepare(graph, plan, fused_wait, safe_slot):
+    """``plan`` (``PlanArrays``) in slot terms (see ``replay.replay``), a ``SlotPlan``: when each copy
+    out may start, which slot each swap-in's first consumer runs at, the slot whose end releases each
+    swap-in (its trigger's; a synchronous one's after the consumer's other inputs,
+    ``replay._other_input_slots``; a fused wait's safe slot) and whose copies out it waits for with
+    ``after_copies_out``; the swapped buffers (sorted) and each swap's among them."""
+    position, tensor_producer, root = graph.buffers.position, graph.buffers.tensor_producer, graph.buffers.root
+    max1, max1_tensor, max2 = graph.max1, graph.max1_tensor, graph.max2
+    swap_tensor, in_swap, in_trigger, in_after = plan.swap_tensor, plan.in_swap, plan.in_trigger, plan.in_after
+    in_consumer_ptr, in_consumers = plan.in_consumer_ptr, plan.in_consumers
     n_swaps, n_ins = len(swap_tensor), len(in_swap)
     out_ready = np.empty(n_swaps, np.int64)
     for i in range(n_swaps):
@@ -275,16 +287,18 @@ def prepare(position, tensor_producer, root, swap_tensor, in_swap, in_trigger, i
         trigger_slot[j] = slot
         copies_slot[j] = slot if in_trigger[j] < 0 else planned
     roots, swap_root = distinct_sorted(root[swap_tensor], len(root))
-    return out_ready, need, trigger_slot, copies_slot, roots, swap_root
+    return SlotPlan(out_ready, need, trigger_slot, copies_slot, roots, swap_root)
 
 
 @njit(cache=True, nogil=True)
-def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
-                             rewired, swap_tensor, sync_out):
+def _first_remaining_readers(buffers, rewired, swap_tensor, sync_out):
     """Per swapped tensor with a synchronous copy out: the first slot that still reads it on the
     device (its reads not rewired to a swap-in; they wait for the copy), or when none does, the slot
     after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
     where the producer runs last."""
+    position, tensor_producer = buffers.position, buffers.tensor_producer
+    tensor_read_ptr, tensor_read_consumer = buffers.tensor_read_ptr, buffers.tensor_read_consumer
+    tensor_read_id = buffers.tensor_read_id
     n_ops = len(position)
     sync_wait = np.full(len(swap_tensor), -1, np.int64)
     for i in range(len(swap_tensor)):
@@ -302,68 +316,44 @@ def _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_
 
 
 @njit(cache=True, nogil=True)
-def replay_plan(position, duration, finish_plain, baseline_bytes, alloc_bytes,
-                levels_of_slot, n_levels, sorted_levels, persistent, tensor_bytes, int_bytes, d2h_seconds, h2d_seconds,
-                tensor_producer, root, free_slot, max1, max1_tensor, max2, tensor_read_ptr, tensor_read_consumer,
-                tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
-                tensor_segment, n_keys, late_slot, late_out, late_root_ptr, late_by_root, late_read_ptr, late_by_read,
-                has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr, input_tensor,
-                input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, swap_tensor, sync_out, in_swap,
-                in_trigger, in_after, in_consumer_ptr, in_consumers, after_copies_out, overlap):
-    """One replay of a plan, from the plan's arrays to the Replay's (``replay.replay`` names what it
-    passes): the fusion-safe waits, the plan in slot terms, the rewired buffers' lifetimes, the event
-    pass and the memory accounting, in one call; with ``overlap`` the compute during copies too (else
-    0.0: ``Replay.copy_overlap_s`` computes it on demand). Per-slot work is two passes (finish times
-    from the first stall and the slots' bytes), three with ``overlap``; the rest visits what the plan
-    moved."""
-    n_ops = len(position)
+def replay_plan(step, plan, overlap):
+    """One replay of ``plan`` (``PlanArrays``) on ``step`` (the ``StepRecord`` ``replay._context`` builds),
+    from the plan's arrays to the Replay's (a ``ReplayArrays``): the fusion-safe waits, the plan in
+    slot terms, the rewired buffers' lifetimes, the event pass and the memory accounting, in one call;
+    with ``overlap`` the compute during copies too (else 0.0: ``Replay.copy_overlap_s`` computes it on
+    demand). Per-slot work is two passes (finish times from the first stall and the slots' bytes),
+    three with ``overlap``; the rest visits what the plan moved."""
+    graph, tensor_bytes = step.graph, step.tensor_bytes
+    swap_tensor, in_swap = plan.swap_tensor, plan.in_swap
+    in_consumer_ptr, in_consumers = plan.in_consumer_ptr, plan.in_consumers
     in_tensor = swap_tensor[in_swap]
     far_tensor = np.empty(len(in_consumers), np.int64)  # the tensor of each far read
     for j in range(len(in_swap)):
         for k in range(in_consumer_ptr[j], in_consumer_ptr[j + 1]):
             far_tensor[k] = in_tensor[j]
     # far reads rewired (their ids and places among the graph's reads)
-    rewired, far_ids, far_edge = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys,
-                                                far_tensor, in_consumers)
-    fused_wait, safe_slot = _replay_safe_waits(
-        position, tensor_producer, has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
-        input_tensor, input_source, control_ptr, control_ops, read_safe_hit, read_safe_slot, in_tensor, in_trigger,
-        in_after, in_consumer_ptr, in_consumers, far_edge)
-    out_ready_slot, need_slot, trigger_slot, copies_slot, roots, swap_root = prepare(
-        position, tensor_producer, root, swap_tensor, in_swap, in_trigger, in_after, in_consumer_ptr,
-        in_consumers, max1, max1_tensor, max2, fused_wait, safe_slot)
+    rewired, far_ids, far_edge = _rewired_reads(graph.buffers, far_tensor, in_consumers)
+    far = FarReads(far_tensor, far_ids, far_edge, rewired, in_tensor)
+    fused_wait, safe_slot = _replay_safe_waits(graph, plan, far)
+    slots = prepare(graph, plan, fused_wait, safe_slot)
     # the swapped buffers' lifetimes; the original buffer's remaining readers
-    root_last_slot, _, moved_ids, moved_last, _, home_ids = _lifetimes(
-        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
-        rewired, roots, swap_tensor, swap_root)
-    sync_wait = _first_remaining_readers(position, tensor_producer, tensor_read_ptr, tensor_read_consumer,
-                                         tensor_read_id, rewired, swap_tensor, sync_out)
-    swap_bytes = tensor_bytes[swap_tensor]
-    in_bytes = tensor_bytes[in_tensor]
-    out_duration = d2h_seconds[swap_tensor]
-    in_duration = h2d_seconds[in_tensor]
-    out_start, out_end, in_ready, in_start, in_end, finish_all, out_queue, in_processed = schedule(
-        finish_plain, out_ready_slot, out_duration, trigger_slot, in_swap, in_duration, need_slot, sync_wait,
-        after_copies_out, copies_slot)
-    root_base_free_slot = free_slot[roots]
-    (peak_slot, peak, level_peak, new_free, copy_end, in_alloc_slot, in_free_slot, in_place_out, wait_slots,
-     wait_moment, host_peak, host_peak_s) = account(
-        baseline_bytes, alloc_bytes, tensor_bytes, int_bytes, duration, finish_all, position, levels_of_slot, n_levels,
-        sorted_levels, out_start, out_end, out_queue, swap_root, swap_bytes, roots, root_base_free_slot, root_last_slot,
-        moved_ids, moved_last, home_ids, in_swap, in_tensor, in_ready, in_start, in_end, in_processed, in_bytes,
-        need_slot, trigger_slot, in_consumer_ptr, in_consumers, far_tensor, far_ids, n_keys, late_slot, late_out,
-        late_root_ptr, late_by_root, late_read_ptr, late_by_read)
-    level_peak += persistent
-    overlap_s = copy_overlap(finish_all, duration, out_start, out_end, in_start, in_end, out_queue,
-                             in_processed) if overlap else 0.0
+    lifetimes = _lifetimes(graph.buffers, rewired, slots.roots, swap_tensor, slots.swap_root)
+    sync_wait = _first_remaining_readers(graph.buffers, rewired, swap_tensor, plan.sync_out)
+    transfers = schedule(step, plan, slots, in_tensor, sync_wait)
+    memory = account(step, plan, far, slots, lifetimes, transfers)
+    level_peak = memory.level_peak
+    level_peak += step.persistent
+    overlap_s = copy_overlap(transfers, step.duration) if overlap else 0.0
     d2h_bytes, h2d_bytes = 0.0, 0.0  # whole numbers: exact in any order
-    for i in range(len(swap_bytes)):
-        d2h_bytes += swap_bytes[i]
-    for j in range(len(in_bytes)):
-        h2d_bytes += in_bytes[j]
-    return (peak_slot, peak, level_peak, finish_all, out_start, out_end, in_start, in_end,
-            in_ready, roots, new_free, in_alloc_slot, in_free_slot, in_place_out, copy_end, wait_slots, wait_moment,
-            host_peak, host_peak_s, d2h_bytes, h2d_bytes, overlap_s)
+    for i in range(len(swap_tensor)):
+        d2h_bytes += tensor_bytes[swap_tensor[i]]
+    for j in range(len(in_tensor)):
+        h2d_bytes += tensor_bytes[in_tensor[j]]
+    return ReplayArrays(
+        memory.peak_slot, memory.peak, level_peak, transfers.finish_all, transfers.out_start, transfers.out_end,
+        transfers.in_start, transfers.in_end, transfers.in_ready, slots.roots, memory.new_free, memory.in_alloc_slot,
+        memory.in_free_slot, memory.in_place_out, memory.copy_end, memory.wait_slots, memory.wait_moment,
+        memory.host_peak, memory.host_peak_s, d2h_bytes, h2d_bytes, overlap_s)
 
 
 @njit(cache=True, nogil=True)
@@ -410,11 +400,10 @@ def summarize(slot_bytes, levels_of_slot, level_starts, persistent, finish_all, 
 
 
 @njit(cache=True, nogil=True)
-def after_ops(group_tensor, ptr, consumers, position, order, root, tensor_read_ptr, tensor_read_consumer,
-              tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent,
-              tensor_segment, n_keys):
-    """``planning._after_ops`` (which documents it) on ``buffers.RewireTables``: per swap-in group (a
+def after_ops(group_tensor, ptr, consumers, buffers):
+    """``plan.after_ops`` (which documents it) on a graph's ``BufferRecord``: per swap-in group (a
     tensor's groups consecutive, ``consumers[ptr[k]:ptr[k + 1]]``), the op it must follow."""
+    position, order, root, n_keys = buffers.position, buffers.order, buffers.root, buffers.n_keys
     n_groups = len(group_tensor)
     if n_groups == 0:
         return np.zeros(0, np.int64)
@@ -436,11 +425,10 @@ def after_ops(group_tensor, ptr, consumers, position, order, root, tensor_read_p
     for k in range(n_groups):
         for m in range(ptr[k], ptr[k + 1]):
             read_tensor[m] = group_tensor[k]
-    rewired, _, _ = _rewired_reads(tensor_read_ptr, tensor_read_consumer, tensor_read_id, n_keys, read_tensor,
-                                   consumers)
-    root_last, _, cut_ids, cut_last, _, home_ids = _lifetimes(
-        seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment, rewired,
-        roots, swapped, root_of_swapped)
+    rewired, _, _ = _rewired_reads(buffers, read_tensor, consumers)
+    lifetimes = _lifetimes(buffers, rewired, roots, swapped, root_of_swapped)
+    root_last, home_ids = lifetimes.root_last, lifetimes.home_ids
+    cut_ids, cut_last = lifetimes.cut_ids, lifetimes.cut_last
     # a tensor a rewired read carried into a swap-in's buffer (written there in place) is on the device
     # until that buffer's last reader, not the original's (which may be done before it exists)
     n_cut = len(cut_ids)
@@ -465,19 +453,20 @@ def after_ops(group_tensor, ptr, consumers, position, order, root, tensor_read_p
 
 
 @njit(cache=True, nogil=True)
-def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, threshold, groupby, lb, ub, triggers,
-               producer, levels, position, order, root, tensor_read_ptr, tensor_read_consumer, tensor_read_id,
-               seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr, seg_link_id, seg_link_key, seg_parent, tensor_segment,
-               n_keys, latest_level, latest_op, ancestor_ptr, ancestor_ops, ancestor_levels, ancestor_key, span):
+def plan_reads(planning, triggers, excluded, candidate, threshold, groupby, lb, ub):
     """The core of ``planning.plan_swaps`` (which documents the rules): the far reads, grouped per swap-in,
     groups still read on the device at their first consumer dropped, each group's ``after`` op and
-    trigger. ``edge_order``: the edges by tensor, then their consumer's slot (the reads of a tensor in
-    execution order, so no sort per plan); ``excluded``: reads never far (update-phase readers,
-    ``kept_reads``); ``candidate``: per tensor, whether the rules may swap it; ``triggers``: 0 none
-    (synchronous swap-ins), 1 by level (``latest_*``: per level the latest level at or below it
-    holding a trigger candidate, and that op), 2 among the first consumer's ancestors (the table of
-    ``planning._ancestor_triggers``). Returns the swapped tensors, each group's swap, trigger and
-    ``after`` op, and the groups' reads (CSR)."""
+    trigger. ``planning``: the graph view's ``PlanningRecord`` (its edges by tensor, then their
+    consumer's slot: the reads of a tensor in execution order, so no sort per plan); ``triggers``: a
+    ``TriggerRecord``; ``excluded``: reads never far (update-phase readers, ``kept_reads``);
+    ``candidate``: per tensor, whether the rules may swap it. Returns the swapped tensors, each
+    group's swap, trigger and ``after`` op, and the groups' reads (CSR)."""
+    edge_order, edge_tensor, edge_consumer = planning.edge_order, planning.edge_tensor, planning.edge_consumer
+    levels, buffers = planning.levels, planning.buffers
+    producer, position = buffers.tensor_producer, buffers.position
+    mode, latest_level, latest_op, span = triggers.mode, triggers.latest_level, triggers.latest_op, triggers.span
+    ancestor_ptr, ancestor_ops = triggers.ancestor_ptr, triggers.ancestor_ops
+    ancestor_levels, ancestor_key = triggers.ancestor_levels, triggers.ancestor_key
     n_edges = len(edge_order)
     far_tensor = np.empty(n_edges, np.int64)
     far_consumer = np.empty(n_edges, np.int64)
@@ -506,9 +495,7 @@ def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, thre
         group_tensor = np.empty(n_groups, np.int64)
         for k in range(n_groups):
             group_tensor[k] = far_tensor[ptr[k]]
-        after = after_ops(group_tensor, ptr, far_consumer, position, order, root, tensor_read_ptr,
-                          tensor_read_consumer, tensor_read_id, seg_use_ptr, seg_use_slot, seg_use_id, seg_ptr,
-                          seg_link_id, seg_link_key, seg_parent, tensor_segment, n_keys)
+        after = after_ops(group_tensor, ptr, far_consumer, buffers)
         # a group whose tensor is still read on the device at or after its first consumer (through an
         # alias) would gain nothing from a swap-in: drop it and re-derive the rest
         n_kept = 0
@@ -522,13 +509,13 @@ def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, thre
         n_far = n_kept
         far_tensor, far_consumer = far_tensor[:n_far].copy(), far_consumer[:n_far].copy()
     trigger = np.full(n_groups, -1, np.int64)
-    for k in range(n_groups if triggers else 0):
+    for k in range(n_groups if mode else 0):
         first = far_consumer[ptr[k]]
         hi = levels[first] - lb
         lo = max(levels[first] - ub, levels[producer[group_tensor[k]]] + 1)
         if hi < 0:
             continue
-        if triggers == 1:
+        if mode == 1:
             if latest_level[hi] >= lo:
                 trigger[k] = latest_op[hi]
         else:  # the last ancestor trigger whose level <= hi
@@ -548,18 +535,3 @@ def plan_reads(edge_order, edge_tensor, edge_consumer, excluded, candidate, thre
             n_swapped += 1
         in_swap[k] = n_swapped - 1
     return swapped[:n_swapped].copy(), in_swap, trigger, after, ptr, far_consumer.copy()
-
-
-# what replay_plan reads of a graph at one batch size on one device: its arguments before the plan's
-_REPLAY_ARGUMENTS = tuple(inspect.signature(replay_plan.py_func).parameters)
-
-
-REPLAY_TABLE_FIELDS = _REPLAY_ARGUMENTS[:_REPLAY_ARGUMENTS.index("swap_tensor")]
-
-
-def replay_tables(**fields) -> tuple:
-    """``replay_plan``'s graph arguments (``REPLAY_TABLE_FIELDS``) from their names, in its order."""
-    if fields.keys() != set(REPLAY_TABLE_FIELDS):
-        apart = sorted(fields.keys() ^ set(REPLAY_TABLE_FIELDS))
-        raise TypeError(f"replay_plan's tables are exactly its fields, got {apart} apart")
-    return tuple(fields[name] for name in REPLAY_TABLE_FIELDS)

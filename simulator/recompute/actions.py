@@ -205,6 +205,7 @@ def with_recomputes(g: OpGraph, actions: Sequence[Recompute]) -> OpGraph:
         edge_tensor=np.concatenate(edge_tensor), edge_consumer=np.concatenate(edge_consumer),
         edge_slot=np.concatenate(edge_slot), control_src=np.concatenate(control_src),
         control_dst=np.concatenate(control_dst), persistent_bytes_ab=g.persistent_bytes_ab, outputs=g.outputs,
+        held_tensor=g.held_tensor, held_read=g.held_read,
         batch_size=g.batch_size,
         meta={**g.meta, "recomputes": list(g.meta.get("recomputes", [])) + [asdict(a) for a in actions]},
     )

@@ -11,9 +11,13 @@ import pytest
 
 from benchmarks.reference import same_replay
 from simulator import SwapParams, plan_swaps, replay
-from simulator.kernels import memory as kernel_memory
 from simulator.device.presets import get_device
-from simulator.ordering import execution_order
+from simulator.fusion import fusion_tables
+from simulator.graph import ORDER_NAMES
+from simulator.kernels import memory as kernel_memory
+from simulator.kernels import plan_loops
+from simulator.kernels.records import FusionRecord
+from simulator.ordering import execution_order, position_of
 from simulator.replay import ON_DEMAND_FIELDS, Replay, op_seconds
 from simulator.synthetic import training_graph
 
@@ -79,3 +83,29 @@ def test_fields_on_demand_are_the_replays():
 
     expected = np.sum(np.concatenate([done_by(end) - done_by(begin) for begin, end in copies]))
     assert result.copy_overlap_s > 0 and result.copy_overlap_s == expected
+
+
+def test_a_record_takes_exactly_its_fields():
+    """The kernels' records are built by name: a field left out or one too many is an error, not a
+    record whose fields are shifted by one."""
+    g = training_graph(10, batch_size=2)
+    fields = {"position": position_of(g), "tensor_producer": g.tensor_producer,
+              **{name: getattr(fusion_tables(g), name) for name in fusion_tables(g).__dataclass_fields__}}
+    assert isinstance(FusionRecord(**fields), FusionRecord)
+    with pytest.raises(TypeError, match="position"):
+        FusionRecord(**{name: value for name, value in fields.items() if name != "position"})
+    with pytest.raises(TypeError, match="n_keys"):
+        FusionRecord(**fields, n_keys=3)
+
+
+def test_graphs_orders_and_devices_share_one_compiled_replay():
+    """Every record's field has one type whatever the graph, order, batch size or device, so the replay
+    and the planner compile once (a second type would compile them again: tens of seconds)."""
+    for ops, batch in ((12, 2), (30, 4)):
+        for order in ORDER_NAMES:
+            g = training_graph(ops, batch_size=batch).with_order(order)
+            for device in ("v100-16gb", "cpu-testbed"):
+                params = SwapParams(threshold=3, lb=1, ub=4, order=order)
+                assert replay(g, plan_swaps(g, params, kept_reads=get_device(device).kept_reads), device).n_swap_outs
+    assert len(plan_loops.replay_plan.signatures) == 1
+    assert len(plan_loops.plan_reads.signatures) == 1

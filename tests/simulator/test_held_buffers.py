@@ -1,0 +1,65 @@
+"""A variable write while a read of the variable is still pending holds the old buffer beside the new
+one (``OpGraph.held_tensor``, ``simulator.sharing``); hand-computed cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulator import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, replay
+from simulator.replay import live_buffers
+
+WEIGHT_BYTES = 1000
+
+
+def weight_decay_step(backward_first: bool) -> OpGraph:
+    """A forward read W of a weight feeds the forward f and the backward b; the weight decay d = W * wd
+    and its write w (which stands for the old buffer, tensor "w:0") only follow the read. With
+    ``backward_first`` a control edge makes the write wait for b."""
+    return OpGraph.build(
+        op_name=["read", "f", "decay", "write", "b"],
+        op_type=["ReadVariableOp", "MatMul", "Mul", "AssignSubVariableOp", "MatMul"],
+        op_phase=[FORWARD, FORWARD, UPDATE, UPDATE, BACKWARD],
+        tensor_producer=[0, 1, 2, 3, 4],
+        tensor_bytes_ab=[(WEIGHT_BYTES, 0), (100, 0), (WEIGHT_BYTES, 0), (WEIGHT_BYTES, 0), (100, 0)],
+        tensor_persistent=[True, False, False, False, False],
+        tensor_swappable=[False, True, True, False, True],
+        edge_tensor=[0, 0, 2, 1, 0],
+        edge_consumer=[1, 2, 3, 4, 4],
+        edge_slot=[1, 0, 0, 0, 1],
+        control_src=[0] + ([4] if backward_first else []),
+        control_dst=[3] + ([3] if backward_first else []),
+        persistent_bytes_ab=(WEIGHT_BYTES, 0),
+        outputs=[4],
+        held_tensor=[3],
+        held_read=[0],
+    )
+
+
+def test_a_write_before_the_last_reader_of_a_read_holds_the_old_buffer(unit):
+    g = weight_decay_step(backward_first=False)
+    r = replay(g, None, unit)
+    # order read, f, decay, write, b: at the write f:0 (100), decay:0 (1000) and the old weight (1000)
+    assert r.peak_bytes == WEIGHT_BYTES + 100 + WEIGHT_BYTES + WEIGHT_BYTES
+    table = live_buffers(g, None, r)
+    held = table[table["tensor"] == "write:0"]
+    assert held["bytes"].tolist() == [WEIGHT_BYTES] and held["free_slot"].tolist() == [4]  # b's slot
+
+
+def test_a_write_after_every_reader_updates_in_place(unit):
+    g = weight_decay_step(backward_first=True)
+    r = replay(g, None, unit)
+    # order read, f, decay, b, write: at b f:0, decay:0 and b:0; the write holds nothing
+    assert r.peak_bytes == WEIGHT_BYTES + 100 + WEIGHT_BYTES + 100
+    assert "write:0" not in live_buffers(g, None, r)["tensor"].tolist()
+
+
+def test_held_pairs_are_saved_and_checked(tmp_path):
+    g = weight_decay_step(backward_first=False)
+    loaded = OpGraph.load(g.save(tmp_path / "g.npz"))
+    assert loaded.held_tensor.tolist() == [3] and loaded.held_read.tolist() == [0]
+    arrays = {name: getattr(g, name) for name in OpGraph._ARRAY_FIELDS}
+    np.savez(tmp_path / "old.npz", header_json=np.asarray('{"format_version": 1, "batch_size": 1}'), **arrays)
+    assert len(OpGraph.load(tmp_path / "old.npz").held_tensor) == 0  # files from before the pairs existed
+    with pytest.raises(GraphError, match="persistent"):
+        OpGraph.build(**{**arrays, "held_tensor": [3], "held_read": [1]})
