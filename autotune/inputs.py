@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -166,18 +167,39 @@ def find_model_file(path: str | Path) -> Path:
     return models[0]
 
 
-def load_model(path: Path, describe_error=None):
+OPTIMIZER_SKIPPED = re.compile(r"Skipping variable loading for optimizer '([^']*)', because it has (\d+) variables "
+                               r"whereas the saved optimizer has (\d+) variables")
+
+
+def load_model(path: Path, describe_error=None, notes: list[str] | None = None):
     """Load a compiled Keras model, or explain why it cannot be used (``describe_error(error)``: the
-    message, by default Keras' first line)."""
+    message, by default Keras' first line). Keras' warning that it skipped the saved optimizer's
+    variables (a model saved before it trained has none) becomes a sentence in ``notes``: the tuning
+    sizes the optimizer state from the model's weights, so it changes nothing here."""
     import keras
 
     try:
-        model = keras.models.load_model(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            model = keras.models.load_model(path)
+        for warning in caught:
+            skipped = OPTIMIZER_SKIPPED.search(str(warning.message))
+            if skipped and notes is not None:
+                notes.append(f"the optimizer state saved in {Path(path).name} was not loaded (Keras: "
+                             f"{skipped.group(3)} variables saved, {skipped.group(2)} built; a model saved before "
+                             "it trained has none): the tuning sizes the optimizer state from the model's weights, "
+                             "so the result is the same")
+            elif not skipped:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     except Exception as error:  # Keras raises many kinds for a broken or foreign file
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         text = describe_error(error) if describe_error is not None else first[:300]
         raise InputError(f"{path} could not be loaded as a Keras model: {text}") from None
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None or model.loss is None:
+    from rewriter.trace.step_inputs import trains_itself
+
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None or (
+            model.loss is None and not trains_itself(model)):
         raise InputError(f"{path} holds a model that is not compiled with an optimizer and a loss: "
-                         "call model.compile(optimizer=..., loss=...) before model.save(...)")
+                         "call model.compile(optimizer=..., loss=...) before model.save(...) (a model whose "
+                         "own train_step computes its losses needs only the optimizer)")
     return model

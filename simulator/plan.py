@@ -193,7 +193,8 @@ class SwapPlan:
             # the graph is of the rewritten step: the rewriter redoes the rewrites
             graph_rewrites=tuple(g.meta.get("graph_rewrites") or ()),
             # the shapes it was captured at (open dimensions): the rewriter uses them
-            step_inputs=dict(g.meta["step_inputs"]) if g.meta.get("step_inputs") else None)
+            step_inputs=dict(g.meta["step_inputs"]) if g.meta.get("step_inputs") else None,
+            canonical_names=dict(g.meta["canonical_names"]) if g.meta.get("canonical_names") else None)
 
     @classmethod
     def from_named(cls, g: OpGraph, named: "NamedPlan") -> "SwapPlan":
@@ -406,6 +407,8 @@ class NamedPlan:
     params: SwapParams | None = None
     graph_rewrites: tuple[str, ...] = ()
     step_inputs: dict[str, Any] | None = field(default=None, hash=False)
+    # each name as any copy of the model traces it (graph.meta["canonical_names"], rewriter.trace.op_names)
+    canonical_names: dict[str, str] | None = field(default=None, hash=False, compare=False)
 
     @property
     def changes_step(self) -> bool:
@@ -444,7 +447,7 @@ class NamedPlan:
             plan["graph_rewrites"] = list(self.graph_rewrites)
         if self.step_inputs:
             plan["step_inputs"] = dict(self.step_inputs)
-        return plan
+        return plan | ({"canonical_names": dict(self.canonical_names)} if self.canonical_names else {})
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 1), **kwargs)
@@ -533,11 +536,15 @@ def _read_v1(data: dict[str, Any]) -> NamedPlan:
     step_inputs = data.get("step_inputs")
     if step_inputs is not None and not isinstance(step_inputs, dict):
         raise PlanError("the plan's step_inputs must be an object")
+    canonical_names = data.get("canonical_names")
+    if canonical_names is not None and not (isinstance(canonical_names, dict) and all(isinstance(n, str) for n in [
+            *canonical_names, *canonical_names.values()])):
+        raise PlanError("the plan's canonical_names must map op names to op names")
     return NamedPlan(swaps=tuple(records), order=tuple(order), ordering=ordering,
                      after_copies_out=bool(data.get("after_copies_out", False)),
                      graph_fingerprint=str(data.get("graph_fingerprint") or ""), model=str(data.get("model") or ""),
                      batch_size=batch_size, params=params, graph_rewrites=tuple(rewrites),
-                     step_inputs=step_inputs or None)
+                     step_inputs=step_inputs or None, canonical_names=canonical_names or None)
 
 
 def _read_v2(data: dict[str, Any]) -> NamedPlan:

@@ -273,7 +273,8 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
         # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
         configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
-    model = load_user_model(settings)  # the user's --import modules first
+    load_notes: list[str] = []
+    model = load_user_model(settings, load_notes)  # the user's --import modules first
     from simulator.warmup import warm_up
 
     with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
@@ -290,7 +291,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                       name=getattr(model, "name", None) or settings["model_file"].stem, say=lambda text: _say(quiet, text))
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
-    result = replace(result, notes=[*result.notes, *model_notes(model)])
+    result = replace(result, notes=[*result.notes, *load_notes, *model_notes(model)])
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
     from autotune.report.writer import write_report
 
@@ -307,10 +308,13 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
 
 def _summary_text(result, report: Path, seconds: float) -> str:
     from autotune.run.calibrated_timing import time_model_note
+    from autotune.report.writer import param_text
+    from autotune.run.training import training_phrase
 
     shown = result.shown
     lines = [f"model {result.model}, batch {result.batch_size}, budget {format_bytes(result.budget_bytes)} "
-             f"({result.budget_source})"]
+             f"({result.budget_source})",
+             f"trained with: {training_phrase(result.graph.meta.get('training'))}"]
     if result.graph_rewrites:
         changes = result.graph.meta.get("graph_rewrite_changes", {})
         lines.append("graph rewrites: " + ", ".join(f"{r} ({len(changes.get(r, []))} ops)" for r in result.graph_rewrites)
@@ -324,12 +328,14 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
                      f"{result.plan.order_name} order")
         p = shown.params
+        cost = param_text("recompute_cost", p.to_dict().get("recompute_cost"))  # a unit, not 1.13e-11
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"
                      f"{' after_copies_out' if p.after_copies_out else ''}"
-                     f"{f' recompute={p.recompute} recompute_cost={p.recompute_cost:.3g}' if p.recomputes else ''}"
+                     f"{f' recompute={p.recompute} recompute_cost={cost}' if p.recomputes else ''}"
                      f"{f'; {len(p.keep_tensors)} tensors kept on the device for host room' if p.keep_tensors else ''}")
-    lines.append(f"step times: {time_model_note(result.device)}")
+    if result.plan is not None:  # a foregone verdict (autotune.run.floor) timed nothing
+        lines.append(f"step times: {time_model_note(result.device, result.calibration)}")
     lines += [f"note: {note}" for note in result.notes]
     m = result.measurement
     if m is not None:

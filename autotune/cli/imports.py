@@ -19,6 +19,8 @@ from pathlib import Path
 
 from autotune.inputs import InputError, load_model
 
+# where Keras says a function came from when it was defined in the running script, not in a module
+SCRIPT_MODULES = ("builtins", "__main__")
 IMPORT_HINT = "import the code that defines it with --import MODULE (or imports = [\"MODULE\"] in autotune.toml)"
 
 
@@ -116,6 +118,13 @@ def describe_load_error(error: BaseException) -> str:
     if missing:
         module = re.search(r"Full object config: \{'module': '([^']+)'", text)
         user_module = module.group(1) if module and not module.group(1).startswith("keras") else None
+        if user_module in SCRIPT_MODULES:  # no import can provide it: a module that registers the name can
+            name = missing.group(2)
+            return (f"Could not locate {missing.group(1)} {name!r}: it was defined in the script that saved the model "
+                    f"(Keras recorded its module as {user_module}, which no import provides): put it in a module "
+                    f"beside the model, e.g. {name}_def.py with the same def {name}(...) and the line "
+                    f"keras.saving.get_custom_objects()[{name!r}] = {name}, and give --import {name}_def (or "
+                    f"imports = [\"{name}_def\"] in autotune.toml)")
         hint = IMPORT_HINT if user_module is None else IMPORT_HINT.replace("MODULE", user_module)
         source = f" (saved from module {user_module})" if user_module else ""
         return f"Could not locate {missing.group(1)} {missing.group(2)!r}{source}: {hint}"
@@ -128,12 +137,12 @@ def describe_load_error(error: BaseException) -> str:
     return " ".join(first.split())[:500] + hint
 
 
-def load_user_model(settings: dict):
+def load_user_model(settings: dict, notes: list[str] | None = None):
     """Import the user's code, load and check the model (the CLI's model, with everything that makes
-    it usable checked before capture)."""
+    it usable checked before capture); what loading it said for the report goes into ``notes``."""
     model_file: Path = settings["model_file"]
     import_user_code(settings.get("imports", []), model_file.parent)
-    model = load_model(model_file, describe_error=describe_load_error)
+    model = load_model(model_file, describe_error=describe_load_error, notes=notes)
     shapes = settings.get("input_shapes")
     if shapes:
         from rewriter.trace.step_inputs import CaptureError, check_input_shape_names

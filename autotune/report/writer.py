@@ -20,7 +20,9 @@ import pandas as pd
 
 from autotune.report import plots
 from autotune.run.calibrated_timing import PRESET_TIME_ERROR, time_model_note
+from autotune.run.floor import floor_of
 from autotune.inputs import format_bytes
+from autotune.run.training import training_phrase
 
 RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
 
@@ -66,6 +68,17 @@ def _plan_clauses(n_swaps: int, n_recomputes: int, order_name: str) -> str:
     return ", ".join(clauses)
 
 
+def param_text(name: str, value) -> str:
+    """A swap parameter as a reader takes it: sizes in bytes' units, the recomputation cost per MiB freed."""
+    if isinstance(value, list):
+        return _listed(value)
+    if name == "min_bytes":
+        return format_bytes(value)
+    if name == "recompute_cost":
+        return "no limit" if value is None else f"{value * 2 ** 20 * 1e6:.3g} µs of compute per MiB freed"
+    return str(value)
+
+
 def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
     summary = result.summary()
     shown = result.shown
@@ -96,6 +109,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                        f"budget of {format_bytes(result.budget_bytes)}.{miss}")
     settings = pd.DataFrame([
         ("model", result.model), ("batch size", result.batch_size), ("device model", result.device.name),
+        ("trained with", training_phrase(result.graph.meta.get("training"))),
         ("budget", f"{format_bytes(result.budget_bytes)}, from {result.budget_source}"),
         ("search", f"{result.policy}, {len(result.evaluations)} candidates simulated"
                    + ("" if result.search_budget_bytes in (None, result.budget_bytes) else
@@ -104,7 +118,7 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
         ("graph", f"{result.graph.n_ops} ops, {result.graph.n_tensors} tensors"),
         ("graph rewrites (every figure is of the rewritten step)" if result.graph_rewrites else "graph rewrites",
          _rewrites_text(summary["graph_rewrite_changes"]) or "none"),
-        ("resident (weights, optimizer state, inputs)", format_bytes(result.graph.persistent_bytes)),
+        ("resident (weights, optimizer state, inputs)", floor_of(result.graph).resident_parts()),
         ("least peak any swap plan can reach (largest op's inputs and outputs + resident)",
          format_bytes(summary["peak_lower_bound_bytes"])),
         ("largest batch without swapping", summary["max_batch_without_swap"]),
@@ -123,11 +137,11 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                  ("recomputation time", "0", _seconds(summary["predicted_recompute_s"]))]
     label = "with the plan" if result.feasible else "closest plan"
     predicted = pd.DataFrame(rows, columns=["predicted", "without swapping", label])
-    params = pd.DataFrame(sorted((k, _listed(v) if isinstance(v, list) else str(v))
+    params = pd.DataFrame(sorted((k, param_text(k, v))
                                  for k, v in (shown.params.to_dict().items() if shown and shown.params else [])),
                           columns=["parameter", "value"])
     sections.append(Section("Prediction", [f"Simulated on the {result.device.name} device model.",
-                                           time_model_note(result.device)],
+                                           time_model_note(result.device, result.calibration)],
                             [predicted] + ([params] if len(params) else []),
                             [n for n in ("memory_timeline.png", "pareto_front.png") if n in images]))
 
@@ -168,6 +182,9 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                       f"({PRESET_TIME_ERROR} on the testbed): --calibrate measures it.")]
         if m.swaps_planned and m.swaps_survived is not None:
             text.append(f"{m.swaps_survived} of {m.swaps_planned} swaps survived TensorFlow's graph optimizer.")
+        if m.verification_problems:
+            text.append("Not everything of the plan survived TensorFlow's graph optimizer: "
+                        + "; ".join(m.verification_problems) + ".")
         if m.clones_planned:
             text.append(f"{m.clones_survived} of {m.clones_planned} recomputed ops survived TensorFlow's graph optimizer"
                         + (" (" + "; ".join(m.recompute_problems) + ")." if m.recompute_problems else "."))

@@ -94,11 +94,16 @@ def search_target(target: Target, calibration: CalibratedDevice | None) -> Targe
     return target.with_timings(calibration)
 
 
-def time_model_note(device: DeviceModel) -> str:
-    """What the step times of a result simulated on ``device`` are, for the report."""
+def time_model_note(device: DeviceModel, calibration: CalibratedDevice | None = None) -> str:
+    """What the step times of a result simulated on ``device`` are, for the report; ``calibration``:
+    the run's own, when it calibrated (it times the measured run even where the search used a preset)."""
     if isinstance(device, CalibratedDevice):
         return (f"Step times are measured on this machine ({device.describe()}); "
                 + "; ".join(device.notes[:1]) + ".")
+    if calibration is not None:
+        return (f"The search's step times are a datasheet estimate of the {device.name} preset: the calibration "
+                f"of this run measured this machine ({calibration.preset}), not the device searched for; it "
+                "predicts the measured run's step time.")
     return (f"Step times are a datasheet estimate of the {device.name} preset, not measured: on the CPU testbed "
             f"the uncalibrated preset was {PRESET_TIME_ERROR} (python -m benchmarks step-time); a calibrated run "
             f"(--calibrate, the default when measuring) predicts the testbed's from measured op times.")

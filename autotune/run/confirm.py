@@ -15,6 +15,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from autotune.run.calibrated_timing import calibrate_for, search_target
+from autotune.run.floor import foregone
+from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import measure_result, planned_run
 from autotune.run.options import MeasureOptions, SearchOptions
@@ -130,8 +132,10 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
                                f"{check.describe()}"))
         correction = next_correction(check, correction, result.graph.with_batch(run.batch_size).persistent_bytes)
         if round_ < rounds:
-            say(f"the measured run contradicts the prediction: re-tuning with a correction "
-                f"({correction.describe()})")
+            what = (f"the measured run agrees with the prediction, but its peak is "
+                    f"{format_bytes(check.projected_bytes - check.budget_bytes)} over the budget" if check.agrees
+                    else "the measured run is above the prediction")
+            say(f"{what}: re-tuning with a correction ({correction.describe()})")
     return replace(result, verdict=not_confirmed(
         checks, reason=f"{len(checks)} measured runs and none confirmed a plan; the last, {checks[-1].describe()}"))
 
@@ -176,10 +180,18 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
+    known = foregone(graph, target, policy=search.policy, recompute=search.recompute,
+                     recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
+                                                     graph_rewrites=[*graph_rewrites, *more]))
+    if known is not None:  # under the floor: no calibration, search or measured run can change the answer
+        return known
     calibration = calibrate_for(model, graph, batch_size, inputs, say=say) if measurement.calibrates else None
     if not measurement.measure:
-        result = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
-        return replace(result, calibration=calibration)
-    say("searching, then measuring the chosen plan on the real training step ...")
-    return confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
-                   calibration=calibration, say=lambda text: say(f"measured: {text}"))
+        searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
+        result = replace(searched, calibration=calibration)
+    else:
+        say("searching, then measuring the chosen plan on the real training step ...")
+        result = confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
+                         calibration=calibration, say=lambda text: say(f"measured: {text}"))
+    weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) if result.applies_plan else None
+    return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time

@@ -228,8 +228,17 @@ def measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plann
         predicted_baseline_peak_bytes=predicted_base.peak_bytes,
         allocator_peak_bytes=None if measured is None else measured.allocator_peak_bytes,
         note=note, swaps_survived=None if verification is None else verification.swap_outs,
+        verification_problems=_swap_problems(verification),
         swaps_planned=plan.n_swaps, plain_peak_bytes=None if plain is None else plain.peak_bytes,
         **_clones(None if verification is None else verification.recompute),
         out_of_memory=run.out_of_memory,
     )
 
+
+def _swap_problems(verification) -> list[str]:
+    """What of the plan's swaps did not survive Grappler, names included (the recomputations' are
+    ``recompute_problems``)."""
+    if verification is None:
+        return []
+    cloned = [] if verification.recompute is None else verification.recompute.problems()
+    return [problem for problem in verification.problems() if problem not in cloned]

@@ -58,6 +58,8 @@ class MeasuredRun:
     clones_survived: int | None = None
     clones_planned: int | None = None
     recompute_problems: list[str] = field(default_factory=list)
+    # what of the plan's swaps Grappler undid (rewriter.check.verification), with the names: the report's, not the log's
+    verification_problems: list[str] = field(default_factory=list)
     # without swapping: the step a plain model.fit runs (Keras' own train_step, TF's executor order)
     plain_peak_bytes: int | None = None
     out_of_memory: bool = False  # the plan's run raised ResourceExhausted (peak_bytes is then 0)
@@ -189,6 +191,8 @@ class TuneResult:
             "feasible": self.feasible,
             "params": None if self.params is None else self.params.to_dict(),
             "closest_params": None if self.chosen or not shown or not shown.params else shown.params.to_dict(),
+            # what was tuned (rewriter.trace.training_setup): a plan is made for this optimizer, loss and dtype policy
+            **{key: (self.graph.meta.get("training") or {}).get(key) for key in ("optimizer", "loss", "dtype_policy")},
             "graph_rewrites": self.graph_rewrites,
             "graph_rewrite_changes": self.graph.meta.get("graph_rewrite_changes", {}),
             "resident_bytes": self.graph.persistent_bytes,
@@ -201,7 +205,9 @@ class TuneResult:
             "predicted_d2h_bytes": None if shown is None else int(shown.metrics["d2h_bytes"]),
             "predicted_h2d_bytes": None if shown is None else int(shown.metrics["h2d_bytes"]),
             "predicted_host_peak_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
-            "excess_bytes": None if shown is None else max(0, shown.excess_bytes),
+            # without any plan (a budget under the floor, autotune.floor): what the least peak any plan reaches is over
+            "excess_bytes": max(0, shown.excess_bytes if shown is not None
+                                else peak_lower_bound_bytes(self.graph) - self.budget_bytes),
             "recomputes": self.recomputed(),
             "recomputed_bytes": sum(row["bytes"] for row in self.recomputed()),
             "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),

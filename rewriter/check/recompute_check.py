@@ -58,18 +58,22 @@ class RecomputeVerification:
         return self.collected and not (self.clones_lost or self.originals_lost or self.reads_lost
                                        or self.controls_lost or self.controls_folded)
 
-    def problems(self) -> list[str]:
-        lines = []
-        if not self.collected:
-            lines.append("no optimized graph of the step was collected (it had run before verification)")
-        for label, items in (("clone(s) merged back into their original", self.clones_lost),
+    def problem_items(self) -> list[tuple[str, list[str]]]:
+        """(what went wrong, the names it happened to)."""
+        items = [] if self.collected else [("no optimized graph of the step was collected (it had run before "
+                                            "verification)", [])]
+        for label, names in (("clone(s) merged back into their original", self.clones_lost),
                              ("original(s) merged into their clone", self.originals_lost),
                              ("far read(s) no longer served by a clone", self.reads_lost),
                              ("trigger edge(s) of clones dropped", self.controls_lost),
                              ("trigger op(s) of clones folded away", self.controls_folded)):
-            if items:
-                lines.append(f"{len(items)} {label}: {', '.join(items[:10])}")
-        return lines
+            if names:
+                items.append((f"{len(names)} {label}", list(names)))
+        return items
+
+    def problems(self) -> list[str]:
+        """Each problem with up to ten of its names (for the report)."""
+        return [label + (f": {', '.join(names[:10])}" if names else "") for label, names in self.problem_items()]
 
     def counts(self) -> str:
         return (f"clones {self.clones}/{self.planned_clones} ({len(self.clones_gone_with_original)} fused or folded "

@@ -86,27 +86,30 @@ class Verification:
                                        or self.triggers_folded or self.reads_lost or self.copies_early) \
             and (self.recompute is None or self.recompute.ok)
 
-    def problems(self) -> list[str]:
-        lines = []
-        if not self.collected:
-            lines.append("no optimized graph of the step was collected (it had run before verification)")
-        if self.removed:
-            lines.append(f"{len(self.removed)} swap node(s) removed: {', '.join(self.removed[:10])}")
-        if self.triggers_folded:
-            lines.append(f"{len(self.triggers_folded)} trigger op(s) folded away: {', '.join(self.triggers_folded[:10])}")
-        if self.triggers_dropped:
-            lines.append(f"{len(self.triggers_dropped)} trigger edge(s) dropped: {', '.join(self.triggers_dropped[:10])}")
-        if self.triggers_moved:
-            lines.append(f"{len(self.triggers_moved)} trigger edge(s) moved: {', '.join(self.triggers_moved[:10])}")
-        if self.copies_early:
-            lines.append(f"{len(self.copies_early)} copy(ies) to the accelerator need not wait for their trigger: "
-                         f"{', '.join(self.copies_early[:10])}")
-        if self.reads_lost:
-            lines.append(f"{len(self.reads_lost)} consumer input(s) no longer read their swap-in: "
-                         f"{', '.join(self.reads_lost[:10])}")
+    def problem_items(self) -> list[tuple[str, list[str]]]:
+        """(what went wrong, the names it happened to), swaps' first, then the recomputations'."""
+        items = [] if self.collected else [("no optimized graph of the step was collected (it had run before "
+                                            "verification)", [])]
+        for label, names in (("swap node(s) removed", self.removed), ("trigger op(s) folded away", self.triggers_folded),
+                             ("trigger edge(s) dropped", self.triggers_dropped),
+                             ("trigger edge(s) moved", self.triggers_moved),
+                             ("copy(ies) to the accelerator need not wait for their trigger", self.copies_early),
+                             ("consumer input(s) no longer read their swap-in", self.reads_lost)):
+            if names:
+                items.append((f"{len(names)} {label}", list(names)))
         if self.recompute is not None:
-            lines += [problem for problem in self.recompute.problems() if problem not in lines]
-        return lines
+            items += [item for item in self.recompute.problem_items() if item not in items]
+        return items
+
+    def problems(self) -> list[str]:
+        """Each problem with up to ten of its names (for the report)."""
+        return [label + (f": {', '.join(names[:10])}" if names else "") for label, names in self.problem_items()]
+
+    def headline(self) -> str:
+        """One line for the output: what did not survive, counted; the names are in ``problems()``."""
+        return ("parts of the swap plan did not survive graph optimization: "
+                + "; ".join(label for label, _ in self.problem_items())
+                + " (the names: SwapStep.verification.problems(), and the report's measured run)")
 
     def summary(self) -> str:
         text = (f"swap-outs {self.swap_outs}/{self.planned_swap_outs}, swap-ins {self.swap_ins}/{self.planned_swap_ins}, "
@@ -390,4 +393,4 @@ def _report(result: Verification) -> None:
     if result.ok:
         log.info("swap plan verified: %s", result.summary())
     else:
-        log.warning("parts of the swap plan did not survive graph optimization: %s", "; ".join(result.problems()))
+        log.warning("%s", result.headline())

@@ -45,6 +45,7 @@ from simulator.fusion import fusion_neighbourhood
 from simulator.plan import NamedPlan, NamedSwap, PlanError, missing_names_error, not_read_error
 
 log = logging.getLogger(__name__)
+MISSING_ORDER_SHARE = 10  # more than one op in this many of a plan's order missing: the plan is another model's
 
 SWAP_OPS = ("Identity", "DeepCopy")
 HOST_SWAP_IN_OP = "Identity"  # the host-side half of a swap-in forwards the host copy (no allocation)
@@ -334,6 +335,13 @@ def edit_graph_def(graph_def: graph_pb2.GraphDef, plan: NamedPlan, placement: Pl
     edited = graph_pb2.GraphDef()
     edited.CopyFrom(graph_def)
     node_op = {node.name: node.op for node in edited.node}
+    unknown = [name for name in plan.order if name not in node_op]
+    if plan.canonical_names and len(unknown) * MISSING_ORDER_SHARE > len(plan.order):  # another model's order
+        raise missing_names_error(unknown, "this model's training step")
+    if unknown:  # never dropped silently: a step traced otherwise (op determinism), or a plan without canonical names
+        log.warning("%d of the %d ops of the plan's order are not in this model's training step (e.g. %s): they run "
+                    "where TensorFlow puts them (a step traced otherwise, as with op determinism, or a plan written "
+                    "before plans carried canonical names)", len(unknown), len(plan.order), ", ".join(unknown[:3]))
     runnable = [name for name in plan.order if node_op.get(name, "Placeholder") != "Placeholder"]
     # the op the simulator runs after each one (what a synchronous swap-out with no reader left holds)
     next_in_order = dict(zip(runnable, runnable[1:]))

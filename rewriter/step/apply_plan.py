@@ -21,6 +21,7 @@ from rewriter.trace.costs import tensor_nbytes
 from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, AppliedSwapIn, SkippedSwap, edit_graph_def  # noqa: F401
 from rewriter.tf_effects.grappler import foldable_ops
 from rewriter.host_memory import warn_if_pinned_limit_short
+from rewriter.trace.op_names import traced_names
 from rewriter.tf_effects.passthrough import passthrough_ops
 from rewriter.placement.placements import Placement, resolve as resolve_placement
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
@@ -42,7 +43,7 @@ def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
 
 def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
           swap_op: str = "auto", inputs: StepInputs = NO_STEP_INPUTS, verify: bool = True, verify_with=None,
-          serialize: bool = True) -> SwapStep:
+          serialize: bool = True, sample_weight: bool = False) -> SwapStep:
     """Apply ``plan`` to ``model``'s training step and return the rewritten step.
 
     ``model``: a compiled Keras model (its ``train_step`` is traced at ``batch_size``), or a
@@ -59,6 +60,9 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     then restores every variable, and warns about swap nodes or trigger edges Grappler removed
     (``SwapStep.verification``). Errors: ``PlanError`` for a plan that does not fit the model
     (nothing is changed), ``CaptureError`` for a model that cannot be traced.
+
+    ``sample_weight``: the step takes a weight per sample of the loss after the labels (what
+    ``model.fit`` makes of ``sample_weight`` and ``class_weight``, ``rewriter.step.keras_fit``).
     """
     named = load_plan(plan, graph)
     inputs = inputs.or_planned(named)
@@ -76,7 +80,9 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             batch_size = named.batch_size
         if batch_size is None or int(batch_size) < 1:
             raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
-        traced = trace_keras_step(model, int(batch_size), inputs)
+        traced = trace_keras_step(model, int(batch_size), inputs, sample_weight=sample_weight)
+    planned = named  # by the names the capture gives (rewriter.trace.op_names), whatever this process called the layers
+    named = traced_names(named, traced.canonical)
     planned_batch = named.batch_size
     if planned_batch and int(planned_batch) != traced.batch_size:
         log.info("plan made at batch size %s applied at %d (names do not depend on it; sizes do)",
@@ -103,8 +109,9 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
                                                  passthrough=passthrough)
     function = import_step(graph_def, traced)
 
-    def at_batch(size: int) -> SwapStep:  # names do not depend on the batch size: the same plan, traced again
-        return apply(model, named, batch_size=size, placement=place, swap_op=chosen_op, inputs=inputs, verify=False)
+    def at_batch(size: int, weighted: bool = sample_weight) -> SwapStep:  # the same plan, traced again
+        return apply(model, planned, batch_size=size, placement=place, swap_op=chosen_op, inputs=inputs, verify=False,
+                     sample_weight=weighted)
 
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=named, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,

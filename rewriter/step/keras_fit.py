@@ -6,8 +6,10 @@ returns its logs, so callbacks, progress bars, History and metrics work as befor
 size (the last, smaller batch of an epoch) gets the same plan applied at its size (cached).
 ``restore_train_function(model)`` undoes it; ``swapping(model, plan, ...)`` is the context-manager form.
 
-Limits: sample weights and class weights are not supported by the rewritten step (the traced step takes
-(x, y)); ``model.compile`` resets Keras' train function and so drops the swap step (apply again).
+``sample_weight`` and ``class_weight`` (which ``fit`` turns into a weight per sample) only weight the
+loss: a batch that has them runs the plan applied to the step traced with the weights as one more
+input (``rewriter.apply(..., sample_weight=True)``, cached); one weight per output is refused.
+``model.compile`` resets Keras' train function and so drops the swap step (apply again).
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def make_train_function(model, step: SwapStep):
         logs = None
         for data in _batches(iterator, max(int(getattr(model, "steps_per_execution", 1) or 1), 1)):
             x, y, sample_weight = _unpack(data)
-            if sample_weight is not None:
-                raise ValueError("the swap-rewritten training step does not support sample_weight or "
-                                 "class_weight; undo it with rewriter.step.keras_fit.restore_train_function(model)")
-            if y is None:
+            if y is None and step.traced.inputs is not None and step.traced.inputs.y_names:
                 raise ValueError("the swap-rewritten training step needs labels (x, y)")
-            batch = step.batch_of(x)
-            logs = step.for_batch(batch).run(x, y)
+            if isinstance(sample_weight, (dict, list, tuple)):
+                raise ValueError("the swap-rewritten training step takes one sample weight per sample (as "
+                                 "class_weight gives), not one per output; undo it with "
+                                 "rewriter.step.keras_fit.restore_train_function(model)")
+            # with sample_weight or class_weight: the plan applied to the step traced with the weights
+            target = step.for_batch(step.batch_of(x), weighted=sample_weight is not None or step.weighted)
+            logs = target.run(x, y, sample_weight)
         if logs is None:
             raise StopIteration
         return logs
@@ -130,7 +134,8 @@ class KerasStep:
 
     def __init__(self, model) -> None:
         self._model = model
-        self._function = tf.function(lambda x, y: model.train_step((x, y)), autograph=False)
+        # fit(x) gives a model that trains on its inputs alone x itself (rewriter.trace.step_inputs.trains_itself)
+        self._function = tf.function(lambda x, y: model.train_step(x if y is None else (x, y)), autograph=False)
         self.calls = 0  # its first call makes its constants (rewriter.timing.measurement)
         self.constant_bytes: int | None = None
 

@@ -45,7 +45,7 @@ class SwapStep:
         self.constant_bytes: int | None = None  # what its kernels' constants take, once a first call was profiled
         self._model = model
         self._at_batch = at_batch  # the same plan applied at another batch size (``rewriter.step.apply_plan`` gives it)
-        self._others: dict[int, SwapStep] = {}
+        self._others: dict[tuple[int, bool], SwapStep] = {}
         concrete = traced.concrete
         self.input_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.inputs[: len(traced.input_names)]]
         signature = concrete.structured_input_signature[0]
@@ -79,9 +79,19 @@ class SwapStep:
 
     # -------------------------------------------------------------- running
 
-    def _flat_inputs(self, x, y) -> list[tf.Tensor]:
+    @property
+    def weighted(self) -> bool:
+        """Whether the step takes a weight per sample of the loss after the labels (``rewriter.apply``)."""
+        return self.traced.inputs is not None and self.traced.inputs.weight_spec is not None
+
+    def _flat_inputs(self, x, y=None, sample_weight=None) -> list[tf.Tensor]:
+        if sample_weight is not None and not self.weighted:
+            raise ValueError("this step takes no sample weights: use step.for_batch(n, weighted=True)")
         if self.traced.inputs is not None:  # a Keras step: dicts by name (any key order), lists in flat order
             xs, ys = self.traced.inputs.flatten(x, y)
+            if self.weighted:  # no weights given: every sample weighs 1, the unweighted loss
+                ys.append(tf.ones((self.batch_of(x),)) if sample_weight is None
+                          else tf.reshape(tf.convert_to_tensor(sample_weight), (-1,)))
         else:
             xs = list(x) if isinstance(x, (list, tuple)) else [x]
             ys = list(y) if isinstance(y, (list, tuple)) else [y]
@@ -114,26 +124,30 @@ class SwapStep:
         logs = tf.nest.pack_sequence_as(self._output_structure, list(outputs[:-1]))
         return logs, loss
 
-    def run(self, x, y):
+    def run(self, x, y=None, sample_weight=None):
         """One optimizer step; returns the logs of Keras' ``train_step`` (e.g. ``{'loss': ...}``)."""
-        return self.run_flat(*self._flat_inputs(x, y))[0]
+        return self.run_flat(*self._flat_inputs(x, y, sample_weight))[0]
 
-    def __call__(self, x, y):
-        """One optimizer step; returns this batch's loss (a scalar tensor)."""
+    def __call__(self, x, y=None):
+        """One optimizer step; returns this batch's loss (a scalar tensor); y None for a model that trains
+        on its inputs alone (``rewriter.trace.step_inputs.trains_itself``)."""
         return self.run_flat(*self._flat_inputs(x, y))[1]
 
     def zeros(self) -> list[tf.Tensor]:
         return [tf.zeros(spec.shape, spec.dtype) for spec in self.input_specs]
 
-    def for_batch(self, batch_size: int) -> "SwapStep":
-        """The same plan applied at another batch size (names do not depend on it); cached."""
-        if int(batch_size) == self.batch_size:
+    def for_batch(self, batch_size: int, weighted: bool | None = None) -> "SwapStep":
+        """The same plan applied at another batch size (names do not depend on it), or to the step
+        that takes sample weights (``weighted``); cached."""
+        weighted = self.weighted if weighted is None else bool(weighted)
+        if int(batch_size) == self.batch_size and weighted == self.weighted:
             return self
         if self._at_batch is None:
             raise ValueError("this step was built from a traced function; trace it again at the other batch size")
-        if int(batch_size) not in self._others:
-            self._others[int(batch_size)] = self._at_batch(int(batch_size))
-        return self._others[int(batch_size)]
+        key = (int(batch_size), weighted)
+        if key not in self._others:
+            self._others[key] = self._at_batch(int(batch_size), weighted)
+        return self._others[key]
 
     def snapshot(self) -> StateSnapshot:
         """Host copies of the step's variables (``.restore()`` puts them back)."""

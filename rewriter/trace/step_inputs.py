@@ -105,11 +105,28 @@ class StepSpecs:
     y_specs: tuple[tf.TensorSpec, ...]
     x_structure: Any  # the model's input structure, leaves replaced by their flat index
     y_structure: Any
+    # a per-sample weight of the loss (what model.fit makes of sample_weight and class_weight), the
+    # step's last label when it is traced with one (rewriter.step.keras_fit)
+    weight_spec: tf.TensorSpec | None = None
+
+    @property
+    def label_specs(self) -> tuple[tf.TensorSpec, ...]:
+        """The step's label inputs: the labels, and the sample weight when it takes one."""
+        return self.y_specs + (() if self.weight_spec is None else (self.weight_spec,))
 
     def pack(self, xs, ys):
-        """Flat tensors -> (x, y) in the structures Keras' ``train_step`` expects."""
-        return (keras.tree.pack_sequence_as(self.x_structure, list(xs)),
-                keras.tree.pack_sequence_as(self.y_structure, list(ys)))
+        """Flat tensors -> (x, y) or (x, y, sample_weight) in the structures Keras' ``train_step`` expects
+        (y None for a model that trains on its inputs alone, ``trains_itself``)."""
+        ys = list(ys)
+        labels = ys[:-1] if self.weight_spec is not None else ys
+        y = None if self.y_structure is None else keras.tree.pack_sequence_as(self.y_structure, labels)
+        x = keras.tree.pack_sequence_as(self.x_structure, list(xs))
+        return (x, y, ys[-1]) if self.weight_spec is not None else (x, y)
+
+    def train_data(self, xs, ys):
+        """What ``train_step`` is given: as ``pack``, but x alone for a model fit with x only (``fit(x)``)."""
+        packed = self.pack(xs, ys)
+        return packed[0] if self.y_structure is None and self.weight_spec is None else packed
 
     def flatten(self, x, y) -> tuple[list, list]:
         """A batch given as dicts (by name), lists (flat order) or single arrays -> flat lists."""
@@ -117,6 +134,8 @@ class StepSpecs:
 
 
 def _flat(data, names: tuple[str, ...], what: str) -> list:
+    if data is None and not names:  # a model trained on its inputs alone has no labels
+        return []
     if isinstance(data, dict):
         missing = [n for n in names if n not in data]
         extra = [k for k in data if k not in names]
@@ -130,6 +149,8 @@ def _flat(data, names: tuple[str, ...], what: str) -> list:
 
 
 def _indexed(structure) -> Any:
+    if structure is None:
+        return None
     leaves = keras.tree.flatten(structure)
     return keras.tree.pack_sequence_as(structure, list(range(len(leaves))))
 
@@ -201,24 +222,41 @@ def check_input_shape_names(model, input_shapes) -> None:
 def input_specs(model, batch_size: int, input_shapes=None) -> tuple[Any, list[str], list[tf.TensorSpec]]:
     structure, names, declared_shapes, dtypes = model_inputs(model)
     given = _given_shapes(names, input_shapes)
-    specs = []
+    specs, open_inputs = [], []
     for name, declared, dtype, shape in zip(names, declared_shapes or [None] * len(names), dtypes, given):
-        if declared is None and shape is None:
-            raise CaptureError(f"the model has no defined inputs (never built: subclassed, or Sequential without "
-                               f"an Input): give the shape of its input {name!r} without the batch (--input-shape "
-                               f"{name}=D1,D2,... or input_shapes = {{{name} = [...]}} in autotune.toml), or call "
-                               "the model once before saving it")
         if shape is not None:
             shape = tuple(int(d) for d in shape)
             if declared is not None and (len(shape) != len(declared)
                                          or any(d is not None and d != s for d, s in zip(declared, shape))):
                 raise CaptureError(f"input {name!r}: shape {shape} does not match the model's {tuple(declared)}")
             declared = shape
-        if any(d is None for d in declared):
-            raise CaptureError(f"input {name!r} has open dimensions {('batch',) + tuple(declared)}: give its shape "
-                               f"without the batch (--input-shape {name}=D1,D2,... or input_shapes in autotune.toml)")
+        if declared is None or any(d is None for d in declared):
+            open_inputs.append((name, declared))
+            continue
         specs.append(tf.TensorSpec((batch_size,) + tuple(declared), tf.as_dtype(dtype), name=spec_name(name)))
+    if open_inputs:
+        raise CaptureError(open_inputs_message(open_inputs))
     return structure, names, specs
+
+
+def open_inputs_message(open_inputs: list[tuple[str, tuple | None]]) -> str:
+    """One message for every input whose shape is not known (None: the model was never built), with the
+    --input-shape flags and the autotune.toml line to copy, open dimensions to fill in as D1, D2, ..."""
+    count = iter(range(1, 1 << 30))
+    filled = {name: None if declared is None else [str(d) if d is not None else f"D{next(count)}" for d in declared]
+              for name, declared in open_inputs}
+    for name, dims in filled.items():
+        if dims is None:  # never built: the rank is not known either
+            filled[name] = [f"D{next(count)}", f"D{next(count)}", "..."]
+    described = ", ".join(f"{name} {('batch', *declared) if declared is not None else '(shape unknown)'}".replace("'", "")
+                          for name, declared in open_inputs)
+    flags = " ".join(f"--input-shape {name}={','.join(dims)}" for name, dims in filled.items())
+    toml = "input_shapes = {" + ", ".join(f"{name} = [{', '.join(dims)}]" for name, dims in filled.items()) + "}"
+    never_built = [name for name, declared in open_inputs if declared is None]
+    why = (" (the model has no defined inputs: never built, a subclassed model or a Sequential without an Input; "
+           "or call the model once before saving it)" if never_built else "")
+    return (f"{len(open_inputs)} input(s) with open dimensions (None){why}: {described}; give each its shape without "
+            f"the batch, D1, D2, ... replaced by the lengths to tune for: {flags}  (or in autotune.toml: {toml})")
 
 
 def _outputs(model, x_structure, x_specs) -> tuple[Any, list[str], list[tuple]]:
@@ -261,8 +299,17 @@ def _per_output(value, names: list[str], i: int, what: str):
         (None if isinstance(value, (list, tuple)) else value)
 
 
+def trains_itself(model) -> bool:
+    """A model with a ``train_step`` of its own and no compiled loss computes its losses itself (the
+    guide's VAE, compiled with an optimizer only and trained with ``fit(x)``): its step takes x alone."""
+    return getattr(model, "loss", None) is None and type(model).train_step is not keras.Model.train_step
+
+
 def label_specs(model, batch_size: int, x_structure, x_specs, label_shapes=None, label_dtype=None):
-    """(structure, names, specs) of the labels: one per output, its loss's shape and dtype."""
+    """(structure, names, specs) of the labels: one per output, its loss's shape and dtype; none for a
+    model that ``trains_itself`` unless ``label_shapes`` are given."""
+    if label_shapes is None and trains_itself(model):
+        return None, [], []
     structure, names, shapes = _outputs(model, x_structure, x_specs)
     if label_shapes is not None and not isinstance(label_shapes, dict) and len(names) == 1 and label_shapes \
             and not isinstance(label_shapes[0], (list, tuple)):
@@ -285,13 +332,16 @@ def label_specs(model, batch_size: int, x_structure, x_specs, label_shapes=None,
     return structure, names, specs
 
 
-def step_specs(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS) -> StepSpecs:
-    """The specs and structures of ``model``'s step at ``batch_size``, with the shapes ``inputs`` gives."""
+def step_specs(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, sample_weight: bool = False) -> StepSpecs:
+    """The specs and structures of ``model``'s step at ``batch_size``, with the shapes ``inputs`` gives;
+    ``sample_weight``: one weight per sample of the loss too (a model with several outputs takes one
+    weight for all of them, as ``class_weight`` gives)."""
     x_structure, x_names, x_specs = input_specs(model, batch_size, inputs.input_shapes)
     y_structure, y_names, y_specs = label_specs(model, batch_size, x_structure, x_specs, inputs.label_shapes,
                                                 inputs.label_dtype)
+    weight = tf.TensorSpec((batch_size,), tf.float32, name="sample_weight") if sample_weight else None
     return StepSpecs(tuple(x_names), tuple(y_names), tuple(x_specs), tuple(y_specs),
-                      _indexed(x_structure), _indexed(y_structure))
+                     _indexed(x_structure), _indexed(y_structure), weight)
 
 
 def build_if_needed(model, step: StepSpecs) -> None:

@@ -30,9 +30,11 @@ from rewriter.trace.costs import op_flops, op_touched_bytes, static_dims, tensor
 from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
 from rewriter.trace.graph_rewrites import apply_rewrites
 from rewriter.trace.step_inputs import (NO_STEP_INPUTS, CaptureError, StepInputs, StepSpecs, build_if_needed, step_specs,  # noqa: F401
-                                  synthetic_batch)  # CaptureError and synthetic_batch: still importable from here
+                                  synthetic_batch, trains_itself)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.trace import state_kinds
 from rewriter.trace.step_loss import recording_losses
+from rewriter.trace.op_names import canonical, canonical_names
+from rewriter.trace.training_setup import describe_training
 from simulator.graph import BACKWARD, FORWARD, OTHER, UPDATE, OpGraph
 from simulator.planning import FLOAT_DTYPES
 
@@ -65,6 +67,8 @@ class TracedStep:
     optimizer_scope: str | None
     input_names: list[str] = field(default_factory=list)
     inputs: StepSpecs | None = None  # names and structures of a Keras step's inputs and labels
+    # traced op name -> the name the capture and plans use (rewriter.trace.op_names; empty: the traced names)
+    canonical: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- Keras entry point
@@ -76,8 +80,9 @@ def check_compiled(model) -> None:
         raise CaptureError(f"{type(model).__name__} is not a Keras model")
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
         raise CaptureError("the model is not compiled: call model.compile(optimizer=..., loss=...) first")
-    if getattr(model, "loss", None) is None:
-        raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first")
+    if getattr(model, "loss", None) is None and not trains_itself(model):
+        raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first (a model "
+                           "whose own train_step computes its losses needs none)")
 
 
 def _optimizer_scope(optimizer) -> str | None:
@@ -89,19 +94,21 @@ TRACE_HINT = ("the step is traced once into a graph with fixed shapes, without a
               "tensor values, .numpy() and other eager-only code in train_step or call() cannot be captured")
 
 
-def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS) -> TracedStep:
+def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS, *,
+                     sample_weight: bool = False) -> TracedStep:
     """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
-    (``rewriter.trace.step_loss``); inputs and labels by name (``rewriter.trace.step_inputs``)."""
+    (``rewriter.trace.step_loss``); inputs and labels by name, at the shapes ``given`` sets
+    (``rewriter.trace.step_inputs``)."""
     check_compiled(model)
-    inputs = step_specs(model, batch_size, given)
+    inputs = step_specs(model, batch_size, given, sample_weight=sample_weight)
     build_if_needed(model, inputs)
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
 
     def step(x, y):
-        return model.train_step(inputs.pack(x, y))
+        return model.train_step(inputs.train_data(x, y))
 
-    function = tf.function(step, input_signature=[inputs.x_specs, inputs.y_specs], autograph=False)
+    function = tf.function(step, input_signature=[inputs.x_specs, inputs.label_specs], autograph=False)
     with recording_losses(model) as recorded:
         try:
             concrete = function.get_concrete_function()
@@ -116,7 +123,8 @@ def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS)
         raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "
                            "nor took a gradient of a scalar loss (tape.gradient)")
     return TracedStep(concrete, batch_size, underlying(loss).op.name, _optimizer_scope(model.optimizer),
-                      [s.name for s in inputs.x_specs + inputs.y_specs], inputs)
+                      [s.name for s in inputs.x_specs + inputs.label_specs], inputs,
+                      canonical_names(op.name for op in concrete.graph.get_operations()))
 
 
 def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.TensorSpec]], batch_size: int,
@@ -134,7 +142,7 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
     if not isinstance(loss, tf.Tensor):
         raise CaptureError("the step function must return its loss tensor (or a dict with a 'loss' entry)")
     return TracedStep(concrete, batch_size, underlying(loss).op.name, _optimizer_scope(optimizer),
-                      [s.name for s in specs])
+                      [s.name for s in specs], canonical=canonical_names(op.name for op in concrete.graph.get_operations()))
 
 
 def import_step(graph_def, traced: TracedStep, *, keep_input_names: bool = False):
@@ -178,7 +186,7 @@ def rewritten_step(traced: TracedStep, rewrites: Sequence[str]) -> tuple[TracedS
         return traced, changed
     function = import_step(graph_def, traced, keep_input_names=True)
     return TracedStep(function, traced.batch_size, traced.loss_op, traced.optimizer_scope, traced.input_names,
-                      traced.inputs), changed
+                      traced.inputs, traced.canonical), changed
 
 
 # ---------------------------------------------------------------------- phases
@@ -402,7 +410,9 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             "pool_workspace_bytes": int(sum(one["workspace"].values())),
             "xla_scratch_bytes": int(sum(one["xla_scratch"].values())),
             "loop_working_set_bytes": int(sum(one["loop_scratch"].values())),
-            "branch_working_set_bytes": int(sum(one["branch_scratch"].values()))}
+            "branch_working_set_bytes": int(sum(one["branch_scratch"].values())),
+            # each op's name as any copy of the model traces it (rewriter.trace.op_names): plans carry it
+            "canonical_names": {name: canonical(name, first.canonical) for name in names} if first.canonical else {}}
     info.update(meta or {})
     return OpGraph.build(
         op_name=names,
@@ -480,6 +490,7 @@ def capture(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, name
     first = trace_keras_step(model, int(batch_size), inputs)
     second = trace_keras_step(model, _second_batch(int(batch_size)), inputs)
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
+            "training": describe_training(model),
             "variables": state_kinds.describe_variables(first.concrete, model)}
     if inputs.to_dict():  # plans made on the graph are applied at these shapes
         meta["step_inputs"] = inputs.to_dict()

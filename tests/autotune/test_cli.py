@@ -296,7 +296,7 @@ def test_resume_keeps_finished_trials(models, capsys, tmp_path):
     import optuna
 
     out = tmp_path / "out"
-    args = [models / "good", "--batch-size", "64", "--memory", "300KiB", "--device", "cpu-testbed", "--no-measure",
+    args = [models / "good", "--batch-size", "64", "--memory", "16MiB", "--device", "cpu-testbed", "--no-measure",
             "--out", out, "--quiet", "--study-name", "resume-test"]
     first = _run_main(capsys, *args, "--trials", "6")
     second = _run_main(capsys, *args, "--trials", "5")
@@ -316,7 +316,7 @@ def test_a_study_db_in_out_is_resumed(models, capsys, tmp_path):
         return sum(t.state == optuna.trial.TrialState.COMPLETE
                    for t in optuna.load_study(study_name=name, storage=optuna_storage(storage)).trials)
 
-    common = [models / "good", "--batch-size", "64", "--memory", "300KiB", "--device", "cpu-testbed", "--no-measure",
+    common = [models / "good", "--batch-size", "64", "--memory", "16MiB", "--device", "cpu-testbed", "--no-measure",
               "--quiet", "--trials", "4"]
     old = tmp_path / "old"
     old.mkdir()
@@ -348,7 +348,7 @@ def test_a_second_run_keeps_the_first_report(models, capsys, tmp_path):
 def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
     """SIGINT in the middle of a search: exit 130, trials kept, the earlier report untouched."""
     out = tmp_path / "out"
-    common = [sys.executable, "-m", "autotune", str(models / "good"), "--batch-size", "64", "--memory", "300KiB",
+    common = [sys.executable, "-m", "autotune", str(models / "good"), "--batch-size", "64", "--memory", "16MiB",
               "--device", "cpu-testbed", "--no-measure", "--out", str(out), "--study-name", "sigint"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(common + ["--trials", "3", "--quiet"], env=env, capture_output=True, text=True, timeout=300)

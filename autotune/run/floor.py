@@ -1,0 +1,138 @@
+"""A verdict known right after capture: the budget is under what every plan needs.
+
+No swap or recomputation plan goes under the resident state (weights, optimizer state, inputs) plus
+the largest working set one op needs at once (``simulator.buffers.peak_lower_bound_bytes``). When
+the budget is below that floor, the answer is "does not fit" before any calibration, search or
+measured run, with what holds the floor and only the changes that were computed to get under the
+budget: a smaller batch, an optimizer without per-weight state, a graph rewrite (captured with it to
+see its floor), or a larger budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from autotune.inputs import format_bytes
+from autotune.search.space import SearchSpace, TuningProblem
+from autotune.run.target import Target
+from autotune.run.tuning import TuneResult, largest_batch
+from autotune.run.verdict import DOES_NOT_FIT, Verdict
+from simulator import BACKWARD, OpGraph, replay
+from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
+
+BROADCAST_TYPES = ("Tile", "BroadcastTo")
+OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least peak any plan reaches at one batch, and what holds it."""
+
+    batch_size: int
+    floor_bytes: int
+    resident_bytes: int
+    op_name: str
+    op_type: str
+    working_set_bytes: int
+    resident_split: dict[str, int]  # resident bytes by kind (simulator.buffers.resident_split_bytes)
+
+    def resident_parts(self) -> str:
+        """The resident state in words: what it is made of, by kind."""
+        inside = ", ".join(f"{kind}{f' at batch {self.batch_size}' if kind == INPUTS else ''} {format_bytes(size)}"
+                           for kind, size in self.resident_split.items() if size)
+        return format_bytes(self.resident_bytes) + (f" ({inside})" if inside else "")
+
+    def describe(self) -> str:
+        if self.working_set_bytes <= 0:
+            return f"the resident state alone takes {self.resident_parts()}"
+        return (f"{self.op_name} ({self.op_type}) needs its inputs and outputs on the device at once, "
+                f"{format_bytes(self.working_set_bytes)}, beside the resident state of {self.resident_parts()}")
+
+
+def floor_of(g: OpGraph) -> Floor:
+    bound = peak_lower_bound_bytes(g)
+    op = largest_working_set_op(g) if g.n_ops else 0
+    return Floor(batch_size=g.batch_size, floor_bytes=bound, resident_bytes=g.persistent_bytes,
+                 op_name=str(g.op_name[op]) if g.n_ops else "", op_type=str(g.op_type[op]) if g.n_ops else "",
+                 working_set_bytes=bound - g.persistent_bytes, resident_split=resident_split_bytes(g))
+
+
+def rewrites_touching(g: OpGraph, op: int) -> list[str]:
+    """The graph rewrites (not yet made) that change op ``op``: only they can lower a floor it holds.
+    split-concat rewrites a concatenation a convolution reads; elide-broadcasts drops a backward
+    Tile/BroadcastTo, which changes the op itself or the op reading it."""
+    done = set(g.meta.get("graph_rewrites", []))
+    found = []
+    if "split-concat" not in done and g.op_type[op] == "ConcatV2":
+        outputs = np.flatnonzero(g.tensor_producer == op)
+        readers = g.edge_consumer[np.isin(g.edge_tensor, outputs)]
+        if np.isin(g.op_type[readers], ["Conv2D", "Conv3D"]).any():
+            found.append("split-concat")
+    inputs = g.edge_tensor[g.edge_consumer == op]
+    producers = g.tensor_producer[inputs]
+    broadcast = (g.op_type[op] in BROADCAST_TYPES and g.op_phase[op] == BACKWARD) or bool(
+        (np.isin(g.op_type[producers], BROADCAST_TYPES) & (g.op_phase[producers] == BACKWARD)).any())
+    if "elide-broadcasts" not in done and broadcast:
+        found.append("elide-broadcasts")
+    return found
+
+
+def _largest_batch_under(g: OpGraph, budget_bytes: int) -> int:
+    """The largest batch whose floor is within the budget (0: not even batch 1)."""
+    return largest_batch(lambda batch: peak_lower_bound_bytes(g.with_batch(batch)) <= budget_bytes)
+
+
+def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[str, int]) -> list[str]:
+    """What would bring the floor under the budget, each computed; a change that cannot is said to fall short."""
+    ways = []
+    batch = _largest_batch_under(g, budget_bytes)
+    if batch:
+        at = peak_lower_bound_bytes(g.with_batch(batch))
+        ways.append(f"a smaller batch: at batch {batch} or less the floor is {format_bytes(at)} or less, within the "
+                    f"budget (--batch-size {batch}, or --maximize-batch to search the largest batch that fits)")
+    else:
+        ways.append(f"no batch size gets under the budget: at batch 1 the floor is "
+                    f"{format_bytes(peak_lower_bound_bytes(g.with_batch(1)))}")
+    state = floor.resident_split.get(OPTIMIZER_SLOTS, 0)  # per-weight state; an optimizer without it keeps none
+    if not batch and state and peak_lower_bound_bytes(g.with_batch(1)) - state <= budget_bytes:
+        ways.append(f"an optimizer without per-weight state (plain SGD) would leave out its "
+                    f"{format_bytes(state)} of state and bring the floor at batch 1 within the budget")
+    for rewrite, bytes_ in rewrite_floors.items():
+        if bytes_ <= budget_bytes:
+            ways.append(f"--rewrite {rewrite} lowers the floor to {format_bytes(bytes_)}, within the budget")
+        elif bytes_ < floor.floor_bytes:
+            ways.append(f"--rewrite {rewrite} lowers the floor only to {format_bytes(bytes_)}, still over the budget")
+    ways.append(f"a budget of at least {format_bytes(floor.floor_bytes)} at batch {floor.batch_size} "
+                "(--memory, or a device with more memory)")
+    return ways
+
+
+def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recompute: bool = True,
+             recaptured: Callable[[Sequence[str]], OpGraph] | None = None) -> TuneResult | None:
+    """The result "does not fit" when the budget is under ``graph``'s floor at its batch, else None.
+    ``recaptured(rewrites)``: the step captured again with more graph rewrites, to see their floor
+    (asked only for the rewrites that change the op holding the floor)."""
+    device_model, budget = target.device, target.device_budget_bytes
+    floor = floor_of(graph)
+    if floor.floor_bytes <= budget:
+        return None
+    op = largest_working_set_op(graph) if floor.working_set_bytes > 0 else None
+    rewrite_floors = {} if op is None or recaptured is None else {
+        rewrite: peak_lower_bound_bytes(recaptured([rewrite])) for rewrite in rewrites_touching(graph, op)}
+    ways = ways_down(graph, floor, budget, rewrite_floors)
+    headline = (f"Does not fit: no plan can peak under {format_bytes(floor.floor_bytes)} at batch {floor.batch_size}, "
+                f"over the budget of {format_bytes(budget)}: {floor.describe()}.")
+    notes = [f"decided right after capture, with no calibration, search or measured run: {floor.describe()}; "
+             f"no swap or recomputation plan goes under that ({format_bytes(floor.floor_bytes)})",
+             "what would get under the budget: " + "; ".join(ways)]
+    problem = TuningProblem(graph, device_model, budget, space=SearchSpace.for_graph(graph, recompute=recompute))
+    baseline = problem.baseline()
+    return TuneResult(model=str(graph.meta.get("model", "model")), batch_size=graph.batch_size, target=target,
+                      graph=graph, policy=policy, baseline=baseline,
+                      chosen=None, closest=None, evaluations=[baseline], study=None, plan=None, replay=None,
+                      baseline_replay=replay(graph, None, device_model), space=problem.space,
+                      max_batch_without_swap=0, notes=notes, search_budget_bytes=budget,
+                      verdict=Verdict(DOES_NOT_FIT, False, False, None, headline, tuple(ways)))
