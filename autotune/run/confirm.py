@@ -132,8 +132,9 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
                                f"{check.describe()}"))
         correction = next_correction(check, correction, result.graph.with_batch(run.batch_size).persistent_bytes)
         if round_ < rounds:
-            what = (f"the measured run agrees with the prediction, but its peak is "
-                    f"{format_bytes(check.projected_bytes - check.budget_bytes)} over the budget" if check.agrees
+            what = (f"the measured run agrees with the prediction, but its peak, carried to the target's "
+                    f"prediction, is {format_bytes(check.projected_bytes - check.budget_bytes)} over the budget"
+                    if check.agrees
                     else "the measured run is above the prediction")
             say(f"{what}: re-tuning with a correction ({correction.describe()})")
     return replace(result, verdict=not_confirmed(
