@@ -102,6 +102,19 @@ def fusion_neighbourhood(consumer: Op, op_type: Callable[[Op], str], sources: Ca
     return danger
 
 
+def in_fused_chain(op: Op, op_type: Callable[[Op], str], sources: Callable[[Op], Sequence[Op]],
+                   readers: Callable[[Op], Iterable[Op]]) -> bool:
+    """Whether a graph pass might fuse ``op`` with an op it reads or one that reads it (the replay's
+    ``FusionTables.has_danger | endangered``). Grappler's remapper fuses a chain (contraction+bias,
+    Sigmoid+Mul into oneDNN's swish) only when its parts have no control edges, so a wait placed on such
+    an op leaves the chain unfused and the step rounds differently from the plain one: the copy out
+    the testbed makes an op wait for (``rewriter.edit.graph_edit``) is waited for past the chain instead
+    (EfficientNetB0: 16 Conv2D+BiasAdd, 1 MatMul+BiasAdd and 33 swish fusions were lost that way)."""
+    if fusion_neighbourhood(op, op_type, sources, readers):
+        return True
+    return any(op in fusion_neighbourhood(reader, op_type, sources, readers) for reader in readers(op))
+
+
 class _Neighbourhoods:
     """Per-graph index: each op's data sources, readers, inputs and control predecessors, and the
     fusion neighbourhoods already computed (the walk's input for ``fusion_tables``)."""
@@ -136,6 +149,30 @@ class _Neighbourhoods:
 
 def _neighbourhoods(g: OpGraph) -> _Neighbourhoods:
     return g.cached("fusion_neighbourhoods", _Neighbourhoods, structural=True)
+
+
+# (part, tail) fusions whose tail must read the very tensor the part reads: swish is Mul(x, Sigmoid(x))
+SHARED_INPUT_FUSIONS = frozenset({("Sigmoid", "Mul")})
+
+
+def fused_shared_reads(g: OpGraph) -> np.ndarray:
+    """Per data edge of ``g``: a read by a chain tail of a tensor that a part fused into it reads too
+    (swish's Mul reading x beside its Sigmoid). Moved to a swap-in, the two read different tensors and
+    oneDNN's swish is not formed (EfficientNetB0 with a threshold of one level: 33 of 49 swishes lost),
+    so the planner keeps such reads on the device."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        index = _neighbourhoods(graph)
+        shared = np.zeros(len(graph.edge_tensor), bool)
+        tails = {tail for _, tail in SHARED_INPUT_FUSIONS}
+        for edge, (tensor, consumer) in enumerate(zip(graph.edge_tensor.tolist(), graph.edge_consumer.tolist())):
+            kind = index.op_type[consumer]
+            if kind not in tails:
+                continue
+            shared[edge] = any((index.op_type[part], kind) in SHARED_INPUT_FUSIONS
+                               and any(read == tensor for read, _ in index.inputs[part])
+                               for part in index.danger(consumer))
+        return shared
+    return g.cached("fused_shared_reads", compute, structural=True)
 
 
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

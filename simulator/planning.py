@@ -10,6 +10,7 @@ import numpy as np
 
 from simulator import kernels
 from simulator.buffers import buffer_record
+from simulator.fusion import fused_shared_reads
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.kernels.records import PlanningRecord, TriggerRecord
 from simulator.ordering import distance_levels, execution_order, n_levels, position_of, slot_levels_view
@@ -159,10 +160,10 @@ def _edges_by_tensor_slot(g: OpGraph) -> np.ndarray:
 
 
 def _never_far(g: OpGraph, kept_reads: tuple[tuple[str, str], ...]) -> np.ndarray:
-    """Per data edge: a read no rule moves to a swap-in (an update-phase reader, or a (producer type,
-    consumer type) pair of ``kept_reads``)."""
+    """Per data edge: a read no rule moves to a swap-in (an update-phase reader, a (producer type,
+    consumer type) pair of ``kept_reads``, or a read a fused chain shares, ``fusion.fused_shared_reads``)."""
     def compute(graph: OpGraph) -> np.ndarray:
-        never = graph.op_phase[graph.edge_consumer] == UPDATE
+        never = (graph.op_phase[graph.edge_consumer] == UPDATE) | fused_shared_reads(graph)
         for producer_type, consumer_type in kept_reads:
             never |= ((graph.op_type[graph.tensor_producer[graph.edge_tensor]] == producer_type)
                       & (graph.op_type[graph.edge_consumer] == consumer_type))

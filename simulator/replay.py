@@ -312,9 +312,11 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
 
 
 def _waited_copies_out(plan: SwapPlan, device: DeviceModel) -> np.ndarray:
-    """Per swap, whether the step waits for its copy out: the plan's synchronous ones, or every one on a
-    device whose op after the producer waits for the copy (``DeviceModel.copies_out_wait``)."""
-    return np.ones_like(plan.sync_out) if device.copies_out_wait else plan.sync_out
+    """Per swap, whether the step waits for its copy out: 1 for the plan's synchronous ones, 2 for every
+    other one on a device whose op after the producer waits for the copy (``DeviceModel.copies_out_wait``:
+    that wait lands past a fused chain, ``simulator.fusion.in_fused_chain``), 0 for none."""
+    waited = plan.sync_out.astype(np.int8)
+    return np.where(waited > 0, waited, np.int8(2)) if device.copies_out_wait else waited
 
 
 def _filled_replay(**fields) -> Replay:

@@ -30,3 +30,10 @@ def unit_device(bandwidth_bytes_per_s: float = 100.0, latency_s: float = 0.0):
 @pytest.fixture
 def unit():
     return unit_device()
+
+
+@pytest.fixture(autouse=True)
+def _calibration_cache(tmp_path, monkeypatch):
+    """Each test its own calibration cache (autotune.calibration_cache): none reuses another's, and the
+    user's ~/.cache is never touched."""
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "autotune-cache"))

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "runs on them where they model the device searched for (a visible GPU, or --device "
                           "cpu-testbed without one), and they predict the measured run's step time (default: on "
                           "whenever the run is measured)")
+    run.add_argument("--recalibrate", action="store_true",
+                     help="measure the step times again instead of reusing the calibration an earlier run of the same "
+                          "model made on this machine (kept in $AUTOTUNE_CACHE_DIR, else ~/.cache/autotune)")
     run.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
                      help="shape of an input without the batch, where the model leaves dimensions open or has no "
                           "defined inputs (a subclassed model never built: NAME is its call()'s first argument, "
@@ -198,7 +201,8 @@ def _settings(args: argparse.Namespace):
         "label_shapes": config.label_shapes,
         "label_dtype": config.label_dtype,
         "out": Path(args.out or "autotune-out"),
-        "measurement": MeasureOptions(measure=not args.no_measure, calibrate=args.calibrate),
+        "measurement": MeasureOptions(measure=not args.no_measure, calibrate=args.calibrate,
+                                      recalibrate=args.recalibrate),
     }
 
 
@@ -262,24 +266,28 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     measurement = settings["measurement"]
     _say(quiet, f"loading {settings['model_file']} ...")
     from autotune.cli.imports import load_user_model, model_notes
+    from autotune.run.stage_times import StageClock
     from autotune.run.target import resolve_target
-    from rewriter.placement.placements import configure_testbed  # imports TensorFlow; its runtime starts later
 
-    # resolved once, here (TensorFlow imported: a visible GPU is seen), and handed down to the search, the
-    # measured run, the verdict and the report
-    target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
-                            device_from=settings["device_from"])
-    if measurement.measure or measurement.calibrates:
-        # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
-        # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
-        configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
-    load_notes: list[str] = []
-    model = load_user_model(settings, load_notes)  # the user's --import modules first
-    from simulator.warmup import warm_up
+    clock = StageClock(started)
+    with clock.stage("load"):
+        from rewriter.placement.placements import configure_testbed  # imports TensorFlow; its runtime starts later
 
-    with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
-                              "minute on 2 cores) ..."):
-        warm_up()
+        # resolved once, here (TensorFlow imported: a visible GPU is seen), and handed down to the search, the
+        # measured run, the verdict and the report
+        target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
+                                device_from=settings["device_from"])
+        if measurement.measure or measurement.calibrates:
+            # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
+            # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
+            configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
+        load_notes: list[str] = []
+        model = load_user_model(settings, load_notes)  # the user's --import modules first
+        from simulator.warmup import warm_up
+
+        with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
+                                  "minute on 2 cores) ..."):
+            warm_up()
     from autotune.run.confirm import tune
     from rewriter.trace.tracing import CaptureError
     from rewriter.trace.step_inputs import StepInputs
@@ -288,7 +296,8 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     try:
         result = tune(model, batch_size=settings["batch_size"], target=target, inputs=inputs,
                       graph_rewrites=settings["graph_rewrites"], search=search, measurement=measurement,
-                      name=getattr(model, "name", None) or settings["model_file"].stem, say=lambda text: _say(quiet, text))
+                      name=getattr(model, "name", None) or settings["model_file"].stem, say=lambda text: _say(quiet, text),
+                      clock=clock)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
     result = replace(result, notes=[*result.notes, *load_notes, *model_notes(model)])
@@ -296,7 +305,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     from autotune.report.writer import write_report
 
     try:
-        files = write_report(result, out)
+        files = write_report(result, out, clock)
     except OSError as error:  # the study keeps the trials: the same command writes the report again
         raise InputError(f"cannot write the report into {out}: {error.strerror or error} (the trials are kept "
                          f"in the study; run the same command again once it is writable)") from None

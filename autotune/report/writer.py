@@ -22,6 +22,7 @@ from autotune.report import plots
 from autotune.run.calibrated_timing import PRESET_TIME_ERROR, time_model_note
 from autotune.run.floor import floor_of
 from autotune.inputs import format_bytes
+from autotune.run.stage_times import StageClock, StageTimes
 from autotune.run.training import training_phrase
 
 RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
@@ -79,7 +80,7 @@ def param_text(name: str, value) -> str:
     return str(value)
 
 
-def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
+def _sections(result, images: dict[str, Path], plan_file: str, stage_times: StageTimes | None = None) -> list[Section]:
     summary = result.summary()
     shown = result.shown
     sections = []
@@ -218,6 +219,8 @@ def _sections(result, images: dict[str, Path], plan_file: str) -> list[Section]:
                                     f"step = rewriter.apply(model, '{plan_file}', batch_size={result.batch_size})\n"
                                     "rewriter.use_swap_step(model, step)  # model.fit(...) now runs the swapping step\n"
                                     "# or, in a custom loop: loss = step(x, y)")))
+    if stage_times is not None:
+        sections.append(Section("Run time", [f"This run took {stage_times.describe()} (summary.json: stage_seconds)."]))
     return sections
 
 
@@ -304,26 +307,33 @@ def _keep_previous(out_dir: Path) -> Path | None:
     return target
 
 
-def write_report(result, out_dir: str | Path) -> dict[str, Path]:
+def write_report(result, out_dir: str | Path, clock: StageClock | None = None) -> dict[str, Path]:
     """Write every output file of ``result`` into ``out_dir``; returns them by name (and under
-    ``"previous"`` where an earlier run's report was moved, if one was)."""
+    ``"previous"`` where an earlier run's report was moved, if one was). ``clock``: the run's stage
+    clock; its times, the plots and tables counted as the report stage, go into summary.json
+    (``stage_seconds``) and the report."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".partial-", dir=out_dir))
+    clock = clock or StageClock()
     try:
-        images = plots.draw_all(result, scratch)
-        files: dict[str, Path] = dict(images)
-        plan_file = "plan.json" if result.feasible else "closest_plan.json"
-        named = result.named_plan()
-        if named is not None and (named.changes_step or result.applies_plan):
-            (scratch / plan_file).write_text(named.to_json())
-            files[plan_file] = scratch / plan_file
-        pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)
-        files["trials.csv"] = scratch / "trials.csv"
-        (scratch / "summary.json").write_text(json.dumps(result.summary(), indent=1, default=str))
+        with clock.stage("report"):
+            images = plots.draw_all(result, scratch)
+            files: dict[str, Path] = dict(images)
+            plan_file = "plan.json" if result.feasible else "closest_plan.json"
+            named = result.named_plan()
+            if named is not None and (named.changes_step or result.applies_plan):
+                (scratch / plan_file).write_text(named.to_json())
+                files[plan_file] = scratch / plan_file
+            pd.DataFrame([e.row() for e in result.evaluations]).to_csv(scratch / "trials.csv", index=False)
+            files["trials.csv"] = scratch / "trials.csv"
+            summary = result.summary()
+        stage_times = clock.times()
+        (scratch / "summary.json").write_text(json.dumps({**summary, "stage_seconds": stage_times.to_dict()},
+                                                         indent=1, default=str))
         files["summary.json"] = scratch / "summary.json"
         title = f"Swap tuning report: {result.model}, batch {result.batch_size}"
-        sections = _sections(result, images, plan_file)
+        sections = _sections(result, images, plan_file, stage_times)
         (scratch / "report.md").write_text(_markdown(title, sections))
         (scratch / "report.html").write_text(_html(title, sections, scratch))
         files["report.md"], files["report.html"] = scratch / "report.md", scratch / "report.html"

@@ -18,6 +18,8 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from autotune.inputs import InputError
+from autotune.run import calibration_cache
+from autotune.run.calibration_cache import MachineKey, calibration_key
 from autotune.run.plan_run import testbed_batch_for
 from autotune.run.target import Target, resolve_device
 from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, replay
@@ -66,19 +68,34 @@ def get_simulated(placement) -> DeviceModel:
 
 
 def calibrate_for(model, graph: OpGraph, batch_size: int, inputs: StepInputs, *,
-                  say: Callable[[str], None] = log.info) -> CalibratedDevice:
-    """Calibrate ``model``'s step (captured as ``graph`` with ``inputs``) on this machine's placement."""
+                  say: Callable[[str], None] = log.info, recalibrate: bool = False) -> CalibratedDevice:
+    """Calibrate ``model``'s step (captured as ``graph`` with ``inputs``) on this machine's placement, or reuse
+    the calibration an earlier run of the same graph made here (``autotune.run.calibration_cache``; not when
+    ``recalibrate``, which replaces it)."""
     import rewriter
+    import tensorflow as tf
+    from rewriter.placement.placements import gpu_memory
 
     placement = rewriter.detect(configure=False)
     batches = calibration_batches(graph, batch_size, placement)
-    say(f"calibrating step times on {placement.describe()} at batch sizes {batches[0]} and {batches[1]} ...")
-    try:
-        calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement, inputs=inputs,
-                                        name=graph.meta.get("model"), graph_rewrites=graph.meta.get("graph_rewrites", ()))
-        calibrated.check_graph(graph)
-    except CalibrationError as error:
-        raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's estimates)") from None
+    gpu = gpu_memory() if placement.measured_on == "gpu" else None
+    machine = MachineKey.of(placement, None if gpu is None else gpu[0], tf.__version__)
+    key = calibration_key(graph, batches, str(placement.simulator_device), machine)
+    calibrated = None if recalibrate else calibration_cache.load(key, graph)
+    if calibrated is not None:
+        say(f"step times calibrated on this machine by an earlier run of this model ({calibration_cache.cache_dir()}; "
+            "--recalibrate measures them again)")
+    else:
+        say(f"calibrating step times on {placement.describe()} at batch sizes {batches[0]} and {batches[1]} ...")
+        try:
+            calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement, inputs=inputs,
+                                            name=graph.meta.get("model"),
+                                            graph_rewrites=graph.meta.get("graph_rewrites", ()))
+            calibrated.check_graph(graph)
+        except CalibrationError as error:
+            raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's "
+                             "estimates)") from None
+        calibration_cache.store(key, calibrated, machine)
     say(calibrated.describe())
     note = extrapolation_note(batches, batch_size)
     if note:

@@ -20,6 +20,7 @@ from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import measure_result, planned_run
 from autotune.run.options import MeasureOptions, SearchOptions
+from autotune.run.stage_times import StageClock
 from autotune.run.target import Target, resolve_target
 from autotune.run.tuning import MeasuredRun, TuneResult, search_graph
 from autotune.run.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
@@ -77,15 +78,18 @@ def _study_name(search: SearchOptions, round_: int, swap_only: bool) -> str | No
 
 def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int | None = None,
             search: SearchOptions = SearchOptions(), rounds: int = MAX_ROUNDS,
-            calibration: CalibratedDevice | None = None, say: Callable[[str], None] = log.info) -> TuneResult:
+            calibration: CalibratedDevice | None = None, clock: StageClock | None = None,
+            say: Callable[[str], None] = log.info) -> TuneResult:
     """Search plans for ``graph`` (captured from ``model`` with ``inputs``) on ``target``, measure the
     winner, and repeat with a correction from the measurement until one is confirmed, ``rounds`` measured
     runs are spent, or another round cannot change the answer (the verdict says which).
     ``calibration``: step times measured on this machine (``autotune.run.calibrated_timing``): the search runs
-    on it where it models the target's device, and it predicts the measured run's step time."""
+    on it where it models the target's device, and it predicts the measured run's step time; ``clock`` times
+    the stages (``autotune.run.stage_times``)."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     target = search_target(target, calibration)
+    clock = clock or StageClock()
     correction = PeakCorrection()
     checks: list[Check] = []
     measured: dict[str, tuple[int, MeasuredRun]] = {}  # plan identity -> (round, run): a plan is measured once
@@ -94,7 +98,9 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
     result = None
     for round_ in range(1, rounds + 1):
         options = replace(search, study_name=_study_name(search, round_, swap_only))
-        searched = search_graph(graph, target, options, batch_size=batch_size, correction=correction, measured=True)
+        with clock.stage("search"):
+            searched = search_graph(graph, target, options, batch_size=batch_size, correction=correction,
+                                    measured=True)
         result = replace(searched, calibration=calibration, notes=[*searched.notes, *notes])
         if result.plan is None:  # not even a closest plan (e.g. the resident memory alone is over the budget)
             return replace(result, verdict=result.verdict.with_checks(checks, [c.describe() for c in checks]))
@@ -102,7 +108,7 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
         earlier = measured.get(planned.key)
         if earlier is None:
             try:
-                measured[planned.key] = (round_, measure_result(model, result, inputs, planned))
+                measured[planned.key] = (round_, measure_result(model, result, inputs, planned, clock=clock))
             except Exception as error:  # never a success without a measurement; the report says what failed
                 log.debug("measured run failed", exc_info=True)
                 first = str(error).splitlines()[0][:300] if str(error) else ""
@@ -145,7 +151,7 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
          maximize_batch: bool | None = None, measure: bool | None = None, target: Target | None = None,
          inputs: StepInputs | None = None, graph_rewrites=(), search: SearchOptions | None = None,
          measurement: MeasureOptions | None = None, name: str | None = None,
-         say: Callable[[str], None] = log.info) -> TuneResult:
+         say: Callable[[str], None] = log.info, clock: StageClock | None = None) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner until a
     measured run confirms it (``result.verdict``). ``python -m autotune`` comes through here.
 
@@ -156,8 +162,10 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     ``inputs``: ``rewriter.StepInputs(input_shapes=...)`` where the model leaves dimensions open.
     ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
     ``search``: every other search setting (``SearchOptions``: policy, sampler, seed, storage, ...);
-    ``measurement``: ``MeasureOptions`` (calibrate, rounds); the common keywords override both.
-    ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes.
+    ``measurement``: ``MeasureOptions`` (calibrate, recalibrate, rounds); the common keywords override both. A
+    calibration is reused from an earlier run of the same graph on this machine unless ``recalibrate``.
+    ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes;
+    ``clock``: times the run's stages (``autotune.run.stage_times``).
     A model that cannot be captured raises ``CaptureError`` before anything is searched.
     """
     from rewriter.trace.tracing import capture  # TensorFlow only when a model is tuned
@@ -175,8 +183,11 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         if not search.maximize_batch:
             raise ValueError("batch_size is required unless maximize_batch=True")
         batch_size = 1  # only where the capture starts: sizes are linear in the batch
+    clock = clock or StageClock()
     say(f"capturing the training step at batch {batch_size} ...")
-    graph = capture(model, batch_size, inputs, name=name or getattr(model, "name", None), graph_rewrites=graph_rewrites)
+    with clock.stage("capture"):
+        graph = capture(model, batch_size, inputs, name=name or getattr(model, "name", None),
+                        graph_rewrites=graph_rewrites)
     say(f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
@@ -186,13 +197,16 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
                                                      graph_rewrites=[*graph_rewrites, *more]))
     if known is not None:  # under the floor: no calibration, search or measured run can change the answer
         return known
-    calibration = calibrate_for(model, graph, batch_size, inputs, say=say) if measurement.calibrates else None
+    with clock.stage("calibration"):
+        calibration = calibrate_for(model, graph, batch_size, inputs, say=say, recalibrate=measurement.recalibrate) \
+            if measurement.calibrates else None
     if not measurement.measure:
-        searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
+        with clock.stage("search"):
+            searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
         result = replace(searched, calibration=calibration)
     else:
         say("searching, then measuring the chosen plan on the real training step ...")
         result = confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
-                         calibration=calibration, say=lambda text: say(f"measured: {text}"))
+                         calibration=calibration, clock=clock, say=lambda text: say(f"measured: {text}"))
     weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) if result.applies_plan else None
     return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time

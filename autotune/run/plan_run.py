@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autotune.inputs import format_bytes
+from autotune.run.stage_times import StageClock
 from autotune.run.tuning import MeasuredRun, TuneResult
 from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
 from simulator.replay import Replay
@@ -52,16 +53,19 @@ class PlanRun:
 
 def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, batch: tuple[Any, Any], *,
              placement=None, verify: bool = True, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1,
-             inputs: StepInputs | None = None) -> PlanRun:
+             inputs: StepInputs | None = None, clock: StageClock | None = None) -> PlanRun:
     """Predict ``plan`` on ``device`` (``graph`` at the batch it runs), apply it to ``model``'s step at
     that batch (``rewriter.apply``; ``inputs``: the shapes the step was captured with) and measure
     it on ``batch`` = (x, y): ``warmup`` steps, then ``repeats`` timed ones, then ``peak_repeats - 1``
-    more profiled steps (a measured peak moves by a few % from step to step)."""
+    more profiled steps (a measured peak moves by a few % from step to step). ``clock``: the apply is
+    timed as its own stage."""
     import rewriter  # TensorFlow only when a plan is measured
 
     predicted = replay(graph, plan, device)
-    step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement, verify=verify,
-                          verify_with=batch if verify else None, **({} if inputs is None else {"inputs": inputs}))
+    with (clock or StageClock()).stage("apply"):
+        step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement,
+                              verify=verify, verify_with=batch if verify else None,
+                              **({} if inputs is None else {"inputs": inputs}))
     return PlanRun(plan, predicted, step, _readings(step, *batch, warmup=warmup, repeats=repeats,
                                                     peak_repeats=peak_repeats))
 
@@ -179,13 +183,21 @@ def planned_run(result: TuneResult) -> PlannedRun:
     return PlannedRun(placement, batch, device, graph, plan_graph, plan, note)
 
 
-def measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun | None = None) -> MeasuredRun:
+def measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun | None = None, *,
+                   clock: StageClock | None = None) -> MeasuredRun:
     """Apply the chosen plan to ``model``'s real step (captured with ``inputs``), run it, and measure
-    peak memory and time (``planned``: what ``planned_run(result)`` gives, when already known)."""
+    peak memory and time (``planned``: what ``planned_run(result)`` gives, when already known; ``clock``:
+    timed as the measured-run stage, its applies as their own)."""
+    clock = clock or StageClock()
+    with clock.stage("measured_run"):
+        return _measure_result(model, result, inputs, planned or planned_run(result), clock)
+
+
+def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun,
+                    clock: StageClock) -> MeasuredRun:
     import rewriter  # TensorFlow only when a plan is measured
     from rewriter.trace.step_inputs import synthetic_batch
 
-    planned = planned or planned_run(result)
     placement, batch, device, graph, plan, note = (planned.placement, planned.batch, planned.device, planned.graph,
                                                    planned.plan, planned.note)
     on_gpu = planned.on_gpu
@@ -194,7 +206,7 @@ def measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plann
     predicted_base = replay(graph, None, device)
     data = synthetic_batch(model, batch, inputs)  # as captured
     run_graph = graph if params is None else plan_graph
-    run = run_plan(model, run_graph, plan, device, data, placement=placement, inputs=inputs)
+    run = run_plan(model, run_graph, plan, device, data, placement=placement, inputs=inputs, clock=clock)
     measured, predicted = run.measured, run.predicted
     step_s = float("nan") if measured is None else measured.step_s
     predicted_step_s, anchored_to = predicted.step_s, None
@@ -206,7 +218,7 @@ def measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plann
     if result.has_actions:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
-                                inputs=inputs).measured
+                                inputs=inputs, clock=clock).measured
     else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
         readings = _readings(rewriter.KerasStep(model), *data)
         plain = readings[0] if readings else None

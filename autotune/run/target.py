@@ -96,7 +96,7 @@ def resolve_target(device: str | DeviceModel | None = None, memory: int | None =
             raise InputError(f"the visible GPU {name} has no preset and its memory could not be read (nvidia-smi): "
                              "give the budget with --memory (and timings with --device)")
         preset, host = _with_host_budget(get_device(known or DEFAULT_DEVICE), gpu)
-        timings = f"timings from the {preset.name} preset" + ("" if known else f": no preset for it")
+        timings = f"timings from the {preset.name} preset" + ("" if known else ": no preset for it")
         return Target(preset, int(limit), f"the visible GPU {name} ({format_bytes(limit)} available to TensorFlow)",
                       host, timings)
     preset = get_device(DEFAULT_DEVICE)

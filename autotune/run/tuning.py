@@ -7,6 +7,7 @@ plan to the real training step and measures it until a measured run confirms it 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ from autotune.inputs import InputError, format_bytes
 from autotune.run.options import SearchOptions
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
+from autotune.search.study_copy import in_memory
 from autotune.run.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, actions_phrase, predicted
 from autotune.run.target import DEFAULT_DEVICE, Target, resolve_device, resolve_target  # noqa: F401 -- DEFAULT_DEVICE, resolve_device: re-exported
 from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, replay
@@ -468,12 +470,14 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
         outcome_evaluations, chosen = [baseline], baseline
     else:
         chosen_policy = make_policy(policy, sampler=sampler, seed=seed)
-        outcome = chosen_policy.search(problem, study, Budget(options.trials, options.timeout_s, options.progress))
-        outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
-        best = best_of([e for e in (chosen, *found) if e is not None])
-        if best is not chosen:  # a short search may miss what the batch search found: it counts, and enters the study
-            add_evaluation(study, best, problem)
-            outcome_evaluations, chosen = outcome_evaluations + [best], best
+        with in_memory(study) if options.storage is not None else contextlib.nullcontext(study) as searched:
+            outcome = chosen_policy.search(problem, searched, Budget(options.trials, options.timeout_s,
+                                                                     options.progress))
+            outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
+            best = best_of([e for e in (chosen, *found) if e is not None])
+            if best is not chosen:  # a short search may miss what the batch search found: it counts, and enters the study
+                add_evaluation(searched, best, problem)
+                outcome_evaluations, chosen = outcome_evaluations + [best], best
         if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
             notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
                          f"over the {max_overhead:.0%} asked for")

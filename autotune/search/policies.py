@@ -16,9 +16,11 @@ import logging
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
+import numpy as np
 import optuna
 from tqdm import tqdm
 
@@ -26,18 +28,33 @@ from autotune.inputs import format_bytes
 from autotune.search.off_grid import refine_off_grid
 from autotune.search.space import (Evaluation, TuningProblem, add_evaluation, best_of, closest_of, evaluation_from_trial,
                              record_trial_attrs)
+from autotune.search.study_copy import optimize_windowed
 from simulator import SwapParams, n_levels
 from simulator.params import SYNC_IN_MODES, SYNC_MODES
 
 log = logging.getLogger(__name__)
 
+
+def _tpe(seed: int | None) -> optuna.samplers.TPESampler:
+    """Multivariate TPE over groups of parameters: the space is conditional (recompute settings only with
+    recomputation) and off-grid trials have no grid parameters, so without ``group`` TPE fell back to
+    sampling each parameter alone, 11 estimators a trial (ResNet-50 b256 with recomputation: 9.5 trials/s
+    without, 22 with, the same plan; benchmarks/results/search_speed.md). ``group`` is experimental in Optuna."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=16)
+
+
 # The budget reaches constraint-aware samplers through Trial.set_constraint (search.record_trial_attrs).
 SAMPLERS: dict[str, Callable[[int | None], optuna.samplers.BaseSampler]] = {
-    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=16),
+    "tpe": _tpe,
     "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
     "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed),
     "qmc": lambda seed: optuna.samplers.QMCSampler(seed=seed, scramble=True),
 }
+# samplers whose cost per trial grows with the trials they see: they see a bounded window of them (TPE
+# at 460 trials took 16 ms a trial, more than the simulation, benchmarks/results/search_speed.md)
+WINDOWED = ("tpe",)
 
 
 @dataclass
@@ -109,17 +126,24 @@ class OptunaPolicy:
 
         left = [budget.trials]  # None: until the timeout
         deadline = None if budget.timeout_s is None else time.monotonic() + budget.timeout_s
+        window_rng = np.random.default_rng(self.seed)
 
-        def run(n: int | None, *enqueue: dict) -> bool:
-            """Evaluate the enqueued choices, then up to n - len(enqueue) sampled ones; False when out of budget."""
+        def run(n: int | None, *enqueue: dict, windowed: bool = False) -> bool:
+            """Evaluate the enqueued choices, then up to n - len(enqueue) sampled ones; False when out of budget.
+            ``windowed``: the sampler sees a bounded window of the trials (``study_copy.optimize_windowed``)."""
             if left[0] is not None:
                 n = min(n if n is not None else left[0], left[0])
             if n is not None and n <= 0 or deadline is not None and time.monotonic() >= deadline:
                 return False
             _enqueue_new(study, enqueue)
             before = _complete(study)
-            study.optimize(objective, n_trials=n, timeout=None if deadline is None else deadline - time.monotonic(),
-                           callbacks=[callback, stop], gc_after_trial=False)
+            timeout_s = None if deadline is None else deadline - time.monotonic()
+            if windowed and not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+                optimize_windowed(study, objective, n_trials=n, timeout_s=timeout_s, callbacks=[callback, stop],
+                                  stopped=lambda: bool(stop.requested), rng=window_rng)
+            else:
+                study.optimize(objective, n_trials=n, timeout=timeout_s, callbacks=[callback, stop],
+                               gc_after_trial=False)
             if left[0] is not None:
                 left[0] -= _complete(study) - before
             return True
@@ -128,7 +152,8 @@ class OptunaPolicy:
             """The sampler until ``keep`` trials are left: repeated points are pruned and not
             counted, so it is topped up (a few rounds at most)."""
             for _ in range(8):
-                if left[0] is not None and left[0] <= keep or not run(None if left[0] is None else left[0] - keep):
+                if left[0] is not None and left[0] <= keep or not run(None if left[0] is None else left[0] - keep,
+                                                                      windowed=self.sampler_name in WINDOWED):
                     break
 
         # the off-grid refinement's share: a new search has it on top of its trials, as taking it from

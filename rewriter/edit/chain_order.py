@@ -83,15 +83,31 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
     return result
 
 
+def _siblings(editor: Any, first: str, second: str) -> bool:
+    """Whether oneDNN's layout pass may merge ``first`` and ``second`` into one node: a filter gradient and
+    the bias gradient reading the same gradient."""
+    return fused_as_siblings(editor.nodes[first].op, editor.nodes[second].op) and bool(
+        set(editor.sources(first, raw=False)) & set(editor.sources(second, raw=False)))
+
+
 def chain_in_order(editor: Any, order: list[str], foldable: frozenset[str]) -> None:
     """Run the step in the order the simulator assumed: each op waits for the one before it and, past
-    ops Grappler may remove (taking their control edges along), for every op back to one it keeps."""
+    ops Grappler may remove (taking their control edges along), for every op back to one it keeps.
+
+    Sibling partners next to each other (``partners_adjacent``) wait for the same ops instead, and the op
+    after them for both: oneDNN's layout pass merges a filter gradient with its bias gradient only when
+    their control inputs are equal, and left unmerged the step rounds otherwise than Keras' own."""
     since_kept: list[str] = []
+    waits: dict[str, list[str]] = {}  # op -> the ops the chain made it wait for
+    paired = False
     for before, after in zip(order, order[1:]):
-        if not may_vanish(editor.nodes[before], editor.nodes, foldable):
+        if not paired and not may_vanish(editor.nodes[before], editor.nodes, foldable):
             since_kept.clear()
         since_kept.append(before)
+        paired = _siblings(editor, before, after)
         node = editor.nodes[after]
-        for source in since_kept:
+        waits[after] = []
+        for source in (waits.get(before, []) if paired else since_kept):
             if f"^{source}" not in node.input and source not in {parse_ref(ref)[0] for ref in node.input}:
                 node.input.append(f"^{source}")
+                waits[after].append(source)

@@ -41,7 +41,7 @@ from rewriter.edit.chain_order import chain_in_order, partners_adjacent
 from rewriter.edit.graph_refs import Ancestry, parse_ref, tensor_ref
 from rewriter.tf_effects.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement.placements import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
-from simulator.fusion import fusion_neighbourhood
+from simulator.fusion import fusion_neighbourhood, in_fused_chain
 from simulator.plan import NamedPlan, NamedSwap, PlanError, missing_names_error, not_read_error
 
 log = logging.getLogger(__name__)
@@ -186,16 +186,21 @@ class GraphEditor:
         """Ops a graph pass might fuse with one of ``consumers`` (``simulator.fusion``, the same walk
         as the replay's)."""
         readers = self.readers_index()
-
-        def op_type(name: str) -> str:
-            node = self.nodes.get(name)
-            return "" if node is None else node.op
-
         danger: set[str] = set()
         for consumer in consumers:
             if consumer in self.nodes:
-                danger |= fusion_neighbourhood(consumer, op_type, self.sources, lambda name: readers.get(name, ()))
+                danger |= fusion_neighbourhood(consumer, self._op_type, self.sources,
+                                               lambda name: readers.get(name, ()))
         return danger
+
+    def in_fused_chain(self, name: str) -> bool:
+        """Whether a graph pass might fuse ``name`` with a neighbour (``simulator.fusion.in_fused_chain``)."""
+        readers = self.readers_index()
+        return in_fused_chain(name, self._op_type, self.sources, lambda op: readers.get(op, ()))
+
+    def _op_type(self, name: str) -> str:
+        node = self.nodes.get(name)
+        return "" if node is None else node.op
 
     def safe_controls(self, controls: list[str], consumers: Iterable[str]) -> list[str]:
         """Replace control sources that could be fused with a consumer by their own inputs' producers
@@ -494,15 +499,20 @@ def _add_swap(editor: GraphEditor, record: NamedSwap, placement: Placement, *, s
 
 
 def _next_kept(editor: GraphEditor, name: str, next_in_order: dict[str, str]) -> str:
-    """The first op after ``name`` in the chained order that Grappler keeps ("" at the end).
+    """The first op after ``name`` in the chained order that Grappler keeps and that is no part of a
+    fused chain ("" at the end).
 
     Where copies wait for the compute threads, TF's executor queues a copy out behind the ops it runs
     inline, one after the other in the chained order: measured on the testbed, a copy out ran right
     after its producer in some steps and hundreds of ops later, just before its swap-in, in others,
     its buffer held all that while (the every_model multi-output model: 96.1 or 112.1 KiB against
-    103.8 predicted). Waited for by that op, it runs where the simulator starts it."""
+    103.8 predicted). Waited for by that op, it runs where the simulator starts it. A control edge on
+    an op of a chain Grappler's remapper would fuse (a Conv2D and its BiasAdd, swish's Sigmoid and
+    Mul) keeps the chain unfused, and the step then rounds otherwise than Keras' own: the wait goes
+    past the chain (``simulator.fusion.in_fused_chain``; the replay places it there too)."""
     following = next_in_order.get(name)
-    while following and may_vanish(editor.nodes[following], editor.nodes, editor.foldable):
+    while following and (may_vanish(editor.nodes[following], editor.nodes, editor.foldable)
+                         or editor.in_fused_chain(following)):
         following = next_in_order.get(following)
     return following or ""
 

@@ -126,7 +126,7 @@ class PassTimes:
 
 def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1, min_pass_s: float = 0.05,
                  min_passes: int = 6, max_passes: int = 40, tolerance: float = 0.05, min_total_s: float = 0.0,
-                 between: Callable[[], None] | None = None) -> PassTimes:
+                 max_total_s: float | None = None, between: Callable[[], None] | None = None) -> PassTimes:
     """Time every callable of ``calls`` (key -> call of one step; warmed up) in interleaved passes,
     each running every key for ``steps_per_pass`` steps or ``min_pass_s`` seconds, whichever is more.
 
@@ -134,8 +134,8 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
     a step down, and not every step alike (a larger working set suffers more): a key's time is the
     median of its pass medians within ``tolerance`` of its fastest (its undisturbed time), and passes
     go on until every key has ``min_passes`` of them and ``min_total_s`` have passed, ``max_passes``
-    at most (``consistent`` is False when that was not enough: each key's ``min_passes`` fastest
-    passes are then used). ``between`` runs after each pass (e.g. restoring weights)."""
+    at most, none starting after ``max_total_s`` (``consistent`` is False when that was not enough: each
+    key's ``min_passes`` fastest passes, or all it has, are then used). ``between`` runs after each pass."""
     if steps_per_pass < 1 or min_passes < 1 or max_passes < min_passes:
         raise ValueError("steps_per_pass and min_passes must be >= 1, max_passes >= min_passes")
     steps: dict[Any, list[list[float]]] = {key: [] for key in calls}
@@ -156,8 +156,9 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
                 count[key] = max(steps_per_pass, int(np.ceil(min_pass_s / max(min(times), 1e-6))))
         if between is not None:
             between()
-        if (min(sum(ok) for ok in _accepted(steps, tolerance).values()) >= min_passes
-                and time.perf_counter() - started >= min_total_s):
+        elapsed_s = time.perf_counter() - started
+        if (min(sum(ok) for ok in _accepted(steps, tolerance).values()) >= min_passes and elapsed_s >= min_total_s
+                or max_total_s is not None and elapsed_s >= max_total_s):
             break
     times = pass_times(steps, tolerance=tolerance, min_passes=min_passes, cpu=cpu)
     if not times.consistent:
@@ -448,8 +449,8 @@ def _first_line(error: BaseException) -> str:
 def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement | str | None = None, *,
               preset: DeviceModel | str | None = None, inputs: StepInputs = NO_STEP_INPUTS,
               name: str | None = None, graph_rewrites: Sequence[str] = (), steps_per_pass: int = 1, min_passes: int = 6,
-              max_passes: int = 40, tolerance: float = 0.05, min_timing_s: float = 8.0, profiled_steps: int = 3,
-              profile_sessions: int = 2, contention: bool = True) -> CalibratedDevice:
+              max_passes: int = 40, tolerance: float = 0.05, min_timing_s: float = 8.0, max_timing_s: float | None = 20.0,
+              profiled_steps: int = 3, profile_sessions: int = 2, contention: bool = True) -> CalibratedDevice:
     """Measure ``model``'s step on this machine and return a ``CalibratedDevice`` for its graphs.
 
     ``model``: a compiled Keras model (as for ``rewriter.trace.tracing``). ``batch_sizes``: at least two
@@ -458,9 +459,9 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     ``preset``: the device model whose memory figures and roofline the result keeps (default: the
     placement's, ``cpu-testbed`` on the testbed). ``inputs`` ... ``graph_rewrites``: as for
     ``rewriter.trace.tracing`` (capture the graphs to simulate with the same ones: the result refuses graphs
-    of other shapes or structure as another model's). The model's
-    variables are restored afterwards. Raises ``CalibrationError`` for a model that cannot run.
-    """
+    of other shapes or structure as another model's). The step times are timed in passes for
+    ``min_timing_s`` at least and ``max_timing_s`` at most (a large model's passes are long: then fewer of
+    them). The model's variables are restored afterwards. Raises ``CalibrationError`` for a model that cannot run."""
     sizes = _batch_sizes(batch_sizes)
     place = resolve_placement(placement)
     base = get_device(preset or place.simulator_device or FALLBACK_PRESET) if not isinstance(preset, DeviceModel) \
@@ -479,14 +480,15 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
             _warm(model, built)
         return _calibrate(model, graph, steps, sizes, place, base, inputs, snapshot, started,
                           steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
-                          tolerance=tolerance, min_timing_s=min_timing_s, profiled_steps=profiled_steps,
-                          profile_sessions=profile_sessions, contention=contention)
+                          tolerance=tolerance, min_timing_s=min_timing_s, max_timing_s=max_timing_s,
+                          profiled_steps=profiled_steps, profile_sessions=profile_sessions, contention=contention)
     finally:
         snapshot.restore()
 
 
 def _calibrate(model, graph, steps, sizes, place, base, inputs, snapshot, started, *, steps_per_pass, min_passes,
-               max_passes, tolerance, min_timing_s, profiled_steps, profile_sessions, contention) -> CalibratedDevice:
+               max_passes, tolerance, min_timing_s, max_timing_s, profiled_steps, profile_sessions,
+               contention) -> CalibratedDevice:
     notes = []
     # ---- per-op shares of the profiled step, at each batch size
     names = graph.op_name.tolist()
@@ -513,7 +515,8 @@ def _calibrate(model, graph, steps, sizes, place, base, inputs, snapshot, starte
             swapped[what] = plan
             calls[what] = build_step(model, plan, at_top, top, place, inputs).call
     timing = timed_passes(calls, steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
-                          tolerance=tolerance, min_total_s=min_timing_s, between=snapshot.restore)
+                          tolerance=tolerance, min_total_s=min_timing_s, max_total_s=max_timing_s,
+                          between=snapshot.restore)
     notes.append(f"step times: {timing.n_passes} interleaved passes in {timing.seconds:.0f} s, at least "
                  f"{timing.n_accepted} per step within {100 * tolerance:.0f} % of its fastest (the median pass "
                  f"{100 * timing.slowdown():.0f} % slower: other processes)")

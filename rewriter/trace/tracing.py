@@ -10,21 +10,17 @@ from two traces.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from rewriter.tf_effects import conditionals, loops
-
-from rewriter.tf_effects import mixed_precision
-
-from rewriter.tf_effects import onednn
-
-from rewriter.tf_effects import variable_writes, xla_scratch
+from rewriter.tf_effects import conditionals, loops, mixed_precision, onednn, variable_writes, xla_scratch
 from rewriter.tf_effects.variable_writes import WRITE_TYPES_PREFIX
 from rewriter.trace.costs import op_flops, op_touched_bytes, static_dims, tensor_nbytes
 from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
@@ -94,12 +90,37 @@ TRACE_HINT = ("the step is traced once into a graph with fixed shapes, without a
               "tensor values, .numpy() and other eager-only code in train_step or call() cannot be captured")
 
 
+# the traces of each model's step (a model traced at one batch size and step inputs is traced once: the
+# capture, the calibration, each plan's apply and the measured run share the trace), the latest few kept
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+TRACES_KEPT = 4
+
+
 def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS, *,
                      sample_weight: bool = False) -> TracedStep:
     """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
     (``rewriter.trace.step_loss``); inputs and labels by name, at the shapes ``given`` sets
-    (``rewriter.trace.step_inputs``)."""
+    (``rewriter.trace.step_inputs``). A step traced before at the same batch size and inputs, with the same
+    optimizer, loss and trainable variables, is not traced again: plans are edits of the traced graph
+    (``rewriter.step.apply_plan`` imports an edited copy), never of the trace itself."""
     check_compiled(model)
+    key = (int(batch_size), json.dumps([given.to_dict(), sample_weight], sort_keys=True, default=str))
+    try:
+        traces = _TRACES.setdefault(model, {})
+    except TypeError:  # an object weak references cannot point to: traced each time
+        traces = {}
+    found, compiled = traces.get(key), (model.optimizer, model.loss, len(model.trainable_variables))
+    if found is not None and found[0] is compiled[0] and found[1] is compiled[1] and found[2] == compiled[2]:
+        return found[3]
+    traced = _trace_keras_step(model, int(batch_size), given, sample_weight=sample_weight)
+    traces.pop(key, None)
+    traces[key] = (*compiled, traced)
+    while len(traces) > TRACES_KEPT:
+        traces.pop(next(iter(traces)))
+    return traced
+
+
+def _trace_keras_step(model, batch_size: int, given: StepInputs, *, sample_weight: bool = False) -> TracedStep:
     inputs = step_specs(model, batch_size, given, sample_weight=sample_weight)
     build_if_needed(model, inputs)
     if not model.optimizer.built:

@@ -291,16 +291,21 @@ def prepare(graph, plan, fused_wait, safe_slot):
 
 
 @njit(cache=True, nogil=True)
-def _first_remaining_readers(buffers, rewired, swap_tensor, sync_out):
+def _first_remaining_readers(buffers, fusion, rewired, swap_tensor, sync_out):
     """Per swapped tensor with a synchronous copy out: the first slot that still reads it on the
     device (its reads not rewired to a swap-in; they wait for the copy), or when none does, the slot
     after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
-    where the producer runs last."""
+    where the producer runs last. ``sync_out`` 2 (a copy the step waits for only because the device's
+    copies wait for compute, ``replay._waited_copies_out``): past ops of a fused chain, which a control
+    edge would keep unfused (``simulator.fusion.in_fused_chain``), as the rewriter places that wait."""
     position, tensor_producer = buffers.position, buffers.tensor_producer
     tensor_read_ptr, tensor_read_consumer = buffers.tensor_read_ptr, buffers.tensor_read_consumer
     tensor_read_id = buffers.tensor_read_id
+    has_danger, endangered = fusion.has_danger, fusion.endangered
     n_ops = len(position)
     sync_wait = np.full(len(swap_tensor), -1, np.int64)
+    op_at = np.empty(n_ops, np.int64)
+    op_at[position] = np.arange(n_ops)
     for i in range(len(swap_tensor)):
         if not sync_out[i]:
             continue
@@ -310,6 +315,8 @@ def _first_remaining_readers(buffers, rewired, swap_tensor, sync_out):
             if not rewired[tensor_read_id[e]]:
                 earliest = min(earliest, position[tensor_read_consumer[e]])
         first = earliest if earliest < n_ops else position[tensor_producer[tensor]] + 1
+        while sync_out[i] == 2 and first < n_ops and (has_danger[op_at[first]] or endangered[op_at[first]]):
+            first += 1
         if first < n_ops:
             sync_wait[i] = first
     return sync_wait
@@ -338,7 +345,7 @@ def replay_plan(step, plan, overlap):
     slots = prepare(graph, plan, fused_wait, safe_slot)
     # the swapped buffers' lifetimes; the original buffer's remaining readers
     lifetimes = _lifetimes(graph.buffers, rewired, slots.roots, swap_tensor, slots.swap_root)
-    sync_wait = _first_remaining_readers(graph.buffers, rewired, swap_tensor, plan.sync_out)
+    sync_wait = _first_remaining_readers(graph.buffers, graph.fusion, rewired, swap_tensor, plan.sync_out)
     transfers = schedule(step, plan, slots, in_tensor, sync_wait)
     memory = account(step, plan, far, slots, lifetimes, transfers)
     level_peak = memory.level_peak

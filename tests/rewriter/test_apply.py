@@ -672,6 +672,10 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plan_of_first_copy(saved):
+    """Made under op determinism, which this module's other fixtures turn on for the process (it changes
+    how some ops are traced): whichever test runs first, the plan is the same, and so is the other
+    process's step (``test_another_process_takes_the_plan`` turns it on there too)."""
+    th.deterministic()
     directory, path = saved
     first = keras.models.load_model(path)
     graph = rewriter.capture(first, NAMES_BATCH)
@@ -710,7 +714,8 @@ def test_another_process_takes_the_plan(saved, plan_of_first_copy):
     script = textwrap.dedent(f'''
         import sys
         sys.path.insert(0, {str(directory)!r})
-        import blocks_for_plan_names, keras, rewriter
+        import blocks_for_plan_names, keras, rewriter, tensorflow as tf
+        tf.config.experimental.enable_op_determinism()
         keras.models.load_model({str(path)!r})  # a copy first: the one the plan is applied to is named apart
         model = keras.models.load_model({str(path)!r})
         step = rewriter.apply(model, {str(plan_file)!r}, batch_size={NAMES_BATCH})

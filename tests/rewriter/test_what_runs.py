@@ -1,5 +1,6 @@
 """What the step that runs holds, beside what its traced graph says: arithmetic Grappler removes
-(``rewriter.tf_effects.passthrough``) and the constants a step's first call materialises (``memtrace.constant_bytes``)."""
+(``rewriter.tf_effects.passthrough``), the constants a step's first call materialises (``memtrace.constant_bytes``)
+and the fused oneDNN ops a swapped step keeps (``simulator.fusion``)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import pytest
 import tensorflow as tf
 
 import rewriter
+from rewriter.check.collected import collect_first_call
 from rewriter.placement import memtrace
 from rewriter.trace.tracing import trace_keras_step
 from rewriter.tf_effects.passthrough import passthrough_input
 from rewriter.check.collected import profiled_first_call
-from simulator import SwapPlan, get_device, replay
+from simulator import SwapParams, SwapPlan, get_device, plan_swaps, replay
 
 pytestmark = pytest.mark.tf
 
@@ -108,3 +110,55 @@ def test_first_call_keeps_the_constants_it_folds():
     x = tf.ones((64, 1024))
     _, graphs, constants = profiled_first_call(step, x)
     assert graphs and 64 * 1024 * 4 <= constants < 64 * 1024 * 4 + 8192
+
+
+FUSED_OPS = ("_MklNativeFusedConv2D", "_MklNativeFusedMatMul", "_MklSwish", "_MklNativeConv2DBackpropFilterWithBias")
+
+
+def _fused_op_counts(step, x, y) -> dict[str, int]:
+    """The fused oneDNN ops in the partition graphs of ``step``'s first call (one training step on x, y)."""
+    _, graphs = collect_first_call(step, tf.constant(x), tf.constant(y))
+    kinds = [node.op for function in graphs for part in function.partition_graphs for node in part.node]
+    return {kind: kinds.count(kind) for kind in FUSED_OPS}
+
+
+def _fusion_model():
+    """Conv2D+BN+swish, a squeeze-excite style Conv2D+bias+swish, Dropout and Dense+bias+relu."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12, 12, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.Activation("swish")(keras.layers.BatchNormalization()(x))
+    x = keras.layers.Conv2D(8, 1, activation="swish")(x)
+    x = keras.layers.Dropout(0.2)(keras.layers.GlobalAveragePooling2D()(x))
+    x = keras.layers.Dense(16, activation="relu")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+def test_swaps_keep_onednns_forward_fusions_and_train_as_keras():
+    """A plan that swaps across every fused chain (a threshold of one level: swish's Mul is two levels from
+    the BN output it reads beside its Sigmoid) keeps the fusions Keras' step runs: the testbed's wait for a
+    copy out lands past the chain and swish's two reads of x stay one tensor (``simulator.fusion``).
+    Left in the chain, the wait or the swap-in kept them unfused and EfficientNetB0 drifted from Keras."""
+    th.deterministic()
+    batch = 4
+    x = np.random.default_rng(0).normal(size=(batch, 12, 12, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(batch, 3)).astype("float32")
+    keras_model, model = _fusion_model(), _fusion_model()
+    graph = rewriter.capture(model, batch)
+    plan = plan_swaps(graph, SwapParams(threshold=1, min_bytes=256))
+    swapped_types = {graph.op_type[graph.tensor_producer[t]] for t in plan.tensor}
+    assert {"BiasAdd", "AddV2"} <= swapped_types, swapped_types  # swish inputs: the conv's bias, the BN's output
+    plain = rewriter.apply(_fusion_model(), SwapPlan.empty(), batch_size=batch, serialize=False, verify=False)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=batch, verify=False)
+    assert any(swap.started_by for swap in step.applied)  # the testbed's waits for copies out are there
+    expected = _fused_op_counts(plain, x, y)
+    assert all(expected[kind] for kind in FUSED_OPS) and expected["_MklSwish"] >= 2
+    assert _fused_op_counts(step, x, y) == expected  # the first call: one training step
+    for _ in range(2):
+        step(x, y)
+    for _ in range(3):
+        keras_model.train_on_batch(x, y)
+    assert th.max_relative_difference(th.weights_of(keras_model), th.weights_of(model)) <= 1e-6
+    assert th.max_relative_difference(th.optimizer_state(keras_model), th.optimizer_state(model)) <= 1e-6
