@@ -33,10 +33,13 @@ class SearchOptions:
 @dataclass(frozen=True)
 class MeasureOptions:
     """The measured run: whether there is one (``measure``), whether step times are calibrated on this
-    machine first (``calibrate``; None: when measuring), and how many measured ``rounds`` at most."""
+    machine first (``calibrate``; None: when measuring), whether a calibration an earlier run of the same
+    graph stored here is measured again instead of reused (``recalibrate``), and how many measured
+    ``rounds`` at most."""
 
     measure: bool = True
     calibrate: bool | None = None
+    recalibrate: bool = False
     rounds: int = MAX_ROUNDS
 
     @property
