@@ -243,7 +243,7 @@ def test_a_plan_already_measured_is_not_measured_again(monkeypatch, over, confir
             first.append(replace(found, target=roomy))
         return replace(first[0], correction=correction or PeakCorrection())
 
-    def measure(model, result, inputs, planned):
+    def measure(model, result, inputs, planned, *, clock=None):
         runs.append(planned.key)
         peak, resident = replay(planned.plan_graph, planned.plan, planned.device).peak_bytes, planned.graph.persistent_bytes
         return MeasuredRun(measured_on="cpu-testbed", batch_size=planned.batch,
