@@ -40,7 +40,7 @@ _HOMES = {
     "CalibrationError": "rewriter.timing", "Measurement": "rewriter.timing", "calibrate": "rewriter.timing",
     "measure": "rewriter.timing",
     "capture": "rewriter.trace", "capture_step": "rewriter.trace", "trace_function_step": "rewriter.trace",
-    "trace_keras_step": "rewriter.trace",
+    "trace_keras_step": "rewriter.trace", "StepInputs": "rewriter.trace",
     "PlanError": "simulator.plan", "load_plan": "simulator.plan",  # the plan's one reader and error
 }
 

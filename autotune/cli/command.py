@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from autotune.inputs import InputError, format_bytes, parse_bytes
@@ -179,26 +180,29 @@ def _settings(args: argparse.Namespace):
         raise InputError(f"unknown device {device!r}; known: {', '.join(sorted(DEVICES))}")
     imports = resolve_imports([(entry, "autotune.toml: imports") for entry in config.imports or []]
                               + [(entry, "--import") for entry in args.imports or []], model_file.parent)
+    from autotune.run.options import MeasureOptions, SearchOptions
+
     return {
         "model_file": model_file,
         "imports": imports,
         "batch_size": int(batch),
         "memory": None if memory is None else parse_bytes(memory, "--memory"),
+        "memory_from": "--memory" if args.memory is not None else "autotune.toml: memory",
         "device": device,
-        "policy": policy,
-        "sampler": sampler,
-        "trials": int(trials),
-        "timeout_s": timeout,
-        "seed": args.seed if args.seed is not None else (config.seed if config.seed is not None else 0),
-        "max_overhead": max_overhead,
-        "recompute": recompute,
+        "device_from": "--device" if args.device else "autotune.toml: device",
+        "search": SearchOptions(policy=policy, sampler=sampler, trials=int(trials), timeout_s=timeout,
+                                seed=args.seed if args.seed is not None else (config.seed if config.seed is not None
+                                                                              else 0),
+                                study_name=args.study_name, maximize_batch=args.maximize_batch,
+                                max_overhead=max_overhead, recompute=recompute, progress=not args.quiet),
         "input_shapes": _input_shapes(args.input_shape) or config.input_shapes,
         "input_shapes_from": "--input-shape" if args.input_shape else "autotune.toml: input_shapes",
         "graph_rewrites": graph_rewrites,
         "label_shapes": config.label_shapes,
         "label_dtype": config.label_dtype,
         "out": Path(args.out or "autotune-out"),
-        "calibrate": (not args.no_measure) if args.calibrate is None else bool(args.calibrate),
+        "measurement": MeasureOptions(measure=not args.no_measure, calibrate=args.calibrate,
+                                      recalibrate=args.recalibrate),
     }
 
 
@@ -207,17 +211,6 @@ def default_storage(out: Path) -> str:
     versions wrote) is resumed instead."""
     sqlite = out / "study.db"
     return f"sqlite:///{sqlite.resolve()}" if sqlite.is_file() else str((out / "study.log").resolve())
-
-
-def _given_budget_bytes(settings: dict) -> int | None:
-    """The budget the user named (--memory, else --device's preset), or None: the visible GPU's own."""
-    if settings["memory"] is not None:
-        return int(settings["memory"])
-    if settings["device"] is not None:
-        from simulator.device.presets import get_device
-
-        return get_device(settings["device"]).budget_bytes
-    return None
 
 
 def _say(quiet: bool, text: str) -> None:
@@ -269,20 +262,25 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
-    storage = args.storage or default_storage(out)
-
+    search = replace(settings["search"], storage=args.storage or default_storage(out))
+    measurement = settings["measurement"]
     _say(quiet, f"loading {settings['model_file']} ...")
     from autotune.cli.imports import load_user_model, model_notes
     from autotune.run.stage_times import StageClock
+    from autotune.run.target import resolve_target
 
     clock = StageClock(started)
     with clock.stage("load"):
-        if not args.no_measure or settings["calibrate"]:
-            from rewriter.placement.placements import configure_testbed
+        from rewriter.placement.placements import configure_testbed  # imports TensorFlow; its runtime starts later
 
+        # resolved once, here (TensorFlow imported: a visible GPU is seen), and handed down to the search, the
+        # measured run, the verdict and the report
+        target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
+                                device_from=settings["device_from"])
+        if measurement.measure or measurement.calibrates:
             # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
             # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
-            configure_testbed(gpu_memory_limit_bytes=_given_budget_bytes(settings))
+            configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
         load_notes: list[str] = []
         model = load_user_model(settings, load_notes)  # the user's --import modules first
         from simulator.warmup import warm_up
@@ -292,21 +290,17 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
             warm_up()
     from autotune.run.confirm import tune
     from rewriter.trace.tracing import CaptureError
+    from rewriter.trace.step_inputs import StepInputs
 
+    inputs = StepInputs(settings["input_shapes"], settings["label_shapes"], settings["label_dtype"])
     try:
-        result = tune(model, batch_size=settings["batch_size"], device=settings["device"], memory=settings["memory"],
-                      measure=not args.no_measure, calibrate=settings["calibrate"], input_shapes=settings["input_shapes"],
-                      label_shapes=settings["label_shapes"], label_dtype=settings["label_dtype"],
-                      graph_rewrites=settings["graph_rewrites"],
+        result = tune(model, batch_size=settings["batch_size"], target=target, inputs=inputs,
+                      graph_rewrites=settings["graph_rewrites"], search=search, measurement=measurement,
                       name=getattr(model, "name", None) or settings["model_file"].stem, say=lambda text: _say(quiet, text),
-                      policy=settings["policy"], sampler=settings["sampler"], trials=settings["trials"],
-                      timeout_s=settings["timeout_s"], seed=settings["seed"], storage=storage,
-                      study_name=args.study_name, maximize_batch=args.maximize_batch,
-                      max_overhead=settings["max_overhead"], recompute=settings["recompute"], progress=not quiet,
-                      clock=clock, recalibrate=args.recalibrate)
+                      clock=clock)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
-    result.notes += load_notes + model_notes(model)
+    result = replace(result, notes=[*result.notes, *load_notes, *model_notes(model)])
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
     from autotune.report.writer import write_report
 

@@ -192,8 +192,9 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
         rounds = result.verdict.checks
         if rounds:
             text.append("The measured run decides the verdict: a plan counts as confirmed when its measured peak is "
-                        f"within {rounds[0].tolerance:.0%} of the prediction and within the budget (carried to the "
-                        "requested batch when it ran at a smaller one); otherwise the miss corrects the next search.")
+                        f"within {rounds[0].tolerance:.0%} of the prediction for the machine it ran on and, that "
+                        "measured-over-predicted carried to the target's prediction at the requested batch, within "
+                        "the target's budget; otherwise the miss corrects the next search.")
             text += [check.describe() + "." for check in rounds]
         sections.append(Section("Measured run", text, [table],
                                 [n for n in ("measured_vs_predicted.png",) if n in images]))

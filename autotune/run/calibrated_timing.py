@@ -15,14 +15,17 @@ Bad input (a model that cannot run at the calibration batch sizes) is an ``Input
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from autotune.inputs import InputError
 from autotune.run import calibration_cache
 from autotune.run.calibration_cache import MachineKey, calibration_key
 from autotune.run.plan_run import testbed_batch_for
-from autotune.run.tuning import resolve_device
+from autotune.run.target import Target, resolve_device
 from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, replay
+
+if TYPE_CHECKING:  # TensorFlow only when a model is calibrated
+    from rewriter.trace.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +67,10 @@ def get_simulated(placement) -> DeviceModel:
     return device
 
 
-def calibrate_for(model, graph: OpGraph, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
+def calibrate_for(model, graph: OpGraph, batch_size: int, inputs: StepInputs, *,
                   say: Callable[[str], None] = log.info, recalibrate: bool = False) -> CalibratedDevice:
-    """Calibrate ``model``'s step (captured as ``graph``) on this machine's placement, or reuse the
-    calibration an earlier run of the same graph made here (``autotune.run.calibration_cache``; not when
+    """Calibrate ``model``'s step (captured as ``graph`` with ``inputs``) on this machine's placement, or reuse
+    the calibration an earlier run of the same graph made here (``autotune.run.calibration_cache``; not when
     ``recalibrate``, which replaces it)."""
     import rewriter
     import tensorflow as tf
@@ -85,9 +88,8 @@ def calibrate_for(model, graph: OpGraph, batch_size: int, *, input_shapes=None, 
     else:
         say(f"calibrating step times on {placement.describe()} at batch sizes {batches[0]} and {batches[1]} ...")
         try:
-            calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement,
-                                            input_shapes=input_shapes, label_shapes=label_shapes,
-                                            label_dtype=label_dtype, name=graph.meta.get("model"),
+            calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement, inputs=inputs,
+                                            name=graph.meta.get("model"),
                                             graph_rewrites=graph.meta.get("graph_rewrites", ()))
             calibrated.check_graph(graph)
         except CalibrationError as error:
@@ -101,16 +103,12 @@ def calibrate_for(model, graph: OpGraph, batch_size: int, *, input_shapes=None, 
     return calibrated
 
 
-def search_device(device: str | DeviceModel | None, memory: int | None,
-                  calibration: CalibratedDevice | None) -> tuple[str | DeviceModel | None, int | None]:
-    """The device and memory the search runs with: the calibration where it models the device the
-    search is about (same preset), with the budget that device would have had; else as given."""
-    if calibration is None:
-        return device, memory
-    resolved, budget, _ = resolve_device(device, memory)
-    if resolved.name != calibration.preset:
-        return device, memory
-    return calibration, budget if memory is None else memory
+def search_target(target: Target, calibration: CalibratedDevice | None) -> Target:
+    """The target the search runs on: timed by the calibration where it models the target's device
+    (same preset), with the target's budgets; else as given."""
+    if calibration is None or target.device.name != calibration.preset:
+        return target
+    return target.with_timings(calibration)
 
 
 def time_model_note(device: DeviceModel, calibration: CalibratedDevice | None = None) -> str:

@@ -1,181 +1,212 @@
 """Tune a Keras model, then measure the chosen plan until a measured run confirms it.
 
-The search runs on the simulator; the measured run decides (``autotune.run.verdict``). A run whose peak
-is above the prediction, or over the budget, turns into a correction the next search budgets for,
-and the new plan is measured again, ``MAX_ROUNDS`` times at most. The result's ``verdict`` says
-whether a measured run confirmed the plan; the CLI and ``tune()`` both come through here.
+The search runs on the simulator for the target; the measured run (on the target's GPU, or on the CPU
+testbed) checks the simulator on the machine it ran on, and the verdict carries that check to the
+target's prediction (``autotune.run.verdict``, docs/design.md section 6). A run that does not confirm the
+plan turns into a correction the next search budgets for, ``MAX_ROUNDS`` measured runs at most; a plan
+already measured is never run again. Each round's result is built anew (``dataclasses.replace``),
+never changed after the fact; the CLI and ``tune()`` both come through here.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from autotune.run.calibrated_timing import calibrate_for, search_device
+from autotune.run.calibrated_timing import calibrate_for, search_target
 from autotune.run.floor import foregone
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
-from autotune.run.plan_run import measure_result
+from autotune.run.plan_run import measure_result, planned_run
+from autotune.run.options import MeasureOptions, SearchOptions
 from autotune.run.stage_times import StageClock
-from autotune.run.tuning import TuneResult, tune_graph
+from autotune.run.target import Target, resolve_target
+from autotune.run.tuning import MeasuredRun, TuneResult, search_graph
 from autotune.run.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
                               predicted)
 from simulator import CalibratedDevice
 
+if TYPE_CHECKING:  # TensorFlow only when a model is tuned
+    from rewriter.trace.step_inputs import StepInputs
+
 log = logging.getLogger(__name__)
 
 
-def _check(result: TuneResult, round_: int, measured_bytes: int | None, correction: PeakCorrection) -> Check:
-    m = result.measurement
-    return check_run(round=round_, measured_on=m.measured_on, measured_bytes=measured_bytes,
-                     predicted_bytes=m.predicted_peak_bytes,
-                     resident_bytes=result.graph.with_batch(m.batch_size).persistent_bytes,
+def _check(result: TuneResult, round_: int, run: MeasuredRun, measured_bytes: int | None,
+           correction: PeakCorrection, reused_from: int | None = None) -> Check:
+    """``run`` against the prediction for the machine it ran on, carried to the target's prediction."""
+    return check_run(round=round_, measured_on=run.measured_on, measured_bytes=measured_bytes,
+                     predicted_bytes=run.predicted_peak_bytes,
+                     resident_bytes=result.graph.with_batch(run.batch_size).persistent_bytes,
                      predicted_at_request_bytes=result.shown.peak_bytes,
-                     resident_at_request_bytes=result.graph.persistent_bytes, measured_batch=m.batch_size,
-                     requested_batch=result.batch_size, budget_bytes=result.budget_bytes, correction=correction)
+                     resident_at_request_bytes=result.graph.persistent_bytes, measured_batch=run.batch_size,
+                     requested_batch=result.batch_size, budget_bytes=result.budget_bytes, correction=correction,
+                     target_on=getattr(result.device, "preset", None) or result.device.name, reused_from=reused_from)
 
 
-def _promote_closest(result: TuneResult, check: Check) -> None:
-    """The measured run overrules the correction too: a closest miss whose measured peak is within
-    the budget (and agrees with its corrected prediction) is the plan."""
-    measured_excess = check.projected_bytes - check.budget_bytes  # <= 0: the check is within the budget
-    result.chosen, result.closest = replace(result.closest, feasible=True, excess_bytes=measured_excess), None
-    result.notes.append("the corrected search found no plan under its stricter limit, but the closest plan's "
-                        "measured peak is within the budget: the measurement decides")
-    result.verdict = predicted(fits=True, swaps=result.has_actions,
-                               peak_bytes=result.correction.corrected(result.chosen.peak_bytes,
-                                                                      result.graph.persistent_bytes),
-                               budget_bytes=result.budget_bytes, measured=True, action=result.action_phrase)
+def _promoted_closest(result: TuneResult, check: Check) -> TuneResult:
+    """The measured run overrules the correction too: a closest miss whose measured peak, carried to
+    the target, is within the budget (and agrees with its corrected prediction) is the plan."""
+    chosen = replace(result.closest, feasible=True, excess_bytes=check.projected_bytes - check.budget_bytes)
+    verdict = predicted(fits=True, swaps=result.has_actions,
+                        peak_bytes=result.correction.corrected(chosen.peak_bytes, result.graph.persistent_bytes),
+                        budget_bytes=result.budget_bytes, measured=True, action=result.action_phrase)
+    note = ("the corrected search found no plan under its stricter limit, but the closest plan's measured peak "
+            "is within the budget: the measurement decides")
+    return replace(result, chosen=chosen, closest=None, notes=[*result.notes, note], verdict=verdict)
 
 
-def confirm(model, graph, *, rounds: int = MAX_ROUNDS, say: Callable[[str], None] = log.info,
-            input_shapes=None, label_shapes=None, label_dtype=None, study_name: str | None = None,
-            calibration: CalibratedDevice | None = None, clock: StageClock | None = None, **search: Any) -> TuneResult:
-    """Search plans for ``graph`` (captured from ``model``), measure the winner, and repeat with a
-    correction from the measurement until one is confirmed or ``rounds`` measured runs are spent.
+def _confirmed(result: TuneResult, checks: list[Check]) -> TuneResult:
+    """``result`` with the verdict its last check confirms (without swapping, model.fit's own step too)."""
+    if not result.feasible:  # the corrected search found none, but the closest plan measured within the budget
+        result = _promoted_closest(result, checks[-1])
+    run = result.measurement
+    plain = None if result.has_actions else _check(result, checks[-1].round, run, run.plain_peak_bytes,
+                                                   PeakCorrection())
+    return replace(result, verdict=confirmed(result.verdict, checks, plain=plain))
+
+
+def _study_name(search: SearchOptions, round_: int, swap_only: bool) -> str | None:
+    """A corrected search is another search: its own study, so stored trials keep the budget they were made for."""
+    name = search.study_name
+    if name is None:
+        return None
+    name = name if round_ == 1 else f"{name}-corrected-{round_ - 1}"
+    return f"{name}-swap-only" if swap_only else name
+
+
+def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int | None = None,
+            search: SearchOptions = SearchOptions(), rounds: int = MAX_ROUNDS,
+            calibration: CalibratedDevice | None = None, clock: StageClock | None = None,
+            say: Callable[[str], None] = log.info) -> TuneResult:
+    """Search plans for ``graph`` (captured from ``model`` with ``inputs``) on ``target``, measure the
+    winner, and repeat with a correction from the measurement until one is confirmed, ``rounds`` measured
+    runs are spent, or another round cannot change the answer (the verdict says which).
     ``calibration``: step times measured on this machine (``autotune.run.calibrated_timing``): the search runs
-    on it where it models the device searched for, and it predicts the measured run's step time.
-    ``search`` takes ``tune_graph``'s keyword arguments; ``clock`` times the stages."""
+    on it where it models the target's device, and it predicts the measured run's step time; ``clock`` times
+    the stages (``autotune.run.stage_times``)."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
+    target = search_target(target, calibration)
     clock = clock or StageClock()
-    search["device"], search["memory"] = search_device(search.get("device"), search.get("memory"), calibration)
     correction = PeakCorrection()
     checks: list[Check] = []
-    measured_plans: dict = {}  # (params, batch) -> MeasuredRun: a plan chosen again is not run again
-    inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    swap_only_note = ""  # set when a plan with recomputation could not run: the search then swaps only
+    measured: dict[str, tuple[int, MeasuredRun]] = {}  # plan identity -> (round, run): a plan is measured once
+    notes: list[str] = []  # what the rounds learnt that every later result says
+    swap_only = False  # set when a plan with recomputation could not run: the search then swaps only
+    result = None
     for round_ in range(1, rounds + 1):
-        # a corrected search is another search: its own study, so stored trials keep the budget they were made for
-        name = study_name if round_ == 1 or study_name is None else f"{study_name}-corrected-{round_ - 1}"
-        if swap_only_note and name is not None:
-            name = f"{name}-swap-only"
+        options = replace(search, study_name=_study_name(search, round_, swap_only))
         with clock.stage("search"):
-            result = tune_graph(graph, correction=correction, measured=True, study_name=name, **search)
-        result.calibration = calibration
-        if swap_only_note:
-            result.notes.append(swap_only_note)
+            searched = search_graph(graph, target, options, batch_size=batch_size, correction=correction,
+                                    measured=True)
+        result = replace(searched, calibration=calibration, notes=[*searched.notes, *notes])
         if result.plan is None:  # not even a closest plan (e.g. the resident memory alone is over the budget)
-            result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
-            return result
-        key = (result.shown.params, result.batch_size)
-        try:
-            if key not in measured_plans:
-                measured_plans[key] = measure_result(model, result, **inputs, clock=clock)
-            result.measurement = measured_plans[key]
-        except Exception as error:  # never a success without a measurement; the report says what failed
-            log.debug("measured run failed", exc_info=True)
-            reason = f"the measured run failed ({type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''})"
-            if result.recomputes and search.get("recompute", True) and round_ < rounds:
-                # a plan TensorFlow cannot run is no answer; swapping alone builds no clones
-                swap_only_note = (f"the plan with recomputation ({result.action_phrase}) could not run: {reason}; "
-                                  "the plan shown is the best swap-only plan, searched and measured instead")
-                say(f"{reason}: searching and measuring swap plans only instead")
-                search["recompute"] = False
-                continue
-            result.verdict = not_confirmed(checks, reason=reason)
-            return result
-        m = result.measurement
-        check = _check(result, round_, None if m.out_of_memory else m.peak_bytes, correction)
+            return replace(result, verdict=result.verdict.with_checks(checks, [c.describe() for c in checks]))
+        planned = planned_run(result)
+        earlier = measured.get(planned.key)
+        if earlier is None:
+            try:
+                measured[planned.key] = (round_, measure_result(model, result, inputs, planned, clock=clock))
+            except Exception as error:  # never a success without a measurement; the report says what failed
+                log.debug("measured run failed", exc_info=True)
+                first = str(error).splitlines()[0][:300] if str(error) else ""
+                reason = f"the measured run failed ({type(error).__name__}: {first})"
+                if result.recomputes and search.recompute and round_ < rounds:
+                    # a plan TensorFlow cannot run is no answer; swapping alone builds no clones
+                    notes.append(f"the plan with recomputation ({result.action_phrase}) could not run: {reason}; "
+                                 "the plan shown is the best swap-only plan, searched and measured instead")
+                    say(f"{reason}: searching and measuring swap plans only instead")
+                    search, swap_only = replace(search, recompute=False), True
+                    continue
+                return replace(result, verdict=not_confirmed(checks, reason=reason))
+        measured_round, run = measured[planned.key]
+        result = replace(result, measurement=run)
+        check = _check(result, round_, run, None if run.out_of_memory else run.peak_bytes, correction,
+                       None if earlier is None else measured_round)
         checks.append(check)
         say(check.describe())
         if check.confirmed:
-            if not result.feasible:  # the corrected search found none, but the closest plan measured within the budget
-                _promote_closest(result, check)
-            plain = None
-            if not result.has_actions:
-                plain = _check(result, round_, m.plain_peak_bytes, PeakCorrection())
-            result.verdict = confirmed(result.verdict, checks, plain=plain)
-            return result
+            return _confirmed(result, checks)
         if not result.feasible:  # the closest miss, measured for the report, did not fit either
-            result.verdict = result.verdict.with_checks(checks, [c.describe() for c in checks])
-            return result
-        correction = next_correction(check, correction, result.graph.with_batch(m.batch_size).persistent_bytes)
+            return replace(result, verdict=result.verdict.with_checks(checks, [c.describe() for c in checks]))
+        if earlier is not None:  # the stricter search chose a plan already measured: no round can change that
+            return replace(result, verdict=not_confirmed(
+                checks, reason=f"the corrected search chose the plan measured in round {measured_round} again and "
+                               f"its measurement does not confirm it, so more rounds would measure nothing new; "
+                               f"{check.describe()}"))
+        correction = next_correction(check, correction, result.graph.with_batch(run.batch_size).persistent_bytes)
         if round_ < rounds:
-            what = (f"the measured run agrees with the prediction, but its peak is "
-                    f"{format_bytes(check.projected_bytes - check.budget_bytes)} over the budget" if check.agrees
+            what = (f"the measured run agrees with the prediction, but its peak, carried to the target's "
+                    f"prediction, is {format_bytes(check.projected_bytes - check.budget_bytes)} over the budget"
+                    if check.agrees
                     else "the measured run is above the prediction")
             say(f"{what}: re-tuning with a correction ({correction.describe()})")
-    result.verdict = not_confirmed(checks, reason=f"{len(checks)} measured runs and none confirmed a plan; the last, "
-                                                  f"{checks[-1].describe()}")
-    return result
+    return replace(result, verdict=not_confirmed(
+        checks, reason=f"{len(checks)} measured runs and none confirmed a plan; the last, {checks[-1].describe()}"))
 
 
-def tune(model, *, batch_size: int | None = None, device=None, memory: int | None = None, measure: bool = True,
-         calibrate: bool | None = None, input_shapes=None, label_shapes=None, label_dtype=None, graph_rewrites=(),
-         rounds: int = MAX_ROUNDS, name: str | None = None, say: Callable[[str], None] = log.info,
-         clock: StageClock | None = None, recalibrate: bool = False, **search: Any) -> TuneResult:
+def tune(model, *, batch_size: int | None = None, device=None, memory: int | None = None, trials: int | None = None,
+         maximize_batch: bool | None = None, measure: bool | None = None, target: Target | None = None,
+         inputs: StepInputs | None = None, graph_rewrites=(), search: SearchOptions | None = None,
+         measurement: MeasureOptions | None = None, name: str | None = None,
+         say: Callable[[str], None] = log.info, clock: StageClock | None = None) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner until a
     measured run confirms it (``result.verdict``). ``python -m autotune`` comes through here.
 
-    ``batch_size`` may be left out with ``maximize_batch=True`` (the search picks it).
-    ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.trace.graph_rewrites.REWRITES``).
-    ``search`` takes the keyword arguments of ``tune_graph`` (policy, sampler, trials, ...).
-    ``measure=False``: the simulator's answer alone (the verdict says it is a prediction only).
-    ``calibrate`` (default: when measuring): step times measured on this machine
-    (``autotune.run.calibrated_timing``) instead of the preset's datasheet estimate, reused from an earlier
-    run of the same graph on this machine unless ``recalibrate``.
+    The common keywords: ``batch_size`` (may be left out with ``maximize_batch=True``: the search
+    picks it); ``device`` (a preset name: timings, and the budget unless ``memory`` is given) and
+    ``memory`` (the budget in bytes), or an already resolved ``target``; ``trials``; ``measure=False``
+    for the simulator's answer alone (the verdict says it is a prediction only).
+    ``inputs``: ``rewriter.StepInputs(input_shapes=...)`` where the model leaves dimensions open.
+    ``graph_rewrites``: exact rewrites of the step to make first (``rewriter.graph_rewrites.REWRITES``).
+    ``search``: every other search setting (``SearchOptions``: policy, sampler, seed, storage, ...);
+    ``measurement``: ``MeasureOptions`` (calibrate, recalibrate, rounds); the common keywords override both. A
+    calibration is reused from an earlier run of the same graph on this machine unless ``recalibrate``.
     ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes;
     ``clock``: times the run's stages (``autotune.run.stage_times``).
     A model that cannot be captured raises ``CaptureError`` before anything is searched.
     """
     from rewriter.trace.tracing import capture  # TensorFlow only when a model is tuned
+    from rewriter.trace.step_inputs import NO_STEP_INPUTS
 
+    if target is not None and (device is not None or memory is not None):
+        raise ValueError("give either target or device/memory, not both")
+    search = replace(search or SearchOptions(), **{key: value for key, value in
+                                                   (("trials", trials), ("maximize_batch", maximize_batch))
+                                                   if value is not None})
+    measurement = replace(measurement or MeasureOptions(), **({} if measure is None else {"measure": measure}))
+    target = target or resolve_target(device, memory)
+    inputs = inputs or NO_STEP_INPUTS
     if batch_size is None:
-        if not search.get("maximize_batch"):
+        if not search.maximize_batch:
             raise ValueError("batch_size is required unless maximize_batch=True")
         batch_size = 1  # only where the capture starts: sizes are linear in the batch
     clock = clock or StageClock()
     say(f"capturing the training step at batch {batch_size} ...")
     with clock.stage("capture"):
-        graph = capture(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                        label_dtype=label_dtype, name=name or getattr(model, "name", None),
+        graph = capture(model, batch_size, inputs, name=name or getattr(model, "name", None),
                         graph_rewrites=graph_rewrites)
     say(f"captured {graph.n_ops} ops; resident memory {format_bytes(graph.persistent_bytes)}")
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
-    inputs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    known = foregone(graph, device=device, memory=memory, policy=search.get("policy", "optuna"),
-                     recompute=search.get("recompute", True),
-                     recaptured=lambda more: capture(model, batch_size, **inputs, name=graph.meta.get("model"),
+    known = foregone(graph, target, policy=search.policy, recompute=search.recompute,
+                     recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
                                                      graph_rewrites=[*graph_rewrites, *more]))
     if known is not None:  # under the floor: no calibration, search or measured run can change the answer
         return known
     with clock.stage("calibration"):
-        calibration = calibrate_for(model, graph, batch_size, **inputs, say=say, recalibrate=recalibrate) \
-            if (measure if calibrate is None else calibrate) else None
-    if not measure:
-        device, memory = search_device(device, memory, calibration)
+        calibration = calibrate_for(model, graph, batch_size, inputs, say=say, recalibrate=measurement.recalibrate) \
+            if measurement.calibrates else None
+    if not measurement.measure:
         with clock.stage("search"):
-            result = tune_graph(graph, batch_size=batch_size, device=device, memory=memory, **search)
-        result.calibration = calibration
+            searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
+        result = replace(searched, calibration=calibration)
     else:
         say("searching, then measuring the chosen plan on the real training step ...")
-        result = confirm(model, graph, rounds=rounds, say=lambda text: say(f"measured: {text}"), batch_size=batch_size,
-                         device=device, memory=memory, calibration=calibration, clock=clock, **inputs,
-                         **search)
-    weights = fit_weights_note(model, result.named_plan(), result.batch_size, **inputs) if result.applies_plan else None
-    result.notes += [weights] if weights else []  # said at tuning time, not at the first weighted batch
-    return result
+        result = confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
+                         calibration=calibration, clock=clock, say=lambda text: say(f"measured: {text}"))
+    weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) if result.applies_plan else None
+    return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time

@@ -17,9 +17,10 @@ import numpy as np
 
 from autotune.inputs import format_bytes
 from autotune.search.space import SearchSpace, TuningProblem
-from autotune.run.tuning import TuneResult, largest_batch, resolve_device
+from autotune.run.target import Target
+from autotune.run.tuning import TuneResult, largest_batch
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
-from simulator import BACKWARD, DeviceModel, OpGraph, replay
+from simulator import BACKWARD, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
@@ -109,13 +110,12 @@ def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[
     return ways
 
 
-def foregone(graph: OpGraph, *, device: str | DeviceModel | None, memory: int | None, policy: str = "optuna",
-             recompute: bool = True, recaptured: Callable[[Sequence[str]], OpGraph] | None = None
-             ) -> TuneResult | None:
+def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recompute: bool = True,
+             recaptured: Callable[[Sequence[str]], OpGraph] | None = None) -> TuneResult | None:
     """The result "does not fit" when the budget is under ``graph``'s floor at its batch, else None.
     ``recaptured(rewrites)``: the step captured again with more graph rewrites, to see their floor
     (asked only for the rewrites that change the op holding the floor)."""
-    device_model, budget, source = resolve_device(device, memory)
+    device_model, budget = target.device, target.device_budget_bytes
     floor = floor_of(graph)
     if floor.floor_bytes <= budget:
         return None
@@ -130,8 +130,8 @@ def foregone(graph: OpGraph, *, device: str | DeviceModel | None, memory: int | 
              "what would get under the budget: " + "; ".join(ways)]
     problem = TuningProblem(graph, device_model, budget, space=SearchSpace.for_graph(graph, recompute=recompute))
     baseline = problem.baseline()
-    return TuneResult(model=str(graph.meta.get("model", "model")), batch_size=graph.batch_size, device=device_model,
-                      budget_bytes=budget, budget_source=source, graph=graph, policy=policy, baseline=baseline,
+    return TuneResult(model=str(graph.meta.get("model", "model")), batch_size=graph.batch_size, target=target,
+                      graph=graph, policy=policy, baseline=baseline,
                       chosen=None, closest=None, evaluations=[baseline], study=None, plan=None, replay=None,
                       baseline_replay=replay(graph, None, device_model), space=problem.space,
                       max_batch_without_swap=0, notes=notes, search_budget_bytes=budget,

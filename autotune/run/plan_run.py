@@ -8,15 +8,19 @@ gpu-check) come through it. TensorFlow is imported only when something is measur
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.inputs import format_bytes
 from autotune.run.stage_times import StageClock
 from autotune.run.tuning import MeasuredRun, TuneResult
 from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
 from simulator.replay import Replay
+
+if TYPE_CHECKING:  # TensorFlow only when a plan is measured
+    from rewriter.trace.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +53,9 @@ class PlanRun:
 
 def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, batch: tuple[Any, Any], *,
              placement=None, verify: bool = True, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1,
-             clock: StageClock | None = None, **shapes: Any) -> PlanRun:
+             inputs: StepInputs | None = None, clock: StageClock | None = None) -> PlanRun:
     """Predict ``plan`` on ``device`` (``graph`` at the batch it runs), apply it to ``model``'s step at
-    that batch (``rewriter.step.apply_plan``; ``shapes``: its input_shapes/label_shapes/label_dtype) and measure
+    that batch (``rewriter.apply``; ``inputs``: the shapes the step was captured with) and measure
     it on ``batch`` = (x, y): ``warmup`` steps, then ``repeats`` timed ones, then ``peak_repeats - 1``
     more profiled steps (a measured peak moves by a few % from step to step). ``clock``: the apply is
     timed as its own stage."""
@@ -60,7 +64,8 @@ def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, b
     predicted = replay(graph, plan, device)
     with (clock or StageClock()).stage("apply"):
         step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement,
-                              verify=verify, verify_with=batch if verify else None, **shapes)
+                              verify=verify, verify_with=batch if verify else None,
+                              **({} if inputs is None else {"inputs": inputs}))
     return PlanRun(plan, predicted, step, _readings(step, *batch, warmup=warmup, repeats=repeats,
                                                     peak_repeats=peak_repeats))
 
@@ -96,7 +101,7 @@ def testbed_batch_for(graph, batch_size: int) -> int:
 
 
 def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device: CalibratedDevice, data, placement,
-                shapes: dict) -> tuple[float, float, str] | None:
+                inputs: StepInputs) -> tuple[float, float, str] | None:
     """The plan's step timed in passes beside the calibration's own unswapped steps, and predicted by the
     calibration re-anchored to them (``rewriter.timing.anchored``: the machine's speed drifts between the
     calibration and this run; ``graph``: the model's step, ``run_graph``: the plan's, with its
@@ -109,7 +114,7 @@ def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device:
     snapshot = run.step.snapshot()  # the timed steps update the model's variables
     try:
         anchored, timing = timed_beside_anchors(device, model, graph, {"plan": lambda: run.step.run_flat(*flat)},
-                                                placement=placement, shapes=shapes, between=snapshot.restore)
+                                                placement=placement, inputs=inputs, between=snapshot.restore)
     except (tf.errors.OpError, CalibrationError) as error:  # the plan's measurement stands; only the re-anchoring is lost
         log.warning("the step times were not re-anchored (%s: %s)", type(error).__name__,
                     str(error).splitlines()[0][:200] if str(error) else "")
@@ -130,27 +135,40 @@ def _clones(check: Any) -> dict:
             "clones_planned": check.planned_clones, "recompute_problems": check.problems()}
 
 
-def measure_result(model, result: TuneResult, *, input_shapes=None, label_shapes=None, label_dtype=None,
-                   clock: StageClock | None = None) -> MeasuredRun:
-    """Apply the chosen plan to ``model``'s real step, run it, and measure peak memory and time
-    (``clock``: timed as the measured-run stage, its applies as their own)."""
-    clock = clock or StageClock()
-    with clock.stage("measured_run"):
-        return _measure_result(model, result, dict(input_shapes=input_shapes, label_shapes=label_shapes,
-                                                   label_dtype=label_dtype), clock)
+@dataclass(frozen=True)
+class PlannedRun:
+    """What the measured run of a result runs here: the shown plan made for this machine's device model
+    (``device``: a calibration of it, else its preset) on ``plan_graph`` at ``batch`` (the requested one
+    on a GPU, else one the CPU testbed runs quickly)."""
+
+    placement: Any  # rewriter.Placement
+    batch: int
+    device: DeviceModel
+    graph: OpGraph  # the model's step at ``batch``
+    plan_graph: OpGraph  # the same with the plan's recomputations
+    plan: SwapPlan
+    note: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.placement.measured_on == "gpu"
+
+    @property
+    def key(self) -> str:
+        """The plan's identity: where and at which batch it runs, and what it does (whatever parameters made it)."""
+        named = {**self.plan.to_named(self.plan_graph).to_dict(), "params": None}
+        return json.dumps([self.placement.measured_on, self.batch, self.device.name, named], sort_keys=True)
 
 
-def _measure_result(model, result: TuneResult, shapes: dict, clock: StageClock) -> MeasuredRun:
+def planned_run(result: TuneResult) -> PlannedRun:
+    """The run that measures ``result``'s shown plan on this machine (``measure_result``)."""
     import rewriter  # TensorFlow only when a plan is measured
-    from rewriter.trace.step_inputs import synthetic_batch
 
     placement = rewriter.detect(configure=False)
     shown = result.shown
     params = None if shown is None else shown.params
-    on_gpu = placement.measured_on == "gpu"
-    if on_gpu:
-        batch, device = result.batch_size, result.device
-        note = ""
+    if placement.measured_on == "gpu":
+        batch, device, note = result.batch_size, result.device, ""
     else:
         batch = testbed_batch(result)
         calibration = result.calibration
@@ -160,24 +178,47 @@ def _measure_result(model, result: TuneResult, shapes: dict, clock: StageClock) 
                 + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + ".")
     graph = result.graph.with_batch(batch)
     # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there
-    plan_graph = graph if result.plan_graph is None else result.plan_graph.with_batch(batch)
+    plan_graph = graph if params is None or result.plan_graph is None else result.plan_graph.with_batch(batch)
     plan = SwapPlan.empty(graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
+    return PlannedRun(placement, batch, device, graph, plan_graph, plan, note)
+
+
+def measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun | None = None, *,
+                   clock: StageClock | None = None) -> MeasuredRun:
+    """Apply the chosen plan to ``model``'s real step (captured with ``inputs``), run it, and measure
+    peak memory and time (``planned``: what ``planned_run(result)`` gives, when already known; ``clock``:
+    timed as the measured-run stage, its applies as their own)."""
+    clock = clock or StageClock()
+    with clock.stage("measured_run"):
+        return _measure_result(model, result, inputs, planned or planned_run(result), clock)
+
+
+def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun,
+                    clock: StageClock) -> MeasuredRun:
+    import rewriter  # TensorFlow only when a plan is measured
+    from rewriter.trace.step_inputs import synthetic_batch
+
+    placement, batch, device, graph, plan, note = (planned.placement, planned.batch, planned.device, planned.graph,
+                                                   planned.plan, planned.note)
+    on_gpu = planned.on_gpu
+    params = None if result.shown is None else result.shown.params
+    plan_graph = planned.plan_graph
     predicted_base = replay(graph, None, device)
-    data = synthetic_batch(model, batch, **shapes)
+    data = synthetic_batch(model, batch, inputs)  # as captured
     run_graph = graph if params is None else plan_graph
-    run = run_plan(model, run_graph, plan, device, data, placement=placement, clock=clock, **shapes)
+    run = run_plan(model, run_graph, plan, device, data, placement=placement, inputs=inputs, clock=clock)
     measured, predicted = run.measured, run.predicted
     step_s = float("nan") if measured is None else measured.step_s
     predicted_step_s, anchored_to = predicted.step_s, None
     if isinstance(device, CalibratedDevice) and measured is not None:
-        reanchored = _reanchored(model, graph, run_graph, run, device, data, placement, shapes)
+        reanchored = _reanchored(model, graph, run_graph, run, device, data, placement, inputs)
         if reanchored is not None:
             step_s, predicted_step_s, anchored_to = reanchored
     baseline = plain = None
     if result.has_actions:
         if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
-                                clock=clock, **shapes).measured
+                                inputs=inputs, clock=clock).measured
     else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
         readings = _readings(rewriter.KerasStep(model), *data)
         plain = readings[0] if readings else None

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # TensorFlow only when a plan is applied
+    from rewriter.trace.step_inputs import StepInputs
 
 
 def training_phrase(training: dict[str, Any] | None) -> str:
@@ -43,14 +46,14 @@ def _settings_phrase(settings: dict[str, Any], lead: str = " ") -> str:
     return (lead + ", ".join(shown)) if shown else ""
 
 
-def fit_weights_note(model, plan, batch_size: int, **inputs) -> str | None:
+def fit_weights_note(model, plan, batch_size: int, inputs: StepInputs) -> str | None:
     """Why ``model.fit`` cannot pass ``class_weight`` or ``sample_weight`` with ``plan`` (None: it can):
     a weighted batch runs the plan applied to the step traced with a weight per sample (``rewriter.step.keras_fit``),
     which a ``train_step`` of the model's own may not take, or whose ops may differ from the plan's."""
     from rewriter.step.apply_plan import apply
 
     try:
-        apply(model, plan, batch_size=batch_size, verify=False, sample_weight=True, **inputs)
+        apply(model, plan, batch_size=batch_size, verify=False, sample_weight=True, inputs=inputs)
     except Exception as error:  # noqa: BLE001 -- whatever tracing or applying raised is the reason
         reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
         return (f"model.fit with class_weight or sample_weight cannot use this plan: the training step with a weight "

@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,19 +19,19 @@ import numpy as np
 import optuna
 
 from autotune.inputs import InputError, format_bytes
+from autotune.run.options import SearchOptions
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
 from autotune.search.study_copy import in_memory
 from autotune.run.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, actions_phrase, predicted
-from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, get_device, replay
+from autotune.run.target import DEFAULT_DEVICE, Target, resolve_device, resolve_target  # noqa: F401 -- DEFAULT_DEVICE, resolve_device: re-exported
+from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
-from simulator.device.presets import preset_for_gpu
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DEVICE = "v100-16gb"
 MAX_BATCH = 1 << 16
 HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
 
@@ -81,9 +80,7 @@ class TuneResult:
 
     model: str
     batch_size: int
-    device: DeviceModel
-    budget_bytes: int
-    budget_source: str
+    target: Target  # the device the plan is for, its budgets and where they came from (resolved once)
     graph: OpGraph
     policy: str
     baseline: Evaluation
@@ -113,6 +110,19 @@ class TuneResult:
     @property
     def feasible(self) -> bool:
         return self.chosen is not None
+
+    @property
+    def device(self) -> DeviceModel:
+        """The device model the search simulated (the target's, timed by a calibration where it models it)."""
+        return self.target.device
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.target.device_budget_bytes
+
+    @property
+    def budget_source(self) -> str:
+        return self.target.budget_source
 
     def recomputed(self) -> list[dict[str, Any]]:
         """The plan's recomputations: tensor, its bytes, the ops cloned, their seconds on the
@@ -176,6 +186,7 @@ class TuneResult:
             "study_name": None if self.study is None else self.study.study_name,
             "budget_bytes": self.budget_bytes,
             "budget_source": self.budget_source,
+            "target": self.target.to_dict(),
             **(self.verdict.to_dict() if self.verdict is not None else {}),
             "search_budget_bytes": self.search_budget_bytes,
             "peak_correction": {"factor": self.correction.factor, "excess_bytes": self.correction.excess_bytes},
@@ -236,63 +247,6 @@ class TuneResult:
             "measured_out_of_memory": None if m is None else m.out_of_memory,
             "notes": self.notes,
         }
-
-
-def resolve_device(device: str | DeviceModel | None, memory: int | None) -> tuple[DeviceModel, int, str]:
-    """Device model for timings and the memory budget, with a sentence saying where they came from.
-
-    Beside a visible GPU the host RAM for copies is the least of the preset's, TensorFlow's pinned-memory
-    limit in force and this machine's RAM less a margin (``rewriter.host_memory.host_budget``)."""
-    if isinstance(device, DeviceModel):
-        model = device
-    elif device:
-        try:
-            model = get_device(device)
-        except (KeyError, ValueError) as error:
-            raise InputError(str(error).strip("'\"")) from None
-    else:
-        model = None
-    gpu = _visible_gpu()
-    if memory is not None:
-        model = model or get_device(DEFAULT_DEVICE)
-        model, host = _with_host_budget(model, gpu)
-        return model, int(memory), f"--memory {format_bytes(memory)} (timings from the {model.name} preset){host}"
-    if model is not None:
-        model, host = _with_host_budget(model, gpu)
-        return model, model.budget_bytes, f"the {model.name} preset ({format_bytes(model.budget_bytes)} usable){host}"
-    if gpu is not None:
-        name, limit, _ = gpu
-        known = preset_for_gpu(name)
-        if limit <= 0:
-            raise InputError(f"the visible GPU {name} has no preset and its memory could not be read (nvidia-smi): "
-                             "give the budget with --memory (and timings with --device)")
-        preset, host = _with_host_budget(get_device(known or DEFAULT_DEVICE), gpu)
-        timings = "" if known else f"; no preset for it, timings from {DEFAULT_DEVICE}"
-        return preset, limit, f"the visible GPU {name} ({format_bytes(limit)} available to TensorFlow{timings}){host}"
-    preset = get_device(DEFAULT_DEVICE)
-    return preset, preset.budget_bytes, (f"no GPU visible and no budget given: the {DEFAULT_DEVICE} preset "
-                                         f"({format_bytes(preset.budget_bytes)} usable)")
-
-
-def _with_host_budget(model: DeviceModel, gpu) -> tuple[DeviceModel, str]:
-    """``model`` with the host budget of the visible GPU's machine, and a clause saying it (unchanged
-    without a GPU)."""
-    if gpu is None:
-        return model, ""
-    budget = gpu[2](model.host_memory_bytes)
-    return replace(model, host_memory_bytes=budget.bytes), f"; {budget.describe()}"
-
-
-def _visible_gpu():
-    """(name, bytes TensorFlow may use, host budget for a preset's host bytes) of GPU:0, or None.
-    Only asks TF when it is already imported."""
-    if "tensorflow" not in sys.modules:
-        return None
-    import rewriter.host_memory as host_memory
-    import rewriter.placement.placements as placement
-
-    found = placement.gpu_memory()
-    return None if found is None else (found[0], found[1], host_memory.host_budget)
 
 
 def max_batch_without_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel) -> int:
@@ -450,20 +404,28 @@ def open_study(storage: str | None, name: str, graph: OpGraph, space: SearchSpac
 
 
 def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | DeviceModel | None = None,
-               memory: int | None = None, policy: str = "optuna", sampler: str = "tpe", trials: int | None = 200,
-               timeout_s: float | None = None, seed: int | None = 0, storage: str | None = None,
-               study_name: str | None = None, maximize_batch: bool = False, max_overhead: float | None = None,
-               progress: bool = False, correction: PeakCorrection | None = None, measured: bool = False,
-               recompute: bool = True) -> TuneResult:
-    """Search swap parameters for ``graph`` by simulation (no TensorFlow needed).
+               memory: int | None = None, target: Target | None = None, options: SearchOptions | None = None,
+               **option_fields: Any) -> TuneResult:
+    """Search swap parameters for ``graph`` by simulation (no TensorFlow needed): ``search_graph`` for
+    the ``target`` given, else the one ``device`` and ``memory`` name (``resolve_target``).
+    ``option_fields``: ``SearchOptions`` fields (trials=..., recompute=...), over ``options``."""
+    options = replace(options or SearchOptions(), **option_fields)
+    return search_graph(graph, target or resolve_target(device, memory), options, batch_size=batch_size)
 
-    ``recompute`` (default): the search may also recompute tensors instead of keeping or swapping
+
+def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
+                 correction: PeakCorrection | None = None, measured: bool = False) -> TuneResult:
+    """Search swap parameters for ``graph`` on ``target`` by simulation.
+
+    ``options.recompute`` (default): the search may also recompute tensors instead of keeping or swapping
     them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
     waits for it instead of calling the prediction final)."""
-    device_model, user_budget, source = resolve_device(device, memory)
+    device_model, user_budget = target.device, target.device_budget_bytes
+    policy, sampler, seed, recompute = options.policy, options.sampler, options.seed, options.recompute
+    max_overhead = options.max_overhead
     correction = correction or PeakCorrection()
     notes: list[str] = []
     g = graph.with_batch(batch_size or graph.batch_size)
@@ -481,7 +443,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
                      f"more than the budget of {format_bytes(budget)}: no swap plan can fit")
     no_swap_max = max_batch_without_swap(g, budget, device_model)
     found: list[Evaluation] = []  # plans the batch search found at the batch it picked
-    if maximize_batch:
+    if options.maximize_batch:
         best_batch, found = largest_batch_with_swap(g, budget, device_model, max_overhead=max_overhead, seed=seed,
                                                     recompute=recompute)
         cap = "" if max_overhead is None else f" with a simulated overhead of at most {max_overhead:.0%}"
@@ -499,17 +461,18 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
-    name = study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
+    name = options.study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
                                         problem.space)
-    study = open_study(storage, name, g, problem.space)
+    study = open_study(options.storage, name, g, problem.space)
     if baseline.feasible:
         notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"
                      if g.meta.get("graph_rewrites") else "the step fits without swapping: no plan needed")
         outcome_evaluations, chosen = [baseline], baseline
     else:
         chosen_policy = make_policy(policy, sampler=sampler, seed=seed)
-        with in_memory(study) if storage is not None else contextlib.nullcontext(study) as searched:
-            outcome = chosen_policy.search(problem, searched, Budget(trials, timeout_s, progress))
+        with in_memory(study) if options.storage is not None else contextlib.nullcontext(study) as searched:
+            outcome = chosen_policy.search(problem, searched, Budget(options.trials, options.timeout_s,
+                                                                     options.progress))
             outcome_evaluations, chosen = outcome.evaluations, outcome.chosen
             best = best_of([e for e in (chosen, *found) if e is not None])
             if best is not chosen:  # a short search may miss what the batch search found: it counts, and enters the study
@@ -539,8 +502,7 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
                         budget_bytes=user_budget, measured=measured,
                         action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes)))
     return TuneResult(
-        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, device=device_model, budget_bytes=user_budget,
-        budget_source=source, graph=g, policy=policy, baseline=baseline, chosen=chosen, closest=closest,
+        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, target=target, graph=g, policy=policy, baseline=baseline, chosen=chosen, closest=closest,
         evaluations=outcome_evaluations, study=study, plan=plan,
         replay=shown_replay, baseline_replay=replay(g, None, device_model),
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,

@@ -1,10 +1,13 @@
 """Whether the tool may say "fits": the simulator's prediction, overruled by measured runs.
 
 Memory tools lose their users over one thing: being told a model fits and then running out of
-memory (TFLMS v2's "LMS not needed", then OOM). So a measured run, where
-there is one, decides: a plan is confirmed only when its measured peak agrees with the (corrected)
-prediction within ``TOLERANCE`` and stays within the budget at the requested batch. When it does not,
-the miss becomes a ``PeakCorrection`` that the next search budgets for, and the plan is measured again
+memory (TFLMS v2's "LMS not needed", then OOM). So a measured run, where there is one, decides. It
+runs on the machine at hand (the target's GPU, or the CPU testbed) and checks the simulator there: its
+measured peak is compared with the prediction for that machine (the same plan, that machine's device
+model and timings). What the check shows of the simulator (measured over predicted, on the step's own
+memory) is carried to the target's prediction at the requested batch, which is held to the target's
+budget: the testbed's bytes are never compared with another device's budget. A plan is confirmed when
+both hold; otherwise the miss becomes a ``PeakCorrection`` the next search budgets for
 (``autotune.run.confirm``). Everything here is plain arithmetic on byte counts, so it is tested without
 TensorFlow; the CLI line, the report's headline and ``summary.json`` all read one ``Verdict``.
 """
@@ -60,18 +63,29 @@ class PeakCorrection:
 
 @dataclass(frozen=True)
 class Check:
-    """One measured run of a plan against its prediction."""
+    """One measured run of a plan against the prediction for the machine it ran on, carried to the target."""
 
     round: int
     measured_on: str
     measured_batch: int
     requested_batch: int
-    budget_bytes: int
-    predicted_bytes: int  # the simulator's peak at the measured batch
+    budget_bytes: int  # the target's
+    predicted_bytes: int  # the simulator's peak on the machine measured, at the measured batch
     corrected_bytes: int  # the same with the correction the search budgeted for
     measured_bytes: int | None  # None: the run ran out of memory
-    projected_bytes: int | None  # the measured miss carried to the requested batch (= measured when they are equal)
+    # the target's prediction at the requested batch with the measured miss carried to it (= measured
+    # when the target is the machine measured, at the requested batch)
+    projected_bytes: int | None
     tolerance: float = TOLERANCE
+    target_on: str = ""  # the target's device model ("": the machine measured)
+    target_predicted_bytes: int | None = None  # the target's prediction at the requested batch
+    reused_from: int | None = None  # the round whose measurement of the same plan this check reads (not run again)
+
+    @property
+    def carried(self) -> bool:
+        """Whether the measured miss was carried to another prediction (another batch or device model)."""
+        return self.measured_batch != self.requested_batch or (self.target_predicted_bytes is not None
+                                                               and self.target_predicted_bytes != self.predicted_bytes)
 
     @property
     def agrees(self) -> bool:
@@ -92,14 +106,17 @@ class Check:
 
     def describe(self) -> str:
         where = f"on {self.measured_on} at batch {self.measured_batch}"
+        reused = "" if self.reused_from is None else f" (the plan measured in round {self.reused_from}, not run again)"
         if self.measured_bytes is None:
-            return f"round {self.round}: the measured run {where} ran out of memory"
-        text = (f"round {self.round}: measured {format_bytes(self.measured_bytes)} {where}, predicted "
-                f"{format_bytes(self.predicted_bytes)} ({self.miss:+.1%})")
+            return f"round {self.round}: the measured run {where} ran out of memory{reused}"
+        text = (f"round {self.round}: measured {format_bytes(self.measured_bytes)} {where}{reused}, predicted "
+                f"{format_bytes(self.predicted_bytes)} there ({self.miss:+.1%})")
         if self.corrected_bytes != self.predicted_bytes:
             text += f", {format_bytes(self.corrected_bytes)} with the correction"
-        if self.measured_batch != self.requested_batch:
-            text += f"; carried to batch {self.requested_batch}: {format_bytes(self.projected_bytes)}"
+        if self.carried:
+            target = f"the {self.target_on} prediction" if self.target_on else "the prediction"
+            text += (f"; carried to {target} at batch {self.requested_batch} "
+                     f"({format_bytes(self.target_predicted_bytes)}): {format_bytes(self.projected_bytes)}")
         text += f" against the budget of {format_bytes(self.budget_bytes)}"
         if self.confirmed:
             return text + ": confirmed"
@@ -112,10 +129,13 @@ class Check:
 
 
 def project(measured_bytes: int | None, predicted_bytes: int, resident_bytes: int, predicted_at_request_bytes: int,
-            resident_at_request_bytes: int, same_batch: bool) -> int | None:
-    """A measured peak carried to the requested batch: the step's own memory scaled as measured
-    over predicted (what is resident grows with the batch only by its inputs, which are counted)."""
-    if measured_bytes is None or same_batch:
+            resident_at_request_bytes: int) -> int | None:
+    """A measured peak carried to the target's prediction at the requested batch: its step's own memory
+    (the peak less what is resident) scaled as measured over predicted on the machine measured, the same
+    at the measured batch as at another (what is resident grows with the batch only by its inputs, which
+    are counted). The identical prediction carries the measured peak unchanged."""
+    if measured_bytes is None or (predicted_bytes, resident_bytes) == (predicted_at_request_bytes,
+                                                                      resident_at_request_bytes):
         return measured_bytes
     ratio = max(0, measured_bytes - resident_bytes) / max(1, predicted_bytes - resident_bytes)
     return int(resident_at_request_bytes + ratio * max(0, predicted_at_request_bytes - resident_at_request_bytes))
@@ -123,20 +143,24 @@ def project(measured_bytes: int | None, predicted_bytes: int, resident_bytes: in
 
 def check_run(*, round: int, measured_on: str, measured_bytes: int | None, predicted_bytes: int, resident_bytes: int,
               predicted_at_request_bytes: int, resident_at_request_bytes: int, measured_batch: int,
-              requested_batch: int, budget_bytes: int, correction: PeakCorrection,
-              tolerance: float = TOLERANCE) -> Check:
-    same = measured_batch == requested_batch
+              requested_batch: int, budget_bytes: int, correction: PeakCorrection, target_on: str = "",
+              reused_from: int | None = None, tolerance: float = TOLERANCE) -> Check:
+    """``measured_bytes`` against ``predicted_bytes`` (the machine measured, at ``measured_batch``), and
+    carried to ``predicted_at_request_bytes`` (the target ``target_on``, at ``requested_batch``) for
+    the target's ``budget_bytes``."""
     projected = project(measured_bytes, predicted_bytes, resident_bytes, predicted_at_request_bytes,
-                        resident_at_request_bytes, same)
+                        resident_at_request_bytes)
     return Check(round=round, measured_on=measured_on, measured_batch=measured_batch, requested_batch=requested_batch,
                  budget_bytes=budget_bytes, predicted_bytes=predicted_bytes,
                  corrected_bytes=correction.corrected(predicted_bytes, resident_bytes), measured_bytes=measured_bytes,
-                 projected_bytes=projected, tolerance=tolerance)
+                 projected_bytes=projected, tolerance=tolerance, target_on=target_on,
+                 target_predicted_bytes=predicted_at_request_bytes, reused_from=reused_from)
 
 
 def next_correction(check: Check, correction: PeakCorrection, resident_bytes: int) -> PeakCorrection:
-    """The correction the next search budgets for after ``check`` failed: at least what was
-    measured, and always stricter than the last (so the rounds make progress)."""
+    """The correction the next search budgets for after ``check`` failed: at least the simulator's
+    miss on the machine measured (measured over predicted there, not that machine's bytes), and always
+    stricter than the last (so the rounds make progress)."""
     transient = max(1, check.predicted_bytes - resident_bytes)
     if check.measured_bytes is None:  # out of memory: the peak was over the device's limit, which is the budget
         seen = max(check.budget_bytes, check.corrected_bytes) * (1 + check.tolerance)
@@ -207,9 +231,11 @@ def confirmed(base: Verdict, checks: list[Check], *, plain: Check | None = None)
     step the user runs with a plain ``model.fit`` (``plain``) must fit too, or the output says to
     train with the tool's serialized step."""
     last = checks[-1]
+    target = f"the {last.target_on} at batch" if last.target_on else "batch"
     where = (f"measured {format_bytes(last.measured_bytes)} on {last.measured_on} at batch {last.measured_batch}"
-             + ("" if last.measured_batch == last.requested_batch else
-                f", {format_bytes(last.projected_bytes)} carried to batch {last.requested_batch}"))
+             + ("" if not last.carried else
+                f" (predicted {format_bytes(last.predicted_bytes)} there), {format_bytes(last.projected_bytes)} "
+                f"carried to {target} {last.requested_batch}"))
     rounds = "" if len(checks) == 1 else f" after {len(checks) - 1} correction(s) from measured runs"
     if base.status == FITS:
         return Verdict(FITS, True, True, SWAP_STEP, f"Fits with {base.action}, confirmed by measurement: {where}, "
@@ -222,7 +248,7 @@ def confirmed(base: Verdict, checks: list[Check], *, plain: Check | None = None)
                        f"{format_bytes(last.budget_bytes)}{rounds}.", base.details, tuple(checks))
     plain_text = ("model.fit's own step was not measured" if plain is None else
                   f"model.fit's own step measured {format_bytes(plain.measured_bytes)}"
-                  + ("" if plain.measured_batch == plain.requested_batch else
+                  + ("" if not plain.carried else
                      f" ({format_bytes(plain.projected_bytes)} carried to batch {plain.requested_batch})")
                   + ", over the budget")
     return Verdict(FITS_WITHOUT_SWAPPING, True, True, SERIALIZED_STEP,

@@ -25,7 +25,7 @@ from rewriter.trace.op_names import traced_names
 from rewriter.tf_effects.passthrough import passthrough_ops
 from rewriter.placement.placements import Placement, resolve as resolve_placement
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
-from rewriter.trace.step_inputs import planned_step_inputs
+from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.step.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
 from rewriter.check.verification import verify_first_call
 from simulator.plan import PlanError, load_plan  # noqa: F401 -- the error apply raises
@@ -42,8 +42,8 @@ def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
 
 
 def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
-          swap_op: str = "auto", input_shapes=None, label_shapes=None, label_dtype=None,
-          verify: bool = True, verify_with=None, serialize: bool = True, sample_weight: bool = False) -> SwapStep:
+          swap_op: str = "auto", inputs: StepInputs = NO_STEP_INPUTS, verify: bool = True, verify_with=None,
+          serialize: bool = True, sample_weight: bool = False) -> SwapStep:
     """Apply ``plan`` to ``model``'s training step and return the rewritten step.
 
     ``model``: a compiled Keras model (its ``train_step`` is traced at ``batch_size``), or a
@@ -65,7 +65,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     ``model.fit`` makes of ``sample_weight`` and ``class_weight``, ``rewriter.step.keras_fit``).
     """
     named = load_plan(plan, graph)
-    input_shapes, label_shapes, label_dtype = planned_step_inputs(named, input_shapes, label_shapes, label_dtype)
+    inputs = inputs.or_planned(named)
     if not serialize:
         named = replace(named, order=())
     place = resolve_placement(placement)
@@ -80,8 +80,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             batch_size = named.batch_size
         if batch_size is None or int(batch_size) < 1:
             raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
-        traced = trace_keras_step(model, int(batch_size), input_shapes=input_shapes,
-                                  label_shapes=label_shapes, label_dtype=label_dtype, sample_weight=sample_weight)
+        traced = trace_keras_step(model, int(batch_size), inputs, sample_weight=sample_weight)
     planned = named  # by the names the capture gives (rewriter.trace.op_names), whatever this process called the layers
     named = traced_names(named, traced.canonical)
     planned_batch = named.batch_size
@@ -111,8 +110,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     function = import_step(graph_def, traced)
 
     def at_batch(size: int, weighted: bool = sample_weight) -> SwapStep:  # the same plan, traced again
-        return apply(model, planned, batch_size=size, placement=place, swap_op=chosen_op, input_shapes=input_shapes,
-                     label_shapes=label_shapes, label_dtype=label_dtype, verify=False, sample_weight=weighted)
+        return apply(model, planned, batch_size=size, placement=place, swap_op=chosen_op, inputs=inputs, verify=False,
+                     sample_weight=weighted)
 
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=named, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,

@@ -51,7 +51,7 @@ import tensorflow as tf
 
 from rewriter.placement import memtrace
 from rewriter.step.apply_plan import PlanError, apply as apply_plan
-from rewriter.trace.tracing import CaptureError, capture, synthetic_batch
+from rewriter.trace.tracing import NO_STEP_INPUTS, CaptureError, StepInputs, capture, synthetic_batch
 from rewriter.placement.placements import GpuPlacement, Placement, resolve as resolve_placement
 from simulator.device.calibrated import CalibratedDevice, CalibrationError
 from simulator.device.presets import DeviceModel, get_device
@@ -411,13 +411,13 @@ def _batch_sizes(batch_sizes) -> tuple[int, ...]:
     return sizes
 
 
-def build_step(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement | None, shapes: dict, *,
+def build_step(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement | None, inputs: StepInputs, *,
                warm: bool = True) -> _Step:
     """The rewritten step at ``batch`` (run twice with ``warm``: the first call optimizes the
     function); errors of a model that cannot run there become a ``CalibrationError``."""
     with _cannot_run(model, graph, batch):
-        step = apply_plan(model, plan, graph=graph, batch_size=batch, placement=place, verify=False, **shapes)
-        x, y = synthetic_batch(model, batch, **shapes)
+        step = apply_plan(model, plan, graph=graph, batch_size=batch, placement=place, verify=False, inputs=inputs)
+        x, y = synthetic_batch(model, batch, inputs)
         built = _Step(batch, graph, step, step._flat_inputs(x, y))
     if warm:
         _warm(model, built)
@@ -447,7 +447,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement | str | None = None, *,
-              preset: DeviceModel | str | None = None, input_shapes=None, label_shapes=None, label_dtype=None,
+              preset: DeviceModel | str | None = None, inputs: StepInputs = NO_STEP_INPUTS,
               name: str | None = None, graph_rewrites: Sequence[str] = (), steps_per_pass: int = 1, min_passes: int = 6,
               max_passes: int = 40, tolerance: float = 0.05, min_timing_s: float = 8.0, max_timing_s: float | None = 20.0,
               profiled_steps: int = 3, profile_sessions: int = 2, contention: bool = True) -> CalibratedDevice:
@@ -457,7 +457,7 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     the machine can run (small ones are cheap; a batch far above them is extrapolated linearly per
     op). ``placement``: as for ``rewriter.step.apply_plan`` (default: a visible GPU, else the CPU testbed).
     ``preset``: the device model whose memory figures and roofline the result keeps (default: the
-    placement's, ``cpu-testbed`` on the testbed). ``input_shapes`` ... ``graph_rewrites``: as for
+    placement's, ``cpu-testbed`` on the testbed). ``inputs`` ... ``graph_rewrites``: as for
     ``rewriter.trace.tracing`` (capture the graphs to simulate with the same ones: the result refuses graphs
     of other shapes or structure as another model's). The step times are timed in passes for
     ``min_timing_s`` at least and ``max_timing_s`` at most (a large model's passes are long: then fewer of
@@ -466,20 +466,19 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     place = resolve_placement(placement)
     base = get_device(preset or place.simulator_device or FALLBACK_PRESET) if not isinstance(preset, DeviceModel) \
         else preset
-    shapes = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
     started = time.perf_counter()
     try:
-        graph = capture(model, sizes[0], name=name, graph_rewrites=graph_rewrites, **shapes)
+        graph = capture(model, sizes[0], inputs, name=name, graph_rewrites=graph_rewrites)
     except (CaptureError, tf.errors.OpError, ValueError, TypeError, MemoryError) as error:
         raise CalibrationError(f"model {getattr(model, 'name', 'model')!r} cannot be captured at batch sizes "
                                f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {_first_line(error)})") from None
-    steps = {b: build_step(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, shapes, warm=False)
+    steps = {b: build_step(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, inputs, warm=False)
              for b in sizes}
     snapshot = steps[sizes[0]].step.snapshot()  # the model's variables, before any step ran
     try:
         for built in steps.values():
             _warm(model, built)
-        return _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, started,
+        return _calibrate(model, graph, steps, sizes, place, base, inputs, snapshot, started,
                           steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, min_timing_s=min_timing_s, max_timing_s=max_timing_s,
                           profiled_steps=profiled_steps, profile_sessions=profile_sessions, contention=contention)
@@ -487,8 +486,9 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
         snapshot.restore()
 
 
-def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, started, *, steps_per_pass, min_passes,
-               max_passes, tolerance, min_timing_s, max_timing_s, profiled_steps, profile_sessions, contention):
+def _calibrate(model, graph, steps, sizes, place, base, inputs, snapshot, started, *, steps_per_pass, min_passes,
+               max_passes, tolerance, min_timing_s, max_timing_s, profiled_steps, profile_sessions,
+               contention) -> CalibratedDevice:
     notes = []
     # ---- per-op shares of the profiled step, at each batch size
     names = graph.op_name.tolist()
@@ -513,7 +513,7 @@ def _calibrate(model, graph, steps, sizes, place, base, shapes, snapshot, starte
         plan = plan_swaps(at_top, params, kept_reads=base.kept_reads)
         if plan.n_swaps:
             swapped[what] = plan
-            calls[what] = build_step(model, plan, at_top, top, place, shapes).call
+            calls[what] = build_step(model, plan, at_top, top, place, inputs).call
     timing = timed_passes(calls, steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, min_total_s=min_timing_s, max_total_s=max_timing_s,
                           between=snapshot.restore)

@@ -3,6 +3,6 @@ costed, exact graph rewrites applied, captured as a framework-free ``simulator.O
 
 from rewriter.trace.costs import tensor_nbytes
 from rewriter.trace.graph_rewrites import REWRITES
-from rewriter.trace.step_inputs import check_input_shape_names, planned_step_inputs, synthetic_batch
+from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs, check_input_shape_names, synthetic_batch
 from rewriter.trace.tracing import (TracedStep, capture, capture_step, import_step, rewrite_graph_def,
                                     trace_function_step, trace_keras_step)

@@ -2,19 +2,21 @@
 
 Keras hands ``train_step`` its data in the model's own structure (a dict for dict inputs, a list or a
 tensor otherwise). The traced step takes them flat, in ``keras.tree.flatten`` order (dict keys
-sorted), which is also the order of ``model.inputs`` and of a list of data; ``StepInputs.pack``
-rebuilds the model's structure inside the trace, ``StepInputs.flatten`` takes a batch given as a dict
+sorted), which is also the order of ``model.inputs`` and of a list of data; ``StepSpecs.pack``
+rebuilds the model's structure inside the trace, ``StepSpecs.flatten`` takes a batch given as a dict
 (by name, any key order), a list or a tensor. Each output gets its own label: the shape and dtype
 its loss expects, the loss found by the output's name (``loss`` as a dict) or position (a list).
 Subclassed models have no ``model.inputs``: their input comes from ``input_shapes`` or from the
-shape Keras recorded when the model was built (saved with the model).
+shape Keras recorded when the model was built (saved with the model). What the user gave (shapes where
+the model leaves dimensions open, labels other than the loss's defaults) is one ``StepInputs``, resolved
+once by the CLI or ``autotune.tune`` and handed down to every trace of the step.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import keras
@@ -60,9 +62,42 @@ def loss_kind(loss) -> str:
     return _LOSS_KINDS.get(_LOSS_ALIASES.get(name, name), "other")
 
 
+STEP_INPUT_SETTINGS = ("input_shapes", "label_shapes", "label_dtype")
+
+
 @dataclass(frozen=True)
 class StepInputs:
-    """The step's inputs (``x_*``) and labels (``y_*``) in flat order, with the model's structures."""
+    """The input and label shapes and dtypes a user gave for the step, by name (a dict) or by position
+    (a list): ``input_shapes`` without the batch where the model leaves dimensions open,
+    ``label_shapes``/``label_dtype`` where the labels are not what the outputs and the loss imply.
+    None: the model's own. Its dict form (``to_dict``) is a plan file's ``step_inputs`` field."""
+
+    input_shapes: Any = None
+    label_shapes: Any = None
+    label_dtype: Any = None
+
+    def to_dict(self) -> dict:
+        """The settings given (a plan file's ``step_inputs``: the graph's meta, and so the plans made on it)."""
+        return {key: getattr(self, key) for key in STEP_INPUT_SETTINGS if getattr(self, key) is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> StepInputs:
+        return cls(**{key: (data or {}).get(key) for key in STEP_INPUT_SETTINGS})
+
+    def or_planned(self, plan: NamedPlan) -> StepInputs:
+        """These settings, each one not given taken from those ``plan`` was captured with (open
+        dimensions: the step runs at the shapes the plan was made for)."""
+        planned = StepInputs.from_dict(plan.step_inputs)
+        return replace(self, **{key: getattr(planned, key) for key in STEP_INPUT_SETTINGS if getattr(self, key) is None})
+
+
+NO_STEP_INPUTS = StepInputs()
+
+
+@dataclass(frozen=True)
+class StepSpecs:
+    """The step's inputs (``x_*``) and labels (``y_*``) in flat order at one batch size, with the
+    model's structures."""
 
     x_names: tuple[str, ...]
     y_names: tuple[str, ...]
@@ -297,18 +332,19 @@ def label_specs(model, batch_size: int, x_structure, x_specs, label_shapes=None,
     return structure, names, specs
 
 
-def step_inputs(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
-                sample_weight: bool = False) -> StepInputs:
-    """The step's inputs and labels; ``sample_weight``: one weight per sample of the loss too (a model
-    with several outputs takes one weight for all of them, as ``class_weight`` gives)."""
-    x_structure, x_names, x_specs = input_specs(model, batch_size, input_shapes)
-    y_structure, y_names, y_specs = label_specs(model, batch_size, x_structure, x_specs, label_shapes, label_dtype)
+def step_specs(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, sample_weight: bool = False) -> StepSpecs:
+    """The specs and structures of ``model``'s step at ``batch_size``, with the shapes ``inputs`` gives;
+    ``sample_weight``: one weight per sample of the loss too (a model with several outputs takes one
+    weight for all of them, as ``class_weight`` gives)."""
+    x_structure, x_names, x_specs = input_specs(model, batch_size, inputs.input_shapes)
+    y_structure, y_names, y_specs = label_specs(model, batch_size, x_structure, x_specs, inputs.label_shapes,
+                                                inputs.label_dtype)
     weight = tf.TensorSpec((batch_size,), tf.float32, name="sample_weight") if sample_weight else None
-    return StepInputs(tuple(x_names), tuple(y_names), tuple(x_specs), tuple(y_specs),
-                      _indexed(x_structure), _indexed(y_structure), weight)
+    return StepSpecs(tuple(x_names), tuple(y_names), tuple(x_specs), tuple(y_specs),
+                     _indexed(x_structure), _indexed(y_structure), weight)
 
 
-def build_if_needed(model, step: StepInputs) -> None:
+def build_if_needed(model, step: StepSpecs) -> None:
     """A subclassed model loaded unbuilt creates its variables on a first call: make it here, eagerly
     (inside the traced step TF would refuse to create them)."""
     if getattr(model, "built", True) and model.weights:
@@ -321,7 +357,7 @@ def build_if_needed(model, step: StepInputs) -> None:
                            f"{type(error).__name__}: {error}") from error
 
 
-def output_classes(model, step: StepInputs) -> list[int]:
+def output_classes(model, step: StepSpecs) -> list[int]:
     """Per label, a bound for integer labels: the output's last dimension (sparse losses' classes)."""
     _, _, shapes = _outputs(model, step.x_structure, step.x_specs)
     return [int(s[-1]) if s and s[-1] is not None else 2 for s in shapes]
@@ -363,7 +399,7 @@ def _input_vocabularies(model, count: int) -> list[int]:
     return [_token_vocab(model, leaf) for leaf in leaves]
 
 
-def synthetic_batch(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None, seed: int = 0):
+def synthetic_batch(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, seed: int = 0):
     """A deterministic random batch shaped as the captured step expects, in the model's own structures
     (a dict for dict inputs): float inputs in [0, 1), integer inputs token ids below the vocabulary of
     the Embedding that reads them; labels as each output's loss expects (``loss_kind``): class ids
@@ -372,8 +408,7 @@ def synthetic_batch(model, batch_size: int, *, input_shapes=None, label_shapes=N
     if int(batch_size) < 1:
         raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
     rng = np.random.default_rng(seed)
-    step = step_inputs(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                       label_dtype=label_dtype)
+    step = step_specs(model, batch_size, inputs)
 
     def values(spec, kind: str, high: int) -> np.ndarray:
         shape, dtype = tuple(spec.shape), spec.dtype.as_numpy_dtype
@@ -399,19 +434,3 @@ def synthetic_batch(model, batch_size: int, *, input_shapes=None, label_shapes=N
     ys = [values(spec, kind, high) for spec, kind, high in zip(step.y_specs, kinds, output_classes(model, step))]
     return step.pack(xs, ys)
 
-
-STEP_INPUT_SETTINGS = ("input_shapes", "label_shapes", "label_dtype")
-
-
-def given_step_inputs(**settings) -> dict:
-    """The settings a capture was given (for its graph's meta, and so for the plans made on it)."""
-    return {key: value for key, value in settings.items() if key in STEP_INPUT_SETTINGS and value is not None}
-
-
-def planned_step_inputs(plan: NamedPlan, input_shapes=None, label_shapes=None, label_dtype=None) -> tuple:
-    """The input and label settings to apply ``plan`` with: those given, else those it was captured
-    with (open dimensions: the step runs at the shapes the plan was made for)."""
-    planned = plan.step_inputs or {}
-    return (planned.get("input_shapes") if input_shapes is None else input_shapes,
-            planned.get("label_shapes") if label_shapes is None else label_shapes,
-            planned.get("label_dtype") if label_dtype is None else label_dtype)

@@ -20,18 +20,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from rewriter.tf_effects import conditionals, loops
-
-from rewriter.tf_effects import mixed_precision
-
-from rewriter.tf_effects import onednn
-
-from rewriter.tf_effects import variable_writes, xla_scratch
+from rewriter.tf_effects import conditionals, loops, mixed_precision, onednn, variable_writes, xla_scratch
 from rewriter.tf_effects.variable_writes import WRITE_TYPES_PREFIX
 from rewriter.trace.costs import op_flops, op_touched_bytes, static_dims, tensor_nbytes
 from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
 from rewriter.trace.graph_rewrites import apply_rewrites
-from rewriter.trace.step_inputs import (CaptureError, StepInputs, build_if_needed, given_step_inputs, step_inputs,  # noqa: F401
+from rewriter.trace.step_inputs import (NO_STEP_INPUTS, CaptureError, StepInputs, StepSpecs, build_if_needed, step_specs,  # noqa: F401
                                   synthetic_batch, trains_itself)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.trace import state_kinds
 from rewriter.trace.step_loss import recording_losses
@@ -68,7 +62,7 @@ class TracedStep:
     loss_op: str
     optimizer_scope: str | None
     input_names: list[str] = field(default_factory=list)
-    inputs: StepInputs | None = None  # names and structures of a Keras step's inputs and labels
+    inputs: StepSpecs | None = None  # names and structures of a Keras step's inputs and labels
     # traced op name -> the name the capture and plans use (rewriter.trace.op_names; empty: the traced names)
     canonical: dict[str, str] = field(default_factory=dict)
 
@@ -102,16 +96,15 @@ _TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 TRACES_KEPT = 4
 
 
-def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
+def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS, *,
                      sample_weight: bool = False) -> TracedStep:
     """Trace ``model.train_step`` at ``batch_size``; the loss is what ``(_)compute_loss`` returns
-    (``rewriter.trace.step_loss``); inputs and labels by name (``rewriter.trace.step_inputs``). A step traced
-    before at the same batch size and inputs, with the same optimizer, loss and trainable variables, is not
-    traced again: plans are edits of the traced graph (``rewriter.step.apply_plan`` imports an edited copy),
-    never of the trace itself."""
+    (``rewriter.trace.step_loss``); inputs and labels by name, at the shapes ``given`` sets
+    (``rewriter.trace.step_inputs``). A step traced before at the same batch size and inputs, with the same
+    optimizer, loss and trainable variables, is not traced again: plans are edits of the traced graph
+    (``rewriter.step.apply_plan`` imports an edited copy), never of the trace itself."""
     check_compiled(model)
-    key = (int(batch_size), json.dumps([input_shapes, label_shapes, label_dtype, sample_weight], sort_keys=True,
-                                       default=str))
+    key = (int(batch_size), json.dumps([given.to_dict(), sample_weight], sort_keys=True, default=str))
     try:
         traces = _TRACES.setdefault(model, {})
     except TypeError:  # an object weak references cannot point to: traced each time
@@ -119,8 +112,7 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
     found, compiled = traces.get(key), (model.optimizer, model.loss, len(model.trainable_variables))
     if found is not None and found[0] is compiled[0] and found[1] is compiled[1] and found[2] == compiled[2]:
         return found[3]
-    traced = _trace_keras_step(model, int(batch_size), input_shapes=input_shapes, label_shapes=label_shapes,
-                               label_dtype=label_dtype, sample_weight=sample_weight)
+    traced = _trace_keras_step(model, int(batch_size), given, sample_weight=sample_weight)
     traces.pop(key, None)
     traces[key] = (*compiled, traced)
     while len(traces) > TRACES_KEPT:
@@ -128,10 +120,8 @@ def trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=
     return traced
 
 
-def _trace_keras_step(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
-                      sample_weight: bool = False) -> TracedStep:
-    inputs = step_inputs(model, batch_size, input_shapes=input_shapes, label_shapes=label_shapes,
-                         label_dtype=label_dtype, sample_weight=sample_weight)
+def _trace_keras_step(model, batch_size: int, given: StepInputs, *, sample_weight: bool = False) -> TracedStep:
+    inputs = step_specs(model, batch_size, given, sample_weight=sample_weight)
     build_if_needed(model, inputs)
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
@@ -506,26 +496,25 @@ def _second_batch(batch_size: int) -> int:
     return batch_size * 2 if batch_size > 1 else 2
 
 
-def capture(model, batch_size: int, *, input_shapes=None, label_shapes=None, label_dtype=None,
-            name: str | None = None, graph_rewrites: Sequence[str] = ()) -> OpGraph:
+def capture(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, name: str | None = None,
+            graph_rewrites: Sequence[str] = ()) -> OpGraph:
     """Capture a compiled Keras 3 model's training step (loss and optimizer from ``model.compile``).
 
-    ``input_shapes`` (without the batch) is needed where the model leaves dimensions open;
-    ``label_shapes``/``label_dtype`` override the labels inferred from the outputs and the loss.
+    ``inputs``: ``StepInputs(input_shapes=...)`` (without the batch) where the model leaves dimensions
+    open; its ``label_shapes``/``label_dtype`` override the labels inferred from the outputs and the loss.
     ``graph_rewrites`` (``rewriter.trace.graph_rewrites.REWRITES``): exact rewrites applied to the step
     first; those that changed something are in ``meta["graph_rewrites"]``, and plans made on the
     graph carry them to ``rewriter.step.apply_plan``.
     """
     if batch_size is None or int(batch_size) < 1:
         raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
-    kwargs = dict(input_shapes=input_shapes, label_shapes=label_shapes, label_dtype=label_dtype)
-    first = trace_keras_step(model, int(batch_size), **kwargs)
-    second = trace_keras_step(model, _second_batch(int(batch_size)), **kwargs)
+    first = trace_keras_step(model, int(batch_size), inputs)
+    second = trace_keras_step(model, _second_batch(int(batch_size)), inputs)
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
             "training": describe_training(model),
             "variables": state_kinds.describe_variables(first.concrete, model)}
-    if given_step_inputs(**kwargs):  # plans made on the graph are applied at these shapes
-        meta["step_inputs"] = given_step_inputs(**kwargs)
+    if inputs.to_dict():  # plans made on the graph are applied at these shapes
+        meta["step_inputs"] = inputs.to_dict()
     first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
     return build_opgraph(first, second, meta=meta)
 

@@ -70,7 +70,8 @@ def dtype_policies(model) -> str | None:
     layers = [layer for layer in model._flatten_layers(include_self=False) if layer.weights]
     names = Counter(getattr(layer.dtype_policy, "name", str(layer.dtype_policy)) for layer in layers)
     if not names:
-            return None if policy is None else getattr(policy, "name", str(policy))
+        policy = getattr(model, "dtype_policy", None)
+        return None if policy is None else getattr(policy, "name", str(policy))
     if len(names) == 1:
         return next(iter(names))
     return ", ".join(f"{name} ({count} layer{'s' * (count != 1)})" for name, count in names.most_common())

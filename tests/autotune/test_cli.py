@@ -206,7 +206,8 @@ def test_recomputation_is_chosen_applied_and_measured_and_no_recompute_swaps_onl
     assert code == 0, err + stdout
     summary = json.loads((tmp_path / "both" / "summary.json").read_text())
     plan = json.loads((tmp_path / "both" / "plan.json").read_text())
-    assert summary["confirmed_by_measurement"] and summary["measured_peak_bytes"] <= budget
+    # the testbed's measurement carried to the v100-16gb's prediction is what the budget holds (docs/design.md 6)
+    assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
     assert plan["recomputes"] and summary["recomputed_bytes"] > 0 and "recomputed" in stdout
     report = (tmp_path / "both" / "report.md").read_text()
     n = len(plan["recomputes"])
@@ -235,11 +236,11 @@ def test_a_recomputation_plan_tensorflow_cannot_run_falls_back_to_the_best_swap_
     measure_result = autotune.run.confirm.measure_result
     failed = []
 
-    def fail_with_recomputation(model, result, **inputs):
+    def fail_with_recomputation(model, result, *args, **kwargs):
         if result.recomputes:
             failed.append(len(result.recomputes))
             raise tf.errors.InvalidArgumentError(None, None, "60 nodes in a cycle")
-        return measure_result(model, result, **inputs)
+        return measure_result(model, result, *args, **kwargs)
 
     monkeypatch.setattr(autotune.run.confirm, "measure_result", fail_with_recomputation)
     model_dir = tmp_path / "cnn64"
@@ -253,7 +254,8 @@ def test_a_recomputation_plan_tensorflow_cannot_run_falls_back_to_the_best_swap_
     assert code == 0, err + stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["recomputes"] == [] and summary["swaps"] > 0
-    assert summary["confirmed_by_measurement"] and summary["measured_peak_bytes"] <= budget
+    # the testbed's measurement carried to the v100-16gb's prediction is what the budget holds (docs/design.md 6)
+    assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
     assert any("could not run" in note and "nodes in a cycle" in note for note in summary["notes"]), summary["notes"]
 
 

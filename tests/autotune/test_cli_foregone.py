@@ -40,7 +40,7 @@ def nothing_after_capture(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("ran past the capture although the budget is under the floor")
 
-    for name in ("calibrate_for", "confirm", "tune_graph"):
+    for name in ("calibrate_for", "confirm", "search_graph"):
         monkeypatch.setattr(confirm, name, forbidden)
 
 

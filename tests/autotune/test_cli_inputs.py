@@ -76,7 +76,7 @@ def test_bad_toml_value_names_its_key_in_the_file(model_dir, capsys, tmp_path, t
 def test_recompute_comes_from_the_flag_over_the_file_over_the_default(model_dir, toml, flags, recompute):
     (model_dir / "autotune.toml").write_text(toml + "\n")
     args = build_parser().parse_args([str(model_dir), "--batch-size", "4", *flags])
-    assert _settings(args)["recompute"] is recompute
+    assert _settings(args)["search"].recompute is recompute
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -12,7 +12,7 @@ pytest.importorskip("tensorflow")
 import keras  # noqa: E402
 
 from autotune.cli.command import _input_shapes, main  # noqa: E402
-from rewriter.trace.tracing import capture  # noqa: E402
+from rewriter.trace.tracing import StepInputs, capture  # noqa: E402
 
 pytestmark = pytest.mark.tf
 
@@ -43,7 +43,7 @@ def test_every_open_input_in_one_message_whose_flags_capture_the_model(tmp_path,
     assert "input_shapes = {words = [D1, 4], frames = [D2, 8]}" in err
     # the line as the user fills it in captures the model
     entries = flags.replace("D1", "12").replace("D2", "7").replace("--input-shape ", "").split()
-    graph = capture(model, 4, input_shapes=_input_shapes(entries))
+    graph = capture(model, 4, StepInputs(input_shapes=_input_shapes(entries)))
     assert graph.n_ops > 0 and graph.meta["inputs"][:2] == ["words", "frames"]
 
 
@@ -52,6 +52,6 @@ def test_one_given_shape_leaves_the_other_listed_with_the_given_one_filled_in():
     from rewriter.trace.step_inputs import CaptureError
 
     with pytest.raises(CaptureError) as raised:
-        capture(model, 4, input_shapes={"words": [12, 4]})
+        capture(model, 4, StepInputs(input_shapes={"words": [12, 4]}))
     assert "1 input(s) with open dimensions" in str(raised.value)
     assert "--input-shape frames=D1,8" in str(raised.value) and "words=" not in str(raised.value)

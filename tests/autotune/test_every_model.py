@@ -19,6 +19,7 @@ import rewriter
 from autotune.cli.command import main
 from tests.cli_helpers import uncalibrated
 from rewriter.trace.tracing import capture, synthetic_batch
+from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from simulator import SwapParams, plan_swaps, replay
 
 pytestmark = pytest.mark.tf
@@ -189,9 +190,9 @@ def _run(capsys, *args):
     return code, captured.out, captured.err
 
 
-def _swapping_budget(model, batch: int, **shapes) -> int:
+def _swapping_budget(model, batch: int, inputs: StepInputs = NO_STEP_INPUTS) -> int:
     """A budget between the lowest swapping peak and the unswapped one on the testbed: the plan must swap."""
-    graph = capture(model, batch, **shapes)
+    graph = capture(model, batch, inputs)
     unswapped = min(replay(graph, None, "cpu-testbed").peak_bytes,
                     replay(graph.with_order("memory"), None, "cpu-testbed").peak_bytes)  # reordering is not enough
     lowest = replay(graph, plan_swaps(graph, SwapParams(threshold=1, lb=1, ub=8, sync="both", order="memory",
@@ -303,7 +304,7 @@ def test_open_dimensions_measured_and_trained_at_the_captured_shapes(saved, caps
     assert "autotune.toml: input_shapes: 'imgae' is not an input of the model; its inputs: image" in err, err
     (dirs["open"] / "autotune.toml").write_text("input_shapes = {image = [8, 8, 3]}\n")
     out, _, summary = _measured(capsys, tmp_path, dirs["open"],
-                                memory=_swapping_budget(_open_dims(), BATCH, input_shapes={"image": [8, 8, 3]}))
+                                memory=_swapping_budget(_open_dims(), BATCH, StepInputs(input_shapes={"image": [8, 8, 3]})))
     plan = json.loads((out / "plan.json").read_text())
     assert plan["step_inputs"] == {"input_shapes": {"image": [8, 8, 3]}}
     # the plan brings its shapes to the training step: no input_shapes given here

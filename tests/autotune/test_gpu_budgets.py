@@ -97,7 +97,7 @@ def test_unknown_gpu_budget_comes_from_the_reported_memory(monkeypatch):
 
 
 def test_resolve_device_for_a_visible_gpu(monkeypatch):
-    import autotune.run.tuning as tuning
+    import autotune.run.target as tuning  # where the budget is resolved
     from autotune.inputs import InputError
 
     def host(preset_bytes):

@@ -15,7 +15,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from benchmarks.models import build_model, example_batch  # noqa: E402
-from rewriter.trace.tracing import CaptureError, capture  # noqa: E402
+from rewriter.trace.tracing import CaptureError, StepInputs, capture  # noqa: E402
 from simulator import BACKWARD, FORWARD, UPDATE, categorized_levels, replay  # noqa: E402
 
 MiB = 2**20
@@ -180,5 +180,5 @@ def test_open_dimensions_need_shapes():
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with pytest.raises(CaptureError, match="open dimensions"):
         capture(model, 2)
-    g = capture(model, 2, input_shapes=[(16, 16, 3)])
+    g = capture(model, 2, StepInputs(input_shapes=[(16, 16, 3)]))
     assert g.n_ops > 0 and categorized_levels(g).max() > 0

@@ -157,6 +157,7 @@ def test_a_train_step_that_takes_no_weights_is_said_at_tuning_time():
     import tensorflow as tf
 
     from autotune.run.training import fit_weights_note
+    from rewriter.trace.step_inputs import NO_STEP_INPUTS
 
     class Unweighted(keras.Model):
         def train_step(self, data):
@@ -176,7 +177,7 @@ def test_a_train_step_that_takes_no_weights_is_said_at_tuning_time():
         model = build(cls)
         graph = rewriter.capture(model, BATCH)
         plan = plan_swaps(graph, SwapParams(threshold=1)).to_named(graph)
-        note = fit_weights_note(model, plan, BATCH)
+        note = fit_weights_note(model, plan, BATCH, NO_STEP_INPUTS)
         assert (note is None) == takes_weights, note
         if not takes_weights:
             assert "class_weight or sample_weight cannot use this plan" in note and "unpack" in note
