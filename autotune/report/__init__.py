@@ -2,3 +2,5 @@
 
 from autotune.report.plots import memory_by_original_level
 from autotune.report.writer import markdown_table, write_report
+
+__all__ = ["markdown_table", "memory_by_original_level", "write_report"]

@@ -10,3 +10,8 @@ from autotune.run.tuning import (DEFAULT_DEVICE, HOST_UNLIMITED_BYTES, MeasuredR
                                  resolve_device, study_name_for, tune_graph)
 from autotune.run.target import Target, resolve_target
 from autotune.run.verdict import Verdict
+
+__all__ = ["calibration_batches", "DEFAULT_DEVICE", "extrapolation_note", "HOST_UNLIMITED_BYTES", "largest_batch",
+    "largest_batch_with_swap", "max_batch_without_swap", "MeasuredRun", "MeasureOptions", "optuna_storage",
+    "PlanRun", "PRESET_TIME_ERROR", "resolve_device", "resolve_target", "run_plan", "SearchOptions",
+    "study_name_for", "SwapProbes", "Target", "time_model_note", "tune", "tune_graph", "TuneResult", "Verdict"]

@@ -6,3 +6,7 @@ from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, AppliedSwapIn, Graph
 from rewriter.edit.graph_refs import Ancestry, parse_ref
 from rewriter.edit.recompute_clones import (CLONE_ATTR, KEEP_ATTR, AppliedRecompute, apply_recomputes,
                                             clone_tensor_info, unclonable_reason)
+
+__all__ = ["Ancestry", "AppliedRecompute", "AppliedSwap", "AppliedSwapIn", "apply_recomputes", "CLONE_ATTR",
+    "clone_tensor_info", "edit_graph_def", "GraphEditor", "KEEP_ATTR", "parse_ref", "partners_adjacent",
+    "SkippedSwap", "SWAP_OPS", "unclonable_reason"]

@@ -3,3 +3,5 @@ imports nothing else of the simulator. The golden replays (tests/simulator/test_
 
 from simulator.kernels.memory import copy_overlap
 from simulator.kernels.plan_loops import after_ops, plan_reads, replay_plan, safe_wait_slots, summarize
+
+__all__ = ["after_ops", "copy_overlap", "plan_reads", "replay_plan", "safe_wait_slots", "summarize"]

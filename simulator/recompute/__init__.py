@@ -6,3 +6,6 @@ re-exported here and the choice is imported by its path, ``simulator.recompute.c
 from simulator.recompute.actions import (CLONE_MARK, NEVER_RECOMPUTED, RECOMPUTE_CLASSES, RECOMPUTE_SCOPES, Recompute,
                                          clone_name, original_levels, original_name, recomputed_tensors,
                                          with_recomputes)
+
+__all__ = ["CLONE_MARK", "clone_name", "NEVER_RECOMPUTED", "original_levels", "original_name", "Recompute",
+    "RECOMPUTE_CLASSES", "RECOMPUTE_SCOPES", "recomputed_tensors", "with_recomputes"]

@@ -8,3 +8,7 @@ from simulator.split.actions import (COMBINE_OP_TYPES, SPLIT_MARK, SplitRegion, 
 from simulator.split.classes import (BATCH_SUM, COMBINE_KINDS, ENDS, PER_SAMPLE, OpSplit, grow_region, op_split,
                                      splittable)
 from simulator.split.floor import SplitFloor, floor_after_splitting
+
+__all__ = ["BATCH_SUM", "COMBINE_KINDS", "COMBINE_OP_TYPES", "ENDS", "floor_after_splitting", "grow_region",
+    "op_split", "OpSplit", "part_batches", "PER_SAMPLE", "SPLIT_MARK", "split_origin", "split_regions",
+    "SplitFloor", "SplitRegion", "splittable", "with_splits"]

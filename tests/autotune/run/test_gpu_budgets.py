@@ -15,7 +15,7 @@ from simulator.device.memory_budgets import (DEFAULT_PINNED_LIMIT_BYTES, PINNED_
                                       pinned_limit_bytes, pinned_limit_to_set, usable_gpu_bytes)
 
 MiB = 2**20
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_pinned_limit_default_and_environment():

@@ -18,7 +18,7 @@ from autotune.cli.command import main  # noqa: E402
 from tests.cli_helpers import uncalibrated  # noqa: E402
 from autotune.run.tuning import optuna_storage  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -1,1 +1,0 @@
-"""The tool's own time: the stage clock, the search's stored trials, the calibration cache."""

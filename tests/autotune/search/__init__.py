@@ -1,0 +1,1 @@
+"""Tests of `autotune/search/`: the search and its stored trials."""
