@@ -79,6 +79,12 @@ def check_compiled(model) -> None:
     if getattr(model, "loss", None) is None and not trains_itself(model):
         raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first (a model "
                            "whose own train_step computes its losses needs none)")
+    strategy = getattr(model, "_distribute_strategy", None) or \
+        (tf.distribute.get_strategy() if tf.distribute.has_strategy() else None)  # Keras' own record of it
+    if strategy is not None:
+        raise CaptureError(f"the model was built under tf.distribute.{type(strategy).__name__}: only single-device "
+                           "steps are captured and trained with a plan; build and compile the model outside "
+                           "strategy.scope() to tune it")
 
 
 def _optimizer_scope(optimizer) -> str | None:

@@ -172,6 +172,15 @@ def test_model_without_loss_is_refused():
         capture(model, 2)
 
 
+def test_model_built_under_a_strategy_is_refused():
+    """A replicated step is not a single-device step: refused in one line, before anything is traced."""
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(CaptureError, match="built under tf.distribute.MirroredStrategy"):
+        capture(model, 2)
+
+
 def test_open_dimensions_need_shapes():
     inputs = keras.Input((None, None, 3))
     hidden = keras.layers.Conv2D(4, 3)(inputs)
