@@ -30,6 +30,45 @@ class SplitRegion:
     parts: int
 
 
+def split_records(regions: Sequence[SplitRegion]) -> list[dict]:
+    """The plan file's ``splits`` entry (``simulator.plan``, format 3): a region per record."""
+    return [{"ops": list(region.ops), "parts": region.parts} for region in regions]
+
+
+def read_split_records(records, error: type[GraphError] = GraphError) -> tuple[SplitRegion, ...]:
+    """The regions of a plan file's ``splits`` entry; ``error`` names the first malformed record."""
+    if not isinstance(records, list):
+        raise error("the plan's 'splits' must be a list of regions")
+    regions = []
+    for r, record in enumerate(records):
+        ops, parts = (record.get("ops"), record.get("parts")) if isinstance(record, dict) else (None, None)
+        if not isinstance(ops, list) or not ops or not all(isinstance(op, str) for op in ops) \
+                or isinstance(parts, bool) or not isinstance(parts, int) or parts < 2:
+            raise error(f"split region {r} of the plan is malformed (needs 'ops', a list of op names, and "
+                             "'parts', a whole number of at least 2)")
+        regions.append(SplitRegion(tuple(ops), parts))
+    return tuple(regions)
+
+
+def held_regions(g: OpGraph) -> tuple[SplitRegion, ...]:
+    """The regions a split graph holds, as ``SplitRegion`` records (none for a captured step)."""
+    return tuple(SplitRegion(tuple(record["ops"]), int(record["parts"])) for record in split_regions(g))
+
+
+def with_plan_splits(g: OpGraph, regions: Sequence[SplitRegion], error: type[GraphError] = GraphError) -> OpGraph:
+    """``g`` with a plan's ``regions`` (``g`` itself when it holds them, or when there are none); ``error`` for
+    a graph split otherwise or regions that do not fit it."""
+    held = held_regions(g)
+    if held == tuple(regions):
+        return g
+    if held:
+        raise error("the graph holds other split regions than the plan's: pass the captured step's graph")
+    try:
+        return with_splits(g, regions)
+    except GraphError as found:
+        raise error(f"the plan's split regions do not fit this graph ({found})") from None
+
+
 def part_batches(batch_size: int, parts: int) -> list[int]:
     """The samples of each part: as even as they can be, the first ``batch_size % parts`` one larger."""
     if parts < 2 or parts > batch_size:
