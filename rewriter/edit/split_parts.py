@@ -10,8 +10,8 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   or weight gradient; ``simulator.split.COMBINE_KINDS``) makes one partial per part, joined by a running
   combine ``<op>/split_combine_<j>`` (``AddV2``; ``Maximum``, ``Minimum``, ``Mul`` for the other kinds;
   part j + 2 waits for step j, as the simulator has it). A ``Mean`` over the batch runs as a ``Sum`` per part
-  and one division of the combined sum by the whole batch's count (``<op>/split_combine_scale``), so it
-  rounds as a mean does, not as a mean of means;
+  and one division of the combined sum by the whole batch's count (the last step's name is the division's,
+  its sum ``<step>/sum``, as the simulator has it), so it rounds as a mean does, not as a mean of means;
 * a batch-dependent tensor from outside a region is cut at its entry by one ``SplitV`` along axis 0
   (``<producer>/split_batch_<output>_<region>``): the step's inputs, Dropout's masks (a random op ends a
   region: the mask is drawn whole, so it keeps its values), constants Grappler folds (the loss gradient's
@@ -291,6 +291,7 @@ class _PartsBuilder:
                 self.region_of[op] = r
         for op in self.region_of:
             self.kind[op] = self.classify(op)
+        self._fold_static_shapes()
         order = self._topological()
         for op in order:
             self._build_op(op)
@@ -349,22 +350,25 @@ class _PartsBuilder:
         self.done[op] = []
         for k in range(outputs):
             so_far, dtype = tensor_ref(self.parts[op][0], k), self.shapes.dtypes[f"{op}:{k}"]
+            last = len(self.parts[op]) - 2
             for j, part in enumerate(self.parts[op][1:]):
                 name = combine_name(op, j if outputs == 1 else f"{k}_{j}")
-                node = self.add(name, COMBINE_OP_TYPES[kind], [so_far, tensor_ref(part, k)], keep=True, region=r,
+                step = f"{name}/sum" if kind == "mean" and j == last else name  # the mean itself keeps the name
+                node = self.add(step, COMBINE_OP_TYPES[kind], [so_far, tensor_ref(part, k)], keep=True, region=r,
                                 role="combines")
                 node.attr["T"].type = dtype.as_datatype_enum
                 if j + 2 < len(self.parts[op]):  # the next partial waits: two partials at once, not all
-                    self.editor.nodes[self.parts[op][j + 2]].input.append(f"^{name}")
-                so_far = name
-                self.done[op].append(name)
+                    self.editor.nodes[self.parts[op][j + 2]].input.append(f"^{step}")
+                so_far = step
+                self.done[op].append(step)
             if kind == "mean":
-                so_far = self._scale(op, k, so_far, dtype)
+                so_far = self._scale(op, so_far, so_far.removesuffix("/sum"), dtype)
                 self.done[op].append(so_far)
             self.whole[f"{op}:{k}"] = so_far
 
-    def _scale(self, op: str, k: int, total: str, dtype) -> str:
-        """A mean's combined sum divided by the whole batch's count of reduced elements."""
+    def _scale(self, op: str, total: str, name: str, dtype) -> str:
+        """A mean's combined sum divided by the whole batch's count of reduced elements: the combine's last
+        step (``name``; the simulator's, whose last step makes the mean), the sum its ``/sum``."""
         original = self.editor.nodes[op]
         data, axes = [ref for _, ref in self.editor.data_inputs(original)][:2]
         shape = self.shapes.at_batch.get("%s:%d" % self.editor.resolve(data))
@@ -372,33 +376,43 @@ class _PartsBuilder:
         if shape is None or axes_value is None:
             raise PlanError(f"split: {op} cannot run in parts: a Mean over axes or a shape not known before the step")
         count = int(np.prod([shape[int(a)] for a in np.atleast_1d(axes_value)]))
-        suffix = "scale" if self.shapes.outputs[op] == 1 else f"scale_{k}"
-        divisor = self.const(f"{combine_name(op, suffix)}/count", np.asarray(count, dtype.as_numpy_dtype))
-        node = self.add(combine_name(op, suffix), "RealDiv", [total, divisor], keep=True, region=self.region_of[op],
-                        role="combines")
+        divisor = self.const(f"{name}/count", np.asarray(count, dtype.as_numpy_dtype))
+        node = self.add(name, "RealDiv", [total, divisor], keep=True, region=self.region_of[op], role="combines")
         node.attr["T"].type = dtype.as_datatype_enum
         return node.name
 
-    def _fold_static_shape(self, node) -> None:
-        """A ``Shape``, ``Size`` or ``Rank`` of a split op's output becomes the constant it is (Grappler's
-        constant folding would, with a control edge from a concatenation of the parts that the plan's order
-        runs late: a cycle)."""
-        data = self.editor.data_inputs(node)
-        if node.op not in ("Shape", "Size", "Rank") or len(data) != 1 \
-                or self.editor.resolve(data[0][1])[0] not in self.region_of:
-            return
-        shape = self.shapes.at_batch.get("%s:%d" % self.editor.resolve(data[0][1]))
-        if shape is None:
-            return
-        dtype = tf.as_dtype(node.attr["out_type"].type) if "out_type" in node.attr else tf.int32
-        value = {"Shape": shape, "Size": np.prod(shape), "Rank": len(shape)}[node.op]
-        controls = [ref for ref in node.input if ref.startswith("^")]
-        node.op = "Const"
-        node.ClearField("attr")
-        del node.input[:]
-        node.input.extend(controls)
-        node.attr["dtype"].type = dtype.as_datatype_enum
-        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.asarray(value), dtype=dtype))
+    def _fold_static_shapes(self) -> None:
+        """A ``Shape``, ``ShapeN``, ``Size`` or ``Rank`` of a split op's output becomes the constant it is,
+        before the parts are made: a part's shape input naming the batch is then a constant to rewrite (a
+        convolution's input-size gradient reads a ``ShapeN``), and no concatenation of the parts is made for
+        it (Grappler's constant folding would fold it with a control edge from that concatenation, which the
+        plan's order runs late: a cycle)."""
+        for node in list(self.editor.graph_def.node):
+            data = self.editor.data_inputs(node)
+            reads = [self.editor.resolve(ref) for _, ref in data]
+            if node.name in self.region_of or node.op not in ("Shape", "ShapeN", "Size", "Rank") \
+                    or not any(source in self.region_of for source, _ in reads):
+                continue
+            shapes = [self.shapes.at_batch.get(f"{source}:{k}") for source, k in reads]
+            if any(shape is None for shape in shapes):
+                continue
+            dtype = tf.as_dtype(node.attr["out_type"].type) if "out_type" in node.attr else tf.int32
+            values = [{"Shape": shape, "ShapeN": shape, "Size": np.prod(shape), "Rank": len(shape)}[node.op]
+                      for shape in shapes]
+            controls = [ref for ref in node.input if ref.startswith("^")]
+            consts = [self.const(f"{node.name}/split_static_{k}", np.asarray(value, dtype.as_numpy_dtype))
+                      for k, value in enumerate(values)]
+            was = node.op
+            node.ClearField("attr")
+            del node.input[:]
+            if was == "ShapeN":  # its outputs, one constant each
+                node.op = "IdentityN"
+                node.input.extend(consts + controls)
+                node.attr["T"].list.type.extend([dtype.as_datatype_enum] * len(consts))
+            else:
+                node.op = "Identity"
+                node.input.extend(consts[:1] + controls)
+                node.attr["T"].type = dtype.as_datatype_enum
 
     def _rewire_outside(self, fetches: frozenset[str]) -> None:
         """Readers outside the regions read the whole tensors; the originals go, and so do the concatenations
@@ -408,7 +422,6 @@ class _PartsBuilder:
         for node in list(self.editor.graph_def.node):
             if node.name in self.region_of or SPLIT_ATTR in node.attr:
                 continue
-            self._fold_static_shape(node)
             inputs = []
             for ref in node.input:
                 if ref.startswith("^"):

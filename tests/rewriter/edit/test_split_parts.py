@@ -136,12 +136,13 @@ def test_batch_norm_moments_are_combined_and_dropout_masks_kept():
     model = _cnn()
     step = rewriter.apply(model, plan, batch_size=BATCH, verify=False)
     (applied,) = step.split
-    scales = [name for name in applied.combines if name.endswith("split_combine_scale")]
-    assert {name.split("/moments/")[1].split("/")[0] for name in scales} == {"mean", "variance"}
+    sums = [name for name in applied.combines if name.endswith("split_combine_0/sum")]
+    assert {name.split("/moments/")[1].split("/")[0] for name in sums} == {"mean", "variance"}
     nodes = {node.name: node for node in step.graph_def.node}
-    for name in scales:
-        assert nodes[name].op == "RealDiv"
-        assert nodes[name.replace("split_combine_scale", "split_part_0")].op == "Sum"
+    for name in sums:  # the combine's last step, the simulator's name, is the mean: the sum over the count
+        mean = nodes[name.removesuffix("/sum")]
+        assert mean.op == "RealDiv" and mean.input[0] == name
+        assert nodes[name.replace("split_combine_0/sum", "split_part_0")].op == "Sum"
     assert any("StatelessRandomUniformV2/split_batch_0_0" in name for name in applied.entries)
 
 
