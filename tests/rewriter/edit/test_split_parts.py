@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import rewriter
 from rewriter.check.collected import collect_first_call
-from rewriter.edit.split_parts import SPLIT_ATTR
+from rewriter.check.verification import check
 from rewriter.trace.tracing import import_step
 from simulator import SwapParams, plan_swaps, replay
 from simulator.buffers import peak_lower_bound_bytes
@@ -156,18 +156,21 @@ def test_a_split_step_trains_with_keras_fit():
 
 
 def test_the_parts_survive_grappler():
-    """After Grappler's passes, every part and combine still runs (its keep mark): none merged back."""
+    """``apply`` verifies the first call: after Grappler's passes every part and combine still runs (its keep
+    mark), none merged back; one that did not run would be named."""
     plan, _ = _split_plan(_cnn)
     model = _cnn()
-    step = rewriter.apply(model, plan, batch_size=BATCH, verify=False)
+    step = rewriter.apply(model, plan, batch_size=BATCH)
     (applied,) = step.split
+    result = step.verification
+    assert result.ok and result.split_nodes == result.planned_split_nodes == len(applied.part_nodes + applied.combines)
     x, y = _batch(model)
     xs, ys = step.traced.inputs.flatten(x, y)
     flat = [tf.convert_to_tensor(v) for v in xs + ys]
     _, graphs = collect_first_call(import_step(step.graph_def, step.traced), *flat)
-    ran = {node.attr[SPLIT_ATTR].s.decode() for graph in graphs for node in graph.post_optimization_graph.node
-           if SPLIT_ATTR in node.attr}
-    assert set(applied.part_nodes + applied.combines) <= ran, sorted(set(applied.part_nodes) - ran)[:5]
+    ghost = replace(applied, part_nodes=applied.part_nodes + ("ghost/split_part_0",))
+    missed = check(graphs, [], split=[ghost])
+    assert not missed.ok and missed.split_lost == ["ghost/split_part_0"]
 
 
 def test_what_cannot_be_split_is_one_plan_error():
