@@ -100,10 +100,14 @@ def split_to_budget(g: OpGraph, budget_bytes: int) -> SplitFloor | None:
 
 
 def split_lines(found: SplitFloor) -> str:
-    """A split's effect on the floor, for the report."""
+    """A split's effect on the floor, for the report, and where its regions end (the ops that cannot be split
+    exactly, and why: inputs, random ops, a batch flattened into another axis, ...)."""
+    ends = [(op, why) for op, why in found.ends if not why.startswith("a Placeholder")]
+    where = "; ".join(f"{op}: {why}" for op, why in ends[:3]) + (f"; {len(ends) - 3} more" if len(ends) > 3 else "")
     return (f"splitting {found.region_ops} ops in {len(found.regions)} region(s) along the batch in {found.parts} "
             f"parts lowers the floor from {format_bytes(found.floor_bytes)} to {format_bytes(found.split_floor_bytes)} "
-            f"({found.stop_reason})")
+            f"({found.stop_reason})" + (f"; the region ends at ops that cannot run in parts exactly: {where}"
+                                        if ends else ""))
 
 
 def _largest_batch_under(g: OpGraph, budget_bytes: int) -> int:

@@ -385,12 +385,13 @@ def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
 def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_path):
     """A budget 30 % under the floor of every plan that moves whole tensors (a convolution's gradient with its
     inputs and outputs): the ops that set it run in parts along the batch, the plan file holds the region, and
-    the measured run confirms the plan (exit 0); ``--no-split`` (or ``split = false`` in autotune.toml) exits 3
+    the measured run confirms the plan (exit 0), and the report names where the region ends and why; ``--no-split`` (or ``split = false`` in autotune.toml) exits 3
     naming the floor and what a split would reach (docs/design.md 12)."""
     from rewriter.trace.tracing import capture
     from simulator.buffers import peak_lower_bound_bytes
     from simulator.split import floor_after_splitting
-    from tests.rewriter.edit.test_split_parts import _wide_cnn
+    from autotune.run.floor import split_lines
+    from tests.rewriter.edit.test_split_parts import _cnn, _wide_cnn
 
     model_dir = tmp_path / "wide"
     model_dir.mkdir()
@@ -407,6 +408,9 @@ def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_pat
     assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
     assert plan["format"] == "swap-plan/3" and plan["splits"] and plan["splits"][0]["parts"] >= 2
     assert "along the batch" in stdout and "lowers the floor" in stdout
+    # where a region ends, the report names the op and why: Dropout's random op draws the whole batch's mask
+    with_dropout = split_lines(floor_after_splitting(capture(_cnn(), 5), 2))
+    assert "cannot run in parts exactly" in with_dropout and "StatelessRandomUniformV2: a Stateless" in with_dropout
     code, stdout, err = _run_main(capsys, *common, "--no-split", "--out", tmp_path / "whole")
     assert code == 3, err + stdout
     assert "Does not fit: no plan can peak under" in stdout and "without --no-split" in stdout
