@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                "(measured_over_floor < 1) is what splitting adds. Peaks are measured in this process on the "
                "testbed's accelerator (CPU:0), as rewriter.measure reports them.",
                f"{within} of {len(table)} plans measured within 5 % of their prediction on every run, {below} "
-               "below it by more (the simulator's side of the error is the safe one there: the split step "
-               "without swaps and the unsplit step with its best swaps measured their predictions within 0.02 % "
-               "in a check of small_cnn-32 at 2 parts; with swaps of the parts it measured 6 % under, cause not "
-               "found yet)."])
+               "below it by more: the safe side, and not the split's: in a check of small_cnn-32 at 2 parts the "
+               "split step without swaps, and split plans swapping activations only or with sync both, measured "
+               "their predictions within 0.02 %; the plans under it swap every tensor (tensors=all) with "
+               "asynchronous copies out, whose buffers the testbed frees earlier than the simulator assumes."])
     print(path)
     return 0
