@@ -198,12 +198,16 @@ class _PartsBuilder:
             if node.op not in PER_SAMPLE_TYPES:
                 raise PlanError(f"split: {op} cannot run in parts: a {node.op}: how its outputs depend on other "
                                 "samples is not known")
-            axis = AXIS_INPUTS.get(node.op, {"ConcatV2": len(node.input) - 1}.get(node.op))
+            data = [ref for _, ref in self.editor.data_inputs(node)]
+            axis = AXIS_INPUTS.get(node.op, {"ConcatV2": len(data) - 1}.get(node.op))
             if axis is not None:
-                value = _const_value(self.editor, node.input[axis])
+                value = _const_value(self.editor, data[axis])
                 if value is None or int(value) in (0, -len(self.shapes.at_batch[outputs[0]] or ())):
                     raise PlanError(f"split: {op} cannot run in parts: a {node.op} along the batch axis (or an "
                                     "axis not known before the step runs) moves samples across parts")
+            if node.op in ("Slice", "StridedSlice") and not self._keeps_every_sample(node, data):
+                raise PlanError(f"split: {op} cannot run in parts: a {node.op} that does not keep every sample in "
+                                "order (or whose bounds are not known before the step runs)")
             return "per-sample"
         if grown_out or not grown_in:
             raise PlanError(f"split: {op} cannot run in parts: a {node.op} "
@@ -213,6 +217,22 @@ class _PartsBuilder:
             raise PlanError(f"split: {op} cannot run in parts: a {node.op} reducing over the batch in a way that is "
                             "not known")
         return COMBINE_KINDS[node.op]
+
+    def _keeps_every_sample(self, node, data: list[str]) -> bool:
+        """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis, in order, as its first axis."""
+        bounds = [_const_value(self.editor, ref) for ref in data[1:]]
+        if any(value is None or value.ndim != 1 or not len(value) for value in bounds):
+            return False
+        if node.op == "Slice":
+            begin, size = bounds
+            return int(begin[0]) == 0 and int(size[0]) in (-1, self.batch)
+        begin, end, strides = bounds
+        masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                                   "shrink_axis_mask")}
+        if masks["ellipsis_mask"] & 1 or masks["new_axis_mask"] & 1 or masks["shrink_axis_mask"] & 1:
+            return False
+        return int(strides[0]) == 1 and (masks["begin_mask"] & 1 or int(begin[0]) == 0) \
+            and (masks["end_mask"] & 1 or int(end[0]) >= self.batch)
 
     # ------------------------------------------------------------------ reads
 

@@ -240,3 +240,22 @@ def test_a_split_plan_measures_its_prediction_below_the_unsplit_floor():
     for split, keras_, permuted_ in zip(th.weights_of(model), th.weights_of(reference), th.weights_of(permuted)):
         own = th.max_relative_difference([permuted_], [keras_])
         assert th.max_relative_difference([split], [keras_]) <= max(TOLERANCE, own)
+
+
+def _reversed_batch():
+    """A layer that reverses the batch (a StridedSlice with stride -1 along it): same shapes, other samples."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(4)(x)
+    h = keras.layers.Lambda(lambda t: t[::-1])(h)
+    return _compiled(x, keras.layers.Dense(3)(h), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def test_a_slice_that_moves_samples_is_refused():
+    """The graph the simulator reads does not record an op's axis, so a region can hold a StridedSlice that
+    reverses the batch: its parts would have the right shapes and the wrong samples. The rewriter reads the
+    slice's bounds and refuses it, naming it."""
+    plan, _ = _split_plan(_reversed_batch)
+    assert any("strided_slice" in op.lower() for op in plan.splits[0].ops)
+    with pytest.raises(PlanError, match="StridedSlice that does not keep every sample in order"):
+        rewriter.apply(_reversed_batch(), plan, batch_size=BATCH, verify=False)
