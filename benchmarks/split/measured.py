@@ -81,9 +81,10 @@ def row_of(name: str, parts: int, runs: int) -> dict:
     own_diff = _differences(_weights(permuted), _weights(reference))
     return {"model": name, "batch": batch, "parts": parts, "floor_MiB": found.floor_bytes / MiB,
             "split_floor_MiB": found.split_floor_bytes / MiB, "best_unsplit_pred_MiB": unsplit_peak / MiB,
-            "swaps": plan.n_swaps, "predicted_MiB": predicted / MiB, "measured_median_MiB": statistics.median(peaks) / MiB,
-            "measured_max_MiB": max(peaks) / MiB, "max_over_pred": max(peaks) / predicted,
-            "median_over_pred": statistics.median(peaks) / predicted, "measured_over_floor": max(peaks) / found.floor_bytes,
+            "swaps": plan.n_swaps, "predicted_MiB": predicted / MiB,
+            "measured_median_MiB": statistics.median(peaks) / MiB, "measured_max_MiB": max(peaks) / MiB,
+            "max_over_pred": max(peaks) / predicted, "median_over_pred": statistics.median(peaks) / predicted,
+            "measured_over_floor": max(peaks) / found.floor_bytes,
             "verified": bool(step.verification is not None and step.verification.ok),
             "trained": min(_differences(start, _weights(reference))) > 0, "weights_rel_diff": max(split_diff),
             "keras_permuted_rel_diff": max(own_diff),
