@@ -18,8 +18,8 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   ``Tile`` of ones);
 * a reader outside a region (or a control edge from one) reads a per-sample tensor whole as a ``ConcatV2`` of its
   parts (``<op>/split_concat_<output>``) and a batch-summing op's output as its combined result;
-* constants that name the batch, the shape input of ``Reshape``, ``BroadcastTo``, ``Fill``, a
-  convolution's or pooling's input-size input and a ``Tile``'s multiples (``SHAPE_INPUTS``), are made
+* constants that name the batch, the shape input of ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s
+  size, a convolution's or pooling's input-size input and a ``Tile``'s multiples (``SHAPE_INPUTS``), are made
   again per part with the part's batch. A ``Tile`` repeating a batch-dependent tensor along the batch,
   and a ``ConcatV2``, ``Split`` or ``SplitV`` along axis 0, are refused: the graph the simulator reads does
   not record an op's axis. Every part's static shapes are checked after import (``check_part_shapes``).
@@ -57,7 +57,7 @@ from simulator.split.classes import COMBINE_KINDS, NEVER_SPLIT, PER_SAMPLE_TYPES
 
 SPLIT_ATTR = "_split_part"  # every node the split adds carries its own name (found again after Grappler)
 # op type -> the input slot that holds a shape (or multiples) whose first element is the batch
-SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1, "Tile": 1, "Fill": 0, "Conv2DBackpropInput": 0,
+SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1, "Tile": 1, "Fill": 0, "Slice": 2, "Conv2DBackpropInput": 0,
                 "Conv3DBackpropInputV2": 0, "DepthwiseConv2dNativeBackpropInput": 0, "AvgPoolGrad": 0,
                 "AvgPool3DGrad": 0, "StridedSliceGrad": 0}
 # op type -> the input slot of its axis: along axis 0 the op moves samples across parts
@@ -221,11 +221,12 @@ class _PartsBuilder:
     def _keeps_every_sample(self, node, data: list[str]) -> bool:
         """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis, in order, as its first axis."""
         bounds = [_const_value(self.editor, ref) for ref in data[1:]]
-        if any(value is None or value.ndim != 1 or not len(value) for value in bounds):
-            return False
-        if node.op == "Slice":
+        known = [value is not None and value.ndim == 1 and len(value) > 0 for value in bounds]
+        if node.op == "Slice":  # a size of the whole batch starts at 0 (a concatenation's gradient: ConcatOffset)
             begin, size = bounds
-            return int(begin[0]) == 0 and int(size[0]) in (-1, self.batch)
+            return known[1] and (int(size[0]) == self.batch or int(size[0]) == -1 and known[0] and int(begin[0]) == 0)
+        if not all(known):
+            return False
         begin, end, strides = bounds
         masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
                                                    "shrink_axis_mask")}
