@@ -472,7 +472,8 @@ class _PartsBuilder:
             read = {parse_ref(ref.lstrip("^"))[0] for node in self.editor.graph_def.node if node.name not in gone
                     for ref in node.input}
             concats = {name for name in self.whole.values() if self.editor.nodes[name].op == "ConcatV2"}
-            dead = {node.name for node in self.editor.graph_def.node if node.name not in gone | read | fetches
+            live = gone | read | fetches
+            dead = {node.name for node in self.editor.graph_def.node if node.name not in live
                     and ((node.name in rewired and _pure(node)) or node.name in concats
                          or node.name.rpartition("/")[0] in concats)}
             if not dead:
