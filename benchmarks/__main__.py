@@ -1,7 +1,7 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
-NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute, floor-split, cli-time,
-search-speed (``python -m benchmarks NAME --help`` for its options).
+NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute, floor-split, split-measured,
+cli-time, search-speed (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "cli-time": "benchmarks.tool_time.cli_time",
     "search-speed": "benchmarks.tool_time.search_speed",
     "floor-split": "benchmarks.floor_split",
+    "split-measured": "benchmarks.split.measured",
 }
 
 

@@ -16,9 +16,9 @@ and ``not_read_error`` (the rewriter's checks against the TensorFlow graph say t
 Recomputations (docs/design.md 9, ``simulator.recompute.actions.Recompute``) are the second kind of action:
 ``NamedPlan.recomputes``, written under ``recomputes`` since ``swap-plan/2``; a ``SwapPlan`` made on a
 graph that holds them (``with_recomputes``) names them in its graph, and its swaps may name the clones.
-A ``swap-plan/1`` file still reads (no recomputations). Adding another kind of action: a tuple of
-records on ``NamedPlan``, written under its own key; bump ``FORMAT_VERSION`` and add a reader to
-``_READERS``, keeping the older readers.
+A ``swap-plan/1`` file still reads (no recomputations). Split regions (``simulator.split``): ``NamedPlan.splits``
+since ``swap-plan/3``, built first. Adding another kind of action: a tuple of records on ``NamedPlan``, written
+under its own key; bump ``FORMAT_VERSION`` and add a reader to ``_READERS``, keeping the older readers.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from simulator.buffers import buffer_record
 from simulator.graph import ORDER_NAMES, GraphError, OpGraph
 from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
-from simulator.recompute.actions import Recompute, original_name, recomputed_tensors, with_recomputes
+from simulator.recompute.actions import Recompute, check_recompute_structure, recomputed_tensors, with_recomputes
+from simulator.split.actions import SplitRegion, held_regions, read_split_records, split_records, with_plan_splits
 
 FORMAT_NAME = "swap-plan"
-FORMAT_VERSION = 2  # what this version writes; it reads every version in _READERS
+FORMAT_VERSION = 3  # what this version writes; it reads every version in _READERS
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 
@@ -185,7 +186,8 @@ class SwapPlan:
                                      for swap_in in swap.swap_ins))
             for swap in self.swaps())
         return NamedPlan(
-            swaps=swaps, recomputes=tuple(recomputed_tensors(g)), graph_fingerprint=g.fingerprint(),
+            swaps=swaps, recomputes=tuple(recomputed_tensors(g)), splits=held_regions(g),
+            graph_fingerprint=g.fingerprint(),
             model=str(g.meta.get("model", "")),
             batch_size=self.batch_size if self.batch_size is not None else g.batch_size, params=self.params,
             after_copies_out=self.after_copies_out, ordering=self.order_name,
@@ -256,29 +258,10 @@ def check_structure(swaps: Iterable[Swap | NamedSwap], name: Callable[[Any], str
                 fed.add(consumer)
 
 
-def check_recompute_structure(recomputes: Sequence[Recompute]) -> None:
-    """The rules recomputations obey whatever the graph: each lists ops and far readers, its last op
-    makes its tensor, one action per tensor, and they name original ops only (no chains of actions:
-    a clone's name, ``clone_name``, is the simulator's and the rewriter's, never the plan's)."""
-    seen = set()
-    for k, action in enumerate(recomputes):
-        if not action.ops or not action.consumers:
-            raise PlanError(f"recomputation {k} of {action.tensor} lists no ops or no far readers")
-        if action.tensor.rpartition(":")[0] != action.ops[-1]:
-            raise PlanError(f"recomputation {k}: its last op {action.ops[-1]!r} does not make its tensor "
-                            f"{action.tensor!r}")
-        if action.tensor in seen:
-            raise PlanError(f"a tensor is recomputed twice in one plan ({action.tensor})")
-        seen.add(action.tensor)
-        clones = [name for name in (*action.ops, action.trigger, *action.consumers) if original_name(name) != name]
-        if clones:
-            raise PlanError(f"recomputation {k} names the clone {clones[0]!r}: sources, triggers and far readers are "
-                            "ops of the original step (no chains of recomputations)")
-
-
 def plan_graph(g: OpGraph, named: "NamedPlan") -> OpGraph:
-    """The graph ``named``'s swaps are made on: ``g`` with its recomputations (``g`` itself when it has
-    none, or already holds them); a recomputation ``g`` cannot hold is a PlanError."""
+    """The graph ``named``'s swaps are made on: ``g`` with its split regions, then its recomputations (``g``
+    itself when it has none, or already holds them); an action ``g`` cannot hold is a PlanError."""
+    g = with_plan_splits(g, named.splits, PlanError)
     held = recomputed_tensors(g)
     if not named.recomputes or held == list(named.recomputes):
         return g
@@ -398,6 +381,7 @@ class NamedPlan:
 
     swaps: tuple[NamedSwap, ...] = ()
     recomputes: tuple[Recompute, ...] = ()
+    splits: tuple[SplitRegion, ...] = ()  # ops run in parts along the batch (simulator.split), built first
     order: tuple[str, ...] = ()
     ordering: str = "cto"
     after_copies_out: bool = False
@@ -413,7 +397,7 @@ class NamedPlan:
     @property
     def changes_step(self) -> bool:
         """Whether applying it does anything but trace the step: swaps, recomputations, an order, rewrites."""
-        return bool(self.swaps or self.recomputes or self.order or self.graph_rewrites)
+        return bool(self.swaps or self.recomputes or self.splits or self.order or self.graph_rewrites)
 
     def names(self, swaps: Iterable[NamedSwap] | None = None) -> Iterator[str]:
         """Every op and tensor name the plan (or ``swaps`` of it) refers to, in file order."""
@@ -439,6 +423,7 @@ class NamedPlan:
                       for swap in self.swaps],
             "recomputes": [{"tensor": action.tensor, "ops": list(action.ops), "trigger": action.trigger,
                             "consumers": list(action.consumers)} for action in self.recomputes],
+            "splits": split_records(self.splits),
             "after_copies_out": self.after_copies_out,
             "ordering": self.ordering,
             "order": list(self.order),
@@ -460,7 +445,7 @@ class NamedPlan:
         version = _version(data)
         plan = _READERS[version](data)
         check_structure(plan.swaps)
-        check_recompute_structure(plan.recomputes)
+        check_recompute_structure(plan.recomputes, PlanError)
         return plan
 
     @classmethod
@@ -565,8 +550,13 @@ def _read_v2(data: dict[str, Any]) -> NamedPlan:
     return replace(_read_v1(data), recomputes=tuple(actions))
 
 
+def _read_v3(data: dict[str, Any]) -> NamedPlan:
+    """``swap-plan/3``: version 2 and the split regions (``splits``, ``ops`` and ``parts`` each; left out: none)."""
+    return replace(_read_v2(data), splits=read_split_records(data.get("splits", []), PlanError))
+
+
 # format version -> reader; a new version adds its reader and keeps the older ones
-_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {1: _read_v1, 2: _read_v2}
+_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {1: _read_v1, 2: _read_v2, 3: _read_v3}
 
 
 def load_plan(plan: Any, graph: OpGraph | None = None) -> NamedPlan:

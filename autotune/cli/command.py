@@ -31,6 +31,7 @@ autotune.toml with defaults for the flags below, e.g.:
     input_shapes = {image = [224, 224, 3]}   # where the model leaves dimensions open
     trials = 200
     recompute = false             # swap only, as --no-recompute
+    split = false                 # never split ops along the batch, as --no-split
     graph_rewrites = ["split-concat", "elide-broadcasts"]   # U-Nets: see --rewrite
     imports = ["my_layers"]       # the model's custom objects: see --import
 
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--no-recompute: swap only, never recompute a tensor for its far readers (by default "
                              "the search recomputes tensors where that costs less than keeping or swapping them; "
                              "also recompute = false in autotune.toml)")
+    search.add_argument("--split", action=argparse.BooleanOptionalAction, default=None,
+                        help="--no-split: never run ops in parts along the batch (by default, where the budget is "
+                             "under the floor of every plan that moves whole tensors, the ops that set it run in "
+                             "parts, exactly, docs/design.md 12; also split = false in autotune.toml)")
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
@@ -156,6 +161,7 @@ def _settings(args: argparse.Namespace):
         raise InputError(f"--timeout must be positive, got {timeout}")
     max_overhead = args.max_overhead if args.max_overhead is not None else config.max_overhead
     recompute = next((value for value in (args.recompute, config.recompute) if value is not None), True)
+    split = next((value for value in (args.split, config.split) if value is not None), True)
     if max_overhead is not None and max_overhead < 0:
         raise InputError(f"--max-overhead must not be negative, got {max_overhead}")
     from autotune.search.policies import POLICIES, SAMPLERS
@@ -194,7 +200,8 @@ def _settings(args: argparse.Namespace):
                                 seed=args.seed if args.seed is not None else (config.seed if config.seed is not None
                                                                               else 0),
                                 study_name=args.study_name, maximize_batch=args.maximize_batch,
-                                max_overhead=max_overhead, recompute=recompute, progress=not args.quiet),
+                                max_overhead=max_overhead, recompute=recompute, split=split,
+                                progress=not args.quiet),
         "input_shapes": _input_shapes(args.input_shape) or config.input_shapes,
         "input_shapes_from": "--input-shape" if args.input_shape else "autotune.toml: input_shapes",
         "graph_rewrites": graph_rewrites,

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from autotune.run.calibrated_timing import calibrate_for, search_target
-from autotune.run.floor import foregone
+from autotune.run.floor import foregone, split_lines, split_to_budget
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import measure_result, planned_run
@@ -26,6 +26,7 @@ from autotune.run.tuning import MeasuredRun, TuneResult, search_graph
 from autotune.run.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
                               predicted)
 from simulator import CalibratedDevice
+from simulator.buffers import peak_lower_bound_bytes
 
 if TYPE_CHECKING:  # TensorFlow only when a model is tuned
     from rewriter.trace.step_inputs import StepInputs
@@ -192,14 +193,22 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
+    captured, split, split_notes = graph, None, []
+    if peak_lower_bound_bytes(graph) > target.device_budget_bytes and not search.maximize_batch:
+        split = split_to_budget(graph, target.device_budget_bytes)  # the ops that set the floor, in parts
+        if split is not None and search.split and split.split_floor_bytes <= target.device_budget_bytes:
+            split_notes = [split_lines(split)]
+            say(split_notes[0])
+            graph = split.split_graph
     known = foregone(graph, target, policy=search.policy, recompute=search.recompute,
                      recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
-                                                     graph_rewrites=[*graph_rewrites, *more]))
+                                                     graph_rewrites=[*graph_rewrites, *more]),
+                     split=split, split_allowed=search.split)
     if known is not None:  # under the floor: no calibration, search or measured run can change the answer
         return known
-    with clock.stage("calibration"):
-        calibration = calibrate_for(model, graph, batch_size, inputs, say=say, recalibrate=measurement.recalibrate) \
-            if measurement.calibrates else None
+    with clock.stage("calibration"):  # of the captured step: a split step's parts take the preset's estimates
+        calibration = calibrate_for(model, captured, batch_size, inputs, say=say,
+                                    recalibrate=measurement.recalibrate) if measurement.calibrates else None
     if not measurement.measure:
         with clock.stage("search"):
             searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
@@ -208,5 +217,6 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         say("searching, then measuring the chosen plan on the real training step ...")
         result = confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
                          calibration=calibration, clock=clock, say=lambda text: say(f"measured: {text}"))
+    result = replace(result, notes=[*split_notes, *result.notes])
     weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) if result.applies_plan else None
     return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time

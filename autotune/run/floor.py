@@ -5,7 +5,9 @@ the largest working set one op needs at once (``simulator.buffers.peak_lower_bou
 the budget is below that floor, the answer is "does not fit" before any calibration, search or
 measured run, with what holds the floor and only the changes that were computed to get under the
 budget: a smaller batch, an optimizer without per-weight state, a graph rewrite (captured with it to
-see its floor), or a larger budget.
+see its floor), or a larger budget. Splitting the ops that set the floor along the batch lowers it
+(``split_to_budget``, docs/design.md 12): the search then runs on the split step, or, where no split
+gets under the budget or ``--no-split`` forbids it, the verdict says what it would reach.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from autotune.run.tuning import TuneResult, largest_batch
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
+from simulator.split import SplitFloor, floor_after_splitting
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
+SPLIT_PARTS = (2, 4, 8, 16, 32)  # the parts a split may have, fewest first (fewer parts: fewer, larger kernels)
 OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
 
 
@@ -80,6 +84,32 @@ def rewrites_touching(g: OpGraph, op: int) -> list[str]:
     return found
 
 
+def split_to_budget(g: OpGraph, budget_bytes: int) -> SplitFloor | None:
+    """The split with the fewest parts (``SPLIT_PARTS``, at most the batch) whose floor is within the budget,
+    else the one with the lowest floor; None when no region of ``g`` can be split."""
+    lowest = None
+    for parts in (p for p in SPLIT_PARTS if p <= g.batch_size):
+        found = floor_after_splitting(g, parts)
+        if not found.regions:
+            continue
+        if found.split_floor_bytes <= budget_bytes:
+            return found
+        if lowest is None or found.split_floor_bytes < lowest.split_floor_bytes:
+            lowest = found
+    return lowest
+
+
+def split_lines(found: SplitFloor) -> str:
+    """A split's effect on the floor, for the report, and where its regions end (the ops that cannot be split
+    exactly, and why: inputs, random ops, a batch flattened into another axis, ...)."""
+    ends = [(op, why) for op, why in found.ends if not why.startswith("a Placeholder")]
+    where = "; ".join(f"{op}: {why}" for op, why in ends[:3]) + (f"; {len(ends) - 3} more" if len(ends) > 3 else "")
+    return (f"splitting {found.region_ops} ops in {len(found.regions)} region(s) along the batch in {found.parts} "
+            f"parts lowers the floor from {format_bytes(found.floor_bytes)} to {format_bytes(found.split_floor_bytes)} "
+            f"({found.stop_reason})" + (f"; the region ends at ops that cannot run in parts exactly: {where}"
+                                        if ends else ""))
+
+
 def _largest_batch_under(g: OpGraph, budget_bytes: int) -> int:
     """The largest batch whose floor is within the budget (0: not even batch 1)."""
     return largest_batch(lambda batch: peak_lower_bound_bytes(g.with_batch(batch)) <= budget_bytes)
@@ -111,10 +141,12 @@ def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[
 
 
 def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recompute: bool = True,
-             recaptured: Callable[[Sequence[str]], OpGraph] | None = None) -> TuneResult | None:
+             recaptured: Callable[[Sequence[str]], OpGraph] | None = None, split: SplitFloor | None = None,
+             split_allowed: bool = True) -> TuneResult | None:
     """The result "does not fit" when the budget is under ``graph``'s floor at its batch, else None.
     ``recaptured(rewrites)``: the step captured again with more graph rewrites, to see their floor
-    (asked only for the rewrites that change the op holding the floor)."""
+    (asked only for the rewrites that change the op holding the floor). ``split``: the lowest floor a split
+    reaches (``split_to_budget``), said among the ways down (``split_allowed`` False: --no-split forbade it)."""
     device_model, budget = target.device, target.device_budget_bytes
     floor = floor_of(graph)
     if floor.floor_bytes <= budget:
@@ -123,6 +155,11 @@ def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recomput
     rewrite_floors = {} if op is None or recaptured is None else {
         rewrite: peak_lower_bound_bytes(recaptured([rewrite])) for rewrite in rewrites_touching(graph, op)}
     ways = ways_down(graph, floor, budget, rewrite_floors)
+    if split is not None:
+        reach = f"splitting the ops that set the floor along the batch in {split.parts} parts"
+        ways.insert(-1, f"{reach} would lower it to {format_bytes(split.split_floor_bytes)}, within the budget "
+                        "(without --no-split)" if not split_allowed and split.split_floor_bytes <= budget else
+                    f"{reach} lowers it only to {format_bytes(split.split_floor_bytes)}, still over the budget")
     headline = (f"Does not fit: no plan can peak under {format_bytes(floor.floor_bytes)} at batch {floor.batch_size}, "
                 f"over the budget of {format_bytes(budget)}: {floor.describe()}.")
     notes = [f"decided right after capture, with no calibration, search or measured run: {floor.describe()}; "

@@ -19,7 +19,9 @@ reads them back and counts, for the swap nodes ``rewriter.step.apply_plan`` adde
   accelerator-side ``_Recv`` carrying a swap-in must depend on every control source apply gave it;
 * for the plan's recomputations (``rewriter.edit.recompute_clones``): the clones that still run, the far reads
   they still serve, their trigger edges (``rewriter.check.recompute_check``; Grappler's common-subgraph
-  elimination would merge a clone back into its original, saving nothing).
+  elimination would merge a clone back into its original, saving nothing);
+* for its split regions (``rewriter.edit.split_parts``): the parts and combines that still run, found by the
+  name each carries (``SPLIT_ATTR``); one merged away or fused into another op is named.
 
 The collected graphs themselves are read by ``rewriter.check.collected``.
 """
@@ -38,6 +40,7 @@ from rewriter.check.collected import collect_first_call, grappler_renames, pick_
 from rewriter.edit.graph_refs import Ancestry
 from rewriter.placement.placements import SWAP_IN_PREFIX
 from rewriter.edit.recompute_clones import AppliedRecompute
+from rewriter.edit.split_parts import SPLIT_ATTR, AppliedSplit
 from rewriter.check.recompute_check import RecomputeVerification, check_recomputes, recompute_names
 
 log = logging.getLogger(__name__)
@@ -79,11 +82,15 @@ class Verification:
     devices: dict[str, int] = field(default_factory=dict)  # partition graph device -> node count
     collected: bool = True  # False when the run metadata held no graph of the step
     recompute: RecomputeVerification | None = None  # the plan's recomputations, when it has any
+    planned_split_nodes: int = 0  # the parts and combines of the plan's split regions
+    split_nodes: int = 0  # of those, still in the optimized graph
+    split_lost: list[str] = field(default_factory=list)  # parts or combines Grappler merged away or fused
 
     @property
     def ok(self) -> bool:
         return self.collected and not (self.removed or self.triggers_dropped or self.triggers_moved
-                                       or self.triggers_folded or self.reads_lost or self.copies_early) \
+                                       or self.triggers_folded or self.reads_lost or self.copies_early
+                                       or self.split_lost) \
             and (self.recompute is None or self.recompute.ok)
 
     def problem_items(self) -> list[tuple[str, list[str]]]:
@@ -94,7 +101,8 @@ class Verification:
                              ("trigger edge(s) dropped", self.triggers_dropped),
                              ("trigger edge(s) moved", self.triggers_moved),
                              ("copy(ies) to the accelerator need not wait for their trigger", self.copies_early),
-                             ("consumer input(s) no longer read their swap-in", self.reads_lost)):
+                             ("consumer input(s) no longer read their swap-in", self.reads_lost),
+                             ("split part(s) or combine(s) merged away", self.split_lost)):
             if names:
                 items.append((f"{len(names)} {label}", list(names)))
         if self.recompute is not None:
@@ -121,6 +129,8 @@ class Verification:
                 f"{self.copies_waiting}/{self.copies_checked}")
         if self.recompute is not None:
             text += f"; recomputations: {self.recompute.counts()}"
+        if self.planned_split_nodes:
+            text += f"; split parts and combines {self.split_nodes}/{self.planned_split_nodes}"
         problems = self.problems()
         return text + ("" if not problems else "; " + "; ".join(problems))
 
@@ -138,15 +148,17 @@ def _short(device: str) -> str:
 
 
 def check(function_graphs, applied, *, accelerator: str = "", host: str = "",
-          recomputed: Sequence[AppliedRecompute] = ()) -> Verification:
-    """Compare the collected graphs of one step with the applied swaps (``SwapStep.applied``) and
-    recomputations (``SwapStep.recomputed``)."""
+          recomputed: Sequence[AppliedRecompute] = (), split: Sequence[AppliedSplit] = ()) -> Verification:
+    """Compare the collected graphs of one step with the applied swaps (``SwapStep.applied``),
+    recomputations (``SwapStep.recomputed``) and split regions (``SwapStep.split``)."""
     swap_ins = [item for swap in applied for item in swap.swap_ins]
-    names = {swap.swap_out for swap in applied} | {item.name for item in swap_ins} | recompute_names(recomputed)
+    split_nodes = [name for item in split for name in item.part_nodes + item.combines]
+    names = {swap.swap_out for swap in applied} | {item.name for item in swap_ins} | recompute_names(recomputed) \
+        | set(split_nodes)
     result = Verification(
         planned_swap_outs=len(applied), planned_swap_ins=len(swap_ins),
         planned_triggers=sum(1 for item in swap_ins if item.trigger),
-        planned_rewired_inputs=sum(len(item.rewired) for item in swap_ins),
+        planned_rewired_inputs=sum(len(item.rewired) for item in swap_ins), planned_split_nodes=len(split_nodes),
     )
     if recomputed:
         result.recompute = check_recomputes(function_graphs, recomputed)
@@ -155,6 +167,9 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "",
         result.collected = False
         return result
     post = _node_map(fg.post_optimization_graph)
+    ran = {node.attr[SPLIT_ATTR].s.decode() for node in post.values() if SPLIT_ATTR in node.attr}
+    result.split_nodes = sum(name in ran for name in split_nodes)
+    result.split_lost = [name for name in split_nodes if name not in ran]
     partitions: dict[str, Any] = {}
     waits = CopyWaits(fg.partition_graphs, post, accelerator=accelerator)
     for partition in fg.partition_graphs:
@@ -368,7 +383,7 @@ def verify_first_call(step, example=None) -> Verification:
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host,
-                   recomputed=step.recomputed)
+                   recomputed=step.recomputed, split=step.split)
     _report(result)
     return result
 
@@ -384,7 +399,7 @@ def verify(step, x=None, y=None) -> Verification:
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host,
-                   recomputed=step.recomputed)
+                   recomputed=step.recomputed, split=step.split)
     _report(result)
     return result
 

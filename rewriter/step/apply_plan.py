@@ -1,7 +1,8 @@
 """Apply a swap plan to the real TensorFlow training step (docs/design.md 3, 8).
 
 ``apply(model, plan, batch_size=...)`` traces the model's ``train_step`` (``rewriter.trace.tracing``), edits
-the step's ``GraphDef`` by name (the plan's graph rewrites; its recomputations, ``rewriter.edit.recompute_clones``:
+the step's ``GraphDef`` by name (the plan's graph rewrites; its split regions, ``rewriter.edit.split_parts``: ops
+run in parts along the batch; its recomputations, ``rewriter.edit.recompute_clones``:
 clones of forward ops serving far reads; then ``rewriter.edit.graph_edit``: swap nodes, rewired reads, the
 step chained in the plan's order, clones included) and re-imports it with the model's variables re-bound, so the returned ``SwapStep``
 (``rewriter.step.swap_step``) updates the same variables and optimizer slots in place; its first call is
@@ -25,6 +26,7 @@ from rewriter.trace.op_names import traced_names
 from rewriter.tf_effects.passthrough import passthrough_ops
 from rewriter.placement.placements import Placement, resolve as resolve_placement
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
+from rewriter.edit.split_parts import BatchShapes, apply_splits, check_part_shapes
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.step.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
 from rewriter.check.verification import verify_first_call
@@ -98,8 +100,20 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             raise PlanError(f"the plan asks for a graph rewrite this version does not have: {error}") from None
         rewritten = import_step(graph_def, traced, keep_input_names=True)
     foldable, tensor_info = foldable_ops(rewritten), _tensor_info(rewritten)
-    recomputed = []
+    recomputed, split = [], []
     passthrough = passthrough_ops(rewritten.graph)
+    if named.splits:  # first: the plan's recomputations and swaps were made on the split step
+        if model is None or rewrites:
+            raise PlanError("a plan with split regions applies to a Keras model's own step (traced at a second batch "
+                            "size to see which tensors grow with it), without graph rewrites")
+        shapes = BatchShapes.of(traced, trace_keras_step(model, traced.batch_size + 1, inputs,
+                                                         sample_weight=sample_weight))
+        graph_def, split = apply_splits(graph_def, named.splits, shapes, passthrough=passthrough,
+                                        fetches=[t.op.name for t in concrete.outputs] + [traced.loss_op])
+        parted = import_step(graph_def, traced)  # the split step as TF reads it: its shapes, what Grappler folds
+        check_part_shapes(parted.graph, split, shapes)
+        foldable, tensor_info = foldable_ops(parted), _tensor_info(parted)
+        passthrough = passthrough_ops(parted.graph)
     if named.recomputes:  # before the swaps: the plan's swaps were made on the step with the clones
         graph_def, recomputed = apply_recomputes(graph_def, named.recomputes, foldable=foldable, order=named.order,
                                                  passthrough=passthrough)
@@ -115,11 +129,11 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
 
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=named, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,
-                    at_batch=None if model is None else at_batch, recomputed=recomputed)
+                    at_batch=None if model is None else at_batch, recomputed=recomputed, split=split)
     log.info("applied %d swap(s) with %d swap-in(s) (%d skipped) and %d recomputation(s), swap op %s, on %s",
              step.n_swap_outs, step.n_swap_ins, len(skipped), len(recomputed), chosen_op, place.describe())
     if place.measured_on == "gpu":  # copies out land in TF's pinned host allocator, which has a limit
         warn_if_pinned_limit_short(step.swapped_bytes)
-    if verify and (applied or recomputed):
+    if verify and (applied or recomputed or split):
         step.verification = verify_first_call(step, verify_with)
     return step

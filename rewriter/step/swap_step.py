@@ -14,6 +14,7 @@ from rewriter.edit.graph_edit import AppliedSwap, SkippedSwap
 from rewriter.tf_effects.grappler import fixed_grappler_config
 from rewriter.placement.placements import Placement
 from rewriter.edit.recompute_clones import AppliedRecompute
+from rewriter.edit.split_parts import AppliedSplit
 from simulator.plan import NamedPlan
 
 
@@ -23,13 +24,15 @@ class SwapStep:
     ``run(x, y)`` returns the step's logs as Keras' ``train_step`` does (the metrics dict). The step
     updates the model's variables in place. Attributes: ``plan`` (the ``NamedPlan`` that was applied),
     ``applied``/``skipped`` (per-swap records), ``recomputed`` (the recomputations built,
-    ``rewriter.edit.recompute_clones.AppliedRecompute``), ``placement``, ``verification`` (what survived
+    ``rewriter.edit.recompute_clones.AppliedRecompute``), ``split`` (the regions run in parts,
+    ``rewriter.edit.split_parts.AppliedSplit``), ``placement``, ``verification`` (what survived
     Grappler, see ``rewriter.check.verification``), ``graph_def`` (the edited GraphDef), ``batch_size``.
     """
 
     def __init__(self, *, function, traced: TracedStep, graph_def, plan: NamedPlan, applied: list[AppliedSwap],
                  skipped: list[SkippedSwap], placement: Placement, swap_op: str, model=None,
-                 at_batch: Callable[[int], SwapStep] | None = None, recomputed: Sequence[AppliedRecompute] = ()):
+                 at_batch: Callable[[int], SwapStep] | None = None, recomputed: Sequence[AppliedRecompute] = (),
+                 split: Sequence[AppliedSplit] = ()):
         self._function = function
         self.traced = traced
         self.graph_def = graph_def
@@ -37,6 +40,7 @@ class SwapStep:
         self.applied = applied
         self.skipped = skipped
         self.recomputed = tuple(recomputed)
+        self.split = tuple(split)
         self.placement = placement
         self.swap_op = swap_op
         self.batch_size = traced.batch_size

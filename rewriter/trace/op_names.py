@@ -86,5 +86,6 @@ def traced_names(plan: NamedPlan, mapping: dict[str, str]) -> NamedPlan:
     recomputes = tuple(Recompute(tensor=name(action.tensor), ops=tuple(name(op) for op in action.ops),
                                  trigger=name(action.trigger), consumers=tuple(name(c) for c in action.consumers))
                        for action in plan.recomputes)
-    return replace(plan, swaps=swaps, recomputes=recomputes, order=tuple(name(op) for op in plan.order),
+    splits = tuple(replace(region, ops=tuple(name(op) for op in region.ops)) for region in plan.splits)
+    return replace(plan, swaps=swaps, recomputes=recomputes, splits=splits, order=tuple(name(op) for op in plan.order),
                    canonical_names={traced: mapping[traced] for traced in mapping})

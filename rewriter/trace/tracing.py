@@ -353,7 +353,7 @@ def build_opgraph(first: TracedStep, second: TracedStep, *, meta: dict | None = 
             producer.append(index[op.name])
             output.append(k)
             dtype.append(tensor.dtype.name)
-            shape_text.append(_shape_text(small, large))
+            shape_text.append(_shape_text(small, large, b1, b2))
             bytes_ab.append(_linear_fit(one["bytes"][op.name][k], two["bytes"][op.name][k], b1, b2))
             is_input = op.type == "Placeholder"
             persistent.append(op.type == "ReadVariableOp" or is_input)
@@ -490,12 +490,23 @@ def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: 
             "eigen_half_kernels": mixed_precision.eigen_half_kernels()}
 
 
-def _shape_text(small, large) -> str:
+def _shape_text(small, large, b1: int = 1, b2: int = 2) -> str:
+    """``N`` marks a dimension that is the batch (``b1`` samples in ``small``, ``b2`` in ``large``); one that
+    grows otherwise is ``N*k`` (``k`` rows a sample: a flattened batch, whose rows are not blocks of samples
+    for ``simulator.split``) or ``N?``."""
     if small is None:
         return "?"
     if large is None:
         large = small
-    return "(" + ",".join("N" if s != l else str(s) for s, l in zip(small, large)) + ")"
+
+    def dim(s: int, l: int) -> str:
+        if s == l:
+            return str(s)
+        if (s, l) == (b1, b2):
+            return "N"
+        return f"N*{s // b1}" if s % b1 == 0 and l == s // b1 * b2 else "N?"
+
+    return "(" + ",".join(dim(s, l) for s, l in zip(small, large)) + ")"
 
 
 def _second_batch(batch_size: int) -> int:

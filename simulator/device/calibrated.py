@@ -14,6 +14,7 @@ import numpy as np
 
 from simulator.device.presets import GB, DeviceModel
 from simulator.recompute.actions import original_name
+from simulator.split.actions import split_origin
 
 
 class CalibrationError(ValueError):
@@ -138,9 +139,11 @@ class CalibratedDevice(DeviceModel):
 
     def coverage(self, g) -> float:
         """Share of ``g``'s ops that have a measured time here (a recomputation's clone has its
-        original's, ``simulator.recompute.actions``)."""
+        original's, ``simulator.recompute.actions``), or whose original has one (a split step's part:
+        ``simulator.split``; it takes the preset's estimate at its own batch, ``graph_op_seconds``)."""
         index = self._op_index
-        return sum(name in index or original_name(name) in index for name in g.op_name.tolist()) / max(g.n_ops, 1)
+        return sum(name in index or original_name(split_origin(name)) in index
+                   for name in g.op_name.tolist()) / max(g.n_ops, 1)
 
     def check_graph(self, g) -> float:
         """Raise ``CalibrationMismatchError`` unless ``g`` is a graph of the calibrated model; return

@@ -284,3 +284,23 @@ def original_levels(g: OpGraph, transformed: OpGraph) -> np.ndarray:
         k = int(str(transformed.op_name[op]).rpartition(CLONE_MARK)[2])
         found[op] = first_reader[k]
     return found
+
+
+def check_recompute_structure(recomputes: Sequence[Recompute], error: type[GraphError] = GraphError) -> None:
+    """The rules recomputations obey whatever the graph: each lists ops and far readers, its last op
+    makes its tensor, one action per tensor, and they name original ops only (no chains of actions:
+    a clone's name, ``clone_name``, is the simulator's and the rewriter's, never the plan's)."""
+    seen = set()
+    for k, action in enumerate(recomputes):
+        if not action.ops or not action.consumers:
+            raise error(f"recomputation {k} of {action.tensor} lists no ops or no far readers")
+        if action.tensor.rpartition(":")[0] != action.ops[-1]:
+            raise error(f"recomputation {k}: its last op {action.ops[-1]!r} does not make its tensor "
+                        f"{action.tensor!r}")
+        if action.tensor in seen:
+            raise error(f"a tensor is recomputed twice in one plan ({action.tensor})")
+        seen.add(action.tensor)
+        clones = [name for name in (*action.ops, action.trigger, *action.consumers) if original_name(name) != name]
+        if clones:
+            raise error(f"recomputation {k} names the clone {clones[0]!r}: sources, triggers and far readers are "
+                        "ops of the original step (no chains of recomputations)")

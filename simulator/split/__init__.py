@@ -1,14 +1,14 @@
 """Splitting ops along the batch (docs/design.md 12): which ops run exactly in parts (``classes``), the
 graph that runs a region of them in parts (``actions``: ``with_splits``), and the floor of a step before
-and after splitting the ops that set it (``floor``). Simulation only: no search or command offers a split
-until the rewriter can build one."""
+and after splitting the ops that set it (``floor``). The rewriter builds a plan's regions
+(``rewriter.edit.split_parts``)."""
 
-from simulator.split.actions import (COMBINE_OP_TYPES, SPLIT_MARK, SplitRegion, part_batches, split_origin,
-                                     split_regions, with_splits)
+from simulator.split.actions import (COMBINE_OP_TYPES, SPLIT_MARK, SplitRegion, held_regions, part_batches,
+                                     read_split_records, split_origin, split_records, split_regions, with_splits)
 from simulator.split.classes import (BATCH_SUM, COMBINE_KINDS, ENDS, PER_SAMPLE, OpSplit, grow_region, op_split,
                                      splittable)
 from simulator.split.floor import SplitFloor, floor_after_splitting
 
 __all__ = ["BATCH_SUM", "COMBINE_KINDS", "COMBINE_OP_TYPES", "ENDS", "floor_after_splitting", "grow_region",
-    "op_split", "OpSplit", "part_batches", "PER_SAMPLE", "SPLIT_MARK", "split_origin", "split_regions",
-    "SplitFloor", "SplitRegion", "splittable", "with_splits"]
+    "held_regions", "op_split", "OpSplit", "part_batches", "PER_SAMPLE", "read_split_records", "SPLIT_MARK",
+    "split_origin", "split_records", "split_regions", "SplitFloor", "SplitRegion", "splittable", "with_splits"]

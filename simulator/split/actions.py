@@ -30,6 +30,45 @@ class SplitRegion:
     parts: int
 
 
+def split_records(regions: Sequence[SplitRegion]) -> list[dict]:
+    """The plan file's ``splits`` entry (``simulator.plan``, format 3): a region per record."""
+    return [{"ops": list(region.ops), "parts": region.parts} for region in regions]
+
+
+def read_split_records(records, error: type[GraphError] = GraphError) -> tuple[SplitRegion, ...]:
+    """The regions of a plan file's ``splits`` entry; ``error`` names the first malformed record."""
+    if not isinstance(records, list):
+        raise error("the plan's 'splits' must be a list of regions")
+    regions = []
+    for r, record in enumerate(records):
+        ops, parts = (record.get("ops"), record.get("parts")) if isinstance(record, dict) else (None, None)
+        if not isinstance(ops, list) or not ops or not all(isinstance(op, str) for op in ops) \
+                or isinstance(parts, bool) or not isinstance(parts, int) or parts < 2:
+            raise error(f"split region {r} of the plan is malformed (needs 'ops', a list of op names, and "
+                             "'parts', a whole number of at least 2)")
+        regions.append(SplitRegion(tuple(ops), parts))
+    return tuple(regions)
+
+
+def held_regions(g: OpGraph) -> tuple[SplitRegion, ...]:
+    """The regions a split graph holds, as ``SplitRegion`` records (none for a captured step)."""
+    return tuple(SplitRegion(tuple(record["ops"]), int(record["parts"])) for record in split_regions(g))
+
+
+def with_plan_splits(g: OpGraph, regions: Sequence[SplitRegion], error: type[GraphError] = GraphError) -> OpGraph:
+    """``g`` with a plan's ``regions`` (``g`` itself when it holds them, or when there are none); ``error`` for
+    a graph split otherwise or regions that do not fit it."""
+    held = held_regions(g)
+    if held == tuple(regions):
+        return g
+    if held:
+        raise error("the graph holds other split regions than the plan's: pass the captured step's graph")
+    try:
+        return with_splits(g, regions)
+    except GraphError as found:
+        raise error(f"the plan's split regions do not fit this graph ({found})") from None
+
+
 def part_batches(batch_size: int, parts: int) -> list[int]:
     """The samples of each part: as even as they can be, the first ``batch_size % parts`` one larger."""
     if parts < 2 or parts > batch_size:
@@ -141,7 +180,8 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
     (TF's split along the first axis does not copy). A batch-summing op's parts make partial results
     of the whole output's size, joined by a running combine (``COMBINE_OP_TYPES``, writing in place;
     part i + 2 waits for the step that joined part i + 1, so two partials are on the device at once, not
-    ``parts``); its combined output is what every reader
+    ``parts``; a mean's parts make sums, its last step is their sum ``<step>/sum`` over the whole batch's
+    count, as the rewriter builds it); its combined output is what every reader
     reads. A reader outside the region, or the step's fetch, that needs a per-sample tensor whole
     reads a ``ConcatV2`` of its parts. Control edges from a split op wait for all its parts (or its
     combine), those to it hold back every part. Raises GraphError on a region ``g`` cannot hold.
@@ -200,8 +240,9 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
                 so_far, combine_ops = parts[0], []
                 elements = a / _itemsize(str(g.tensor_dtype[tensor]))
                 for step, partial in enumerate(parts[1:]):
-                    combine = builder.add_op(combine_name(name, step if len(made[op]) == 1 else
-                                                          f"{g.tensor_output[tensor]}_{step}"), op,
+                    step_name = combine_name(name, step if len(made[op]) == 1 else f"{g.tensor_output[tensor]}_{step}")
+                    mean = classes[op].combine == "mean" and step == len(parts) - 2  # the sum, then the mean
+                    combine = builder.add_op(f"{step_name}/sum" if mean else step_name, op,
                                              type_=COMBINE_OP_TYPES[classes[op].combine], flops=(elements, 0.0),
                                              touched=(3.0 * a, 0.0), forwards=True)
                     builder.edges += [(so_far, combine, 0), (partial, combine, 1)]
@@ -209,6 +250,12 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
                         builder.controls.append((combine, part_ops[op][step + 2]))
                     so_far = builder.add_tensor(combine, 0, tensor)
                     combine_ops.append(combine)
+                    if mean:  # the rewriter's mean: the parts' sums over the whole batch's count, in place
+                        scale = builder.add_op(step_name, op, type_="RealDiv", flops=(elements, 0.0),
+                                               touched=(2.0 * a, 0.0), forwards=True)
+                        builder.edges.append((so_far, scale, 0))
+                        so_far = builder.add_tensor(scale, 0, tensor)
+                        combine_ops.append(scale)
                 new_tensor[tensor] = so_far
                 done_ops[op] = done_ops.get(op, []) + combine_ops
             done_ops.setdefault(op, part_ops[op])

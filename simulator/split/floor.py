@@ -24,8 +24,8 @@ MAX_REGIONS = 64  # a step whose floor keeps moving to new regions past this man
 class SplitFloor:
     """The floor of ``graph``'s step before (``floor_bytes``) and after (``split_floor_bytes``)
     splitting ``regions`` in ``parts`` parts (``split_graph``, ``graph`` itself with no region);
-    ``binding_op``: the op of the split graph whose working set sets the floor after, and
-    ``stop_reason`` why splitting went no further."""
+    ``binding_op``: the op of the split graph whose working set sets the floor after, ``stop_reason`` why
+    splitting went no further, and ``ends``: the ops where the regions end, each with why it cannot be split."""
 
     parts: int
     floor_bytes: int
@@ -34,6 +34,7 @@ class SplitFloor:
     binding_op: str
     stop_reason: str
     split_graph: OpGraph
+    ends: tuple[tuple[str, str], ...] = ()
 
     @property
     def region_ops(self) -> int:
@@ -48,6 +49,7 @@ def floor_after_splitting(g: OpGraph, parts: int) -> SplitFloor:
     floor = peak_lower_bound_bytes(g)
     regions: list[SplitRegion] = []
     split: set[int] = set()
+    ends: dict[str, str] = {}
     current, current_floor = g, floor
     op_index = g.op_index()
     reason = ""
@@ -57,9 +59,9 @@ def floor_after_splitting(g: OpGraph, parts: int) -> SplitFloor:
         if origin in split:
             reason = f"the floor is set by {binding}, a part of a split region"
             break
-        region, ends = grow_region(g, origin, frozenset(split))
+        region, found_ends = grow_region(g, origin, frozenset(split))
         if not region:
-            reason = f"the floor is set by {binding}, which cannot run in parts: {ends[origin]}"
+            reason = f"the floor is set by {binding}, which cannot run in parts: {found_ends[origin]}"
             break
         candidate = regions + [SplitRegion(tuple(str(g.op_name[op]) for op in region), parts)]
         trial = with_splits(g, candidate)
@@ -70,8 +72,9 @@ def floor_after_splitting(g: OpGraph, parts: int) -> SplitFloor:
             break
         regions, current, current_floor = candidate, trial, trial_floor
         split.update(region)
+        ends.update({str(g.op_name[op]): why for op, why in found_ends.items()})
     else:
         reason = f"stopped after {MAX_REGIONS} regions"
     return SplitFloor(parts=parts, floor_bytes=floor, split_floor_bytes=current_floor, regions=tuple(regions),
                       binding_op=str(current.op_name[largest_working_set_op(current)]), stop_reason=reason,
-                      split_graph=current)
+                      split_graph=current, ends=tuple(ends.items()))

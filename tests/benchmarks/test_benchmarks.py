@@ -8,6 +8,7 @@ import pytest
 from benchmarks.__main__ import main as benchmarks_main
 from benchmarks.common import interleaved_seconds, per_second, write_results
 from benchmarks.floor_split import main as floor_split_main, row_of
+from benchmarks.split.measured import main as split_measured_main
 from benchmarks.reference import (REFERENCES, ReferenceUnavailable, reference_simulator, reference_simulators,
                                   speed_row)
 from benchmarks.simulator_speed import search_row
@@ -89,3 +90,4 @@ def test_floor_split_row_lowers_the_floor_and_says_where_no_split_exists():
     assert few["k4_pct"] < few["k2_pct"] and few["parts_note"] == "batch 3: 3 parts at most"
     assert floor_split_main(["--parts", "1"]) == 2
     assert floor_split_main(["--models", "no-such-model"]) == 2
+    assert split_measured_main(["--parts", "1"]) == 2 and split_measured_main(["--runs", "0"]) == 2

@@ -39,10 +39,10 @@ def test_a_plan_written_before_the_contract_loads_the_same(fixture):
     assert (plan.order_name, plan.after_copies_out, plan.batch_size) == ("memory", True, 4)
     assert plan.n_swaps == 6 and plan.n_swap_ins == 12 and (plan.in_trigger >= 0).any() and plan.sync_out.all()
     assert replay(graph, plan, "cpu-testbed").peak_bytes == 1033968  # what that version predicted
-    # written again in the current format: the same file with its version and an empty list of recomputations
+    # written again in the current format: the same file with its version and empty lists of the later actions
     written = json.loads(NamedPlan.from_json(text).to_json())
-    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/2"
-    assert written == {**json.loads(text), "format": FORMAT, "recomputes": []}
+    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/3"
+    assert written == {**json.loads(text), "format": FORMAT, "recomputes": [], "splits": []}
     assert NamedPlan.from_json(text).recomputes == () and json.loads(again.to_json(graph)) == written
 
 
@@ -104,6 +104,11 @@ def _plan(**changes) -> dict:
     (_plan(recomputes=[{"tensor": "a:0", "ops": ["a"], "trigger": "t", "consumers": ["b"]}] * 2), "recomputed twice"),
     (_plan(recomputes=[{"tensor": "a:0", "ops": ["a"], "trigger": "t/recompute_0", "consumers": ["b"]}]),
      "names the clone"),
+    (_plan(splits={}), "'splits' must be a list"),
+    (_plan(splits=[{"ops": ["a"]}]), "split region 0 of the plan is malformed"),
+    (_plan(splits=[{"ops": [], "parts": 2}]), "malformed"),
+    (_plan(splits=[{"ops": ["a"], "parts": 1}]), "at least 2"),
+    (_plan(splits=[{"ops": ["a"], "parts": True}]), "malformed"),
 ])
 def test_malformed_plans_are_one_plan_error(data, message):
     with pytest.raises(PlanError, match=message) as info:

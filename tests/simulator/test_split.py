@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from simulator import BACKWARD, FORWARD, GraphError, OpGraph, SwapParams, plan_swaps, replay
+from simulator.plan import NamedPlan, PlanError, SwapPlan
 from simulator.buffers import op_working_set_bytes, peak_lower_bound_bytes
 from simulator.split import (BATCH_SUM, ENDS, PER_SAMPLE, SplitRegion, floor_after_splitting, grow_region, op_split,
                              part_batches, split_regions, with_splits)
@@ -224,3 +227,24 @@ def test_split_graph_rejects_bad_regions():
     s = with_splits(g, [SplitRegion(("a", "b"), 2)])
     with pytest.raises(GraphError, match="not an op of the captured step"):
         with_splits(s, [SplitRegion(("a/split_part_0",), 2)])
+
+
+def test_a_split_plan_writes_reads_and_replays_the_same(unit):
+    """The plan file's ``splits`` (format 3): a plan made on the split graph names its parts, its file holds
+    the regions, and read back on the captured graph it rebuilds the same split graph and the same plan."""
+    g = chain(batch=5)
+    region = SplitRegion(("a", "b", "c", "s"), 3)
+    split = with_splits(g, [region])
+    plan = plan_swaps(split, SwapParams(threshold=1))
+    named = plan.to_named(split)
+    assert named.splits == (region,) and "b/split_part_2" in named.order
+    text = named.to_json()
+    assert json.loads(text)["splits"] == [{"ops": ["a", "b", "c", "s"], "parts": 3}]
+    again = SwapPlan.from_json(g, text)
+    assert again.graph_fingerprint == split.fingerprint()
+    assert replay(split, again, unit).peak_bytes == replay(split, plan, unit).peak_bytes
+    assert NamedPlan.from_json(text) == named
+    # a plan's regions the graph cannot hold are one PlanError
+    wrong = json.loads(text) | {"splits": [{"ops": ["a", "nope"], "parts": 2}]}
+    with pytest.raises(PlanError, match="split regions do not fit"):
+        SwapPlan.from_dict(g, wrong)

@@ -183,7 +183,7 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and "<img alt='memory_timeline.png'" in html
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["format"] == "swap-plan/2" and (plan["swaps"] or plan["recomputes"])
+    assert plan["format"] == "swap-plan/3" and (plan["swaps"] or plan["recomputes"])
 
 
 def test_recomputation_is_chosen_applied_and_measured_and_no_recompute_swaps_only(capsys, tmp_path):
@@ -380,3 +380,40 @@ def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
     assert again.returncode in (0, 3), again.stderr
     resumed = optuna.load_study(study_name="sigint", storage=storage).trials
     assert len([t for t in resumed if t.state == optuna.trial.TrialState.COMPLETE]) >= len(kept) + 2
+
+
+def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_path):
+    """A budget 30 % under the floor of every plan that moves whole tensors (a convolution's gradient with its
+    inputs and outputs): the ops that set it run in parts along the batch, the plan file holds the region, and
+    the measured run confirms the plan (exit 0), and the report names where the region ends and why; ``--no-split`` (or ``split = false`` in autotune.toml) exits 3
+    naming the floor and what a split would reach (docs/design.md 12)."""
+    from rewriter.trace.tracing import capture
+    from simulator.buffers import peak_lower_bound_bytes
+    from simulator.split import floor_after_splitting
+    from autotune.run.floor import split_lines
+    from tests.rewriter.edit.test_split_parts import _cnn, _wide_cnn
+
+    model_dir = tmp_path / "wide"
+    model_dir.mkdir()
+    _wide_cnn().save(model_dir / "wide.keras")
+    graph = capture(_wide_cnn(), 8)
+    floor = peak_lower_bound_bytes(graph)
+    budget = int(0.7 * floor)
+    assert floor_after_splitting(graph, 2).split_floor_bytes < budget
+    common = [model_dir, "--batch-size", "8", "--memory", str(budget), "--trials", "60", "--quiet"]
+    code, stdout, err = _run_main(capsys, *common, "--out", tmp_path / "split")
+    assert code == 0, err + stdout
+    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
+    plan = json.loads((tmp_path / "split" / "plan.json").read_text())
+    assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
+    assert plan["format"] == "swap-plan/3" and plan["splits"] and plan["splits"][0]["parts"] >= 2
+    assert "along the batch" in stdout and "lowers the floor" in stdout
+    # where a region ends, the report names the op and why: Dropout's random op draws the whole batch's mask
+    with_dropout = split_lines(floor_after_splitting(capture(_cnn(), 5), 2))
+    assert "cannot run in parts exactly" in with_dropout and "StatelessRandomUniformV2: a Stateless" in with_dropout
+    code, stdout, err = _run_main(capsys, *common, "--no-split", "--out", tmp_path / "whole")
+    assert code == 3, err + stdout
+    assert "Does not fit: no plan can peak under" in stdout and "without --no-split" in stdout
+    (model_dir / "autotune.toml").write_text("split = false\n")
+    code, stdout, _ = _run_main(capsys, *common, "--out", tmp_path / "toml")
+    assert code == 3 and "without --no-split" in stdout

@@ -44,10 +44,10 @@ def nothing_after_capture(monkeypatch):
         monkeypatch.setattr(confirm, name, forbidden)
 
 
-def _run(capsys, path, budget_bytes: int, out):
+def _run(capsys, path, budget_bytes: int, out, *extra: str):
     started = time.process_time()  # this process's CPU seconds: other work on the machine does not count
     code = main([str(path), "--batch-size", str(BATCH), "--memory", str(budget_bytes), "--device", "cpu-testbed",
-                 "--calibrate", "--out", str(out)])
+                 "--calibrate", "--out", str(out), *extra])
     captured = capsys.readouterr()
     return code, captured.out + captured.err, time.process_time() - started
 
@@ -57,7 +57,8 @@ def test_a_budget_between_the_rewritten_floor_and_the_floor_points_to_the_rewrit
     path, resident, floor, split_floor = unet
     assert resident < split_floor < floor  # the model is the case: its concatenation holds the floor
     budget = (split_floor + floor) // 2
-    code, text, seconds = _run(capsys, path, budget, tmp_path / "out")
+    # --no-split: run in parts along the batch (docs/design.md 12), the ops that set the floor get under it too
+    code, text, seconds = _run(capsys, path, budget, tmp_path / "out", "--no-split")
     assert code == 3, text
     assert seconds < 20, seconds
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -65,6 +66,7 @@ def test_a_budget_between_the_rewritten_floor_and_the_floor_points_to_the_rewrit
     assert "(ConcatV2) needs its inputs and outputs" in summary["headline"]
     assert "optimizer slots" in summary["headline"] and "weights" in summary["headline"]
     assert "--rewrite split-concat lowers the floor to" in text and "within the budget" in text
+    assert "along the batch in" in text  # what a split would reach is said too
     assert "no calibration, search or measured run" in text
     assert "elide-broadcasts" not in text  # it does not touch the concatenation: not computed, not suggested
 
