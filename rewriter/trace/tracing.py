@@ -120,6 +120,14 @@ def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS,
     return traced
 
 
+def forget_traces(model) -> None:
+    """Drop the traces kept of ``model``'s step (they captured variables that were since replaced)."""
+    try:
+        _TRACES.pop(model, None)
+    except TypeError:  # never kept
+        pass
+
+
 def _trace_keras_step(model, batch_size: int, given: StepInputs, *, sample_weight: bool = False) -> TracedStep:
     inputs = step_specs(model, batch_size, given, sample_weight=sample_weight)
     build_if_needed(model, inputs)

@@ -183,7 +183,7 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and "<img alt='memory_timeline.png'" in html
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["format"] == "swap-plan/2" and (plan["swaps"] or plan["recomputes"])
+    assert plan["format"] == "swap-plan/3" and (plan["swaps"] or plan["recomputes"])
 
 
 def test_recomputation_is_chosen_applied_and_measured_and_no_recompute_swaps_only(capsys, tmp_path):
