@@ -41,6 +41,7 @@ from simulator.graph import PHASE_NAMES, GraphError, OpGraph
 from simulator.kernels.records import PlanArrays, ReplayGraphRecord, StepRecord, Transfers
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
+from simulator.state.host_update import with_host_state
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,9 +273,12 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
 
 
 def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str = "v100-16gb") -> Replay:
-    """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping)."""
+    """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping); a plan's
+    ``host_state`` replays the step with those optimizer slots on the host (``simulator.state.with_host_state``)."""
     if isinstance(device, str):
         device = get_device(device)
+    if plan is not None and plan.host_state:  # optimizer slots on the host (simulator.state)
+        g = with_host_state(g, plan.host_state, copies_in=not device.host_buffers_shared)
     if plan is not None and plan.order_name != g.order:
         g = g.with_order(plan.order_name)
     if plan is None or plan.n_swaps == 0:

@@ -8,7 +8,13 @@ these records under ``host_state`` (``simulator.plan``, ``swap-plan/3``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from simulator.graph import GraphError, OpGraph
 
 HOST_UPDATE = "host-update"
 HOST_STATE_MODES = (HOST_UPDATE,)
@@ -20,3 +26,58 @@ class HostState:
 
     variable: str
     mode: str = HOST_UPDATE
+
+
+def state_refusal(g: OpGraph) -> str | None:
+    """Why the capture found no optimizer state that can move (None: some can, or the graph predates it)."""
+    return (g.meta.get("movable_state") or {}).get("refusal")
+
+
+def movable_state(g: OpGraph) -> dict[str, int]:
+    """Trainable variable path -> bytes of its optimizer slots, for the variables whose slots can move to
+    the host (the capture's ``graph.meta["movable_state"]``; none in a graph captured before it)."""
+    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    return {path: int(entry["slot_bytes"]) for path, entry in found.items()}
+
+
+def host_ops(g: OpGraph, host_state: Sequence[HostState]) -> np.ndarray:
+    """Indices of the ops that run on the host under ``host_state``: each variable's update and the reads
+    and writes of its slots (names the capture recorded; those the reduced graph dropped are skipped)."""
+    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    unknown = [item.variable for item in host_state if item.variable not in found]
+    if unknown:
+        raise GraphError(f"the plan moves the optimizer state of {len(unknown)} variable(s) this graph cannot move "
+                         f"(e.g. {unknown[0]!r}): {state_refusal(g) or 'not a trainable variable with slots'}")
+    index = g.op_index()
+    return np.asarray(sorted({index[name] for item in host_state for name in found[item.variable]["ops"]
+                              if name in index}), np.int64)
+
+
+def with_host_state(g: OpGraph, host_state: Sequence[HostState], *, copies_in: bool = True) -> OpGraph:
+    """``g`` as it runs with ``host_state``'s slots on the host: their bytes leave the resident state, the
+    outputs of the ops that run there (``host_ops``) take no device memory, and the old buffers their writes
+    keep stay on the host. What the device still holds: each gradient until the host's update read it (its
+    copy out), and with ``copies_in`` (not where the host hands its buffers over:
+    ``DeviceModel.host_buffers_shared``) the change the update sends to the weight's write (its copy in). Same
+    ops, tensors and edges (the same fingerprint), so a plan's indices hold on it; memoised per ``host_state``."""
+    moved = tuple(sorted(set(host_state), key=lambda item: item.variable))
+    if not moved:
+        return g
+    return g.cached(("host_state", moved, copies_in), lambda graph: _moved(graph, moved, copies_in), structural=False)
+
+
+def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph:
+    on_host = np.zeros(g.n_ops, bool)
+    on_host[host_ops(g, moved)] = True
+    read_on_device = np.zeros(g.n_tensors, bool)
+    read_on_device[g.edge_tensor[~on_host[g.edge_consumer]]] = True
+    host_tensor = on_host[g.tensor_producer] & (~read_on_device if copies_in else True)  # what the device reads is copied in
+    tensor_bytes_ab = g.tensor_bytes_ab.copy()
+    tensor_bytes_ab[host_tensor] = 0.0
+    persistent_ab = g.persistent_bytes_ab.copy()
+    persistent_ab[0] = max(0.0, persistent_ab[0] - sum(movable_state(g)[item.variable] for item in moved))
+    kept = ~host_tensor[g.held_tensor] if len(g.held_tensor) else np.zeros(0, bool)
+    meta = dict(g.meta, host_state=[{"variable": item.variable, "mode": item.mode} for item in moved])
+    return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
+                               held_tensor=g.held_tensor[kept], held_read=g.held_read[kept], meta=meta,
+                               _graph_memo={}, _order_memo={}, _structure_cache={})

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import rewriter
 from benchmarks.models import build_model, example_batch
-from rewriter.step.host_state import movable_state, state_refusal
+from rewriter.trace.optimizer_state import movable_state, state_refusal
 from simulator.plan import NamedPlan, PlanError
 from simulator.state import HostState
 
