@@ -112,7 +112,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     graph_def, applied, skipped = edit_graph_def(graph_def, named, place, swap_op=chosen_op, tensor_info=tensor_info,
                                                  foldable=foldable, kept_reads=place.kept_reads,
                                                  passthrough=passthrough)
-    graph_def, host_updates = apply_host_state(graph_def, traced, model, named.host_state, place.host)
+    graph_def, host_updates = apply_host_state(graph_def, traced, model, named.host_state, place, tensor_info)
     function = import_step(graph_def, traced)
 
     def at_batch(size: int, weighted: bool = sample_weight) -> SwapStep:  # the same plan, traced again

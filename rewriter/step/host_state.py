@@ -20,7 +20,9 @@ from typing import Iterable, Sequence
 
 import tensorflow as tf
 
-from rewriter.trace.optimizer_state import host_update_ops, slots_by_variable, state_refusal, variable_handles
+from rewriter.placement.placements import SWAP_OUT_PREFIX, Placement
+from rewriter.trace.optimizer_state import (host_update_ops, slot_access_ops, slots_by_variable, state_refusal,
+                                            variable_handles)
 from rewriter.trace.tracing import forget_traces
 from simulator.plan import PlanError
 from simulator.state import HostState
@@ -71,29 +73,53 @@ def _forget_functions(model) -> None:
         model._swap_original_train_function = None
 
 
-def place_on_host(graph_def, names: Iterable[str], device: str):
+def place_on_host(graph_def, names: Iterable[str], device: str, *, on_host: Iterable[str] = (),
+                  copy: tuple[str, str] | None = None, tensor_info: dict | None = None):
     """A copy of ``graph_def`` with the nodes ``names`` placed on ``device``, reading past the optimizer's
-    ``IdentityN`` over all gradients: Grappler removes it from a step on one device, but keeps it where its
-    readers are on another, and there it held every gradient until the last was made (the 3x1024 MLP with
-    Adam: 9 MiB of gradients live at once where the step on one device holds one 4 MiB gradient at a time)."""
+    ``IdentityN`` over all gradients (Grappler removes it from a step on one device, not where its readers
+    run on another). ``copy`` = (op, device): each tensor they read from the accelerator (the gradient, a
+    weight's read) is copied out by that op first, one copy per tensor, named as a swap-out (its bytes are
+    the host's): on the testbed a tensor read across the two logical CPUs stayed referenced by the
+    send/receive after its readers ran (the 3x1024 MLP with Adam: every gradient lived to the end of the
+    step, 18.1 MiB measured where 13.2 are predicted), as for swaps (``CpuTestbedPlacement.swap_out_device``).
+    ``on_host``: other nodes already there (the slots' reads), whose outputs need no copy."""
     edited = tf.compat.v1.GraphDef()
     edited.CopyFrom(graph_def)
     wanted = set(names)
+    host_side = wanted | set(on_host)
     barriers = {node.name: list(node.input) for node in edited.node if node.op == "IdentityN"}
-    for node in edited.node:
+    copies: dict[str, str] = {}
+    for node in list(edited.node):
         if node.name not in wanted:
             continue
         node.device = device
         for k, name in enumerate(node.input):
+            if name.startswith("^"):
+                continue
             source, _, output = name.partition(":")
-            if source in barriers and not name.startswith("^"):
-                node.input[k] = barriers[source][int(output or 0)]
+            if source in barriers:
+                name = node.input[k] = barriers[source][int(output or 0)]
+                source, _, output = name.partition(":")
+            info = (tensor_info or {}).get(f"{source}:{output or 0}")
+            if copy is None or source in host_side or info is None:
+                continue
+            if name not in copies:
+                copies[name] = f"{SWAP_OUT_PREFIX}host_update/{source}_{output or 0}"
+                added = edited.node.add()
+                added.name, added.op, added.device = copies[name], copy[0], copy[1]
+                added.input.append(name)
+                added.attr["T"].type = info[0].as_datatype_enum
+                added.attr["_grappler_do_not_remove"].b = True
+            node.input[k] = copies[name]
     return edited
 
 
-def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], device: str):
-    """The step's GraphDef with the update of each ``host_state`` variable on ``device``: (graph_def,
-    {variable path: the nodes placed there}). The slots must be on ``device`` already (``home_slots``)."""
+def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], placement: Placement,
+                     tensor_info: dict):
+    """The step's GraphDef with the update of each ``host_state`` variable on the placement's host: (graph_def,
+    {variable path: the nodes placed there}). The slots must be there already (``home_slots``). Where copies
+    wait for the compute (the testbed) what the update reads from the accelerator is copied out explicitly
+    (``place_on_host``); ``tensor_info``: "op:k" -> (dtype, bytes) of the step's tensors."""
     if not host_state:
         return graph_def, {}
     handles = variable_handles(traced.concrete, model)
@@ -106,4 +132,8 @@ def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], 
     if missing:
         raise PlanError(f"the update of {missing[0]!r} was not found among the optimizer's ops: its state cannot "
                         "move to the host")
-    return place_on_host(graph_def, set().union(*placed.values()), device), placed
+    slot_paths = set().union(*groups.values()) - set(groups)
+    copy = (placement.swap_op, placement.swap_out_device) if placement.copies_wait_for_compute else None
+    edited = place_on_host(graph_def, set().union(*placed.values()), placement.host,
+                           on_host=slot_access_ops(graph_def, handles, slot_paths), copy=copy, tensor_info=tensor_info)
+    return edited, placed
