@@ -80,6 +80,7 @@ class Config:
     seed: int | None = None
     max_overhead: float | None = None
     recompute: bool | None = None  # false: swap only (--no-recompute)
+    state: bool | None = None  # false: the optimizer state stays on the device (--no-state)
     graph_rewrites: list[str] | None = None
     imports: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -102,7 +103,8 @@ def load_config(directory: Path) -> Config:
     expected = {"batch_size": int, "trials": int, "seed": int, "timeout": (int, float), "max_overhead": (int, float),
                 "memory": (str, int), "device": str, "sampler": str, "policy": str,
                 "input_shapes": (dict, list), "label_shapes": (dict, list), "graph_rewrites": list,
-                "imports": list, "label_dtype": (str, dict), "recompute": bool}
+                "imports": list, "label_dtype": (str, dict), "recompute": bool,
+                "state": bool}
     for key, value in data.items():
         if isinstance(value, bool) != (expected[key] is bool) or not isinstance(value, expected[key]):
             raise InputError(f"{path}: {key} = {value!r} has the wrong type")

@@ -192,7 +192,7 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
-    known = foregone(graph, target, policy=search.policy, recompute=search.recompute,
+    known = foregone(graph, target, policy=search.policy, recompute=search.recompute, state=search.state,
                      recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
                                                      graph_rewrites=[*graph_rewrites, *more]))
     if known is not None:  # under the floor: no calibration, search or measured run can change the answer

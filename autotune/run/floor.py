@@ -22,6 +22,7 @@ from autotune.run.tuning import TuneResult, largest_batch
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
+from simulator.state import HostState, movable_state, with_host_state
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
 OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
@@ -111,18 +112,26 @@ def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[
 
 
 def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recompute: bool = True,
-             recaptured: Callable[[Sequence[str]], OpGraph] | None = None) -> TuneResult | None:
+             recaptured: Callable[[Sequence[str]], OpGraph] | None = None, state: bool = True) -> TuneResult | None:
     """The result "does not fit" when the budget is under ``graph``'s floor at its batch, else None.
     ``recaptured(rewrites)``: the step captured again with more graph rewrites, to see their floor
-    (asked only for the rewrites that change the op holding the floor)."""
+    (asked only for the rewrites that change the op holding the floor). ``state``: the search may move
+    optimizer slots to the host (``simulator.state``), so the floor is the one with every movable slot there."""
     device_model, budget = target.device, target.device_budget_bytes
     floor = floor_of(graph)
     if floor.floor_bytes <= budget:
+        return None
+    movable = tuple(HostState(path) for path in movable_state(graph))
+    moved_floor = peak_lower_bound_bytes(with_host_state(graph, movable, copies_in=not device_model.host_buffers_shared))
+    if state and moved_floor <= budget:
         return None
     op = largest_working_set_op(graph) if floor.working_set_bytes > 0 else None
     rewrite_floors = {} if op is None or recaptured is None else {
         rewrite: peak_lower_bound_bytes(recaptured([rewrite])) for rewrite in rewrites_touching(graph, op)}
     ways = ways_down(graph, floor, budget, rewrite_floors)
+    if movable and moved_floor <= budget:
+        ways.insert(0, f"the optimizer slots on the host (without --no-state) lower the floor to "
+                       f"{format_bytes(moved_floor)}, within the budget")
     headline = (f"Does not fit: no plan can peak under {format_bytes(floor.floor_bytes)} at batch {floor.batch_size}, "
                 f"over the budget of {format_bytes(budget)}: {floor.describe()}.")
     notes = [f"decided right after capture, with no calibration, search or measured run: {floor.describe()}; "

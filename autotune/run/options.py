@@ -15,7 +15,8 @@ from autotune.run.verdict import MAX_ROUNDS
 class SearchOptions:
     """The search: ``policy`` and Optuna ``sampler``, ``trials``/``timeout_s``/``seed``, where the study
     is kept (``storage``, ``study_name``), ``maximize_batch`` (with ``max_overhead``: the slow-down allowed),
-    ``recompute`` (False: swap only) and a ``progress`` bar."""
+    ``recompute`` (False: swap only), ``state`` (False: the optimizer state stays on the device) and a
+    ``progress`` bar."""
 
     policy: str = "optuna"
     sampler: str = "tpe"
@@ -27,6 +28,7 @@ class SearchOptions:
     maximize_batch: bool = False
     max_overhead: float | None = None
     recompute: bool = True
+    state: bool = True
     progress: bool = False
 
 

@@ -27,7 +27,7 @@ from rewriter.placement.placements import Placement, resolve as resolve_placemen
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.step.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
-from rewriter.step.host_state import apply_host_state, home_slots
+from rewriter.step.host_state import apply_host_state, place_state
 from rewriter.check.verification import verify_first_call
 from simulator.plan import PlanError, load_plan  # noqa: F401 -- the error apply raises
 
@@ -83,8 +83,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             batch_size = named.batch_size
         if batch_size is None or int(batch_size) < 1:
             raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
-        if named.host_state:  # before the trace: the step must capture the slots where they live
-            home_slots(model, [item.variable for item in named.host_state], place.host)
+        # before the trace: the step must capture the slots where the plan keeps them
+        place_state(model, [item.variable for item in named.host_state], place)
         traced = trace_keras_step(model, int(batch_size), inputs, sample_weight=sample_weight)
     planned = named  # by the names the capture gives (rewriter.trace.op_names), whatever this process called the layers
     named = traced_names(named, traced.canonical)

@@ -64,6 +64,16 @@ def home_slots(model, paths: Iterable[str], device: str) -> list[str]:
     return moved
 
 
+def place_state(model, host_paths: Sequence[str], placement: Placement) -> None:
+    """The slots of ``host_paths`` on the placement's host, every other slot on its accelerator (put back
+    where an earlier plan had moved it), so the step traced next finds the state where the plan wants it."""
+    if host_paths:
+        home_slots(model, host_paths, placement.host)
+    if state_refusal(model) is None:
+        wanted = set(host_paths)
+        home_slots(model, [path for path in slots_by_variable(model) if path not in wanted], placement.accelerator)
+
+
 def _forget_functions(model) -> None:
     """Drop what captured the slots' old variables: the step's traces and Keras' train function (also the
     one ``rewriter.use_swap_step`` keeps to restore)."""

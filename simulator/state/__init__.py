@@ -2,7 +2,7 @@
 docs/design.md 13."""
 
 from simulator.state.host_update import (HOST_STATE_MODES, HOST_UPDATE, HostState, host_ops, movable_state,
-                                         state_refusal, with_host_state)
+                                         state_groups, state_refusal, with_host_state)
 
-__all__ = ["HOST_STATE_MODES", "HOST_UPDATE", "HostState", "host_ops", "movable_state", "state_refusal",
-    "with_host_state"]
+__all__ = ["HOST_STATE_MODES", "HOST_UPDATE", "HostState", "host_ops", "movable_state", "state_groups",
+    "state_refusal", "with_host_state"]

@@ -17,6 +17,7 @@ import numpy as np
 from simulator.graph import GraphError, OpGraph
 
 HOST_UPDATE = "host-update"
+_BASE = "host_state_base"  # a moved graph's memo entry: the graph it was made from
 HOST_STATE_MODES = (HOST_UPDATE,)
 
 
@@ -61,9 +62,29 @@ def with_host_state(g: OpGraph, host_state: Sequence[HostState], *, copies_in: b
     ``DeviceModel.host_buffers_shared``) the change the update sends to the weight's write (its copy in). Same
     ops, tensors and edges (the same fingerprint), so a plan's indices hold on it; memoised per ``host_state``."""
     moved = tuple(sorted(set(host_state), key=lambda item: item.variable))
+    base = g._graph_memo.get(_BASE)  # a graph made here already (or a view of one): made from the step captured
+    base = g if base is None else base.with_batch(g.batch_size).with_order(g.order)
     if not moved:
-        return g
-    return g.cached(("host_state", moved, copies_in), lambda graph: _moved(graph, moved, copies_in), structural=False)
+        return base
+    return base.cached(("host_state", moved, copies_in), lambda graph: _moved(graph, moved, copies_in),
+                       structural=False)
+
+
+def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0)) -> list[tuple[HostState, ...]]:
+    """Variables whose slots a search moves, largest first: the fewest that hold each share of the movable
+    slots' bytes (duplicates dropped), so a step moves no more state than it needs."""
+    sizes = sorted(movable_state(g).items(), key=lambda item: (-item[1], item[0]))
+    total = sum(size for _, size in sizes)
+    groups: list[tuple[HostState, ...]] = []
+    for share in shares:
+        taken, count = 0, 0
+        while count < len(sizes) and taken < share * total:
+            taken += sizes[count][1]
+            count += 1
+        group = tuple(HostState(path) for path, _ in sizes[:count])
+        if group and group not in groups:
+            groups.append(group)
+    return groups
 
 
 def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph:
@@ -80,4 +101,4 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
     meta = dict(g.meta, host_state=[{"variable": item.variable, "mode": item.mode} for item in moved])
     return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
                                held_tensor=g.held_tensor[kept], held_read=g.held_read[kept], meta=meta,
-                               _graph_memo={}, _order_memo={}, _structure_cache={})
+                               _graph_memo={_BASE: g}, _order_memo={}, _structure_cache={})
