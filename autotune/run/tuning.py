@@ -493,7 +493,8 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
         else:
             notes.append(f"largest batch that fits{cap}: {best_batch} (without swapping: {no_swap_max})")
         g = g.with_batch(best_batch)
-    problem = TuningProblem(g, device_model, budget, space=SearchSpace.for_graph(g, recompute=recompute))
+    problem = TuningProblem(g, device_model, budget, space=SearchSpace.for_graph(g, recompute=recompute),
+                            host_state=host_state)
     baseline = problem.baseline()
     lower_bound = peak_lower_bound_bytes(g)
     if g.persistent_bytes <= budget < lower_bound:
@@ -537,8 +538,6 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
     closest = None if chosen is not None else closest_of(outcome_evaluations + [baseline])
     shown = chosen or closest
     plan = problem.plan(shown.params) if shown is not None else None
-    if plan is not None and host_state:
-        plan = replace(plan, host_state=host_state)
     plan_graph = problem.graph_for(None if shown is None else shown.params)
     shown_replay = None if shown is None else replay(plan_graph, plan, device_model)
     recomputes = problem.recomputes(None if shown is None else shown.params)

@@ -102,3 +102,30 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
     return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
                                held_tensor=g.held_tensor[kept], held_read=g.held_read[kept], meta=meta,
                                _graph_memo={_BASE: g}, _order_memo={}, _structure_cache={})
+
+
+def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes at ``g``'s batch of each tensor ``host_state``'s updates copy out (what the host ops read from
+    the device: the gradients, AdamW's read of the weight) and of each they copy in (what the device reads
+    from them: the change to the weight), one entry per tensor."""
+    base = g._graph_memo.get(_BASE)
+    base = g if base is None else base.with_batch(g.batch_size)
+    on_host = np.zeros(base.n_ops, bool)
+    on_host[host_ops(base, host_state)] = True
+    producer_on_host = on_host[base.tensor_producer[base.edge_tensor]]
+    reader_on_host = on_host[base.edge_consumer]
+    out = np.unique(base.edge_tensor[reader_on_host & ~producer_on_host & ~base.tensor_persistent[base.edge_tensor]])
+    back = np.unique(base.edge_tensor[~reader_on_host & producer_on_host])
+    return base.tensor_bytes[out].astype(np.float64), base.tensor_bytes[back].astype(np.float64)
+
+
+def host_update_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
+    """What moving ``host_state`` adds to the step on ``device``, each copy in turn after the compute (none
+    overlapped: an upper bound where a link runs beside the compute): the gradients copied out and, where the
+    host hands over no buffer (``host_buffers_shared``), the changes copied in. The update's own ops keep the
+    op times the graph has (a calibration times them as part of the step on the testbed)."""
+    out_bytes, in_bytes = host_transfers(g, host_state)
+    seconds = float(np.sum(device.transfer_seconds(out_bytes, "d2h"))) if len(out_bytes) else 0.0
+    if len(in_bytes) and not device.host_buffers_shared:
+        seconds += float(np.sum(device.transfer_seconds(in_bytes, "h2d")))
+    return seconds
