@@ -62,12 +62,22 @@ def with_host_state(g: OpGraph, host_state: Sequence[HostState], *, copies_in: b
     ``DeviceModel.host_buffers_shared``) the change the update sends to the weight's write (its copy in). Same
     ops, tensors and edges (the same fingerprint), so a plan's indices hold on it; memoised per ``host_state``."""
     moved = tuple(sorted(set(host_state), key=lambda item: item.variable))
-    base = g._graph_memo.get(_BASE)  # a graph made here already (or a view of one): made from the step captured
-    base = g if base is None else base.with_batch(g.batch_size).with_order(g.order)
+    base = _base(g)
     if not moved:
         return base
     return base.cached(("host_state", moved, copies_in), lambda graph: _moved(graph, moved, copies_in),
                        structural=False)
+
+
+def _base(g: OpGraph) -> OpGraph:
+    """The captured step a moved graph (or a view of one) was made from, at its batch and order; ``g`` itself
+    when it is no moved graph. The same object each time (a replay's tables are memoised on it)."""
+    base = g._graph_memo.get(_BASE)
+    if base is None:
+        return g
+    if base.batch_size != g.batch_size:
+        base = base.cached(("batch_view", g.batch_size), lambda graph: graph.with_batch(g.batch_size), structural=True)
+    return base.with_order(g.order)
 
 
 def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0)) -> list[tuple[HostState, ...]]:
@@ -108,13 +118,12 @@ def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndar
     """Bytes at ``g``'s batch of each tensor ``host_state``'s updates copy out (what the host ops read from
     the device: the gradients, AdamW's read of the weight) and of each they copy in (what the device reads
     from them: the change to the weight), one entry per tensor."""
-    base = g._graph_memo.get(_BASE)
-    base = g if base is None else base.with_batch(g.batch_size)
+    base = _base(g)
     on_host = np.zeros(base.n_ops, bool)
     on_host[host_ops(base, host_state)] = True
     producer_on_host = on_host[base.tensor_producer[base.edge_tensor]]
     reader_on_host = on_host[base.edge_consumer]
-    out = np.unique(base.edge_tensor[reader_on_host & ~producer_on_host & ~base.tensor_persistent[base.edge_tensor]])
+    out = np.unique(base.edge_tensor[reader_on_host & ~producer_on_host])
     back = np.unique(base.edge_tensor[~reader_on_host & producer_on_host])
     return base.tensor_bytes[out].astype(np.float64), base.tensor_bytes[back].astype(np.float64)
 
