@@ -127,6 +127,6 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
              chosen_op, place.describe())
     if place.measured_on == "gpu":  # copies out land in TF's pinned host allocator, which has a limit
         warn_if_pinned_limit_short(step.swapped_bytes)
-    if verify and (applied or recomputed):
+    if verify and (applied or recomputed or host_updates):
         step.verification = verify_first_call(step, verify_with)
     return step

@@ -87,6 +87,25 @@ def test_three_steps_bitwise_like_keras(kind, optimizer):
     assert int(moved.optimizer.iterations.numpy()) == 3
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_partition_graphs_run_the_update_on_the_host(optimizer):
+    """The step's first call, verified (``rewriter.check.verification``): the update's ops that survive
+    Grappler run in the host's partition, none elsewhere, and the model is left as it was."""
+    model = _model("dense", optimizer)
+    x, y = example_batch(model, BATCH)
+    before = th.weights_of(model)
+    step = rewriter.apply(model, _host_plan(model), batch_size=BATCH, verify_with=(x, y))
+    check = step.verification
+    assert check is not None and check.ok, check.summary()
+    assert check.host_updates_elsewhere == [] and check.host_updates_on_host >= len(moved_variables(model))
+    assert check.transfers_to_host > 0 and check.host_updates_planned == sum(map(len, step.host_updates.values()))
+    assert th.bitwise_equal(before, th.weights_of(model))
+
+
+def moved_variables(model) -> list:
+    return list(model.trainable_variables)
+
+
 def test_some_variables_only_and_fit_after_apply():
     """The slots of the variables named move, the others stay; Keras' own fit after the move (its
     train function made anew, with the slots where they now live) still trains like Keras."""
