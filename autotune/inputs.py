@@ -81,6 +81,7 @@ class Config:
     max_overhead: float | None = None
     recompute: bool | None = None  # false: swap only (--no-recompute)
     split: bool | None = None  # false: never run ops in parts along the batch (--no-split)
+    state: bool | None = None  # false: the optimizer state stays on the device (--no-state)
     graph_rewrites: list[str] | None = None
     imports: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -104,7 +105,7 @@ def load_config(directory: Path) -> Config:
                 "memory": (str, int), "device": str, "sampler": str, "policy": str,
                 "input_shapes": (dict, list), "label_shapes": (dict, list), "graph_rewrites": list,
                 "imports": list, "label_dtype": (str, dict), "recompute": bool,
-                "split": bool}
+                "split": bool, "state": bool}
     for key, value in data.items():
         if isinstance(value, bool) != (expected[key] is bool) or not isinstance(value, expected[key]):
             raise InputError(f"{path}: {key} = {value!r} has the wrong type")

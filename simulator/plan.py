@@ -7,18 +7,17 @@ Two forms of one plan:
 * ``NamedPlan``: the same by *name* (``NamedSwap``, ``NamedSwapIn``), what ``plan.json`` holds and
   the rewriter applies to the real TensorFlow step; a plan made at one batch size applies at another.
 
-Everything about the file lives here: its format and version (``FORMAT``), writing
-(``NamedPlan.to_dict``), reading (``NamedPlan.from_dict``, ``load_plan`` for every accepted form) and
-the rules of a valid plan: ``check_structure`` (whatever the graph: read back, one swap per tensor,
-one swap-in per read) and, against a graph, ``validate_plan`` (indices) or ``missing_names_error``
-and ``not_read_error`` (the rewriter's checks against the TensorFlow graph say the same).
+Everything about the file lives here: ``FORMAT``, writing (``NamedPlan.to_dict``), reading
+(``NamedPlan.from_dict``, ``load_plan``) and the rules of a valid plan: ``check_structure`` (whatever the
+graph), ``validate_plan``, ``missing_names_error``, ``not_read_error`` (the rewriter's checks say the same).
 
 Recomputations (docs/design.md 9, ``simulator.recompute.actions.Recompute``) are the second kind of action:
 ``NamedPlan.recomputes``, written under ``recomputes`` since ``swap-plan/2``; a ``SwapPlan`` made on a
 graph that holds them (``with_recomputes``) names them in its graph, and its swaps may name the clones.
 A ``swap-plan/1`` file still reads (no recomputations). Split regions (``simulator.split``): ``NamedPlan.splits``
-since ``swap-plan/3``, built first. Adding another kind of action: a tuple of records on ``NamedPlan``, written
-under its own key; bump ``FORMAT_VERSION`` and add a reader to ``_READERS``, keeping the older readers.
+since ``swap-plan/3``, built first; optimizer slots on the host (``NamedPlan.host_state``, ``simulator.state``) since
+the same version. Another kind of action: records on ``NamedPlan`` under its own key, a new ``FORMAT_VERSION``
+and its reader in ``_READERS``, the older readers kept.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
 from simulator.recompute.actions import Recompute, check_recompute_structure, recomputed_tensors, with_recomputes
 from simulator.split.actions import SplitRegion, held_regions, read_split_records, split_records, with_plan_splits
+from simulator.state.host_update import HostState, read_host_state_records
 
 FORMAT_NAME = "swap-plan"
 FORMAT_VERSION = 3  # what this version writes; it reads every version in _READERS
@@ -83,10 +83,8 @@ class SwapPlan:
     With ``after_copies_out`` a swap-in also waits for the copies out of what the op it starts
     after made (``SwapParams.after_copies_out``).
 
-    ``order`` is the execution order the replay assumed (op indices). The rewriter chains the real
-    step in this order with control edges: left to itself, TF's executor picks its own order among
-    ready ops, which moves the peak by 10-30% once swaps are in the graph (measured on the CPU
-    testbed: a 3D U-Net ran 0.78x its prediction unchained and 0.99x chained).
+    ``order`` is the execution order the replay assumed (op indices), which the rewriter chains the
+    step in (unchained, a 3D U-Net ran 0.78x its prediction on the testbed, 0.99x chained).
     """
 
     tensor: np.ndarray
@@ -102,6 +100,7 @@ class SwapPlan:
     params: SwapParams | None = None
     batch_size: int | None = None
     after_copies_out: bool = False
+    host_state: tuple[HostState, ...] = ()  # variables whose optimizer slots live on the host
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -154,7 +153,7 @@ class SwapPlan:
     def changes_step(self) -> bool:
         """Whether applying it does anything the unswapped prediction does not assume: swaps, or
         the step run in another order than level order (the memory order alone can be the plan)."""
-        return bool(self.n_swaps) or self.order_name != "cto"
+        return bool(self.n_swaps) or self.order_name != "cto" or bool(self.host_state)
 
     def __len__(self) -> int:
         return self.n_swaps
@@ -187,7 +186,7 @@ class SwapPlan:
             for swap in self.swaps())
         return NamedPlan(
             swaps=swaps, recomputes=tuple(recomputed_tensors(g)), splits=held_regions(g),
-            graph_fingerprint=g.fingerprint(),
+            graph_fingerprint=g.fingerprint(), host_state=self.host_state,
             model=str(g.meta.get("model", "")),
             batch_size=self.batch_size if self.batch_size is not None else g.batch_size, params=self.params,
             after_copies_out=self.after_copies_out, ordering=self.order_name,
@@ -214,6 +213,7 @@ class SwapPlan:
                  for swap in named.swaps]
         plan = cls.from_swaps(g.with_order(named.ordering), swaps, named.params, after_copies_out=named.after_copies_out)
         object.__setattr__(plan, "batch_size", named.batch_size)
+        object.__setattr__(plan, "host_state", named.host_state)
         return plan
 
     def to_dict(self, g: OpGraph) -> dict[str, Any]:
@@ -231,8 +231,6 @@ class SwapPlan:
     def from_json(cls, g: OpGraph, text: str) -> "SwapPlan":
         return cls.from_named(g, NamedPlan.from_json(text))
 
-
-# ---------------------------------------------------------------------- rules of a valid plan
 
 
 def check_structure(swaps: Iterable[Swap | NamedSwap], name: Callable[[Any], str] = str,
@@ -275,8 +273,7 @@ def plan_graph(g: OpGraph, named: "NamedPlan") -> OpGraph:
 
 
 def missing_names_error(missing: Sequence[str], where: str) -> PlanError:
-    """The error for a plan naming ops or tensors that ``where`` (this graph, this model's training
-    step) does not have: it was made for something else."""
+    """The error for a plan naming ops or tensors ``where`` (this graph, the model's step) does not have."""
     unique = list(dict.fromkeys(missing))
     return PlanError(f"the plan names {len(unique)} op(s)/tensor(s) {where} does not have (e.g. "
                      f"{', '.join(repr(n) for n in unique[:3])}): it was made for another model, batch structure or "
@@ -289,9 +286,8 @@ def not_read_error(consumer: str, tensor: str, where: str = "") -> PlanError:
 
 
 def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
-    """Reject plans the rewriter could not apply: ``check_structure``, and on ``g`` a consumer that
-    does not read the tensor, a trigger that runs after (or depends on) the consumer, a tensor that
-    cannot live on the host."""
+    """Reject plans the rewriter could not apply: ``check_structure``, and on ``g`` a consumer not reading
+    its tensor, a trigger after (or depending on) the consumer, a tensor that cannot live on the host."""
     check_structure(plan.swaps(), g.tensor_name, g.op_name.__getitem__)
     position = position_of(g)
     reads = set(zip(g.edge_tensor.tolist(), g.edge_consumer.tolist()))
@@ -325,14 +321,10 @@ def validate_plan(g: OpGraph, plan: SwapPlan) -> None:
 
 
 def after_ops(g: OpGraph, group_tensor: np.ndarray, ptr: np.ndarray, consumers: np.ndarray) -> np.ndarray:
-    """Per swap-in group (groups of a tensor consecutive, in level order): the op it must follow.
-
-    The first group follows the last op that still reads the buffer the tensor lives in once the
-    far reads are rewired (its producer at least; a tensor a rewired read carried into a swap-in's
-    buffer is on the device until that buffer's last reader); each later group follows the last
-    consumer of the group before it. Compiled (``kernels.after_ops``; ``plan_swaps`` calls it from
-    its own kernel).
-    """
+    """Per swap-in group (a tensor's groups consecutive, in level order): the op it must follow. The
+    first group follows the last op that still reads the tensor's buffer once the far reads are rewired
+    (its producer at least; a rewired read may carry it into a swap-in's buffer, on the device until
+    that buffer's last reader); each later group the last consumer of the one before (``kernels.after_ops``)."""
     return kernels.after_ops(np.asarray(group_tensor, np.int64), np.asarray(ptr, np.int64),
                              np.asarray(consumers, np.int64), buffer_record(g))
 
@@ -371,17 +363,15 @@ class NamedSwap:
 @dataclass(frozen=True)
 class NamedPlan:
     """A swap plan by name: what ``plan.json`` holds (docs/design.md 8) and the rewriter applies.
-
-    ``order``: every op in the execution order the plan was simulated in (``ordering``); the
-    rewriter chains the step in it, clones included. ``recomputes``: tensors recomputed for their far
-    readers (``simulator.recompute.actions``), built before the swaps, whose records may name the clones.
-    ``params``: the ``SwapParams`` that made the plan (None for a hand-made or empty one). ``graph_rewrites``/``step_inputs``: how the step was captured (the
-    rewriter redoes the rewrites and traces at those input shapes).
-    """
+    ``order``: every op in the simulated order (``ordering``), which the rewriter chains the step in.
+    ``recomputes``: tensors recomputed for far readers (``simulator.recompute.actions``), built before the
+    swaps. ``params``: the ``SwapParams`` that made it (None: hand-made or empty). ``graph_rewrites``,
+    ``step_inputs``: how the step was captured (the rewriter redoes the rewrites, traces at those shapes)."""
 
     swaps: tuple[NamedSwap, ...] = ()
     recomputes: tuple[Recompute, ...] = ()
     splits: tuple[SplitRegion, ...] = ()  # ops run in parts along the batch (simulator.split), built first
+    host_state: tuple[HostState, ...] = ()  # variables whose optimizer slots live on the host
     order: tuple[str, ...] = ()
     ordering: str = "cto"
     after_copies_out: bool = False
@@ -397,7 +387,8 @@ class NamedPlan:
     @property
     def changes_step(self) -> bool:
         """Whether applying it does anything but trace the step: swaps, recomputations, an order, rewrites."""
-        return bool(self.swaps or self.recomputes or self.splits or self.order or self.graph_rewrites)
+        return bool(self.swaps or self.recomputes or self.splits or self.order or self.graph_rewrites
+                    or self.host_state)
 
     def names(self, swaps: Iterable[NamedSwap] | None = None) -> Iterator[str]:
         """Every op and tensor name the plan (or ``swaps`` of it) refers to, in file order."""
@@ -424,6 +415,7 @@ class NamedPlan:
             "recomputes": [{"tensor": action.tensor, "ops": list(action.ops), "trigger": action.trigger,
                             "consumers": list(action.consumers)} for action in self.recomputes],
             "splits": split_records(self.splits),
+            "host_state": [{"variable": item.variable, "mode": item.mode} for item in self.host_state],
             "after_copies_out": self.after_copies_out,
             "ordering": self.ordering,
             "order": list(self.order),
@@ -551,8 +543,10 @@ def _read_v2(data: dict[str, Any]) -> NamedPlan:
 
 
 def _read_v3(data: dict[str, Any]) -> NamedPlan:
-    """``swap-plan/3``: version 2 and the split regions (``splits``, ``ops`` and ``parts`` each; left out: none)."""
-    return replace(_read_v2(data), splits=read_split_records(data.get("splits", []), PlanError))
+    """``swap-plan/3``: version 2, the split regions (``splits``, ``ops`` and ``parts`` each) and the optimizer
+    state on the host (``host_state``, ``variable`` and ``mode`` each); left out: none."""
+    return replace(_read_v2(data), splits=read_split_records(data.get("splits", []), PlanError),
+                   host_state=read_host_state_records(data.get("host_state", []), PlanError))
 
 
 # format version -> reader; a new version adds its reader and keeps the older ones

@@ -26,6 +26,7 @@ of a replay, for reports and for debugging plans.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -41,6 +42,7 @@ from simulator.graph import PHASE_NAMES, GraphError, OpGraph
 from simulator.kernels.records import PlanArrays, ReplayGraphRecord, StepRecord, Transfers
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
+from simulator.state.host_update import host_transfers, host_update_seconds, with_host_state
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,9 +274,19 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
 
 
 def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str = "v100-16gb") -> Replay:
-    """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping)."""
+    """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping); a plan's
+    ``host_state`` replays the step with those optimizer slots on the host (``simulator.state.with_host_state``)."""
     if isinstance(device, str):
         device = get_device(device)
+    if plan is not None and plan.host_state:  # optimizer slots on the host (simulator.state), their copies after
+        moved = with_host_state(g, plan.host_state, copies_in=not device.host_buffers_shared)
+        result = replay(moved, dataclasses.replace(plan, host_state=()), device)
+        out_bytes, in_bytes = host_transfers(moved, plan.host_state)
+        object.__setattr__(result, "step_s", result.step_s + host_update_seconds(moved, plan.host_state, device))
+        object.__setattr__(result, "stall_s", max(0.0, result.step_s - result.compute_s))
+        object.__setattr__(result, "d2h_bytes", int(result.d2h_bytes + out_bytes.sum()))
+        object.__setattr__(result, "h2d_bytes", int(result.h2d_bytes + in_bytes.sum()))
+        return result
     if plan is not None and plan.order_name != g.order:
         g = g.with_order(plan.order_name)
     if plan is None or plan.n_swaps == 0:

@@ -32,6 +32,7 @@ autotune.toml with defaults for the flags below, e.g.:
     trials = 200
     recompute = false             # swap only, as --no-recompute
     split = false                 # never split ops along the batch, as --no-split
+    state = false                 # optimizer state stays on the device, as --no-state
     graph_rewrites = ["split-concat", "elide-broadcasts"]   # U-Nets: see --rewrite
     imports = ["my_layers"]       # the model's custom objects: see --import
 
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--no-split: never run ops in parts along the batch (by default, where the budget is "
                              "under the floor of every plan that moves whole tensors, the ops that set it run in "
                              "parts, exactly, docs/design.md 12; also split = false in autotune.toml)")
+    search.add_argument("--state", action=argparse.BooleanOptionalAction, default=None,
+                        help="--no-state: keep the optimizer state on the device (by default, where no plan fits "
+                             "with it there, the slots of the largest variables of SGD, Adam or AdamW live on the "
+                             "host and their update runs there; also state = false in autotune.toml)")
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
@@ -162,6 +167,7 @@ def _settings(args: argparse.Namespace):
     max_overhead = args.max_overhead if args.max_overhead is not None else config.max_overhead
     recompute = next((value for value in (args.recompute, config.recompute) if value is not None), True)
     split = next((value for value in (args.split, config.split) if value is not None), True)
+    state = next((value for value in (args.state, config.state) if value is not None), True)
     if max_overhead is not None and max_overhead < 0:
         raise InputError(f"--max-overhead must not be negative, got {max_overhead}")
     from autotune.search.policies import POLICIES, SAMPLERS
@@ -200,7 +206,7 @@ def _settings(args: argparse.Namespace):
                                 seed=args.seed if args.seed is not None else (config.seed if config.seed is not None
                                                                               else 0),
                                 study_name=args.study_name, maximize_batch=args.maximize_batch,
-                                max_overhead=max_overhead, recompute=recompute, split=split,
+                                max_overhead=max_overhead, recompute=recompute, split=split, state=state,
                                 progress=not args.quiet),
         "input_shapes": _input_shapes(args.input_shape) or config.input_shapes,
         "input_shapes_from": "--input-shape" if args.input_shape else "autotune.toml: input_shapes",
@@ -342,8 +348,11 @@ def _summary_text(result, report: Path, seconds: float) -> str:
         lines.append(f"with the plan:    peak {format_bytes(shown.peak_bytes)}, step {shown.step_s:.4g} s "
                      f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped, "
                      f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
-                     f"{result.plan.order_name} order")
+                     f"{result.plan.order_name} order"
+                     + (f", optimizer slots of {len(result.plan.host_state)} variable(s) on the host"
+                        if result.plan.host_state else ""))
         p = shown.params
+    if result.applies_plan and (result.plan.changes_step or result.recomputes) and p is not None:
         cost = param_text("recompute_cost", p.to_dict().get("recompute_cost"))  # a unit, not 1.13e-11
         lines.append(f"parameters: threshold={p.threshold} lb={p.lb} ub={p.ub} groupby={p.groupby} sync={p.sync} "
                      f"min_bytes={p.min_bytes} tensors={p.tensors} distance={p.distance} trigger={p.trigger}"

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from autotune.run.calibrated_timing import calibrate_for, search_target
-from autotune.run.floor import foregone, split_lines, split_to_budget
+from autotune.run.floor import foregone, split_lines, split_to_budget, state_floor_bytes
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import measure_result, planned_run
@@ -194,13 +194,14 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     captured, split, split_notes = graph, None, []
-    if peak_lower_bound_bytes(graph) > target.device_budget_bytes and not search.maximize_batch:
+    if peak_lower_bound_bytes(graph) > target.device_budget_bytes and not search.maximize_batch and not (
+            search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
         split = split_to_budget(graph, target.device_budget_bytes)  # the ops that set the floor, in parts
         if split is not None and search.split and split.split_floor_bytes <= target.device_budget_bytes:
             split_notes = [split_lines(split)]
             say(split_notes[0])
             graph = split.split_graph
-    known = foregone(graph, target, policy=search.policy, recompute=search.recompute,
+    known = foregone(graph, target, policy=search.policy, recompute=search.recompute, state=search.state,
                      recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
                                                      graph_rewrites=[*graph_rewrites, *more]),
                      split=split, split_allowed=search.split)

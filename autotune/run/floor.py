@@ -22,9 +22,10 @@ from autotune.search.space import SearchSpace, TuningProblem
 from autotune.run.target import Target
 from autotune.run.tuning import TuneResult, largest_batch
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
-from simulator import BACKWARD, OpGraph, replay
+from simulator import BACKWARD, DeviceModel, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
 from simulator.split import SplitFloor, floor_after_splitting
+from simulator.state import HostState, movable_state, with_host_state
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
 SPLIT_PARTS = (2, 4, 8, 16, 32)  # the parts a split may have, fewest first (fewer parts: fewer, larger kernels)
@@ -140,21 +141,36 @@ def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[
     return ways
 
 
+def state_floor_bytes(graph: OpGraph, device_model: DeviceModel) -> int:
+    """The floor with the optimizer slots of every variable that can move on the host (``simulator.state``)."""
+    movable = tuple(HostState(path) for path in movable_state(graph))
+    return peak_lower_bound_bytes(with_host_state(graph, movable, copies_in=not device_model.host_buffers_shared))
+
+
 def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recompute: bool = True,
-             recaptured: Callable[[Sequence[str]], OpGraph] | None = None, split: SplitFloor | None = None,
-             split_allowed: bool = True) -> TuneResult | None:
+             recaptured: Callable[[Sequence[str]], OpGraph] | None = None, state: bool = True,
+             split: SplitFloor | None = None, split_allowed: bool = True) -> TuneResult | None:
     """The result "does not fit" when the budget is under ``graph``'s floor at its batch, else None.
     ``recaptured(rewrites)``: the step captured again with more graph rewrites, to see their floor
-    (asked only for the rewrites that change the op holding the floor). ``split``: the lowest floor a split
-    reaches (``split_to_budget``), said among the ways down (``split_allowed`` False: --no-split forbade it)."""
+    (asked only for the rewrites that change the op holding the floor). ``state``: the search may move
+    optimizer slots to the host (``simulator.state``), so the floor is the one with every movable slot there.
+    ``split``: the lowest floor a split reaches (``split_to_budget``), said among the ways down
+    (``split_allowed`` False: --no-split forbade it)."""
     device_model, budget = target.device, target.device_budget_bytes
     floor = floor_of(graph)
     if floor.floor_bytes <= budget:
+        return None
+    movable = bool(movable_state(graph))
+    moved_floor = state_floor_bytes(graph, device_model)
+    if state and moved_floor <= budget:
         return None
     op = largest_working_set_op(graph) if floor.working_set_bytes > 0 else None
     rewrite_floors = {} if op is None or recaptured is None else {
         rewrite: peak_lower_bound_bytes(recaptured([rewrite])) for rewrite in rewrites_touching(graph, op)}
     ways = ways_down(graph, floor, budget, rewrite_floors)
+    if movable and moved_floor <= budget:
+        ways.insert(0, f"the optimizer slots on the host (without --no-state) lower the floor to "
+                       f"{format_bytes(moved_floor)}, within the budget")
     if split is not None:
         reach = f"splitting the ops that set the floor along the batch in {split.parts} parts"
         ways.insert(-1, f"{reach} would lower it to {format_bytes(split.split_floor_bytes)}, within the budget "

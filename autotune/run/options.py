@@ -16,7 +16,8 @@ class SearchOptions:
     """The search: ``policy`` and Optuna ``sampler``, ``trials``/``timeout_s``/``seed``, where the study
     is kept (``storage``, ``study_name``), ``maximize_batch`` (with ``max_overhead``: the slow-down allowed),
     ``recompute`` (False: swap only), ``split`` (False: never run ops in parts along the batch, even where
-    the budget is under the floor of plans that move whole tensors) and a ``progress`` bar."""
+    the budget is under the floor of plans that move whole tensors), ``state`` (False: the optimizer state
+    stays on the device) and a ``progress`` bar."""
 
     policy: str = "optuna"
     sampler: str = "tpe"
@@ -29,6 +30,7 @@ class SearchOptions:
     max_overhead: float | None = None
     recompute: bool = True
     split: bool = True
+    state: bool = True
     progress: bool = False
 
 

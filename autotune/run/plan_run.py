@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from autotune.inputs import format_bytes
@@ -180,6 +180,8 @@ def planned_run(result: TuneResult) -> PlannedRun:
     # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there
     plan_graph = graph if params is None or result.plan_graph is None else result.plan_graph.with_batch(batch)
     plan = SwapPlan.empty(graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
+    if result.plan is not None and result.plan.host_state:  # the optimizer slots the plan keeps on the host
+        plan = replace(plan, host_state=result.plan.host_state)
     return PlannedRun(placement, batch, device, graph, plan_graph, plan, note)
 
 

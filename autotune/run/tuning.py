@@ -29,6 +29,7 @@ from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGrap
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
+from simulator.state import HostState, movable_state, state_groups, state_refusal, with_host_state
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +159,13 @@ class TuneResult:
     @property
     def action_phrase(self) -> str:
         """What the shown plan does, in the verdict's words."""
-        return actions_phrase(0 if self.plan is None else self.plan.n_swaps, len(self.recomputes))
+        return actions_phrase(0 if self.plan is None else self.plan.n_swaps, len(self.recomputes),
+                              0 if self.plan is None else len(self.plan.host_state))
 
     @property
     def has_actions(self) -> bool:
-        """Whether the shown plan swaps or recomputes anything (else it at most reorders the step)."""
-        return self.plan is not None and bool(self.plan.n_swaps or self.recomputes)
+        """Whether the shown plan swaps, recomputes or moves optimizer state (else it at most reorders the step)."""
+        return self.plan is not None and bool(self.plan.n_swaps or self.recomputes or self.plan.host_state)
 
     def named_plan(self) -> NamedPlan | None:
         """The shown plan by name (what ``plan.json`` holds), its recomputations included."""
@@ -215,6 +217,10 @@ class TuneResult:
             "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),
             "swaps": 0 if self.plan is None else self.plan.n_swaps,
             "swap_ins": 0 if self.plan is None else self.plan.n_swap_ins,
+            # variables whose optimizer slots the plan keeps on the host (simulator.state), and the slots' bytes
+            "host_state": [] if self.plan is None else [item.variable for item in self.plan.host_state],
+            "host_state_bytes": 0 if self.plan is None else sum(movable_state(self.graph)[item.variable]
+                                                                for item in self.plan.host_state),
             "trials": len(self.evaluations),
             "max_batch_without_swap": self.max_batch_without_swap,
             "measured_on": None if m is None else m.measured_on,
@@ -348,14 +354,18 @@ def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceMod
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,
-                   sampler: str, seed: int | None, recompute: bool = False, space: SearchSpace | None = None) -> str:
+                   sampler: str, seed: int | None, recompute: bool = False, space: SearchSpace | None = None,
+                   host_state: tuple[HostState, ...] = ()) -> str:
     """A study's default name; searches with and without recomputation keep theirs apart (a
     swap-only search keeps the name it had before recomputation existed). With recomputation the
     name holds the search space too: a version whose recompute space changed starts a new study
-    instead of refusing the stored one (``open_study``), which is kept as it is."""
+    instead of refusing the stored one (``open_study``), which is kept as it is. Optimizer state on the host
+    (``host_state``) is another step: its own study."""
     key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
     if recompute:
         key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
+    if host_state:
+        key += "|host_state|" + ",".join(sorted(item.variable for item in host_state))
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
@@ -419,16 +429,46 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
 
     ``options.recompute`` (default): the search may also recompute tensors instead of keeping or swapping
     them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
+    ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run
+    again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
+    the movable slots' bytes, half, three quarters, all), and the first group that fits is the plan's
+    ``host_state``; False: the state stays (``--no-state``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
     waits for it instead of calling the prediction final)."""
+    result = _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured)
+    if result.chosen is not None or not options.state or options.maximize_batch:
+        return result
+    g = graph.with_batch(batch_size or graph.batch_size)
+    groups = state_groups(g)
+    if not groups:
+        reason = state_refusal(g)
+        note = (f"the optimizer state stays on the device: {reason}" if reason
+                else "no optimizer state of this step can move to the host")
+        return replace(result, notes=result.notes + [note])
+    for group in groups:
+        moved = _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
+                        host_state=group)
+        if moved.chosen is not None:
+            size = sum(movable_state(g)[item.variable] for item in group)
+            return replace(moved, notes=[f"the optimizer slots of {len(group)} of {len(movable_state(g))} variable(s), "
+                                         f"{format_bytes(size)}, live on the host, where their update runs"
+                                         " (--no-state keeps them on the device)"] + moved.notes)
+    return replace(moved, notes=moved.notes + ["not even with every movable optimizer slot on the host"])
+
+
+def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
+            correction: PeakCorrection | None = None, measured: bool = False,
+            host_state: tuple[HostState, ...] = ()) -> TuneResult:
+    """``search_graph`` with the optimizer slots of ``host_state`` on the host (none: the step as captured)."""
     device_model, user_budget = target.device, target.device_budget_bytes
     policy, sampler, seed, recompute = options.policy, options.sampler, options.seed, options.recompute
     max_overhead = options.max_overhead
     correction = correction or PeakCorrection()
     notes: list[str] = []
-    g = graph.with_batch(batch_size or graph.batch_size)
+    captured = graph.with_batch(batch_size or graph.batch_size)
+    g = with_host_state(captured, host_state, copies_in=not device_model.host_buffers_shared)
     budget = correction.search_budget(user_budget, g.persistent_bytes)
     if not correction.is_identity and budget <= g.persistent_bytes:
         notes.append(f"measured runs showed the simulator short on this model ({correction.describe()}): with "
@@ -453,7 +493,8 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
         else:
             notes.append(f"largest batch that fits{cap}: {best_batch} (without swapping: {no_swap_max})")
         g = g.with_batch(best_batch)
-    problem = TuningProblem(g, device_model, budget, space=SearchSpace.for_graph(g, recompute=recompute))
+    problem = TuningProblem(g, device_model, budget, space=SearchSpace.for_graph(g, recompute=recompute),
+                            host_state=host_state)
     baseline = problem.baseline()
     lower_bound = peak_lower_bound_bytes(g)
     if g.persistent_bytes <= budget < lower_bound:
@@ -462,9 +503,12 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
     name = options.study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
-                                        problem.space)
+                                                problem.space, host_state)
     study = open_study(options.storage, name, g, problem.space)
-    if baseline.feasible:
+    if baseline.feasible and host_state:
+        notes.append("with those optimizer slots on the host the step fits without swapping")
+        outcome_evaluations, chosen = [baseline], baseline
+    elif baseline.feasible:
         notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"
                      if g.meta.get("graph_rewrites") else "the step fits without swapping: no plan needed")
         outcome_evaluations, chosen = [baseline], baseline
@@ -497,14 +541,18 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     plan_graph = problem.graph_for(None if shown is None else shown.params)
     shown_replay = None if shown is None else replay(plan_graph, plan, device_model)
     recomputes = problem.recomputes(None if shown is None else shown.params)
-    verdict = predicted(fits=chosen is not None, swaps=bool(plan is not None and (plan.n_swaps or recomputes)),
+    verdict = predicted(fits=chosen is not None,
+                        swaps=bool(plan is not None and (plan.n_swaps or recomputes or plan.host_state)),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured,
-                        action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes)))
+                        action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes), len(host_state)))
     return TuneResult(
-        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, target=target, graph=g, policy=policy, baseline=baseline, chosen=chosen, closest=closest,
+        model=str(g.meta.get("model", "model")), batch_size=g.batch_size, target=target, graph=captured, policy=policy,
+        # "without swapping": the step as captured, its state on the device
+        baseline=TuningProblem(captured, device_model, budget).baseline() if host_state else baseline,
+        chosen=chosen, closest=closest,
         evaluations=outcome_evaluations, study=study, plan=plan,
-        replay=shown_replay, baseline_replay=replay(g, None, device_model),
+        replay=shown_replay, baseline_replay=replay(captured, None, device_model),
         space=problem.space, max_batch_without_swap=no_swap_max, notes=notes, search_budget_bytes=budget,
         correction=correction, verdict=verdict, plan_graph=plan_graph,
         recomputes=recomputes,

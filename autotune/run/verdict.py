@@ -200,11 +200,13 @@ class Verdict:
         return replace(self, checks=tuple(checks), details=tuple(self.details) + tuple(details))
 
 
-def actions_phrase(n_swaps: int, n_recomputes: int) -> str:
+def actions_phrase(n_swaps: int, n_recomputes: int, n_host_state: int = 0) -> str:
     """What a plan does, as the verdict says it (a plan that only recomputes does not swap)."""
-    if n_recomputes and n_swaps:
-        return "swapping and recomputation"
-    return "recomputation" if n_recomputes else "swapping"
+    done = [name for name, count in (("swapping", n_swaps), ("recomputation", n_recomputes),
+                                     ("optimizer state on the host", n_host_state)) if count]
+    if not done:
+        return "swapping"
+    return done[0] if len(done) == 1 else ", ".join(done[:-1]) + " and " + done[-1]
 
 
 def predicted(*, fits: bool, swaps: bool, peak_bytes: int | None, budget_bytes: int, measured: bool,

@@ -217,6 +217,9 @@ class TuningProblem:
     budget_bytes: int
     host_limit_bytes: int | None = None
     space: SearchSpace | None = None
+    # optimizer slots on the host (simulator.state): ``graph`` is the step with them moved, and every plan
+    # carries them, so its replay counts their copies
+    host_state: tuple = ()
     _cache: dict = field(default_factory=dict, repr=False)
     _plain_compute_s: float | None = field(default=None, repr=False)
 
@@ -241,8 +244,11 @@ class TuningProblem:
 
     def plan(self, params: SwapParams | None) -> SwapPlan:
         if params is None:
-            return SwapPlan.empty(self.graph)
-        return plan_swaps(self.graph_for(params), params, kept_reads=self.device.kept_reads)
+            return self._with_state(SwapPlan.empty(self.graph))
+        return self._with_state(plan_swaps(self.graph_for(params), params, kept_reads=self.device.kept_reads))
+
+    def _with_state(self, plan: SwapPlan) -> SwapPlan:
+        return replace(plan, host_state=self.host_state) if self.host_state else plan
 
     def replay(self, params: SwapParams | None) -> Replay:
         return replay(self.graph_for(params), None if params is None else self.plan(params), self.device)
@@ -297,7 +303,7 @@ class TuningProblem:
                          ) -> tuple[SwapParams, OpGraph, SwapPlan, Replay]:
         more = replace(params, recompute_tensors=params.recompute_tensors + tensors)
         graph = self.graph_for(more)
-        plan = plan_swaps(graph, more, kept_reads=self.device.kept_reads)
+        plan = self._with_state(plan_swaps(graph, more, kept_reads=self.device.kept_reads))
         return more, graph, plan, replay(graph, plan, self.device)
 
     def _evaluation(self, params: SwapParams | None, result: Replay) -> Evaluation:

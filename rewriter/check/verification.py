@@ -78,6 +78,11 @@ class Verification:
     copies_checked: int = 0  # (accelerator-side copy, control source) pairs checked in the partition graphs
     copies_waiting: int = 0  # of those, the copy depends on the source (it cannot start before it)
     copies_early: list[str] = field(default_factory=list)  # "swap_in: copy <- source": the copy need not wait
+    # a variable's update placed beside its slots on the host (rewriter.step.host_state): its nodes found in the
+    # partition graphs, and those that ran elsewhere (Grappler renames or folds some, which are neither)
+    host_updates_planned: int = 0
+    host_updates_on_host: int = 0
+    host_updates_elsewhere: list[str] = field(default_factory=list)
     copy_waits: dict[str, list[str]] = field(default_factory=dict)  # swap-in -> ops its copy in waits for
     devices: dict[str, int] = field(default_factory=dict)  # partition graph device -> node count
     collected: bool = True  # False when the run metadata held no graph of the step
@@ -90,7 +95,7 @@ class Verification:
     def ok(self) -> bool:
         return self.collected and not (self.removed or self.triggers_dropped or self.triggers_moved
                                        or self.triggers_folded or self.reads_lost or self.copies_early
-                                       or self.split_lost) \
+                                       or self.split_lost or self.host_updates_elsewhere) \
             and (self.recompute is None or self.recompute.ok)
 
     def problem_items(self) -> list[tuple[str, list[str]]]:
@@ -102,7 +107,8 @@ class Verification:
                              ("trigger edge(s) moved", self.triggers_moved),
                              ("copy(ies) to the accelerator need not wait for their trigger", self.copies_early),
                              ("consumer input(s) no longer read their swap-in", self.reads_lost),
-                             ("split part(s) or combine(s) merged away", self.split_lost)):
+                             ("split part(s) or combine(s) merged away", self.split_lost),
+                             ("host update op(s) ran off the host", self.host_updates_elsewhere)):
             if names:
                 items.append((f"{len(names)} {label}", list(names)))
         if self.recompute is not None:
@@ -131,6 +137,8 @@ class Verification:
             text += f"; recomputations: {self.recompute.counts()}"
         if self.planned_split_nodes:
             text += f"; split parts and combines {self.split_nodes}/{self.planned_split_nodes}"
+        if self.host_updates_planned:
+            text += f"; host update ops on the host {self.host_updates_on_host}/{self.host_updates_planned}"
         problems = self.problems()
         return text + ("" if not problems else "; " + "; ".join(problems))
 
@@ -148,17 +156,20 @@ def _short(device: str) -> str:
 
 
 def check(function_graphs, applied, *, accelerator: str = "", host: str = "",
-          recomputed: Sequence[AppliedRecompute] = (), split: Sequence[AppliedSplit] = ()) -> Verification:
+          recomputed: Sequence[AppliedRecompute] = (), split: Sequence[AppliedSplit] = (),
+          host_updates: frozenset[str] = frozenset()) -> Verification:
     """Compare the collected graphs of one step with the applied swaps (``SwapStep.applied``),
-    recomputations (``SwapStep.recomputed``) and split regions (``SwapStep.split``)."""
+    recomputations (``SwapStep.recomputed``), split regions (``SwapStep.split``) and the update ops placed
+    on the host (``host_updates``)."""
     swap_ins = [item for swap in applied for item in swap.swap_ins]
     split_nodes = [name for item in split for name in item.part_nodes + item.combines]
     names = {swap.swap_out for swap in applied} | {item.name for item in swap_ins} | recompute_names(recomputed) \
-        | set(split_nodes)
+        | set(split_nodes) | set(host_updates)
     result = Verification(
         planned_swap_outs=len(applied), planned_swap_ins=len(swap_ins),
         planned_triggers=sum(1 for item in swap_ins if item.trigger),
         planned_rewired_inputs=sum(len(item.rewired) for item in swap_ins), planned_split_nodes=len(split_nodes),
+        host_updates_planned=len(host_updates),
     )
     if recomputed:
         result.recompute = check_recomputes(function_graphs, recomputed)
@@ -176,6 +187,11 @@ def check(function_graphs, applied, *, accelerator: str = "", host: str = "",
         for node in partition.node:
             partitions[node.name] = node
             result.devices[_short(node.device)] = result.devices.get(_short(node.device), 0) + 1
+            if node.name in host_updates:
+                if _short(node.device) == _short(host):
+                    result.host_updates_on_host += 1
+                else:
+                    result.host_updates_elsewhere.append(node.name)
             if node.op == "_Send":
                 result.sends += 1
             elif node.op == "_Recv":
@@ -383,7 +399,8 @@ def verify_first_call(step, example=None) -> Verification:
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host,
-                   recomputed=step.recomputed, split=step.split)
+                   recomputed=step.recomputed, split=step.split,
+                   host_updates=frozenset().union(*step.host_updates.values()))
     _report(result)
     return result
 
@@ -399,7 +416,8 @@ def verify(step, x=None, y=None) -> Verification:
     finally:
         snapshot.restore()
     result = check(graphs, step.applied, accelerator=step.placement.accelerator, host=step.placement.host,
-                   recomputed=step.recomputed, split=step.split)
+                   recomputed=step.recomputed, split=step.split,
+                   host_updates=frozenset().union(*step.host_updates.values()))
     _report(result)
     return result
 

@@ -96,10 +96,20 @@ class Placement:
     def is_host_op(self, op_name: str) -> bool:
         return is_swap_out_op(op_name)
 
-    def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
+    def on_host_device(self, device: str) -> bool:
+        """Whether a variable placed on ``device`` (its full name) lives on the host side, apart from the
+        accelerator (never on the single-device testbed, where the two are one device)."""
+        if not device or self.host == self.accelerator:
+            return False
+        spec, host = tf.DeviceSpec.from_string(device), tf.DeviceSpec.from_string(self.host)
+        return (spec.device_type, spec.device_index) == (host.device_type, host.device_index)
+
+    def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None,
+                     host_ops: frozenset[str] = frozenset()) -> PeakReading:
         """Peak of one call of ``fn``. ``resident_bytes``: what the step itself keeps on the device
         between calls (weights, optimizer state, inputs), where the measurement cannot tell it
-        apart from the rest of the process (the CPU testbed)."""
+        apart from the rest of the process (the CPU testbed). ``host_ops``: ops placed on the host
+        beside the swap-outs (a variable's update beside its slots), whose allocations are the host's."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -132,7 +142,8 @@ class GpuPlacement(Placement):
             return None
         return preset_for_gpu(found[0])
 
-    def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
+    def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None,
+                     host_ops: frozenset[str] = frozenset()) -> PeakReading:
         """One profiled call: ``peak_bytes`` in requested bytes from the profiler's trace of the GPU's
         allocator (the prediction's unit, as on the testbed), ``allocator_peak_bytes`` TensorFlow's own
         ``get_memory_info`` peak (BFC chunks, cuDNN workspaces included) of the same call; host copies
@@ -186,16 +197,21 @@ class CpuTestbedPlacement(Placement):
         16 % above the prediction in about 1 run of 10)."""
         return self.accelerator
 
-    def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None) -> PeakReading:
+    def measure_peak(self, fn: Callable[..., Any], *args: Any, resident_bytes: int | None = None,
+                     host_ops: frozenset[str] = frozenset()) -> PeakReading:
         warn_if_allocations_hidden()
         warn_if_onednn_off()
+
+        def is_host_op(name: str) -> bool:
+            return self.is_host_op(name) or (not self.single_device and name in host_ops)
+
         if resident_bytes is None:
-            peak = memtrace.measure_call_peak(fn, *args, is_host_op=self.is_host_op, device="CPU:0")
+            peak = memtrace.measure_call_peak(fn, *args, is_host_op=is_host_op, device="CPU:0")
         else:
             # the CPU allocator also holds what other functions of the process left behind (the
             # constants TF materialised while optimising them): count only the step's own state
             events = memtrace.record_memory_events(fn, *args)
-            peak = memtrace.accelerator_peak(events, is_host_op=self.is_host_op, resident_bytes=resident_bytes,
+            peak = memtrace.accelerator_peak(events, is_host_op=is_host_op, resident_bytes=resident_bytes,
                                              resident_unit="requested")
         return PeakReading(peak_bytes=int(peak.peak_requested_bytes), allocator_peak_bytes=int(peak.peak_allocated_bytes),
                            host_peak_bytes=int(peak.host_peak_requested_bytes), resident_bytes=int(peak.resident_bytes))

@@ -29,6 +29,7 @@ from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
 from rewriter.edit.split_parts import BatchShapes, apply_splits, check_part_shapes
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.step.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
+from rewriter.step.host_state import apply_host_state, place_state
 from rewriter.check.verification import verify_first_call
 from simulator.plan import PlanError, load_plan  # noqa: F401 -- the error apply raises
 
@@ -75,6 +76,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     if chosen_op not in SWAP_OPS:
         raise ValueError(f"swap_op must be 'auto' or one of {SWAP_OPS}, got {swap_op!r}")
     if isinstance(model, TracedStep):
+        if named.host_state:
+            raise PlanError("the plan moves optimizer state, which needs the Keras model (not a traced function)")
         traced = model
         model = None
     else:
@@ -82,6 +85,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             batch_size = named.batch_size
         if batch_size is None or int(batch_size) < 1:
             raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
+        # before the trace: the step must capture the slots where the plan keeps them
+        place_state(model, [item.variable for item in named.host_state], place)
         traced = trace_keras_step(model, int(batch_size), inputs, sample_weight=sample_weight)
     planned = named  # by the names the capture gives (rewriter.trace.op_names), whatever this process called the layers
     named = traced_names(named, traced.canonical)
@@ -121,6 +126,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     graph_def, applied, skipped = edit_graph_def(graph_def, named, place, swap_op=chosen_op, tensor_info=tensor_info,
                                                  foldable=foldable, kept_reads=place.kept_reads,
                                                  passthrough=passthrough)
+    graph_def, host_updates = apply_host_state(graph_def, traced, model, named.host_state, place, tensor_info)
     function = import_step(graph_def, traced)
 
     def at_batch(size: int, weighted: bool = sample_weight) -> SwapStep:  # the same plan, traced again
@@ -129,11 +135,13 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
 
     step = SwapStep(function=function, traced=traced, graph_def=graph_def, plan=named, applied=applied,
                     skipped=skipped, placement=place, swap_op=chosen_op, model=model,
-                    at_batch=None if model is None else at_batch, recomputed=recomputed, split=split)
-    log.info("applied %d swap(s) with %d swap-in(s) (%d skipped) and %d recomputation(s), swap op %s, on %s",
-             step.n_swap_outs, step.n_swap_ins, len(skipped), len(recomputed), chosen_op, place.describe())
+                    at_batch=None if model is None else at_batch, recomputed=recomputed, split=split,
+                    host_updates=host_updates)
+    log.info("applied %d swap(s) with %d swap-in(s) (%d skipped), %d recomputation(s), %d split region(s) and %d "
+             "update(s) on the host, swap op %s, on %s", step.n_swap_outs, step.n_swap_ins, len(skipped),
+             len(recomputed), len(split), len(host_updates), chosen_op, place.describe())
     if place.measured_on == "gpu":  # copies out land in TF's pinned host allocator, which has a limit
         warn_if_pinned_limit_short(step.swapped_bytes)
-    if verify and (applied or recomputed or split):
+    if verify and (applied or recomputed or split or host_updates):
         step.verification = verify_first_call(step, verify_with)
     return step

@@ -26,13 +26,14 @@ class SwapStep:
     ``applied``/``skipped`` (per-swap records), ``recomputed`` (the recomputations built,
     ``rewriter.edit.recompute_clones.AppliedRecompute``), ``split`` (the regions run in parts,
     ``rewriter.edit.split_parts.AppliedSplit``), ``placement``, ``verification`` (what survived
-    Grappler, see ``rewriter.check.verification``), ``graph_def`` (the edited GraphDef), ``batch_size``.
+    Grappler, see ``rewriter.check.verification``), ``graph_def`` (the edited GraphDef), ``batch_size``,
+    ``host_updates`` (variable path -> its update's nodes placed on the host beside its optimizer slots).
     """
 
     def __init__(self, *, function, traced: TracedStep, graph_def, plan: NamedPlan, applied: list[AppliedSwap],
                  skipped: list[SkippedSwap], placement: Placement, swap_op: str, model=None,
                  at_batch: Callable[[int], SwapStep] | None = None, recomputed: Sequence[AppliedRecompute] = (),
-                 split: Sequence[AppliedSplit] = ()):
+                 split: Sequence[AppliedSplit] = (), host_updates: dict[str, set[str]] | None = None):
         self._function = function
         self.traced = traced
         self.graph_def = graph_def
@@ -41,6 +42,8 @@ class SwapStep:
         self.skipped = skipped
         self.recomputed = tuple(recomputed)
         self.split = tuple(split)
+        # variable path -> the update's nodes placed on the host beside its slots (rewriter.step.host_state)
+        self.host_updates = dict(host_updates or {})
         self.placement = placement
         self.swap_op = swap_op
         self.batch_size = traced.batch_size

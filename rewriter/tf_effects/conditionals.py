@@ -9,7 +9,7 @@ applies the update in one branch every ``gradient_accumulation_steps`` steps: (g
 accumulator) / steps per variable, the optimizer's temporaries, and the accumulators reset from
 folded ``zeros`` constants as large as the trainable weights (a small CNN with Adam and 4 steps:
 5.4 MiB of constants and 6 MiB of update temporaries the step did not count, measured 37.5 MiB
-where 31.5 were predicted; ``tests/rewriter/test_state.py``).
+where 31.5 were predicted; ``tests/rewriter/state/test_state.py``).
 
 ``working_set_bytes`` is the most one branch holds at once (its ops replayed as a loop body's,
 ``loops.graph_working_set_bytes``), which the capture adds as the op's scratch: the simulator

@@ -7,7 +7,7 @@ makes the variable take its value's buffer. Either way the old buffer stays unti
 the read that holds it has run. AdamW's weight decay (``var -= var * wd * lr``) does not wait for the
 gradients: run before the backward MatMul that reads the forward's read of the same weight, it
 holds the weight twice until that MatMul ran (the 3x1024 Dense MLP: 4 MiB per 1024x1024 kernel,
-measured 43.4 MiB where 39.4 were predicted without it; ``tests/rewriter/test_state.py``).
+measured 43.4 MiB where 39.4 were predicted without it; ``tests/rewriter/state/test_state.py``).
 
 TensorFlow's automatic control dependencies run the reads and writes of one variable in program
 order, so the reads a write can find pending are those made since the variable's previous write

@@ -91,9 +91,10 @@ def _inputs(step, x, y) -> tuple[Any, list[tf.Tensor]]:
     return call, flat
 
 
-def _state_bytes(step, flat: list[tf.Tensor]) -> int | None:
-    """Bytes the step keeps between calls: the model's variables (weights, optimizer and metric
-    state) and the input batch. None when the step has no model to ask."""
+def _state_bytes(step, flat: list[tf.Tensor], place: Placement) -> int | None:
+    """Bytes the step keeps between calls on the accelerator: the model's variables (weights, optimizer and
+    metric state) but those on the host (optimizer slots a plan moved, ``rewriter.step.host_state``), and
+    the input batch. None when the step has no model to ask."""
     model = getattr(step, "_model", None)
     if model is None:
         return None
@@ -101,7 +102,8 @@ def _state_bytes(step, flat: list[tf.Tensor]) -> int | None:
     for variable in list(model.variables) + list(model.optimizer.variables) + list(
             getattr(model, "metrics_variables", [])):
         seen[id(variable)] = variable
-    state = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in seen.values())
+    state = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in seen.values()
+                if not place.on_host_device(getattr(getattr(v, "value", v), "device", "")))
     return state + sum(int(np.prod(t.shape)) * t.dtype.size for t in flat)
 
 
@@ -146,8 +148,10 @@ def measure(step, x, y, *, warmup: int = 2, repeats: int = 5, placement: Placeme
             start = time.perf_counter()
             _block(call(*flat))
             times.append(time.perf_counter() - start)
-        state = _state_bytes(step, flat)
-        reading = place.measure_peak(call, *flat, resident_bytes=None if state is None else state + constants)
+        state = _state_bytes(step, flat, place)
+        host_ops = frozenset().union(*getattr(step, "host_updates", {}).values())
+        reading = place.measure_peak(call, *flat, resident_bytes=None if state is None else state + constants,
+                                     **({"host_ops": host_ops} if host_ops else {}))
     finally:
         if snapshot is not None:
             snapshot.restore()

@@ -52,7 +52,7 @@ def _handle_bytes(handle) -> int:
     return total
 
 
-def _keras_kinds(model) -> dict[int, tuple[str, str]]:
+def keras_kinds(model) -> dict[int, tuple[str, str]]:
     """id of a variable's resource handle -> (its path, its kind), for a compiled Keras model."""
     optimizer = model.optimizer
     accumulators = {id(v) for v in getattr(optimizer, "_accumulated_gradients", None) or []}
@@ -77,7 +77,7 @@ def describe_variables(concrete, model=None) -> list[dict]:
     """One entry per variable the step captures: ``{"variable", "kind", "bytes"}`` (for ``graph.meta``);
     without a Keras model every kind is ``"variable"``."""
     sizes = variable_sizes(concrete)
-    kinds = _keras_kinds(model) if model is not None else {}
+    kinds = keras_kinds(model) if model is not None else {}
     described = []
     for external, internal in concrete.graph.captures:
         if internal.dtype != tf.resource or internal.op.name not in sizes:

@@ -28,6 +28,7 @@ from rewriter.trace.graph_rewrites import apply_rewrites
 from rewriter.trace.step_inputs import (NO_STEP_INPUTS, CaptureError, StepInputs, StepSpecs, build_if_needed, step_specs,  # noqa: F401
                                   synthetic_batch, trains_itself)  # CaptureError and synthetic_batch: still importable from here
 from rewriter.trace import state_kinds
+from rewriter.trace.optimizer_state import describe_movable_state
 from rewriter.trace.step_loss import recording_losses
 from rewriter.trace.op_names import canonical, canonical_names
 from rewriter.trace.training_setup import describe_training
@@ -124,6 +125,14 @@ def trace_keras_step(model, batch_size: int, given: StepInputs = NO_STEP_INPUTS,
     while len(traces) > TRACES_KEPT:
         traces.pop(next(iter(traces)))
     return traced
+
+
+def forget_traces(model) -> None:
+    """Drop the traces kept of ``model``'s step (they captured variables that were since replaced)."""
+    try:
+        _TRACES.pop(model, None)
+    except TypeError:  # never kept
+        pass
 
 
 def _trace_keras_step(model, batch_size: int, given: StepInputs, *, sample_weight: bool = False) -> TracedStep:
@@ -529,7 +538,8 @@ def capture(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, name
     second = trace_keras_step(model, _second_batch(int(batch_size)), inputs)
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
             "training": describe_training(model),
-            "variables": state_kinds.describe_variables(first.concrete, model)}
+            "variables": state_kinds.describe_variables(first.concrete, model),
+            "movable_state": describe_movable_state(first.concrete, model, first.optimizer_scope)}
     if inputs.to_dict():  # plans made on the graph are applied at these shapes
         meta["step_inputs"] = inputs.to_dict()
     first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)

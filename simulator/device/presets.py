@@ -88,6 +88,10 @@ class DeviceModel:
     # where it waits for a synchronous one (its first reader left on the device, else the op after its
     # producer). Set by rewriter.timing.device_calibration on such a placement; the presets keep False
     copies_out_wait: bool = False
+    # whether a tensor the host hands to the device keeps its host buffer (the CPU testbed's two logical CPUs
+    # share one memory: the send/receive passes the buffer on): the change a host update sends to a weight's
+    # write then takes no device memory (simulator.state.with_host_state); a GPU copies it in
+    host_buffers_shared: bool = False
 
     def __post_init__(self):
         positive = (
@@ -358,6 +362,7 @@ ONEDNN_POOL_READS = tuple((pool, grad) for pool, grad in (
 CPU_TESTBED = DeviceModel(
     name="cpu-testbed",
     kept_reads=ONEDNN_POOL_READS,
+    host_buffers_shared=True,
     capacity_bytes=24 * GiB,  # this machine's RAM (MemTotal 24684096 kB ~ 23.5 GiB; nominal 24 GiB)
     usable_fraction=1.0,  # no driver/allocator reserve on a CPU device; the budget is set by the tool
     # measured: tf.linalg.matmul 2048x2048x2048 fp32, 204 GFLOP/s (clean-run range 196-215)

@@ -17,6 +17,7 @@ from simulator import (GraphError, NamedPlan, OpGraph, PlanError, Swap, SwapIn, 
                        load_plan, plan_swaps, replay)
 from simulator.plan import FORMAT, check_structure
 from simulator.recompute.actions import Recompute, recomputed_tensors, with_recomputes
+from simulator.state import HOST_UPDATE, HostState
 from simulator.recompute.choice import RecomputeParams, actions_of, choose_recomputes
 
 PLANS = Path(__file__).resolve().parents[1] / "data" / "plans"
@@ -42,7 +43,7 @@ def test_a_plan_written_before_the_contract_loads_the_same(fixture):
     # written again in the current format: the same file with its version and empty lists of the later actions
     written = json.loads(NamedPlan.from_json(text).to_json())
     assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/3"
-    assert written == {**json.loads(text), "format": FORMAT, "recomputes": [], "splits": []}
+    assert written == {**json.loads(text), "format": FORMAT, "recomputes": [], "splits": [], "host_state": []}
     assert NamedPlan.from_json(text).recomputes == () and json.loads(again.to_json(graph)) == written
 
 
@@ -95,6 +96,9 @@ def _plan(**changes) -> dict:
     (_plan(params={"colour": "red"}), "params"),
     (_plan(batch_size="eight"), "batch_size"),
     (_plan(recomputes={}), "no 'recomputes' list"),
+    (_plan(host_state={}), "host_state must list"),
+    (_plan(host_state=[{"variable": "d/kernel", "mode": "teleport"}]), "host_state must list"),
+    (_plan(host_state=[{"variable": "d/kernel", "mode": "host-update"}] * 2), "each variable once"),
     (_plan(recomputes=[{"tensor": "a:0", "ops": ["a"], "trigger": "t"}]), "recomputation 0 of the plan is malformed"),
     (_plan(recomputes=[{"tensor": "a", "ops": ["a"], "trigger": "t", "consumers": ["b"]}]), "op:output"),
     (_plan(recomputes=[{"tensor": "a:²", "ops": ["a"], "trigger": "t", "consumers": ["b"]}]), "op:output"),
@@ -186,3 +190,14 @@ def test_recomputations_the_graph_cannot_hold_are_one_plan_error(fixture):
     data["recomputes"][0]["consumers"] = [data["recomputes"][0]["trigger"]]
     with pytest.raises(PlanError, match="recomputations do not fit this graph"):
         SwapPlan.from_dict(graph, data)
+
+
+def test_optimizer_state_on_the_host_reads_back_and_older_versions_have_none():
+    """``host_state`` (swap-plan/3): written and read back; a version-2 file names none and reads as before."""
+    named = NamedPlan(host_state=(HostState("dense/kernel"), HostState("dense/bias")), batch_size=4)
+    data = named.to_dict()
+    assert data["host_state"] == [{"variable": "dense/kernel", "mode": HOST_UPDATE},
+                                  {"variable": "dense/bias", "mode": HOST_UPDATE}]
+    assert NamedPlan.from_dict(data) == named and named.changes_step
+    older = {**_plan(), "format": "swap-plan/2", "host_state": [{"variable": "x", "mode": HOST_UPDATE}]}
+    assert NamedPlan.from_dict(older).host_state == ()  # a key version 2 did not have is not read from it

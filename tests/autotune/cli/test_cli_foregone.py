@@ -1,6 +1,7 @@
 """A budget under the floor every plan needs ends right after capture: exit 3 in seconds, no calibration,
 search or measured run, with what holds the floor and only the changes computed to get under the budget
-(``autotune.run.floor``)."""
+(``autotune.run.floor``). The runs keep the optimizer state on the device (``--no-state``): moved, it brings
+the U-Net's floor under the budget between the two floors (moving it: ``tests/autotune/cli/test_cli_state.py``)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def nothing_after_capture(monkeypatch):
 def _run(capsys, path, budget_bytes: int, out, *extra: str):
     started = time.process_time()  # this process's CPU seconds: other work on the machine does not count
     code = main([str(path), "--batch-size", str(BATCH), "--memory", str(budget_bytes), "--device", "cpu-testbed",
-                 "--calibrate", "--out", str(out), *extra])
+                 "--calibrate", "--no-state", "--out", str(out), *extra])
     captured = capsys.readouterr()
     return code, captured.out + captured.err, time.process_time() - started
 

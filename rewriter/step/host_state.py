@@ -1,0 +1,149 @@
+"""Optimizer slots on the host, updated there (a plan's ``host_state``, docs/design.md 13).
+
+TensorFlow places an op that reads or writes a resource variable with the variable. So the slots of a
+variable the plan names are re-homed on the host device (each Keras slot variable takes a new
+``tf.Variable`` made under ``tf.device(host)`` with its value: Keras' optimizer, ``get_weights``,
+``save_weights`` and checkpoints reach it as before), and the arithmetic of that variable's update in
+the step's GraphDef (the optimizer's ops that lead only to writes of the variable and of its slots) is
+placed on the host: the gradient is copied out, the update runs beside the slots, and the weight's change
+is copied in to the write, which stays with the weight on the device. Same kernels on both sides, so the
+step trains bitwise like Keras' (``tests/rewriter/state/test_host_state.py``).
+
+Which optimizers and which ops: ``rewriter.trace.optimizer_state`` (an optimizer it does not know is
+refused with the reason).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import tensorflow as tf
+
+from rewriter.placement.placements import SWAP_OUT_PREFIX, Placement
+from rewriter.trace.optimizer_state import (host_update_ops, slot_access_ops, slots_by_variable, state_refusal,
+                                            variable_handles)
+from rewriter.trace.tracing import forget_traces
+from simulator.plan import PlanError
+from simulator.state import HostState
+
+log = logging.getLogger(__name__)
+
+
+def home_slots(model, paths: Iterable[str], device: str) -> list[str]:
+    """Put the slots of the trainable variables ``paths`` on ``device`` (their values kept); returns the
+    paths whose slots moved. A Keras slot keeps its identity, its ``tf.Variable`` is made anew there, so
+    every function traced before (the step's traces, Keras' train function) is dropped."""
+    reason = state_refusal(model)
+    if reason is not None:
+        raise PlanError(f"the plan moves optimizer state, but {reason}")
+    slots = slots_by_variable(model)
+    wanted = list(paths)
+    unknown = [path for path in wanted if path not in slots]
+    if unknown:
+        raise PlanError(f"the plan's host_state names {len(unknown)} variable(s) that are not trainable variables "
+                        f"of this model (e.g. {unknown[0]!r}): it was made for another model")
+    target = tf.DeviceSpec.from_string(device)
+    moved = []
+    for path in wanted:
+        changed = False
+        for slot in slots[path]:
+            old = slot.value
+            placed = tf.DeviceSpec.from_string(old.device)
+            if (placed.device_type, placed.device_index) == (target.device_type, target.device_index):
+                continue
+            with tf.device(device):
+                slot._value = tf.Variable(old.read_value(), dtype=old.dtype, trainable=old.trainable,
+                                          name=old.name.split(":")[0])
+            changed = True
+        if changed:
+            moved.append(path)
+    if moved:
+        _forget_functions(model)
+        log.info("optimizer slots of %d variable(s) on %s", len(moved), device)
+    return moved
+
+
+def place_state(model, host_paths: Sequence[str], placement: Placement) -> None:
+    """The slots of ``host_paths`` on the placement's host, every other slot on its accelerator (put back
+    where an earlier plan had moved it), so the step traced next finds the state where the plan wants it."""
+    if host_paths:
+        home_slots(model, host_paths, placement.host)
+    if state_refusal(model) is None:
+        wanted = set(host_paths)
+        home_slots(model, [path for path in slots_by_variable(model) if path not in wanted], placement.accelerator)
+
+
+def _forget_functions(model) -> None:
+    """Drop what captured the slots' old variables: the step's traces and Keras' train function (also the
+    one ``rewriter.use_swap_step`` keeps to restore)."""
+    forget_traces(model)
+    model.train_function = None
+    if getattr(model, "_swap_original_train_function", None) is not None:
+        model._swap_original_train_function = None
+
+
+def place_on_host(graph_def, names: Iterable[str], device: str, *, on_host: Iterable[str] = (),
+                  copy: tuple[str, str] | None = None, tensor_info: dict | None = None):
+    """A copy of ``graph_def`` with the nodes ``names`` placed on ``device``, reading past the optimizer's
+    ``IdentityN`` over all gradients (Grappler removes it from a step on one device, not where its readers
+    run on another). ``copy`` = (op, device): each tensor they read from the accelerator (the gradient, a
+    weight's read) is copied out by that op first, one copy per tensor, named as a swap-out (its bytes are
+    the host's): on the testbed a tensor read across the two logical CPUs stayed referenced by the
+    send/receive after its readers ran (the 3x1024 MLP with Adam: every gradient lived to the end of the
+    step, 18.1 MiB measured where 13.2 are predicted), as for swaps (``CpuTestbedPlacement.swap_out_device``).
+    ``on_host``: other nodes already there (the slots' reads), whose outputs need no copy."""
+    edited = tf.compat.v1.GraphDef()
+    edited.CopyFrom(graph_def)
+    wanted = set(names)
+    host_side = wanted | set(on_host)
+    barriers = {node.name: list(node.input) for node in edited.node if node.op == "IdentityN"}
+    copies: dict[str, str] = {}
+    for node in list(edited.node):
+        if node.name not in wanted:
+            continue
+        node.device = device
+        for k, name in enumerate(node.input):
+            if name.startswith("^"):
+                continue
+            source, _, output = name.partition(":")
+            if source in barriers:
+                name = node.input[k] = barriers[source][int(output or 0)]
+                source, _, output = name.partition(":")
+            info = (tensor_info or {}).get(f"{source}:{output or 0}")
+            if copy is None or source in host_side or info is None:
+                continue
+            if name not in copies:
+                copies[name] = f"{SWAP_OUT_PREFIX}host_update/{source}_{output or 0}"
+                added = edited.node.add()
+                added.name, added.op, added.device = copies[name], copy[0], copy[1]
+                added.input.append(name)
+                added.attr["T"].type = info[0].as_datatype_enum
+                added.attr["_grappler_do_not_remove"].b = True
+            node.input[k] = copies[name]
+    return edited
+
+
+def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], placement: Placement,
+                     tensor_info: dict):
+    """The step's GraphDef with the update of each ``host_state`` variable on the placement's host: (graph_def,
+    {variable path: the nodes placed there}). The slots must be there already (``home_slots``). Where copies
+    wait for the compute (the testbed) what the update reads from the accelerator is copied out explicitly
+    (``place_on_host``); ``tensor_info``: "op:k" -> (dtype, bytes) of the step's tensors."""
+    if not host_state:
+        return graph_def, {}
+    handles = variable_handles(traced.concrete, model)
+    slots = slots_by_variable(model)
+    groups = {item.variable: {item.variable, *(slot.path for slot in slots[item.variable])} for item in host_state}
+    if traced.optimizer_scope is None:
+        raise PlanError("the plan moves optimizer state, but the step's optimizer has no name scope to find its update")
+    placed = host_update_ops(graph_def, handles, groups, traced.optimizer_scope)
+    missing = [path for path in groups if not placed.get(path)]
+    if missing:
+        raise PlanError(f"the update of {missing[0]!r} was not found among the optimizer's ops: its state cannot "
+                        "move to the host")
+    slot_paths = set().union(*groups.values()) - set(groups)
+    copy = (placement.swap_op, placement.swap_out_device) if placement.copies_wait_for_compute else None
+    edited = place_on_host(graph_def, set().union(*placed.values()), placement.host,
+                           on_host=slot_access_ops(graph_def, handles, slot_paths), copy=copy, tensor_info=tensor_info)
+    return edited, placed

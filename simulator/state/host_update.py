@@ -1,0 +1,150 @@
+"""Optimizer slots on the host, one variable at a time (docs/design.md 13).
+
+``HostState(variable, mode)`` names a trainable variable (its Keras path) whose optimizer slots live in
+host memory. Mode ``host-update``: the variable's update runs on the host, beside its slots; the
+gradient is copied out, the update computed there and the weight's change copied in. A plan holds
+these records under ``host_state`` (``simulator.plan``, ``swap-plan/3``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from simulator.graph import GraphError, OpGraph
+
+HOST_UPDATE = "host-update"
+_BASE = "host_state_base"  # a moved graph's memo entry: the graph it was made from
+HOST_STATE_MODES = (HOST_UPDATE,)
+
+
+@dataclass(frozen=True)
+class HostState:
+    """A variable whose optimizer slots live on the host, and how its update runs."""
+
+    variable: str
+    mode: str = HOST_UPDATE
+
+
+def read_host_state_records(records, error: type[GraphError] = GraphError) -> tuple[HostState, ...]:
+    """The records of a plan file's ``host_state`` entry; ``error`` says what is malformed."""
+    if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("variable"), str)
+                                                and r.get("mode") in HOST_STATE_MODES for r in records) \
+            or len({r["variable"] for r in records}) != len(records):
+        raise error(f"the plan's host_state must list each variable once as {{'variable': path, 'mode': one of "
+                    f"{HOST_STATE_MODES}}}")
+    return tuple(HostState(r["variable"], r["mode"]) for r in records)
+
+
+def state_refusal(g: OpGraph) -> str | None:
+    """Why the capture found no optimizer state that can move (None: some can, or the graph predates it)."""
+    return (g.meta.get("movable_state") or {}).get("refusal")
+
+
+def movable_state(g: OpGraph) -> dict[str, int]:
+    """Trainable variable path -> bytes of its optimizer slots, for the variables whose slots can move to
+    the host (the capture's ``graph.meta["movable_state"]``; none in a graph captured before it)."""
+    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    return {path: int(entry["slot_bytes"]) for path, entry in found.items()}
+
+
+def host_ops(g: OpGraph, host_state: Sequence[HostState]) -> np.ndarray:
+    """Indices of the ops that run on the host under ``host_state``: each variable's update and the reads
+    and writes of its slots (names the capture recorded; those the reduced graph dropped are skipped)."""
+    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    unknown = [item.variable for item in host_state if item.variable not in found]
+    if unknown:
+        raise GraphError(f"the plan moves the optimizer state of {len(unknown)} variable(s) this graph cannot move "
+                         f"(e.g. {unknown[0]!r}): {state_refusal(g) or 'not a trainable variable with slots'}")
+    index = g.op_index()
+    return np.asarray(sorted({index[name] for item in host_state for name in found[item.variable]["ops"]
+                              if name in index}), np.int64)
+
+
+def with_host_state(g: OpGraph, host_state: Sequence[HostState], *, copies_in: bool = True) -> OpGraph:
+    """``g`` as it runs with ``host_state``'s slots on the host: their bytes leave the resident state, the
+    outputs of the ops that run there (``host_ops``) take no device memory, and the old buffers their writes
+    keep stay on the host. What the device still holds: each gradient until the host's update read it (its
+    copy out), and with ``copies_in`` (not where the host hands its buffers over:
+    ``DeviceModel.host_buffers_shared``) the change the update sends to the weight's write (its copy in). Same
+    ops, tensors and edges (the same fingerprint), so a plan's indices hold on it; memoised per ``host_state``."""
+    moved = tuple(sorted(set(host_state), key=lambda item: item.variable))
+    base = _base(g)
+    if not moved:
+        return base
+    return base.cached(("host_state", moved, copies_in), lambda graph: _moved(graph, moved, copies_in),
+                       structural=False)
+
+
+def _base(g: OpGraph) -> OpGraph:
+    """The captured step a moved graph (or a view of one) was made from, at its batch and order; ``g`` itself
+    when it is no moved graph. The same object each time (a replay's tables are memoised on it)."""
+    base = g._graph_memo.get(_BASE)
+    if base is None:
+        return g
+    if base.batch_size != g.batch_size:
+        base = base.cached(("batch_view", g.batch_size), lambda graph: graph.with_batch(g.batch_size), structural=True)
+    return base.with_order(g.order)
+
+
+def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0)) -> list[tuple[HostState, ...]]:
+    """Variables whose slots a search moves, largest first: the fewest that hold each share of the movable
+    slots' bytes (duplicates dropped), so a step moves no more state than it needs."""
+    sizes = sorted(movable_state(g).items(), key=lambda item: (-item[1], item[0]))
+    total = sum(size for _, size in sizes)
+    groups: list[tuple[HostState, ...]] = []
+    for share in shares:
+        taken, count = 0, 0
+        while count < len(sizes) and taken < share * total:
+            taken += sizes[count][1]
+            count += 1
+        group = tuple(HostState(path) for path, _ in sizes[:count])
+        if group and group not in groups:
+            groups.append(group)
+    return groups
+
+
+def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph:
+    on_host = np.zeros(g.n_ops, bool)
+    on_host[host_ops(g, moved)] = True
+    read_on_device = np.zeros(g.n_tensors, bool)
+    read_on_device[g.edge_tensor[~on_host[g.edge_consumer]]] = True
+    host_tensor = on_host[g.tensor_producer] & (~read_on_device if copies_in else True)  # what the device reads is copied in
+    tensor_bytes_ab = g.tensor_bytes_ab.copy()
+    tensor_bytes_ab[host_tensor] = 0.0
+    persistent_ab = g.persistent_bytes_ab.copy()
+    persistent_ab[0] = max(0.0, persistent_ab[0] - sum(movable_state(g)[item.variable] for item in moved))
+    kept = ~host_tensor[g.held_tensor] if len(g.held_tensor) else np.zeros(0, bool)
+    meta = dict(g.meta, host_state=[{"variable": item.variable, "mode": item.mode} for item in moved])
+    return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
+                               held_tensor=g.held_tensor[kept], held_read=g.held_read[kept], meta=meta,
+                               _graph_memo={_BASE: g}, _order_memo={}, _structure_cache={})
+
+
+def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes at ``g``'s batch of each tensor ``host_state``'s updates copy out (what the host ops read from
+    the device: the gradients, AdamW's read of the weight) and of each they copy in (what the device reads
+    from them: the change to the weight), one entry per tensor."""
+    base = _base(g)
+    on_host = np.zeros(base.n_ops, bool)
+    on_host[host_ops(base, host_state)] = True
+    producer_on_host = on_host[base.tensor_producer[base.edge_tensor]]
+    reader_on_host = on_host[base.edge_consumer]
+    out = np.unique(base.edge_tensor[reader_on_host & ~producer_on_host])
+    back = np.unique(base.edge_tensor[~reader_on_host & producer_on_host])
+    return base.tensor_bytes[out].astype(np.float64), base.tensor_bytes[back].astype(np.float64)
+
+
+def host_update_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
+    """What moving ``host_state`` adds to the step on ``device``, each copy in turn after the compute (none
+    overlapped: an upper bound where a link runs beside the compute): the gradients copied out and, where the
+    host hands over no buffer (``host_buffers_shared``), the changes copied in. The update's own ops keep the
+    op times the graph has (a calibration times them as part of the step on the testbed)."""
+    out_bytes, in_bytes = host_transfers(g, host_state)
+    seconds = float(np.sum(device.transfer_seconds(out_bytes, "d2h"))) if len(out_bytes) else 0.0
+    if len(in_bytes) and not device.host_buffers_shared:
+        seconds += float(np.sum(device.transfer_seconds(in_bytes, "h2d")))
+    return seconds

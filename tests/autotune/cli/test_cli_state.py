@@ -1,0 +1,61 @@
+"""The command line on a model whose optimizer state alone is over the budget: the 3x1024 Dense MLP with
+AdamW (27.2 MiB resident, 18.1 MiB of it Adam's slots). With the default search the slots of the largest
+variables move to the host, the measured run on the testbed confirms the plan, exit 0; with ``--no-state``
+(or ``state = false`` in autotune.toml) the state stays and no plan fits, exit 3."""
+
+from __future__ import annotations
+
+import tests.tf_helpers as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
+
+import json
+
+import pytest
+
+from autotune.cli.command import EXIT_NO_FIT, EXIT_OK, main
+from tests.cli_helpers import uncalibrated
+from tests.rewriter.state.test_state import dense_mlp
+
+pytestmark = pytest.mark.tf
+MiB = 2**20
+BUDGET = "24MiB"  # under the 27.2 MiB of weights, slots and inputs; over the 17.2 MiB peak with every slot moved
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mlp_adamw")
+    dense_mlp("adamw").save(directory / "mlp.keras")
+    return directory
+
+
+def _run(capsys, *args):
+    code = main(uncalibrated(args))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_state_over_the_budget_moves_to_the_host_and_is_confirmed(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "cpu-testbed",
+                      "--trials", "20", "--out", out, "--quiet")
+    assert code == EXIT_OK, text
+    summary = json.loads((out / "summary.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert summary["confirmed_by_measurement"] and summary["host_state"]
+    assert [item["variable"] for item in plan["host_state"]] == summary["host_state"]
+    assert summary["measured_peak_bytes"] <= 24 * MiB
+    assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.05
+    assert summary["host_state_bytes"] < 18.2 * MiB  # the largest variables first, not every slot
+    assert "optimizer state on the host" in text and "optimizer slots" in (out / "report.md").read_text()
+
+
+def test_no_state_keeps_the_old_verdict(model_dir, tmp_path, capsys):
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "cpu-testbed",
+                      "--trials", "20", "--out", tmp_path / "out", "--quiet", "--no-state")
+    assert code == EXIT_NO_FIT, text
+    (model_dir / "autotune.toml").write_text("state = false\n")
+    try:
+        code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "cpu-testbed",
+                          "--trials", "20", "--out", tmp_path / "out2", "--quiet", "--no-measure")
+    finally:
+        (model_dir / "autotune.toml").unlink()
+    assert code == EXIT_NO_FIT, text
