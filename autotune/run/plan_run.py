@@ -196,6 +196,7 @@ def measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plann
 def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun,
                     clock: StageClock) -> MeasuredRun:
     import rewriter  # TensorFlow only when a plan is measured
+    from rewriter.timing.built_steps import unswapped_step
     from rewriter.trace.step_inputs import synthetic_batch
 
     placement, batch, device, graph, plan, note = (planned.placement, planned.batch, planned.device, planned.graph,
@@ -215,8 +216,12 @@ def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plan
         if reanchored is not None:
             step_s, predicted_step_s, anchored_to = reanchored
     baseline = plain = None
-    if result.has_actions:
-        if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
+    if result.has_actions and not on_gpu:  # the calibration's (or anchors') unswapped step when it is at this batch
+        with clock.stage("apply"):
+            unswapped = unswapped_step(model, graph, batch, placement, inputs).step
+        baseline = (_readings(unswapped, *data) or [None])[0]
+    elif result.has_actions:
+        if predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
                                 inputs=inputs, clock=clock).measured
     else:  # "fits without swapping" must hold for the step a plain model.fit runs, too
