@@ -218,7 +218,7 @@ def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plan
     baseline = plain = None
     if result.has_actions and not on_gpu:  # the calibration's (or anchors') unswapped step when it is at this batch
         with clock.stage("apply"):
-            unswapped = unswapped_step(model, graph, batch, placement, inputs).step
+            unswapped = unswapped_step(model, graph, batch, placement, inputs, constants=True).step
         baseline = (_readings(unswapped, *data) or [None])[0]
     elif result.has_actions:
         if predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit

@@ -33,7 +33,9 @@ def timed_beside_anchors(calibration: CalibratedDevice, model, graph: OpGraph, c
     cannot run one of those steps raises ``CalibrationError``.
     ``between`` runs after each pass (e.g. restoring weights the steps update)."""
     anchors: dict[Any, Callable[[], Any]] = {  # warmed up; the calibration's own when it ran in this process
-        (ANCHOR, batch): unswapped_step(model, graph, batch, placement, inputs).call for batch in calibration.batch_sizes}
+        (ANCHOR, batch): unswapped_step(model, graph, batch, placement, inputs,
+                                        constants=batch == calibration.batch_sizes[-1]).call  # the baseline's
+        for batch in calibration.batch_sizes}
     timing = timed_passes({**calls, **anchors}, max_passes=max_passes, min_total_s=min_total_s, between=between)
     anchored = calibration.with_step_times([timing.step_s[(ANCHOR, b)] for b in calibration.batch_sizes])
     return anchored, timing

@@ -421,11 +421,13 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     except (CaptureError, tf.errors.OpError, ValueError, TypeError, MemoryError) as error:
         raise CalibrationError(f"model {getattr(model, 'name', 'model')!r} cannot be captured at batch sizes "
                                f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {first_line(error)})") from None
-    steps = {b: unswapped_step(model, graph, b, place, inputs, warm=False) for b in sizes}  # kept for the measured run
+    # kept for the measured run: its anchors, and on the testbed its baseline (at the largest batch, whose
+    # first call measures its constants)
+    steps = {b: unswapped_step(model, graph, b, place, inputs, warm=False, constants=b == sizes[-1]) for b in sizes}
     snapshot = steps[sizes[0]].step.snapshot()  # the model's variables, before any step ran
     try:
-        for built in steps.values():
-            warm_up(model, built, place)
+        for b, built in steps.items():
+            warm_up(model, built, place if b == sizes[-1] else None)
         return _calibrate(model, graph, steps, sizes, place, base, inputs, snapshot, started,
                           steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, min_timing_s=min_timing_s, max_timing_s=max_timing_s,
