@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from simulator.kernels.order_loops import greedy_order
 from simulator.graph import (Analysis, OpGraph, categorized_levels, level_order,  # noqa: F401 -- here too
                              slots_of, successor_csr)
 from simulator.sharing import SHARING_IN_LEVEL_ORDER
@@ -51,36 +52,17 @@ def _greedy_memory_order(g: OpGraph) -> np.ndarray:
     np.add.at(allocates, g.tensor_producer[owners], size[owners])
     reads = ~info.persistent[g.edge_tensor]
     pairs = np.unique(np.stack([root[g.edge_tensor[reads]], g.edge_consumer[reads]]), axis=1)
-    readers_left = np.bincount(pairs[0], minlength=g.n_tensors).tolist()
-    inputs_of: list[list[int]] = [[] for _ in range(g.n_ops)]
-    for buffer, op in zip(pairs[0].tolist(), pairs[1].tolist()):
-        inputs_of[op].append(buffer)
+    readers_left = np.bincount(pairs[0], minlength=g.n_tensors).astype(np.int64)
+    by_op = np.argsort(pairs[1], kind="stable")  # each op's input buffers in the order the pairs list them
+    inputs = np.ascontiguousarray(pairs[0][by_op], dtype=np.int64)
+    inputs_ptr = np.zeros(g.n_ops + 1, dtype=np.int64)
+    np.cumsum(np.bincount(pairs[1], minlength=g.n_ops), out=inputs_ptr[1:])
     ptr, successor_array = successor_csr(g)
-    pending = np.bincount(successor_array, minlength=g.n_ops).tolist()
-    bounds, successors = ptr.tolist(), successor_array.tolist()
-    levels = categorized_levels(g).tolist()
-    sizes, alloc = size.tolist(), allocates.tolist()
-    ready = [op for op in range(g.n_ops) if pending[op] == 0]
-    order = []
-    while ready:
-        best, best_key = 0, None
-        for k, op in enumerate(ready):
-            freed = 0.0
-            for buffer in inputs_of[op]:
-                if readers_left[buffer] == 1:
-                    freed += sizes[buffer]
-            key = (alloc[op] - freed, levels[op], op)
-            if best_key is None or key < best_key:
-                best, best_key = k, key
-        op = ready.pop(best)
-        order.append(op)
-        for buffer in inputs_of[op]:
-            readers_left[buffer] -= 1
-        for successor in successors[bounds[op]:bounds[op + 1]]:
-            pending[successor] -= 1
-            if pending[successor] == 0:
-                ready.append(successor)
-    return np.asarray(order, dtype=np.int64)
+    pending = np.bincount(successor_array, minlength=g.n_ops).astype(np.int64)
+    levels = np.ascontiguousarray(categorized_levels(g), dtype=np.int64)
+    return greedy_order(allocates, levels, np.ascontiguousarray(size, dtype=np.float64), inputs_ptr, inputs,
+                        readers_left, np.ascontiguousarray(ptr, dtype=np.int64),
+                        np.ascontiguousarray(successor_array, dtype=np.int64), pending)
 
 
 def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:

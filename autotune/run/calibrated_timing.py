@@ -90,7 +90,7 @@ def calibrate_for(model, graph: OpGraph, batch_size: int, inputs: StepInputs, *,
         try:
             calibrated = rewriter.calibrate(model, batch_sizes=batches, placement=placement, inputs=inputs,
                                             name=graph.meta.get("model"),
-                                            graph_rewrites=graph.meta.get("graph_rewrites", ()))
+                                            graph_rewrites=graph.meta.get("graph_rewrites", ()), graph=graph)
             calibrated.check_graph(graph)
         except CalibrationError as error:
             raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's "

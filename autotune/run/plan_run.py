@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 # what a measured run on the CPU testbed may cost this machine
 TESTBED_MAX_PEAK_BYTES = 3 * 2**30
 TESTBED_MAX_STEP_S = 4.0
+# the re-anchoring's passes start within this time (as the calibration's, ``calibrate(max_timing_s)``): a pass
+# of the demo's ResNet-50 (b16: the plan's step and two anchors) takes 7 s, and at load 3-4, 20 passes
+# without 6 agreeing within 5 % took the measured run to 338 s (benchmarks/results/cli_time_resnet50.md);
+# short steps still run their 6 passes well within it
+ANCHOR_TIMING_MAX_S = 30.0
 
 
 @dataclass
@@ -114,7 +119,8 @@ def _reanchored(model, graph: OpGraph, run_graph: OpGraph, run: PlanRun, device:
     snapshot = run.step.snapshot()  # the timed steps update the model's variables
     try:
         anchored, timing = timed_beside_anchors(device, model, graph, {"plan": lambda: run.step.run_flat(*flat)},
-                                                placement=placement, inputs=inputs, between=snapshot.restore)
+                                                placement=placement, inputs=inputs, max_total_s=ANCHOR_TIMING_MAX_S,
+                                                between=snapshot.restore)
     except (tf.errors.OpError, CalibrationError) as error:  # the plan's measurement stands; only the re-anchoring is lost
         log.warning("the step times were not re-anchored (%s: %s)", type(error).__name__,
                     str(error).splitlines()[0][:200] if str(error) else "")
@@ -198,6 +204,7 @@ def measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plann
 def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun,
                     clock: StageClock) -> MeasuredRun:
     import rewriter  # TensorFlow only when a plan is measured
+    from rewriter.timing.built_steps import unswapped_step
     from rewriter.trace.step_inputs import synthetic_batch
 
     placement, batch, device, graph, plan, note = (planned.placement, planned.batch, planned.device, planned.graph,
@@ -217,8 +224,12 @@ def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plan
         if reanchored is not None:
             step_s, predicted_step_s, anchored_to = reanchored
     baseline = plain = None
-    if result.has_actions:
-        if not on_gpu or predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
+    if result.has_actions and not on_gpu:  # the calibration's (or anchors') unswapped step when it is at this batch
+        with clock.stage("apply"):
+            unswapped = unswapped_step(model, graph, batch, placement, inputs, constants=True).step
+        baseline = (_readings(unswapped, *data) or [None])[0]
+    elif result.has_actions:
+        if predicted_base.peak_bytes <= result.budget_bytes:  # on a GPU it may not fit
             baseline = run_plan(model, graph, SwapPlan.empty(graph), device, data, placement=placement, verify=False,
                                 inputs=inputs, clock=clock).measured
     else:  # "fits without swapping" must hold for the step a plain model.fit runs, too

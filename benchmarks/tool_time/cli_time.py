@@ -9,7 +9,8 @@ the zoo, the demo's ResNet-50 (224x224, batch 256, v100-16gb preset: ``scripts/d
 and EfficientNetV2B0 at 32x32, batch 16. The small models are tuned for the CPU testbed with a budget
 halfway between their lowest swap plan's predicted peak and the unswapped one (as ``benchmarks
 verdict`` sets it), so that they need a plan. ``--runs 2`` runs each model twice in the same output
-directory: the second run shows what a repeated run costs (its calibration is reused from the cache).
+directory: the second run shows what a repeated run costs (its calibration is reused from the cache, a
+fresh one per benchmark: the first run always calibrates).
 The table beside the machine and the load average (``os.getloadavg``) before and after each run.
 """
 
@@ -87,11 +88,13 @@ def _run(case: TimedModel, directory: Path, runs: int, trials: int) -> list[dict
     out = directory / f"out-{case.name}"
     command = [sys.executable, "-m", "autotune", str(model_dir), "--batch-size", str(case.batch), "--device",
                case.device, *budget, "--trials", str(trials), "--out", str(out), "--quiet"]
+    # a calibration cache of its own: the first run calibrates whatever earlier runs on this machine kept
+    env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(directory / "calibration-cache")}
     rows = []
     for run in range(1, runs + 1):
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
         wall_s = time.perf_counter() - start
         summary_file = out / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}

@@ -132,7 +132,8 @@ def apply_recomputes(graph_def: graph_pb2.GraphDef, actions: Sequence[Recompute]
     edited = graph_pb2.GraphDef()
     edited.CopyFrom(graph_def)
     actions = [_action(record) for record in actions]
-    runnable = [name for name in order if name in {node.name for node in edited.node}]
+    names = {node.name for node in edited.node}  # once: per name of the order it was 10 s of ResNet-50's apply
+    runnable = [name for name in order if name in names]
     editor = GraphEditor(edited, foldable, previous=dict(zip(runnable[1:], runnable)), passthrough=passthrough)
     _check_names(editor, actions)
     clone_sets = [_clone_set(editor, action, k) for k, action in enumerate(actions)]

@@ -14,6 +14,7 @@ anything runs.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -42,6 +43,28 @@ def _tensor_info(concrete) -> dict[str, tuple[Any, int]]:
         for k, tensor in enumerate(op.outputs):
             info[f"{op.name}:{k}"] = (tensor.dtype, tensor_nbytes(tensor))
     return info
+
+
+# per traced graph, what every plan applied to it reads of it: (foldable ops, tensor info, passthrough ops);
+# a calibration and a measured run apply up to six plans to one trace (DenseNet-121: about 1 s each)
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_facts(concrete) -> tuple[frozenset[str], dict[str, tuple[Any, int]], dict[str, int]]:
+    """``foldable_ops``, ``_tensor_info`` and ``passthrough_ops`` of ``concrete``, read once per graph
+    (copies of the dicts: callers may extend theirs)."""
+    graph = concrete.graph
+    try:
+        facts = _FACTS.get(graph)
+    except TypeError:  # a graph weak references cannot point to
+        facts = None
+    if facts is None:
+        facts = (foldable_ops(concrete), _tensor_info(concrete), passthrough_ops(graph))
+        try:
+            _FACTS[graph] = facts
+        except TypeError:
+            pass
+    return facts[0], dict(facts[1]), dict(facts[2])
 
 
 def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: Placement | str | None = None,
@@ -104,9 +127,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
         except ValueError as error:
             raise PlanError(f"the plan asks for a graph rewrite this version does not have: {error}") from None
         rewritten = import_step(graph_def, traced, keep_input_names=True)
-    foldable, tensor_info = foldable_ops(rewritten), _tensor_info(rewritten)
+    foldable, tensor_info, passthrough = _step_facts(rewritten)
     recomputed, split = [], []
-    passthrough = passthrough_ops(rewritten.graph)
     if named.splits:  # first: the plan's recomputations and swaps were made on the split step
         if model is None or rewrites:
             raise PlanError("a plan with split regions applies to a Keras model's own step (traced at a second batch "
@@ -117,8 +139,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
                                         fetches=[t.op.name for t in concrete.outputs] + [traced.loss_op])
         parted = import_step(graph_def, traced)  # the split step as TF reads it: its shapes, what Grappler folds
         check_part_shapes(parted.graph, split, shapes)
-        foldable, tensor_info = foldable_ops(parted), _tensor_info(parted)
-        passthrough = passthrough_ops(parted.graph)
+        foldable, tensor_info, passthrough = _step_facts(parted)
     if named.recomputes:  # before the swaps: the plan's swaps were made on the step with the clones
         graph_def, recomputed = apply_recomputes(graph_def, named.recomputes, foldable=foldable, order=named.order,
                                                  passthrough=passthrough)

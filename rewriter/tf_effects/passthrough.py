@@ -14,6 +14,8 @@ such an op passes on; ``capture`` makes its output an alias of that input (one b
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
@@ -30,8 +32,25 @@ _PASS_TYPES = frozenset({"Identity", "StopGradient", "Snapshot", "Cast"})
 _MAX_CONSTANT_ELEMENTS = 1 << 20  # larger constants are not read to see whether they are all ones
 
 
+# per graph, (tensor name, depth) -> static_value's answer: each op of a step asks for its operands, whose
+# small (scalar) inputs' trees were walked again for every reader (ResNet-50 b256's capture: 280,000 calls)
+_KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def static_value(tensor, depth: int = 8) -> np.ndarray | None:
-    """The value of a tensor computed from constants alone (small ones), else None."""
+    """The value of a tensor computed from constants alone (small ones), else None (remembered per graph:
+    a graph's existing tensors keep their values)."""
+    try:
+        known = _KNOWN.setdefault(tensor.graph, {})
+    except TypeError:  # a graph weak references cannot point to: not remembered
+        known = {}
+    key = (tensor.name, depth)
+    if key not in known:
+        known[key] = _static_value(tensor, depth)
+    return known[key]
+
+
+def _static_value(tensor, depth: int) -> np.ndarray | None:
     if tensor.shape.is_fully_defined() and tensor.shape.num_elements() > _MAX_CONSTANT_ELEMENTS:
         return None
     value = tensor_util.constant_value(tensor)

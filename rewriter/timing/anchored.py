@@ -14,28 +14,31 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rewriter.timing.device_calibration import PassTimes, build_step, timed_passes
+from rewriter.timing.built_steps import unswapped_step
+from rewriter.timing.device_calibration import PassTimes, timed_passes
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from simulator.device.calibrated import CalibratedDevice
 from simulator.graph import OpGraph
-from simulator.plan import SwapPlan
 
 ANCHOR = "anchor"  # the keys of the anchor steps in the timing: (ANCHOR, batch size)
 
 
 def timed_beside_anchors(calibration: CalibratedDevice, model, graph: OpGraph, calls: dict[Any, Callable[[], Any]], *,
                          placement=None, inputs: StepInputs = NO_STEP_INPUTS, max_passes: int = 20, min_total_s: float = 0.0,
+                         max_total_s: float | None = None,
                          between: Callable[[], None] | None = None) -> tuple[CalibratedDevice, PassTimes]:
     """Time ``calls`` (key -> one warmed-up step to predict) in passes interleaved with ``model``'s
     unswapped step at each of the calibration's batch sizes (``graph``: the model's step as captured,
     at any batch; ``inputs``: the shapes it was captured with), and return the calibration
     re-anchored to those steps' times, with the timing (``calls``' keys and ``(ANCHOR, b)``). A model that
     cannot run one of those steps raises ``CalibrationError``.
-    ``between`` runs after each pass (e.g. restoring weights the steps update)."""
-    anchors: dict[Any, Callable[[], Any]] = {
-        (ANCHOR, batch): build_step(model, SwapPlan.empty(graph.with_batch(batch)), graph.with_batch(batch), batch,
-                                    placement, inputs).call  # built and warmed up, as the calibration's
+    ``between`` runs after each pass (e.g. restoring weights the steps update); no pass starts after
+    ``max_total_s`` (``timed_passes``)."""
+    anchors: dict[Any, Callable[[], Any]] = {  # warmed up; the calibration's own when it ran in this process
+        (ANCHOR, batch): unswapped_step(model, graph, batch, placement, inputs,
+                                        constants=batch == calibration.batch_sizes[-1]).call  # the baseline's
         for batch in calibration.batch_sizes}
-    timing = timed_passes({**calls, **anchors}, max_passes=max_passes, min_total_s=min_total_s, between=between)
+    timing = timed_passes({**calls, **anchors}, max_passes=max_passes, min_total_s=min_total_s, max_total_s=max_total_s,
+                          between=between)
     anchored = calibration.with_step_times([timing.step_s[(ANCHOR, b)] for b in calibration.batch_sizes])
     return anchored, timing

@@ -38,7 +38,6 @@ that predictions and measurements are taken the same way.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 import time
@@ -50,8 +49,8 @@ import pandas as pd
 import tensorflow as tf
 
 from rewriter.placement import memtrace
-from rewriter.step.apply_plan import PlanError, apply as apply_plan
-from rewriter.trace.tracing import NO_STEP_INPUTS, CaptureError, StepInputs, capture, synthetic_batch
+from rewriter.timing.built_steps import block, build_step, first_line, unswapped_step, warm_up
+from rewriter.trace.tracing import NO_STEP_INPUTS, CaptureError, StepInputs, capture
 from rewriter.placement.placements import GpuPlacement, Placement, resolve as resolve_placement
 from simulator.device.calibrated import CalibratedDevice, CalibrationError
 from simulator.device.presets import DeviceModel, get_device
@@ -147,7 +146,7 @@ def timed_passes(calls: dict[Any, Callable[[], Any]], *, steps_per_pass: int = 1
             times, cpu_times = [], []
             for _ in range(count[key]):
                 cpu_start, start = time.process_time(), time.perf_counter()
-                _block(call())
+                block(call())
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu_start)
             steps[key].append(times)
@@ -208,12 +207,6 @@ def _pass_speed(steps: dict[Any, list[list[float]]]) -> list[float]:
         medians = np.array([statistics.median(t) for t in runs])
         ratios.append(medians / medians.min())
     return [float(f) for f in np.median(np.array(ratios), axis=0)]
-
-
-def _block(result: Any) -> None:
-    for tensor in tf.nest.flatten(result):
-        if hasattr(tensor, "numpy"):
-            tensor.numpy()
 
 
 # ---------------------------------------------------------------------- per-op times
@@ -305,14 +298,14 @@ def measure_link(placement: Placement, *, sizes_bytes: Sequence[int] = LINK_SIZE
         with tf.device(placement.accelerator):
             x = tf.ones([max(1, int(size) // 4)], tf.float32)
         for run in (long_run, short_run):
-            _block(run(x))
+            block(run(x))
         best_long = best_short = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            _block(long_run(x))
+            block(long_run(x))
             best_long = min(best_long, time.perf_counter() - start)
             start = time.perf_counter()
-            _block(short_run(x))
+            block(short_run(x))
             best_short = min(best_short, time.perf_counter() - start)
         per_copy.append(max(best_long - best_short, 0.0) / (chain - short))
     sizes = np.asarray([max(4, int(s) // 4 * 4) for s in sizes_bytes], dtype=np.float64)
@@ -376,7 +369,7 @@ def measure_preset(placement: Placement | str | None = None, *, matmul_n: int = 
     calls = {"matmul": lambda: matmul(a), "add": lambda: add(x, y), "long": lambda: long_chain(tiny),
              "short": lambda: short_chain(tiny)}
     for call in calls.values():
-        _block(call())
+        block(call())
     times = timed_passes(calls, min_total_s=min_total_s).step_s
     large = measure_link(place, sizes_bytes=(2**26, 2**27, 2**28), chain=8, repeats=3)
     return PresetFigures(peak_flops=2 * matmul_n**3 / times["matmul"],
@@ -386,19 +379,6 @@ def measure_preset(placement: Placement | str | None = None, *, matmul_n: int = 
 
 
 # ---------------------------------------------------------------------- calibrate
-
-
-@dataclass
-class _Step:
-    """One built step at one batch size and the call that runs it on fixed inputs."""
-
-    batch: int
-    graph: OpGraph
-    step: Any
-    flat: list = field(repr=False)
-
-    def call(self):
-        return self.step.run_flat(*self.flat)
 
 
 def _batch_sizes(batch_sizes) -> tuple[int, ...]:
@@ -411,46 +391,12 @@ def _batch_sizes(batch_sizes) -> tuple[int, ...]:
     return sizes
 
 
-def build_step(model, plan: SwapPlan, graph: OpGraph, batch: int, place: Placement | None, inputs: StepInputs, *,
-               warm: bool = True) -> _Step:
-    """The rewritten step at ``batch`` (run twice with ``warm``: the first call optimizes the
-    function); errors of a model that cannot run there become a ``CalibrationError``."""
-    with _cannot_run(model, graph, batch):
-        step = apply_plan(model, plan, graph=graph, batch_size=batch, placement=place, verify=False, inputs=inputs)
-        x, y = synthetic_batch(model, batch, inputs)
-        built = _Step(batch, graph, step, step._flat_inputs(x, y))
-    if warm:
-        _warm(model, built)
-    return built
-
-
-def _warm(model, built: _Step) -> None:
-    with _cannot_run(model, built.graph, built.batch):
-        for _ in range(2):
-            _block(built.call())
-
-
-@contextlib.contextmanager
-def _cannot_run(model, graph: OpGraph, batch: int):
-    """Errors of a model that cannot build or run its step at ``batch``, as a ``CalibrationError``."""
-    try:
-        yield
-    except (tf.errors.OpError, CaptureError, PlanError, ValueError, TypeError, MemoryError) as error:
-        name = str(graph.meta.get("model", getattr(model, "name", "model")))
-        raise CalibrationError(f"model {name!r} cannot run a training step at batch size {batch} "
-                               f"({type(error).__name__}: {_first_line(error)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else ""
-
-
 def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement | str | None = None, *,
               preset: DeviceModel | str | None = None, inputs: StepInputs = NO_STEP_INPUTS,
               name: str | None = None, graph_rewrites: Sequence[str] = (), steps_per_pass: int = 1, min_passes: int = 6,
               max_passes: int = 40, tolerance: float = 0.05, min_timing_s: float = 8.0, max_timing_s: float | None = 20.0,
-              profiled_steps: int = 3, profile_sessions: int = 2, contention: bool = True) -> CalibratedDevice:
+              profiled_steps: int = 3, profile_sessions: int = 2, contention: bool = True,
+              graph: OpGraph | None = None) -> CalibratedDevice:
     """Measure ``model``'s step on this machine and return a ``CalibratedDevice`` for its graphs.
 
     ``model``: a compiled Keras model (as for ``rewriter.trace.tracing``). ``batch_sizes``: at least two
@@ -461,23 +407,27 @@ def calibrate(model, batch_sizes: Sequence[int] = (2, 4), placement: Placement |
     ``rewriter.trace.tracing`` (capture the graphs to simulate with the same ones: the result refuses graphs
     of other shapes or structure as another model's). The step times are timed in passes for
     ``min_timing_s`` at least and ``max_timing_s`` at most (a large model's passes are long: then fewer of
-    them). The model's variables are restored afterwards. Raises ``CalibrationError`` for a model that cannot run."""
+    them). ``graph``: the model's step captured with these ``inputs`` and ``graph_rewrites`` at any batch
+    size, when the caller has it (not captured again: on DenseNet-121 a capture is 10-15 s). The model's
+    variables are restored afterwards. Raises ``CalibrationError`` for a model that cannot run."""
     sizes = _batch_sizes(batch_sizes)
     place = resolve_placement(placement)
     base = get_device(preset or place.simulator_device or FALLBACK_PRESET) if not isinstance(preset, DeviceModel) \
         else preset
     started = time.perf_counter()
     try:
-        graph = capture(model, sizes[0], inputs, name=name, graph_rewrites=graph_rewrites)
+        graph = graph.with_batch(sizes[0]) if graph is not None else capture(
+            model, sizes[0], inputs, name=name, graph_rewrites=graph_rewrites)
     except (CaptureError, tf.errors.OpError, ValueError, TypeError, MemoryError) as error:
         raise CalibrationError(f"model {getattr(model, 'name', 'model')!r} cannot be captured at batch sizes "
-                               f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {_first_line(error)})") from None
-    steps = {b: build_step(model, SwapPlan.empty(graph.with_batch(b)), graph.with_batch(b), b, place, inputs, warm=False)
-             for b in sizes}
+                               f"{sizes[0]} and {2 * sizes[0]} ({type(error).__name__}: {first_line(error)})") from None
+    # kept for the measured run: its anchors, and on the testbed its baseline (at the largest batch, whose
+    # first call measures its constants)
+    steps = {b: unswapped_step(model, graph, b, place, inputs, warm=False, constants=b == sizes[-1]) for b in sizes}
     snapshot = steps[sizes[0]].step.snapshot()  # the model's variables, before any step ran
     try:
-        for built in steps.values():
-            _warm(model, built)
+        for b, built in steps.items():
+            warm_up(model, built, place if b == sizes[-1] else None)
         return _calibrate(model, graph, steps, sizes, place, base, inputs, snapshot, started,
                           steps_per_pass=steps_per_pass, min_passes=min_passes, max_passes=max_passes,
                           tolerance=tolerance, min_timing_s=min_timing_s, max_timing_s=max_timing_s,

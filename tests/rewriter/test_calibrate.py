@@ -268,3 +268,33 @@ def test_the_cli_exits_2_when_the_model_cannot_run_at_the_calibration_batch_size
     assert code == 2, err
     assert "cannot calibrate step times" in err and "batch size" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "report.html").exists()
+
+
+def test_the_measured_run_times_the_unswapped_steps_the_calibration_built(monkeypatch):
+    """Build once (rewriter.timing.built_steps): the anchors and the baseline of a measured run in the same
+    process take the unswapped steps the calibration built and warmed, their constants measured on their
+    first call; another optimizer makes another step."""
+    from rewriter.timing import built_steps
+    from rewriter.trace.step_inputs import NO_STEP_INPUTS
+
+    model = build_model("small_cnn", image_size=32, seed=0)
+    graph = rewriter.capture(model, 8)
+    applied = []
+    real = built_steps.apply_plan
+
+    def counted(*args, **kwargs):
+        applied.append(kwargs["batch_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(built_steps, "apply_plan", counted)
+    calibration = rewriter.calibrate(model, batch_sizes=(4, 8), profile_sessions=1, min_timing_s=0.0, min_passes=2,
+                                     max_passes=3, contention=False, graph=graph)
+    assert sorted(applied) == [4, 8]
+    _, timing = timed_beside_anchors(calibration, model, graph, {}, max_passes=6)
+    step = built_steps.unswapped_step(model, graph, 8, None, NO_STEP_INPUTS).step
+    assert sorted(applied) == [4, 8] and timing.n_passes >= 1  # timed again, never built again
+    assert step.constant_bytes is not None and step.calls > 2
+    model.compile(optimizer="adam", loss=model.loss)
+    recaptured = rewriter.capture(model, 8)
+    assert built_steps.unswapped_step(model, recaptured, 8, None, NO_STEP_INPUTS).step is not step
+    assert len(applied) == 3
