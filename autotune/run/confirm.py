@@ -219,5 +219,7 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         result = confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
                          calibration=calibration, clock=clock, say=lambda text: say(f"measured: {text}"))
     result = replace(result, notes=[*split_notes, *result.notes])
-    weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) if result.applies_plan else None
+    # a weighted step is traced and the plan applied to it: no TensorFlow work under --no-measure
+    weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) \
+        if result.applies_plan and measurement.measure else None
     return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time
