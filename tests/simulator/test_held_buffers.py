@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from simulator import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, replay
+from simulator.ordering import execution_order
 from simulator.replay import live_buffers
+from simulator.state import writes_after_reads
 
 WEIGHT_BYTES = 1000
 
@@ -63,3 +65,22 @@ def test_held_pairs_are_saved_and_checked(tmp_path):
     assert len(OpGraph.load(tmp_path / "old.npz").held_tensor) == 0  # files from before the pairs existed
     with pytest.raises(GraphError, match="persistent"):
         OpGraph.build(**{**arrays, "held_tensor": [3], "held_read": [1]})
+
+
+def test_writes_after_reads_runs_the_write_and_its_own_ops_after_every_reader(unit):
+    """``simulator.state.writes_after_reads``: the decay (read only by the write) and the write wait for f and
+    b, so the weight is updated in place and the decay's product lives only until the write: the peak drops
+    from three weights' bytes to two; the ops, tensors and data edges stay, only control edges are added."""
+    g = weight_decay_step(backward_first=False)
+    late = writes_after_reads(g)
+    assert late.meta["writes_after_reads"] == 2
+    assert sorted(zip(late.control_src.tolist(), late.control_dst.tolist())) == [(0, 3), (1, 2), (4, 2)]
+    assert np.array_equal(late.edge_tensor, g.edge_tensor) and np.array_equal(late.tensor_bytes_ab, g.tensor_bytes_ab)
+    assert late.op_name[execution_order(late)].tolist() == ["read", "f", "b", "decay", "write"]
+    r = replay(late, None, unit)
+    assert r.peak_bytes == WEIGHT_BYTES + 100 + WEIGHT_BYTES < replay(g, None, unit).peak_bytes
+    assert "write:0" not in live_buffers(late, None, r)["tensor"].tolist()
+    assert writes_after_reads(late) is late and writes_after_reads(weight_decay_step(backward_first=True)).n_ops == 5
+    plain = OpGraph.build(**{name: getattr(g, name) for name in OpGraph._ARRAY_FIELDS if name not in
+                             ("held_tensor", "held_read")})
+    assert writes_after_reads(plain) is plain  # no write holds a read
