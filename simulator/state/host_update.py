@@ -72,6 +72,11 @@ def with_host_state(g: OpGraph, host_state: Sequence[HostState], *, copies_in: b
     ``DeviceModel.host_buffers_shared``) the change the update sends to the weight's write (its copy in). Same
     ops, tensors and edges (the same fingerprint), so a plan's indices hold on it; memoised per ``host_state``."""
     moved = tuple(sorted(set(host_state), key=lambda item: item.variable))
+    if _BASE not in g._graph_memo and g.meta.get("host_state") is not None:
+        # made from a moved graph (its recomputations' clones, its split parts): already moved, never twice
+        if g.meta["host_state"] != _records(moved) or g.meta.get("host_state_copies_in") != copies_in:
+            raise GraphError("this graph was made from a step with other optimizer state on the host")
+        return g
     base = _base(g)
     if not moved:
         return base
@@ -118,10 +123,14 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
     persistent_ab = g.persistent_bytes_ab.copy()
     persistent_ab[0] = max(0.0, persistent_ab[0] - sum(movable_state(g)[item.variable] for item in moved))
     kept = ~host_tensor[g.held_tensor] if len(g.held_tensor) else np.zeros(0, bool)
-    meta = dict(g.meta, host_state=[{"variable": item.variable, "mode": item.mode} for item in moved])
+    meta = dict(g.meta, host_state=_records(moved), host_state_copies_in=copies_in)
     return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
                                held_tensor=g.held_tensor[kept], held_read=g.held_read[kept], meta=meta,
                                _graph_memo={_BASE: g}, _order_memo={}, _structure_cache={})
+
+
+def _records(moved: tuple[HostState, ...]) -> list[dict]:
+    return [{"variable": item.variable, "mode": item.mode} for item in moved]
 
 
 def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndarray, np.ndarray]:

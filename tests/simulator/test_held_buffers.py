@@ -1,15 +1,18 @@
 """A variable write while a read of the variable is still pending holds the old buffer beside the new
-one (``OpGraph.held_tensor``, ``simulator.sharing``); hand-computed cases."""
+one (``OpGraph.held_tensor``, ``simulator.sharing``), and the writes moved after their reads
+(``simulator.state.writes_after_reads``); hand-computed cases, and a moved step's derived graph."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from simulator import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, replay
+from simulator import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, SwapPlan, replay
 from simulator.ordering import execution_order
 from simulator.replay import live_buffers
-from simulator.state import writes_after_reads
+from simulator.state import HostState, with_host_state, writes_after_reads
 
 WEIGHT_BYTES = 1000
 
@@ -84,3 +87,21 @@ def test_writes_after_reads_runs_the_write_and_its_own_ops_after_every_reader(un
     plain = OpGraph.build(**{name: getattr(g, name) for name in OpGraph._ARRAY_FIELDS if name not in
                              ("held_tensor", "held_read")})
     assert writes_after_reads(plain) is plain  # no write holds a read
+
+
+def test_a_graph_made_from_a_moved_step_is_not_moved_again(unit):
+    """A graph derived from one with optimizer slots on the host (a recomputation's or a split's graph keeps its
+    meta, not its memo) is already moved: replaying a plan that carries the state takes the slots' bytes out of
+    the resident state once, and a different state is refused."""
+    g = weight_decay_step(backward_first=True)
+    g = dataclasses.replace(g, persistent_bytes_ab=np.array([3.0 * WEIGHT_BYTES, 0.0]), meta={"movable_state": {
+        "refusal": None, "variables": {"w": {"slot_bytes": 2 * WEIGHT_BYTES, "ops": ["decay"]}}}})
+    state, copies_in = (HostState("w"),), not unit.host_buffers_shared
+    moved = with_host_state(g, state, copies_in=copies_in)
+    assert moved.persistent_bytes == WEIGHT_BYTES
+    derived = dataclasses.replace(moved, _graph_memo={})  # as recompute.actions and split.actions build theirs
+    assert with_host_state(derived, state, copies_in=copies_in) is derived
+    plan = dataclasses.replace(SwapPlan.empty(derived), host_state=state)
+    assert replay(derived, plan, unit).persistent_bytes == WEIGHT_BYTES
+    with pytest.raises(GraphError, match="other optimizer state"):
+        with_host_state(derived, state, copies_in=not copies_in)
