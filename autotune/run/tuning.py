@@ -525,7 +525,7 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
         if max_overhead is not None and chosen is not None and chosen.metrics["overhead"] > max_overhead:
             notes.append(f"the fastest plan that fits has a simulated overhead of {chosen.metrics['overhead']:.0%}, "
                          f"over the {max_overhead:.0%} asked for")
-    notes += _capture_notes(g)
+    notes += capture_notes(g)
     tiled = _broadcasts_left(g) if chosen is None else 0
     if tiled:
         notes.append(f"{tiled} gradients are tiled to an activation's full shape (the gradient of a mean, as in "
@@ -559,7 +559,7 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
     )
 
 
-def _capture_notes(g: OpGraph) -> list[str]:
+def capture_notes(g: OpGraph) -> list[str]:
     """What the capture could not size or no plan can move (``graph.meta``), said where it applies."""
     notes = []
     held = g.meta.get("unswappable") or {}
@@ -573,6 +573,10 @@ def _capture_notes(g: OpGraph) -> list[str]:
                           for item in unresolved[:3])
         notes.append(f"{len(unresolved)} tensor(s) of unknown size are counted as 0 bytes ({names}"
                      f"{', ...' if len(unresolved) > 3 else ''}): the measured run is what shows what they take")
+    together = (g.meta.get("movable_state") or {}).get("gradients_together")
+    if together and g.meta.get("host_state"):
+        notes.append(f"the optimizer reads every gradient before it updates any variable ({together}): the device "
+                     "holds all gradients at once, so the slots moved to the host save their own bytes only")
     return notes
 
 

@@ -49,6 +49,21 @@ def state_refusal(model) -> str | None:
     return None
 
 
+def gradients_read_together(model) -> str | None:
+    """Why the optimizer reads every gradient before it updates any variable (None: each update reads its own
+    gradient only): then the device holds all gradients at once, however early each is copied out to the host."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    if getattr(optimizer, "global_clipnorm", None):
+        return "global_clipnorm scales every gradient by the norm of all of them"
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        return "gradient_accumulation_steps adds every gradient to its accumulator before the update's branch"
+    if hasattr(optimizer, "inner_optimizer"):  # LossScaleOptimizer
+        return f"{type(optimizer).__name__} checks every gradient for non-finite values before any update"
+    return None
+
+
 def slots_by_variable(model) -> dict[str, list]:
     """Trainable variable path -> its optimizer slots (Keras variables), for a known optimizer."""
     optimizer = model.optimizer
@@ -124,12 +139,14 @@ def slot_access_ops(graph_def, handles: dict[str, str], paths: set[str]) -> set[
 
 
 def describe_movable_state(concrete, model, scope: str | None) -> dict:
-    """``graph.meta["movable_state"]``: ``refusal`` (why nothing moves, or None) and per variable whose
-    slots can move, ``slot_bytes`` and ``ops``, the ops that run on the host once they do (its update and
-    the reads and writes of its slots)."""
+    """``graph.meta["movable_state"]``: ``refusal`` (why nothing moves, or None), ``gradients_together`` (why
+    every gradient is alive at once whatever moves, or None) and per variable whose slots can move,
+    ``slot_bytes`` and ``ops``, the ops that run on the host once they do (its update and the reads and writes
+    of its slots)."""
     reason = state_refusal(model) if scope is not None else "the step's optimizer has no name scope"
+    together = gradients_read_together(model)
     if reason is not None:
-        return {"refusal": reason, "variables": {}}
+        return {"refusal": reason, "gradients_together": together, "variables": {}}
     graph_def = concrete.graph.as_graph_def()
     handles = variable_handles(concrete, model)
     sizes = movable_state(model)
@@ -140,4 +157,4 @@ def describe_movable_state(concrete, model, scope: str | None) -> dict:
     for path, names in placed.items():
         ops = names | slot_access_ops(graph_def, handles, groups[path] - {path})
         found[path] = {"slot_bytes": int(sizes[path]), "ops": sorted(ops)}
-    return {"refusal": None, "variables": found}
+    return {"refusal": None, "gradients_together": together, "variables": found}

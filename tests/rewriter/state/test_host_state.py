@@ -15,11 +15,13 @@ import pytest
 import tensorflow as tf
 
 import rewriter
+from autotune.run.tuning import capture_notes
 from benchmarks.models import build_model, example_batch
 from rewriter.trace.optimizer_state import movable_state as movable_slots, state_refusal as optimizer_refusal
 from simulator import GraphError, SwapPlan, replay
 from simulator.plan import NamedPlan, PlanError
-from simulator.state import HostState, movable_state, state_groups, state_refusal, with_host_state
+from simulator.state import (HostState, movable_state, state_groups, state_refusal, with_host_state,
+                              writes_after_reads)
 from simulator.state.host_update import host_transfers
 from tests.rewriter.state.test_state import MiB, TOLERANCE, dense_mlp, small_cnn
 
@@ -238,3 +240,48 @@ def test_the_simulated_step_with_state_on_the_host():
     bare = dataclasses.replace(graph, meta={k: v for k, v in graph.meta.items() if k != "movable_state"})
     with pytest.raises(GraphError, match="cannot move"):
         replay(bare, plan, "cpu-testbed")
+
+
+def test_the_writes_after_their_reads_drop_the_measured_peak_as_predicted():
+    """The MLP with AdamW, every slot on the host, serialized in level order, batch 8: the decay's writes moved
+    after the backward reads of the weights (``simulator.state.writes_after_reads``) drop the predicted peak by a
+    1024x1024 kernel the decay held twice there (18.06 -> 13.83 MiB), the measured peak is within 5 % of each
+    prediction, and the step trains bitwise like the one serialized in the captured order (only when the writes
+    run changes)."""
+    th.deterministic()
+    keras.utils.clear_session()  # the plans name variables by their Keras paths: every model here has the same
+    model = dense_mlp("adamw")
+    graph = rewriter.capture(model, 8)
+    x, y = example_batch(model, 8)
+    moved = tuple(HostState(path) for path in movable_state(graph))
+    late = writes_after_reads(graph)
+    plans = {name: dataclasses.replace(SwapPlan.empty(g), host_state=moved) for name, g in (("captured", graph),
+                                                                                          ("late", late))}
+    predicted = {name: replay(g, plans[name], "cpu-testbed").peak_bytes for name, g in (("captured", graph),
+                                                                                        ("late", late))}
+    assert predicted["captured"] - predicted["late"] >= 4 * MiB
+    for name, g in (("captured", graph), ("late", late)):
+        measured = rewriter.measure(rewriter.apply(model, plans[name], graph=g, verify=False), x, y, repeats=1)
+        assert abs(measured.peak_bytes / predicted[name] - 1) <= TOLERANCE, name
+    keras.utils.clear_session()
+    chained = dense_mlp("adamw")
+    keras.utils.clear_session()
+    reordered = dense_mlp("adamw")
+    first = rewriter.apply(chained, SwapPlan.empty(graph), graph=graph, verify=False)
+    second = rewriter.apply(reordered, plans["late"], graph=late, verify=False)
+    assert [float(first(x, y)) for _ in range(3)] == [float(second(x, y)) for _ in range(3)]
+    assert th.bitwise_equal(th.weights_of(chained), th.weights_of(reordered))
+    assert th.bitwise_equal(th.optimizer_state(chained), th.optimizer_state(reordered))
+
+
+def test_global_norm_clipping_holds_every_gradient_and_the_notes_say_so():
+    """With ``global_clipnorm`` every gradient is read by the norm before any update: the capture records why,
+    and a search with slots on the host says that they save their own bytes only; Adam without it records none."""
+    clipped = rewriter.capture(dense_mlp("adam", global_clipnorm=1.0), 2)
+    reason = clipped.meta["movable_state"]["gradients_together"]
+    assert "global_clipnorm" in reason and state_refusal(clipped) is None
+    moved = with_host_state(clipped, tuple(HostState(path) for path in movable_state(clipped)), copies_in=False)
+    assert any("every gradient" in note and "global_clipnorm" in note for note in capture_notes(moved))
+    assert not any("every gradient" in note for note in capture_notes(clipped))  # nothing moved: nothing to say
+    plain = rewriter.capture(dense_mlp("adam"), 2)
+    assert plain.meta["movable_state"]["gradients_together"] is None
