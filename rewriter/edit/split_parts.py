@@ -18,9 +18,9 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   ``Tile`` of ones);
 * a reader outside a region (or a control edge from one) reads a per-sample tensor whole as a ``ConcatV2`` of its
   parts (``<op>/split_concat_<output>``) and a batch-summing op's output as its combined result;
-* constants that name the batch, the shape input of ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s
-  size, a convolution's or pooling's input-size input and a ``Tile``'s multiples (``SHAPE_INPUTS``), are made
-  again per part with the part's batch. A ``Tile`` repeating a batch-dependent tensor along the batch,
+* constants that name the batch (or values computed from constants only, ``_const_value``), the shape input of
+  ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s size, a convolution's or pooling's input-size input and a
+  ``Tile``'s multiples (``SHAPE_INPUTS``), are made again per part with the part's batch. A ``Tile`` repeating a batch-dependent tensor along the batch,
   and a ``ConcatV2``, ``Split`` or ``SplitV`` along axis 0, are refused: the graph the simulator reads does
   not record an op's axis. Every part's static shapes are checked after import (``check_part_shapes``).
 
@@ -138,9 +138,50 @@ def _pure(node) -> bool:
     return op_def is not None and not op_def.is_stateful and node.op not in ("Placeholder", "NoOp")
 
 
-def _const_value(editor: GraphEditor, ref: str) -> np.ndarray | None:
-    node = editor.nodes.get(editor.resolve(ref)[0])
-    return tf.make_ndarray(node.attr["value"].tensor) if node is not None and node.op == "Const" else None
+FOLD_LIMIT = 32  # nodes: a shape computed from constants is a few (a cross-entropy's Slice of a Shape's constant)
+
+
+def _const_value(editor: GraphEditor, ref: str, folded: dict[tuple[str, int], np.ndarray | None]) -> np.ndarray | None:
+    """The value of ``ref`` when it is known before the step runs: a ``Const``, or a small pure computation on
+    constants only (softmax cross-entropy's reshape back to the batch reads ``Slice(shape, [0], [rank - 1])``
+    of its logits' static shape), evaluated once (``folded`` keeps it); None otherwise."""
+    source, k = editor.resolve(ref)
+    node = editor.nodes.get(source)
+    if node is None:
+        return None
+    if node.op == "Const":
+        return tf.make_ndarray(node.attr["value"].tensor)
+    if (source, k) not in folded:
+        folded[(source, k)] = _folded(editor, source, k)
+    return folded[(source, k)]
+
+
+def _folded(editor: GraphEditor, source: str, k: int) -> np.ndarray | None:
+    """Tensor ``source:k`` computed from its ancestors when they are all pure and end in constants."""
+    found, stack = {}, [source]
+    while stack:
+        name = stack.pop()
+        if name in found:
+            continue
+        node = editor.nodes.get(name)
+        if node is None or not _pure(node) or len(found) >= FOLD_LIMIT:
+            return None
+        found[name] = node
+        stack.extend(parse_ref(ref)[0] for _, ref in editor.data_inputs(node))
+    graph_def = graph_pb2.GraphDef()
+    for node in found.values():
+        copy = graph_def.node.add()
+        copy.CopyFrom(node)
+        del copy.input[:]
+        copy.input.extend(ref for _, ref in editor.data_inputs(node))
+    graph = tf.Graph()
+    try:
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=graph) as folding:
+            return np.asarray(folding.run(f"{source}:{k}"))
+    except (ValueError, tf.errors.OpError):
+        return None
 
 
 class _PartsBuilder:
@@ -155,6 +196,7 @@ class _PartsBuilder:
         self.done: dict[str, list[str]] = {}  # op -> what a control edge from it waits for
         self.whole: dict[str, str] = {}  # "op:k" -> the whole tensor (combined, or concatenated lazily)
         self.entries: dict[tuple[int, str], str] = {}
+        self.folded: dict[tuple[str, int], np.ndarray | None] = {}  # values computed from constants (_const_value)
         self.added: dict[int, dict[str, list[str]]] = {r: {"combines": [], "concats": [], "entries": []}
                                                        for r in range(len(regions))}
 
@@ -201,7 +243,7 @@ class _PartsBuilder:
             data = [ref for _, ref in self.editor.data_inputs(node)]
             axis = AXIS_INPUTS.get(node.op, {"ConcatV2": len(data) - 1}.get(node.op))
             if axis is not None:
-                value = _const_value(self.editor, data[axis])
+                value = _const_value(self.editor, data[axis], self.folded)
                 if value is None or int(value) in (0, -len(self.shapes.at_batch[outputs[0]] or ())):
                     raise PlanError(f"split: {op} cannot run in parts: a {node.op} along the batch axis (or an "
                                     "axis not known before the step runs) moves samples across parts")
@@ -220,7 +262,7 @@ class _PartsBuilder:
 
     def _keeps_every_sample(self, node, data: list[str]) -> bool:
         """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis, in order, as its first axis."""
-        bounds = [_const_value(self.editor, ref) for ref in data[1:]]
+        bounds = [_const_value(self.editor, ref, self.folded) for ref in data[1:]]
         known = [value is not None and value.ndim == 1 and len(value) > 0 for value in bounds]
         if node.op == "Slice":  # a size of the whole batch starts at 0 (a concatenation's gradient: ConcatOffset)
             begin, size = bounds
@@ -280,7 +322,7 @@ class _PartsBuilder:
             return self.entry(r, key)[i]
         node_type = self.editor.nodes[op].op
         if SHAPE_INPUTS.get(node_type) == slot:
-            value = _const_value(self.editor, ref)
+            value = _const_value(self.editor, ref, self.folded)
             if value is not None and value.ndim == 1 and len(value) and int(value[0]) == self.batch:
                 if node_type == "Tile" and self._tiles_a_part(r, op, i):
                     raise PlanError(f"split: {op} cannot run in parts: a Tile repeating a batch-dependent tensor "
@@ -393,7 +435,7 @@ class _PartsBuilder:
         original = self.editor.nodes[op]
         data, axes = [ref for _, ref in self.editor.data_inputs(original)][:2]
         shape = self.shapes.at_batch.get("%s:%d" % self.editor.resolve(data))
-        axes_value = _const_value(self.editor, axes)
+        axes_value = _const_value(self.editor, axes, self.folded)
         if shape is None or axes_value is None:
             raise PlanError(f"split: {op} cannot run in parts: a Mean over axes or a shape not known before the step")
         count = int(np.prod([shape[int(a)] for a in np.atleast_1d(axes_value)]))

@@ -71,10 +71,25 @@ def _two_heads():
                      [keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.losses.MeanSquaredError()])
 
 
+def _one_hot_with_metrics():
+    """Categorical cross-entropy on one-hot labels, compiled with metrics: the loss reshapes its per-sample values
+    back to the batch with a shape computed from constants (a Slice of the logits' static shape), which each part
+    takes with its own batch; the metrics' update ops end the region."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(x)
+    model = keras.Model(x, keras.layers.Dense(3, activation="softmax")(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.CategoricalCrossentropy(),
+                  metrics=["accuracy", keras.metrics.TopKCategoricalAccuracy(2), keras.metrics.AUC()])
+    return model
+
+
 def _batch(model):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, *model.input_shape[1:])).astype("float32")
     labels = rng.integers(0, 3, size=(BATCH,)).astype("int32")
+    if isinstance(model.loss, keras.losses.CategoricalCrossentropy):
+        return x, np.eye(3, dtype="float32")[labels]
     if len(model.outputs) == 1:
         return x, labels
     return x, (labels, rng.normal(size=(BATCH, 2)).astype("float32"))
@@ -116,8 +131,8 @@ def _trains_as_keras(build, *, fit: bool = False):
     return th.weights_of(model), th.weights_of(reference), step, ends
 
 
-@pytest.mark.parametrize("build", [_cnn, _transformer, _two_heads], ids=["cnn-bn-dropout", "transformer-ln",
-                                                                          "two-heads"])
+@pytest.mark.parametrize("build", [_cnn, _transformer, _two_heads, _one_hot_with_metrics],
+                         ids=["cnn-bn-dropout", "transformer-ln", "two-heads", "one-hot-metrics"])
 def test_a_split_step_trains_as_keras(build):
     """Three steps with the region in parts of 3 and 2 samples: every weight within 1e-5 of its scale of
     Keras' own (not bitwise: a sum over the batch is summed part by part); the parts and combines are in the
