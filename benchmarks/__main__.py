@@ -1,7 +1,7 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
 NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute, floor-split, split-measured,
-cli-time, search-speed (``python -m benchmarks NAME --help`` for its options).
+split-users, cli-time, search-speed (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "search-speed": "benchmarks.tool_time.search_speed",
     "floor-split": "benchmarks.floor_split",
     "split-measured": "benchmarks.split.measured",
+    "split-users": "benchmarks.split.users",
 }
 
 

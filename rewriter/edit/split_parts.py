@@ -18,7 +18,7 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   ``Tile`` of ones);
 * a reader outside a region (or a control edge from one) reads a per-sample tensor whole as a ``ConcatV2`` of its
   parts (``<op>/split_concat_<output>``) and a batch-summing op's output as its combined result;
-* constants that name the batch (or values computed from constants only, ``_const_value``), the shape input of
+* constants that name the batch (or values computed from constants only, ``rewriter.edit.split_shapes.const_value``), the shape input of
   ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s size, a convolution's or pooling's input-size input and a
   ``Tile``'s multiples (``SHAPE_INPUTS``), are made again per part with the part's batch. A ``Tile`` repeating a batch-dependent tensor along the batch,
   and a ``ConcatV2``, ``Split`` or ``SplitV`` along axis 0, are refused: the graph the simulator reads does
@@ -43,12 +43,11 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.framework import op_def_registry
 
 from rewriter.edit.graph_edit import GraphEditor
 from rewriter.edit.graph_refs import parse_ref, tensor_ref
 from rewriter.edit.recompute_clones import KEEP_ATTR
-from rewriter.trace.op_names import canonical
+from rewriter.edit.split_shapes import BatchShapes, const_value, pure
 from simulator.graph import GraphError
 from simulator.plan import PlanError
 from simulator.split.actions import (COMBINE_OP_TYPES, SplitRegion, combine_name, concat_name, entry_name, part_batches,
@@ -62,55 +61,6 @@ SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1, "Tile": 1, "Fill": 0, "Slice": 2
                 "AvgPool3DGrad": 0, "StridedSliceGrad": 0}
 # op type -> the input slot of its axis: along axis 0 the op moves samples across parts
 AXIS_INPUTS = {"Split": 0, "SplitV": 2}
-
-
-@dataclass(frozen=True)
-class BatchShapes:
-    """Static shapes of the step's tensors ("op:k") at the batch (``at_batch``) and at one sample more
-    (``at_next``); a tensor grows with the batch when its leading dimension does and nothing else does."""
-
-    batch_size: int
-    at_batch: dict[str, tuple[int, ...] | None]
-    at_next: dict[str, tuple[int, ...] | None]
-    outputs: dict[str, int]  # op -> its number of outputs
-    dtypes: dict[str, Any]  # "op:k" -> tf.DType
-
-    @classmethod
-    def of(cls, first, second) -> "BatchShapes":
-        """From two ``TracedStep``s of one model (``second`` at one sample more), matched by canonical names."""
-        def shapes(traced):
-            found, outputs, dtypes = {}, {}, {}
-            for op in traced.concrete.graph.get_operations():
-                name = canonical(op.name, traced.canonical)
-                outputs[name] = len(op.outputs)
-                for k, tensor in enumerate(op.outputs):
-                    shape = tensor.shape
-                    found[f"{name}:{k}"] = tuple(shape.as_list()) if shape.is_fully_defined() else None
-                    dtypes[f"{name}:{k}"] = tensor.dtype
-            return found, outputs, dtypes
-
-        canon_first, outputs, dtypes = shapes(first)
-        canon_second, _, _ = shapes(second)
-        back = {canonical(op.name, first.canonical): op.name for op in first.concrete.graph.get_operations()}
-
-        def traced(ref: str) -> str:
-            op, _, k = ref.rpartition(":")
-            return f"{back.get(op, op)}:{k}"
-
-        return cls(first.batch_size, {traced(r): s for r, s in canon_first.items()},
-                   {traced(r): canon_second.get(r) for r in canon_first},
-                   {back.get(op, op): n for op, n in outputs.items()}, {traced(r): d for r, d in dtypes.items()})
-
-    def grows(self, ref: str) -> bool:
-        """Whether tensor ``ref`` grows with the batch; PlanError when it does but not along its leading axis."""
-        small, large = self.at_batch.get(ref), self.at_next.get(ref)
-        if small is None or large is None or small == large:
-            return False
-        if len(small) == len(large) and small[0] == self.batch_size and large[0] == self.batch_size + 1 \
-                and small[1:] == large[1:]:
-            return True
-        raise PlanError(f"tensor {ref} {small} grows with the batch ({large} at one sample more) but not along its "
-                        "leading axis: its rows are not blocks of samples, it cannot be split")
 
 
 @dataclass(frozen=True)
@@ -130,58 +80,6 @@ class AppliedSplit:
     @property
     def nodes(self) -> tuple[str, ...]:
         return self.part_nodes + self.combines + self.concats + self.entries
-
-
-def _pure(node) -> bool:
-    """A node whose only effect is its outputs: one nothing reads can go."""
-    op_def = op_def_registry.get(node.op)
-    return op_def is not None and not op_def.is_stateful and node.op not in ("Placeholder", "NoOp")
-
-
-FOLD_LIMIT = 32  # nodes: a shape computed from constants is a few (a cross-entropy's Slice of a Shape's constant)
-
-
-def _const_value(editor: GraphEditor, ref: str, folded: dict[tuple[str, int], np.ndarray | None]) -> np.ndarray | None:
-    """The value of ``ref`` when it is known before the step runs: a ``Const``, or a small pure computation on
-    constants only (softmax cross-entropy's reshape back to the batch reads ``Slice(shape, [0], [rank - 1])``
-    of its logits' static shape), evaluated once (``folded`` keeps it); None otherwise."""
-    source, k = editor.resolve(ref)
-    node = editor.nodes.get(source)
-    if node is None:
-        return None
-    if node.op == "Const":
-        return tf.make_ndarray(node.attr["value"].tensor)
-    if (source, k) not in folded:
-        folded[(source, k)] = _folded(editor, source, k)
-    return folded[(source, k)]
-
-
-def _folded(editor: GraphEditor, source: str, k: int) -> np.ndarray | None:
-    """Tensor ``source:k`` computed from its ancestors when they are all pure and end in constants."""
-    found, stack = {}, [source]
-    while stack:
-        name = stack.pop()
-        if name in found:
-            continue
-        node = editor.nodes.get(name)
-        if node is None or not _pure(node) or len(found) >= FOLD_LIMIT:
-            return None
-        found[name] = node
-        stack.extend(parse_ref(ref)[0] for _, ref in editor.data_inputs(node))
-    graph_def = graph_pb2.GraphDef()
-    for node in found.values():
-        copy = graph_def.node.add()
-        copy.CopyFrom(node)
-        del copy.input[:]
-        copy.input.extend(ref for _, ref in editor.data_inputs(node))
-    graph = tf.Graph()
-    try:
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
-        with tf.compat.v1.Session(graph=graph) as folding:
-            return np.asarray(folding.run(f"{source}:{k}"))
-    except (ValueError, tf.errors.OpError):
-        return None
 
 
 class _PartsBuilder:
@@ -243,10 +141,16 @@ class _PartsBuilder:
             data = [ref for _, ref in self.editor.data_inputs(node)]
             axis = AXIS_INPUTS.get(node.op, {"ConcatV2": len(data) - 1}.get(node.op))
             if axis is not None:
-                value = _const_value(self.editor, data[axis], self.folded)
-                if value is None or int(value) in (0, -len(self.shapes.at_batch[outputs[0]] or ())):
+                value = const_value(self.editor, data[axis], self.folded)
+                rank = len(self.shapes.at_batch[outputs[0]] or ()) or 1
+                if value is None or int(value) % rank == self.shapes.axis(outputs[0]):
                     raise PlanError(f"split: {op} cannot run in parts: a {node.op} along the batch axis (or an "
                                     "axis not known before the step runs) moves samples across parts")
+            unpacked = "%s:%d" % reads[0]
+            if node.op == "Unpack" and node.attr["axis"].i % len(self.shapes.at_batch[unpacked]) \
+                    == self.shapes.axis(unpacked):
+                raise PlanError(f"split: {op} cannot run in parts: an Unpack along the batch axis gives each sample "
+                                "its own tensor")
             if node.op in ("Slice", "StridedSlice") and not self._keeps_every_sample(node, data):
                 raise PlanError(f"split: {op} cannot run in parts: a {node.op} that does not keep every sample in "
                                 "order (or whose bounds are not known before the step runs)")
@@ -261,21 +165,30 @@ class _PartsBuilder:
         return COMBINE_KINDS[node.op]
 
     def _keeps_every_sample(self, node, data: list[str]) -> bool:
-        """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis, in order, as its first axis."""
-        bounds = [_const_value(self.editor, ref, self.folded) for ref in data[1:]]
-        known = [value is not None and value.ndim == 1 and len(value) > 0 for value in bounds]
+        """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis of its input, in order (a slice of
+        TimeDistributed's frames, ``x[t]`` of ``(frames, batch, ...)``, keeps every sample)."""
+        axis = self.shapes.axis("%s:%d" % self.editor.resolve(data[0])) or 0
+        bounds = [const_value(self.editor, ref, self.folded) for ref in data[1:]]
+        known = [value is not None and value.ndim == 1 and len(value) > axis for value in bounds]
         if node.op == "Slice":  # a size of the whole batch starts at 0 (a concatenation's gradient: ConcatOffset)
             begin, size = bounds
-            return known[1] and (int(size[0]) == self.batch or int(size[0]) == -1 and known[0] and int(begin[0]) == 0)
+            return known[1] and (int(size[axis]) == self.batch
+                                 or int(size[axis]) == -1 and known[0] and int(begin[axis]) == 0)
+        masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                                   "shrink_axis_mask")}
+        if axis and (masks["ellipsis_mask"] or masks["new_axis_mask"]):  # the spec's axes are not the input's
+            return False
+        if axis and all(value is not None and value.ndim == 1 for value in bounds) \
+                and len(bounds[0]) <= axis:  # a spec that stops before the batch axis takes it whole
+            return True
         if not all(known):
             return False
         begin, end, strides = bounds
-        masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
-                                                   "shrink_axis_mask")}
-        if masks["ellipsis_mask"] & 1 or masks["new_axis_mask"] & 1 or masks["shrink_axis_mask"] & 1:
+        bit = 1 << axis
+        if masks["ellipsis_mask"] & bit or masks["new_axis_mask"] & bit or masks["shrink_axis_mask"] & bit:
             return False
-        return int(strides[0]) == 1 and (masks["begin_mask"] & 1 or int(begin[0]) == 0) \
-            and (masks["end_mask"] & 1 or int(end[0]) >= self.batch)
+        return int(strides[axis]) == 1 and (masks["begin_mask"] & bit or int(begin[axis]) == 0) \
+            and (masks["end_mask"] & bit or int(end[axis]) >= self.batch)
 
     # ------------------------------------------------------------------ reads
 
@@ -285,7 +198,7 @@ class _PartsBuilder:
         key = f"{op}:{k}"
         if key not in self.whole:  # a per-sample tensor: the concatenation of its parts, made once
             r = self.region_of[op]
-            axis = self.const(f"{concat_name(op, k)}/axis", np.asarray(0, np.int32))
+            axis = self.const(f"{concat_name(op, k)}/axis", np.asarray(self.shapes.axis(key), np.int32))
             node = self.add(concat_name(op, k), "ConcatV2", [tensor_ref(part, k) for part in self.parts[op]] + [axis],
                             region=r, role="concats")
             node.attr["N"].i = len(self.parts[op])
@@ -302,7 +215,7 @@ class _PartsBuilder:
             batches = part_batches(self.batch, self.regions[r].parts)
             name = entry_name(op, k, r)
             sizes = self.const(f"{name}/sizes", np.asarray(batches, np.int64))
-            axis = self.const(f"{name}/axis", np.asarray(0, np.int32))
+            axis = self.const(f"{name}/axis", np.asarray(self.shapes.axis(f"{op}:{k}"), np.int32))
             node = self.add(name, "SplitV", [source, sizes, axis], keep=True, region=r, role="entries")
             node.attr["num_split"].i = len(batches)
             node.attr["T"].type = self.shapes.dtypes[f"{op}:{k}"].as_datatype_enum
@@ -322,13 +235,14 @@ class _PartsBuilder:
             return self.entry(r, key)[i]
         node_type = self.editor.nodes[op].op
         if SHAPE_INPUTS.get(node_type) == slot:
-            value = _const_value(self.editor, ref, self.folded)
-            if value is not None and value.ndim == 1 and len(value) and int(value[0]) == self.batch:
+            value = const_value(self.editor, ref, self.folded)
+            axis = self.shapes.axis(f"{op}:0") or 0  # where the op's output holds the batch
+            if value is not None and value.ndim == 1 and len(value) > axis and int(value[axis]) == self.batch:
                 if node_type == "Tile" and self._tiles_a_part(r, op, i):
                     raise PlanError(f"split: {op} cannot run in parts: a Tile repeating a batch-dependent tensor "
                                     "along the batch")
                 value = value.copy()
-                value[0] = n
+                value[axis] = n
                 return self.const(f"{part_name(op, i)}/batch_shape", value)
         return ref
 
@@ -435,7 +349,7 @@ class _PartsBuilder:
         original = self.editor.nodes[op]
         data, axes = [ref for _, ref in self.editor.data_inputs(original)][:2]
         shape = self.shapes.at_batch.get("%s:%d" % self.editor.resolve(data))
-        axes_value = _const_value(self.editor, axes, self.folded)
+        axes_value = const_value(self.editor, axes, self.folded)
         if shape is None or axes_value is None:
             raise PlanError(f"split: {op} cannot run in parts: a Mean over axes or a shape not known before the step")
         count = int(np.prod([shape[int(a)] for a in np.atleast_1d(axes_value)]))
@@ -516,7 +430,7 @@ class _PartsBuilder:
             concats = {name for name in self.whole.values() if self.editor.nodes[name].op == "ConcatV2"}
             live = gone | read | fetches
             dead = {node.name for node in self.editor.graph_def.node if node.name not in live
-                    and ((node.name in rewired and _pure(node)) or node.name in concats
+                    and ((node.name in rewired and pure(node)) or node.name in concats
                          or node.name.rpartition("/")[0] in concats)}
             if not dead:
                 break
@@ -565,7 +479,7 @@ def check_part_shapes(graph, applied: Sequence[AppliedSplit], shapes: BatchShape
                 whole = shapes.at_batch.get(f"{op}:{k}")
                 if whole is None:
                     continue
-                want = (item.part_batches[int(i)], *whole[1:]) if op in item.per_sample else whole
+                want = shapes.with_part(f"{op}:{k}", item.part_batches[int(i)]) if op in item.per_sample else whole
                 got = graph.get_tensor_by_name(f"{part}:{k}").shape
                 if not got.is_fully_defined() or tuple(got.as_list()) != tuple(want):
                     raise PlanError(f"split: part {i} of {op} has shape {got} where {list(want)} was expected: a "
