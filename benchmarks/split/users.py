@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -173,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": command, "load": " ".join(f"{value:.2f}" for value in os.getloadavg()),
         "cli": "python -m autotune DIR --batch-size B --memory <budget> --device cpu-testbed --quiet "
                + ("--calibrate" if args.calibrate else "--no-calibrate"),
-        "share": args.share}, notes=_notes(table))
+        "share": args.share}, notes=_notes(table, args.calibrate))
     print(path)
     return 0
 
 
-def _notes(table: pd.DataFrame) -> list[str]:
+def _notes(table: pd.DataFrame, calibrate: bool) -> list[str]:
     fits = table[table.exit == 0]
     shares = "/".join(sorted({f"{share:.2f}" for share in table.budget_MiB / table.unswapped_peak_MiB}))
     return [f"{len(fits)} of {len(table)} models exit 0 at {shares} of their unswapped peak; measured over predicted "
@@ -187,9 +186,14 @@ def _notes(table: pd.DataFrame) -> list[str]:
             "floor: the least peak of any plan that moves whole tensors (swaps, recomputations) on the captured step; "
             "split_floor: the same on the split step the CLI tuned. rel_diff: the largest difference of a weight after "
             f"{STEPS} steps of the plan as a share of its scale, against Keras' train_on_batch on the same batch; "
-            "keras_permuted_rel_diff: Keras' own step on the batch in another order against the same.",
-            "Step times with --no-calibrate are the cpu-testbed preset's datasheet estimate (docs/design.md 4): the "
-            "ratio says how far that estimate is from this machine, not how the split runs."]
+            "keras_permuted_rel_diff: Keras' own step on the batch in another order against the same (Keras' rounding "
+            "for a sum over the batch in another order). A model drawing random numbers per sample (augmented_cnn) "
+            "draws other numbers for each sample in another order: its keras_permuted_rel_diff is not rounding; "
+            "metrics_cnn, the same convolutions without the augmentation, shows that rounding.",
+            "Step times: " + ("calibrated on this machine by the CLI (--calibrate) and re-anchored to the unswapped "
+                              "steps timed beside the plan's (docs/design.md 4)." if calibrate else
+                              "the cpu-testbed preset's datasheet estimate (--no-calibrate, docs/design.md 4): the "
+                              "ratio says how far that estimate is from this machine, not how the split runs.")]
 
 
 if __name__ == "__main__":

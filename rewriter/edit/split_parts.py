@@ -18,11 +18,16 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   ``Tile`` of ones);
 * a reader outside a region (or a control edge from one) reads a per-sample tensor whole as a ``ConcatV2`` of its
   parts (``<op>/split_concat_<output>``) and a batch-summing op's output as its combined result;
-* constants that name the batch (or values computed from constants only, ``rewriter.edit.split_shapes.const_value``), the shape input of
-  ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s size, a convolution's or pooling's input-size input and a
-  ``Tile``'s multiples (``SHAPE_INPUTS``), are made again per part with the part's batch. A ``Tile`` repeating a batch-dependent tensor along the batch,
-  and a ``ConcatV2``, ``Split`` or ``SplitV`` along axis 0, are refused: the graph the simulator reads does
-  not record an op's axis. Every part's static shapes are checked after import (``check_part_shapes``).
+* constants that name the batch (or values computed from constants only, ``split_shapes.const_value``), the
+  shape input of ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s size, a convolution's or pooling's
+  input-size input and a ``Tile``'s multiples (``SHAPE_INPUTS``), are made again per part with the part's batch,
+  at the place of the batch in the op's output. A ``Tile`` repeating a batch-dependent tensor along the batch,
+  and a ``ConcatV2``, ``Split``, ``SplitV`` or ``Unpack`` along the batch axis, are refused: the graph the
+  simulator reads does not record an op's axis. Every part's static shapes are checked after import
+  (``check_part_shapes``);
+* the batch is the leading axis of a tensor, or the one axis that grows between the two traces
+  (``BatchShapes.axis``: TimeDistributed's ``(frames, batch, ...)``): entries split, concatenations join and
+  slices are checked along it.
 
 Which tensors grow with the batch is read from two traces of the step (``BatchShapes``: at the batch and
 one more), as the capture does. Nothing is changed when a region is refused (one ``PlanError`` naming the op

@@ -73,9 +73,9 @@ NEVER_SPLIT: dict[str, str] = {
 }
 
 # ops that hold the batch on another axis than the first (TimeDistributed's ``(frames, batch, ...)``: its
-# transposes, its slice per frame and that slice's gradient, their stack, its gradient and sums) and that the rewriter splits
-# along the axis it reads from the step's traces (``rewriter.edit.split_shapes.BatchShapes.axis``), checking
-# a slice's bounds and a concatenation's axis there; any other op ends a region at such a tensor
+# transposes, its slice per frame and that slice's gradient, their stack, its gradient and sums) and that the
+# rewriter splits along the axis it reads from the step's traces (``rewriter.edit.split_shapes.BatchShapes.axis``),
+# checking a slice's bounds and an unstack's axis there; any other op ends a region at such a tensor
 OFF_AXIS_TYPES = frozenset({"Transpose", "Pack", "Unpack", "StridedSlice", "StridedSliceGrad", "AddN", "AddV2",
                             "Identity"})
 
