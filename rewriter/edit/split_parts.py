@@ -22,8 +22,9 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   shape input of ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s size, a convolution's or pooling's
   input-size input and a ``Tile``'s multiples (``SHAPE_INPUTS``), are made again per part with the part's batch,
   at the place of the batch in the op's output. A ``Tile`` repeating a batch-dependent tensor along the batch,
-  and a ``ConcatV2``, ``Split``, ``SplitV`` or ``Unpack`` along the batch axis, are refused: the graph the
-  simulator reads does not record an op's axis. Every part's static shapes are checked after import
+  and a ``ConcatV2``, ``Split`` or ``SplitV`` along the batch axis, are refused: the graph the simulator
+  reads does not record an op's axis (an ``Unpack`` along it makes tensors that do not grow with the batch:
+  it is no per-sample op). Every part's static shapes are checked after import
   (``check_part_shapes``);
 * the batch is the leading axis of a tensor, or the one axis that grows between the two traces
   (``BatchShapes.axis``: TimeDistributed's ``(frames, batch, ...)``): entries split, concatenations join and
@@ -151,11 +152,6 @@ class _PartsBuilder:
                 if value is None or int(value) % rank == self.shapes.axis(outputs[0]):
                     raise PlanError(f"split: {op} cannot run in parts: a {node.op} along the batch axis (or an "
                                     "axis not known before the step runs) moves samples across parts")
-            unpacked = "%s:%d" % reads[0]
-            if node.op == "Unpack" and node.attr["axis"].i % len(self.shapes.at_batch[unpacked]) \
-                    == self.shapes.axis(unpacked):
-                raise PlanError(f"split: {op} cannot run in parts: an Unpack along the batch axis gives each sample "
-                                "its own tensor")
             if node.op in ("Slice", "StridedSlice") and not self._keeps_every_sample(node, data):
                 raise PlanError(f"split: {op} cannot run in parts: a {node.op} that does not keep every sample in "
                                 "order (or whose bounds are not known before the step runs)")

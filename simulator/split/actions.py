@@ -50,6 +50,11 @@ def read_split_records(records, error: type[GraphError] = GraphError) -> tuple[S
     return tuple(regions)
 
 
+def split_parts(g: OpGraph) -> int:
+    """The most parts of a region ``g`` holds (0: a step not split)."""
+    return max((region.parts for region in held_regions(g)), default=0)
+
+
 def held_regions(g: OpGraph) -> tuple[SplitRegion, ...]:
     """The regions a split graph holds, as ``SplitRegion`` records (none for a captured step)."""
     return tuple(SplitRegion(tuple(record["ops"]), int(record["parts"])) for record in split_regions(g))
