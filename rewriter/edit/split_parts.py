@@ -100,7 +100,7 @@ class _PartsBuilder:
         self.done: dict[str, list[str]] = {}  # op -> what a control edge from it waits for
         self.whole: dict[str, str] = {}  # "op:k" -> the whole tensor (combined, or concatenated lazily)
         self.entries: dict[tuple[int, str], str] = {}
-        self.folded: dict[tuple[str, int], np.ndarray | None] = {}  # values computed from constants (_const_value)
+        self.folded: dict[tuple[str, int], np.ndarray | None] = {}  # values computed from constants (const_value)
         self.added: dict[int, dict[str, list[str]]] = {r: {"combines": [], "concats": [], "entries": []}
                                                        for r in range(len(regions))}
 
