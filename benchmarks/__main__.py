@@ -1,7 +1,7 @@
 """python -m benchmarks NAME [options]: run one benchmark and write its table under benchmarks/results/.
 
 NAME: max-batch, fidelity, verdict, tuning, speed, step-time, gpu-check, recompute, floor-split, split-measured,
-cli-time, search-speed, large-model (``python -m benchmarks NAME --help`` for its options).
+split-users, cli-time, search-speed, large-model (``python -m benchmarks NAME --help`` for its options).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "floor-split": "benchmarks.floor_split",
     "split-measured": "benchmarks.split.measured",
     "large-model": "benchmarks.large_model.run",
+    "split-users": "benchmarks.split.users",
 }
 
 

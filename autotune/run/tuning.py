@@ -29,6 +29,7 @@ from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGrap
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
+from simulator.split import split_parts
 from simulator.state import HostState, movable_state, state_groups, state_refusal, with_host_state
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class TuneResult:
     def action_phrase(self) -> str:
         """What the shown plan does, in the verdict's words."""
         return actions_phrase(0 if self.plan is None else self.plan.n_swaps, len(self.recomputes),
-                              0 if self.plan is None else len(self.plan.host_state))
+                              0 if self.plan is None else len(self.plan.host_state), split_parts(self.graph))
 
     @property
     def has_actions(self) -> bool:
@@ -545,7 +546,8 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
                         swaps=bool(plan is not None and (plan.n_swaps or recomputes or plan.host_state)),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured,
-                        action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes), len(host_state)))
+                        action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes), len(host_state),
+                                              split_parts(g)))
     return TuneResult(
         model=str(g.meta.get("model", "model")), batch_size=g.batch_size, target=target, graph=captured, policy=policy,
         # "without swapping": the step as captured, its state on the device

@@ -200,10 +200,12 @@ class Verdict:
         return replace(self, checks=tuple(checks), details=tuple(self.details) + tuple(details))
 
 
-def actions_phrase(n_swaps: int, n_recomputes: int, n_host_state: int = 0) -> str:
-    """What a plan does, as the verdict says it (a plan that only recomputes does not swap)."""
-    done = [name for name, count in (("swapping", n_swaps), ("recomputation", n_recomputes),
-                                     ("optimizer state on the host", n_host_state)) if count]
+def actions_phrase(n_swaps: int, n_recomputes: int, n_host_state: int = 0, split_parts: int = 0) -> str:
+    """What a plan does, as the verdict says it (a plan that only recomputes does not swap; a split step says
+    so first: its parts, not a swap, take it under the floor)."""
+    done = [name for name, count in ((f"the batch split in {split_parts} parts", split_parts), ("swapping", n_swaps),
+                                     ("recomputation", n_recomputes), ("optimizer state on the host", n_host_state))
+            if count]
     if not done:
         return "swapping"
     return done[0] if len(done) == 1 else ", ".join(done[:-1]) + " and " + done[-1]

@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAMILIES", "SMALL", "ZOO", "ZooModel", "build_zoo_model"]
+__all__ = ["FAMILIES", "SMALL", "SPLIT_USERS", "ZOO", "ZooModel", "build_zoo_model"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,16 @@ SMALL: dict[str, ZooModel] = {entry.family: entry for entry in (
     ZooModel("norm_mix_24", "normalization", "norm_mix", 4, {"image_size": 24}),
     ZooModel("custom_layer_loss_48", "custom", "custom_layer_loss", 4, {"image_size": 48}),
     ZooModel("sequential_mlp_64", "mlp", "sequential_mlp", 8, {"features": 64}),
+)}
+
+# users' small models whose floor is above 85 % of their unswapped peak: they fit at half of it only split along
+# the batch (python -m benchmarks split-users, benchmarks/results/split_user_models.md)
+SPLIT_USERS: dict[str, ZooModel] = {entry.name: entry for entry in (
+    ZooModel("augmented_cnn", "augmentation", "augmented_cnn", 8),
+    ZooModel("metrics_cnn", "metrics", "metrics_cnn", 8),
+    ZooModel("video_classifier", "time_distributed", "video_classifier", 8),
+    ZooModel("frozen_backbone", "transfer", "frozen_backbone", 16, {"alpha": 0.35, "image_size": 64}),
+    ZooModel("multi_io", "multi_io", "multi_io", 8),
 )}
 
 

@@ -229,6 +229,70 @@ def sequential_mlp(*, features: int = 256, seed: int = 0) -> keras.Model:
     return _compile(model, _classification_loss())
 
 
+# ---------------------------------------------------------------------- users' models that fit only split
+
+
+def _conv_stack(x, filters: tuple[int, ...] = (32, 64)):
+    """Conv/ReLU at full resolution, pooled, then smaller convolutions and a global average (the zoo's
+    multi_io image branch): one full-resolution layer holds most of the step's memory."""
+    for i, width in enumerate(filters):
+        if i:
+            x = layers.MaxPooling2D(2, name=f"pool{i - 1}")(x)
+        x = layers.Conv2D(width, 3, padding="same", activation="relu", name=f"conv{i}")(x)
+    return layers.GlobalAveragePooling2D(name="gap")(x)
+
+
+def augmented_cnn(*, image_size: int = 48, seed: int = 0) -> keras.Model:
+    """Augmentation layers (RandomFlip, RandomRotation, RandomZoom, RandomContrast) before a conv stack:
+    their random draws happen in the training step."""
+    keras.utils.set_random_seed(seed)
+    inputs = _image_input(image_size)
+    x = layers.RandomFlip("horizontal", seed=seed, name="flip")(inputs)
+    x = layers.RandomRotation(0.1, seed=seed, name="rotate")(x)
+    x = layers.RandomZoom(0.1, seed=seed, name="zoom")(x)
+    x = layers.RandomContrast(0.2, seed=seed, name="contrast")(x)
+    return _classifier(inputs, _conv_stack(x), "augmented_cnn")
+
+
+def metrics_cnn(*, image_size: int = 48, seed: int = 0) -> keras.Model:
+    """A conv stack on one-hot labels compiled with several metrics (accuracy, top-3, AUC, precision,
+    recall): their update ops run in the training step."""
+    keras.utils.set_random_seed(seed)
+    inputs = _image_input(image_size)
+    outputs = layers.Dense(NUM_CLASSES, activation="softmax", name="head")(_conv_stack(inputs))
+    return _compile(keras.Model(inputs, outputs, name="metrics_cnn"), keras.losses.CategoricalCrossentropy(),
+                    metrics=["accuracy", keras.metrics.TopKCategoricalAccuracy(3, name="top3"),
+                             keras.metrics.AUC(name="auc"), keras.metrics.Precision(name="precision"),
+                             keras.metrics.Recall(name="recall")])
+
+
+def video_classifier(*, frames: int = 8, image_size: int = 32, seed: int = 0) -> keras.Model:
+    """TimeDistributed convolutions over a clip's frames, pooled per frame and over time, a Dense head."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(shape=(frames, image_size, image_size, 3), name="clip")
+    x = layers.TimeDistributed(layers.Conv2D(16, 3, padding="same", activation="relu"), name="conv0")(inputs)
+    x = layers.TimeDistributed(layers.MaxPooling2D(2), name="pool0")(x)
+    x = layers.TimeDistributed(layers.Conv2D(32, 3, padding="same", activation="relu"), name="conv1")(x)
+    x = layers.TimeDistributed(layers.GlobalAveragePooling2D(), name="gap")(x)
+    x = layers.GlobalAveragePooling1D(name="time_pool")(x)
+    return _classifier(inputs, x, "video_classifier")
+
+
+def frozen_backbone(*, backbone: str = "MobileNetV2", image_size: int = 32, alpha: float = 1.0,
+                    seed: int = 0) -> keras.Model:
+    """Transfer learning: a keras.applications backbone (``weights=None``: nothing downloaded) frozen
+    (``trainable=False``, its batch normalisation in inference mode) under a new head."""
+    keras.utils.set_random_seed(seed)
+    base = getattr(keras.applications, backbone)(weights=None, include_top=False, alpha=alpha,
+                                                 input_shape=(image_size, image_size, 3))
+    base.trainable = False
+    inputs = _image_input(image_size)
+    x = base(inputs, training=False)
+    x = layers.GlobalAveragePooling2D(name="gap")(x)
+    x = layers.Dropout(0.2, name="drop")(x)
+    return _classifier(inputs, x, "frozen_backbone")
+
+
 def _app(ctor_name: str, min_size: int) -> Callable[..., keras.Model]:
     ctor = getattr(keras.applications, ctor_name)
 
@@ -258,4 +322,8 @@ BUILDERS: dict[str, Callable[..., keras.Model]] = {
     "norm_mix": norm_mix,
     "custom_layer_loss": custom_layer_loss,
     "sequential_mlp": sequential_mlp,
+    "augmented_cnn": augmented_cnn,
+    "metrics_cnn": metrics_cnn,
+    "video_classifier": video_classifier,
+    "frozen_backbone": frozen_backbone,
 }

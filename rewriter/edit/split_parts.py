@@ -18,11 +18,17 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   ``Tile`` of ones);
 * a reader outside a region (or a control edge from one) reads a per-sample tensor whole as a ``ConcatV2`` of its
   parts (``<op>/split_concat_<output>``) and a batch-summing op's output as its combined result;
-* constants that name the batch, the shape input of ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s
-  size, a convolution's or pooling's input-size input and a ``Tile``'s multiples (``SHAPE_INPUTS``), are made
-  again per part with the part's batch. A ``Tile`` repeating a batch-dependent tensor along the batch,
-  and a ``ConcatV2``, ``Split`` or ``SplitV`` along axis 0, are refused: the graph the simulator reads does
-  not record an op's axis. Every part's static shapes are checked after import (``check_part_shapes``).
+* constants that name the batch (or values computed from constants only, ``split_shapes.const_value``), the
+  shape input of ``Reshape``, ``BroadcastTo``, ``Fill``, a ``Slice``'s size, a convolution's or pooling's
+  input-size input and a ``Tile``'s multiples (``SHAPE_INPUTS``), are made again per part with the part's batch,
+  at the place of the batch in the op's output. A ``Tile`` repeating a batch-dependent tensor along the batch,
+  and a ``ConcatV2``, ``Split`` or ``SplitV`` along the batch axis, are refused: the graph the simulator
+  reads does not record an op's axis (an ``Unpack`` along it makes tensors that do not grow with the batch:
+  it is no per-sample op). Every part's static shapes are checked after import
+  (``check_part_shapes``);
+* the batch is the leading axis of a tensor, or the one axis that grows between the two traces
+  (``BatchShapes.axis``: TimeDistributed's ``(frames, batch, ...)``): entries split, concatenations join and
+  slices are checked along it.
 
 Which tensors grow with the batch is read from two traces of the step (``BatchShapes``: at the batch and
 one more), as the capture does. Nothing is changed when a region is refused (one ``PlanError`` naming the op
@@ -43,12 +49,11 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.framework import op_def_registry
 
 from rewriter.edit.graph_edit import GraphEditor
 from rewriter.edit.graph_refs import parse_ref, tensor_ref
 from rewriter.edit.recompute_clones import KEEP_ATTR
-from rewriter.trace.op_names import canonical
+from rewriter.edit.split_shapes import BatchShapes, const_value, pure
 from simulator.graph import GraphError
 from simulator.plan import PlanError
 from simulator.split.actions import (COMBINE_OP_TYPES, SplitRegion, combine_name, concat_name, entry_name, part_batches,
@@ -62,55 +67,6 @@ SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1, "Tile": 1, "Fill": 0, "Slice": 2
                 "AvgPool3DGrad": 0, "StridedSliceGrad": 0}
 # op type -> the input slot of its axis: along axis 0 the op moves samples across parts
 AXIS_INPUTS = {"Split": 0, "SplitV": 2}
-
-
-@dataclass(frozen=True)
-class BatchShapes:
-    """Static shapes of the step's tensors ("op:k") at the batch (``at_batch``) and at one sample more
-    (``at_next``); a tensor grows with the batch when its leading dimension does and nothing else does."""
-
-    batch_size: int
-    at_batch: dict[str, tuple[int, ...] | None]
-    at_next: dict[str, tuple[int, ...] | None]
-    outputs: dict[str, int]  # op -> its number of outputs
-    dtypes: dict[str, Any]  # "op:k" -> tf.DType
-
-    @classmethod
-    def of(cls, first, second) -> "BatchShapes":
-        """From two ``TracedStep``s of one model (``second`` at one sample more), matched by canonical names."""
-        def shapes(traced):
-            found, outputs, dtypes = {}, {}, {}
-            for op in traced.concrete.graph.get_operations():
-                name = canonical(op.name, traced.canonical)
-                outputs[name] = len(op.outputs)
-                for k, tensor in enumerate(op.outputs):
-                    shape = tensor.shape
-                    found[f"{name}:{k}"] = tuple(shape.as_list()) if shape.is_fully_defined() else None
-                    dtypes[f"{name}:{k}"] = tensor.dtype
-            return found, outputs, dtypes
-
-        canon_first, outputs, dtypes = shapes(first)
-        canon_second, _, _ = shapes(second)
-        back = {canonical(op.name, first.canonical): op.name for op in first.concrete.graph.get_operations()}
-
-        def traced(ref: str) -> str:
-            op, _, k = ref.rpartition(":")
-            return f"{back.get(op, op)}:{k}"
-
-        return cls(first.batch_size, {traced(r): s for r, s in canon_first.items()},
-                   {traced(r): canon_second.get(r) for r in canon_first},
-                   {back.get(op, op): n for op, n in outputs.items()}, {traced(r): d for r, d in dtypes.items()})
-
-    def grows(self, ref: str) -> bool:
-        """Whether tensor ``ref`` grows with the batch; PlanError when it does but not along its leading axis."""
-        small, large = self.at_batch.get(ref), self.at_next.get(ref)
-        if small is None or large is None or small == large:
-            return False
-        if len(small) == len(large) and small[0] == self.batch_size and large[0] == self.batch_size + 1 \
-                and small[1:] == large[1:]:
-            return True
-        raise PlanError(f"tensor {ref} {small} grows with the batch ({large} at one sample more) but not along its "
-                        "leading axis: its rows are not blocks of samples, it cannot be split")
 
 
 @dataclass(frozen=True)
@@ -132,17 +88,6 @@ class AppliedSplit:
         return self.part_nodes + self.combines + self.concats + self.entries
 
 
-def _pure(node) -> bool:
-    """A node whose only effect is its outputs: one nothing reads can go."""
-    op_def = op_def_registry.get(node.op)
-    return op_def is not None and not op_def.is_stateful and node.op not in ("Placeholder", "NoOp")
-
-
-def _const_value(editor: GraphEditor, ref: str) -> np.ndarray | None:
-    node = editor.nodes.get(editor.resolve(ref)[0])
-    return tf.make_ndarray(node.attr["value"].tensor) if node is not None and node.op == "Const" else None
-
-
 class _PartsBuilder:
     """The nodes of every region, added to the editor's GraphDef; originals removed at the end."""
 
@@ -155,6 +100,7 @@ class _PartsBuilder:
         self.done: dict[str, list[str]] = {}  # op -> what a control edge from it waits for
         self.whole: dict[str, str] = {}  # "op:k" -> the whole tensor (combined, or concatenated lazily)
         self.entries: dict[tuple[int, str], str] = {}
+        self.folded: dict[tuple[str, int], np.ndarray | None] = {}  # values computed from constants (const_value)
         self.added: dict[int, dict[str, list[str]]] = {r: {"combines": [], "concats": [], "entries": []}
                                                        for r in range(len(regions))}
 
@@ -201,8 +147,9 @@ class _PartsBuilder:
             data = [ref for _, ref in self.editor.data_inputs(node)]
             axis = AXIS_INPUTS.get(node.op, {"ConcatV2": len(data) - 1}.get(node.op))
             if axis is not None:
-                value = _const_value(self.editor, data[axis])
-                if value is None or int(value) in (0, -len(self.shapes.at_batch[outputs[0]] or ())):
+                value = const_value(self.editor, data[axis], self.folded)
+                rank = len(self.shapes.at_batch[outputs[0]] or ()) or 1
+                if value is None or int(value) % rank == self.shapes.axis(outputs[0]):
                     raise PlanError(f"split: {op} cannot run in parts: a {node.op} along the batch axis (or an "
                                     "axis not known before the step runs) moves samples across parts")
             if node.op in ("Slice", "StridedSlice") and not self._keeps_every_sample(node, data):
@@ -219,21 +166,30 @@ class _PartsBuilder:
         return COMBINE_KINDS[node.op]
 
     def _keeps_every_sample(self, node, data: list[str]) -> bool:
-        """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis, in order, as its first axis."""
-        bounds = [_const_value(self.editor, ref) for ref in data[1:]]
-        known = [value is not None and value.ndim == 1 and len(value) > 0 for value in bounds]
+        """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis of its input, in order (a slice of
+        TimeDistributed's frames, ``x[t]`` of ``(frames, batch, ...)``, keeps every sample)."""
+        axis = self.shapes.axis("%s:%d" % self.editor.resolve(data[0])) or 0
+        bounds = [const_value(self.editor, ref, self.folded) for ref in data[1:]]
+        known = [value is not None and value.ndim == 1 and len(value) > axis for value in bounds]
         if node.op == "Slice":  # a size of the whole batch starts at 0 (a concatenation's gradient: ConcatOffset)
             begin, size = bounds
-            return known[1] and (int(size[0]) == self.batch or int(size[0]) == -1 and known[0] and int(begin[0]) == 0)
+            return known[1] and (int(size[axis]) == self.batch
+                                 or int(size[axis]) == -1 and known[0] and int(begin[axis]) == 0)
+        masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                                   "shrink_axis_mask")}
+        if axis and (masks["ellipsis_mask"] or masks["new_axis_mask"]):  # the spec's axes are not the input's
+            return False
+        if axis and all(value is not None and value.ndim == 1 for value in bounds) \
+                and len(bounds[0]) <= axis:  # a spec that stops before the batch axis takes it whole
+            return True
         if not all(known):
             return False
         begin, end, strides = bounds
-        masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
-                                                   "shrink_axis_mask")}
-        if masks["ellipsis_mask"] & 1 or masks["new_axis_mask"] & 1 or masks["shrink_axis_mask"] & 1:
+        bit = 1 << axis
+        if masks["ellipsis_mask"] & bit or masks["new_axis_mask"] & bit or masks["shrink_axis_mask"] & bit:
             return False
-        return int(strides[0]) == 1 and (masks["begin_mask"] & 1 or int(begin[0]) == 0) \
-            and (masks["end_mask"] & 1 or int(end[0]) >= self.batch)
+        return int(strides[axis]) == 1 and (masks["begin_mask"] & bit or int(begin[axis]) == 0) \
+            and (masks["end_mask"] & bit or int(end[axis]) >= self.batch)
 
     # ------------------------------------------------------------------ reads
 
@@ -243,7 +199,7 @@ class _PartsBuilder:
         key = f"{op}:{k}"
         if key not in self.whole:  # a per-sample tensor: the concatenation of its parts, made once
             r = self.region_of[op]
-            axis = self.const(f"{concat_name(op, k)}/axis", np.asarray(0, np.int32))
+            axis = self.const(f"{concat_name(op, k)}/axis", np.asarray(self.shapes.axis(key), np.int32))
             node = self.add(concat_name(op, k), "ConcatV2", [tensor_ref(part, k) for part in self.parts[op]] + [axis],
                             region=r, role="concats")
             node.attr["N"].i = len(self.parts[op])
@@ -260,7 +216,7 @@ class _PartsBuilder:
             batches = part_batches(self.batch, self.regions[r].parts)
             name = entry_name(op, k, r)
             sizes = self.const(f"{name}/sizes", np.asarray(batches, np.int64))
-            axis = self.const(f"{name}/axis", np.asarray(0, np.int32))
+            axis = self.const(f"{name}/axis", np.asarray(self.shapes.axis(f"{op}:{k}"), np.int32))
             node = self.add(name, "SplitV", [source, sizes, axis], keep=True, region=r, role="entries")
             node.attr["num_split"].i = len(batches)
             node.attr["T"].type = self.shapes.dtypes[f"{op}:{k}"].as_datatype_enum
@@ -280,13 +236,14 @@ class _PartsBuilder:
             return self.entry(r, key)[i]
         node_type = self.editor.nodes[op].op
         if SHAPE_INPUTS.get(node_type) == slot:
-            value = _const_value(self.editor, ref)
-            if value is not None and value.ndim == 1 and len(value) and int(value[0]) == self.batch:
+            value = const_value(self.editor, ref, self.folded)
+            axis = self.shapes.axis(f"{op}:0") or 0  # where the op's output holds the batch
+            if value is not None and value.ndim == 1 and len(value) > axis and int(value[axis]) == self.batch:
                 if node_type == "Tile" and self._tiles_a_part(r, op, i):
                     raise PlanError(f"split: {op} cannot run in parts: a Tile repeating a batch-dependent tensor "
                                     "along the batch")
                 value = value.copy()
-                value[0] = n
+                value[axis] = n
                 return self.const(f"{part_name(op, i)}/batch_shape", value)
         return ref
 
@@ -393,7 +350,7 @@ class _PartsBuilder:
         original = self.editor.nodes[op]
         data, axes = [ref for _, ref in self.editor.data_inputs(original)][:2]
         shape = self.shapes.at_batch.get("%s:%d" % self.editor.resolve(data))
-        axes_value = _const_value(self.editor, axes)
+        axes_value = const_value(self.editor, axes, self.folded)
         if shape is None or axes_value is None:
             raise PlanError(f"split: {op} cannot run in parts: a Mean over axes or a shape not known before the step")
         count = int(np.prod([shape[int(a)] for a in np.atleast_1d(axes_value)]))
@@ -474,7 +431,7 @@ class _PartsBuilder:
             concats = {name for name in self.whole.values() if self.editor.nodes[name].op == "ConcatV2"}
             live = gone | read | fetches
             dead = {node.name for node in self.editor.graph_def.node if node.name not in live
-                    and ((node.name in rewired and _pure(node)) or node.name in concats
+                    and ((node.name in rewired and pure(node)) or node.name in concats
                          or node.name.rpartition("/")[0] in concats)}
             if not dead:
                 break
@@ -523,7 +480,7 @@ def check_part_shapes(graph, applied: Sequence[AppliedSplit], shapes: BatchShape
                 whole = shapes.at_batch.get(f"{op}:{k}")
                 if whole is None:
                     continue
-                want = (item.part_batches[int(i)], *whole[1:]) if op in item.per_sample else whole
+                want = shapes.with_part(f"{op}:{k}", item.part_batches[int(i)]) if op in item.per_sample else whole
                 got = graph.get_tensor_by_name(f"{part}:{k}").shape
                 if not got.is_fully_defined() or tuple(got.as_list()) != tuple(want):
                     raise PlanError(f"split: part {i} of {op} has shape {got} where {list(want)} was expected: a "

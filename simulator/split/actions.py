@@ -50,6 +50,11 @@ def read_split_records(records, error: type[GraphError] = GraphError) -> tuple[S
     return tuple(regions)
 
 
+def split_parts(g: OpGraph) -> int:
+    """The most parts of a region ``g`` holds (0: a step not split)."""
+    return max((region.parts for region in held_regions(g)), default=0)
+
+
 def held_regions(g: OpGraph) -> tuple[SplitRegion, ...]:
     """The regions a split graph holds, as ``SplitRegion`` records (none for a captured step)."""
     return tuple(SplitRegion(tuple(record["ops"]), int(record["parts"])) for record in split_regions(g))
@@ -165,8 +170,12 @@ def _itemsize(dtype: str) -> int:
 
 
 def _part_shape(shape: str, share: str) -> str:
-    """The shape text of a part: the leading batch dimension marked with the part's share."""
-    return f"(N*{share}{shape[2:]}" if shape.startswith("(N") else shape
+    """The shape text of a part: the batch dimension marked with the part's share (the leading one, or the one
+    ``N`` of a tensor holding the batch on another axis)."""
+    if shape.startswith("(N"):
+        return f"(N*{share}{shape[2:]}"
+    dims = shape.strip("()").split(",")
+    return "(" + ",".join(f"N*{share}" if dim == "N" else dim for dim in dims) + ")" if dims.count("N") == 1 else shape
 
 
 def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:

@@ -13,7 +13,8 @@ An op of a training step is one of three things to a split along the batch (docs
 
 The class is read from the op type and the tensor sizes the ``OpGraph`` holds: a tensor is
 batch-dependent when its ``b`` of ``a + b * batch`` is not zero, and its shape text (``N`` marks a
-dimension that grows with the batch) must start with the batch, so that a part is a block of rows.
+dimension that grows with the batch) must start with the batch, so that a part is a block of rows, but for
+the few ops the rewriter splits along another axis (``OFF_AXIS_TYPES``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ PER_SAMPLE_TYPES = (RECOMPUTE_CLASSES["activation"] | RECOMPUTE_CLASSES["element
                         # shapes and copies that keep the batch as the leading axis
                         "Reshape", "Squeeze", "ExpandDims", "Identity", "Pad", "PadV2", "MirrorPad", "MirrorPadGrad",
                         "Slice", "StridedSlice", "StridedSliceGrad", "ConcatV2", "Tile", "BroadcastTo", "Fill",
-                        "Split", "SplitV", "GatherV2", "Transpose",
+                        "Split", "SplitV", "GatherV2", "Transpose", "Pack", "Unpack",
                         # convolutions' and pooling's gradients with respect to their inputs, pooling
                         "DepthwiseConv2dNativeBackpropInput", "Conv2DBackpropInputV2", "Conv3DBackpropInput",
                         "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D", "MaxPoolGrad", "MaxPoolGradV2",
@@ -71,6 +72,13 @@ NEVER_SPLIT: dict[str, str] = {
     "FusedBatchNormV3": "normalises with moments it computes itself: split it into moments and normalisation first",
 }
 
+# ops that hold the batch on another axis than the first (TimeDistributed's ``(frames, batch, ...)``: its
+# transposes, its slice per frame and that slice's gradient, their stack, its gradient and sums) and that the
+# rewriter splits along the axis it reads from the step's traces (``rewriter.edit.split_shapes.BatchShapes.axis``),
+# checking a slice's bounds and an unstack's axis there; any other op ends a region at such a tensor
+OFF_AXIS_TYPES = frozenset({"Transpose", "Pack", "Unpack", "StridedSlice", "StridedSliceGrad", "AddN", "AddV2",
+                            "Identity"})
+
 # per-sample where they gather from a table that does not grow with the batch (an embedding lookup); from a
 # batch-dependent tensor an index may name another sample
 GATHERS = frozenset({"GatherV2", "Gather", "ResourceGather", "GatherNd"})
@@ -93,6 +101,12 @@ class OpSplit:
 def batch_dependent(g: OpGraph) -> np.ndarray:
     """Per tensor: whether its size grows with the batch."""
     return g.tensor_bytes_ab[:, 1] > 0
+
+
+def _one_batch_axis(shape: str) -> bool:
+    """Whether one dimension of the shape text is the batch (``(8,N,32,32,16)``), none a product with it."""
+    dims = shape.strip("()").split(",")
+    return dims.count("N") == 1 and not any("N" in dim and dim != "N" for dim in dims)
 
 
 def _leading_batch(shape: str) -> bool:
@@ -118,7 +132,8 @@ def op_split(g: OpGraph, op: int) -> OpSplit:
         return OpSplit(ENDS, reason="nothing it reads or makes grows with the batch")
     if op_type in NEVER_SPLIT:
         return OpSplit(ENDS, reason=f"a {op_type}: {NEVER_SPLIT[op_type]}")
-    off_axis = [t for t in grown_in + grown_out if not _leading_batch(str(g.tensor_shape[t]))]
+    off_axis = [t for t in grown_in + grown_out if not _leading_batch(str(g.tensor_shape[t]))
+                and not (op_type in OFF_AXIS_TYPES and _one_batch_axis(str(g.tensor_shape[t])))]
     if off_axis:
         return OpSplit(ENDS, reason=f"{g.tensor_name(off_axis[0])} {g.tensor_shape[off_axis[0]]} does not have the "
                                     "batch as its leading axis")

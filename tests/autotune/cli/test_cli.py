@@ -408,6 +408,8 @@ def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_pat
     assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
     assert plan["format"] == "swap-plan/3" and plan["splits"] and plan["splits"][0]["parts"] >= 2
     assert "along the batch" in stdout and "lowers the floor" in stdout
+    parts = plan["splits"][0]["parts"]
+    assert f"verdict: Fits with the batch split in {parts} parts" in stdout and summary["headline"] in stdout
     # where a region ends, the report names the op and why: Dropout's random op draws the whole batch's mask
     with_dropout = split_lines(floor_after_splitting(capture(_cnn(), 5), 2))
     assert "cannot run in parts exactly" in with_dropout and "StatelessRandomUniformV2: a Stateless" in with_dropout

@@ -111,6 +111,15 @@ def test_a_plan_that_only_recomputes_is_not_said_to_swap():
     assert actions_phrase(2, 1) == "swapping and recomputation" and actions_phrase(2, 0) == "swapping"
 
 
+def test_a_split_plan_says_so_first():
+    """A plan under the captured step's floor gets there by its parts: the headline names them before the swaps."""
+    split = predicted(fits=True, swaps=True, peak_bytes=90 * MiB, budget_bytes=100 * MiB, measured=True,
+                      action=actions_phrase(n_swaps=7, n_recomputes=0, split_parts=4))
+    done = confirmed(split, [_check(measured=88 * MiB, predicted_bytes=90 * MiB)])
+    assert done.headline.startswith("Fits with the batch split in 4 parts and swapping, confirmed by measurement")
+    assert actions_phrase(0, 0, split_parts=2) == "the batch split in 2 parts"
+
+
 def test_fits_without_swapping_must_hold_for_model_fit_too():
     base = predicted(fits=True, swaps=False, peak_bytes=60 * MiB, budget_bytes=100 * MiB, measured=True)
     serialized = _check(measured=61 * MiB, predicted_bytes=60 * MiB)

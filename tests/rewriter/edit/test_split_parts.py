@@ -71,10 +71,37 @@ def _two_heads():
                      [keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.losses.MeanSquaredError()])
 
 
+def _one_hot_with_metrics():
+    """Categorical cross-entropy on one-hot labels, compiled with metrics: the loss reshapes its per-sample values
+    back to the batch with a shape computed from constants (a Slice of the logits' static shape), which each part
+    takes with its own batch; the metrics' update ops end the region."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(x)
+    model = keras.Model(x, keras.layers.Dense(3, activation="softmax")(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.CategoricalCrossentropy(),
+                  metrics=["accuracy", keras.metrics.TopKCategoricalAccuracy(2), keras.metrics.AUC()])
+    return model
+
+
+def _time_distributed():
+    """TimeDistributed convolutions over 5 frames (as many as the batch's samples): Keras runs them on
+    ``(frames, batch, ...)`` slices and stacks, so the transposes, the slices per frame, their gradients (one
+    full-size tensor per frame, summed) and the stacks hold the batch on their second axis."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((BATCH, 6, 6, 2))
+    h = keras.layers.TimeDistributed(keras.layers.Conv2D(4, 3, padding="same", activation="relu"))(x)
+    h = keras.layers.TimeDistributed(keras.layers.GlobalAveragePooling2D())(h)
+    return _compiled(x, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)),
+                     keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
 def _batch(model):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, *model.input_shape[1:])).astype("float32")
     labels = rng.integers(0, 3, size=(BATCH,)).astype("int32")
+    if isinstance(model.loss, keras.losses.CategoricalCrossentropy):
+        return x, np.eye(3, dtype="float32")[labels]
     if len(model.outputs) == 1:
         return x, labels
     return x, (labels, rng.normal(size=(BATCH, 2)).astype("float32"))
@@ -116,8 +143,8 @@ def _trains_as_keras(build, *, fit: bool = False):
     return th.weights_of(model), th.weights_of(reference), step, ends
 
 
-@pytest.mark.parametrize("build", [_cnn, _transformer, _two_heads], ids=["cnn-bn-dropout", "transformer-ln",
-                                                                          "two-heads"])
+@pytest.mark.parametrize("build", [_cnn, _transformer, _two_heads, _one_hot_with_metrics, _time_distributed],
+                         ids=["cnn-bn-dropout", "transformer-ln", "two-heads", "one-hot-metrics", "time-distributed"])
 def test_a_split_step_trains_as_keras(build):
     """Three steps with the region in parts of 3 and 2 samples: every weight within 1e-5 of its scale of
     Keras' own (not bitwise: a sum over the batch is summed part by part); the parts and combines are in the
@@ -128,6 +155,19 @@ def test_a_split_step_trains_as_keras(build):
     assert applied.part_batches == (3, 2) and len(applied.part_nodes) == 2 * len(applied.ops)
     assert any("MatMul_1/split_combine_0" in name or "Einsum" in name for name in applied.combines)
     assert not any("BiasAddGrad" in name for name in applied.concats)
+
+
+def test_time_distributed_splits_along_the_batch_on_its_second_axis():
+    """The region of a TimeDistributed model takes in the ops holding ``(frames, batch, ...)`` (the simulator's
+    ``OFF_AXIS_TYPES``); the rewriter cuts and joins them along that axis, and a shape constant naming both the
+    frames and the batch (5 each) is made per part at the batch's place only (each part's shapes are checked)."""
+    plan, ends = _split_plan(_time_distributed)
+    (region,) = plan.splits
+    types = {op.split("/")[-1].rstrip("_0123456789") for op in region.ops}
+    assert {"transpose", "stack", "StridedSliceGrad", "unstack"} <= types, types
+    assert not any(f"({BATCH},N" in why for why in ends.values()), ends  # no (frames, batch, ...) tensor ends it
+    step = rewriter.apply(_time_distributed(), plan, batch_size=BATCH)
+    assert step.verification.ok and step.split[0].part_batches == (3, 2)
 
 
 def test_batch_norm_moments_are_combined_and_dropout_masks_kept():
