@@ -571,8 +571,7 @@ def capture_notes(g: OpGraph) -> list[str]:
                      f"swap ({names}{', ...' if len(held.get('tensors', [])) > 3 else ''}): {held.get('reason', '')}")
     unresolved = g.meta.get("unresolved_tensors") or []
     if unresolved:
-        names = ", ".join(str(item.get("tensor", item)) if isinstance(item, dict) else str(item)
-                          for item in unresolved[:3])
+        names = ", ".join(str(item.get("tensor", item) if isinstance(item, dict) else item) for item in unresolved[:3])
         notes.append(f"{len(unresolved)} tensor(s) of unknown size are counted as 0 bytes ({names}"
                      f"{', ...' if len(unresolved) > 3 else ''}): the measured run is what shows what they take")
     together = (g.meta.get("movable_state") or {}).get("gradients_together")
