@@ -11,7 +11,7 @@ variables and slots update in place, and the all-reduce runs as Keras' optimizer
 is fed replica by replica and the logs are averaged over the replicas, as Keras does under a strategy.
 
 Not built for several replicas (refused with one ``PlanError``): split regions, optimizer state on the host,
-graph rewrites; the first call's check of what survived Grappler (``rewriter.check.verification``) is not run.
+graph rewrites. The first call checks what survived Grappler on each replica (``verify_replicas``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from rewriter.check.collected import collect_first_call, constant_nodes
+from rewriter.check.verification import Verification, check
 from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, edit_graph_def
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
+from rewriter.placement import memtrace
 from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
 from rewriter.step.apply_plan import _step_facts
 from rewriter.step.keras_fit import _batches, _unpack, install_train_function
@@ -112,9 +115,11 @@ class ReplicatedStep:
         self.swap_op = swap_op
         self.replicas = trace.replicas
         self.batch_size = trace.per_replica_batch * self.replicas.count  # the global batch
-        self.verification = None
+        self.verification: tuple[Verification, ...] | None = None  # per replica, from the first call
+        self.constant_bytes: tuple[int, ...] | None = None  # per replica, what its kernels' constants take
         self.calls = 0
         self._model = model
+        self._owners: dict[str, int] | None = None
         signature = self.traced.concrete.structured_outputs
         self._output_structure = signature
 
@@ -136,6 +141,18 @@ class ReplicatedStep:
             own.update(node for item in swap.swap_ins for node in (item.name, item.host_node) if node)
         own.update(clone for item in (self.recomputed[k] if self.recomputed else ()) for clone in item.ops + item.extra)
         return frozenset(own)
+
+    def owner_of(self, name: str) -> int:
+        """The replica an op of the step belongs to (the nodes added for it included; a constant TensorFlow's
+        runtime folded, ``__cf__``, by the op it was folded from); -1 for none."""
+        if self._owners is None:
+            owners = {op: k for op, k in self.trace.owner.items() if k >= 0}
+            for k in range(self.replicas.count):
+                owners.update(dict.fromkeys(self.replica_ops(k), k))
+            self._owners = owners
+        if name in self._owners:
+            return self._owners[name]
+        return self._owners.get(name.split(memtrace.CONSTANT_FOLDED, 1)[0].rstrip("/_"), -1)
 
     def flat_inputs(self, per_replica: list[tuple[Any, Any]]) -> list[tf.Tensor]:
         """Flat step inputs from (x, y) per replica (dicts by name, lists in flat order, or arrays)."""
@@ -192,10 +209,13 @@ class ReplicatedStep:
 
 
 def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
-                     swap_op: str = "auto", serialize: bool = True) -> ReplicatedStep:
+                     swap_op: str = "auto", serialize: bool = True, verify: bool = True,
+                     verify_with=None) -> ReplicatedStep:
     """Apply ``plan`` (made on ``capture_replicated``'s graph of one replica) to every replica of ``model``'s
     ``MirroredStrategy`` step at the global ``batch_size`` (default: the plan's per-replica batch times the
-    replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy."""
+    replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy.
+    ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
+    Grappler (``ReplicatedStep.verification``), then every variable is put back."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
     _refuse_unbuilt(named)
@@ -233,7 +253,42 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
                           model=model, recomputed=tuple(recomputed))
     log.info("applied %d swap(s) and %d recomputation(s) on each of %d replicas (%s)", step.n_swap_outs,
              len(named.recomputes), replicas.count, ", ".join(p.describe() for p in placements))
+    if verify and (named.swaps or named.recomputes):
+        step.verification = verify_replicas(step, verify_with)
     return step
+
+
+def verify_replicas(step: ReplicatedStep, example=None) -> tuple[Verification, ...]:
+    """The step's first call, collected and profiled (then every variable restored): per replica, what survived
+    Grappler of its swaps and recomputations (``rewriter.check.verification.check`` on its own nodes and devices)
+    and the constants its kernels made (``step.constant_bytes``); empty for a step without either."""
+    flat = step.flat_inputs(step.split(*example)) if example is not None else step.zeros()
+    snapshot = step.snapshot()
+    found = []
+
+    def first(*inputs):
+        found.append(collect_first_call(lambda *args: step.run_flat(*args)[1], *inputs))
+        return found[-1]
+
+    try:
+        events = memtrace.memory_events(memtrace.profile_call(first, *flat))
+    finally:
+        snapshot.restore()
+    graphs = found[0][1]
+    owners = memtrace.event_owners(events, step.owner_of)
+    nodes = constant_nodes(graphs)
+    step.constant_bytes = tuple(memtrace.constant_bytes(events[owners == k], nodes)
+                                for k in range(step.replicas.count))
+    results = []
+    if not any(step.applied) and not any(step.recomputed):  # nothing to verify: the constants alone
+        return ()
+    for k, place in enumerate(step.placements):
+        result = check(graphs, step.applied[k], accelerator=place.accelerator, host=place.host,
+                       recomputed=step.recomputed[k] if step.recomputed else ())
+        if not result.ok:
+            log.warning("replica %d: %s", k, result.headline())
+        results.append(result)
+    return tuple(results)
 
 
 def make_replicated_train_function(model, step: ReplicatedStep):

@@ -13,12 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import tensorflow as tf
 
-from rewriter.check.collected import collect_first_call, constant_nodes
 from rewriter.placement import memtrace
 from rewriter.placement.placements import is_swap_out_op, warn_if_allocations_hidden, warn_if_onednn_off
+from rewriter.step.replicated import verify_replicas
 from rewriter.trace import state_kinds
 
 
@@ -34,37 +33,6 @@ class ReplicaPeak:
     host_peak_bytes: int
     resident_bytes: int
     unowned_bytes: int
-
-
-def replica_of_ops(step) -> dict[str, int]:
-    """Op name -> replica, for every op of the replicated step and every node added to it."""
-    owner = {name: k for name, k in step.trace.owner.items() if k >= 0}
-    for k in range(step.replicas.count):
-        owner.update({name: k for name in step.replica_ops(k)})
-    return owner
-
-
-def _owner_of(name: str, owner: dict[str, int]) -> int:
-    """The replica of an allocation's op; a runtime-folded constant (``__cf__``) by the op it was folded from."""
-    if name in owner:
-        return owner[name]
-    head = name.split(memtrace.CONSTANT_FOLDED, 1)[0].rstrip("/_")
-    return owner.get(head, -1)
-
-
-def event_owners(events: pd.DataFrame, owner: dict[str, int]) -> pd.Series:
-    """Each event's replica: an allocation's by its op; a free's by the allocation it frees (its own op is
-    whichever released the last reference, often the runtime's or another replica's), by its op when the
-    allocation came before the trace."""
-    found, by_address = [], {}
-    for kind, addr, name in zip(events["kind"], events["addr"], events["tf_op"]):
-        mine = _owner_of(str(name), owner)
-        if kind == "alloc":
-            by_address[addr] = mine
-        else:
-            mine = by_address.pop(addr, mine)
-        found.append(mine)
-    return pd.Series(found, index=events.index)
 
 
 def _state_bytes(step, flat: list[tf.Tensor], k: int) -> int:
@@ -85,31 +53,21 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
     warn_if_allocations_hidden()
     warn_if_onednn_off()
     flat = step.flat_inputs(step.split(x, y))
-    owner = replica_of_ops(step)
+    if step.constant_bytes is None and step.calls == 0:  # its first call makes the constants its kernels keep
+        step.verification = verify_replicas(step, (x, y))
+    constants = step.constant_bytes or (0,) * step.replicas.count
     snapshot = step.snapshot()
 
     def call(*inputs):
         return step.run_flat(*inputs)[1]
 
     try:
-        constants = [0] * step.replicas.count
-        if step.calls == 0:  # its first call makes the constants its kernels keep
-            found = []
-
-            def first(*inputs):
-                found.append(collect_first_call(call, *inputs))
-                return found[-1]
-
-            events = memtrace.memory_events(memtrace.profile_call(first, *flat))
-            nodes = constant_nodes(found[0][1])
-            mine = event_owners(events, owner)
-            constants = [memtrace.constant_bytes(events[mine == k], nodes) for k in range(step.replicas.count)]
         for _ in range(max(warmup, 1)):
             call(*flat)
         events = memtrace.record_memory_events(call, *flat)
     finally:
         snapshot.restore()
-    mine = event_owners(events, owner)
+    mine = memtrace.event_owners(events, step.owner_of)
     unowned = events[(mine < 0) & (events["kind"] == "alloc")]
     peaks = []
     for k in range(step.replicas.count):

@@ -81,7 +81,9 @@ for name, params in (("unswapped", SwapParams(threshold=10**6)), ("swapped", Swa
     peaks = measure_replicas(step, x[:batch], y[:batch])
     facts[name] = {"swaps": [len(a) for a in step.applied], "hosts": [p.host for p in step.placements],
                    "predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes),
-                   "measured": [r.peak_bytes for r in peaks], "host_peaks": [r.host_peak_bytes for r in peaks]}
+                   "measured": [r.peak_bytes for r in peaks], "host_peaks": [r.host_peak_bytes for r in peaks],
+                   "planned_ins": sum(len(s.swap_ins) for s in plan.to_named(graph).swaps),
+                   "verified": [[v.ok, v.swap_outs, v.swap_ins] for v in step.verification or ()]}
 use_replicated_step(model, step)
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 pairs = list(zip(plain.weights, model.weights))
@@ -136,6 +138,9 @@ def test_one_plan_applied_on_both_replicas_swaps_to_each_replicas_host(facts):
     assert swapped["swaps"][0] == swapped["swaps"][1] > 0
     assert swapped["hosts"] == ["/device:CPU:1", "/device:CPU:3"]
     assert swapped["host_peaks"][0] == swapped["host_peaks"][1] > 0
+    # each replica's swap nodes survived Grappler, on its own devices (rewriter.check.verification)
+    assert swapped["verified"] == [[True, swapped["swaps"][0], swapped["planned_ins"]]] * 2
+    assert facts["unswapped"]["verified"] == []  # nothing to verify
 
 
 def test_each_replicas_measured_peak_is_the_predicted_one_and_below_the_unswapped_step(facts):
