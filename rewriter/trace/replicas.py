@@ -242,13 +242,39 @@ def _match_replicas(concrete, model, owner: dict[str, int], count: int, n_flat: 
                                   and owner[r.name] == k and _agrees(reader, r, pairs)]
                     if len(candidates) == 1:
                         found.append((reader.name, candidates[0].name))
+                    elif candidates:  # several alike (reads of one variable): the same rank in creation order
+                        mine = [r for r, s in readers[(a.name, ta_out.value_index)] if s == slot
+                                and r.type == reader.type and r.name not in pairs and owner[r.name] == 0]
+                        if len(mine) == len(candidates):
+                            found.append((reader.name, candidates[mine.index(reader)].name))
             for left, right in found:
                 if left not in pairs and right not in taken:
                     pairs[left] = right
                     taken.add(right)
                     queue.append(left)
+            if not queue:  # the rest, by type and rank in creation order where the counts agree (a NoOp)
+                queue = _by_rank(ops, owner, pairs, taken, k)
         maps.append({name: pairs[name] for name in first if name in pairs})
     return tuple(maps)
+
+
+def _by_rank(ops, owner: dict[str, int], pairs: dict[str, str], taken: set[str], k: int) -> list[str]:
+    """Replica 0's unmatched ops paired with replica k's of the same type, by rank in creation order, for each
+    type whose unmatched counts agree (replicas are traced by the same code in the same order); the new pairs."""
+    mine, theirs = defaultdict(list), defaultdict(list)
+    for op in ops:
+        if owner[op.name] == 0 and op.name not in pairs:
+            mine[op.type].append(op.name)
+        elif owner[op.name] == k and op.name not in taken:
+            theirs[op.type].append(op.name)
+    added = []
+    for kind, names in mine.items():
+        if len(names) == len(theirs[kind]):
+            for left, right in zip(names, theirs[kind]):
+                pairs[left] = right
+                taken.add(right)
+                added.append(left)
+    return added
 
 
 def _agrees(a, b, pairs: dict[str, str]) -> bool:
