@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from rewriter.errors import CaptureError
+from rewriter.tf_effects.collectives import COLLECTIVE_TYPES, strategy_of, unsupported
 from rewriter.trace import state_kinds
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs, build_if_needed, step_specs
 from rewriter.trace.tracing import (TracedStep, _optimizer_scope, _second_batch, build_opgraph, check_compiled,
@@ -30,17 +31,7 @@ from rewriter.trace.tracing import (TracedStep, _optimizer_scope, _second_batch,
 from rewriter.trace.op_names import canonical_names
 from simulator.graph import OpGraph
 
-COLLECTIVE_TYPES = frozenset({"CollectiveReduceV2", "CollectiveReduce", "CollectiveReduceV3", "NcclAllReduce"})
-SUPPORTED = ("MirroredStrategy",)
 SHARED = -1  # an op no replica owns (a NoOp grouping every replica's updates)
-
-
-def strategy_of(model):
-    """The ``tf.distribute`` strategy ``model`` was built under (Keras' own record of it), else None."""
-    strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is None and tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
-    return strategy
 
 
 def _device_key(device: str) -> tuple[str, int]:
@@ -94,11 +85,8 @@ def resolve_replicas(model) -> Replicas:
     if strategy is None:
         raise CaptureError("the model was not built under a tf.distribute strategy: use rewriter.capture and "
                            "rewriter.apply for a single-device step")
-    kind = type(strategy).__name__
-    if kind not in SUPPORTED:
-        raise CaptureError(f"tf.distribute.{kind} is not supported: only MirroredStrategy's replicated step is "
-                           "captured and trained with a plan (MultiWorkerMirroredStrategy, TPUStrategy and "
-                           "ParameterServerStrategy are not)")
+    if unsupported(strategy):
+        raise CaptureError(unsupported(strategy))
     devices = tuple(tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices)
     logical = {_device_key(d.name) for d in tf.config.list_logical_devices()}
     hosts = []

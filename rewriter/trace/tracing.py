@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from rewriter.tf_effects import conditionals, loops, mixed_precision, onednn, variable_writes, xla_scratch
+from rewriter.tf_effects import collectives, conditionals, loops, mixed_precision, onednn, variable_writes, xla_scratch
 from rewriter.tf_effects.variable_writes import WRITE_TYPES_PREFIX
 from rewriter.trace.costs import op_flops, op_touched_bytes, static_dims, tensor_nbytes
 from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
@@ -83,8 +83,9 @@ def check_compiled(model, *, replicated: bool = False) -> None:
     if getattr(model, "loss", None) is None and not trains_itself(model):
         raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first (a model "
                            "whose own train_step computes its losses needs none)")
-    strategy = getattr(model, "_distribute_strategy", None) or \
-        (tf.distribute.get_strategy() if tf.distribute.has_strategy() else None)  # Keras' own record of it
+    strategy = collectives.strategy_of(model)
+    if strategy is not None and collectives.unsupported(strategy):
+        raise CaptureError(collectives.unsupported(strategy))
     if strategy is not None and not replicated:
         raise CaptureError(f"the model was built under tf.distribute.{type(strategy).__name__}: its replicated step "
                            "is captured by rewriter.capture_replicated and trained with rewriter.use_replicated_step "
@@ -181,6 +182,7 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
         concrete = function.get_concrete_function(*specs)
     except Exception as error:
         raise CaptureError(f"tracing the step function failed: {type(error).__name__}: {error}") from error
+    collectives.refuse_collectives(concrete.graph)
     loops.serialize_loops(concrete.graph)
     result = concrete.structured_outputs
     loss = result.get("loss") if isinstance(result, dict) else result

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from rewriter.errors import CaptureError
+from rewriter.trace import capture
 from rewriter.trace.replicas import resolve_replicas
 
 pytestmark = pytest.mark.tf
@@ -174,6 +175,8 @@ def test_another_strategy_is_refused_in_one_line():
     with pytest.raises(CaptureError, match="OneDeviceStrategy is not supported") as error:
         resolve_replicas(model)
     assert "\n" not in str(error.value)
+    with pytest.raises(CaptureError, match="OneDeviceStrategy is not supported"):
+        capture(model, 2)  # the single-device capture says the same
 
 
 def test_a_replica_without_a_host_device_is_refused():
@@ -183,3 +186,27 @@ def test_a_replica_without_a_host_device_is_refused():
         model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(CaptureError, match="has no host device of its own"):
         resolve_replicas(model)
+
+
+def test_a_custom_loop_around_strategy_run_is_refused_in_one_line():
+    """A hand-written step that runs strategy.run itself all-reduces across devices: not captured as one step."""
+    from rewriter.trace import capture_step
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD()
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    def step(x, y):
+        return strategy.reduce("SUM", strategy.run(replica_step, args=(x, y)), axis=None)
+
+    with pytest.raises(CaptureError, match="a custom training loop around strategy.run is not captured") as error:
+        capture_step(step, lambda b: [tf.TensorSpec((b, 4)), tf.TensorSpec((b, 2))], 4)
+    assert "\n" not in str(error.value)
