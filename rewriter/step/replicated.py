@@ -102,7 +102,7 @@ class ReplicatedStep:
 
     def __init__(self, *, function, trace: ReplicatedTrace, graph_def, plan: NamedPlan,
                  applied: tuple[list[AppliedSwap], ...], skipped: tuple[list, ...], placements: tuple[Placement, ...],
-                 swap_op: str, model, recomputed: tuple[tuple, ...] = ()):
+                 swap_op: str, model, recomputed: tuple[tuple, ...] = (), inputs: StepInputs = NO_STEP_INPUTS):
         self._function = function
         self.trace = trace
         self.traced = trace.traced
@@ -119,7 +119,9 @@ class ReplicatedStep:
         self.constant_bytes: tuple[int, ...] | None = None  # per replica, what its kernels' constants take
         self.calls = 0
         self._model = model
+        self._inputs = inputs
         self._owners: dict[str, int] | None = None
+        self._others: dict[int, ReplicatedStep] = {}
         signature = self.traced.concrete.structured_outputs
         self._output_structure = signature
 
@@ -195,6 +197,20 @@ class ReplicatedStep:
         """One optimizer step on a global batch; returns the replicas' mean loss."""
         return self.run(x, y)["loss"]
 
+    def for_batch(self, batch_size: int) -> "ReplicatedStep":
+        """The same plan applied at another global batch (an epoch's last, smaller batch), cached; one
+        ``ValueError`` for a batch that does not split evenly over the replicas."""
+        if int(batch_size) == self.batch_size:
+            return self
+        if int(batch_size) % self.replicas.count:
+            raise ValueError(f"a batch of {batch_size} samples does not split evenly over {self.replicas.count} "
+                             "replicas: give a dataset whose size is a multiple of the batch size, or drop the "
+                             "remainder")
+        if int(batch_size) not in self._others:
+            self._others[int(batch_size)] = apply_replicated(self._model, self.plan, batch_size=int(batch_size),
+                                                             inputs=self._inputs, swap_op=self.swap_op, verify=False)
+        return self._others[int(batch_size)]
+
     def zeros(self) -> list[tf.Tensor]:
         return [tf.zeros(t.shape, t.dtype) for t in self.traced.concrete.inputs[: self.trace.n_flat *
                                                                                   self.replicas.count]]
@@ -250,7 +266,7 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     function = import_step(graph_def, trace.traced)
     step = ReplicatedStep(function=function, trace=trace, graph_def=graph_def, plan=named, applied=tuple(applied),
                           skipped=tuple(skipped), placements=tuple(placements), swap_op=placements[0].swap_op,
-                          model=model, recomputed=tuple(recomputed))
+                          model=model, recomputed=tuple(recomputed), inputs=inputs)
     log.info("applied %d swap(s) and %d recomputation(s) on each of %d replicas (%s)", step.n_swap_outs,
              len(named.recomputes), replicas.count, ", ".join(p.describe() for p in placements))
     if verify and (named.swaps or named.recomputes):
@@ -306,7 +322,12 @@ def make_replicated_train_function(model, step: ReplicatedStep):
                             None if y is None else
                             tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], y))
                            for k in range(step.replicas.count)]
-            logs = step.logs_of(step.run_flat(*step.flat_inputs(per_replica))[0])
+            shares = [int(tf.nest.flatten(part)[0].shape[0]) for part, _ in per_replica]
+            if len(set(shares)) > 1:  # the strategy split an epoch's last batch unevenly
+                raise ValueError(f"a batch of {sum(shares)} samples does not split evenly over {len(shares)} "
+                                 "replicas: give a dataset whose size is a multiple of the batch size")
+            target = step.for_batch(sum(shares))
+            logs = target.logs_of(target.run_flat(*target.flat_inputs(per_replica))[0])
         if logs is None:
             raise StopIteration
         return logs

@@ -50,6 +50,9 @@ def _state_bytes(step, flat: list[tf.Tensor], k: int) -> int:
 
 def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
     """Each replica's peak of one profiled step on the global batch ``(x, y)``; every variable is put back."""
+    if any(place.measured_on != "cpu-testbed" for place in step.placements):
+        raise ValueError("each replica's peak is measured on the CPU testbed only: its logical devices share one "
+                         "allocator the profiler's trace is told apart from (docs/design.md 14)")
     warn_if_allocations_hidden()
     warn_if_onednn_off()
     flat = step.flat_inputs(step.split(x, y))
