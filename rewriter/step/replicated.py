@@ -156,6 +156,12 @@ class ReplicatedStep:
             return self._owners[name]
         return self._owners.get(name.split(memtrace.CONSTANT_FOLDED, 1)[0].rstrip("/_"), -1)
 
+    def event_owners(self, events):
+        """Each memory event's replica (``memtrace.event_owners``); -1 for an allocation no op of a replica made:
+        the collective's ring chunks (``CollectiveAdapterImpl::TempChunk``) name neither an op nor a device, and
+        the replicas' chunks are allocated within a millisecond of each other in either order."""
+        return memtrace.event_owners(events, self.owner_of)
+
     def flat_inputs(self, per_replica: list[tuple[Any, Any]]) -> list[tf.Tensor]:
         """Flat step inputs from (x, y) per replica (dicts by name, lists in flat order, or arrays)."""
         specs = self.traced.inputs
@@ -291,7 +297,7 @@ def verify_replicas(step: ReplicatedStep, example=None) -> tuple[Verification, .
     finally:
         snapshot.restore()
     graphs = found[0][1]
-    owners = memtrace.event_owners(events, step.owner_of)
+    owners = step.event_owners(events)
     nodes = constant_nodes(graphs)
     step.constant_bytes = tuple(memtrace.constant_bytes(events[owners == k], nodes)
                                 for k in range(step.replicas.count))

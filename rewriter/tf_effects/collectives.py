@@ -1,11 +1,15 @@
 """What ``tf.distribute`` makes of a step: the strategy a Keras model was built under, and the collective ops a
 replicated step all-reduces its gradients with (docs/design.md 14). Only ``MirroredStrategy``'s step is captured
 replicated (``rewriter.trace.replicas``); every other strategy, and a hand-written loop around ``strategy.run``,
-is refused in one line."""
+is refused in one line. On the testbed the all-reduce writes its result into its input, the pack (no allocation
+of its own: ``rewriter.trace.tracing.FORWARDING_TYPES``), and holds one ring chunk while it runs
+(``scratch_bytes``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import tensor_util
 
 from rewriter.errors import CaptureError
 
@@ -38,3 +42,19 @@ def refuse_collectives(graph) -> None:
         raise CaptureError(f"the step function all-reduces across devices ({', '.join(found)}): a custom training "
                            "loop around strategy.run is not captured; build the Keras model in "
                            "MirroredStrategy.scope() and use rewriter.capture_replicated (docs/design.md 14)")
+
+
+def scratch_bytes(op) -> int:
+    """The scratch an all-reduce holds on its device while it runs: one ring chunk, the pack over the group's
+    size (``CollectiveAdapterImpl::TempChunk``: 5,257,168 and 5,257,280 bytes for a pack of 10,514,448 over two
+    replicas, the chunks aligned); 0 for other ops, or a group size the graph does not state."""
+    if op.type not in ("CollectiveReduceV2", "CollectiveReduceV3") or len(op.inputs) < 2:
+        return 0
+    try:
+        group = int(np.asarray(tensor_util.constant_value(op.inputs[1])).reshape(-1)[0])
+    except (TypeError, ValueError, IndexError):
+        return 0
+    shape = op.outputs[0].shape
+    if group < 2 or not shape.is_fully_defined():
+        return 0
+    return int(shape.num_elements() * op.outputs[0].dtype.size // group)

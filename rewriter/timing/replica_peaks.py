@@ -5,7 +5,9 @@ every replica's allocations; each is told apart by its op (``ReplicatedTrace.own
 nodes added for the replica) and replayed alone, without its swap-outs' copies (its host's), on top of what the
 replica keeps between steps: its own components of the model's variables, its share of the batch and the
 constants its kernels hold (from the step's first call). The figure is the one the simulator predicts for one
-replica's graph (``rewriter.trace.replicas.capture_replicated``).
+replica's graph (``rewriter.trace.replicas.capture_replicated``), but for the all-reduce's ring chunk: the
+profiler names neither its op nor its device, so it is left out (``unowned_bytes``); the prediction holds it
+while the all-reduce runs, beside the pack alone (the gradients, as large, were freed into it before).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from rewriter.trace import state_kinds
 class ReplicaPeak:
     """One replica's measured step: ``peak_bytes`` (its device side, requested bytes, resident included),
     ``host_peak_bytes`` (its swap-outs' copies), ``resident_bytes`` (variables, batch share, constants),
-    ``unowned_bytes`` (allocations of the call no replica's op made, left out: the runtime's transfers)."""
+    ``unowned_bytes`` (allocations of the call no replica's op made, left out: the runtime's own)."""
 
     replica: int
     device: str
@@ -70,7 +72,7 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
         events = memtrace.record_memory_events(call, *flat)
     finally:
         snapshot.restore()
-    mine = memtrace.event_owners(events, step.owner_of)
+    mine = step.event_owners(events)
     unowned = events[(mine < 0) & (events["kind"] == "alloc")]
     peaks = []
     for k in range(step.replicas.count):

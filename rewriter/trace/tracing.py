@@ -47,6 +47,7 @@ FORWARDING_TYPES = frozenset({
     "AddN", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
     "BiasAdd", "Rsqrt", "RsqrtGrad", "Sqrt", "SqrtGrad", "Neg", "Square", "Exp", "Log", "Log1p", "Reciprocal",
     "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "ClipByValue", "SelectV2",
+    "CollectiveReduceV2",  # the all-reduce writes into its pack (rewriter.tf_effects.collectives)
 })
 # what a swap may move: floats, and int64 (the labels Keras' sparse losses cast, as large as an
 # activation and kept from the forward pass's start to the loss; plans swap them with tensors="all");
@@ -312,7 +313,7 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
         "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] + loop[op.name] + branch[op.name]
-                    for op in reduced.ops},
+                    + collectives.scratch_bytes(op) for op in reduced.ops},
         "xla_scratch": xla,
         "loop_scratch": loop,
         "branch_scratch": branch,
