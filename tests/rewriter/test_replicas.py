@@ -104,6 +104,21 @@ facts["last_batch_steps"] = sorted(step._others)
 facts["last_batch_worst"] = max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
                                 for a, b in zip(plain.weights, model.weights))
 facts["iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
+# recomputations on every replica: each clone named from its original's on replica 1
+from tests.rewriter.test_recompute_clones import far_read_actions
+from simulator.recompute.actions import with_recomputes
+graph = capture_replicated(model, batch)
+actions = far_read_actions(graph, trace_replicated_step(model, resolve_replicas(model), batch).traced, chain=2,
+                           expensive=True)
+plan_graph = with_recomputes(graph, actions)
+plan = plan_swaps(plan_graph, SwapParams(threshold=10**6))
+step = apply_replicated(model, plan.to_named(plan_graph), graph=plan_graph, batch_size=batch, verify_with=(x[:batch], y[:batch]))
+peaks = measure_replicas(step, x[:batch], y[:batch])
+facts["recomputed"] = {"actions": len(actions), "clones": [sum(len(a.ops) for a in r) for r in step.recomputed],
+                       "reads": [[v.recompute.reads, v.recompute.planned_reads] for v in step.verification],
+                       "predicted": int(replay(plan_graph, plan, "cpu-testbed").peak_bytes),
+                       "measured": [r.peak_bytes for r in peaks]}
+
 # a Dense stack whose gradients outweigh its activations: the peak is at the all-reduce (the gradients and
 # their pack), where the collective writes into the pack and holds a ring chunk
 with strategy.scope():
@@ -180,6 +195,17 @@ def test_each_replicas_measured_peak_is_the_predicted_one_and_below_the_unswappe
     assert facts["swapped"]["predicted"] < 0.8 * facts["unswapped"]["predicted"]
     for swapped, unswapped in zip(facts["swapped"]["measured"], facts["unswapped"]["measured"]):
         assert swapped < 0.8 * unswapped
+
+
+def test_recomputations_are_built_on_every_replica(facts):
+    """Forward ops cloned for their far readers on both replicas (the clones of replica 1 named from its own
+    ops), every far read served by a clone in the partition graphs, each replica's peak the predicted one."""
+    recomputed = facts["recomputed"]
+    assert recomputed["actions"] > 0 and recomputed["clones"][0] == recomputed["clones"][1] > 0
+    for reads, planned in recomputed["reads"]:
+        assert reads == planned > 0
+    for measured in recomputed["measured"]:
+        assert abs(measured / recomputed["predicted"] - 1) <= 0.05, (measured, recomputed["predicted"])
 
 
 def test_a_peak_at_the_all_reduce_is_predicted(facts):
