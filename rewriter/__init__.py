@@ -6,6 +6,9 @@
     step.verification                                          # what survived Grappler
     rewriter.measure(step, x, y)                               # peak bytes, step seconds
     rewriter.use_swap_step(model, step); model.fit(...)        # train with it
+    g = rewriter.capture_replicated(model, batch_size=16)     # built in MirroredStrategy.scope(): one replica
+    step = rewriter.apply_replicated(model, plan, graph=g)    # the plan on every replica (docs/design.md 14)
+    rewriter.use_replicated_step(model, step); model.fit(...)
     rewriter.rewritten_graph_def(model, plan, graph=g, batch_size=8,
                                  placement=rewriter.GpuPlacement())  # what a GPU would run, without one
     device = rewriter.calibrate(model, batch_sizes=(2, 4))    # -> simulator.CalibratedDevice (step times)
@@ -37,10 +40,11 @@ _HOMES = {
     "KerasStep": "rewriter.step", "StateSnapshot": "rewriter.step", "SwapStep": "rewriter.step", "apply": "rewriter.step",
     "restore_train_function": "rewriter.step", "rewritten_graph_def": "rewriter.step", "swap_step_of": "rewriter.step",
     "swapping": "rewriter.step", "use_swap_step": "rewriter.step",
+    "ReplicatedStep": "rewriter.step", "apply_replicated": "rewriter.step", "use_replicated_step": "rewriter.step",
     "CalibrationError": "rewriter.timing", "Measurement": "rewriter.timing", "calibrate": "rewriter.timing",
-    "measure": "rewriter.timing",
+    "measure": "rewriter.timing", "measure_replicas": "rewriter.timing",
     "capture": "rewriter.trace", "capture_step": "rewriter.trace", "trace_function_step": "rewriter.trace",
-    "trace_keras_step": "rewriter.trace", "StepInputs": "rewriter.trace",
+    "trace_keras_step": "rewriter.trace", "StepInputs": "rewriter.trace", "capture_replicated": "rewriter.trace",
     "PlanError": "simulator.plan", "load_plan": "simulator.plan",  # the plan's one reader and error
 }
 

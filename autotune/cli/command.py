@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="output directory (default: autotune-out); a report already there is moved "
                                    "to its previous/ folder")
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
+    run.add_argument("--replicas", type=int, default=1, metavar="N",
+                     help="train under MirroredStrategy on N devices: a plan for one replica, the budget and verdict "
+                          "per device, the host budget shared; measured on the CPU testbed's N replicas (first "
+                          "form: no calibration or report, docs/design.md 14)")
     run.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                      help="measure step times on this machine (the model's own step profiled at two batch sizes, "
                           "copies and swapped steps timed) instead of the preset's datasheet estimate: the search "
@@ -155,6 +159,11 @@ def _settings(args: argparse.Namespace):
         raise InputError("no batch size: give --batch-size or batch_size in autotune.toml")
     if batch < 1:
         raise InputError(f"batch size must be positive, got {batch}")
+    if args.replicas != 1:  # several devices (docs/design.md 14): what it does not do yet refused here
+        from autotune.cli.replicas import check_settings
+
+        check_settings(args.replicas, int(batch), maximize_batch=args.maximize_batch,
+                       graph_rewrites=args.rewrite or config.graph_rewrites)
     memory = args.memory if args.memory is not None else config.memory
     trials = args.trials if args.trials is not None else (config.trials if config.trials is not None else 200)
     if trials < 1:
@@ -194,8 +203,9 @@ def _settings(args: argparse.Namespace):
                               + [(entry, "--import") for entry in args.imports or []], model_file.parent)
     from autotune.run.options import MeasureOptions, SearchOptions
 
-    return {
+    settings = {
         "model_file": model_file,
+        "replicas": args.replicas,
         "imports": imports,
         "batch_size": int(batch),
         "memory": None if memory is None else parse_bytes(memory, "--memory"),
@@ -217,6 +227,7 @@ def _settings(args: argparse.Namespace):
         "measurement": MeasureOptions(measure=not args.no_measure, calibrate=args.calibrate,
                                       recalibrate=args.recalibrate),
     }
+    return settings
 
 
 def default_storage(out: Path) -> str:
@@ -277,6 +288,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
     search = replace(settings["search"], storage=args.storage or default_storage(out))
     measurement = settings["measurement"]
+    replicas = settings["replicas"]
     _say(quiet, f"loading {settings['model_file']} ...")
     from autotune.cli.imports import load_user_model, model_notes
     from autotune.run.stage_times import StageClock
@@ -290,6 +302,13 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         # measured run, the verdict and the report
         target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
                                 device_from=settings["device_from"])
+        if replicas != 1:  # the testbed's 2N logical CPUs, the model loaded in MirroredStrategy's scope
+            from autotune.cli import replicas as replicated
+
+            load_notes: list[str] = []
+            model = replicated.load_replicated(settings, replicas, lambda: load_user_model(settings, load_notes))
+            return replicated.run(model, dict(settings, search=search), target, replicas, out,
+                                  lambda text: _say(quiet, text))
         if measurement.measure or measurement.calibrates:
             # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
             # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it

@@ -177,6 +177,21 @@ def constant_bytes(events: pd.DataFrame, constant_ops: set[str], allocator_prefi
     return int(kept.loc[is_constant, "requested_bytes"].sum())
 
 
+def event_owners(events: pd.DataFrame, owner_of: Callable[[str], int]) -> pd.Series:
+    """Each event's owner (a replica of a replicated step, ``rewriter.step.replicated``): an allocation's by its
+    op, a free's by the allocation it frees (a free's own op is whichever released the last reference, often the
+    runtime's or another device's), by its op when the allocation came before the trace."""
+    found, by_address = [], {}
+    for kind, addr, name in zip(events["kind"], events["addr"], events["tf_op"]):
+        mine = owner_of(str(name))
+        if kind == "alloc":
+            by_address[addr] = mine
+        else:
+            mine = by_address.pop(addr, mine)
+        found.append(mine)
+    return pd.Series(found, index=events.index, dtype="int64")
+
+
 OP_EVENT_COLUMNS = ["op", "type", "start_ps", "duration_ps", "thread"]
 # events on the compute threads that are not ops: the executor's wrappers span many ops
 _WRAPPER_PREFIXES = ("ExecutorState::", "ThreadpoolListener::")

@@ -93,12 +93,17 @@ def use_swap_step(model, step_or_plan, *, batch_size: int | None = None, **apply
         log.warning("%s: model.fit now runs the swap-rewritten step without XLA, where Keras compiled its own "
                     "train_step with XLA (jit_compile=True, its default on a GPU): the plan was made and measured "
                     "for the step without XLA", getattr(model, "name", "model"))
-    if not hasattr(model, _ORIGINAL):
-        setattr(model, _ORIGINAL, model.train_function)
-    model.train_function = make_train_function(model, step)
-    setattr(model, _STEP, step)
+    install_train_function(model, make_train_function(model, step), step)
     log.info("model %s trains with the swap-rewritten step (%d swaps)", getattr(model, "name", "?"), step.n_swap_outs)
     return step
+
+
+def install_train_function(model, function, step) -> None:
+    """Make ``function`` the model's train function, Keras' own kept for ``restore_train_function``."""
+    if not hasattr(model, _ORIGINAL):
+        setattr(model, _ORIGINAL, model.train_function)
+    model.train_function = function
+    setattr(model, _STEP, step)
 
 
 def restore_train_function(model) -> None:

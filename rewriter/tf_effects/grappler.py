@@ -63,8 +63,9 @@ def _resolve(tensor, folded: set[str]):
     return None if tensor.op.name in folded else tensor
 
 
-def reduce_step(concrete, loss_op: str) -> Reduced:
-    """The ops of the traced step that run once Grappler has folded, pruned and bypassed what it does."""
+def reduce_step(concrete, loss_op: str, *, only: frozenset[str] | None = None) -> Reduced:
+    """The ops of the traced step that run once Grappler has folded, pruned and bypassed what it does;
+    ``only``: of these ops alone (one replica's of a replicated step, ``rewriter.trace.replicas``)."""
     graph = concrete.graph
     ops = graph.get_operations()
     resources = {t.op.name for _, t in graph.captures if t.dtype == tf.resource}
@@ -83,6 +84,8 @@ def reduce_step(concrete, loss_op: str) -> Reduced:
 
     # ops needed by the outputs (data and control), i.e. not dead
     sinks = [t.op for t in concrete.outputs] + [op for op in ops if op.op_def.is_stateful and op.type != "Placeholder"]
+    if only is not None:
+        sinks = [op for op in sinks if op.name in only]
     needed: set[str] = set()
     stack = list(sinks)
     while stack:
@@ -96,7 +99,7 @@ def reduce_step(concrete, loss_op: str) -> Reduced:
         raise CaptureError(f"the loss op {loss_op} does not feed the step's outputs or updates")
 
     kept = [op for op in ops if op.name in needed and op.name not in folded and op.type not in BYPASS_TYPES
-            and passthrough.passthrough_input(op) is None]
+            and passthrough.passthrough_input(op) is None and (only is None or op.name in only)]
     kept_names = {op.name for op in kept}
 
     through: dict[str, frozenset[str]] = {}

@@ -9,6 +9,8 @@ the learning rate) and its slots (Adam's moments, SGD's momentum), and the metri
 
 from __future__ import annotations
 
+from typing import Any, Collection
+
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.ops import handle_data_util
@@ -73,10 +75,22 @@ def _handle_id(variable) -> int:
     return id(getattr(value, "handle", value))
 
 
-def describe_variables(concrete, model=None) -> list[dict]:
+def model_variables(model) -> list:
+    """Every variable of a compiled Keras model: weights, optimizer state, metrics (each once)."""
+    seen: dict[int, Any] = {}
+    for variable in (list(model.variables) + list(model.optimizer.variables)
+                     + list(getattr(model, "metrics_variables", []))):
+        seen.setdefault(id(variable), variable)
+    return list(seen.values())
+
+
+def describe_variables(concrete, model=None, *, only: Collection[str] | None = None) -> list[dict]:
     """One entry per variable the step captures: ``{"variable", "kind", "bytes"}`` (for ``graph.meta``);
-    without a Keras model every kind is ``"variable"``."""
+    without a Keras model every kind is ``"variable"``. ``only``: the handles (op names) of one replica's
+    variables, for a replicated step (``rewriter.trace.replicas``)."""
     sizes = variable_sizes(concrete)
+    if only is not None:
+        sizes = {name: size for name, size in sizes.items() if name in only}
     kinds = keras_kinds(model) if model is not None else {}
     described = []
     for external, internal in concrete.graph.captures:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from rewriter.tf_effects import conditionals, loops, mixed_precision, onednn, variable_writes, xla_scratch
+from rewriter.tf_effects import collectives, conditionals, loops, mixed_precision, onednn, variable_writes, xla_scratch
 from rewriter.tf_effects.variable_writes import WRITE_TYPES_PREFIX
 from rewriter.trace.costs import op_flops, op_touched_bytes, static_dims, tensor_nbytes
 from rewriter.tf_effects.grappler import BYPASS_TYPES, SHAPE_TYPES, Reduced, reduce_step, underlying  # noqa: F401 -- types: here too
@@ -47,6 +47,7 @@ FORWARDING_TYPES = frozenset({
     "AddN", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
     "BiasAdd", "Rsqrt", "RsqrtGrad", "Sqrt", "SqrtGrad", "Neg", "Square", "Exp", "Log", "Log1p", "Reciprocal",
     "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "ClipByValue", "SelectV2",
+    "CollectiveReduceV2",  # the all-reduce writes into its pack (rewriter.tf_effects.collectives)
 })
 # what a swap may move: floats, and int64 (the labels Keras' sparse losses cast, as large as an
 # activation and kept from the forward pass's start to the loss; plans swap them with tensors="all");
@@ -66,13 +67,16 @@ class TracedStep:
     inputs: StepSpecs | None = None  # names and structures of a Keras step's inputs and labels
     # traced op name -> the name the capture and plans use (rewriter.trace.op_names; empty: the traced names)
     canonical: dict[str, str] = field(default_factory=dict)
+    # a replicated step's trace: the ops of the replica captured (rewriter.trace.replicas); None: all
+    ops: frozenset[str] | None = None
 
 
 # ---------------------------------------------------------------------- Keras entry point
 
 
-def check_compiled(model) -> None:
-    """Refuse models the step cannot be traced for, with what to do about it."""
+def check_compiled(model, *, replicated: bool = False) -> None:
+    """Refuse models the step cannot be traced for, with what to do about it (``replicated``: the caller traces
+    the step a strategy replicates, ``rewriter.trace.replicas``)."""
     if not hasattr(model, "train_step"):
         raise CaptureError(f"{type(model).__name__} is not a Keras model")
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
@@ -80,12 +84,13 @@ def check_compiled(model) -> None:
     if getattr(model, "loss", None) is None and not trains_itself(model):
         raise CaptureError("the model is compiled without a loss: call model.compile(loss=...) first (a model "
                            "whose own train_step computes its losses needs none)")
-    strategy = getattr(model, "_distribute_strategy", None) or \
-        (tf.distribute.get_strategy() if tf.distribute.has_strategy() else None)  # Keras' own record of it
-    if strategy is not None:
-        raise CaptureError(f"the model was built under tf.distribute.{type(strategy).__name__}: only single-device "
-                           "steps are captured and trained with a plan; build and compile the model outside "
-                           "strategy.scope() to tune it")
+    strategy = collectives.strategy_of(model)
+    if strategy is not None and collectives.unsupported(strategy):
+        raise CaptureError(collectives.unsupported(strategy))
+    if strategy is not None and not replicated:
+        raise CaptureError(f"the model was built under tf.distribute.{type(strategy).__name__}: its replicated step "
+                           "is captured by rewriter.capture_replicated and trained with rewriter.use_replicated_step "
+                           "(docs/design.md 14)")
 
 
 def _optimizer_scope(optimizer) -> str | None:
@@ -135,6 +140,20 @@ def forget_traces(model) -> None:
         pass
 
 
+def traced_function(function, model, what: str):
+    """``function``'s concrete function, with the losses ``model`` computed while it was traced; anything Keras or
+    TF raises while tracing is one ``CaptureError`` naming ``what`` was traced."""
+    with recording_losses(model) as recorded:
+        try:
+            concrete = function.get_concrete_function()
+        except CaptureError:
+            raise
+        except Exception as error:
+            raise CaptureError(f"tracing {what} failed: {type(error).__name__}: {error} ({TRACE_HINT})") from error
+    loops.serialize_loops(concrete.graph)  # loop memory independent of thread timing (rewriter.tf_effects.loops)
+    return concrete, recorded
+
+
 def _trace_keras_step(model, batch_size: int, given: StepInputs, *, sample_weight: bool = False) -> TracedStep:
     inputs = step_specs(model, batch_size, given, sample_weight=sample_weight)
     build_if_needed(model, inputs)
@@ -145,15 +164,7 @@ def _trace_keras_step(model, batch_size: int, given: StepInputs, *, sample_weigh
         return model.train_step(inputs.train_data(x, y))
 
     function = tf.function(step, input_signature=[inputs.x_specs, inputs.label_specs], autograph=False)
-    with recording_losses(model) as recorded:
-        try:
-            concrete = function.get_concrete_function()
-        except CaptureError:
-            raise
-        except Exception as error:  # anything Keras/TF raises while tracing is a capture failure
-            raise CaptureError(f"tracing the training step failed: {type(error).__name__}: {error} ({TRACE_HINT})") \
-                from error
-    loops.serialize_loops(concrete.graph)  # loop memory independent of thread timing (rewriter.tf_effects.loops)
+    concrete, recorded = traced_function(function, model, "the training step")
     loss = recorded.loss()
     if loss is None:
         raise CaptureError("the training step computed no loss: its train_step neither called self.compute_loss "
@@ -172,6 +183,7 @@ def trace_function_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf
         concrete = function.get_concrete_function(*specs)
     except Exception as error:
         raise CaptureError(f"tracing the step function failed: {type(error).__name__}: {error}") from error
+    collectives.refuse_collectives(concrete.graph)
     loops.serialize_loops(concrete.graph)
     result = concrete.structured_outputs
     loss = result.get("loss") if isinstance(result, dict) else result
@@ -186,7 +198,9 @@ def import_step(graph_def, traced: TracedStep, *, keep_input_names: bool = False
     ``keep_input_names``: its input placeholders take the traced step's names (for a capture of it)."""
     concrete = traced.concrete
     n_inputs = len(traced.input_names)
-    inputs = concrete.inputs[:n_inputs]
+    # values captured by reference are fed on each call after the inputs (a collective's instance key, new
+    # each step: ``call_time_values``); a single-device step has none
+    inputs = concrete.inputs[:n_inputs] + list(concrete.graph.function_captures.by_ref_internal.values())
     input_names = [t.name for t in inputs]
     fetches = [t.name for t in concrete.outputs] + [f"{traced.loss_op}:0"]
     captures = list(concrete.graph.captures)
@@ -201,6 +215,12 @@ def import_step(graph_def, traced: TracedStep, *, keep_input_names: bool = False
         return tf.graph_util.import_graph_def(graph_def, input_map=input_map, return_elements=fetches, name="")
 
     return tf.compat.v1.wrap_function(imported, signature=specs)
+
+
+def call_time_values(concrete) -> list:
+    """The values a step captured by reference, taken now (``import_step`` takes them after the inputs)."""
+    snapshot = concrete.graph.function_captures.get_by_ref_snapshot()  # key -> the value's flat components
+    return [part for key in concrete.graph.function_captures.by_ref_internal for part in tf.nest.flatten(snapshot[key])]
 
 
 def rewrite_graph_def(graph_def, rewrites: Sequence[str], graph) -> tuple[Any, dict[str, list[str]]]:
@@ -278,7 +298,7 @@ def _phases(reduced: Reduced, loss_op: str, optimizer_scope: str | None) -> dict
 
 def _snapshot(traced: TracedStep) -> dict[str, Any]:
     """Everything batch-dependent of one trace, keyed by op name."""
-    reduced = reduce_step(traced.concrete, traced.loss_op)
+    reduced = reduce_step(traced.concrete, traced.loss_op, only=traced.ops)
     paired = {pool for pool, _ in _pool_pairs(reduced)}
     xla = {op.name: xla_scratch.call_scratch_bytes(op) for op in reduced.ops}
     loop = {op.name: loops.body_working_set_bytes(op, tensor_nbytes, forwarding=FORWARDING_TYPES,
@@ -293,14 +313,14 @@ def _snapshot(traced: TracedStep) -> dict[str, Any]:
         "bytes": {name: nbytes for name, (nbytes, _) in sized.items()},
         "unsized": [tensor for _, unknown in sized.values() for tensor in unknown],
         "scratch": {op.name: mixed_precision.kernel_scratch_bytes(op) + xla[op.name] + loop[op.name] + branch[op.name]
-                    for op in reduced.ops},
+                    + collectives.scratch_bytes(op) for op in reduced.ops},
         "xla_scratch": xla,
         "loop_scratch": loop,
         "branch_scratch": branch,
         "workspace": {op.name: onednn.pool_workspace_bytes(op, op.name in paired) for op in reduced.ops},
         "flops": {op.name: op_flops(op) for op in reduced.ops},
         "touched": {op.name: op_touched_bytes(op) for op in reduced.ops},
-        "resident": _resident_bytes(traced.concrete) + (sum(tensor_nbytes(t) for t in constants),),
+        "resident": _resident_bytes(traced.concrete, traced.ops) + (sum(tensor_nbytes(t) for t in constants),),
     }
 
 
@@ -312,10 +332,13 @@ def _pool_pairs(reduced: Reduced) -> list[tuple[str, str]]:
             if slot == onednn.POOLED_OUTPUT_SLOT and k == 0 and onednn.POOL_GRADS.get(kinds.get(src)) == op.type]
 
 
-def _resident_bytes(concrete) -> tuple[int, int]:
-    """(variables, inputs) bytes: variable sizes from the ops that read or write them."""
-    inputs = sum(tensor_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource)
-    return sum(state_kinds.variable_sizes(concrete).values()), inputs
+def _resident_bytes(concrete, only: frozenset[str] | None = None) -> tuple[int, int]:
+    """(variables, inputs) bytes: variable sizes from the ops that read or write them (``only``: one replica's)."""
+    def mine(name: str) -> bool:
+        return only is None or name in only
+
+    inputs = sum(tensor_nbytes(t) for t in concrete.inputs if t.dtype != tf.resource and mine(t.op.name))
+    return sum(size for name, size in state_kinds.variable_sizes(concrete).items() if mine(name)), inputs
 
 
 def _linear_fit(small: float, large: float, b1: int, b2: int) -> tuple[float, float]:

@@ -1,0 +1,355 @@
+"""One plan on every replica of a ``tf.distribute.MirroredStrategy`` step, and ``model.fit`` with it.
+
+The plan is made for one replica's graph (``rewriter.trace.replicas.capture_replicated``); replicas run the same
+step, so ``apply_replicated`` edits the replicated step's GraphDef once per replica: replica 0 by the plan's
+names, replica k by the names ``ReplicatedTrace.names[k]`` gives the same ops there (a recomputation's clones by
+their original's), each replica's swaps to its own host device (``Replicas.hosts``) and its ops chained in the
+plan's order. The edited step is imported once (``rewriter.trace.tracing.import_step``): every replica's
+variables and slots update in place, and the all-reduce runs as Keras' optimizer built it.
+
+``use_replicated_step(model, step)`` makes ``model.fit`` run it: each batch of the strategy's distributed dataset
+is fed replica by replica and the logs are averaged over the replicas, as Keras does under a strategy.
+
+Not built for several replicas (refused with one ``PlanError``): split regions, optimizer state on the host,
+graph rewrites. The first call checks what survived Grappler on each replica (``verify_replicas``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from rewriter.check.collected import collect_first_call, constant_nodes
+from rewriter.check.verification import Verification, check
+from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, edit_graph_def
+from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
+from rewriter.placement import memtrace
+from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
+from rewriter.step.apply_plan import _step_facts
+from rewriter.step.keras_fit import _batches, _unpack, install_train_function
+from rewriter.step.swap_step import StateSnapshot
+from rewriter.trace.op_names import traced_names
+from rewriter.trace.replicas import Replicas, ReplicatedTrace, resolve_replicas, trace_replicated_step
+from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
+from rewriter.trace.tracing import call_time_values, import_step
+from simulator.plan import NamedPlan, NamedSwap, NamedSwapIn, PlanError, load_plan
+from simulator.recompute.actions import Recompute, original_name
+
+log = logging.getLogger(__name__)
+
+
+def replica_placement(replicas: Replicas, k: int) -> Placement:
+    """Where replica ``k``'s swaps run: its device and its host (the testbed's ``CPU:2k`` and ``CPU:2k+1``)."""
+    device, host = replicas.devices[k], replicas.hosts[k]
+    short = "/device:" + tf.DeviceSpec.from_string(device).to_string().rsplit("device:", 1)[-1]
+    if "GPU" in short.upper():
+        return GpuPlacement(accelerator=short, host=host)
+    return CpuTestbedPlacement(accelerator=short, host=host)
+
+
+def replica_plan(plan: NamedPlan, names: dict[str, str]) -> NamedPlan:
+    """``plan`` (replica 0's names) with replica k's names (``names``: replica 0's op -> replica k's): one
+    ``PlanError`` when a swap or recomputation names an op that has no counterpart there; ops of the order
+    without one (an op replica k reads from replica 0, as the step count) are left out of its order."""
+    missing: list[str] = []
+
+    def op(name: str | None) -> str | None:
+        if name is None:
+            return None
+        base = original_name(name)
+        found = names.get(base)
+        if found is None:
+            missing.append(name)
+            return name
+        return found + name[len(base):] if base != name else found
+
+    def tensor(name: str) -> str:
+        producer, _, index = name.rpartition(":")
+        return f"{op(producer)}:{index}"
+
+    swaps = tuple(NamedSwap(tensor=tensor(s.tensor), bytes=s.bytes, sync_out=s.sync_out,
+                            swap_ins=tuple(NamedSwapIn(consumers=tuple(op(c) for c in item.consumers),
+                                                       trigger=op(item.trigger), after=op(item.after))
+                                           for item in s.swap_ins)) for s in plan.swaps)
+    recomputes = tuple(Recompute(tensor=tensor(r.tensor), ops=tuple(op(o) for o in r.ops), trigger=op(r.trigger),
+                                 consumers=tuple(op(c) for c in r.consumers)) for r in plan.recomputes)
+    if missing:
+        raise PlanError(f"{len(missing)} name(s) of the plan have no counterpart on another replica (e.g. "
+                        f"{', '.join(missing[:3])}): the plan was made for another step")
+    order = tuple(names[original_name(o)] + o[len(original_name(o)):] for o in plan.order
+                  if original_name(o) in names)
+    return replace(plan, swaps=swaps, recomputes=recomputes, order=order, canonical_names={})
+
+
+def _refuse_unbuilt(plan: NamedPlan) -> None:
+    unbuilt = [what for what, present in (("split regions", plan.splits), ("optimizer state on the host",
+               plan.host_state), ("graph rewrites", plan.graph_rewrites)) if present]
+    if unbuilt:
+        raise PlanError(f"the plan has {' and '.join(unbuilt)}, which are not built for a replicated step "
+                        "(docs/design.md 14): make the plan with --no-split --no-state and without --rewrite")
+
+
+class ReplicatedStep:
+    """One optimizer step of the replicated, rewritten step: ``step(x, y)`` on a global batch (split evenly over
+    the replicas, replica 0 first, as a distributed dataset splits it) -> the replicas' mean loss.
+
+    ``applied[k]``/``skipped[k]``/``placements[k]``: replica k's swaps and devices; ``trace``: the
+    ``ReplicatedTrace`` (its ``owner`` tells each op's replica); ``plan``: replica 0's plan as applied."""
+
+    def __init__(self, *, function, trace: ReplicatedTrace, graph_def, plan: NamedPlan,
+                 applied: tuple[list[AppliedSwap], ...], skipped: tuple[list, ...], placements: tuple[Placement, ...],
+                 swap_op: str, model, recomputed: tuple[tuple, ...] = (), inputs: StepInputs = NO_STEP_INPUTS):
+        self._function = function
+        self.trace = trace
+        self.traced = trace.traced
+        self.graph_def = graph_def
+        self.plan = plan
+        self.applied = applied
+        self.skipped = skipped
+        self.recomputed = recomputed
+        self.placements = placements
+        self.swap_op = swap_op
+        self.replicas = trace.replicas
+        self.batch_size = trace.per_replica_batch * self.replicas.count  # the global batch
+        self.verification: tuple[Verification, ...] | None = None  # per replica, from the first call
+        self.constant_bytes: tuple[int, ...] | None = None  # per replica, what its kernels' constants take
+        self.calls = 0
+        self._model = model
+        self._inputs = inputs
+        self._owners: dict[str, int] | None = None
+        self._others: dict[int, ReplicatedStep] = {}
+        signature = self.traced.concrete.structured_outputs
+        self._output_structure = signature
+
+    @property
+    def n_swap_outs(self) -> int:
+        """Swaps per replica (the same plan on each)."""
+        return len(self.applied[0])
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Bytes one replica copies to its host per step."""
+        return sum(s.bytes for s in self.applied[0])
+
+    def replica_ops(self, k: int) -> frozenset[str]:
+        """Replica ``k``'s op names, the swap and recomputation nodes added for it included."""
+        own = {name for name, owner in self.trace.owner.items() if owner == k}
+        for swap in self.applied[k]:
+            own.add(swap.swap_out)
+            own.update(node for item in swap.swap_ins for node in (item.name, item.host_node) if node)
+        own.update(clone for item in (self.recomputed[k] if self.recomputed else ()) for clone in item.ops + item.extra)
+        return frozenset(own)
+
+    def owner_of(self, name: str) -> int:
+        """The replica an op of the step belongs to (the nodes added for it included; a constant TensorFlow's
+        runtime folded, ``__cf__``, by the op it was folded from); -1 for none."""
+        if self._owners is None:
+            owners = {op: k for op, k in self.trace.owner.items() if k >= 0}
+            for k in range(self.replicas.count):
+                owners.update(dict.fromkeys(self.replica_ops(k), k))
+            self._owners = owners
+        if name in self._owners:
+            return self._owners[name]
+        return self._owners.get(name.split(memtrace.CONSTANT_FOLDED, 1)[0].rstrip("/_"), -1)
+
+    def event_owners(self, events):
+        """Each memory event's replica (``memtrace.event_owners``); -1 for an allocation no op of a replica made:
+        the collective's ring chunks (``CollectiveAdapterImpl::TempChunk``) name neither an op nor a device, and
+        the replicas' chunks are allocated within a millisecond of each other in either order."""
+        return memtrace.event_owners(events, self.owner_of)
+
+    def flat_inputs(self, per_replica: list[tuple[Any, Any]]) -> list[tf.Tensor]:
+        """Flat step inputs from (x, y) per replica (dicts by name, lists in flat order, or arrays)."""
+        specs = self.traced.inputs
+        flat = []
+        for x, y in per_replica:
+            xs, ys = specs.flatten(x, y)
+            flat.extend(xs + ys)
+        wanted = self.traced.concrete.inputs[: len(flat)]
+        if len(flat) != self.trace.n_flat * self.replicas.count:
+            raise ValueError(f"the replicated step takes {self.trace.n_flat} input(s) and label(s) per replica")
+        return [tf.cast(tf.convert_to_tensor(value), spec.dtype) for value, spec in zip(flat, wanted)]
+
+    def split(self, x, y) -> list[tuple[Any, Any]]:
+        """A global batch -> one (x, y) per replica, in order, as ``experimental_distribute_dataset`` splits it."""
+        count, per = self.replicas.count, self.trace.per_replica_batch
+
+        def part(value, k):
+            return tf.nest.map_structure(lambda v: np.asarray(v)[k * per:(k + 1) * per], value)
+
+        return [(part(x, k), None if y is None else part(y, k)) for k in range(count)]
+
+    def run_flat(self, *flat):
+        """One step on flat inputs: (the logs of each replica, each replica's loss)."""
+        self.calls += 1
+        outputs = self._function(*flat, *call_time_values(self.traced.concrete))
+        logs = tf.nest.pack_sequence_as(self._output_structure, list(outputs[:-1]), expand_composites=True)
+        return logs, outputs[-1]
+
+    def logs_of(self, logs) -> dict[str, tf.Tensor]:
+        """The replicas' logs averaged (Keras' ``reduce_per_replica(..., "auto")`` off a TPU)."""
+        strategy = self.replicas.strategy
+        return tf.nest.map_structure(
+            lambda v: tf.reduce_mean(strategy.experimental_local_results(v), axis=0), logs)
+
+    def run(self, x, y=None):
+        return self.logs_of(self.run_flat(*self.flat_inputs(self.split(x, y)))[0])
+
+    def __call__(self, x, y=None):
+        """One optimizer step on a global batch; returns the replicas' mean loss."""
+        return self.run(x, y)["loss"]
+
+    def for_batch(self, batch_size: int) -> "ReplicatedStep":
+        """The same plan applied at another global batch (an epoch's last, smaller batch), cached; one
+        ``ValueError`` for a batch that does not split evenly over the replicas."""
+        if int(batch_size) == self.batch_size:
+            return self
+        if int(batch_size) % self.replicas.count:
+            raise ValueError(f"a batch of {batch_size} samples does not split evenly over {self.replicas.count} "
+                             "replicas: give a dataset whose size is a multiple of the batch size, or drop the "
+                             "remainder")
+        if int(batch_size) not in self._others:
+            self._others[int(batch_size)] = apply_replicated(self._model, self.plan, batch_size=int(batch_size),
+                                                             inputs=self._inputs, swap_op=self.swap_op, verify=False)
+        return self._others[int(batch_size)]
+
+    def zeros(self) -> list[tf.Tensor]:
+        return [tf.zeros(t.shape, t.dtype) for t in self.traced.concrete.inputs[: self.trace.n_flat *
+                                                                                  self.replicas.count]]
+
+    def snapshot(self) -> StateSnapshot:
+        """Host copies of every replica's variables (``.restore()`` puts them back)."""
+        return StateSnapshot(self.traced.concrete)
+
+    def __repr__(self) -> str:
+        return (f"ReplicatedStep(replicas={self.replicas.count}, batch_size={self.batch_size}, "
+                f"swaps={self.n_swap_outs} per replica)")
+
+
+def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
+                     swap_op: str = "auto", serialize: bool = True, verify: bool = True,
+                     verify_with=None) -> ReplicatedStep:
+    """Apply ``plan`` (made on ``capture_replicated``'s graph of one replica) to every replica of ``model``'s
+    ``MirroredStrategy`` step at the global ``batch_size`` (default: the plan's per-replica batch times the
+    replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy.
+    ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
+    Grappler (``ReplicatedStep.verification``), then every variable is put back."""
+    replicas = resolve_replicas(model)
+    named = load_plan(plan, graph)
+    _refuse_unbuilt(named)
+    inputs = inputs.or_planned(named)
+    if not serialize:
+        named = replace(named, order=())
+    if batch_size is None:
+        batch_size = int(named.batch_size or 0) * replicas.count
+    trace = trace_replicated_step(model, replicas, int(batch_size), inputs)
+    named = traced_names(named, trace.traced.canonical)
+    concrete = trace.traced.concrete
+    foldable, tensor_info, passthrough = _step_facts(concrete)
+    graph_def = concrete.graph.as_graph_def()
+    applied, skipped, placements, recomputed = [], [], [], []
+    for k in range(replicas.count):
+        place = replica_placement(replicas, k)
+        chosen = place.swap_op if swap_op in (None, "auto") else swap_op
+        if chosen not in SWAP_OPS:
+            raise ValueError(f"swap_op must be 'auto' or one of {SWAP_OPS}, got {swap_op!r}")
+        mine = named if k == 0 else replica_plan(named, trace.names[k])
+        info = tensor_info
+        if mine.recomputes:
+            graph_def, clones = apply_recomputes(graph_def, mine.recomputes, foldable=foldable, order=mine.order,
+                                                 passthrough=passthrough)
+            info = clone_tensor_info(tensor_info, clones)
+            recomputed.append(tuple(clones))
+        graph_def, done, left = edit_graph_def(graph_def, mine, place, swap_op=chosen, tensor_info=info,
+                                               foldable=foldable, kept_reads=place.kept_reads, passthrough=passthrough)
+        applied.append(done)
+        skipped.append(left)
+        placements.append(place)
+    function = import_step(graph_def, trace.traced)
+    step = ReplicatedStep(function=function, trace=trace, graph_def=graph_def, plan=named, applied=tuple(applied),
+                          skipped=tuple(skipped), placements=tuple(placements), swap_op=placements[0].swap_op,
+                          model=model, recomputed=tuple(recomputed), inputs=inputs)
+    log.info("applied %d swap(s) and %d recomputation(s) on each of %d replicas (%s)", step.n_swap_outs,
+             len(named.recomputes), replicas.count, ", ".join(p.describe() for p in placements))
+    if verify and (named.swaps or named.recomputes):
+        step.verification = verify_replicas(step, verify_with)
+    return step
+
+
+def verify_replicas(step: ReplicatedStep, example=None) -> tuple[Verification, ...]:
+    """The step's first call, collected and profiled (then every variable restored): per replica, what survived
+    Grappler of its swaps and recomputations (``rewriter.check.verification.check`` on its own nodes and devices)
+    and the constants its kernels made (``step.constant_bytes``); empty for a step without either."""
+    flat = step.flat_inputs(step.split(*example)) if example is not None else step.zeros()
+    snapshot = step.snapshot()
+    found = []
+
+    def first(*inputs):
+        found.append(collect_first_call(lambda *args: step.run_flat(*args)[1], *inputs))
+        return found[-1]
+
+    try:
+        events = memtrace.memory_events(memtrace.profile_call(first, *flat))
+    finally:
+        snapshot.restore()
+    graphs = found[0][1]
+    owners = step.event_owners(events)
+    nodes = constant_nodes(graphs)
+    step.constant_bytes = tuple(memtrace.constant_bytes(events[owners == k], nodes)
+                                for k in range(step.replicas.count))
+    results = []
+    if not any(step.applied) and not any(step.recomputed):  # nothing to verify: the constants alone
+        return ()
+    for k, place in enumerate(step.placements):
+        result = check(graphs, step.applied[k], accelerator=place.accelerator, host=place.host,
+                       recomputed=step.recomputed[k] if step.recomputed else ())
+        if not result.ok:
+            log.warning("replica %d: %s", k, result.headline())
+        results.append(result)
+    return tuple(results)
+
+
+def make_replicated_train_function(model, step: ReplicatedStep):
+    """A Keras ``train_function(iterator) -> logs`` that feeds each distributed batch to ``step``, replica by
+    replica."""
+    strategy = step.replicas.strategy
+
+    def train_function(iterator):
+        logs = None
+        for data in _batches(iterator, max(int(getattr(model, "steps_per_execution", 1) or 1), 1)):
+            x, y, sample_weight = _unpack(data)
+            if sample_weight is not None:
+                raise ValueError("the replicated swap step takes no sample weights yet (docs/design.md 14)")
+            per_replica = [(tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], x),
+                            None if y is None else
+                            tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], y))
+                           for k in range(step.replicas.count)]
+            shares = [int(tf.nest.flatten(part)[0].shape[0]) for part, _ in per_replica]
+            if len(set(shares)) > 1:  # the strategy split an epoch's last batch unevenly
+                raise ValueError(f"a batch of {sum(shares)} samples does not split evenly over {len(shares)} "
+                                 "replicas: give a dataset whose size is a multiple of the batch size")
+            target = step.for_batch(sum(shares))
+            logs = target.logs_of(target.run_flat(*target.flat_inputs(per_replica))[0])
+        if logs is None:
+            raise StopIteration
+        return logs
+
+    train_function._swap_step = step  # noqa: SLF001 -- marks it as ours
+    return train_function
+
+
+def use_replicated_step(model, step_or_plan, *, batch_size: int | None = None, **apply_kwargs) -> ReplicatedStep:
+    """``rewriter.use_swap_step`` for a model built in ``MirroredStrategy.scope()``: ``model.fit`` (global
+    ``batch_size``) runs the plan on every replica. ``rewriter.restore_train_function`` undoes it."""
+    if isinstance(step_or_plan, ReplicatedStep):
+        step = step_or_plan
+        if step._model is not model:  # noqa: SLF001
+            raise ValueError("this ReplicatedStep was built for another model")
+    else:
+        step = apply_replicated(model, step_or_plan, batch_size=batch_size, **apply_kwargs)
+    install_train_function(model, make_replicated_train_function(model, step), step)
+    return step
