@@ -204,7 +204,19 @@ def _split_columns(probes: SwapProbes, batch: int, chosen, batch20: int, chosen2
     return {"parts": probes.parts_of(batch, chosen) if chosen is not None else np.nan,
             "parts_20pct": probes.parts_of(batch20, chosen20) if chosen20 is not None else np.nan,
             "parts_searched": "" if found is None else found.line(),
-            "split_floor_set_by": "" if found is None else found.split.stop_reason}
+            "split_floor_set_by": "" if found is None else found.split.stop_reason,
+            "split_probes": "; ".join(f"{b}: " + ", ".join(_parts_outcome(probes.parts_at[b], k)
+                                                           for k in probes.parts_at[b].outcomes)
+                                      for b in sorted(probes.parts_at))}
+
+
+def _parts_outcome(found, parts: int) -> str:
+    """One k of a probe's parts search in a few words: its fastest plan's overhead, or by how much the
+    plan closest to the device budget misses it."""
+    outcome = found.outcomes[parts]
+    if outcome.chosen is not None:
+        return f"{parts}p {outcome.chosen.metrics['overhead']:.0%}"
+    return f"{parts}p misses by {min(e.excess_bytes for e in outcome.evaluations) / 2**30:.2f} GiB"
 
 
 def _unsplittable_row(device, name: str, unit: str, graph, baseline, scale: int, rewrites: tuple[str, ...]) -> dict:
@@ -422,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.split} doubling(s) of them, each k searched on its split graph with an equal share of "
                      "the probe's trials; the fastest plan that fits over all k counts); parts / parts_20pct: the k "
                      "of the chosen plans (1: the step as captured); parts_searched: each k's best plan at the "
-                     "largest batch; split_floor_set_by: what sets the floor of the chosen split there. Overheads "
+                     "largest batch; split_floor_set_by: what sets the floor of the chosen split there; split_probes: every "
+                     "probed batch where a split was searched, each k's best overhead or by how much its plan "
+                     "closest to the device budget misses it. Overheads "
                      "are against the step as captured, the parts' own cost included. with_swap_any_host is not "
                      "searched with splits (it would double the run).")
     from autotune.report.writer import markdown_table

@@ -40,11 +40,12 @@ def split_to_budget(g: OpGraph, budget_bytes: int) -> SplitFloor | None:
     return lowest
 
 
-def parts_to_search(g: OpGraph, budget_bytes: int, doublings: int = PARTS_DOUBLINGS) -> list[SplitFloor]:
+def parts_to_search(g: OpGraph, budget_bytes: int, doublings: int = PARTS_DOUBLINGS,
+                    first: SplitFloor | None = None) -> list[SplitFloor]:
     """The splits a search tries, fewest parts first: the fewest parts whose floor is within the budget
-    (``split_to_budget``) and up to ``doublings`` doublings of them (``SPLIT_PARTS``, at most the batch);
-    none when no split gets under the budget."""
-    first = split_to_budget(g, budget_bytes)
+    (``split_to_budget``, or ``first`` where the caller has it already) and up to ``doublings`` doublings of
+    them (``SPLIT_PARTS``, at most the batch); none when no split gets under the budget."""
+    first = first or split_to_budget(g, budget_bytes)
     if first is None or first.split_floor_bytes > budget_bytes:
         return []
     found = [first]
