@@ -408,6 +408,9 @@ def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_pat
     assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
     assert plan["format"] == "swap-plan/3" and plan["splits"] and plan["splits"][0]["parts"] >= 2
     assert "along the batch" in stdout and "lowers the floor" in stdout
+    # the parts were searched with the plan (autotune.search.parts): 2, 4 and 8, the plan's among them
+    searched = next(line for line in stdout.splitlines() if "the number of parts searched with the plan" in line)
+    assert "2 parts: " in searched and f"chosen: {plan['splits'][0]['parts']} parts" in searched
     # where a region ends, the report names the op and why: Dropout's random op draws the whole batch's mask
     with_dropout = split_lines(floor_after_splitting(capture(_cnn(), 5), 2))
     assert "cannot run in parts exactly" in with_dropout and "StatelessRandomUniformV2: a Stateless" in with_dropout
