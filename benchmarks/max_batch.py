@@ -204,7 +204,7 @@ def _split_columns(probes: SwapProbes, batch: int, chosen, batch20: int, chosen2
     return {"parts": probes.parts_of(batch, chosen) if chosen is not None else np.nan,
             "parts_20pct": probes.parts_of(batch20, chosen20) if chosen20 is not None else np.nan,
             "parts_searched": "" if found is None else found.line(),
-            "split_floor_set_by": "" if found is None else found.split.stop_reason,
+            "split_floor_set_by": "" if found is None else found.stop_reasons[found.parts],
             "split_probes": "; ".join(f"{b}: " + ", ".join(_parts_outcome(probes.parts_at[b], k)
                                                            for k in probes.parts_at[b].outcomes)
                                       for b in sorted(probes.parts_at))}

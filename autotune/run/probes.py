@@ -17,6 +17,7 @@ from autotune.search.policies import Budget, make_policy
 from autotune.search.space import Evaluation, SearchSpace, TuningProblem
 from simulator import DeviceModel, OpGraph
 from simulator.buffers import peak_lower_bound_bytes
+from simulator.split import floor_after_splitting
 
 MAX_BATCH = 1 << 16
 HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
@@ -52,7 +53,7 @@ class SwapProbes:
         # ``split``: where no plan of the step as captured can fit (its floor is over the budget) or its search
         # found none, the step split along the batch is searched, in the fewest parts whose floor fits and
         # ``parts_doublings`` doublings of them (``autotune.search.parts``), each k with the probe's trials;
-        # what each batch's parts search found is kept in ``parts_at``
+        # what each batch's parts search found is kept in ``parts_at`` (without its graphs: ``PartsSearch.slim``)
         self.split, self.parts_doublings = split, parts_doublings
         self.parts_at: dict[int, PartsSearch] = {}
         # batch -> every plan the search evaluated there; None: the step fits without swapping,
@@ -89,7 +90,7 @@ class SwapProbes:
         found = search_parts(splits, lambda split: TuningProblem(
             split, self.device, self.budget_bytes, space=SearchSpace.for_graph(split, recompute=self.recompute),
             captured=graph), make_policy("optuna", seed=self.seed), Budget(trials=self.probe_trials), shared=False)
-        self.parts_at[graph.batch_size] = found
+        self.parts_at[graph.batch_size] = found.slim()  # the graphs of every k at every batch ran out of memory
         return [e for outcome in found.outcomes.values() for e in outcome.evaluations]
 
     def parts_of(self, batch: int, evaluation: Evaluation) -> int:
@@ -101,11 +102,11 @@ class SwapProbes:
         """The problem ``evaluation`` belongs to at ``batch``: on the split graph of its parts, or the step's."""
         found = self.parts_at.get(batch)
         parts = 1 if found is None else found.parts_of(evaluation)
-        if parts > 1:
-            return found.problems[parts]
         graph = self.graph.with_batch(batch)
-        return TuningProblem(graph, self.device, self.budget_bytes,
-                             space=SearchSpace.for_graph(graph, recompute=self.recompute))
+        searched = graph if parts == 1 else floor_after_splitting(graph, parts).split_graph  # made again: not kept
+        return TuningProblem(searched, self.device, self.budget_bytes,
+                             space=SearchSpace.for_graph(searched, recompute=self.recompute),
+                             captured=None if parts == 1 else graph)
 
     def good_at(self, batch: int, max_overhead: float | None = None) -> list[Evaluation] | None:
         """The plans that fit at ``batch`` (None: no plan needed)."""

@@ -66,6 +66,12 @@ class PartsSearch:
     outcomes: dict[int, Outcome]
     problems: dict[int, TuningProblem]
     parts: int
+    stop_reasons: dict[int, str]  # per k, why its split went no further (``SplitFloor.stop_reason``)
+
+    def slim(self) -> "PartsSearch":
+        """The same without the split graphs and problems (each holds its memoised analyses and recomputed
+        graphs, a few hundred MB on ResNet-50): what a search at many batch sizes keeps of each."""
+        return replace(self, splits={}, problems={})
 
     @property
     def chosen(self) -> Evaluation | None:
@@ -109,4 +115,4 @@ def search_parts(splits: list[SplitFloor], problem_for: Callable[[OpGraph], Tuni
     parts = next((k for k, outcome in outcomes.items() if outcome.chosen is best), splits[0].parts) \
         if best is not None else splits[0].parts
     return PartsSearch(splits={split.parts: split for split in splits}, outcomes=outcomes, problems=problems,
-                       parts=parts)
+                       parts=parts, stop_reasons={split.parts: split.stop_reason for split in splits})
