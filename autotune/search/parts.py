@@ -94,21 +94,18 @@ class PartsSearch:
 
 
 def search_parts(splits: list[SplitFloor], problem_for: Callable[[OpGraph], TuningProblem], policy: SearchPolicy,
-                 budget: Budget, study_for: Callable[[int], optuna.Study] | None = None,
-                 shared: bool = True) -> PartsSearch:
+                 budget: Budget, shared: bool = True) -> PartsSearch:
     """Search the plan on each split of ``splits`` (``parts_to_search``), each with ``budget`` (``shared``
     budget: an equal share of its trials and time each), and keep the k of the fastest plan that fits over
     all of them. ``problem_for(split graph)``: the problem there (its overheads against the step as
-    captured, ``TuningProblem.captured``); ``study_for(k)``: the study its trials go to (default: a new one
-    in memory)."""
+    captured, ``TuningProblem.captured``); each k's trials go to a study of its own, in memory."""
     share = len(splits) if shared else 1
     each = replace(budget, trials=None if budget.trials is None else max(1, budget.trials // share),
                    timeout_s=None if budget.timeout_s is None else budget.timeout_s / share)
     outcomes, problems = {}, {}
     for split in splits:
         problem = problem_for(split.split_graph)
-        study = study_for(split.parts) if study_for is not None else optuna.create_study(direction="minimize")
-        outcomes[split.parts] = policy.search(problem, study, each)
+        outcomes[split.parts] = policy.search(problem, optuna.create_study(direction="minimize"), each)
         problems[split.parts] = problem
     fits = [outcome.chosen for outcome in outcomes.values() if outcome.chosen is not None]
     best = best_of(fits)
