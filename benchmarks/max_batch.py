@@ -1,7 +1,7 @@
 """How much larger a model fits with swapping: ResNet-50 batch and 3D U-Net voxels per sample.
 
     python -m benchmarks max-batch [--devices v100-16gb v100-16gb-nvlink] [--recompute both|off|on]
-                                   [--cases resnet50 unet3d ...] [--no-remat] [--no-measured]
+                                   [--cases resnet50 unet3d ...] [--no-remat] [--no-measured] [--split [N]]
 
 Simulated, per device preset: the largest ResNet-50 batch (224x224, fp32) and the largest cubic
 3D U-Net input (batch 1, as voxels per sample) that fit without swapping and with a tuned plan,
@@ -21,6 +21,9 @@ swapping alone reaches the plain graph's bound, set by the decoder's concatenati
 ``elide-broadcasts`` as well, which leaves batch normalisation's backward two activation-sized
 buffers instead of three. ResNet-50 also with ``elide-broadcasts``: with recomputation its batch
 norms' tiled gradients are what the largest plans miss the budget by.
+With ``--split``, a probed batch whose floor is over the budget searches the step split along the batch,
+the number of parts with the plan (``autotune.search.parts``); the 3D U-Net, at batch 1, is then a row
+that says why no such split exists.
 The original LMS paper reports 4.9x (ResNet-50) and 5.6x (3D U-Net) on 16 GB V100s.
 """
 
@@ -114,11 +117,18 @@ def cases(names: tuple[str, ...] = CASES) -> list[tuple]:
 
 
 def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True),
-             names: tuple[str, ...] = CASES) -> list[dict]:
+             names: tuple[str, ...] = CASES, parts_doublings: int | None = None) -> list[dict]:
+    """The rows of ``names`` on one preset. ``parts_doublings``: at each probed batch whose floor is over the
+    budget, the step split along the batch is searched (``autotune.search.parts``: the fewest parts whose floor
+    fits and that many doublings, the parts searched with the plan; 0: the fewest, as the CLI's rule); None:
+    no split."""
     device = get_device(device_name)
     budget = device.budget_bytes
     rows = []
     for _, name, unit, graph, baseline, scale, rewrites in cases(names):
+        if parts_doublings is not None and unit != "batch":
+            rows.append(_unsplittable_row(device, name, unit, graph, baseline, scale, rewrites))
+            continue
         # the baseline is always the step as the user has it: rewritten rows are measured against it
         plain = max_batch_without_swap(baseline or graph, budget, device)
         rewritten_plain = max_batch_without_swap(graph, budget, device) if baseline else plain
@@ -126,13 +136,18 @@ def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True)
         room_batch = fills_device_and_host(graph, device)
         bound_op = largest_working_set_op(graph.with_batch(max(bound_batch, 1)))
         for recompute in recompute_modes:
-            probes = SwapProbes(graph, budget, device, probe_trials=PROBE_TRIALS, recompute=recompute)
+            split = parts_doublings is not None
+            probes = SwapProbes(graph, budget, device, probe_trials=PROBE_TRIALS, recompute=recompute, split=split,
+                                parts_doublings=parts_doublings or 0)
             swapped, found = probes.largest()  # the probes are shared by the questions that follow
             capped, _ = probes.largest(max_overhead=0.3)
             capped20, found20 = probes.largest(max_overhead=0.2)
-            any_host, _ = probes.host_unlimited().largest()
+            # with splits, the searches with no host limit would double the run: not asked
+            any_host = np.nan if split else probes.host_unlimited().largest()[0]
             chosen = None
-            if swapped:  # as the CLI does: the fastest of a tuning run there and of what the batch search found
+            if swapped and split:  # a split probe's search had its trials shared by the parts: what it found
+                chosen = best_of(found)
+            elif swapped:  # as the CLI does: the fastest of a tuning run there and of what the batch search found
                 chosen = best_of([e for e in (tuned(graph.with_batch(swapped), device, budget, recompute=recompute),
                                               *found) if e is not None])
             chosen20 = best_of(found20) if capped20 else None
@@ -156,7 +171,8 @@ def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True)
                 "with_swap_any_host": any_host * scale, "multiplier_any_host": any_host / plain if plain else np.nan,
                 "device_and_host_bound": room_batch * scale,
                 "multiplier_device_and_host": room_batch / plain if plain else np.nan,
-                **_recomputed(graph, device, budget, swapped, chosen),
+                **_recomputed(probes, swapped, chosen),
+                **(_split_columns(probes, swapped, chosen, capped20, chosen20) if split else {}),
                 "params": None if chosen is None or chosen.params is None else chosen.params.to_dict(),
             }
             if name == "unet3d":
@@ -167,18 +183,60 @@ def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True)
     return rows
 
 
-def _recomputed(graph, device, budget: int, batch: int, chosen) -> dict:
+def _recomputed(probes: SwapProbes, batch: int, chosen) -> dict:
     """What the chosen plan recomputes: how many tensors, their bytes and the clones' seconds."""
     if chosen is None or chosen.params is None or not chosen.params.recomputes:
         return {"recomputed_tensors": 0, "recomputed_gib": 0.0, "recompute_s": 0.0, "recompute_share": 0.0}
-    problem = TuningProblem(graph.with_batch(batch), device, budget)
-    g = problem.graph.with_batch(batch)
+    problem = probes.problem_of(batch, chosen)
+    g = problem.graph
     index = g.tensor_index()
     actions = problem.recomputes(chosen.params)
     recomputed = sum(int(g.tensor_bytes[index[action.tensor]]) for action in actions)
     return {"recomputed_tensors": len(actions), "recomputed_gib": recomputed / 2**30,
             "recompute_s": chosen.metrics["recompute_s"],
             "recompute_share": chosen.metrics["recompute_s"] / chosen.metrics["compute_s"]}
+
+
+def _split_columns(probes: SwapProbes, batch: int, chosen, batch20: int, chosen20) -> dict:
+    """The parts of the chosen plans (1: the step as captured) and, where a split was searched at the largest
+    batch, each k's best plan there and what sets the split step's floor."""
+    found = probes.parts_at.get(batch)
+    return {"parts": probes.parts_of(batch, chosen) if chosen is not None else np.nan,
+            "parts_20pct": probes.parts_of(batch20, chosen20) if chosen20 is not None else np.nan,
+            "parts_searched": "" if found is None else found.line(),
+            "split_floor_set_by": "" if found is None else found.stop_reasons[found.parts],
+            "split_probes": "; ".join(f"{b}: " + ", ".join(_parts_outcome(probes.parts_at[b], k)
+                                                           for k in probes.parts_at[b].outcomes)
+                                      for b in sorted(probes.parts_at))}
+
+
+def _parts_outcome(found, parts: int) -> str:
+    """One k of a probe's parts search in a few words: its fastest plan's overhead, or by how much the
+    plan closest to the device budget misses it."""
+    outcome = found.outcomes[parts]
+    if outcome.chosen is not None:
+        return f"{parts}p {outcome.chosen.metrics['overhead']:.0%}"
+    return f"{parts}p misses by {min(e.excess_bytes for e in outcome.evaluations) / 2**30:.2f} GiB"
+
+
+def _unsplittable_row(device, name: str, unit: str, graph, baseline, scale: int, rewrites: tuple[str, ...]) -> dict:
+    """A model that grows by size per sample at batch 1 (the 3D U-Net): no split along the batch exists, so
+    no search is run; what sets its floor, and what would lower it."""
+    budget = device.budget_bytes
+    plain = max_batch_without_swap(baseline or graph, budget, device)
+    bound_batch = largest_batch(lambda batch: peak_lower_bound_bytes(graph.with_batch(batch)) <= budget)
+    op = largest_working_set_op(graph.with_batch(max(bound_batch, 1)))
+    note = (f"not searched: it trains at batch 1 and grows by {unit}, so no split along the batch exists (the "
+            f"batch-scaled graph is a stand-in for a larger volume, not more samples) and its floor stays at "
+            f"{bound_batch * scale} {unit} ({bound_batch / plain:.2f}x), set by {graph.op_type[op]} "
+            f"{graph.op_name[op]}; what would lower it is splitting the volume along a spatial axis, with halos "
+            "(each part reading the neighbouring slices its convolutions' windows reach), not built")
+    row = {"device": device.name, "model": name, "graph_rewrites": ",".join(rewrites) or "none", "unit": unit,
+           "without_swap": plain * scale, "swap_bound": bound_batch * scale,
+           "multiplier_bound": bound_batch / plain if plain else np.nan,
+           "bound_op": f"{graph.op_type[op]} {graph.op_name[op]}", "parts": 1, "split_note": note}
+    print(json.dumps(row, default=str), flush=True)
+    return row
 
 
 def _unet_sizes(plain_voxels: int, swapped_voxels: int, device, budget: int, rewrites: tuple[str, ...],
@@ -326,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES), help="which models and rewrites")
     parser.add_argument("--no-remat", action="store_true", help="skip the keras.RematScope baselines")
     parser.add_argument("--name", default="max_batch", help="results file name (a partial run: another name)")
+    parser.add_argument("--split", type=int, nargs="?", const=2, default=None, metavar="DOUBLINGS",
+                        help="where the floor is over the budget, search the step split along the batch, the "
+                             "parts with the plan: the fewest that fit and DOUBLINGS doublings (default 2; 0: the "
+                             "fewest, as the CLI's rule)")
     parser.add_argument("--measure-worker", nargs=4, metavar=("BATCH", "BUDGET", "SWAP", "DEVICE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_worker:
@@ -333,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         return _measure_worker(int(batch), int(budget), swap == "swap", device_name)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.recompute]
-    rows = [row for device in args.devices for row in simulate(device, modes, tuple(args.cases))]
+    rows = [row for device in args.devices for row in simulate(device, modes, tuple(args.cases), args.split)]
     table = pd.DataFrame(rows)
     notes = [
         "Targets: the LMS paper's 4.9x (ResNet-50 batch) and 5.6x (3D U-Net voxels) on a 16 GB V100; "
@@ -366,6 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     notes.append("graph_rewrites: rewrites made before swapping (`--rewrite`); such a row's without_swap is the "
                  "plain model's, so its multiplier is what the rewrite and swapping give together; "
                  "without_swap_rewritten: what the rewritten step alone fits.")
+    if args.split is not None:
+        notes.append(f"--split {args.split}: at each probed batch whose floor is over the budget the step is split "
+                     "along the batch (autotune.search.parts: the fewest parts whose floor fits and "
+                     f"{args.split} doubling(s) of them, each k searched on its split graph with an equal share of "
+                     "the probe's trials; the fastest plan that fits over all k counts); parts / parts_20pct: the k "
+                     "of the chosen plans (1: the step as captured); parts_searched: each k's best plan at the "
+                     "largest batch; split_floor_set_by: what sets the floor of the chosen split there; split_probes: every "
+                     "probed batch where a split was searched, each k's best overhead or by how much its plan "
+                     "closest to the device budget misses it. Overheads "
+                     "are against the step as captured, the parts' own cost included. with_swap_any_host is not "
+                     "searched with splits (it would double the run).")
     from autotune.report.writer import markdown_table
     if not args.no_remat:
         remat = pd.DataFrame([row for device in args.devices for row in remat_baselines(device)])
@@ -384,11 +457,11 @@ def main(argv: list[str] | None = None) -> int:
         measured_table.to_csv(RESULTS_DIR / f"{args.name}_measured.csv", index=False)
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows)), 4))
     labels = [f"{r['model']}{'' if r['graph_rewrites'] == 'none' else ' + ' + r['graph_rewrites']}"
-              f"{' + recompute' if r['recompute'] else ''}\n{r['device']}" for r in rows]
+              f"{' + recompute' if r.get('recompute') else ''}\n{r['device']}" for r in rows]
     x = np.arange(len(rows))
-    ax.bar(x - 0.25, [r["multiplier"] for r in rows], 0.25, label="with a tuned plan")
-    ax.bar(x, [r["multiplier_30pct"] for r in rows], 0.25, label="overhead capped at 30%")
-    ax.bar(x + 0.25, [r["multiplier_20pct"] for r in rows], 0.25, label="overhead capped at 20%")
+    ax.bar(x - 0.25, [r.get("multiplier", np.nan) for r in rows], 0.25, label="with a tuned plan")
+    ax.bar(x, [r.get("multiplier_30pct", np.nan) for r in rows], 0.25, label="overhead capped at 30%")
+    ax.bar(x + 0.25, [r.get("multiplier_20pct", np.nan) for r in rows], 0.25, label="overhead capped at 20%")
     ax.axhline(4.9, color="tab:red", ls="--", lw=1, label="LMS paper, ResNet-50 (4.9x)")
     ax.axhline(5.6, color="tab:purple", ls=":", lw=1, label="LMS paper, 3D U-Net (5.6x)")
     ax.set_xticks(x, labels, fontsize=6)

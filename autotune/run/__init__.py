@@ -5,8 +5,8 @@ from autotune.run.calibrated_timing import PRESET_TIME_ERROR, calibration_batche
 from autotune.run.confirm import tune
 from autotune.run.options import MeasureOptions, SearchOptions
 from autotune.run.plan_run import PlanRun, run_plan
-from autotune.run.tuning import (DEFAULT_DEVICE, HOST_UNLIMITED_BYTES, MeasuredRun, SwapProbes, TuneResult,
-                                 largest_batch, largest_batch_with_swap, max_batch_without_swap, optuna_storage,
+from autotune.run.probes import HOST_UNLIMITED_BYTES, SwapProbes, largest_batch, largest_batch_with_swap
+from autotune.run.tuning import (DEFAULT_DEVICE, MeasuredRun, TuneResult, max_batch_without_swap, optuna_storage,
                                  resolve_device, study_name_for, tune_graph)
 from autotune.run.target import Target, resolve_target
 from autotune.run.verdict import Verdict

@@ -15,7 +15,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from autotune.run.calibrated_timing import calibrate_for, search_target
-from autotune.run.floor import foregone, split_lines, split_to_budget, state_floor_bytes
+from autotune.run.floor import choose_parts, foregone, split_lines, split_to_budget, state_floor_bytes
+from autotune.search.parts import parts_to_search
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import measure_result, planned_run
@@ -193,13 +194,12 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
-    captured, split, split_notes = graph, None, []
+    captured, split, split_notes, splits = graph, None, [], []
     if peak_lower_bound_bytes(graph) > target.device_budget_bytes and not search.maximize_batch and not (
             search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
         split = split_to_budget(graph, target.device_budget_bytes)  # the ops that set the floor, in parts
         if split is not None and search.split and split.split_floor_bytes <= target.device_budget_bytes:
-            split_notes = [split_lines(split)]
-            say(split_notes[0])
+            splits = parts_to_search(captured, target.device_budget_bytes, first=split)  # the fewest that fit, and more
             graph = split.split_graph
     known = foregone(graph, target, policy=search.policy, recompute=search.recompute, state=search.state,
                      recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
@@ -210,6 +210,15 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     with clock.stage("calibration"):  # of the captured step: a split step's parts take the preset's estimates
         calibration = calibrate_for(model, captured, batch_size, inputs, say=say,
                                     recalibrate=measurement.recalibrate) if measurement.calibrates else None
+    if splits:
+        if len(splits) > 1:  # the number of parts searched with the plan: the search proper runs on the fastest's
+            with clock.stage("search"):
+                parts = choose_parts(captured, splits, search_target(target, calibration), search)
+            split, graph = parts.split, parts.split.split_graph
+            split_notes = [parts.line()]
+        split_notes.insert(0, split_lines(split))
+        for note in split_notes:
+            say(note)
     if not measurement.measure:
         with clock.stage("search"):
             searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)

@@ -6,8 +6,9 @@ the budget is below that floor, the answer is "does not fit" before any calibrat
 measured run, with what holds the floor and only the changes that were computed to get under the
 budget: a smaller batch, an optimizer without per-weight state, a graph rewrite (captured with it to
 see its floor), or a larger budget. Splitting the ops that set the floor along the batch lowers it
-(``split_to_budget``, docs/design.md 12): the search then runs on the split step, or, where no split
-gets under the budget or ``--no-split`` forbids it, the verdict says what it would reach.
+(``split_to_budget``, docs/design.md 12): the search then runs on the split step, its number of parts
+chosen with the plan (``choose_parts``), or, where no split gets under the budget or ``--no-split``
+forbids it, the verdict says what it would reach.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from typing import Callable, Sequence
 import numpy as np
 
 from autotune.inputs import format_bytes
+from autotune.run.options import SearchOptions
+from autotune.search.parts import PartsSearch, search_parts, split_to_budget  # noqa: F401 -- split_to_budget: re-exported
+from autotune.search.policies import Budget, make_policy
 from autotune.search.space import SearchSpace, TuningProblem
 from autotune.run.target import Target
 from autotune.run.tuning import TuneResult, largest_batch
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, DeviceModel, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
-from simulator.split import SplitFloor, floor_after_splitting
+from simulator.split import SplitFloor
 from simulator.state import HostState, movable_state, with_host_state
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
-SPLIT_PARTS = (2, 4, 8, 16, 32)  # the parts a split may have, fewest first (fewer parts: fewer, larger kernels)
 OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
 
 
@@ -85,19 +88,15 @@ def rewrites_touching(g: OpGraph, op: int) -> list[str]:
     return found
 
 
-def split_to_budget(g: OpGraph, budget_bytes: int) -> SplitFloor | None:
-    """The split with the fewest parts (``SPLIT_PARTS``, at most the batch) whose floor is within the budget,
-    else the one with the lowest floor; None when no region of ``g`` can be split."""
-    lowest = None
-    for parts in (p for p in SPLIT_PARTS if p <= g.batch_size):
-        found = floor_after_splitting(g, parts)
-        if not found.regions:
-            continue
-        if found.split_floor_bytes <= budget_bytes:
-            return found
-        if lowest is None or found.split_floor_bytes < lowest.split_floor_bytes:
-            lowest = found
-    return lowest
+def choose_parts(captured: OpGraph, splits: list[SplitFloor], target: Target, options: SearchOptions) -> PartsSearch:
+    """The number of parts searched with the plan (``autotune.search.parts``): each split of ``splits`` of the
+    step ``captured`` searched with an equal share of the search's trials, overheads against ``captured``;
+    the search proper then runs on the split whose plan was fastest."""
+    return search_parts(splits, lambda split: TuningProblem(
+        split, target.device, target.device_budget_bytes,
+        space=SearchSpace.for_graph(split, recompute=options.recompute), captured=captured),
+        make_policy(options.policy, sampler=options.sampler, seed=options.seed),
+        Budget(options.trials, options.timeout_s))
 
 
 def split_lines(found: SplitFloor) -> str:

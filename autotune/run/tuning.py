@@ -20,6 +20,8 @@ import optuna
 
 from autotune.inputs import InputError, format_bytes
 from autotune.run.options import SearchOptions
+from autotune.run.probes import (HOST_UNLIMITED_BYTES, MAX_BATCH, SwapProbes, largest_batch,  # noqa: F401 -- re-exported
+                                  largest_batch_with_swap)
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
 from autotune.search.study_copy import in_memory
@@ -34,8 +36,6 @@ from simulator.state import HostState, movable_state, state_groups, state_refusa
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 1 << 16
-HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
 
 
 @dataclass
@@ -262,96 +262,6 @@ def max_batch_without_swap(graph: OpGraph, budget_bytes: int, device: DeviceMode
         return replay(graph.with_batch(batch), None, device).peak_bytes <= budget_bytes
 
     return largest_batch(fits)
-
-
-def largest_batch(fits) -> int:
-    """The largest batch in 1..MAX_BATCH for which the monotone predicate ``fits`` holds (0: none)."""
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= MAX_BATCH and fits(high):
-        low, high = high, high * 2
-    high = min(high, MAX_BATCH + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low
-
-
-class SwapProbes:
-    """Swap searches at each batch size of one graph, kept so that several questions about it
-    (the largest batch, the largest under an overhead cap) share the searches they have in common:
-    a probe's search does not depend on the question, only which of its plans count does."""
-
-    def __init__(self, graph: OpGraph, budget_bytes: int, device: DeviceModel, *, probe_trials: int = 80,
-                 seed: int | None = 0, recompute: bool = False) -> None:
-        self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
-        self.probe_trials, self.seed, self.recompute = probe_trials, seed, recompute
-        # batch -> every plan the search evaluated there; None: the step fits without swapping,
-        # [] when no plan can fit: not even its resident memory and its largest op's working set
-        # (``peak_lower_bound_bytes``, which no swap or recomputation lowers: a clone's inputs and
-        # outputs are its original's), so the search there is not run
-        self.evaluations_at: dict[int, list[Evaluation] | None] = {}
-
-    def at(self, batch: int) -> list[Evaluation] | None:
-        if batch not in self.evaluations_at:
-            graph = self.graph.with_batch(batch)
-            problem = TuningProblem(graph, self.device, self.budget_bytes,
-                                    space=SearchSpace.for_graph(graph, recompute=self.recompute))
-            if problem.resident_bytes > self.budget_bytes or peak_lower_bound_bytes(graph) > self.budget_bytes:
-                found = []
-            elif problem.baseline().feasible:
-                found = None
-            else:
-                study = optuna.create_study(direction="minimize")
-                found = make_policy("optuna", seed=self.seed).search(problem, study,
-                                                                    Budget(trials=self.probe_trials)).evaluations
-            self.evaluations_at[batch] = found
-        return self.evaluations_at[batch]
-
-    def good_at(self, batch: int, max_overhead: float | None = None) -> list[Evaluation] | None:
-        """The plans that fit at ``batch`` (None: no plan needed)."""
-        found = self.at(batch)
-        if found is None:
-            return None
-        return [e for e in found if e.feasible and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
-
-    def largest(self, max_overhead: float | None = None) -> tuple[int, list[Evaluation]]:
-        """As :func:`largest_batch_with_swap`."""
-        def fits(batch: int) -> bool:
-            good = self.good_at(batch, max_overhead)
-            return good is None or bool(good)
-
-        batch = largest_batch(fits)
-        return batch, (self.good_at(batch, max_overhead) or []) if batch else []
-
-    def host_unlimited(self) -> SwapProbes:
-        """The same probes with no limit on host memory. A search where no plan went over the host
-        limit, nor was mended to fit it (``keep_tensors``), runs the same way without it (samplers
-        see only violated constraints), so those probes carry over; the others are searched again
-        when asked."""
-        device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
-        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed,
-                           recompute=self.recompute)
-        limit = self.device.host_memory_bytes
-        for batch, found in self.evaluations_at.items():
-            if found is None or all(e.metrics["host_peak_bytes"] <= limit and not (e.params and e.params.keep_tensors)
-                                    for e in found):
-                other.evaluations_at[batch] = found
-        return other
-
-
-def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel, *, max_overhead: float | None,
-                            probe_trials: int = 80, seed: int | None = 0,
-                            recompute: bool = False) -> tuple[int, list[Evaluation]]:
-    """The largest batch for which the search finds a plan that fits (and, if given, whose
-    simulated overhead stays under ``max_overhead``), and the plans that did there (none when the
-    step fits without swapping)."""
-    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed,
-                      recompute=recompute).largest(max_overhead)
 
 
 def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_bytes: int, policy: str,

@@ -220,6 +220,9 @@ class TuningProblem:
     # optimizer slots on the host (simulator.state): ``graph`` is the step with them moved, and every plan
     # carries them, so its replay counts their copies
     host_state: tuple = ()
+    # the step as captured when ``graph`` is it split along the batch (simulator.split): overheads are against
+    # its compute, so the parts' own cost counts (smaller kernels) and plans on different splits compare
+    captured: OpGraph | None = None
     _cache: dict = field(default_factory=dict, repr=False)
     _plain_compute_s: float | None = field(default=None, repr=False)
 
@@ -320,9 +323,9 @@ class TuningProblem:
 
     @property
     def plain_compute_s(self) -> float:
-        """The compute time of the step as captured (no clones, no waits)."""
+        """The compute time of the step as captured (no clones, no waits, no split)."""
         if self._plain_compute_s is None:
-            self._plain_compute_s = replay(self.graph, None, self.device).compute_s
+            self._plain_compute_s = replay(self.captured or self.graph, None, self.device).compute_s
         return self._plain_compute_s
 
     def simulated(self, params: SwapParams | None) -> bool:

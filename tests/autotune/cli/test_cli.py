@@ -410,6 +410,9 @@ def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_pat
     assert "along the batch" in stdout and "lowers the floor" in stdout
     parts = plan["splits"][0]["parts"]
     assert f"verdict: Fits with the batch split in {parts} parts" in stdout and summary["headline"] in stdout
+    # the parts were searched with the plan (autotune.search.parts): 2, 4 and 8, the plan's among them
+    searched = next(line for line in stdout.splitlines() if "the number of parts searched with the plan" in line)
+    assert "2 parts: " in searched and f"chosen: {plan['splits'][0]['parts']} parts" in searched
     # where a region ends, the report names the op and why: Dropout's random op draws the whole batch's mask
     with_dropout = split_lines(floor_after_splitting(capture(_cnn(), 5), 2))
     assert "cannot run in parts exactly" in with_dropout and "StatelessRandomUniformV2: a Stateless" in with_dropout

@@ -210,16 +210,16 @@ def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
     """A batch whose resident memory plus largest op working set exceeds the budget fits no plan
     (swapping and recomputation leave every op's inputs and outputs on the device): its probe is
     empty without a search; below that bound the probe searches."""
-    import autotune.run.tuning as tuning
+    import autotune.run.probes as probes_module
     from simulator.buffers import peak_lower_bound_bytes
 
     g = training_graph(40, batch_size=1)
     device = get_device("v100-16gb")
     budget = peak_lower_bound_bytes(g.with_batch(64))
     searched = []
-    real = tuning.make_policy
-    monkeypatch.setattr(tuning, "make_policy", lambda *a, **k: searched.append(a) or real(*a, **k))
-    probes = tuning.SwapProbes(g, budget, device, probe_trials=10)
+    real = probes_module.make_policy
+    monkeypatch.setattr(probes_module, "make_policy", lambda *a, **k: searched.append(a) or real(*a, **k))
+    probes = probes_module.SwapProbes(g, budget, device, probe_trials=10)
     above = next(b for b in range(65, 200) if peak_lower_bound_bytes(g.with_batch(b)) > budget)
     assert probes.at(above) == [] and not searched
     assert probes.at(64) is not None and searched

@@ -1,0 +1,152 @@
+"""Searches at many batch sizes of one graph: the largest batch that fits with a plan (``SwapProbes``).
+
+A probe at one batch is a search there; the probes are kept so that the questions asked of them (the
+largest batch, the largest under an overhead cap, the same with no host limit) share the searches they have
+in common. Where the step's floor is over the budget, a probe may search the step split along the batch
+(``autotune.search.parts``), the number of parts with the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import optuna
+
+from autotune.search.parts import PartsSearch, parts_to_search, search_parts
+from autotune.search.policies import Budget, make_policy
+from autotune.search.space import Evaluation, SearchSpace, TuningProblem
+from simulator import DeviceModel, OpGraph
+from simulator.buffers import peak_lower_bound_bytes
+from simulator.split import floor_after_splitting
+
+MAX_BATCH = 1 << 16
+HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
+
+
+def largest_batch(fits) -> int:
+    """The largest batch in 1..MAX_BATCH for which the monotone predicate ``fits`` holds (0: none)."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_BATCH and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_BATCH + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+class SwapProbes:
+    """Swap searches at each batch size of one graph, kept so that several questions about it
+    (the largest batch, the largest under an overhead cap) share the searches they have in common:
+    a probe's search does not depend on the question, only which of its plans count does."""
+
+    def __init__(self, graph: OpGraph, budget_bytes: int, device: DeviceModel, *, probe_trials: int = 80,
+                 seed: int | None = 0, recompute: bool = False, split: bool = False,
+                 parts_doublings: int = 0) -> None:
+        self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
+        self.probe_trials, self.seed, self.recompute = probe_trials, seed, recompute
+        # ``split``: where no plan of the step as captured can fit (its floor is over the budget) or its search
+        # found none, the step split along the batch is searched, in the fewest parts whose floor fits and
+        # ``parts_doublings`` doublings of them (``autotune.search.parts``), each k with the probe's trials;
+        # what each batch's parts search found is kept in ``parts_at`` (without its graphs: ``PartsSearch.slim``)
+        self.split, self.parts_doublings = split, parts_doublings
+        self.parts_at: dict[int, PartsSearch] = {}
+        # batch -> every plan the search evaluated there; None: the step fits without swapping,
+        # [] when no plan can fit: not even its resident memory and its largest op's working set
+        # (``peak_lower_bound_bytes``, which no swap or recomputation lowers: a clone's inputs and
+        # outputs are its original's), so the search there is not run
+        self.evaluations_at: dict[int, list[Evaluation] | None] = {}
+
+    def at(self, batch: int) -> list[Evaluation] | None:
+        if batch not in self.evaluations_at:
+            graph = self.graph.with_batch(batch)
+            problem = TuningProblem(graph, self.device, self.budget_bytes,
+                                    space=SearchSpace.for_graph(graph, recompute=self.recompute))
+            if problem.resident_bytes > self.budget_bytes:
+                found = []
+            elif peak_lower_bound_bytes(graph) > self.budget_bytes:
+                found = self._split_at(graph) if self.split else []
+            elif problem.baseline().feasible:
+                found = None
+            else:
+                study = optuna.create_study(direction="minimize")
+                found = make_policy("optuna", seed=self.seed).search(problem, study,
+                                                                    Budget(trials=self.probe_trials)).evaluations
+                if self.split and not any(e.feasible for e in found):  # more, smaller parts may leave room for a plan
+                    found = found + self._split_at(graph)
+            self.evaluations_at[batch] = found
+        return self.evaluations_at[batch]
+
+    def _split_at(self, graph: OpGraph) -> list[Evaluation]:
+        """The plans the parts search finds on ``graph`` split along the batch (none: no split fits)."""
+        splits = parts_to_search(graph, self.budget_bytes, self.parts_doublings)
+        if not splits:
+            return []
+        found = search_parts(splits, lambda split: TuningProblem(
+            split, self.device, self.budget_bytes, space=SearchSpace.for_graph(split, recompute=self.recompute),
+            captured=graph), make_policy("optuna", seed=self.seed), Budget(trials=self.probe_trials), shared=False)
+        self.parts_at[graph.batch_size] = found.slim()  # the graphs of every k at every batch ran out of memory
+        return [e for outcome in found.outcomes.values() for e in outcome.evaluations]
+
+    def parts_of(self, batch: int, evaluation: Evaluation) -> int:
+        """The parts of the split ``evaluation`` was simulated on at ``batch`` (1: the step as captured)."""
+        found = self.parts_at.get(batch)
+        return 1 if found is None else found.parts_of(evaluation)
+
+    def problem_of(self, batch: int, evaluation: Evaluation) -> TuningProblem:
+        """The problem ``evaluation`` belongs to at ``batch``: on the split graph of its parts, or the step's."""
+        found = self.parts_at.get(batch)
+        parts = 1 if found is None else found.parts_of(evaluation)
+        graph = self.graph.with_batch(batch)
+        searched = graph if parts == 1 else floor_after_splitting(graph, parts).split_graph  # made again: not kept
+        return TuningProblem(searched, self.device, self.budget_bytes,
+                             space=SearchSpace.for_graph(searched, recompute=self.recompute),
+                             captured=None if parts == 1 else graph)
+
+    def good_at(self, batch: int, max_overhead: float | None = None) -> list[Evaluation] | None:
+        """The plans that fit at ``batch`` (None: no plan needed)."""
+        found = self.at(batch)
+        if found is None:
+            return None
+        return [e for e in found if e.feasible and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
+
+    def largest(self, max_overhead: float | None = None) -> tuple[int, list[Evaluation]]:
+        """As :func:`largest_batch_with_swap`."""
+        def fits(batch: int) -> bool:
+            good = self.good_at(batch, max_overhead)
+            return good is None or bool(good)
+
+        batch = largest_batch(fits)
+        return batch, (self.good_at(batch, max_overhead) or []) if batch else []
+
+    def host_unlimited(self) -> SwapProbes:
+        """The same probes with no limit on host memory. A search where no plan went over the host
+        limit, nor was mended to fit it (``keep_tensors``), runs the same way without it (samplers
+        see only violated constraints), so those probes carry over; the others are searched again
+        when asked."""
+        device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
+        other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed,
+                           recompute=self.recompute, split=self.split, parts_doublings=self.parts_doublings)
+        limit = self.device.host_memory_bytes
+        for batch, found in self.evaluations_at.items():
+            if found is None or all(e.metrics["host_peak_bytes"] <= limit and not (e.params and e.params.keep_tensors)
+                                    for e in found):
+                other.evaluations_at[batch] = found
+                if batch in self.parts_at:
+                    other.parts_at[batch] = self.parts_at[batch]
+        return other
+
+
+def largest_batch_with_swap(graph: OpGraph, budget_bytes: int, device: DeviceModel, *, max_overhead: float | None,
+                            probe_trials: int = 80, seed: int | None = 0,
+                            recompute: bool = False) -> tuple[int, list[Evaluation]]:
+    """The largest batch for which the search finds a plan that fits (and, if given, whose
+    simulated overhead stays under ``max_overhead``), and the plans that did there (none when the
+    step fits without swapping)."""
+    return SwapProbes(graph, budget_bytes, device, probe_trials=probe_trials, seed=seed,
+                      recompute=recompute).largest(max_overhead)

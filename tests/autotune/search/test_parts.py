@@ -1,0 +1,95 @@
+"""The number of parts of a split along the batch, searched with the plan (autotune/search/parts.py,
+docs/design.md 12): a small training-like graph on a device where copies cost what compute does."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from autotune.run.probes import SwapProbes
+from autotune.search.parts import parts_to_search, search_parts, split_to_budget
+from autotune.search.policies import Budget, make_policy
+from autotune.search.space import SearchSpace, TuningProblem
+from simulator import SwapPlan, replay
+from simulator.buffers import peak_lower_bound_bytes
+from simulator.plan import NamedPlan
+from simulator.split import floor_after_splitting
+from simulator.synthetic import training_graph
+from tests.conftest import unit_device
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+TRIALS = 40
+
+
+@pytest.fixture(scope="module")
+def step():
+    """Six layers at batch 8 (floor 38.4 MB; 19.2 MB in 2 parts, 17.0 MB in 4 and in 8), and a link of
+    1e-3 B/s against one FLOP a second: a swap costs about as much as the compute it overlaps."""
+    return training_graph(6, seed=3, batch_size=8), unit_device(bandwidth_bytes_per_s=1e-3)
+
+
+def _search(g, device, budget_bytes: int, doublings: int):
+    splits = parts_to_search(g, budget_bytes, doublings)
+    return search_parts(splits, lambda split: TuningProblem(split, device, budget_bytes,
+                                                            space=SearchSpace.for_graph(split), captured=g),
+                        make_policy("optuna", seed=0), Budget(trials=TRIALS), shared=False)
+
+
+def test_the_parts_searched_start_at_the_fewest_that_fit(step):
+    g, _ = step
+    floors = {k: floor_after_splitting(g, k).split_floor_bytes for k in (2, 4, 8)}
+    assert floors[2] > floors[4] == floors[8] and peak_lower_bound_bytes(g) > floors[2]
+    assert [s.parts for s in parts_to_search(g, floors[2])] == [2, 4, 8]
+    assert [s.parts for s in parts_to_search(g, floors[2], doublings=0)] == [2]
+    assert [s.parts for s in parts_to_search(g, floors[2] - 1)] == [4, 8]  # 2 parts no longer fit
+    assert split_to_budget(g, floors[2]).parts == 2
+    assert parts_to_search(g, floors[4] - 1) == []  # no split gets under it
+
+
+@pytest.mark.parametrize("budget_bytes", [23_000_000, 30_000_000])
+def test_the_search_takes_more_parts_where_that_is_faster(step, budget_bytes):
+    """At 23 MB the fewest parts that fit (2) leave no plan the search finds, 4 parts do; at 30 MB 2 parts
+    fit with a plan 76 % slower than the step, 4 parts with one 63 % slower: the joint search takes 4 where
+    the rule of the fewest parts (``doublings=0``) takes 2, and its plan is faster."""
+    g, device = step
+    joint, fewest = _search(g, device, budget_bytes, 2), _search(g, device, budget_bytes, 0)
+    assert fewest.parts == 2 and set(joint.outcomes) == {2, 4, 8}
+    assert joint.parts == 4 and joint.chosen is not None and joint.chosen.feasible
+    assert fewest.chosen is None or joint.chosen.step_s < fewest.chosen.step_s
+    # each k's search is the one the fewest-parts rule runs on that split: the same plans for 2 parts
+    assert (joint.outcomes[2].chosen is None) == (fewest.chosen is None)
+    assert joint.parts_of(joint.chosen) == 4
+    assert "4 parts: " in joint.line() and "chosen: 4 parts" in joint.line()
+
+
+def test_the_chosen_parts_are_recorded_in_the_plan_and_reloaded(step):
+    g, device = step
+    joint = _search(g, device, 30_000_000, 2)
+    problem = joint.problems[joint.parts]
+    plan = problem.plan(joint.chosen.params)
+    named = plan.to_named(problem.graph)
+    assert [region.parts for region in named.splits] == [4] * len(joint.split.regions)
+    text = named.to_json()
+    again = SwapPlan.from_json(g, text)  # read on the step as captured: the split graph is rebuilt
+    assert again.graph_fingerprint == problem.graph.fingerprint()
+    assert NamedPlan.from_json(text).splits == named.splits
+    split_graph = floor_after_splitting(g, 4).split_graph
+    assert replay(split_graph, again, device).step_s == replay(problem.graph, plan, device).step_s
+    # the overhead is against the step as captured: the parts' own cost counts
+    assert problem.plain_compute_s == replay(g, None, device).compute_s
+
+
+def test_probes_search_split_steps_where_the_step_finds_no_plan(step):
+    """Probes with splits reach a batch the step as captured does not (its search finds no plan there),
+    and say the parts of the plans they found."""
+    g, device = step
+    budget_bytes = 30_000_000
+    whole = SwapProbes(g, budget_bytes, device, probe_trials=20)
+    split = SwapProbes(g, budget_bytes, device, probe_trials=20, split=True, parts_doublings=1)
+    unsplit_batch, unsplit_found = whole.largest()
+    split_batch, found = split.largest()
+    assert unsplit_batch >= 1 and split_batch > unsplit_batch and found
+    assert not whole.good_at(split_batch)
+    assert split.parts_of(split_batch, found[0]) >= 2 and split.parts_of(unsplit_batch, unsplit_found[0]) == 1
+    assert split.problem_of(split_batch, found[0]).graph.meta.get("splits")
+    assert not split.problem_of(unsplit_batch, unsplit_found[0]).graph.meta.get("splits")
