@@ -152,7 +152,7 @@ def _settings(args: argparse.Namespace):
     model_file = find_model_file(args.model_dir)
     check_model_archive(model_file)
     config = load_config(model_file.parent)
-    batch = args.batch_size if args.batch_size is not None else config.batch_size
+    batch = _given(args.batch_size, config.batch_size)
     if batch is None and args.maximize_batch:
         batch = 1  # only where the capture starts: sizes are linear in the batch, the search picks it
     if batch is None:
@@ -164,19 +164,19 @@ def _settings(args: argparse.Namespace):
 
         check_settings(args.replicas, int(batch), maximize_batch=args.maximize_batch,
                        graph_rewrites=args.rewrite or config.graph_rewrites)
-    memory = args.memory if args.memory is not None else config.memory
-    trials = args.trials if args.trials is not None else (config.trials if config.trials is not None else 200)
+    memory = _given(args.memory, config.memory)
+    trials = _given(args.trials, config.trials, 200)
     if trials < 1:
         raise InputError(f"--trials must be at least 1, got {trials}")
     if args.seed is not None and args.seed < 0:
         raise InputError(f"--seed must not be negative, got {args.seed}")
-    timeout = args.timeout if args.timeout is not None else config.timeout
+    timeout = _given(args.timeout, config.timeout)
     if timeout is not None and timeout <= 0:
         raise InputError(f"--timeout must be positive, got {timeout}")
-    max_overhead = args.max_overhead if args.max_overhead is not None else config.max_overhead
-    recompute = next((value for value in (args.recompute, config.recompute) if value is not None), True)
-    split = next((value for value in (args.split, config.split) if value is not None), True)
-    state = next((value for value in (args.state, config.state) if value is not None), True)
+    max_overhead = _given(args.max_overhead, config.max_overhead)
+    recompute = _given(args.recompute, config.recompute, True)
+    split = _given(args.split, config.split, True)
+    state = _given(args.state, config.state, True)
     if max_overhead is not None and max_overhead < 0:
         raise InputError(f"--max-overhead must not be negative, got {max_overhead}")
     from autotune.search.policies import POLICIES, SAMPLERS
@@ -203,7 +203,7 @@ def _settings(args: argparse.Namespace):
                               + [(entry, "--import") for entry in args.imports or []], model_file.parent)
     from autotune.run.options import MeasureOptions, SearchOptions
 
-    settings = {
+    return {
         "model_file": model_file,
         "replicas": args.replicas,
         "imports": imports,
@@ -213,8 +213,7 @@ def _settings(args: argparse.Namespace):
         "device": device,
         "device_from": "--device" if args.device else "autotune.toml: device",
         "search": SearchOptions(policy=policy, sampler=sampler, trials=int(trials), timeout_s=timeout,
-                                seed=args.seed if args.seed is not None else (config.seed if config.seed is not None
-                                                                              else 0),
+                                seed=_given(args.seed, config.seed, 0),
                                 study_name=args.study_name, maximize_batch=args.maximize_batch,
                                 max_overhead=max_overhead, recompute=recompute, split=split, state=state,
                                 progress=not args.quiet),
@@ -227,7 +226,11 @@ def _settings(args: argparse.Namespace):
         "measurement": MeasureOptions(measure=not args.no_measure, calibrate=args.calibrate,
                                       recalibrate=args.recalibrate),
     }
-    return settings
+
+
+def _given(*values):
+    """The first of ``values`` that was given (not None): a flag, then autotune.toml, then the default."""
+    return next((value for value in values if value is not None), None)
 
 
 def default_storage(out: Path) -> str:

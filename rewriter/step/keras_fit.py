@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
@@ -53,28 +53,37 @@ def _batches(iterator, count: int) -> Iterator[Any]:
             yield data
 
 
-def make_train_function(model, step: SwapStep):
-    """A Keras ``train_function(iterator) -> logs`` that runs ``step`` on each batch."""
+def train_function_of(model, step, run_batch: Callable[[Any, Any, Any], Any]):
+    """A Keras ``train_function(iterator) -> logs`` running ``run_batch(x, y, sample_weight) -> logs`` on each
+    of the up to ``steps_per_execution`` batches Keras hands it; marked as ``step``'s."""
 
     def train_function(iterator):
         logs = None
         for data in _batches(iterator, max(int(getattr(model, "steps_per_execution", 1) or 1), 1)):
-            x, y, sample_weight = _unpack(data)
-            if y is None and step.traced.inputs is not None and step.traced.inputs.y_names:
-                raise ValueError("the swap-rewritten training step needs labels (x, y)")
-            if isinstance(sample_weight, (dict, list, tuple)):
-                raise ValueError("the swap-rewritten training step takes one sample weight per sample (as "
-                                 "class_weight gives), not one per output; undo it with "
-                                 "rewriter.step.keras_fit.restore_train_function(model)")
-            # with sample_weight or class_weight: the plan applied to the step traced with the weights
-            target = step.for_batch(step.batch_of(x), weighted=sample_weight is not None or step.weighted)
-            logs = target.run(x, y, sample_weight)
+            logs = run_batch(*_unpack(data))
         if logs is None:
             raise StopIteration
         return logs
 
     train_function._swap_step = step  # noqa: SLF001 -- marks it as ours
     return train_function
+
+
+def make_train_function(model, step: SwapStep):
+    """A Keras ``train_function(iterator) -> logs`` that runs ``step`` on each batch."""
+
+    def run_batch(x, y, sample_weight):
+        if y is None and step.traced.inputs is not None and step.traced.inputs.y_names:
+            raise ValueError("the swap-rewritten training step needs labels (x, y)")
+        if isinstance(sample_weight, (dict, list, tuple)):
+            raise ValueError("the swap-rewritten training step takes one sample weight per sample (as "
+                             "class_weight gives), not one per output; undo it with "
+                             "rewriter.step.keras_fit.restore_train_function(model)")
+        # with sample_weight or class_weight: the plan applied to the step traced with the weights
+        target = step.for_batch(step.batch_of(x), weighted=sample_weight is not None or step.weighted)
+        return target.run(x, y, sample_weight)
+
+    return train_function_of(model, step, run_batch)
 
 
 def use_swap_step(model, step_or_plan, *, batch_size: int | None = None, **apply_kwargs) -> SwapStep:

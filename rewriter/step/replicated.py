@@ -30,7 +30,7 @@ from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
 from rewriter.placement import memtrace
 from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
 from rewriter.step.apply_plan import _step_facts
-from rewriter.step.keras_fit import _batches, _unpack, install_train_function
+from rewriter.step.keras_fit import install_train_function, train_function_of
 from rewriter.step.swap_step import StateSnapshot
 from rewriter.trace.op_names import traced_names
 from rewriter.trace.replicas import Replicas, ReplicatedTrace, resolve_replicas, trace_replicated_step
@@ -318,28 +318,21 @@ def make_replicated_train_function(model, step: ReplicatedStep):
     replica."""
     strategy = step.replicas.strategy
 
-    def train_function(iterator):
-        logs = None
-        for data in _batches(iterator, max(int(getattr(model, "steps_per_execution", 1) or 1), 1)):
-            x, y, sample_weight = _unpack(data)
-            if sample_weight is not None:
-                raise ValueError("the replicated swap step takes no sample weights yet (docs/design.md 14)")
-            per_replica = [(tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], x),
-                            None if y is None else
-                            tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], y))
-                           for k in range(step.replicas.count)]
-            shares = [int(tf.nest.flatten(part)[0].shape[0]) for part, _ in per_replica]
-            if len(set(shares)) > 1:  # the strategy split an epoch's last batch unevenly
-                raise ValueError(f"a batch of {sum(shares)} samples does not split evenly over {len(shares)} "
-                                 "replicas: give a dataset whose size is a multiple of the batch size")
-            target = step.for_batch(sum(shares))
-            logs = target.logs_of(target.run_flat(*target.flat_inputs(per_replica))[0])
-        if logs is None:
-            raise StopIteration
-        return logs
+    def run_batch(x, y, sample_weight):
+        if sample_weight is not None:
+            raise ValueError("the replicated swap step takes no sample weights yet (docs/design.md 14)")
+        per_replica = [(tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], x),
+                        None if y is None else
+                        tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], y))
+                       for k in range(step.replicas.count)]
+        shares = [int(tf.nest.flatten(part)[0].shape[0]) for part, _ in per_replica]
+        if len(set(shares)) > 1:  # the strategy split an epoch's last batch unevenly
+            raise ValueError(f"a batch of {sum(shares)} samples does not split evenly over {len(shares)} "
+                             "replicas: give a dataset whose size is a multiple of the batch size")
+        target = step.for_batch(sum(shares))
+        return target.logs_of(target.run_flat(*target.flat_inputs(per_replica))[0])
 
-    train_function._swap_step = step  # noqa: SLF001 -- marks it as ours
-    return train_function
+    return train_function_of(model, step, run_batch)
 
 
 def use_replicated_step(model, step_or_plan, *, batch_size: int | None = None, **apply_kwargs) -> ReplicatedStep:
