@@ -452,12 +452,13 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
     plan_graph = problem.graph_for(None if shown is None else shown.params)
     shown_replay = None if shown is None else replay(plan_graph, plan, device_model)
     recomputes = problem.recomputes(None if shown is None else shown.params)
+    parts = split_parts(g)  # a split step is an action of its own, even where nothing is swapped
     verdict = predicted(fits=chosen is not None,
-                        swaps=bool(plan is not None and (plan.n_swaps or recomputes or plan.host_state)),
+                        swaps=bool(parts or plan is not None and (plan.n_swaps or recomputes or plan.host_state)),
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured,
                         action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes), len(host_state),
-                                              split_parts(g)))
+                                              parts))
     return TuneResult(
         model=str(g.meta.get("model", "model")), batch_size=g.batch_size, target=target, graph=captured, policy=policy,
         # "without swapping": the step as captured, its state on the device

@@ -93,3 +93,20 @@ def test_probes_search_split_steps_where_the_step_finds_no_plan(step):
     assert split.parts_of(split_batch, found[0]) >= 2 and split.parts_of(unsplit_batch, unsplit_found[0]) == 1
     assert split.problem_of(split_batch, found[0]).graph.meta.get("splits")
     assert not split.problem_of(unsplit_batch, unsplit_found[0]).graph.meta.get("splits")
+
+
+def test_a_split_step_that_fits_unswapped_is_said_to_be_split(step):
+    """A split step's plan that swaps nothing (the video classifier of benchmarks/results/split_user_models.md:
+    its parts alone take it under the budget) still changes the step: the verdict names the split and sends
+    the user to the swap step, not to "Fits without swapping"."""
+    from autotune.run.options import SearchOptions
+    from autotune.run.target import resolve_target
+    from autotune.run.tuning import search_graph
+    from autotune.run.verdict import FITS, SWAP_STEP
+
+    g, _ = step
+    split = floor_after_splitting(g, 4).split_graph
+    budget = int(1.05 * replay(split, None, "cpu-testbed").peak_bytes)
+    found = search_graph(split, resolve_target("cpu-testbed", budget), SearchOptions(trials=20, progress=False))
+    assert found.verdict.status == FITS and found.verdict.train_with == SWAP_STEP
+    assert found.verdict.headline.startswith("Fits with the batch split in 4 parts")
