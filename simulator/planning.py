@@ -17,6 +17,7 @@ from simulator.ordering import distance_levels, execution_order, n_levels, posit
 from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES, TRIGGER_POLICIES,  # noqa: F401
                               ParamsError, SwapParams)
 from simulator.plan import Swap, SwapIn, SwapPlan, after_ops, validate_plan  # noqa: F401 -- importable from here too
+from simulator.split.actions import split_step_ops
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
 
@@ -75,7 +76,12 @@ def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
 
 
 def _trigger_candidates(g: OpGraph) -> np.ndarray:
-    return np.flatnonzero((g.op_phase == BACKWARD) & np.isin(g.op_type, list(TRIGGER_OP_TYPES)))
+    """Ops a swap-in may start after: heavy backward ops (``TRIGGER_OP_TYPES``) and, in a split step, every
+    part and combine of a region in any phase (the rewriter marks them for Grappler to keep), so that a
+    tensor read again after its batch norm's sums are combined comes back part by part, each just before its
+    reader, forward passes included (docs/design.md 12)."""
+    heavy = (g.op_phase == BACKWARD) & np.isin(g.op_type, list(TRIGGER_OP_TYPES))
+    return np.flatnonzero(heavy | split_step_ops(g))
 
 
 def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +99,7 @@ def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _ancestor_triggers(g: OpGraph, depth: int) -> dict[str, np.ndarray]:
-    """For every backward op: its ancestors among trigger candidates at most ``depth`` levels up.
+    """For every op: its ancestors among trigger candidates at most ``depth`` levels up.
 
     Bitsets (Python ints) propagated in level order over data and control edges; bit i of op x
     stands for the trigger of level-order rank ``base[x] + i``, and ranks more than ``depth``
@@ -126,9 +132,10 @@ def _ancestor_triggers(g: OpGraph, depth: int) -> dict[str, np.ndarray]:
                 bits |= 1 << (rank_list[parent] - base_of[parent])
             acc |= bits >> (base - base_of[parent])
         bits_of[op] = acc
-    # every backward op's bits unpacked at once (one row of a fixed width per op; per op it was 150,000
-    # numpy calls a ResNet-50 search with recomputation): rows in op order, ranks ascending in each
-    backward = [op for op in np.flatnonzero(g.op_phase == BACKWARD).tolist() if bits_of[op]]
+    # every op's bits unpacked at once (one row of a fixed width per op; per op it was 150,000 numpy calls a
+    # ResNet-50 search with recomputation): rows in op order, ranks ascending in each. Only backward ops have
+    # ancestors among the candidates, but in a split step, whose parts are candidates in the forward too
+    backward = [op for op in range(g.n_ops) if bits_of[op]]
     width = (max((bits_of[op].bit_length() for op in backward), default=0) + 7) // 8
     raw = np.frombuffer(b"".join(bits_of[op].to_bytes(width, "little") for op in backward), dtype=np.uint8)
     rows, columns = np.nonzero(np.unpackbits(raw.reshape(len(backward), width), axis=1, bitorder="little"))

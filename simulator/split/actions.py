@@ -103,6 +103,14 @@ def split_origin(name: str) -> str:
     return name.partition(SPLIT_MARK)[0]
 
 
+def split_step_ops(g: OpGraph) -> np.ndarray:
+    """Per op of ``g``: a part or a combine of a split region (none in a step not split)."""
+    if not g.meta.get("splits"):
+        return np.zeros(g.n_ops, bool)
+    return g.cached("split_step_ops", lambda graph: (np.char.find(graph.op_name.astype(str), f"{SPLIT_MARK}part_") >= 0)
+                    | (np.char.find(graph.op_name.astype(str), f"{SPLIT_MARK}combine_") >= 0), structural=True)
+
+
 def split_regions(g: OpGraph) -> list[dict]:
     """The regions a split graph holds, as ``with_splits`` noted them in its meta."""
     return list(g.meta.get("splits", []))
