@@ -251,7 +251,7 @@ def recompute_candidates(g: OpGraph, device: DeviceModel, params: RecomputeParam
     them costs no memory) and are made by whitelisted ops, at most ``max_ops`` ops; it stops at kept
     inputs (sources) and at inputs no class allows, which become sources too and count against the
     bytes freed (``extra_bytes``): they would live on for the clones alone. The trigger is the
-    latest backward trigger candidate (``planning.TRIGGER_OP_TYPES``) between ``ub`` and ``lb``
+    latest trigger candidate (``planning._trigger_candidates``) between ``ub`` and ``lb``
     levels before the first far reader, after the last near reader and after every source is made;
     without one the tensor is no candidate (its clones would run beside their sources).
     ``recomputed``: tensors already recomputed by other actions; their originals are freed early, so
