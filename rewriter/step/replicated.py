@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 
 
 def replica_placement(replicas: Replicas, k: int) -> Placement:
-    """Where replica ``k``'s swaps run: its device and its host (the testbed's ``CPU:2k`` and ``CPU:2k+1``)."""
+    """Where replica ``k``'s swaps run: its device and its host (the testbed's ``CPU:2k`` and ``CPU:2k+1``); a
+    worker of ``MultiWorkerMirroredStrategy`` names its own task's devices in full."""
     device, host = replicas.devices[k], replicas.hosts[k]
-    short = "/device:" + tf.DeviceSpec.from_string(device).to_string().rsplit("device:", 1)[-1]
+    short = device if replicas.workers > 1 else "/device:" + device.rsplit("device:", 1)[-1]
     if "GPU" in short.upper():
         return GpuPlacement(accelerator=short, host=host)
     return CpuTestbedPlacement(accelerator=short, host=host)
@@ -114,7 +115,7 @@ class ReplicatedStep:
         self.placements = placements
         self.swap_op = swap_op
         self.replicas = trace.replicas
-        self.batch_size = trace.per_replica_batch * self.replicas.count  # the global batch
+        self.batch_size = trace.per_replica_batch * self.replicas.in_sync  # the global batch (of every worker)
         self.verification: tuple[Verification, ...] | None = None  # per replica, from the first call
         self.constant_bytes: tuple[int, ...] | None = None  # per replica, what its kernels' constants take
         self.calls = 0
@@ -175,13 +176,14 @@ class ReplicatedStep:
         return [tf.cast(tf.convert_to_tensor(value), spec.dtype) for value, spec in zip(flat, wanted)]
 
     def split(self, x, y) -> list[tuple[Any, Any]]:
-        """A global batch -> one (x, y) per replica, in order, as ``experimental_distribute_dataset`` splits it."""
-        count, per = self.replicas.count, self.trace.per_replica_batch
+        """A global batch -> one (x, y) per replica of this process, in order, as ``experimental_distribute_dataset``
+        splits it (a worker of ``MultiWorkerMirroredStrategy`` takes its replicas' shares)."""
+        first, per = self.replicas.first_replica, self.trace.per_replica_batch
 
         def part(value, k):
-            return tf.nest.map_structure(lambda v: np.asarray(v)[k * per:(k + 1) * per], value)
+            return tf.nest.map_structure(lambda v: np.asarray(v)[(first + k) * per:(first + k + 1) * per], value)
 
-        return [(part(x, k), None if y is None else part(y, k)) for k in range(count)]
+        return [(part(x, k), None if y is None else part(y, k)) for k in range(self.replicas.count)]
 
     def run_flat(self, *flat):
         """One step on flat inputs: (the logs of each replica, each replica's loss)."""
@@ -208,8 +210,8 @@ class ReplicatedStep:
         ``ValueError`` for a batch that does not split evenly over the replicas."""
         if int(batch_size) == self.batch_size:
             return self
-        if int(batch_size) % self.replicas.count:
-            raise ValueError(f"a batch of {batch_size} samples does not split evenly over {self.replicas.count} "
+        if int(batch_size) % self.replicas.in_sync:
+            raise ValueError(f"a batch of {batch_size} samples does not split evenly over {self.replicas.in_sync} "
                              "replicas: give a dataset whose size is a multiple of the batch size, or drop the "
                              "remainder")
         if int(batch_size) not in self._others:
@@ -245,7 +247,7 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     if not serialize:
         named = replace(named, order=())
     if batch_size is None:
-        batch_size = int(named.batch_size or 0) * replicas.count
+        batch_size = int(named.batch_size or 0) * replicas.in_sync
     trace = trace_replicated_step(model, replicas, int(batch_size), inputs)
     named = traced_names(named, trace.traced.canonical)
     concrete = trace.traced.concrete
@@ -329,20 +331,42 @@ def make_replicated_train_function(model, step: ReplicatedStep):
         if len(set(shares)) > 1:  # the strategy split an epoch's last batch unevenly
             raise ValueError(f"a batch of {sum(shares)} samples does not split evenly over {len(shares)} "
                              "replicas: give a dataset whose size is a multiple of the batch size")
-        target = step.for_batch(sum(shares))
+        target = step.for_batch(shares[0] * step.replicas.in_sync)  # every worker's replicas have one share each
         return target.logs_of(target.run_flat(*target.flat_inputs(per_replica))[0])
 
     return train_function_of(model, step, run_batch)
 
 
+def build_from_first_replica(model) -> None:
+    """Let ``model.fit`` start under ``MultiWorkerMirroredStrategy`` with Keras 3.15: before its first step ``fit``
+    builds the model symbolically from the first distributed batch, reduced with ``strategy.reduce("MEAN", (x,
+    y))``, which that strategy's all-reduce refuses for a structure ("Attempt to convert a value (PerReplica..."; the
+    same with or without a plan, keras-team/keras#20585). The build needs shapes only: this model's build takes the
+    first local replica's batch instead (an attribute of this model; Keras' training step is not touched)."""
+    strategy = model.distribute_strategy
+
+    def build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], next(batches))
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+
+    model._maybe_symbolic_build = build  # noqa: SLF001
+
+
 def use_replicated_step(model, step_or_plan, *, batch_size: int | None = None, **apply_kwargs) -> ReplicatedStep:
-    """``rewriter.use_swap_step`` for a model built in ``MirroredStrategy.scope()``: ``model.fit`` (global
-    ``batch_size``) runs the plan on every replica. ``rewriter.restore_train_function`` undoes it."""
+    """``rewriter.use_swap_step`` for a model built in ``MirroredStrategy.scope()`` or
+    ``MultiWorkerMirroredStrategy.scope()`` (called in every worker): ``model.fit`` (global ``batch_size``) runs
+    the plan on every replica. ``rewriter.restore_train_function`` undoes it."""
     if isinstance(step_or_plan, ReplicatedStep):
         step = step_or_plan
         if step._model is not model:  # noqa: SLF001
             raise ValueError("this ReplicatedStep was built for another model")
     else:
         step = apply_replicated(model, step_or_plan, batch_size=batch_size, **apply_kwargs)
+    if step.replicas.workers > 1:
+        build_from_first_replica(model)
     install_train_function(model, make_replicated_train_function(model, step), step)
     return step
