@@ -17,7 +17,7 @@ graph rewrites. The first call checks what survived Grappler on each replica (``
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -232,14 +232,25 @@ class ReplicatedStep:
                 f"swaps={self.n_swap_outs} per replica)")
 
 
-def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
-                     swap_op: str = "auto", serialize: bool = True, verify: bool = True,
-                     verify_with=None) -> ReplicatedStep:
-    """Apply ``plan`` (made on ``capture_replicated``'s graph of one replica) to every replica of ``model``'s
-    ``MirroredStrategy`` step at the global ``batch_size`` (default: the plan's per-replica batch times the
-    replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy.
-    ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
-    Grappler (``ReplicatedStep.verification``), then every variable is put back."""
+@dataclass(frozen=True)
+class ReplicatedEdit:
+    """The replicated step's GraphDef with one plan on every replica, before anything runs it: per replica its
+    swaps (``applied``, ``skipped``), its recomputations' clones and its placement (``rewriter.step.gpu_graph``
+    builds one for GPUs without a GPU)."""
+
+    trace: ReplicatedTrace
+    plan: NamedPlan
+    graph_def: Any
+    applied: tuple[list[AppliedSwap], ...]
+    skipped: tuple[list, ...]
+    recomputed: tuple[tuple, ...]
+    placements: tuple[Placement, ...]
+
+
+def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
+                   serialize: bool = True) -> tuple[NamedPlan, StepInputs, ReplicatedTrace]:
+    """The plan by the replicated step's names, the step's inputs and its trace at the global ``batch_size``
+    (default: the plan's per-replica batch times the replicas)."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
     _refuse_unbuilt(named)
@@ -249,13 +260,18 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     if batch_size is None:
         batch_size = int(named.batch_size or 0) * replicas.in_sync
     trace = trace_replicated_step(model, replicas, int(batch_size), inputs)
-    named = traced_names(named, trace.traced.canonical)
+    return traced_names(named, trace.traced.canonical), inputs, trace
+
+
+def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Placement, ...], *, graph_def=None,
+                  swap_op: str = "auto") -> ReplicatedEdit:
+    """Edit the replicated step's GraphDef (default: the traced one) once per replica: replica 0 by the plan's
+    names, replica k by its counterparts' (``replica_plan``), its swaps on ``placements[k]``."""
     concrete = trace.traced.concrete
     foldable, tensor_info, passthrough = _step_facts(concrete)
-    graph_def = concrete.graph.as_graph_def()
-    applied, skipped, placements, recomputed = [], [], [], []
-    for k in range(replicas.count):
-        place = replica_placement(replicas, k)
+    graph_def = concrete.graph.as_graph_def() if graph_def is None else graph_def
+    applied, skipped, recomputed = [], [], []
+    for k, place in enumerate(placements):
         chosen = place.swap_op if swap_op in (None, "auto") else swap_op
         if chosen not in SWAP_OPS:
             raise ValueError(f"swap_op must be 'auto' or one of {SWAP_OPS}, got {swap_op!r}")
@@ -270,13 +286,29 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
                                                foldable=foldable, kept_reads=place.kept_reads, passthrough=passthrough)
         applied.append(done)
         skipped.append(left)
-        placements.append(place)
-    function = import_step(graph_def, trace.traced)
-    step = ReplicatedStep(function=function, trace=trace, graph_def=graph_def, plan=named, applied=tuple(applied),
-                          skipped=tuple(skipped), placements=tuple(placements), swap_op=placements[0].swap_op,
-                          model=model, recomputed=tuple(recomputed), inputs=inputs)
+    return ReplicatedEdit(trace, named, graph_def, tuple(applied), tuple(skipped), tuple(recomputed),
+                          tuple(placements))
+
+
+def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
+                     swap_op: str = "auto", serialize: bool = True, verify: bool = True,
+                     verify_with=None) -> ReplicatedStep:
+    """Apply ``plan`` (made on ``capture_replicated``'s graph of one replica) to every replica of ``model``'s
+    ``MirroredStrategy`` step at the global ``batch_size`` (default: the plan's per-replica batch times the
+    replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy.
+    ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
+    Grappler (``ReplicatedStep.verification``), then every variable is put back."""
+    named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
+                                          serialize=serialize)
+    replicas = trace.replicas
+    edit = edit_replicas(trace, named, tuple(replica_placement(replicas, k) for k in range(replicas.count)),
+                         swap_op=swap_op)
+    function = import_step(edit.graph_def, trace.traced)
+    step = ReplicatedStep(function=function, trace=trace, graph_def=edit.graph_def, plan=named, applied=edit.applied,
+                          skipped=edit.skipped, placements=edit.placements, swap_op=edit.placements[0].swap_op,
+                          model=model, recomputed=edit.recomputed, inputs=inputs)
     log.info("applied %d swap(s) and %d recomputation(s) on each of %d replicas (%s)", step.n_swap_outs,
-             len(named.recomputes), replicas.count, ", ".join(p.describe() for p in placements))
+             len(named.recomputes), replicas.count, ", ".join(p.describe() for p in edit.placements))
     if verify and (named.swaps or named.recomputes):
         step.verification = verify_replicas(step, verify_with)
     return step

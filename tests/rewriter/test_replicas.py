@@ -94,6 +94,39 @@ for name, params in (("unswapped", SwapParams(threshold=10**6)), ("swapped", Swa
                    "measured": [r.peak_bytes for r in peaks], "host_peaks": [r.host_peak_bytes for r in peaks],
                    "planned_ins": sum(len(s.swap_ins) for s in plan.to_named(graph).swaps),
                    "verified": [[v.ok, v.swap_outs, v.swap_ins] for v in step.verification or ()]}
+# the same plan as 2 GPUs of one machine run it, built here without a GPU
+import dataclasses
+from tensorflow.core.framework import graph_pb2
+from rewriter.step.gpu_graph import optimize_for_gpu, replica_placement_problems, replicated_gpu_graph_def, virtual_gpu_cluster
+edit = replicated_gpu_graph_def(model, plan, graph=graph, batch_size=batch)
+nodes = {n.name: n for n in edit.graph_def.node}
+owned = lambda k: {n for n, o in edit.trace.owner.items() if o == k and n in nodes}
+optimized = {n.name: n for n in optimize_for_gpu(edit.graph_def, [t.name for t in edit.trace.traced.concrete.outputs],
+                                                 cluster=virtual_gpu_cluster(gpus=2)).node}
+facts["gpu"] = {
+    "problems": replica_placement_problems(edit), "accelerators": [p.accelerator for p in edit.placements],
+    "hosts": [p.host for p in edit.placements], "swaps": [len(a) for a in edit.applied],
+    "op_devices": [sorted({nodes[n].device for n in owned(k)}) for k in range(2)],
+    "swap_devices": [sorted({(role, nodes[name].device) for s in edit.applied[k] for role, name in
+                             [("out", s.swap_out)] + [r for i in s.swap_ins for r in (("host", i.host_node), ("in", i.name))]})
+                     for k in range(2)],
+    # (a GPU swap-in, its trigger): the host-side node the GPU's copy reads waits for the trigger
+    "triggers": [[[i.name, i.trigger, i.trigger in {c[1:] for c in nodes[i.host_node].input if c.startswith("^")}]
+                  for s in edit.applied[k] for i in s.swap_ins if i.trigger] for k in range(2)],
+    "before_swap_outs": [s.swap_out for a in edit.applied for s in a
+                         if optimized[s.swap_out].input[0].split(":")[0] != s.tensor.split(":")[0]],
+}
+broken = graph_pb2.GraphDef()
+broken.CopyFrom(edit.graph_def)
+host_node = edit.applied[1][0].swap_ins[0].host_node
+for node in broken.node:
+    if node.name == host_node:  # replica 1's first host-side swap-in waits for nothing
+        kept = [ref for ref in node.input if not ref.startswith("^")]
+        del node.input[:]
+        node.input.extend(kept)
+    if node.name == sorted(owned(1))[0]:  # and one op of replica 1 on replica 0's GPU
+        node.device = edit.placements[0].accelerator
+facts["gpu"]["broken"] = replica_placement_problems(dataclasses.replace(edit, graph_def=broken))
 use_replicated_step(model, step)
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 pairs = list(zip(plain.weights, model.weights))
@@ -233,6 +266,28 @@ def test_model_fit_with_the_plan_trains_as_plain_mirrored_strategy(facts):
     # swapped and the unswapped replicated steps are both bitwise equal to plain fit
     assert facts["last_batch_steps"] == [8] and facts["iterations"] == [6, 6]
     assert facts["last_batch_worst"] <= 1e-6
+
+
+def test_the_gpu_placement_of_two_replicas_is_built_and_checked_without_a_gpu(facts):
+    """The plan on 2 GPUs of one machine (rewriter.step.gpu_graph.replicated_gpu_graph_def, from the testbed's
+    replicas): every op of replica k on GPU:k, each replica's copies out and host-side swap-ins on the machine's
+    one CPU:0, its swap-ins on its own GPU, and the host-side node each GPU copy reads waits for the swap-in's
+    trigger; Grappler for 2 (virtual) GPUs puts nothing between a tensor and its copy out. A host-side node that
+    waits for nothing and an op on the other replica's GPU are both found."""
+    gpu = facts["gpu"]
+    assert gpu["problems"] == []
+    assert gpu["accelerators"] == ["/device:GPU:0", "/device:GPU:1"] and gpu["hosts"] == ["/device:CPU:0"] * 2
+    assert gpu["swaps"] == facts["swapped"]["swaps"]
+    for k in range(2):
+        assert gpu["op_devices"][k] == [f"/job:localhost/replica:0/task:0/device:GPU:{k}"]
+        assert {device for role, device in gpu["swap_devices"][k] if role in ("out", "host")} == {"/device:CPU:0"}
+        assert {device for role, device in gpu["swap_devices"][k] if role == "in"} == {f"/device:GPU:{k}"}
+        assert gpu["triggers"][k] and all(waits for _, _, waits in gpu["triggers"][k])
+    assert gpu["before_swap_outs"] == []
+    broken = gpu["broken"]
+    assert len(broken) == 2, broken
+    assert any("does not wait for" in line and line.startswith("replica 1:") for line in broken)
+    assert any("(replica 1) on /device:GPU:0, not /device:GPU:1" in line for line in broken)
 
 
 MULTI_WORKER = r"""
