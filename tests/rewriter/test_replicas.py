@@ -344,6 +344,14 @@ facts["bitwise"] = all(np.array_equal(a.numpy(), b.numpy()) for a, b in pairs)
 facts["worst_relative"] = max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max()) for a, b in pairs)
 facts["iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
 facts["loss"] = history["loss"]
+# an epoch whose last global batch is 8 (4 per worker): the plan applied at that batch, the reference retraced
+x, y = x[:2 * batch + 8], y[:2 * batch + 8]
+for data in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)):
+    one_step(data)
+model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+facts["last_batch_steps"] = sorted(step._others)
+facts["last_batch_bitwise"] = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))
+facts["last_batch_iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
 print("FACTS " + json.dumps(facts))
 """
 
@@ -397,6 +405,9 @@ def test_model_fit_with_the_plan_trains_as_the_strategy_does_without_it(workers)
         assert w["iterations"] == [3, 3]
         assert w["bitwise"], w["worst_relative"]
         assert len(w["loss"]) == 1 and np.isfinite(w["loss"][0])
+        # an epoch of 2.5 global batches: the last (8 samples, 4 on each worker) runs the plan applied at 8
+        assert w["last_batch_steps"] == [8] and w["last_batch_iterations"] == [6, 6]
+        assert w["last_batch_bitwise"]
 
 
 def test_a_failed_worker_stops_the_cluster_and_leaves_no_process():
