@@ -53,25 +53,6 @@ def plan_of_about(graph, n_swaps: int, kept_reads=()):
     return more if more.n_swaps - n_swaps <= n_swaps - fewer.n_swaps or not fewer.n_swaps else fewer
 
 
-def host_side_problems(step) -> list[str]:
-    """Swap-ins whose accelerator-side node reads a host-side node that does not carry its control
-    inputs, or carries control inputs itself (the GraphDef as built, before any run)."""
-    nodes = {node.name: node for node in step.graph_def.node}
-    problems = []
-    for swap in step.applied:
-        for item in swap.swap_ins:
-            node = nodes[item.name]
-            if any(ref.startswith("^") for ref in node.input):
-                problems.append(f"{item.name}: control inputs on the accelerator side")
-            for ref in node.input:
-                source = nodes.get(ref.split(":")[0])
-                if source is None or source.device != step.placement.host:
-                    problems.append(f"{item.name}: reads {ref}, not a node on {step.placement.host}")
-                elif not {c[1:] for c in source.input if c.startswith("^")} >= set(item.controls):
-                    problems.append(f"{item.name}: {source.name} does not wait for {', '.join(item.controls)}")
-    return problems
-
-
 def between_producer_and_swap_out(optimized, step) -> list[str]:
     """Swap-outs that no longer read their tensor's producer after Grappler (a Transpose put between)."""
     nodes = {node.name: node for node in optimized.node}
@@ -131,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     import rewriter
     from autotune.run.plan_run import run_plan
     from benchmarks.models import build_model
-    from rewriter.step.gpu_graph import jit_compile_note, optimize_for_gpu
+    from rewriter.step.gpu_graph import host_side_problems, jit_compile_note, optimize_for_gpu
     from rewriter.trace.step_inputs import synthetic_batch
     from rewriter.placement.placements import limit_device_memory
     from simulator import SwapPlan, get_device, replay
@@ -161,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         step = rewriter.apply(model, plan, graph=graph, batch_size=args.batch, placement=placement, verify=False)
         fetches = [tensor.name for tensor in step.traced.concrete.outputs]
-        problems = host_side_problems(step)
+        problems = host_side_problems(step.graph_def, step.applied, step.placement.host)
         inserted = between_producer_and_swap_out(optimize_for_gpu(step.graph_def, fetches), step)
         rows = [_row("none", empty, replay(graph, empty, device)), _row("swaps", plan, replay(graph, plan, device))]
         rows[1].update(host_side_ok=not problems, nothing_before_swap_outs=not inserted)

@@ -8,7 +8,9 @@
     rewriter.use_swap_step(model, step); model.fit(...)        # train with it
     g = rewriter.capture_replicated(model, batch_size=16)     # built in MirroredStrategy.scope(): one replica
     step = rewriter.apply_replicated(model, plan, graph=g)    # the plan on every replica (docs/design.md 14)
-    rewriter.use_replicated_step(model, step); model.fit(...)
+    rewriter.use_replicated_step(model, step); model.fit(...)  # MultiWorkerMirroredStrategy too
+    edit = rewriter.replicated_gpu_graph_def(model, plan, graph=g)  # replica k on GPU:k, swaps to CPU:0
+    rewriter.replica_placement_problems(edit)                 # [] when every copy waits for its trigger
     rewriter.rewritten_graph_def(model, plan, graph=g, batch_size=8,
                                  placement=rewriter.GpuPlacement())  # what a GPU would run, without one
     device = rewriter.calibrate(model, batch_sizes=(2, 4))    # -> simulator.CalibratedDevice (step times)
@@ -41,6 +43,7 @@ _HOMES = {
     "restore_train_function": "rewriter.step", "rewritten_graph_def": "rewriter.step", "swap_step_of": "rewriter.step",
     "swapping": "rewriter.step", "use_swap_step": "rewriter.step",
     "ReplicatedStep": "rewriter.step", "apply_replicated": "rewriter.step", "use_replicated_step": "rewriter.step",
+    "replicated_gpu_graph_def": "rewriter.step", "replica_placement_problems": "rewriter.step",
     "CalibrationError": "rewriter.timing", "Measurement": "rewriter.timing", "calibrate": "rewriter.timing",
     "measure": "rewriter.timing", "measure_replicas": "rewriter.timing",
     "capture": "rewriter.trace", "capture_step": "rewriter.trace", "trace_function_step": "rewriter.trace",

@@ -12,11 +12,16 @@ make of it on a GPU, the device memory limit, and what XLA means for the plan.
   does not fit runs out of memory as it would on a GPU of that size.
 * ``jit_compile_note(model)``: whether the user's own ``model.fit`` compiles with XLA, and what that
   means for the plan.
+* ``replicated_gpu_graph_def(model, plan)``: a ``MirroredStrategy`` step with the plan on every replica as N GPUs
+  of one machine run it (replica k on GPU:k, every replica's swaps to the machine's CPU:0), built from a model on
+  the testbed's replicas or on GPUs; ``replica_placement_problems`` checks it (docs/design.md 14).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
+
+import tensorflow as tf
 
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2
@@ -24,6 +29,8 @@ from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
 from rewriter.step.apply_plan import apply
+from rewriter.step.replicated import ReplicatedEdit, edit_replicas, trace_for_plan
+from rewriter.trace.replicas import SHARED, ReplicatedTrace
 from rewriter.tf_effects.grappler import swap_grappler_config
 from rewriter.placement.placements import GpuPlacement, Placement, limit_device_memory  # noqa: F401 -- re-exported
 
@@ -51,16 +58,17 @@ def place_unassigned(graph_def: graph_pb2.GraphDef, device: str = "/device:GPU:0
     return placed
 
 
-def virtual_gpu_cluster(*, memory_bytes: int = 16 * 2**30, compute_capability: str = "7.0") -> gcluster.Cluster:
-    """A Grappler cluster of one GPU (a V100 by default) and one CPU, for offline optimization."""
+def virtual_gpu_cluster(*, memory_bytes: int = 16 * 2**30, compute_capability: str = "7.0",
+                        gpus: int = 1) -> gcluster.Cluster:
+    """A Grappler cluster of ``gpus`` GPUs (V100s by default) and one CPU, for offline optimization."""
     gpu = device_properties_pb2.DeviceProperties(
         type="GPU", vendor="NVIDIA", model="virtual", frequency=1530, num_cores=80, num_registers=65536,
         l1_cache_size=24576, l2_cache_size=6291456, shared_memory_size_per_multiprocessor=98304,
         memory_size=int(memory_bytes), bandwidth=900_000_000,
         environment={"architecture": compute_capability, "cuda": "12030", "cudnn": "8900"})
     cpu = device_properties_pb2.DeviceProperties(type="CPU", frequency=2000, num_cores=8)
-    return gcluster.Cluster(devices=[device_properties_pb2.NamedDevice(name=GPU_DEVICE, properties=gpu),
-                                     device_properties_pb2.NamedDevice(name=CPU_DEVICE, properties=cpu)])
+    named = [device_properties_pb2.NamedDevice(name=GPU_DEVICE[:-1] + str(k), properties=gpu) for k in range(gpus)]
+    return gcluster.Cluster(devices=named + [device_properties_pb2.NamedDevice(name=CPU_DEVICE, properties=cpu)])
 
 
 def optimize_for_gpu(graph_def: graph_pb2.GraphDef, fetches: Iterable[str], *,
@@ -77,6 +85,81 @@ def optimize_for_gpu(graph_def: graph_pb2.GraphDef, fetches: Iterable[str], *,
     if config is None:
         config = swap_grappler_config(config_pb2.ConfigProto())
     return tf_optimizer.OptimizeGraph(config, meta, cluster=cluster or virtual_gpu_cluster())
+
+
+def host_side_problems(graph_def: graph_pb2.GraphDef, applied, host: str) -> list[str]:
+    """Swap-ins whose accelerator-side node reads a host-side node (on ``host``) that does not carry its control
+    inputs, or carries control inputs itself (the GraphDef as built, before any run): such a copy to the
+    accelerator would not wait for its trigger."""
+    nodes = {node.name: node for node in graph_def.node}
+    problems = []
+    for swap in applied:
+        for item in swap.swap_ins:
+            node = nodes[item.name]
+            if any(ref.startswith("^") for ref in node.input):
+                problems.append(f"{item.name}: control inputs on the accelerator side")
+            for ref in node.input:
+                source = nodes.get(ref.split(":")[0])
+                if source is None or _device_key(source.device) != _device_key(host):
+                    problems.append(f"{item.name}: reads {ref}, not a node on {host}")
+                elif not {c[1:] for c in source.input if c.startswith("^")} >= set(item.controls):
+                    problems.append(f"{item.name}: {source.name} does not wait for {', '.join(item.controls)}")
+    return problems
+
+
+def _device_key(device: str) -> tuple[str, int | None]:
+    spec = tf.DeviceSpec.from_string(device or "")
+    return (spec.device_type or "").upper(), spec.device_index
+
+
+def replica_gpus(trace: ReplicatedTrace) -> tuple[str, ...]:
+    """The GPU each replica runs on: its own where the model was built on GPUs, else GPU:k for replica k (the
+    testbed's CPU:2k), named as the replica's device is (job, replica, task)."""
+    gpus = []
+    for k, device in enumerate(trace.replicas.devices):
+        spec = tf.DeviceSpec.from_string(device)
+        gpus.append(spec.to_string() if (spec.device_type or "").upper() == "GPU"
+                    else spec.replace(device_type="GPU", device_index=k).to_string())
+    return tuple(gpus)
+
+
+def replicated_gpu_graph_def(model, plan, *, graph=None, batch_size: int | None = None, host: str = "/device:CPU:0",
+                             **trace_kwargs: Any) -> ReplicatedEdit:
+    """The ``MirroredStrategy`` step of ``model`` with ``plan`` on every replica, as the machine's GPUs run it, built
+    without one: every op of replica k on its GPU (``replica_gpus``; the ops TensorFlow leaves to its placer, a
+    variable's reads and the step's inputs, placed there too), each replica's swaps to ``host``, the one host memory
+    of the machine the replicas share. ``.graph_def`` is what a GPU machine imports; ``replica_placement_problems``
+    checks it. Same arguments as ``rewriter.step.replicated.apply_replicated``."""
+    named, _, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, **trace_kwargs)
+    gpus = replica_gpus(trace)
+    graph_def = graph_pb2.GraphDef()
+    graph_def.CopyFrom(trace.traced.concrete.graph.as_graph_def())
+    for node in graph_def.node:
+        owner = trace.owner.get(node.name, SHARED)
+        if owner != SHARED:
+            node.device = gpus[owner]
+    placements = tuple(GpuPlacement(accelerator="/device:" + gpu.rsplit("device:", 1)[-1], host=host) for gpu in gpus)
+    return edit_replicas(trace, named, placements, graph_def=graph_def)
+
+
+def replica_placement_problems(edit: ReplicatedEdit) -> list[str]:
+    """What would make the GPU-placed replicated step (``replicated_gpu_graph_def``) run otherwise than planned: an
+    op of replica k off its GPU, a swap node off its device (the copy out and the host-side swap-in on the host,
+    the swap-in on the replica's GPU), a copy to a GPU that would not wait for its trigger (``host_side_problems``)."""
+    nodes = {node.name: node for node in edit.graph_def.node}
+    problems = [f"{name} (replica {k}) on {nodes[name].device or 'no device'}, not {edit.placements[k].accelerator}"
+                for name, k in edit.trace.owner.items()  # (ops the edit removed, Keras' IdentityN, are not there)
+                if k != SHARED and name in nodes
+                and _device_key(nodes[name].device) != _device_key(edit.placements[k].accelerator)]
+    for k, place in enumerate(edit.placements):
+        for swap in edit.applied[k]:
+            wanted = [(swap.swap_out, place.swap_out_device)]
+            wanted += [(node, device) for item in swap.swap_ins
+                       for node, device in ((item.host_node, place.host), (item.name, place.accelerator))]
+            problems += [f"{name} (replica {k}) on {nodes[name].device}, not {device}" for name, device in wanted
+                         if _device_key(nodes[name].device) != _device_key(device)]
+        problems += [f"replica {k}: {line}" for line in host_side_problems(edit.graph_def, edit.applied[k], place.host)]
+    return problems
 
 
 def jit_compile_note(model) -> tuple[bool | None, str]:

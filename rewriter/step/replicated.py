@@ -17,7 +17,7 @@ graph rewrites. The first call checks what survived Grappler on each replica (``
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 
 
 def replica_placement(replicas: Replicas, k: int) -> Placement:
-    """Where replica ``k``'s swaps run: its device and its host (the testbed's ``CPU:2k`` and ``CPU:2k+1``)."""
+    """Where replica ``k``'s swaps run: its device and its host (the testbed's ``CPU:2k`` and ``CPU:2k+1``); a
+    worker of ``MultiWorkerMirroredStrategy`` names its own task's devices in full."""
     device, host = replicas.devices[k], replicas.hosts[k]
-    short = "/device:" + tf.DeviceSpec.from_string(device).to_string().rsplit("device:", 1)[-1]
+    short = device if replicas.workers > 1 else "/device:" + device.rsplit("device:", 1)[-1]
     if "GPU" in short.upper():
         return GpuPlacement(accelerator=short, host=host)
     return CpuTestbedPlacement(accelerator=short, host=host)
@@ -114,7 +115,7 @@ class ReplicatedStep:
         self.placements = placements
         self.swap_op = swap_op
         self.replicas = trace.replicas
-        self.batch_size = trace.per_replica_batch * self.replicas.count  # the global batch
+        self.batch_size = trace.per_replica_batch * self.replicas.in_sync  # the global batch (of every worker)
         self.verification: tuple[Verification, ...] | None = None  # per replica, from the first call
         self.constant_bytes: tuple[int, ...] | None = None  # per replica, what its kernels' constants take
         self.calls = 0
@@ -175,13 +176,14 @@ class ReplicatedStep:
         return [tf.cast(tf.convert_to_tensor(value), spec.dtype) for value, spec in zip(flat, wanted)]
 
     def split(self, x, y) -> list[tuple[Any, Any]]:
-        """A global batch -> one (x, y) per replica, in order, as ``experimental_distribute_dataset`` splits it."""
-        count, per = self.replicas.count, self.trace.per_replica_batch
+        """A global batch -> one (x, y) per replica of this process, in order, as ``experimental_distribute_dataset``
+        splits it (a worker of ``MultiWorkerMirroredStrategy`` takes its replicas' shares)."""
+        first, per = self.replicas.first_replica, self.trace.per_replica_batch
 
         def part(value, k):
-            return tf.nest.map_structure(lambda v: np.asarray(v)[k * per:(k + 1) * per], value)
+            return tf.nest.map_structure(lambda v: np.asarray(v)[(first + k) * per:(first + k + 1) * per], value)
 
-        return [(part(x, k), None if y is None else part(y, k)) for k in range(count)]
+        return [(part(x, k), None if y is None else part(y, k)) for k in range(self.replicas.count)]
 
     def run_flat(self, *flat):
         """One step on flat inputs: (the logs of each replica, each replica's loss)."""
@@ -208,8 +210,8 @@ class ReplicatedStep:
         ``ValueError`` for a batch that does not split evenly over the replicas."""
         if int(batch_size) == self.batch_size:
             return self
-        if int(batch_size) % self.replicas.count:
-            raise ValueError(f"a batch of {batch_size} samples does not split evenly over {self.replicas.count} "
+        if int(batch_size) % self.replicas.in_sync:
+            raise ValueError(f"a batch of {batch_size} samples does not split evenly over {self.replicas.in_sync} "
                              "replicas: give a dataset whose size is a multiple of the batch size, or drop the "
                              "remainder")
         if int(batch_size) not in self._others:
@@ -230,14 +232,25 @@ class ReplicatedStep:
                 f"swaps={self.n_swap_outs} per replica)")
 
 
-def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
-                     swap_op: str = "auto", serialize: bool = True, verify: bool = True,
-                     verify_with=None) -> ReplicatedStep:
-    """Apply ``plan`` (made on ``capture_replicated``'s graph of one replica) to every replica of ``model``'s
-    ``MirroredStrategy`` step at the global ``batch_size`` (default: the plan's per-replica batch times the
-    replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy.
-    ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
-    Grappler (``ReplicatedStep.verification``), then every variable is put back."""
+@dataclass(frozen=True)
+class ReplicatedEdit:
+    """The replicated step's GraphDef with one plan on every replica, before anything runs it: per replica its
+    swaps (``applied``, ``skipped``), its recomputations' clones and its placement (``rewriter.step.gpu_graph``
+    builds one for GPUs without a GPU)."""
+
+    trace: ReplicatedTrace
+    plan: NamedPlan
+    graph_def: Any
+    applied: tuple[list[AppliedSwap], ...]
+    skipped: tuple[list, ...]
+    recomputed: tuple[tuple, ...]
+    placements: tuple[Placement, ...]
+
+
+def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
+                   serialize: bool = True) -> tuple[NamedPlan, StepInputs, ReplicatedTrace]:
+    """The plan by the replicated step's names, the step's inputs and its trace at the global ``batch_size``
+    (default: the plan's per-replica batch times the replicas)."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
     _refuse_unbuilt(named)
@@ -245,15 +258,20 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     if not serialize:
         named = replace(named, order=())
     if batch_size is None:
-        batch_size = int(named.batch_size or 0) * replicas.count
+        batch_size = int(named.batch_size or 0) * replicas.in_sync
     trace = trace_replicated_step(model, replicas, int(batch_size), inputs)
-    named = traced_names(named, trace.traced.canonical)
+    return traced_names(named, trace.traced.canonical), inputs, trace
+
+
+def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Placement, ...], *, graph_def=None,
+                  swap_op: str = "auto") -> ReplicatedEdit:
+    """Edit the replicated step's GraphDef (default: the traced one) once per replica: replica 0 by the plan's
+    names, replica k by its counterparts' (``replica_plan``), its swaps on ``placements[k]``."""
     concrete = trace.traced.concrete
     foldable, tensor_info, passthrough = _step_facts(concrete)
-    graph_def = concrete.graph.as_graph_def()
-    applied, skipped, placements, recomputed = [], [], [], []
-    for k in range(replicas.count):
-        place = replica_placement(replicas, k)
+    graph_def = concrete.graph.as_graph_def() if graph_def is None else graph_def
+    applied, skipped, recomputed = [], [], []
+    for k, place in enumerate(placements):
         chosen = place.swap_op if swap_op in (None, "auto") else swap_op
         if chosen not in SWAP_OPS:
             raise ValueError(f"swap_op must be 'auto' or one of {SWAP_OPS}, got {swap_op!r}")
@@ -268,13 +286,29 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
                                                foldable=foldable, kept_reads=place.kept_reads, passthrough=passthrough)
         applied.append(done)
         skipped.append(left)
-        placements.append(place)
-    function = import_step(graph_def, trace.traced)
-    step = ReplicatedStep(function=function, trace=trace, graph_def=graph_def, plan=named, applied=tuple(applied),
-                          skipped=tuple(skipped), placements=tuple(placements), swap_op=placements[0].swap_op,
-                          model=model, recomputed=tuple(recomputed), inputs=inputs)
+    return ReplicatedEdit(trace, named, graph_def, tuple(applied), tuple(skipped), tuple(recomputed),
+                          tuple(placements))
+
+
+def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
+                     swap_op: str = "auto", serialize: bool = True, verify: bool = True,
+                     verify_with=None) -> ReplicatedStep:
+    """Apply ``plan`` (made on ``capture_replicated``'s graph of one replica) to every replica of ``model``'s
+    ``MirroredStrategy`` step at the global ``batch_size`` (default: the plan's per-replica batch times the
+    replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy.
+    ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
+    Grappler (``ReplicatedStep.verification``), then every variable is put back."""
+    named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
+                                          serialize=serialize)
+    replicas = trace.replicas
+    edit = edit_replicas(trace, named, tuple(replica_placement(replicas, k) for k in range(replicas.count)),
+                         swap_op=swap_op)
+    function = import_step(edit.graph_def, trace.traced)
+    step = ReplicatedStep(function=function, trace=trace, graph_def=edit.graph_def, plan=named, applied=edit.applied,
+                          skipped=edit.skipped, placements=edit.placements, swap_op=edit.placements[0].swap_op,
+                          model=model, recomputed=edit.recomputed, inputs=inputs)
     log.info("applied %d swap(s) and %d recomputation(s) on each of %d replicas (%s)", step.n_swap_outs,
-             len(named.recomputes), replicas.count, ", ".join(p.describe() for p in placements))
+             len(named.recomputes), replicas.count, ", ".join(p.describe() for p in edit.placements))
     if verify and (named.swaps or named.recomputes):
         step.verification = verify_replicas(step, verify_with)
     return step
@@ -329,20 +363,42 @@ def make_replicated_train_function(model, step: ReplicatedStep):
         if len(set(shares)) > 1:  # the strategy split an epoch's last batch unevenly
             raise ValueError(f"a batch of {sum(shares)} samples does not split evenly over {len(shares)} "
                              "replicas: give a dataset whose size is a multiple of the batch size")
-        target = step.for_batch(sum(shares))
+        target = step.for_batch(shares[0] * step.replicas.in_sync)  # every worker's replicas have one share each
         return target.logs_of(target.run_flat(*target.flat_inputs(per_replica))[0])
 
     return train_function_of(model, step, run_batch)
 
 
+def build_from_first_replica(model) -> None:
+    """Let ``model.fit`` start under ``MultiWorkerMirroredStrategy`` with Keras 3.15: before its first step ``fit``
+    builds the model symbolically from the first distributed batch, reduced with ``strategy.reduce("MEAN", (x,
+    y))``, which that strategy's all-reduce refuses for a structure ("Attempt to convert a value (PerReplica..."; the
+    same with or without a plan, keras-team/keras#20585). The build needs shapes only: this model's build takes the
+    first local replica's batch instead (an attribute of this model; Keras' training step is not touched)."""
+    strategy = model.distribute_strategy
+
+    def build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], next(batches))
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+
+    model._maybe_symbolic_build = build  # noqa: SLF001
+
+
 def use_replicated_step(model, step_or_plan, *, batch_size: int | None = None, **apply_kwargs) -> ReplicatedStep:
-    """``rewriter.use_swap_step`` for a model built in ``MirroredStrategy.scope()``: ``model.fit`` (global
-    ``batch_size``) runs the plan on every replica. ``rewriter.restore_train_function`` undoes it."""
+    """``rewriter.use_swap_step`` for a model built in ``MirroredStrategy.scope()`` or
+    ``MultiWorkerMirroredStrategy.scope()`` (called in every worker): ``model.fit`` (global ``batch_size``) runs
+    the plan on every replica. ``rewriter.restore_train_function`` undoes it."""
     if isinstance(step_or_plan, ReplicatedStep):
         step = step_or_plan
         if step._model is not model:  # noqa: SLF001
             raise ValueError("this ReplicatedStep was built for another model")
     else:
         step = apply_replicated(model, step_or_plan, batch_size=batch_size, **apply_kwargs)
+    if step.replicas.workers > 1:
+        build_from_first_replica(model)
     install_train_function(model, make_replicated_train_function(model, step), step)
     return step

@@ -1,7 +1,7 @@
 """What ``tf.distribute`` makes of a step: the strategy a Keras model was built under, and the collective ops a
-replicated step all-reduces its gradients with (docs/design.md 14). Only ``MirroredStrategy``'s step is captured
-replicated (``rewriter.trace.replicas``); every other strategy, and a hand-written loop around ``strategy.run``,
-is refused in one line. On the testbed the all-reduce writes its result into its input, the pack (no allocation
+replicated step all-reduces its gradients with (docs/design.md 14). ``MirroredStrategy``'s and
+``MultiWorkerMirroredStrategy``'s steps are captured replicated (``rewriter.trace.replicas``); every other strategy,
+and a hand-written loop around ``strategy.run``, is refused in one line. On the testbed the all-reduce writes its result into its input, the pack (no allocation
 of its own: ``rewriter.trace.tracing.FORWARDING_TYPES``), and holds one ring chunk while it runs
 (``scratch_bytes``)."""
 
@@ -15,7 +15,8 @@ from rewriter.errors import CaptureError
 
 COLLECTIVE_TYPES = frozenset({"CollectiveReduceV2", "CollectiveReduce", "CollectiveReduceV3", "NcclAllReduce",
                               "CollectiveGatherV2", "CollectiveAllToAllV2"})
-REPLICATED_STRATEGIES = ("MirroredStrategy",)
+# tf.distribute.MultiWorkerMirroredStrategy is the class CollectiveAllReduceStrategy
+REPLICATED_STRATEGIES = ("MirroredStrategy", "CollectiveAllReduceStrategy")
 
 
 def strategy_of(model):
@@ -31,8 +32,8 @@ def unsupported(strategy) -> str | None:
     kind = type(strategy).__name__
     if kind in REPLICATED_STRATEGIES:
         return None
-    return (f"tf.distribute.{kind} is not supported: only MirroredStrategy's replicated step is captured and trained "
-            "with a plan (MultiWorkerMirroredStrategy, TPUStrategy and ParameterServerStrategy are not)")
+    return (f"tf.distribute.{kind} is not supported: only MirroredStrategy's and MultiWorkerMirroredStrategy's "
+            "replicated steps are captured and trained with a plan (TPUStrategy and ParameterServerStrategy are not)")
 
 
 def refuse_collectives(graph) -> None:

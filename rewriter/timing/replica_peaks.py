@@ -1,4 +1,5 @@
-"""Each replica's peak of a replicated step on the testbed (``rewriter.step.replicated.ReplicatedStep``).
+"""Each replica's peak of a replicated step on the testbed (``rewriter.step.replicated.ReplicatedStep``), or on GPUs
+(``gpu_replica_peaks``: each GPU's own allocator).
 
 Every logical CPU shares one allocator, so one profiled call's memory trace (``rewriter.placement.memtrace``) holds
 every replica's allocations; each is told apart by its op (``ReplicatedTrace.owner``, the swap and recomputation
@@ -18,7 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from rewriter.placement import memtrace
-from rewriter.placement.placements import is_swap_out_op, warn_if_allocations_hidden, warn_if_onednn_off
+from rewriter.placement.placements import (GpuPlacement, gpu_reading, is_swap_out_op, warn_if_allocations_hidden,
+                                           warn_if_onednn_off)
 from rewriter.step.replicated import verify_replicas
 from rewriter.trace import state_kinds
 
@@ -51,37 +53,63 @@ def _state_bytes(step, flat: list[tf.Tensor], k: int) -> int:
 
 
 def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
-    """Each replica's peak of one profiled step on the global batch ``(x, y)``; every variable is put back."""
-    if any(place.measured_on != "cpu-testbed" for place in step.placements):
-        raise ValueError("each replica's peak is measured on the CPU testbed only: its logical devices share one "
-                         "allocator the profiler's trace is told apart from (docs/design.md 14)")
-    warn_if_allocations_hidden()
-    warn_if_onednn_off()
+    """Each replica's peak of one profiled step on the global batch ``(x, y)``; every variable is put back. On the
+    testbed from the one allocator's trace told apart by op; on GPUs from each GPU's own allocator
+    (``gpu_replica_peaks``)."""
+    on_gpus = all(isinstance(place, GpuPlacement) for place in step.placements)
+    if not on_gpus and any(place.measured_on != "cpu-testbed" for place in step.placements):
+        raise ValueError("each replica's peak is measured on the CPU testbed or on GPUs, not on a mix of "
+                         "devices (docs/design.md 14)")
+    if not on_gpus:
+        warn_if_allocations_hidden()
+        warn_if_onednn_off()
     flat = step.flat_inputs(step.split(x, y))
     if step.constant_bytes is None and step.calls == 0:  # its first call makes the constants its kernels keep
         step.verification = verify_replicas(step, (x, y))
     constants = step.constant_bytes or (0,) * step.replicas.count
+    resident = [_state_bytes(step, flat, k) + constants[k] for k in range(step.replicas.count)]
     snapshot = step.snapshot()
 
     def call(*inputs):
-        return step.run_flat(*inputs)[1]
+        loss = step.run_flat(*inputs)[1]
+        if on_gpus:
+            loss.numpy()  # a GPU's kernels run asynchronously: the trace ends after the step did
+        return loss
 
     try:
         for _ in range(max(warmup, 1)):
             call(*flat)
+        gpus = [place.accelerator.rsplit("device:", 1)[-1] for place in step.placements] if on_gpus else []
+        for gpu in gpus:
+            tf.config.experimental.reset_memory_stats(gpu)
         events = memtrace.record_memory_events(call, *flat)
+        allocator_peaks = [int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in gpus]
     finally:
         snapshot.restore()
+    if on_gpus:
+        return gpu_replica_peaks(events, step.placements, resident_bytes=resident, allocator_peak_bytes=allocator_peaks)
     mine = step.event_owners(events)
     unowned = events[(mine < 0) & (events["kind"] == "alloc")]
     peaks = []
     for k in range(step.replicas.count):
-        resident = _state_bytes(step, flat, k) + constants[k]
-        peak = memtrace.accelerator_peak(events[mine == k], is_host_op=is_swap_out_op, resident_bytes=resident,
+        peak = memtrace.accelerator_peak(events[mine == k], is_host_op=is_swap_out_op, resident_bytes=resident[k],
                                          resident_unit="requested")
         peaks.append(ReplicaPeak(k, step.replicas.devices[k], int(peak.peak_requested_bytes),
-                                 int(peak.host_peak_requested_bytes), resident,
+                                 int(peak.host_peak_requested_bytes), resident[k],
                                  int(unowned["requested_bytes"].sum())))
     return tuple(peaks)
 
 
+def gpu_replica_peaks(events, placements, *, resident_bytes, allocator_peak_bytes) -> tuple[ReplicaPeak, ...]:
+    """Each replica's peak on its GPU from one profiled step's memory events: a GPU's allocator (``GPU_k_bfc``)
+    holds its replica's allocations alone, read in requested bytes on top of ``resident_bytes[k]``
+    (``rewriter.placement.placements.gpu_reading``). The replicas' host copies share the machine's pinned
+    allocator, so ``host_peak_bytes`` is the machine's, the same on every row."""
+    peaks = []
+    for k, place in enumerate(placements):
+        device = place.accelerator.rsplit("device:", 1)[-1]
+        reading = gpu_reading(events, device, allocator_peak_bytes=allocator_peak_bytes[k], current_bytes=0,
+                              resident_bytes=resident_bytes[k], allocator_prefix=place.allocator_prefix)
+        peaks.append(ReplicaPeak(k, place.accelerator, reading.peak_bytes, int(reading.host_peak_bytes or 0),
+                                 reading.resident_bytes, 0))
+    return tuple(peaks)

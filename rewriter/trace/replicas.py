@@ -10,7 +10,9 @@ later replica's ops with a ``replica_1/`` prefix, a ``_1`` suffix or neither).
 
 ``Replicas`` is the strategy resolved once: its replica devices, the host device each replica's swaps go to
 (on the testbed ``CPU:2k`` plays replica k's accelerator and ``CPU:2k+1`` its host, ``testbed_replicas``) and
-the per-replica batch. Strategies other than ``MirroredStrategy`` are refused in one line.
+the per-replica batch. Under ``MultiWorkerMirroredStrategy`` each worker process captures and rewrites its own
+replicas' step the same way (the all-reduce then runs across the processes). Other strategies are refused in one
+line.
 """
 
 from __future__ import annotations
@@ -41,24 +43,34 @@ def _device_key(device: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Replicas:
-    """The strategy a model was built under, resolved once: replica ``k`` runs on ``devices[k]`` and swaps to
-    ``hosts[k]``; the hosts of one machine share its memory."""
+    """The strategy a model was built under, resolved once: this process's replica ``k`` runs on ``devices[k]``
+    and swaps to ``hosts[k]``; the hosts of one machine share its memory. ``in_sync``: the replicas of every
+    worker (``MultiWorkerMirroredStrategy``: each worker process runs ``count`` of them, its first being replica
+    ``first_replica`` of the group); under ``MirroredStrategy`` ``in_sync == count``."""
 
     strategy: Any = field(compare=False, repr=False)
     devices: tuple[str, ...]
     hosts: tuple[str, ...]
+    in_sync: int
+    first_replica: int
 
     @property
     def count(self) -> int:
+        """Replicas in this process."""
         return len(self.devices)
 
+    @property
+    def workers(self) -> int:
+        return self.in_sync // self.count
+
     def per_replica_batch(self, batch_size: int) -> int:
-        """The batch each replica runs: the global batch split evenly (as ``model.fit`` splits it)."""
+        """The batch each replica runs: the global batch (of every worker) split evenly, as ``model.fit`` splits
+        it."""
         batch_size = int(batch_size)
-        if batch_size < self.count or batch_size % self.count:
-            raise CaptureError(f"the batch size {batch_size} does not split evenly over {self.count} replicas: "
-                               f"give a multiple of {self.count}")
-        return batch_size // self.count
+        if batch_size < self.in_sync or batch_size % self.in_sync:
+            raise CaptureError(f"the batch size {batch_size} does not split evenly over {self.in_sync} replicas: "
+                               f"give a multiple of {self.in_sync}")
+        return batch_size // self.in_sync
 
     def replica_of_device(self, device: str) -> int | None:
         """The replica whose accelerator ``device`` is (None for another device, or none)."""
@@ -70,7 +82,7 @@ class Replicas:
 
     def to_dict(self) -> dict[str, Any]:
         return {"count": self.count, "strategy": type(self.strategy).__name__, "devices": list(self.devices),
-                "hosts": list(self.hosts)}
+                "hosts": list(self.hosts), "in_sync": self.in_sync, "workers": self.workers}
 
 
 def testbed_replicas(count: int = 2) -> list[str]:
@@ -89,17 +101,23 @@ def resolve_replicas(model) -> Replicas:
         raise CaptureError(unsupported(strategy))
     devices = tuple(tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices)
     logical = {_device_key(d.name) for d in tf.config.list_logical_devices()}
+    in_sync = int(strategy.num_replicas_in_sync)
     hosts = []
     for device in devices:
         kind_of, index = _device_key(device)
         host = f"/device:CPU:{index + 1}" if kind_of == "CPU" else "/device:CPU:0"
+        if in_sync > len(devices):  # a worker of several: its own task's host, never a CPU of another worker
+            spec = tf.DeviceSpec.from_string(device)
+            host = tf.DeviceSpec(job=spec.job, replica=spec.replica, task=spec.task).to_string() + host
         if _device_key(host) not in logical or (kind_of == "CPU" and any(_device_key(host) == _device_key(d)
                                                                          for d in devices)):
             raise CaptureError(f"replica device {device} has no host device of its own: on the CPU testbed give "
                                "each replica an even CPU with the next one free (4 logical CPUs, "
                                "MirroredStrategy(['/cpu:0', '/cpu:2']); rewriter.placement.configure_testbed(4))")
         hosts.append(host)
-    return Replicas(strategy, devices, tuple(hosts))
+    resolver = strategy.cluster_resolver  # MultiWorkerMirroredStrategy's TF_CONFIG; None under MirroredStrategy
+    task = int(resolver.task_id or 0) if resolver is not None and in_sync > len(devices) else 0
+    return Replicas(strategy, devices, tuple(hosts), in_sync, task * len(devices))
 
 
 @dataclass
@@ -137,8 +155,8 @@ def trace_replicated_step(model, replicas: Replicas, batch_size: int,
                  for k in range(replicas.count) for s in specs]
 
     def step(*flat):
-        def data_for(context):
-            own = flat[context.replica_id_in_sync_group * n_flat:][:n_flat]
+        def data_for(context):  # the replica's id counts every worker's replicas
+            own = flat[(context.replica_id_in_sync_group - replicas.first_replica) * n_flat:][:n_flat]
             return inputs.train_data(list(own[:n_x]), list(own[n_x:]))
 
         data = strategy.experimental_distribute_values_from_function(data_for)
@@ -306,7 +324,7 @@ def capture_replicated(model, batch_size: int, inputs: StepInputs = NO_STEP_INPU
     the global batch, the all-reduce's ops and bytes). Refused with one ``CaptureError`` for another strategy."""
     replicas = resolve_replicas(model)
     first = trace_replicated_step(model, replicas, int(batch_size), inputs)
-    second = trace_replicated_step(model, replicas, _second_batch(first.per_replica_batch) * replicas.count, inputs)
+    second = trace_replicated_step(model, replicas, _second_batch(first.per_replica_batch) * replicas.in_sync, inputs)
     handles = {n for n in first.traced.ops}
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
             "variables": state_kinds.describe_variables(first.traced.concrete, model, only=handles),

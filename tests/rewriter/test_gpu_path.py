@@ -153,3 +153,27 @@ def test_the_rewritten_step_runs_with_the_swap_configuration():
     outside = config_pb2.ConfigProto()
     outside.ParseFromString(context.context().function_call_options.config_proto_serialized)
     assert outside.graph_options.rewrite_options.layout_optimizer != off  # restored afterwards
+
+
+@pytest.mark.tf
+def test_each_replicas_gpu_peak_is_read_from_its_own_allocator():
+    """On GPUs each replica's allocations are its GPU's allocator's alone (GPU_k_bfc), on top of its resident
+    bytes; the host copies of both replicas share the machine's pinned allocator, one figure for the machine."""
+    from rewriter.timing.replica_peaks import gpu_replica_peaks
+    from tests.autotune.run.test_gpu_budgets import _events
+
+    events = _events([
+        (1, "alloc", 10, 1000, 1024, "conv", "GPU_0_bfc"),
+        (2, "alloc", 11, 3000, 3072, "replica_1/conv", "GPU_1_bfc"),
+        (3, "alloc", 20, 500, 512, "swap_out/conv_0", "gpu_host_bfc"),
+        (4, "alloc", 21, 700, 768, "swap_out/replica_1/conv_0", "gpu_host_bfc"),
+        (5, "free", 10, 1000, 1024, "conv", "GPU_0_bfc"),
+        (6, "alloc", 12, 200, 256, "relu", "GPU_0_bfc"),
+        (7, "free", 11, 3000, 3072, "replica_1/conv", "GPU_1_bfc"),
+    ])
+    placements = (rewriter.GpuPlacement(accelerator="/device:GPU:0"), rewriter.GpuPlacement(accelerator="/device:GPU:1"))
+    peaks = gpu_replica_peaks(events, placements, resident_bytes=[100, 300], allocator_peak_bytes=[4096, 8192])
+    assert [p.peak_bytes for p in peaks] == [100 + 1000, 300 + 3000]
+    assert [p.resident_bytes for p in peaks] == [100, 300] and [p.device for p in peaks] == ["/device:GPU:0",
+                                                                                             "/device:GPU:1"]
+    assert [p.host_peak_bytes for p in peaks] == [1200, 1200]

@@ -2,15 +2,19 @@
 hosts CPU:1 and CPU:3; docs/design.md 14): one replica's captured graph, the names of its ops on the other
 replica, one plan applied to both, trained through model.fit as plain MirroredStrategy trains, and each replica's
 measured peak against the prediction. The testbed needs its own interpreter (this one has two logical CPUs), so
-one fresh process does the TensorFlow work and reports what it found."""
+one fresh process does the TensorFlow work and reports what it found. The same for MultiWorkerMirroredStrategy:
+two worker processes on 127.0.0.1, each with its own testbed (tests.tf_helpers.run_workers)."""
 
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -19,6 +23,16 @@ from rewriter.trace import capture
 from rewriter.trace.replicas import resolve_replicas
 
 pytestmark = pytest.mark.tf
+
+CONV_STACK = r"""
+def conv_stack(n_convs=4, size=24):
+    keras.utils.set_random_seed(1)
+    convs = [keras.layers.Conv2D(8, 3, padding="same", activation="relu") for _ in range(n_convs)]
+    model = keras.Sequential([keras.Input((size, size, 3)), *convs, keras.layers.GlobalAveragePooling2D(),
+                              keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+"""
 
 REPLICATED = r"""
 import json, collections
@@ -38,14 +52,7 @@ def dense_cnn():
     model.compile(optimizer="adam", loss="mse")
     return model
 
-def conv_stack():
-    keras.utils.set_random_seed(1)
-    convs = [keras.layers.Conv2D(8, 3, padding="same", activation="relu") for _ in range(4)]
-    model = keras.Sequential([keras.Input((24, 24, 3)), *convs, keras.layers.GlobalAveragePooling2D(),
-                              keras.layers.Dense(4)])
-    model.compile(optimizer="adam", loss="mse")
-    return model
-
+""" + CONV_STACK + r"""
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:2"])
 facts = {}
 with strategy.scope():
@@ -90,6 +97,39 @@ for name, params in (("unswapped", SwapParams(threshold=10**6)), ("swapped", Swa
                    "measured": [r.peak_bytes for r in peaks], "host_peaks": [r.host_peak_bytes for r in peaks],
                    "planned_ins": sum(len(s.swap_ins) for s in plan.to_named(graph).swaps),
                    "verified": [[v.ok, v.swap_outs, v.swap_ins] for v in step.verification or ()]}
+# the same plan as 2 GPUs of one machine run it, built here without a GPU
+import dataclasses
+from tensorflow.core.framework import graph_pb2
+from rewriter.step.gpu_graph import optimize_for_gpu, replica_placement_problems, replicated_gpu_graph_def, virtual_gpu_cluster
+edit = replicated_gpu_graph_def(model, plan, graph=graph, batch_size=batch)
+nodes = {n.name: n for n in edit.graph_def.node}
+owned = lambda k: {n for n, o in edit.trace.owner.items() if o == k and n in nodes}
+optimized = {n.name: n for n in optimize_for_gpu(edit.graph_def, [t.name for t in edit.trace.traced.concrete.outputs],
+                                                 cluster=virtual_gpu_cluster(gpus=2)).node}
+facts["gpu"] = {
+    "problems": replica_placement_problems(edit), "accelerators": [p.accelerator for p in edit.placements],
+    "hosts": [p.host for p in edit.placements], "swaps": [len(a) for a in edit.applied],
+    "op_devices": [sorted({nodes[n].device for n in owned(k)}) for k in range(2)],
+    "swap_devices": [sorted({(role, nodes[name].device) for s in edit.applied[k] for role, name in
+                             [("out", s.swap_out)] + [r for i in s.swap_ins for r in (("host", i.host_node), ("in", i.name))]})
+                     for k in range(2)],
+    # (a GPU swap-in, its trigger): the host-side node the GPU's copy reads waits for the trigger
+    "triggers": [[[i.name, i.trigger, i.trigger in {c[1:] for c in nodes[i.host_node].input if c.startswith("^")}]
+                  for s in edit.applied[k] for i in s.swap_ins if i.trigger] for k in range(2)],
+    "before_swap_outs": [s.swap_out for a in edit.applied for s in a
+                         if optimized[s.swap_out].input[0].split(":")[0] != s.tensor.split(":")[0]],
+}
+broken = graph_pb2.GraphDef()
+broken.CopyFrom(edit.graph_def)
+host_node = edit.applied[1][0].swap_ins[0].host_node
+for node in broken.node:
+    if node.name == host_node:  # replica 1's first host-side swap-in waits for nothing
+        kept = [ref for ref in node.input if not ref.startswith("^")]
+        del node.input[:]
+        node.input.extend(kept)
+    if node.name == sorted(owned(1))[0]:  # and one op of replica 1 on replica 0's GPU
+        node.device = edit.placements[0].accelerator
+facts["gpu"]["broken"] = replica_placement_problems(dataclasses.replace(edit, graph_def=broken))
 use_replicated_step(model, step)
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 pairs = list(zip(plain.weights, model.weights))
@@ -229,6 +269,174 @@ def test_model_fit_with_the_plan_trains_as_plain_mirrored_strategy(facts):
     # swapped and the unswapped replicated steps are both bitwise equal to plain fit
     assert facts["last_batch_steps"] == [8] and facts["iterations"] == [6, 6]
     assert facts["last_batch_worst"] <= 1e-6
+
+
+def test_the_gpu_placement_of_two_replicas_is_built_and_checked_without_a_gpu(facts):
+    """The plan on 2 GPUs of one machine (rewriter.step.gpu_graph.replicated_gpu_graph_def, from the testbed's
+    replicas): every op of replica k on GPU:k, each replica's copies out and host-side swap-ins on the machine's
+    one CPU:0, its swap-ins on its own GPU, and the host-side node each GPU copy reads waits for the swap-in's
+    trigger; Grappler for 2 (virtual) GPUs puts nothing between a tensor and its copy out. A host-side node that
+    waits for nothing and an op on the other replica's GPU are both found."""
+    gpu = facts["gpu"]
+    assert gpu["problems"] == []
+    assert gpu["accelerators"] == ["/device:GPU:0", "/device:GPU:1"] and gpu["hosts"] == ["/device:CPU:0"] * 2
+    assert gpu["swaps"] == facts["swapped"]["swaps"]
+    for k in range(2):
+        assert gpu["op_devices"][k] == [f"/job:localhost/replica:0/task:0/device:GPU:{k}"]
+        assert {device for role, device in gpu["swap_devices"][k] if role in ("out", "host")} == {"/device:CPU:0"}
+        assert {device for role, device in gpu["swap_devices"][k] if role == "in"} == {f"/device:GPU:{k}"}
+        assert gpu["triggers"][k] and all(waits for _, _, waits in gpu["triggers"][k])
+    assert gpu["before_swap_outs"] == []
+    broken = gpu["broken"]
+    assert len(broken) == 2, broken
+    assert any("does not wait for" in line and line.startswith("replica 1:") for line in broken)
+    assert any("(replica 1) on /device:GPU:0, not /device:GPU:1" in line for line in broken)
+
+
+MULTI_WORKER = r"""
+import json, os
+import rewriter
+from rewriter.placement import configure_testbed
+assert configure_testbed(2)  # each worker's testbed: CPU:0 its accelerator, CPU:1 its host
+import numpy as np, tensorflow as tf, keras
+from rewriter.trace.replicas import capture_replicated, trace_replicated_step, resolve_replicas
+from rewriter.step.replicated import apply_replicated, use_replicated_step
+from rewriter.timing.replica_peaks import measure_replicas
+from simulator import SwapParams, plan_swaps, replay
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+""" + CONV_STACK + r"""
+with strategy.scope():
+    plain, model = conv_stack(3, 16), conv_stack(3, 16)
+batch = 16  # the global batch: 8 per worker
+rng = np.random.default_rng(0)
+x = rng.random((3 * batch, 16, 16, 3), dtype=np.float32)
+y = rng.random((3 * batch, 4), dtype=np.float32)
+# Keras 3.15's own fit stops under this strategy (its symbolic build and its logs reduce across workers in ways
+# the strategy refuses): the reference is its train_step run by strategy.run on the distributed batches
+one_step = tf.function(lambda data: strategy.run(plain.train_step, args=(data,)))
+for data in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)):
+    one_step(data)
+graph = capture_replicated(model, batch)
+ops = trace_replicated_step(model, resolve_replicas(model), batch).traced.concrete.graph.get_operations()
+facts = {"meta": graph.meta["replicas"], "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+         "collectives": [[op.type, op.get_attr("communication_hint").decode(), op.inputs[1].op.get_attr("value").int_val[0]]
+                         for op in ops if op.type.startswith("Collective")]}
+for name, params in (("unswapped", SwapParams(threshold=10**6)), ("swapped", SwapParams(threshold=1, min_bytes=2**13))):
+    plan = plan_swaps(graph, params)
+    step = apply_replicated(model, plan, graph=graph, batch_size=batch)
+    peaks = measure_replicas(step, x[:batch], y[:batch])
+    facts[name] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes),
+                   "measured": [r.peak_bytes for r in peaks], "swaps": [len(a) for a in step.applied],
+                   "verified": [[v.ok, v.swap_outs, v.swap_ins] for v in step.verification or ()],
+                   "planned_ins": sum(len(s.swap_ins) for s in plan.to_named(graph).swaps),
+                   "swap_devices": sorted({n.device for n in step.graph_def.node
+                                           if n.name.startswith(("swap_out/", "swap_in/"))})}
+use_replicated_step(model, step)
+history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history
+pairs = list(zip(plain.weights, model.weights))
+facts["bitwise"] = all(np.array_equal(a.numpy(), b.numpy()) for a, b in pairs)
+facts["worst_relative"] = max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max()) for a, b in pairs)
+facts["iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
+facts["loss"] = history["loss"]
+# an epoch whose last global batch is 8 (4 per worker): the plan applied at that batch, the reference retraced
+x, y = x[:2 * batch + 8], y[:2 * batch + 8]
+for data in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)):
+    one_step(data)
+model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+facts["last_batch_steps"] = sorted(step._others)
+facts["last_batch_bitwise"] = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))
+facts["last_batch_iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
+print("FACTS " + json.dumps(facts))
+"""
+
+
+@pytest.fixture(scope="module")
+def workers() -> list[dict]:
+    """Two MultiWorkerMirroredStrategy workers on 127.0.0.1, each a process with its own testbed, started and
+    stopped here (tests.tf_helpers.run_workers); what each found."""
+    done = th.run_workers(MULTI_WORKER, 2, timeout=180)
+    found = [[line for line in d.stdout.splitlines() if line.startswith("FACTS ")] for d in done]
+    assert all(d.returncode == 0 for d in done) and all(found), "\n".join(d.stderr[-3000:] for d in done)
+    return [json.loads(lines[-1][len("FACTS "):]) for lines in found]
+
+
+def test_each_worker_captures_its_replica_at_the_per_replica_batch(workers):
+    """Each worker runs one of the two replicas: its graph at 8 of the global 16, the all-reduce across the two
+    processes (CollectiveReduceV2 over a group of 2, TensorFlow's "auto" communication: a ring on CPUs)."""
+    assert [w["task"] for w in workers] == [0, 1]
+    for w in workers:
+        meta = w["meta"]
+        assert meta["count"] == 1 and meta["in_sync"] == 2 and meta["workers"] == 2
+        assert meta["per_replica_batch_size"] == 8 and meta["global_batch_size"] == 16
+        assert meta["devices"] == [f"/job:worker/replica:0/task:{w['task']}/device:CPU:0"]
+        assert meta["hosts"] == [f"/job:worker/replica:0/task:{w['task']}/device:CPU:1"]
+        assert meta["all_reduce_ops"] and meta["all_reduce_bytes"] > 0
+        assert w["collectives"] == [["CollectiveReduceV2", "auto", 2]]
+    assert workers[0]["meta"]["all_reduce_bytes"] == workers[1]["meta"]["all_reduce_bytes"]
+
+
+def test_each_workers_swaps_go_to_its_own_host_and_are_verified(workers):
+    for w in workers:
+        swapped = w["swapped"]
+        assert swapped["swaps"][0] > 0
+        assert swapped["verified"] == [[True, swapped["swaps"][0], swapped["planned_ins"]]]
+        task = f"/job:worker/replica:0/task:{w['task']}/device:CPU:"
+        assert swapped["swap_devices"] == [task + "0", task + "1"]
+
+
+def test_each_workers_measured_peak_is_the_predicted_one(workers):
+    for w in workers:
+        for name in ("unswapped", "swapped"):
+            (measured,) = w[name]["measured"]
+            assert abs(measured / w[name]["predicted"] - 1) <= 0.05, (w["task"], name, measured, w[name]["predicted"])
+        assert w["swapped"]["measured"][0] < 0.8 * w["unswapped"]["measured"][0]
+
+
+def test_model_fit_with_the_plan_trains_as_the_strategy_does_without_it(workers):
+    """Three steps of Adam through model.fit on both workers: bitwise equal to the strategy's own step (Keras'
+    train_step under strategy.run) on the same distributed batches; the same kernels run, the swaps only copy."""
+    for w in workers:
+        assert w["iterations"] == [3, 3]
+        assert w["bitwise"], w["worst_relative"]
+        assert len(w["loss"]) == 1 and np.isfinite(w["loss"][0])
+        # an epoch of 2.5 global batches: the last (8 samples, 4 on each worker) runs the plan applied at 8
+        assert w["last_batch_steps"] == [8] and w["last_batch_iterations"] == [6, 6]
+        assert w["last_batch_bitwise"]
+
+
+def test_a_failed_worker_stops_the_cluster_and_leaves_no_process():
+    """A worker that dies leaves its peer waiting for an all-reduce forever: run_workers kills the peer (and what
+    it started) at once instead of waiting for the timeout."""
+    started = time.monotonic()
+    done = th.run_workers("""
+        import json, os, subprocess, sys, time
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        if index == 1:
+            time.sleep(1)
+            sys.exit(3)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(os.getpid(), child.pid, flush=True)
+        time.sleep(60)
+    """, 2, timeout=50, attempts=1)
+    assert time.monotonic() - started < 30
+    assert done[1].returncode == 3 and done[0].returncode < 0  # killed, not finished
+    for pid in map(int, done[0].stdout.split()):  # gone, or a zombie its new parent has not reaped yet
+        assert _ends(pid, within_s=10), Path(f"/proc/{pid}/status").read_text()
+
+
+def _ends(pid: int, *, within_s: float) -> bool:
+    """Whether process ``pid`` is gone or a zombie within ``within_s`` (a killed process takes a moment to die)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_another_strategy_is_refused_in_one_line():
