@@ -117,6 +117,22 @@ class CalibratedDevice(DeviceModel):
                                f"b{b} {t * 1e3:.2f} ms" for b, t in zip(self.batch_sizes, new)),))
         return replace(rescaled, name=f"{self.preset}-calibrated-{rescaled.calibration_id[:8]}")
 
+    def for_graph(self, g, calibrated, why: str) -> "CalibratedDevice":
+        """These op times serving ``g``, the same model's step traced another way (one replica's step under a
+        ``tf.distribute`` strategy, whose loss scaling, gradient pack and optimizer ops are named apart from the
+        single-device step's): an op of ``g`` keeps its measured time where ``calibrated`` (the graph calibrated)
+        has an op of its name and type, the others take the roofline times ``roofline_scale``; ``why``, with how
+        many ops kept their times, goes to the notes."""
+        types = dict(zip(calibrated.op_name.tolist(), calibrated.op_type.tolist()))
+        mine = dict(zip(g.op_name.tolist(), g.op_type.tolist()))
+        kept = [i for i, name in enumerate(self.op_names) if name in mine and types.get(name) == mine[name]]
+        served = replace(self, model_name=str(g.meta.get("model", "")), graph_fingerprint=g.fingerprint(),
+                         graph_identity=graph_identity(g), op_names=tuple(self.op_names[i] for i in kept),
+                         op_seconds_ab=tuple(self.op_seconds_ab[i] for i in kept),
+                         notes=self.notes + (f"{why}: {len(kept)} of its {g.n_ops} ops by their measured times, the "
+                                             f"others by the roofline x {self.roofline_scale:.3g}",))
+        return replace(served, name=f"{self.preset}-calibrated-{served.calibration_id[:8]}")
+
     # identity: the tables are large, so compare and hash a digest of every field once
     @cached_property
     def calibration_id(self) -> str:

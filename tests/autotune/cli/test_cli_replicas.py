@@ -41,28 +41,86 @@ model = keras.Sequential([keras.Input((24, 24, 3)), *convs, keras.layers.GlobalA
 model.compile(optimizer="adam", loss="mse")
 model.save({path!r})
 """
+# the command line, with every replica's measured peak ``extra`` bytes higher: memory the simulator never sees
+INFLATED = """
+import dataclasses, sys
+import rewriter, rewriter.timing
+measured = rewriter.timing.measure_replicas
+rewriter.measure_replicas = lambda *args, **kwargs: tuple(
+    dataclasses.replace(peak, peak_bytes=peak.peak_bytes + {extra}) for peak in measured(*args, **kwargs))
+from autotune.cli.command import main
+sys.exit(main(sys.argv[1:]))
+"""
+BUDGET = 700 * 1024  # under one replica's unswapped step: 801 KiB predicted at batch 8
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The 4-conv stack saved compiled, and the environment of the testbed's processes."""
+    directory = tmp_path_factory.mktemp("replicas") / "model"
+    directory.mkdir()
+    env = environment.testbed_environment(PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", SAVE.format(path=str(directory / "model.keras"))], env=env, check=True,
+                   capture_output=True, timeout=300)
+    return directory, env
+
+
+def _autotune(saved, out: Path, *, extra_bytes: int = 0):
+    directory, env = saved
+    start = ["-m", "autotune"] if not extra_bytes else ["-c", INFLATED.format(extra=extra_bytes)]
+    return subprocess.run([sys.executable, *start, *uncalibrated([directory, "--batch-size", 16, "--replicas", 2,
+                                                                  "--memory", "700KiB", "--trials", 30, "--out", out,
+                                                                  "--quiet"])],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def _devices_confirmed(summary: dict) -> list[dict]:
+    memory = summary["replicas"]
+    assert memory["per_replica_batch_size"] == 8 and memory["global_batch_size"] == 16
+    assert [d["host"] for d in memory["devices"]] == ["/device:CPU:1", "/device:CPU:3"]
+    for device in memory["devices"]:
+        assert device["confirmed"] and device["swaps_verified"], device
+        assert device["projected_bytes"] <= BUDGET and device["budget_bytes"] == BUDGET
+    return memory["devices"]
 
 
 @pytest.mark.tf
-def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(tmp_path):
-    """A budget under the unswapped step's (820 KiB predicted per replica at batch 8): a plan that swaps, each
-    replica's peak measured within 5 % of the testbed's prediction, the verdict per device."""
-    saved = tmp_path / "model"
-    saved.mkdir()
-    env = environment.testbed_environment(PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-c", SAVE.format(path=str(saved / "model.keras"))], env=env, check=True,
-                   capture_output=True, timeout=300)
+def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(saved, tmp_path):
+    """A budget under the unswapped step's: a plan that swaps, each replica's peak measured within 5 % of the
+    testbed's prediction, the verdict per device, and the report's memory per device and per machine (the host
+    memory every replica's swaps share against the machine's host budget; the all-reduce pack)."""
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "autotune", *uncalibrated([saved, "--batch-size", 16,
-                           "--replicas", 2, "--memory", "700KiB", "--trials", 30, "--out", out, "--quiet"])],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = _autotune(saved, out)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["confirmed"] and summary["replicas"]["per_replica_batch_size"] == 8
-    assert [d["host"] for d in summary["devices"]] == ["/device:CPU:1", "/device:CPU:3"]
-    for device in summary["devices"]:
-        assert abs(device["measured_bytes"] / device["predicted_testbed_bytes"] - 1) <= 0.05
-        assert device["projected_bytes"] <= 700 * 1024 and device["verified"]
-    assert summary["plan"]["swaps"] or summary["plan"]["recomputes"]
-    assert "verdict: fits on each of 2 devices" in done.stdout
+    assert summary["verdict"] == "fits" and summary["confirmed_by_measurement"]
+    for device in _devices_confirmed(summary):
+        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05
+    assert summary["swaps"] or summary["recomputes"]
     assert summary["target"]["host_budget_source"].endswith("shared by 2 replicas: 32.00 GiB each")
+    machine = summary["replicas"]["machine"]
+    assert machine["host_budget_bytes"] == 64 * 2**30 and machine["within_budget"]
+    assert machine["measured_host_bytes"] == sum(d["measured_host_bytes"] for d in summary["replicas"]["devices"]) > 0
+    assert summary["replicas"]["all_reduce_bytes"] > 0
+    assert "on each of 2 devices" in summary["headline"] and f"verdict: {summary['headline']}" in done.stdout
+    assert done.stdout.count(": confirmed\n") == 2, done.stdout
+    report = (out / "report.html").read_text()
+    assert "Devices and machine" in report and "budget per device" in report
+    assert "host memory of the machine" in report and "all-reduce pack" in report
+    assert (out / "replica_memory.png").is_file() and (out / "plan.json").is_file()
+
+
+@pytest.mark.tf
+def test_a_replica_measured_above_its_prediction_corrects_the_search(saved, tmp_path):
+    """Every replica's peak 60 KiB above what the simulator sees: the first plan measures over the budget, the
+    miss corrects the search as on one device, and the plan of the next round is measured and confirmed on
+    both replicas."""
+    out = tmp_path / "out"
+    done = _autotune(saved, out, extra_bytes=60 * 1024)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rounds = summary["measured_rounds"]
+    assert len(rounds) >= 2 and not rounds[0]["confirmed"] and rounds[-1]["confirmed"], rounds
+    assert summary["peak_correction"]["excess_bytes"] >= 60 * 1024 * 0.9
+    for device in _devices_confirmed(summary):
+        assert device["measured_bytes"] > device["predicted_on_testbed_bytes"]
