@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from autotune.cli.replicas import check_settings, check_tf_config, device_lines, load_replicated, several_gpus_note
 from autotune.inputs import InputError, format_bytes, parse_bytes
 
 EXIT_OK, EXIT_INPUT, EXIT_NO_FIT, EXIT_INTERRUPTED = 0, 2, 3, 130
@@ -159,8 +160,6 @@ def _settings(args: argparse.Namespace):
         raise InputError("no batch size: give --batch-size or batch_size in autotune.toml")
     if batch < 1:
         raise InputError(f"batch size must be positive, got {batch}")
-    from autotune.cli.replicas import check_settings, check_tf_config
-
     check_tf_config()  # several workers named: a strategy not tuned yet, said in one line
     if args.replicas != 1:  # several devices (docs/design.md 14): what it does not do yet refused here
         check_settings(args.replicas, int(batch), maximize_batch=args.maximize_batch,
@@ -308,8 +307,6 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                                 device_from=settings["device_from"])
         load_notes: list[str] = []
         if replicas != 1:  # the testbed's 2N logical CPUs, the model loaded in MirroredStrategy's scope
-            from autotune.cli.replicas import load_replicated
-
             model = load_replicated(replicas, lambda: load_user_model(settings, load_notes))
         else:
             if measurement.measure or measurement.calibrates:
@@ -317,6 +314,10 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                 # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
                 configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
             model = load_user_model(settings, load_notes)  # the user's --import modules first
+            import tensorflow as tf
+
+            gpus = several_gpus_note(len(tf.config.list_physical_devices("GPU")))
+            load_notes += [gpus] if gpus else []
         from simulator.warmup import warm_up
 
         with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
@@ -347,8 +348,6 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         _say(quiet, f"the report that was in {out} is now in {files['previous']}")
     text = _summary_text(result, files["report.html"], time.monotonic() - started)
     if replicas != 1:
-        from autotune.cli.replicas import device_lines
-
         text = text.replace("\nverdict: ", "\n" + "\n".join(device_lines(result)) + "\nverdict: ", 1)
     print(text)
     return EXIT_OK if result.verdict.ok else EXIT_NO_FIT

@@ -47,6 +47,16 @@ def check_tf_config(environ=os.environ) -> None:
                          "machine's step (--replicas N for its N devices, docs/design.md 14)")
 
 
+def several_gpus_note(gpus: int) -> str | None:
+    """What the tool does beside several visible GPUs (a MirroredStrategy over them is what a user would train
+    with): the plan is one GPU's, which every replica would run; None for one GPU or none."""
+    if gpus < 2:
+        return None
+    return (f"{gpus} GPUs visible: the plan is made and measured for one of them (GPU:0); under MirroredStrategy "
+            f"every replica runs the same step, but its host memory is shared by the {gpus} replicas' swaps and "
+            "--replicas measures replicas on the CPU testbed only (docs/design.md 14)")
+
+
 def load_replicated(replicas: int, load: Callable[[], object]):
     """Configure the testbed's 2N logical CPUs, then ``load()`` the model in ``MirroredStrategy``'s scope."""
     import tensorflow as tf

@@ -33,6 +33,55 @@ def test_what_replicas_cannot_do_is_refused_in_one_line(model_dir, capsys, flags
     assert len(lines) == 1 and message in lines[0], err
 
 
+@pytest.mark.parametrize("tf_config,message", [
+    ({"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}, "task": {"type": "worker", "index": 0}},
+     "TF_CONFIG names 2 workers: MultiWorkerMirroredStrategy detected, which the tool does not tune yet"),
+    ({"cluster": {"worker": ["127.0.0.1:20001"], "ps": ["127.0.0.1:20003"]}}, "ParameterServerStrategy detected"),
+    ("{not json", "TF_CONFIG is not a JSON object with a cluster"),
+])
+def test_a_tf_config_of_several_workers_is_said_and_refused_in_one_line(model_dir, capsys, monkeypatch, tf_config,
+                                                                        message):
+    monkeypatch.setenv("TF_CONFIG", tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
+    code = main([str(model_dir), "--batch-size", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_a_tf_config_of_one_worker_is_one_machine_and_several_gpus_are_said():
+    from autotune.cli.replicas import check_tf_config, several_gpus_note
+
+    assert several_gpus_note(1) is None and "shared by the 4 replicas' swaps" in several_gpus_note(4)
+
+    check_tf_config({"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:20001"]}})})
+    check_tf_config({})
+
+
+@pytest.mark.tf
+def test_tune_takes_the_strategy_the_model_was_built_under_and_refuses_others():
+    """``autotune.tune(model, strategy=...)``: a strategy the model was not built in is a ValueError; a model built
+    under a strategy the tool does not capture replicated is refused by the capture in one line."""
+    import keras
+    import tensorflow as tf
+
+    from autotune.run.confirm import tune
+    from rewriter.errors import CaptureError
+
+    def small():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    with pytest.raises(ValueError, match="not built in this MirroredStrategy's scope"):
+        tune(small(), batch_size=4, memory=2**20, strategy=tf.distribute.MirroredStrategy(["/cpu:0"]))
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        under_one_device = small()
+    with pytest.raises(CaptureError, match="tf.distribute.OneDeviceStrategy is not supported") as refused:
+        tune(under_one_device, batch_size=4, memory=2**20)
+    assert len(str(refused.value).splitlines()) == 1
+
+
 SAVE = """
 import keras
 keras.utils.set_random_seed(1)
