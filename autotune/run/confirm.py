@@ -47,14 +47,15 @@ def _promoted_closest(result: TuneResult, check: Check) -> TuneResult:
     return replace(result, chosen=chosen, closest=None, notes=[*result.notes, note], verdict=verdict)
 
 
-def _confirmed(result: TuneResult, checks: list[Check]) -> TuneResult:
-    """``result`` with the verdict its last check confirms (without swapping, model.fit's own step too)."""
+def _confirmed(result: TuneResult, checks: list[Check], apply_with: str) -> TuneResult:
+    """``result`` with the verdict its last check confirms (without swapping, model.fit's own step too, unless it
+    was not measured: it ran out of memory; ``apply_with``: the calls that train with the plan)."""
     if not result.feasible:  # the corrected search found none, but the closest plan measured within the budget
         result = _promoted_closest(result, checks[-1])
     run = result.measurement
-    plain = None if result.has_actions else result.check_of(run, run.plain_peak_bytes, checks[-1].round,
-                                                                PeakCorrection())
-    return replace(result, verdict=confirmed(result.verdict, checks, plain=plain))
+    plain = None if result.has_actions or run.plain_peak_bytes is None else result.check_of(
+        run, run.plain_peak_bytes, checks[-1].round, PeakCorrection())
+    return replace(result, verdict=confirmed(result.verdict, checks, plain=plain, apply_with=apply_with))
 
 
 def _study_name(search: SearchOptions, round_: int, swap_only: bool) -> str | None:
@@ -120,7 +121,7 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
         checks.append(check)
         say(check.describe())
         if check.confirmed:
-            return _confirmed(result, checks)
+            return _confirmed(result, checks, runs.apply_with)
         if not result.feasible:  # the closest miss, measured for the report, did not fit either
             return replace(result, verdict=result.verdict.with_checks(checks, [c.describe() for c in checks]))
         if earlier is not None:  # the stricter search chose a plan already measured: no round can change that

@@ -203,6 +203,7 @@ class SingleDeviceRuns:
 
     model: Any
     inputs: Any  # rewriter.StepInputs
+    apply_with = "rewriter.step.apply_plan + rewriter.use_swap_step"  # what trains with the plan, as the verdict says
 
     def planned(self, result: TuneResult) -> PlannedRun:
         return planned_run(result)
@@ -221,6 +222,7 @@ class ReplicatedRuns:
     model: Any
     inputs: Any  # rewriter.StepInputs
     timed_steps: int = 3
+    apply_with = "rewriter.apply_replicated + rewriter.use_replicated_step"
 
     def planned(self, result: TuneResult) -> PlannedRun:
         from rewriter.step.replicated import replica_placement
@@ -247,6 +249,13 @@ class ReplicatedRuns:
                                              verify_with=(x, y))
         peaks = rewriter.measure_replicas(step, x, y)
         step_s = _timed_step_s(step, x, y, self.timed_steps)
+        plain = None
+        if not result.has_actions:  # "fits without swapping" must hold for the step model.fit runs, TF's op order
+            with clock.stage("apply"):
+                own = rewriter.apply_replicated(self.model, SwapPlan.empty(planned.graph).to_named(planned.graph),
+                                                graph=planned.graph, batch_size=batch, inputs=self.inputs,
+                                                serialize=False, verify=False)
+            plain = max(peak.peak_bytes for peak in rewriter.measure_replicas(own, x, y))
         predicted = replay(planned.plan_graph, planned.plan, planned.device)
         checks = step.verification or ()
         replicas = tuple({"replica": p.replica, "device": p.device, "host": step.placements[p.replica].host,
@@ -263,7 +272,7 @@ class ReplicatedRuns:
             swaps_survived=None if not checks else min(c.swap_outs for c in checks),
             verification_problems=[f"replica {k}: {problem}" for k, c in enumerate(checks) for problem in c.problems()],
             time_model=planned.device.name, time_calibrated=isinstance(planned.device, CalibratedDevice),
-            replicas=replicas)
+            plain_peak_bytes=plain, replicas=replicas)
 
 
 def _timed_step_s(step, x, y, repeats: int) -> float:
