@@ -105,22 +105,22 @@ BUDGET = 700 * 1024  # under one replica's unswapped step: 801 KiB predicted at 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The 4-conv stack saved compiled, and the environment of the testbed's processes."""
+    """The 4-conv stack saved compiled."""
     directory = tmp_path_factory.mktemp("replicas") / "model"
     directory.mkdir()
-    env = environment.testbed_environment(PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-c", SAVE.format(path=str(directory / "model.keras"))], env=env, check=True,
-                   capture_output=True, timeout=300)
-    return directory, env
+    subprocess.run([sys.executable, "-c", SAVE.format(path=str(directory / "model.keras"))], check=True,
+                   env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, timeout=300)
+    return directory
 
 
-def _autotune(saved, out: Path, *, extra_bytes: int = 0, memory: str = "700KiB"):
-    directory, env = saved
+def _autotune(saved, out: Path, *, extra_bytes: int = 0, memory: str = "700KiB", flags=("--replicas", 2)):
+    """The command line on the testbed (in a fresh process: N replicas need 2N logical CPUs before TensorFlow
+    starts; this test's calibration cache)."""
     start = ["-m", "autotune"] if not extra_bytes else ["-c", INFLATED.format(extra=extra_bytes)]
-    return subprocess.run([sys.executable, *start, *uncalibrated([directory, "--batch-size", 16, "--replicas", 2,
-                                                                  "--memory", memory, "--trials", 30, "--out", out,
-                                                                  "--quiet"])],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    args = [saved, "--batch-size", 16, *flags, "--memory", memory, "--trials", 30, "--out", out, "--quiet"]
+    return subprocess.run([sys.executable, *start, *(map(str, args) if "--calibrate" in flags else uncalibrated(args))],
+                          env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
 
 
 def _devices_confirmed(summary: dict, budget: int = BUDGET) -> list[dict]:
@@ -190,3 +190,22 @@ def test_a_replicated_step_that_fits_unswapped_is_checked_on_tf_s_own_order(save
     assert summary["train_with"] == ("plain-fit" if own_order_fits else "serialized-step"), summary["headline"]
     assert own_order_fits or "rewriter.apply_replicated + rewriter.use_replicated_step" in summary["headline"]
     _devices_confirmed(summary, budget=2**20)
+
+
+@pytest.mark.tf
+@pytest.mark.long
+def test_the_replicas_step_times_are_calibrated_and_the_calibration_serves_one_device_too(saved, tmp_path):
+    """The calibration of the model's single-device step at the per-replica batch times one replica's step (the
+    ops it saw by name and type) and predicts the measured run's step; a single-device run at that batch reuses it
+    from the cache (about 45 s: two calibrated runs)."""
+    done = _autotune(saved, tmp_path / "replicas", flags=("--replicas", 2, "--calibrate"))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "replicas" / "summary.json").read_text())
+    assert summary["step_time_calibrated"] and summary["calibration"]["batch_sizes"] == [4, 8]
+    served = summary["calibration"]["notes"][-1]
+    assert served.startswith("one replica's step timed by the single-device step's calibration at batch 8: ")
+    single = subprocess.run([sys.executable, "-m", "autotune", saved, "--batch-size", "8", "--memory", "700KiB",
+                             "--trials", "30", "--out", tmp_path / "single"], capture_output=True, text=True,
+                            env=environment.testbed_environment(PYTHONPATH=str(ROOT)), timeout=600, cwd=ROOT)
+    assert single.returncode == 0, single.stdout + single.stderr[-3000:]
+    assert "step times calibrated on this machine by an earlier run of this model" in single.stderr
