@@ -83,8 +83,8 @@ def device_lines(result) -> list[str]:
     for k, device in enumerate(memory["devices"]):
         if "measured_bytes" not in device:
             predicted = device["predicted_bytes"]
-            lines.append(f"replica {k} on {device['device']}: predicted "
-                         f"{'nothing' if predicted is None else format_bytes(predicted)} (not measured)")
+            lines.append(f"replica {k} on {device['device']}: " + ("no plan" if predicted is None else
+                                                                    f"predicted {format_bytes(predicted)} (not measured)"))
             continue
         lines.append(f"replica {k} on {device['device']}: measured {format_bytes(device['measured_bytes'])}, "
                      f"predicted {format_bytes(device['predicted_on_testbed_bytes'])} on the testbed; "
@@ -94,9 +94,10 @@ def device_lines(result) -> list[str]:
                         + ("" if device["swaps_verified"] else " (swaps not verified)")))
     machine = memory["machine"]
     host = machine["measured_host_bytes"]
-    lines.append(f"host memory of the machine (every replica's swaps): "
-                 + (f"measured {format_bytes(host)}, " if host is not None else "")
-                 + (f"predicted {format_bytes(machine['predicted_host_bytes'])} "
-                    if machine["predicted_host_bytes"] is not None else "")
-                 + f"of {format_bytes(machine['host_budget_bytes'])}")
+    figures = [f"{what} {format_bytes(value)}" for what, value in (("measured", host),
+                                                                    ("predicted", machine["predicted_host_bytes"]))
+               if value is not None]
+    budget = format_bytes(machine["host_budget_bytes"])
+    lines.append(f"host memory of the machine (every replica's swaps): {', '.join(figures)} of {budget}" if figures
+                 else f"host budget of the machine: {budget} (no plan)")
     return lines
