@@ -82,6 +82,23 @@ def test_tune_takes_the_strategy_the_model_was_built_under_and_refuses_others():
     assert len(str(refused.value).splitlines()) == 1
 
 
+def test_under_the_floor_a_smaller_batch_is_said_as_the_replicas_global_batch():
+    """One replica's step under its floor: the batch that would fit is per replica, the flag the global batch."""
+    import re
+
+    from autotune.run.floor import foregone
+    from autotune.run.target import resolve_target
+    from simulator.buffers import peak_lower_bound_bytes
+    from simulator.synthetic import training_graph
+
+    graph = training_graph(12, batch_size=8)
+    target = resolve_target("cpu-testbed", peak_lower_bound_bytes(graph.with_batch(5))).per_replica(2)
+    result = foregone(graph, target, state=False, split_allowed=False)
+    found = re.search(r"at batch (\d+) per replica or less .* \(--batch-size (\d+) over 2 replicas\)", result.notes[-1])
+    assert found and int(found[2]) == 2 * int(found[1]) and 5 <= int(found[1]) < 8, result.notes[-1]
+    assert "--maximize-batch" not in result.notes[-1]
+
+
 SAVE = """
 import keras
 keras.utils.set_random_seed(1)
