@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from autotune.cli.replicas import check_settings, check_tf_config, device_lines, load_replicated, several_gpus_note
 from autotune.inputs import InputError, format_bytes, parse_bytes
 
 EXIT_OK, EXIT_INPUT, EXIT_NO_FIT, EXIT_INTERRUPTED = 0, 2, 3, 130
@@ -112,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
     run.add_argument("--replicas", type=int, default=1, metavar="N",
                      help="train under MirroredStrategy on N devices: a plan for one replica, the budget and verdict "
-                          "per device, the host budget shared; measured on the CPU testbed's N replicas (first "
-                          "form: no calibration or report, docs/design.md 14)")
+                          "per device, the host budget shared by the replicas; measured on the CPU testbed's N "
+                          "replicas (docs/design.md 14)")
     run.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                      help="measure step times on this machine (the model's own step profiled at two batch sizes, "
                           "copies and swapped steps timed) instead of the preset's datasheet estimate: the search "
@@ -159,9 +160,8 @@ def _settings(args: argparse.Namespace):
         raise InputError("no batch size: give --batch-size or batch_size in autotune.toml")
     if batch < 1:
         raise InputError(f"batch size must be positive, got {batch}")
+    check_tf_config()  # several workers named: a strategy not tuned yet, said in one line
     if args.replicas != 1:  # several devices (docs/design.md 14): what it does not do yet refused here
-        from autotune.cli.replicas import check_settings
-
         check_settings(args.replicas, int(batch), maximize_batch=args.maximize_batch,
                        graph_rewrites=args.rewrite or config.graph_rewrites)
     memory = _given(args.memory, config.memory)
@@ -305,19 +305,19 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         # measured run, the verdict and the report
         target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
                                 device_from=settings["device_from"])
-        if replicas != 1:  # the testbed's 2N logical CPUs, the model loaded in MirroredStrategy's scope
-            from autotune.cli import replicas as replicated
-
-            load_notes: list[str] = []
-            model = replicated.load_replicated(settings, replicas, lambda: load_user_model(settings, load_notes))
-            return replicated.run(model, dict(settings, search=search), target, replicas, out,
-                                  lambda text: _say(quiet, text))
-        if measurement.measure or measurement.calibrates:
-            # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
-            # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
-            configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
         load_notes: list[str] = []
-        model = load_user_model(settings, load_notes)  # the user's --import modules first
+        if replicas != 1:  # the testbed's 2N logical CPUs, the model loaded in MirroredStrategy's scope
+            model = load_replicated(replicas, lambda: load_user_model(settings, load_notes))
+        else:
+            if measurement.measure or measurement.calibrates:
+                # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
+                # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
+                configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
+            model = load_user_model(settings, load_notes)  # the user's --import modules first
+            import tensorflow as tf
+
+            gpus = several_gpus_note(len(tf.config.list_physical_devices("GPU")))
+            load_notes += [gpus] if gpus else []
         from simulator.warmup import warm_up
 
         with _said_if_slow(quiet, "compiling the simulator's kernels (the first run on this machine only: about a "
@@ -346,7 +346,10 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                          f"in the study; run the same command again once it is writable)") from None
     if "previous" in files:
         _say(quiet, f"the report that was in {out} is now in {files['previous']}")
-    print(_summary_text(result, files["report.html"], time.monotonic() - started))
+    text = _summary_text(result, files["report.html"], time.monotonic() - started)
+    if replicas != 1:
+        text = text.replace("\nverdict: ", "\n" + "\n".join(device_lines(result)) + "\nverdict: ", 1)
+    print(text)
     return EXIT_OK if result.verdict.ok else EXIT_NO_FIT
 
 
@@ -356,8 +359,11 @@ def _summary_text(result, report: Path, seconds: float) -> str:
     from autotune.run.training import training_phrase
 
     shown = result.shown
-    lines = [f"model {result.model}, batch {result.batch_size}, budget {format_bytes(result.budget_bytes)} "
-             f"({result.budget_source})",
+    memory = result.replica_memory()
+    batch = (f"{result.batch_size}" if memory is None else
+             f"{result.batch_size} per replica ({memory['replicas']} replicas, global batch {memory['global_batch_size']})")
+    lines = [f"model {result.model}, batch {batch}, budget {format_bytes(result.budget_bytes)}"
+             + ("" if memory is None else " per device") + f" ({result.budget_source})",
              f"trained with: {training_phrase(result.graph.meta.get('training'))}"]
     if result.graph_rewrites:
         changes = result.graph.meta.get("graph_rewrite_changes", {})

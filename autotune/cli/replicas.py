@@ -2,41 +2,20 @@
 devices, made for one replica and measured on every replica of the CPU testbed (docs/design.md 14).
 
 The model is loaded in the strategy's scope (the testbed's replicas ``CPU:0``, ``CPU:2``, ... with their hosts
-``CPU:1``, ``CPU:3``, ...), one replica's step is captured at the per-replica batch
-(``rewriter.capture_replicated``) and searched with the device budget per device and 1/N of the host budget
-each (the replicas' swaps share the machine's host memory). Unless ``--no-measure``, the plan is applied on
-every replica (``rewriter.apply_replicated``) and each replica's peak is measured at the requested global batch
-(``rewriter.measure_replicas``): a device is confirmed when its measured peak is within ``TOLERANCE`` of the
-prediction for the testbed and the target's prediction, carried by what the measurement showed, is within the
-budget. The verdict is per device: every device confirmed, or exit 3.
-
-A first form: no calibration, correction rounds or HTML report (``summary.json`` and the printed lines hold the
-figures); no split regions, optimizer state on the host or graph rewrites; the testbed only (refused beside a
-GPU).
+``CPU:1``, ``CPU:3``, ...) and tuned by ``autotune.tune`` as one device's model is: calibration, search,
+measured rounds with corrections, the report. What differs lives there (``autotune.run.confirm.tune_replicated``:
+one replica's step, the budget per device, 1/N of the host budget each; ``autotune.run.plan_run.ReplicatedRuns``:
+every replica measured). Here: what ``--replicas`` refuses before anything slow, the strategy a ``TF_CONFIG``
+implies, and the verdict per device the CLI prints.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from pathlib import Path
+import os
 from typing import Callable
 
 from autotune.inputs import InputError, format_bytes
-from autotune.run.target import Target
-from autotune.run.tuning import search_graph
-from autotune.run.verdict import TOLERANCE
-from simulator import replay
-
-EXIT_OK, EXIT_NO_FIT = 0, 3
-
-
-def per_replica_target(target: Target, replicas: int) -> Target:
-    """``target`` for one of ``replicas`` replicas on one machine: the same device budget, 1/N of the host's."""
-    host = int(target.host_budget_bytes) // replicas
-    return replace(target, device=replace(target.device, host_memory_bytes=host),
-                   host_budget_source=f"{target.host_budget_source}, shared by {replicas} replicas: "
-                                      f"{format_bytes(host)} each")
 
 
 def check_settings(replicas: int, batch_size: int, *, maximize_batch: bool, graph_rewrites) -> None:
@@ -50,7 +29,35 @@ def check_settings(replicas: int, batch_size: int, *, maximize_batch: bool, grap
         raise InputError("--replicas does not take --maximize-batch or --rewrite yet (docs/design.md 14)")
 
 
-def load_replicated(settings: dict, replicas: int, load: Callable[[], object]):
+def check_tf_config(environ=os.environ) -> None:
+    """A ``TF_CONFIG`` naming several workers means ``MultiWorkerMirroredStrategy``: said and refused in one line
+    (its plan is not made or measured here yet); one worker's (or none) goes on as one machine."""
+    text = environ.get("TF_CONFIG")
+    if not text:
+        return
+    try:
+        cluster = json.loads(text).get("cluster") or {}
+        workers = sum(len(cluster.get(kind) or ()) for kind in ("chief", "worker"))
+    except (ValueError, AttributeError, TypeError):
+        raise InputError("TF_CONFIG is not a JSON object with a cluster: fix or unset it") from None
+    if workers > 1 or cluster.get("ps"):
+        kind = "ParameterServerStrategy" if cluster.get("ps") else "MultiWorkerMirroredStrategy"
+        raise InputError(f"TF_CONFIG names {workers} workers{' and parameter servers' if cluster.get('ps') else ''}: "
+                         f"{kind} detected, which the tool does not tune yet; unset TF_CONFIG to tune this "
+                         "machine's step (--replicas N for its N devices, docs/design.md 14)")
+
+
+def several_gpus_note(gpus: int) -> str | None:
+    """What the tool does beside several visible GPUs (a MirroredStrategy over them is what a user would train
+    with): the plan is one GPU's, which every replica would run; None for one GPU or none."""
+    if gpus < 2:
+        return None
+    return (f"{gpus} GPUs visible: the plan is made and measured for one of them (GPU:0); under MirroredStrategy "
+            f"every replica runs the same step, but its host memory is shared by the {gpus} replicas' swaps and "
+            "--replicas measures replicas on the CPU testbed only (docs/design.md 14)")
+
+
+def load_replicated(replicas: int, load: Callable[[], object]):
     """Configure the testbed's 2N logical CPUs, then ``load()`` the model in ``MirroredStrategy``'s scope."""
     import tensorflow as tf
 
@@ -66,72 +73,31 @@ def load_replicated(settings: dict, replicas: int, load: Callable[[], object]):
         return load()
 
 
-def run(model, settings: dict, target: Target, replicas: int, out: Path, say: Callable[[str], None]) -> int:
-    """Capture, search, measure per replica; print the verdict per device; ``summary.json`` in ``out``."""
-    import rewriter
-    from rewriter.errors import CaptureError
-    from rewriter.trace.step_inputs import StepInputs, synthetic_batch
-    from simulator.plan import PlanError
-
-    inputs = StepInputs(settings["input_shapes"], settings["label_shapes"], settings["label_dtype"])
-    batch = settings["batch_size"]
-    say(f"capturing one replica's training step of {replicas} at global batch {batch} ...")
-    try:
-        graph = rewriter.capture_replicated(model, batch, inputs, name=settings["model_file"].stem)
-    except CaptureError as error:
-        raise InputError(f"cannot capture the replicated training step of {settings['model_file']}: {error}") \
-            from None
-    each = per_replica_target(target, replicas)
-    options = replace(settings["search"], split=False, state=False)
-    measure = settings["measurement"].measure
-    result = search_graph(graph, each, options, batch_size=graph.batch_size, measured=measure)
-    summary = {"replicas": graph.meta["replicas"], "target": each.to_dict(), "devices": [], "confirmed": False}
-    lines = [f"budget per device: {format_bytes(each.device_budget_bytes)} from {each.budget_source}"]
-    if result.chosen is None:
-        lines.append(f"verdict: no plan fits {format_bytes(each.device_budget_bytes)} on each of {replicas} devices "
-                     f"(closest: {format_bytes(result.closest.peak_bytes) if result.closest else 'none'})")
-        return _finish(lines, summary, out, EXIT_NO_FIT)
-    plan = result.named_plan()
-    predicted = int(result.chosen.peak_bytes)
-    summary["plan"] = plan.to_dict()
-    (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-    if not measure:
-        lines.append(f"verdict: prediction only (--no-measure): {result.action_phrase} per replica, "
-                     f"{format_bytes(predicted)} predicted on each device of {format_bytes(each.device_budget_bytes)}")
-        summary["devices"] = [{"device": d, "predicted_bytes": predicted} for d in graph.meta["replicas"]["devices"]]
-        return _finish(lines, summary, out, EXIT_OK)
-    g = result.plan_graph if result.plan_graph is not None else graph
-    on_testbed = int(replay(g, result.plan, "cpu-testbed").peak_bytes)
-    x, y = synthetic_batch(model, batch, inputs)
-    say(f"measuring the plan on each of {replicas} replicas at global batch {batch} ...")
-    try:
-        step = rewriter.apply_replicated(model, plan, graph=g, batch_size=batch, inputs=inputs, verify_with=(x, y))
-    except PlanError as error:
-        raise InputError(f"the plan does not apply to every replica: {error}") from None
-    peaks = rewriter.measure_replicas(step, x, y)
-    confirmed = True
-    for k, peak in enumerate(peaks):
-        ratio = peak.peak_bytes / on_testbed
-        carried = int(round(predicted * max(1.0, ratio)))
-        verified = step.verification is None or not step.verification or step.verification[k].ok
-        ok = abs(ratio - 1) <= TOLERANCE and carried <= each.device_budget_bytes and verified
-        confirmed &= ok
-        summary["devices"].append({"device": peak.device, "host": step.placements[k].host,
-                                   "predicted_testbed_bytes": on_testbed, "measured_bytes": peak.peak_bytes,
-                                   "host_peak_bytes": peak.host_peak_bytes, "predicted_bytes": predicted,
-                                   "projected_bytes": carried, "verified": verified, "confirmed": ok})
-        lines.append(f"replica {k} on {peak.device}: measured {format_bytes(peak.peak_bytes)}, predicted "
-                     f"{format_bytes(on_testbed)} on the testbed ({ratio:.3f}); on {each.device.name} "
-                     f"{format_bytes(carried)} of {format_bytes(each.device_budget_bytes)}"
-                     + ("" if ok else " -- not confirmed"))
-    summary["confirmed"] = confirmed
-    lines.append(f"verdict: {'fits' if confirmed else 'not confirmed'} on each of {replicas} devices: "
-                 f"{result.action_phrase} per replica; train with plan.json (rewriter.use_replicated_step)"
-                 if confirmed else "verdict: not confirmed by the measured run on every device")
-    return _finish(lines, summary, out, EXIT_OK if confirmed else EXIT_NO_FIT)
-
-
-def _finish(lines: list[str], summary: dict, out: Path, code: int) -> int:
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    print("\n".join(lines))
-    return code
+def device_lines(result) -> list[str]:
+    """The verdict per device and the machine's host memory, as printed above the verdict."""
+    memory = result.replica_memory()
+    if memory is None:
+        return []
+    lines = [f"budget per device: {format_bytes(result.budget_bytes)}; all-reduce pack "
+             f"{format_bytes(memory['all_reduce_bytes'])} per replica at batch {memory['per_replica_batch_size']}"]
+    for k, device in enumerate(memory["devices"]):
+        if "measured_bytes" not in device:
+            predicted = device["predicted_bytes"]
+            lines.append(f"replica {k} on {device['device']}: " + ("no plan" if predicted is None else
+                                                                    f"predicted {format_bytes(predicted)} (not measured)"))
+            continue
+        lines.append(f"replica {k} on {device['device']}: measured {format_bytes(device['measured_bytes'])}, "
+                     f"predicted {format_bytes(device['predicted_on_testbed_bytes'])} on the testbed; "
+                     f"{format_bytes(device['projected_bytes'])} carried to the target of "
+                     f"{format_bytes(device['budget_bytes'])}: "
+                     + ("confirmed" if device["confirmed"] else "not confirmed"
+                        + ("" if device["swaps_verified"] else " (swaps not verified)")))
+    machine = memory["machine"]
+    host = machine["measured_host_bytes"]
+    figures = [f"{what} {format_bytes(value)}" for what, value in (("measured", host),
+                                                                    ("predicted", machine["predicted_host_bytes"]))
+               if value is not None]
+    budget = format_bytes(machine["host_budget_bytes"])
+    lines.append(f"host memory of the machine (every replica's swaps): {', '.join(figures)} of {budget}" if figures
+                 else f"host budget of the machine: {budget} (no plan)")
+    return lines

@@ -197,11 +197,33 @@ def measured_vs_predicted(result, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def replica_memory(result, path: Path) -> Path | None:
+    """Each replica's peak, predicted for the target and measured (carried to it), against the budget per device."""
+    memory = result.replica_memory()
+    if memory is None:
+        return None
+    devices = memory["devices"]
+    values = [d.get(key) or 0 for d in devices for key in ("predicted_bytes", "projected_bytes")]
+    unit, scale = byte_unit(max([*values, result.budget_bytes]))
+    x = np.arange(len(devices))
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.bar(x - 0.2, [(d["predicted_bytes"] or 0) / scale for d in devices], 0.4, label="predicted", color="tab:blue")
+    ax.bar(x + 0.2, [(d.get("projected_bytes") or 0) / scale for d in devices], 0.4,
+           label="measured, carried to the target", color="tab:orange")
+    ax.axhline(result.budget_bytes / scale, color="black", linestyle="--", linewidth=1, label="budget per device")
+    ax.set_xticks(x, [f"replica {k}\n{d['device'].rsplit('device:', 1)[-1]}" for k, d in enumerate(devices)])
+    ax.set_ylabel(f"peak device memory ({unit})")
+    ax.set_title(f"{len(devices)} replicas at global batch {memory['global_batch_size']}")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 FIGURES = {
     "memory_timeline.png": memory_timeline,
     "distance_histogram.png": distance_histogram,
     "pareto_front.png": pareto_front,
     "measured_vs_predicted.png": measured_vs_predicted,
+    "replica_memory.png": replica_memory,
 }
 STUDY_FIGURES = {
     "optimization_history.png": optimization_history,

@@ -207,6 +207,9 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
     elif result.verdict.measured:
         sections.append(Section("Measured run", [result.verdict.headline]))
 
+    memory = summary.get("replicas")
+    if memory is not None:
+        sections.append(_replicas_section(memory, result.budget_bytes, images))
     distinct = len({(e.peak_bytes, e.step_s) for e in result.evaluations})
     sections.append(Section("Search", [f"{len(result.evaluations)} candidates simulated, {distinct} of them distinct "
                                        "(different parameters often make the same plan: the same predicted peak and "
@@ -214,7 +217,18 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
                                        f"{result.space.size():,} grid points."], [],
                             [n for n in ("optimization_history.png", "param_importances.png", "distance_histogram.png")
                              if n in images]))
-    if result.applies_plan:
+    if result.applies_plan and memory is not None:
+        sections.append(Section("Train with the plan", [f"`{plan_file}` holds the plan for one replica; apply it to "
+                                                        "every replica of the model built in the strategy's scope:"],
+                                code=(
+                                    "import keras, rewriter, tensorflow as tf\n"
+                                    "with tf.distribute.MirroredStrategy().scope():\n"
+                                    "    model = keras.models.load_model('model.keras')\n"
+                                    f"step = rewriter.apply_replicated(model, '{plan_file}', "
+                                    f"batch_size={memory['global_batch_size']})\n"
+                                    "rewriter.use_replicated_step(model, step)  # model.fit(...) runs it on every "
+                                    "replica")))
+    elif result.applies_plan:
         sections.append(Section("Train with the plan", [f"`{plan_file}` holds the plan; apply it to the model:"],
                                 code=(
                                     "import keras, rewriter\n"
@@ -225,6 +239,38 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
     if stage_times is not None:
         sections.append(Section("Run time", [f"This run took {stage_times.describe()} (summary.json: stage_seconds)."]))
     return sections
+
+
+def _replicas_section(memory: dict, budget_bytes: int, images: dict[str, Path]) -> Section:
+    """Memory per device and per machine of a replicated step (``TuneResult.replica_memory``)."""
+    def size(value) -> str:
+        return "" if value is None else format_bytes(value)
+
+    devices = pd.DataFrame([(f"replica {k}", d["device"], d["host"], size(d["predicted_bytes"]),
+                             size(d.get("predicted_on_testbed_bytes")), size(d.get("measured_bytes")),
+                             size(d.get("projected_bytes")), size(d["budget_bytes"]), size(d.get("measured_host_bytes")),
+                             "not measured" if "confirmed" not in d else "confirmed" if d["confirmed"]
+                             else "not confirmed") for k, d in enumerate(memory["devices"])],
+                           columns=["", "device", "host", "predicted (target)", "predicted (testbed)",
+                                    "measured (testbed)", "measured, carried to the target", "budget per device",
+                                    "host memory measured", "verdict"])
+    machine = memory["machine"]
+    per_machine = pd.DataFrame([("host memory of the machine (every replica's swaps)",
+                                 size(machine["predicted_host_bytes"]), size(machine["measured_host_bytes"]),
+                                 size(machine["host_budget_bytes"]),
+                                 "within" if machine["within_budget"] else "over"),
+                                ("gradients' all-reduce pack, per replica", size(memory["all_reduce_bytes"]), "", "",
+                                 "")],
+                               columns=["", "predicted", "measured", "budget", ""])
+    text = [f"{memory['replicas']} replicas of MirroredStrategy at global batch {memory['global_batch_size']} "
+            f"({memory['per_replica_batch_size']} per replica): one plan, made for one replica, runs on every "
+            f"replica. The budget is per device ({format_bytes(budget_bytes)} each) and the verdict per device: "
+            "each replica's measured peak is checked as a single device's is. Host memory is per machine: the "
+            "replicas' swaps share it, so each replica's search had its share of the host budget.",
+            f"The gradients are all-reduced in one pack per replica ({', '.join(memory['all_reduce_ops'])}): at "
+            "the all-reduce a replica holds its gradients, the pack and the reduced copy (docs/design.md 14)."]
+    return Section("Devices and machine", text, [devices, per_machine],
+                   [n for n in ("replica_memory.png",) if n in images])
 
 
 def markdown_table(table: pd.DataFrame, float_format: str = "{:.4g}") -> str:

@@ -19,12 +19,12 @@ from autotune.run.floor import choose_parts, foregone, split_lines, split_to_bud
 from autotune.search.parts import parts_to_search
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
-from autotune.run.plan_run import measure_result, planned_run
+from autotune.run.plan_run import ReplicatedRuns, SingleDeviceRuns
 from autotune.run.options import MeasureOptions, SearchOptions
 from autotune.run.stage_times import StageClock
 from autotune.run.target import Target, resolve_target
 from autotune.run.tuning import MeasuredRun, TuneResult, search_graph
-from autotune.run.verdict import (MAX_ROUNDS, Check, PeakCorrection, check_run, confirmed, next_correction, not_confirmed,
+from autotune.run.verdict import (MAX_ROUNDS, Check, PeakCorrection, confirmed, next_correction, not_confirmed,
                               predicted)
 from simulator import CalibratedDevice
 from simulator.buffers import peak_lower_bound_bytes
@@ -33,18 +33,6 @@ if TYPE_CHECKING:  # TensorFlow only when a model is tuned
     from rewriter.trace.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
-
-
-def _check(result: TuneResult, round_: int, run: MeasuredRun, measured_bytes: int | None,
-           correction: PeakCorrection, reused_from: int | None = None) -> Check:
-    """``run`` against the prediction for the machine it ran on, carried to the target's prediction."""
-    return check_run(round=round_, measured_on=run.measured_on, measured_bytes=measured_bytes,
-                     predicted_bytes=run.predicted_peak_bytes,
-                     resident_bytes=result.graph.with_batch(run.batch_size).persistent_bytes,
-                     predicted_at_request_bytes=result.shown.peak_bytes,
-                     resident_at_request_bytes=result.graph.persistent_bytes, measured_batch=run.batch_size,
-                     requested_batch=result.batch_size, budget_bytes=result.budget_bytes, correction=correction,
-                     target_on=getattr(result.device, "preset", None) or result.device.name, reused_from=reused_from)
 
 
 def _promoted_closest(result: TuneResult, check: Check) -> TuneResult:
@@ -59,14 +47,15 @@ def _promoted_closest(result: TuneResult, check: Check) -> TuneResult:
     return replace(result, chosen=chosen, closest=None, notes=[*result.notes, note], verdict=verdict)
 
 
-def _confirmed(result: TuneResult, checks: list[Check]) -> TuneResult:
-    """``result`` with the verdict its last check confirms (without swapping, model.fit's own step too)."""
+def _confirmed(result: TuneResult, checks: list[Check], apply_with: str) -> TuneResult:
+    """``result`` with the verdict its last check confirms (without swapping, model.fit's own step too, unless it
+    was not measured: it ran out of memory; ``apply_with``: the calls that train with the plan)."""
     if not result.feasible:  # the corrected search found none, but the closest plan measured within the budget
         result = _promoted_closest(result, checks[-1])
     run = result.measurement
-    plain = None if result.has_actions else _check(result, checks[-1].round, run, run.plain_peak_bytes,
-                                                   PeakCorrection())
-    return replace(result, verdict=confirmed(result.verdict, checks, plain=plain))
+    plain = None if result.has_actions or run.plain_peak_bytes is None else result.check_of(
+        run, run.plain_peak_bytes, checks[-1].round, PeakCorrection())
+    return replace(result, verdict=confirmed(result.verdict, checks, plain=plain, apply_with=apply_with))
 
 
 def _study_name(search: SearchOptions, round_: int, swap_only: bool) -> str | None:
@@ -81,17 +70,19 @@ def _study_name(search: SearchOptions, round_: int, swap_only: bool) -> str | No
 def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int | None = None,
             search: SearchOptions = SearchOptions(), rounds: int = MAX_ROUNDS,
             calibration: CalibratedDevice | None = None, clock: StageClock | None = None,
-            say: Callable[[str], None] = log.info) -> TuneResult:
+            say: Callable[[str], None] = log.info, runs=None) -> TuneResult:
     """Search plans for ``graph`` (captured from ``model`` with ``inputs``) on ``target``, measure the
     winner, and repeat with a correction from the measurement until one is confirmed, ``rounds`` measured
     runs are spent, or another round cannot change the answer (the verdict says which).
     ``calibration``: step times measured on this machine (``autotune.run.calibrated_timing``): the search runs
     on it where it models the target's device, and it predicts the measured run's step time; ``clock`` times
-    the stages (``autotune.run.stage_times``)."""
+    the stages (``autotune.run.stage_times``); ``runs``: how a plan is measured (``SingleDeviceRuns``, the
+    default, or ``ReplicatedRuns`` on every replica of a strategy)."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     target = search_target(target, calibration)
     clock = clock or StageClock()
+    runs = runs or SingleDeviceRuns(model, inputs)
     correction = PeakCorrection()
     checks: list[Check] = []
     measured: dict[str, tuple[int, MeasuredRun]] = {}  # plan identity -> (round, run): a plan is measured once
@@ -106,11 +97,11 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
         result = replace(searched, calibration=calibration, notes=[*searched.notes, *notes])
         if result.plan is None:  # not even a closest plan (e.g. the resident memory alone is over the budget)
             return replace(result, verdict=result.verdict.with_checks(checks, [c.describe() for c in checks]))
-        planned = planned_run(result)
+        planned = runs.planned(result)
         earlier = measured.get(planned.key)
         if earlier is None:
             try:
-                measured[planned.key] = (round_, measure_result(model, result, inputs, planned, clock=clock))
+                measured[planned.key] = (round_, runs.measure(result, planned, clock))
             except Exception as error:  # never a success without a measurement; the report says what failed
                 log.debug("measured run failed", exc_info=True)
                 first = str(error).splitlines()[0][:300] if str(error) else ""
@@ -125,12 +116,12 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
                 return replace(result, verdict=not_confirmed(checks, reason=reason))
         measured_round, run = measured[planned.key]
         result = replace(result, measurement=run)
-        check = _check(result, round_, run, None if run.out_of_memory else run.peak_bytes, correction,
-                       None if earlier is None else measured_round)
+        check = result.check_of(run, None if run.out_of_memory else run.peak_bytes, round_, correction,
+                                None if earlier is None else measured_round)
         checks.append(check)
         say(check.describe())
         if check.confirmed:
-            return _confirmed(result, checks)
+            return _confirmed(result, checks, runs.apply_with)
         if not result.feasible:  # the closest miss, measured for the report, did not fit either
             return replace(result, verdict=result.verdict.with_checks(checks, [c.describe() for c in checks]))
         if earlier is not None:  # the stricter search chose a plan already measured: no round can change that
@@ -153,7 +144,7 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
          maximize_batch: bool | None = None, measure: bool | None = None, target: Target | None = None,
          inputs: StepInputs | None = None, graph_rewrites=(), search: SearchOptions | None = None,
          measurement: MeasureOptions | None = None, name: str | None = None,
-         say: Callable[[str], None] = log.info, clock: StageClock | None = None) -> TuneResult:
+         say: Callable[[str], None] = log.info, clock: StageClock | None = None, strategy=None) -> TuneResult:
     """Capture ``model``'s training step, search swap parameters, and measure the winner until a
     measured run confirms it (``result.verdict``). ``python -m autotune`` comes through here.
 
@@ -168,9 +159,13 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     calibration is reused from an earlier run of the same graph on this machine unless ``recalibrate``.
     ``name``: the model's name in the results (default ``model.name``); ``say``: where progress goes;
     ``clock``: times the run's stages (``autotune.run.stage_times``).
-    A model that cannot be captured raises ``CaptureError`` before anything is searched.
+    ``strategy``: the ``tf.distribute.MirroredStrategy`` the model was built under (found by itself when left
+    out): one replica's step is tuned, the budget per device, the host budget shared by the replicas, and every
+    replica measured (``tune_replicated``, docs/design.md 14).
+    A model that cannot be captured raises ``CaptureError`` before anything is searched (another strategy too).
     """
-    from rewriter.trace.tracing import capture  # TensorFlow only when a model is tuned
+    from rewriter.tf_effects.collectives import strategy_of  # TensorFlow only when a model is tuned
+    from rewriter.trace.tracing import capture
     from rewriter.trace.step_inputs import NO_STEP_INPUTS
 
     if target is not None and (device is not None or memory is not None):
@@ -186,6 +181,16 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
             raise ValueError("batch_size is required unless maximize_batch=True")
         batch_size = 1  # only where the capture starts: sizes are linear in the batch
     clock = clock or StageClock()
+    built_under = strategy_of(model)
+    if strategy is not None and strategy is not built_under:
+        raise ValueError(f"the model was not built in this {type(strategy).__name__}'s scope: build it (and "
+                         "compile it) in strategy.scope(), then tune it")
+    if built_under is not None:
+        if search.maximize_batch or graph_rewrites:
+            raise ValueError("a replicated step is tuned at a given batch_size, without graph_rewrites "
+                             "(docs/design.md 14)")
+        return tune_replicated(model, batch_size, target, inputs, search=search, measurement=measurement,
+                               name=name, say=say, clock=clock)
     say(f"capturing the training step at batch {batch_size} ...")
     with clock.stage("capture"):
         graph = capture(model, batch_size, inputs, name=name or getattr(model, "name", None),
@@ -232,3 +237,82 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) \
         if result.applies_plan and measurement.measure else None
     return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time
+
+
+def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, *, search: SearchOptions,
+                    measurement: MeasureOptions, name: str | None, say: Callable[[str], None],
+                    clock: StageClock) -> TuneResult:
+    """``tune`` for a model built in ``MirroredStrategy.scope()``: one replica's step at the per-replica batch,
+    searched with ``target``'s device budget per device and 1/N of its host budget each (the replicas' swaps share
+    the machine's host memory), timed by the calibration of the same step on one device (``replica_calibration``),
+    and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``)."""
+    import rewriter  # TensorFlow only when a model is tuned
+
+    say(f"capturing one replica's training step at global batch {batch_size} ...")
+    with clock.stage("capture"):
+        graph = rewriter.capture_replicated(model, batch_size, inputs, name=name or getattr(model, "name", None))
+    meta = graph.meta["replicas"]
+    count = len(meta["devices"])
+    each = target.per_replica(count)
+    say(f"captured {graph.n_ops} ops of one replica of {count} at batch {graph.batch_size}; resident memory "
+        f"{format_bytes(graph.persistent_bytes)}, the gradients' all-reduce pack {format_bytes(meta['all_reduce_bytes'])}")
+    search = replace(search, split=False, state=False)  # neither is built for a replicated step
+    known = foregone(graph, each, policy=search.policy, recompute=search.recompute, state=False,
+                     split_allowed=False)
+    if known is not None:
+        return known
+    with clock.stage("calibration"):
+        calibration = replica_calibration(model, graph, inputs, recalibrate=measurement.recalibrate, say=say) \
+            if measurement.calibrates else None
+    if not measurement.measure:
+        with clock.stage("search"):
+            searched = search_graph(graph, search_target(each, calibration), search, batch_size=graph.batch_size)
+        return replace(searched, calibration=calibration)
+    say(f"searching, then measuring the chosen plan on each of the {count} replicas ...")
+    return per_device_verdict(confirm(model, graph, each, inputs, batch_size=graph.batch_size, search=search,
+                                      rounds=measurement.rounds, calibration=calibration, clock=clock,
+                                      say=lambda text: say(f"measured: {text}"), runs=ReplicatedRuns(model, inputs)))
+
+
+def per_device_verdict(result: TuneResult) -> TuneResult:
+    """The verdict of a replicated run said per device: confirmed when every replica is (its own check within the
+    budget, its swaps verified on its partition graphs), else not confirmed, naming the replica."""
+    memory = result.replica_memory()
+    if memory is None or not result.verdict.confirmed_by_measurement:
+        return result
+    devices = memory["devices"]
+    failed = [f"replica {k} on {d['device']}: " + ("its swaps did not all survive TensorFlow's graph optimizer"
+                                                   if d.get("swaps_verified") is False else d.get("check", "not measured"))
+              for k, d in enumerate(devices) if not d.get("confirmed", False)]
+    if failed:
+        return replace(result, verdict=not_confirmed(list(result.verdict.checks), reason="; ".join(failed)))
+    headline = result.verdict.headline.rstrip(".") + f"; on each of {len(devices)} devices (" + "; ".join(
+        f"replica {k} measured {format_bytes(d['measured_bytes'])}" for k, d in enumerate(devices)) + ")."
+    return replace(result, verdict=replace(result.verdict, headline=headline))
+
+
+def replica_calibration(model, graph, inputs: StepInputs, *, recalibrate: bool,
+                        say: Callable[[str], None]) -> CalibratedDevice | None:
+    """Op times for one replica's step (``graph``): the calibration of the same model's single-device step at the
+    per-replica batch (made on a copy of the model built off the strategy; reused from the calibration cache as
+    a single-device run of that batch reuses it), serving the replica's ops it saw by name and type
+    (``CalibratedDevice.for_graph``; the all-reduce's and the optimizer's, named apart, take the roofline). None,
+    said, when the model cannot be copied off the strategy (a subclassed model without ``get_config``)."""
+    import keras  # TensorFlow only when a model is tuned
+    from rewriter.trace.tracing import capture
+
+    per_replica = int(graph.meta["replicas"]["per_replica_batch_size"])
+    try:
+        plain = keras.models.clone_model(model)
+        plain.compile_from_config(model.get_compile_config())
+        plain.set_weights(model.get_weights())
+    except Exception as error:  # noqa: BLE001 -- any model Keras cannot rebuild: the preset's times, said
+        say(f"step times are the preset's estimates: the model could not be copied off the strategy to calibrate "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})")
+        return None
+    single = capture(plain, per_replica, inputs, name=graph.meta.get("model"))
+    calibrated = calibrate_for(plain, single, per_replica, inputs, say=say, recalibrate=recalibrate)
+    served = calibrated.for_graph(graph, single, f"one replica's step timed by the single-device step's "
+                                                 f"calibration at batch {per_replica}")
+    say(served.notes[-1])
+    return served

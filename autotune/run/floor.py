@@ -115,14 +115,18 @@ def _largest_batch_under(g: OpGraph, budget_bytes: int) -> int:
     return largest_batch(lambda batch: peak_lower_bound_bytes(g.with_batch(batch)) <= budget_bytes)
 
 
-def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[str, int]) -> list[str]:
-    """What would bring the floor under the budget, each computed; a change that cannot is said to fall short."""
+def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[str, int],
+              replicas: int = 1) -> list[str]:
+    """What would bring the floor under the budget, each computed; a change that cannot is said to fall short
+    (``replicas``: ``g`` is one replica's step of that many, whose global batch the flags give)."""
     ways = []
     batch = _largest_batch_under(g, budget_bytes)
     if batch:
         at = peak_lower_bound_bytes(g.with_batch(batch))
-        ways.append(f"a smaller batch: at batch {batch} or less the floor is {format_bytes(at)} or less, within the "
-                    f"budget (--batch-size {batch}, or --maximize-batch to search the largest batch that fits)")
+        how = (f"--batch-size {batch * replicas} over {replicas} replicas" if replicas > 1 else
+               f"--batch-size {batch}, or --maximize-batch to search the largest batch that fits")
+        ways.append(f"a smaller batch: at batch {batch}{' per replica' if replicas > 1 else ''} or less the floor is "
+                    f"{format_bytes(at)} or less, within the budget ({how})")
     else:
         ways.append(f"no batch size gets under the budget: at batch 1 the floor is "
                     f"{format_bytes(peak_lower_bound_bytes(g.with_batch(1)))}")
@@ -166,7 +170,7 @@ def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recomput
     op = largest_working_set_op(graph) if floor.working_set_bytes > 0 else None
     rewrite_floors = {} if op is None or recaptured is None else {
         rewrite: peak_lower_bound_bytes(recaptured([rewrite])) for rewrite in rewrites_touching(graph, op)}
-    ways = ways_down(graph, floor, budget, rewrite_floors)
+    ways = ways_down(graph, floor, budget, rewrite_floors, target.replicas)
     if movable and moved_floor <= budget:
         ways.insert(0, f"the optimizer slots on the host (without --no-state) lower the floor to "
                        f"{format_bytes(moved_floor)}, within the budget")

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from autotune.inputs import format_bytes
 from autotune.run.stage_times import StageClock
@@ -166,22 +169,25 @@ class PlannedRun:
         return json.dumps([self.placement.measured_on, self.batch, self.device.name, named], sort_keys=True)
 
 
-def planned_run(result: TuneResult) -> PlannedRun:
-    """The run that measures ``result``'s shown plan on this machine (``measure_result``)."""
+def planned_run(result: TuneResult, placement=None, note: str = "") -> PlannedRun:
+    """The run that measures ``result``'s shown plan on this machine (``measure_result``); ``placement``: where
+    it runs when not this machine's own (one replica's device and host; at the requested batch, ``note`` says
+    where)."""
     import rewriter  # TensorFlow only when a plan is measured
 
-    placement = rewriter.detect(configure=False)
+    given = placement is not None
+    placement = placement or rewriter.detect(configure=False)
     shown = result.shown
     params = None if shown is None else shown.params
     if placement.measured_on == "gpu":
-        batch, device, note = result.batch_size, result.device, ""
+        batch, device, note = result.batch_size, result.device, note
     else:
-        batch = testbed_batch(result)
+        batch = result.batch_size if given else testbed_batch(result)
         calibration = result.calibration
         device = calibration if calibration is not None and calibration.preset == "cpu-testbed" else get_device("cpu-testbed")
-        note = (f"No GPU here: the plan's parameters were applied on the CPU testbed (CPU:0 as the "
-                f"accelerator, CPU:1 as the host) at batch {batch}"
-                + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + ".")
+        note = note or (f"No GPU here: the plan's parameters were applied on the CPU testbed (CPU:0 as the "
+                        f"accelerator, CPU:1 as the host) at batch {batch}"
+                        + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + ".")
     graph = result.graph.with_batch(batch)
     # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there
     plan_graph = graph if params is None or result.plan_graph is None else result.plan_graph.with_batch(batch)
@@ -189,6 +195,101 @@ def planned_run(result: TuneResult) -> PlannedRun:
     if result.plan is not None and result.plan.host_state:  # the optimizer slots the plan keeps on the host
         plan = replace(plan, host_state=result.plan.host_state)
     return PlannedRun(placement, batch, device, graph, plan_graph, plan, note)
+
+
+@dataclass(frozen=True)
+class SingleDeviceRuns:
+    """How ``autotune.run.confirm`` measures a plan: on this machine's one device (``measure_result``)."""
+
+    model: Any
+    inputs: Any  # rewriter.StepInputs
+    apply_with = "rewriter.step.apply_plan + rewriter.use_swap_step"  # what trains with the plan, as the verdict says
+
+    def planned(self, result: TuneResult) -> PlannedRun:
+        return planned_run(result)
+
+    def measure(self, result: TuneResult, planned: PlannedRun, clock: StageClock) -> MeasuredRun:
+        return measure_result(self.model, result, self.inputs, planned, clock=clock)
+
+
+@dataclass(frozen=True)
+class ReplicatedRuns:
+    """How ``autotune.run.confirm`` measures a plan for every replica of a ``MirroredStrategy`` model on the CPU
+    testbed (docs/design.md 14): the plan applied on each replica (``rewriter.apply_replicated``) at the global
+    batch, each replica's peak measured (``rewriter.measure_replicas``). The run's peak is the highest replica's
+    (the check that confirms it confirms every replica); ``MeasuredRun.replicas`` holds each one's."""
+
+    model: Any
+    inputs: Any  # rewriter.StepInputs
+    timed_steps: int = 3
+    apply_with = "rewriter.apply_replicated + rewriter.use_replicated_step"
+
+    def planned(self, result: TuneResult) -> PlannedRun:
+        from rewriter.step.replicated import replica_placement
+        from rewriter.trace.replicas import resolve_replicas
+
+        meta = result.graph.meta["replicas"]
+        return planned_run(result, placement=replica_placement(resolve_replicas(self.model), 0), note=(
+            f"Measured on each of the CPU testbed's {len(meta['devices'])} replicas (replica k on CPU:2k, its host "
+            f"CPU:2k+1) at global batch {meta['global_batch_size']}, {meta['per_replica_batch_size']} per replica."))
+
+    def measure(self, result: TuneResult, planned: PlannedRun, clock: StageClock) -> MeasuredRun:
+        with clock.stage("measured_run"):
+            return self._measure(result, planned, clock)
+
+    def _measure(self, result: TuneResult, planned: PlannedRun, clock: StageClock) -> MeasuredRun:
+        import rewriter  # TensorFlow only when a plan is measured
+        from rewriter.trace.step_inputs import synthetic_batch
+
+        batch = int(result.graph.meta["replicas"]["global_batch_size"])
+        x, y = synthetic_batch(self.model, batch, self.inputs)
+        with clock.stage("apply"):
+            step = rewriter.apply_replicated(self.model, planned.plan.to_named(planned.plan_graph),
+                                             graph=planned.plan_graph, batch_size=batch, inputs=self.inputs,
+                                             verify_with=(x, y))
+        peaks = rewriter.measure_replicas(step, x, y)
+        step_s = _timed_step_s(step, x, y, self.timed_steps)
+        plain = None
+        if not result.has_actions:  # "fits without swapping" must hold for the step model.fit runs, TF's op order
+            with clock.stage("apply"):
+                own = rewriter.apply_replicated(self.model, SwapPlan.empty(planned.graph).to_named(planned.graph),
+                                                graph=planned.graph, batch_size=batch, inputs=self.inputs,
+                                                serialize=False, verify=False)
+            plain = max(peak.peak_bytes for peak in rewriter.measure_replicas(own, x, y))
+        predicted = replay(planned.plan_graph, planned.plan, planned.device)
+        checks = step.verification or ()
+        replicas = tuple({"replica": p.replica, "device": p.device, "host": step.placements[p.replica].host,
+                          "measured_bytes": p.peak_bytes, "host_peak_bytes": p.host_peak_bytes,
+                          "resident_bytes": p.resident_bytes, "unowned_bytes": p.unowned_bytes,
+                          "swaps_verified": not checks or checks[p.replica].ok,
+                          "swaps_survived": None if not checks else checks[p.replica].swap_outs} for p in peaks)
+        return MeasuredRun(
+            measured_on="cpu-testbed", batch_size=planned.batch, peak_bytes=max(p.peak_bytes for p in peaks),
+            step_s=step_s, baseline_peak_bytes=None, baseline_step_s=None,
+            predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s,
+            predicted_baseline_peak_bytes=replay(planned.graph, None, planned.device).peak_bytes,
+            note=planned.note, swaps_planned=planned.plan.n_swaps,
+            swaps_survived=None if not checks else min(c.swap_outs for c in checks),
+            verification_problems=[f"replica {k}: {problem}" for k, c in enumerate(checks) for problem in c.problems()],
+            time_model=planned.device.name, time_calibrated=isinstance(planned.device, CalibratedDevice),
+            plain_peak_bytes=plain, replicas=replicas)
+
+
+def _timed_step_s(step, x, y, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of the replicated ``step`` after one untimed; its variables put
+    back."""
+    flat = step.flat_inputs(step.split(x, y))
+    snapshot = step.snapshot()
+    times = []
+    try:
+        for k in range(repeats + 1):
+            started = time.perf_counter()
+            _, loss = step.run_flat(*flat)
+            np.asarray(loss)  # waits for the step
+            times.append(time.perf_counter() - started)
+    finally:
+        snapshot.restore()
+    return float(np.median(times[1:]))
 
 
 def measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun | None = None, *,

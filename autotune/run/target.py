@@ -33,10 +33,22 @@ class Target:
     host_budget_source: str
     timings_source: str
     limits_gpu: bool = False
+    # replicas of one machine this target is one of (``per_replica``): each holds ``host_budget_bytes``, the
+    # machine ``machine_host_budget_bytes`` (every replica's swaps share it)
+    replicas: int = 1
+    machine_host_budget_bytes: int | None = None
 
     @property
     def host_budget_bytes(self) -> int:
         return int(self.device.host_memory_bytes)
+
+    def per_replica(self, replicas: int) -> Target:
+        """This target for one of ``replicas`` replicas on one machine: the same device budget, 1/N of the host's."""
+        host = self.host_budget_bytes // replicas
+        return replace(self, device=replace(self.device, host_memory_bytes=host), replicas=replicas,
+                       machine_host_budget_bytes=self.host_budget_bytes,
+                       host_budget_source=f"{self.host_budget_source}, shared by {replicas} replicas: "
+                                          f"{format_bytes(host)} each")
 
     @property
     def budget_source(self) -> str:
@@ -53,7 +65,9 @@ class Target:
         """summary.json's ``target``."""
         return {"device": self.device.name, "device_budget_bytes": self.device_budget_bytes,
                 "device_budget_source": self.device_budget_source, "host_budget_bytes": self.host_budget_bytes,
-                "host_budget_source": self.host_budget_source, "timings_source": self.timings_source}
+                "host_budget_source": self.host_budget_source, "timings_source": self.timings_source,
+                **({} if self.replicas == 1 else {"replicas": self.replicas,
+                                                  "machine_host_budget_bytes": self.machine_host_budget_bytes})}
 
 
 def _preset_budget(model: DeviceModel) -> str:

@@ -25,7 +25,7 @@ from autotune.run.probes import (HOST_UNLIMITED_BYTES, MAX_BATCH, SwapProbes, la
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
 from autotune.search.study_copy import in_memory
-from autotune.run.verdict import SERIALIZED_STEP, PeakCorrection, Verdict, actions_phrase, predicted
+from autotune.run.verdict import SERIALIZED_STEP, Check, PeakCorrection, Verdict, actions_phrase, check_run, predicted
 from autotune.run.target import DEFAULT_DEVICE, Target, resolve_device, resolve_target  # noqa: F401 -- DEFAULT_DEVICE, resolve_device: re-exported
 from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
@@ -74,6 +74,9 @@ class MeasuredRun:
     # (rewriter.timing.anchored): what they were, and the prediction before it; step_s is then that timing's
     time_anchored_to: str | None = None
     predicted_step_s_unanchored: float | None = None
+    # a replicated step's run (autotune.run.plan_run.ReplicatedRuns): each replica's device, host, measured peak
+    # and host peak; peak_bytes is then the highest of them
+    replicas: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -178,6 +181,53 @@ class TuneResult:
         """The chosen candidate, or the closest miss when nothing fits."""
         return self.chosen or self.closest
 
+    def check_of(self, run: MeasuredRun, measured_bytes: int | None, round_: int, correction: PeakCorrection,
+                 reused_from: int | None = None) -> Check:
+        """``run`` (``measured_bytes``: its peak, or one replica's) against the prediction for the machine it ran
+        on, carried to the target's prediction (``autotune.run.verdict.check_run``)."""
+        return check_run(round=round_, measured_on=run.measured_on, measured_bytes=measured_bytes,
+                         predicted_bytes=run.predicted_peak_bytes,
+                         resident_bytes=self.graph.with_batch(run.batch_size).persistent_bytes,
+                         predicted_at_request_bytes=self.shown.peak_bytes,
+                         resident_at_request_bytes=self.graph.persistent_bytes, measured_batch=run.batch_size,
+                         requested_batch=self.batch_size, budget_bytes=self.budget_bytes, correction=correction,
+                         target_on=getattr(self.device, "preset", None) or self.device.name, reused_from=reused_from)
+
+    def replica_memory(self) -> dict[str, Any] | None:
+        """Memory per device and per machine of a replicated step (docs/design.md 14; None for one device): each
+        replica's predicted and measured peak against the per-device budget and its verdict (its own check,
+        swaps verified), the host memory every replica's swaps share against the machine's host budget, and the
+        gradients' all-reduce pack."""
+        meta = self.graph.meta.get("replicas")
+        if meta is None:
+            return None
+        shown, m = self.shown, self.measurement
+        measured = {row["device"]: row for row in (m.replicas if m is not None else ())}
+        round_ = self.verdict.checks[-1].round if self.verdict is not None and self.verdict.checks else 1
+        devices = []
+        for device, host in zip(meta["devices"], meta["hosts"]):
+            row = measured.get(device)
+            check = None if row is None else self.check_of(m, row["measured_bytes"], round_, self.correction)
+            devices.append({
+                "device": device, "host": host, "budget_bytes": self.budget_bytes,
+                "predicted_bytes": None if shown is None else int(shown.peak_bytes),
+                "predicted_host_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
+                **({} if row is None else {
+                    "predicted_on_testbed_bytes": m.predicted_peak_bytes, "measured_bytes": row["measured_bytes"],
+                    "projected_bytes": check.projected_bytes, "measured_host_bytes": row["host_peak_bytes"],
+                    "swaps_verified": row["swaps_verified"], "check": check.describe(),
+                    "confirmed": check.confirmed and row["swaps_verified"]})})
+        host_budget = self.target.machine_host_budget_bytes or self.target.host_budget_bytes
+        hosts = [d["measured_host_bytes"] for d in devices if "measured_host_bytes" in d]
+        predicted_host = None if shown is None else len(devices) * int(shown.metrics["host_peak_bytes"])
+        return {"devices": devices, "replicas": len(devices), "global_batch_size": meta["global_batch_size"],
+                "per_replica_batch_size": meta["per_replica_batch_size"], "all_reduce_bytes": meta["all_reduce_bytes"],
+                "all_reduce_ops": meta["all_reduce_ops"],
+                "machine": {"host_budget_bytes": host_budget, "predicted_host_bytes": predicted_host,
+                            "measured_host_bytes": sum(hosts) if len(hosts) == len(devices) else None,
+                            "within_budget": (sum(hosts) if len(hosts) == len(devices) else predicted_host or 0)
+                            <= host_budget}}
+
     def summary(self) -> dict[str, Any]:
         shown = self.shown
         m = self.measurement
@@ -253,6 +303,7 @@ class TuneResult:
             "measured_plain_fit_peak_bytes": None if m is None else m.plain_peak_bytes,
             "measured_out_of_memory": None if m is None else m.out_of_memory,
             "notes": self.notes,
+            **({} if self.replica_memory() is None else {"replicas": self.replica_memory()}),
         }
 
 

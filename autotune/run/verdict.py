@@ -230,10 +230,11 @@ def predicted(*, fits: bool, swaps: bool, peak_bytes: int | None, budget_bytes: 
     return Verdict(status, False, measured, train_with, text + suffix + ".", action=action)
 
 
-def confirmed(base: Verdict, checks: list[Check], *, plain: Check | None = None) -> Verdict:
+def confirmed(base: Verdict, checks: list[Check], *, plain: Check | None = None,
+              apply_with: str = "rewriter.step.apply_plan + rewriter.use_swap_step") -> Verdict:
     """``base`` (a fitting prediction) confirmed by the last of ``checks``. Without swapping, the
     step the user runs with a plain ``model.fit`` (``plain``) must fit too, or the output says to
-    train with the tool's serialized step."""
+    train with the tool's serialized step (``apply_with``: the calls that train with it)."""
     last = checks[-1]
     target = f"the {last.target_on} at batch" if last.target_on else "batch"
     where = (f"measured {format_bytes(last.measured_bytes)} on {last.measured_on} at batch {last.measured_batch}"
@@ -257,7 +258,7 @@ def confirmed(base: Verdict, checks: list[Check], *, plain: Check | None = None)
                   + ", over the budget")
     return Verdict(FITS_WITHOUT_SWAPPING, True, True, SERIALIZED_STEP,
                    f"Fits without swapping only with the tool's serialized step ({where}{rounds}): "
-                   f"{plain_text}. Train with plan.json (rewriter.step.apply_plan + rewriter.use_swap_step), "
+                   f"{plain_text}. Train with plan.json ({apply_with}), "
                    "not a plain model.fit.", base.details, tuple(checks))
 
 

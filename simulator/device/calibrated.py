@@ -117,6 +117,31 @@ class CalibratedDevice(DeviceModel):
                                f"b{b} {t * 1e3:.2f} ms" for b, t in zip(self.batch_sizes, new)),))
         return replace(rescaled, name=f"{self.preset}-calibrated-{rescaled.calibration_id[:8]}")
 
+    def for_graph(self, g, calibrated, why: str) -> "CalibratedDevice":
+        """These op times serving ``g``, the same model's step traced another way (one replica's step under a
+        ``tf.distribute`` strategy, whose loss scaling, gradient pack and optimizer ops are named apart from the
+        single-device step's): an op of ``g`` keeps the measured time of the op of ``calibrated`` (the graph
+        calibrated) with its name and type; the others of one name scope and type take those left of
+        ``calibrated``'s in the same scope and type, in graph order, where both have as many; the rest take the
+        roofline times ``roofline_scale``. ``why``, with how many ops kept a time, goes to the notes."""
+        index = self._op_index
+        mine = list(zip(g.op_name.tolist(), g.op_type.tolist()))
+        theirs = list(zip(calibrated.op_name.tolist(), calibrated.op_type.tolist()))
+        by_name = dict(theirs)
+        times = {name: self.op_seconds_ab[index[name]] for name, kind in mine
+                 if name in index and by_name.get(name) == kind}
+        left_mine, left_theirs = _by_scope_and_type(mine, times), _by_scope_and_type(theirs, times)
+        for key, names in left_mine.items():
+            others = [name for name in left_theirs.get(key, ()) if name in index]
+            if len(others) == len(names):
+                times.update((name, self.op_seconds_ab[index[other]]) for name, other in zip(names, others))
+        served = replace(self, model_name=str(g.meta.get("model", "")), graph_fingerprint=g.fingerprint(),
+                         graph_identity=graph_identity(g), op_names=tuple(times),
+                         op_seconds_ab=tuple(times.values()),
+                         notes=self.notes + (f"{why}: {len(times)} of its {g.n_ops} ops by their measured times, the "
+                                             f"others by the roofline x {self.roofline_scale:.3g}",))
+        return replace(served, name=f"{self.preset}-calibrated-{served.calibration_id[:8]}")
+
     # identity: the tables are large, so compare and hash a digest of every field once
     @cached_property
     def calibration_id(self) -> str:
@@ -191,3 +216,12 @@ class CalibratedDevice(DeviceModel):
 
 
 __all__ = ["CalibratedDevice", "CalibrationError", "CalibrationMismatchError", "MIN_OP_COVERAGE", "graph_identity"]
+
+
+def _by_scope_and_type(ops: list[tuple[str, str]], taken) -> dict[tuple[str, str], list[str]]:
+    """The names of ``ops`` (name, type) not in ``taken``, by (top name scope, type), in graph order."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for name, kind in ops:
+        if name not in taken:
+            grouped.setdefault((name.split("/", 1)[0], kind), []).append(name)
+    return grouped

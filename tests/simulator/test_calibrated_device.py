@@ -95,6 +95,51 @@ def test_ops_the_calibration_did_not_see_take_the_scaled_roofline():
         op_seconds(g, _calibrated(g, rows=slice(0, g.n_ops // 2)))
 
 
+def test_one_replica_s_step_takes_the_single_device_step_s_op_times_by_name_and_type():
+    """A replica's step (docs/design.md 14) names its optimizer's ops apart and adds the all-reduce: an op keeps its
+    measured time where the calibrated graph has an op of its name and type, the others take the scaled roofline."""
+    g = training_graph(12, batch_size=4)
+    device = _calibrated(g)
+    names, types = g.op_name.astype(object), g.op_type.copy()
+    names[-20:] = [f"replica/renamed_{k}" for k in range(20)]
+    names = names.astype(str)
+    types[0] = "CollectiveReduceV2"  # a name the calibration saw, another op
+    replica = dataclasses.replace(g, op_name=names, op_type=types)
+    served = device.for_graph(replica, g, "one replica's step")
+    seconds = op_seconds(replica, served)
+    roofline = 3.0 * np.asarray(get_device("cpu-testbed").op_seconds(g.op_flops, g.op_touched_bytes))
+    ab = np.asarray(device.op_seconds_ab)
+    kept = np.arange(1, g.n_ops - 20)
+    assert np.allclose(seconds[kept], ab[kept, 0] + ab[kept, 1] * 4)
+    assert np.allclose(seconds[[0, *range(g.n_ops - 20, g.n_ops)]], roofline[[0, *range(g.n_ops - 20, g.n_ops)]])
+    assert served.notes[-1].startswith(f"one replica's step: {len(kept)} of its {g.n_ops} ops by their measured")
+    assert served.name != device.name and served.preset == device.preset
+
+
+def test_ops_named_apart_in_one_scope_take_the_times_of_as_many_of_their_type_in_order():
+    """Adam's update ops are numbered apart in a replica's trace: within one name scope and type, in graph order,
+    they take the calibrated ones' times where both graphs have as many; where the counts differ, the roofline."""
+    g = training_graph(12, batch_size=4)
+    updates = [i for i, kind in enumerate(g.op_type.tolist()) if kind == "AssignSubVariableOp"]
+    renamed = g.op_name.astype(object)
+    renamed[updates] = [f"adam/Assign_{k}" for k in range(len(updates))]
+    renamed = renamed.astype(str)
+    single = dataclasses.replace(g, op_name=renamed)
+    device = _calibrated(single)
+    ab = np.asarray(device.op_seconds_ab)
+    apart = renamed.astype(object)
+    apart[updates] = [f"adam/Assign_{k + 100}" for k in range(len(updates))]
+    apart = apart.astype(str)
+    seconds = op_seconds(dataclasses.replace(g, op_name=apart), device.for_graph(
+        dataclasses.replace(g, op_name=apart), single, "a replica"))
+    assert np.allclose(seconds[updates], ab[updates, 0] + ab[updates, 1] * 4)
+    types = g.op_type.copy()
+    types[updates[0]] = "AssignVariableOp"  # one fewer of the type in the scope: no pairing by order
+    other = dataclasses.replace(g, op_name=apart, op_type=types)
+    roofline = 3.0 * np.asarray(get_device("cpu-testbed").op_seconds(g.op_flops, g.op_touched_bytes))
+    assert np.allclose(op_seconds(other, device.for_graph(other, single, "a replica"))[updates], roofline[updates])
+
+
 def test_the_tuner_takes_a_calibrated_device():
     g = training_graph(8, batch_size=2)
     device = _calibrated(g)

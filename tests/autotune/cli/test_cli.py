@@ -226,14 +226,14 @@ def test_a_recomputation_plan_tensorflow_cannot_run_falls_back_to_the_best_swap_
     """The measured run of the chosen plan with recomputation fails in TensorFlow (the oneDNN cycle of docs/design.md 9
     did, at the first call): the tool searches swap plans only, measures the best one, and says why in
     the report's notes; the verdict is the swap plan's, confirmed (exit 0)."""
-    import autotune.run.confirm
+    import autotune.run.plan_run
     import tensorflow as tf
     from benchmarks.models import build_model
     from rewriter.trace.tracing import capture
 
     from simulator import replay
 
-    measure_result = autotune.run.confirm.measure_result
+    measure_result = autotune.run.plan_run.measure_result
     failed = []
 
     def fail_with_recomputation(model, result, *args, **kwargs):
@@ -242,7 +242,7 @@ def test_a_recomputation_plan_tensorflow_cannot_run_falls_back_to_the_best_swap_
             raise tf.errors.InvalidArgumentError(None, None, "60 nodes in a cycle")
         return measure_result(model, result, *args, **kwargs)
 
-    monkeypatch.setattr(autotune.run.confirm, "measure_result", fail_with_recomputation)
+    monkeypatch.setattr(autotune.run.plan_run, "measure_result", fail_with_recomputation)  # SingleDeviceRuns' own
     model_dir = tmp_path / "cnn64"
     model_dir.mkdir()
     build_model("small_cnn", image_size=64).save(model_dir / "cnn.keras")

@@ -33,6 +33,72 @@ def test_what_replicas_cannot_do_is_refused_in_one_line(model_dir, capsys, flags
     assert len(lines) == 1 and message in lines[0], err
 
 
+@pytest.mark.parametrize("tf_config,message", [
+    ({"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}, "task": {"type": "worker", "index": 0}},
+     "TF_CONFIG names 2 workers: MultiWorkerMirroredStrategy detected, which the tool does not tune yet"),
+    ({"cluster": {"worker": ["127.0.0.1:20001"], "ps": ["127.0.0.1:20003"]}}, "ParameterServerStrategy detected"),
+    ("{not json", "TF_CONFIG is not a JSON object with a cluster"),
+])
+def test_a_tf_config_of_several_workers_is_said_and_refused_in_one_line(model_dir, capsys, monkeypatch, tf_config,
+                                                                        message):
+    monkeypatch.setenv("TF_CONFIG", tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
+    code = main([str(model_dir), "--batch-size", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_a_tf_config_of_one_worker_is_one_machine_and_several_gpus_are_said():
+    from autotune.cli.replicas import check_tf_config, several_gpus_note
+
+    assert several_gpus_note(1) is None and "shared by the 4 replicas' swaps" in several_gpus_note(4)
+
+    check_tf_config({"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:20001"]}})})
+    check_tf_config({})
+
+
+@pytest.mark.tf
+def test_tune_takes_the_strategy_the_model_was_built_under_and_refuses_others():
+    """``autotune.tune(model, strategy=...)``: a strategy the model was not built in is a ValueError; a model built
+    under a strategy the tool does not capture replicated is refused by the capture in one line."""
+    import keras
+    import tensorflow as tf
+
+    from autotune.run.confirm import tune
+    from rewriter.errors import CaptureError
+
+    def small():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    with pytest.raises(ValueError, match="not built in this MirroredStrategy's scope"):
+        tune(small(), batch_size=4, memory=2**20, strategy=tf.distribute.MirroredStrategy(["/cpu:0"]))
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        under_one_device = small()
+    with pytest.raises(CaptureError, match="tf.distribute.OneDeviceStrategy is not supported") as refused:
+        tune(under_one_device, batch_size=4, memory=2**20)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def test_under_the_floor_a_smaller_batch_is_said_as_the_replicas_global_batch():
+    """One replica's step under its floor: the batch that would fit is per replica, the flag the global batch."""
+    import re
+
+    from autotune.run.floor import foregone
+    from autotune.run.target import resolve_target
+    from simulator.buffers import peak_lower_bound_bytes
+    from simulator.synthetic import training_graph
+
+    graph = training_graph(12, batch_size=8)
+    target = resolve_target("cpu-testbed", peak_lower_bound_bytes(graph.with_batch(5))).per_replica(2)
+    result = foregone(graph, target, state=False, split_allowed=False)
+    found = re.search(r"at batch (\d+) per replica or less .* \(--batch-size (\d+) over 2 replicas\)", result.notes[-1])
+    assert found and int(found[2]) == 2 * int(found[1]) and 5 <= int(found[1]) < 8, result.notes[-1]
+    assert "--maximize-batch" not in result.notes[-1]
+
+
 SAVE = """
 import keras
 keras.utils.set_random_seed(1)
@@ -41,28 +107,123 @@ model = keras.Sequential([keras.Input((24, 24, 3)), *convs, keras.layers.GlobalA
 model.compile(optimizer="adam", loss="mse")
 model.save({path!r})
 """
+# the command line, with every replica's measured peak ``extra`` bytes higher: memory the simulator never sees
+INFLATED = """
+import dataclasses, sys
+import rewriter, rewriter.timing
+measured = rewriter.timing.measure_replicas
+rewriter.measure_replicas = lambda *args, **kwargs: tuple(
+    dataclasses.replace(peak, peak_bytes=peak.peak_bytes + {extra}) for peak in measured(*args, **kwargs))
+from autotune.cli.command import main
+sys.exit(main(sys.argv[1:]))
+"""
+BUDGET = 700 * 1024  # under one replica's unswapped step: 801 KiB predicted at batch 8
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The 4-conv stack saved compiled."""
+    directory = tmp_path_factory.mktemp("replicas") / "model"
+    directory.mkdir()
+    subprocess.run([sys.executable, "-c", SAVE.format(path=str(directory / "model.keras"))], check=True,
+                   env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, timeout=300)
+    return directory
+
+
+def _autotune(saved, out: Path, *, extra_bytes: int = 0, memory: str = "700KiB", flags=("--replicas", 2)):
+    """The command line on the testbed (in a fresh process: N replicas need 2N logical CPUs before TensorFlow
+    starts; this test's calibration cache)."""
+    start = ["-m", "autotune"] if not extra_bytes else ["-c", INFLATED.format(extra=extra_bytes)]
+    args = [saved, "--batch-size", 16, *flags, "--memory", memory, "--trials", 30, "--out", out, "--quiet"]
+    return subprocess.run([sys.executable, *start, *(map(str, args) if "--calibrate" in flags else uncalibrated(args))],
+                          env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+
+
+def _devices_confirmed(summary: dict, budget: int = BUDGET) -> list[dict]:
+    memory = summary["replicas"]
+    assert memory["per_replica_batch_size"] == 8 and memory["global_batch_size"] == 16
+    assert [d["host"] for d in memory["devices"]] == ["/device:CPU:1", "/device:CPU:3"]
+    for device in memory["devices"]:
+        assert device["confirmed"] and device["swaps_verified"], device
+        assert device["projected_bytes"] <= budget and device["budget_bytes"] == budget
+    return memory["devices"]
 
 
 @pytest.mark.tf
-def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(tmp_path):
-    """A budget under the unswapped step's (820 KiB predicted per replica at batch 8): a plan that swaps, each
-    replica's peak measured within 5 % of the testbed's prediction, the verdict per device."""
-    saved = tmp_path / "model"
-    saved.mkdir()
-    env = environment.testbed_environment(PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-c", SAVE.format(path=str(saved / "model.keras"))], env=env, check=True,
-                   capture_output=True, timeout=300)
+def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(saved, tmp_path):
+    """A budget under the unswapped step's: a plan that swaps, each replica's peak measured within 5 % of the
+    testbed's prediction, the verdict per device, and the report's memory per device and per machine (the host
+    memory every replica's swaps share against the machine's host budget; the all-reduce pack)."""
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "autotune", *uncalibrated([saved, "--batch-size", 16,
-                           "--replicas", 2, "--memory", "700KiB", "--trials", 30, "--out", out, "--quiet"])],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = _autotune(saved, out)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["confirmed"] and summary["replicas"]["per_replica_batch_size"] == 8
-    assert [d["host"] for d in summary["devices"]] == ["/device:CPU:1", "/device:CPU:3"]
-    for device in summary["devices"]:
-        assert abs(device["measured_bytes"] / device["predicted_testbed_bytes"] - 1) <= 0.05
-        assert device["projected_bytes"] <= 700 * 1024 and device["verified"]
-    assert summary["plan"]["swaps"] or summary["plan"]["recomputes"]
-    assert "verdict: fits on each of 2 devices" in done.stdout
+    assert summary["verdict"] == "fits" and summary["confirmed_by_measurement"]
+    for device in _devices_confirmed(summary):
+        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05
+    assert summary["swaps"] or summary["recomputes"]
     assert summary["target"]["host_budget_source"].endswith("shared by 2 replicas: 32.00 GiB each")
+    machine = summary["replicas"]["machine"]
+    assert machine["host_budget_bytes"] == 64 * 2**30 and machine["within_budget"]
+    assert machine["measured_host_bytes"] == sum(d["measured_host_bytes"] for d in summary["replicas"]["devices"]) > 0
+    assert summary["replicas"]["all_reduce_bytes"] > 0
+    assert "on each of 2 devices" in summary["headline"] and f"verdict: {summary['headline']}" in done.stdout
+    assert done.stdout.count(": confirmed\n") == 2, done.stdout
+    report = (out / "report.html").read_text()
+    assert "Devices and machine" in report and "budget per device" in report
+    assert "host memory of the machine" in report and "all-reduce pack" in report
+    assert (out / "replica_memory.png").is_file() and (out / "plan.json").is_file()
+
+
+@pytest.mark.tf
+def test_a_replica_measured_above_its_prediction_corrects_the_search(saved, tmp_path):
+    """Every replica's peak 60 KiB above what the simulator sees: the first plan measures over the budget, the
+    miss corrects the search as on one device, and the plan of the next round is measured and confirmed on
+    both replicas."""
+    out = tmp_path / "out"
+    done = _autotune(saved, out, extra_bytes=60 * 1024)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rounds = summary["measured_rounds"]
+    assert len(rounds) >= 2 and not rounds[0]["confirmed"] and rounds[-1]["confirmed"], rounds
+    assert summary["peak_correction"]["excess_bytes"] >= 60 * 1024 * 0.9
+    for device in _devices_confirmed(summary):
+        assert device["measured_bytes"] > device["predicted_on_testbed_bytes"]
+
+
+@pytest.mark.tf
+def test_a_replicated_step_that_fits_unswapped_is_checked_on_tf_s_own_order(saved, tmp_path):
+    """A budget over one replica's unswapped step: no plan, and "fits without swapping" is said of plain training
+    only when the replicated step in TensorFlow's own op order is measured within the budget too (its peak moves
+    from run to run: 800 KiB and 1.06 MiB measured); otherwise the tool's serialized step is what trains, and the
+    verdict says how, with the replicated calls."""
+    out = tmp_path / "out"
+    done = _autotune(saved, out, memory="1MiB")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "fits-without-swapping" and not summary["swaps"]
+    own_order_fits = summary["measured_plain_fit_peak_bytes"] <= 2**20
+    assert summary["train_with"] == ("plain-fit" if own_order_fits else "serialized-step"), summary["headline"]
+    assert own_order_fits or "rewriter.apply_replicated + rewriter.use_replicated_step" in summary["headline"]
+    _devices_confirmed(summary, budget=2**20)
+
+
+@pytest.mark.tf
+@pytest.mark.long
+def test_the_replicas_step_times_are_calibrated_and_the_calibration_serves_one_device_too(saved, tmp_path):
+    """The calibration of the model's single-device step at the per-replica batch times one replica's step (the
+    ops it saw by name and type) and predicts the measured run's step; a single-device run at that batch reuses it
+    from the cache (about 45 s: two calibrated runs)."""
+    done = _autotune(saved, tmp_path / "replicas", flags=("--replicas", 2, "--calibrate"))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "replicas" / "summary.json").read_text())
+    assert summary["step_time_calibrated"] and summary["calibration"]["batch_sizes"] == [4, 8]
+    served = summary["calibration"]["notes"][-1]
+    assert served.startswith("one replica's step timed by the single-device step's calibration at batch 8: ")
+    assert int(served.split(": ")[1].split(" of ")[0]) >= 0.9 * 384  # Adam's ops numbered apart are paired too
+    single = subprocess.run([sys.executable, "-m", "autotune", saved, "--batch-size", "8", "--memory", "700KiB",
+                             "--trials", "30", "--out", tmp_path / "single"], capture_output=True, text=True,
+                            env=environment.testbed_environment(PYTHONPATH=str(ROOT)), timeout=600, cwd=ROOT)
+    assert single.returncode == 0, single.stdout + single.stderr[-3000:]
+    assert "step times calibrated on this machine by an earlier run of this model" in single.stderr

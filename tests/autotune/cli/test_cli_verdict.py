@@ -226,6 +226,7 @@ def test_a_plan_already_measured_is_not_measured_again(monkeypatch, over, confir
     the rounds stop saying that more would measure nothing new."""
     import autotune.run.confirm as confirm_module
     from autotune.run.options import SearchOptions
+    from autotune.run.plan_run import SingleDeviceRuns
     from autotune.run.tuning import MeasuredRun
     from rewriter.trace.step_inputs import NO_STEP_INPUTS
 
@@ -243,7 +244,13 @@ def test_a_plan_already_measured_is_not_measured_again(monkeypatch, over, confir
             first.append(replace(found, target=roomy))
         return replace(first[0], correction=correction or PeakCorrection())
 
-    def measure(model, result, inputs, planned, *, clock=None):
+    class Runs(SingleDeviceRuns):
+        """Measured runs this test makes up (``confirm``'s measurement strategy)."""
+
+        def measure(self, result, planned, clock):
+            return measure(planned)
+
+    def measure(planned):
         runs.append(planned.key)
         peak, resident = replay(planned.plan_graph, planned.plan, planned.device).peak_bytes, planned.graph.persistent_bytes
         return MeasuredRun(measured_on="cpu-testbed", batch_size=planned.batch,
@@ -252,8 +259,8 @@ def test_a_plan_already_measured_is_not_measured_again(monkeypatch, over, confir
                            predicted_baseline_peak_bytes=peak)
 
     monkeypatch.setattr(confirm_module, "search_graph", same_plan)
-    monkeypatch.setattr(confirm_module, "measure_result", measure)
-    result = confirm_module.confirm(None, graph, target, NO_STEP_INPUTS, search=SearchOptions(trials=20), rounds=3)
+    result = confirm_module.confirm(None, graph, target, NO_STEP_INPUTS, search=SearchOptions(trials=20), rounds=3,
+                                    runs=Runs(None, NO_STEP_INPUTS))
     checks = result.verdict.checks
     assert result.has_actions
     assert len(runs) == 1 and len(checks) == 2, [c.describe() for c in checks]
