@@ -143,13 +143,17 @@ def _op_start_s(result: Replay, finish_all: np.ndarray, context: _Context) -> np
     return result.op_end_s - context.op_seconds  # as the slot's finish less its time (kernels' rounding)
 
 
+def _transfers(result: Replay, finish_all: np.ndarray) -> Transfers:
+    """A replay's timed copies as the kernels read them."""
+    return Transfers(out_start=result.swap_out_start_s, out_end=result.swap_out_end_s,
+                     in_ready=result.swap_in_alloc_s, in_start=result.swap_in_start_s,
+                     in_end=result.swap_in_end_s, finish_all=finish_all,
+                     out_queue=np.argsort(result.swap_out_start_s, kind="stable"),
+                     in_processed=np.argsort(result.swap_in_start_s, kind="stable"))
+
+
 def _copy_overlap_s(result: Replay, finish_all: np.ndarray, context: _Context) -> float:
-    transfers = Transfers(out_start=result.swap_out_start_s, out_end=result.swap_out_end_s,
-                          in_ready=result.swap_in_alloc_s, in_start=result.swap_in_start_s,
-                          in_end=result.swap_in_end_s, finish_all=finish_all,
-                          out_queue=np.argsort(result.swap_out_start_s, kind="stable"),
-                          in_processed=np.argsort(result.swap_in_start_s, kind="stable"))
-    return float(kernels.copy_overlap(transfers, context.duration))
+    return float(kernels.copy_overlap(_transfers(result, finish_all), context.duration))
 
 
 ON_DEMAND_FIELDS = {"op_end_s": _op_end_s, "op_start_s": _op_start_s, "copy_overlap_s": _copy_overlap_s}
@@ -291,6 +295,12 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         on_host = np.isin(plan.tensor, np.asarray(moved.meta.get(WEIGHT_READS, ()), np.int64))
         object.__setattr__(result, "d2h_bytes", int(result.d2h_bytes + out_bytes.sum()
                                                     - moved.tensor_bytes[plan.tensor[on_host]].sum()))
+        if on_host.any():  # a swapped weight's host copy is the weight itself: no host bytes of its own
+            swap_bytes = moved.tensor_bytes[plan.tensor].astype(np.float64)
+            swap_bytes[on_host] = 0.0
+            peak, when = kernels.host_peak(swap_bytes, plan.in_swap, _transfers(result, result.__dict__["_on_demand"][0]))
+            object.__setattr__(result, "host_peak_bytes", int(peak))
+            object.__setattr__(result, "host_peak_s", float(when))
         object.__setattr__(result, "h2d_bytes", int(result.h2d_bytes + in_bytes.sum()))
         return result
     if plan is not None and plan.order_name != g.order:

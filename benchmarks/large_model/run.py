@@ -35,13 +35,14 @@ from benchmarks.large_model.scaling import WidthFamily
 from benchmarks.models.graphs import _cached_capture
 from simulator import get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
-from simulator.state import HostState, movable_state, with_host_state, writes_after_reads
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, moved_bytes, with_host_state,
+                             writes_after_reads)
 
 CAPTURED_WIDTHS = (128, 192, 256, 320)  # the first three make the fit, the fourth checks it
 GiB = 1 << 30
-NO_ACTION, SWAP, SWAP_LATE, HOST, HOST_LATE = SETTINGS = (
+NO_ACTION, SWAP, SWAP_LATE, HOST, HOST_LATE, WEIGHTS_LATE = SETTINGS = (
     "no action", "swap + recompute", "swap + recompute, writes after reads", "swap + recompute + slots on host",
-    "swap + recompute + slots on host, writes after reads")
+    "swap + recompute + slots on host, writes after reads", "swap + recompute + slots and weights on host")
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,16 @@ class Family:
 
 def _problem(graph, device, setting: str) -> TuningProblem:
     budget = device.budget_bytes
-    if setting in (SWAP_LATE, HOST_LATE):
+    if setting in (SWAP_LATE, HOST_LATE, WEIGHTS_LATE):
         graph = writes_after_reads(graph)
-    if setting in (HOST, HOST_LATE):
-        moved = tuple(HostState(path) for path in movable_state(graph))
-        slots = sum(movable_state(graph).values())
+    if setting in (HOST, HOST_LATE, WEIGHTS_LATE):
+        mode = HOST_WEIGHTS if setting == WEIGHTS_LATE else HOST_UPDATE
+        moved = tuple(HostState(path, mode) for path in movable_state(graph))
+        state_bytes = moved_bytes(graph, moved)
         graph = with_host_state(graph, moved, copies_in=not device.host_buffers_shared)
-        # the host holds the slots beside what the plan swaps: their bytes come out of its room
+        # the host holds the state beside what the plan swaps: its bytes come out of the host's room
         return TuningProblem(graph, device, budget, space=SearchSpace.for_graph(graph, recompute=True),
-                             host_state=moved, host_limit_bytes=max(0, device.host_memory_bytes - slots))
+                             host_state=moved, host_limit_bytes=max(0, device.host_memory_bytes - state_bytes))
     return TuningProblem(graph, device, budget, space=SearchSpace.for_graph(graph, recompute=True))
 
 
