@@ -3,9 +3,10 @@
 ``HostState(variable, mode)`` names a trainable variable (its Keras path) whose optimizer slots live in
 host memory. Mode ``host-update``: the variable's update runs on the host, beside its slots; the
 gradient is copied out, the update computed there and the weight's change copied in. A plan holds
-these records under ``host_state`` (``simulator.plan``, ``swap-plan/3``). Mode ``host-weights``: the weight
-lives on the host too and is updated there, nothing copied back; each of its reads on the device is a copy in
-(``with_host_state``), which a plan may swap like an activation between its forward and backward readers.
+these records under ``host_state`` (``simulator.plan``, since ``swap-plan/3``). Mode ``host-weights``
+(``swap-plan/4``): the weight lives on the host too and is updated there, nothing copied back; each of its
+reads on the device is a copy in (``with_host_state``), which a plan may swap like an activation between its
+forward and backward readers.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ class HostState:
     mode: str = HOST_UPDATE
 
 
-def read_host_state_records(records, error: type[GraphError] = GraphError) -> tuple[HostState, ...]:
-    """The records of a plan file's ``host_state`` entry; ``error`` says what is malformed."""
+def read_host_state_records(records, error: type[GraphError] = GraphError,
+                            modes: tuple[str, ...] = HOST_STATE_MODES) -> tuple[HostState, ...]:
+    """The records of a plan file's ``host_state`` entry (``modes``: those its version knows); ``error`` says
+    what is malformed."""
     if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("variable"), str)
-                                                and r.get("mode") in HOST_STATE_MODES for r in records) \
+                                                and r.get("mode") in modes for r in records) \
             or len({r["variable"] for r in records}) != len(records):
         raise error(f"the plan's host_state must list each variable once as {{'variable': path, 'mode': one of "
-                    f"{HOST_STATE_MODES}}}")
+                    f"{modes}}}")
     return tuple(HostState(r["variable"], r["mode"]) for r in records)
 
 
