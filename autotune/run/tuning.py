@@ -32,7 +32,8 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
-from simulator.state import HostState, movable_state, state_groups, state_refusal, with_host_state
+from simulator.state import (HOST_WEIGHTS, HostState, movable_state, moved_bytes, state_groups, state_refusal,
+                             with_host_state)
 
 log = logging.getLogger(__name__)
 
@@ -218,10 +219,9 @@ class TuneResult:
             "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),
             "swaps": 0 if self.plan is None else self.plan.n_swaps,
             "swap_ins": 0 if self.plan is None else self.plan.n_swap_ins,
-            # variables whose optimizer slots the plan keeps on the host (simulator.state), and the slots' bytes
+            # variables whose optimizer slots (and weights) the plan keeps on the host (simulator.state), and their bytes
             "host_state": [] if self.plan is None else [item.variable for item in self.plan.host_state],
-            "host_state_bytes": 0 if self.plan is None else sum(movable_state(self.graph)[item.variable]
-                                                                for item in self.plan.host_state),
+            "host_state_bytes": 0 if self.plan is None else moved_bytes(self.graph, self.plan.host_state),
             "trials": len(self.evaluations),
             "max_batch_without_swap": self.max_batch_without_swap,
             "measured_on": None if m is None else m.measured_on,
@@ -342,8 +342,9 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
     ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run
     again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
-    the movable slots' bytes, half, three quarters, all), and the first group that fits is the plan's
-    ``host_state``; False: the state stays (``--no-state``).
+    the movable slots' bytes, half, three quarters, all), then with their weights too (the same shares of
+    weights and slots, mode ``host-weights``), and the first group that fits is the plan's ``host_state``;
+    False: the state stays (``--no-state``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
@@ -366,7 +367,16 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
             return replace(moved, notes=[f"the optimizer slots of {len(group)} of {len(movable_state(g))} variable(s), "
                                          f"{format_bytes(size)}, live on the host, where their update runs"
                                          " (--no-state keeps them on the device)"] + moved.notes)
-    return replace(moved, notes=moved.notes + ["not even with every movable optimizer slot on the host"])
+    total = len(movable_state(g))
+    for group in state_groups(g, mode=HOST_WEIGHTS):  # then the weights too, largest first
+        moved = _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
+                        host_state=group)
+        if moved.chosen is not None:
+            return replace(moved, notes=[f"the weights and optimizer slots of {len(group)} of {total} variable(s), "
+                                         f"{format_bytes(moved_bytes(g, group))}, live on the host, where their "
+                                         "update runs; the device reads each weight through copies in"
+                                         " (--no-state keeps them on the device)"] + moved.notes)
+    return replace(moved, notes=moved.notes + ["not even with every movable weight and optimizer slot on the host"])
 
 
 def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,

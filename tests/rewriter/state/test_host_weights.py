@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import rewriter
+from autotune.run.tuning import tune_graph
 from benchmarks.models import example_batch
 from simulator import SwapPlan, replay
 from simulator.buffers import slot_levels
@@ -153,3 +154,16 @@ def test_a_model_saved_while_training_with_the_weights_on_the_host_loads_in_plai
     plain.optimizer.build(plain.trainable_variables)
     tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).assert_consumed()
     assert th.bitwise_equal(th.weights_of(model), th.weights_of(plain))
+
+
+def test_the_search_moves_the_weights_where_the_slots_alone_do_not_fit():
+    """The MLP with AdamW at batch 8 in 12 MiB on the testbed: under the floor with every slot on the host (9 MiB
+    of weights stay), so the search moves weights with their slots, largest first, and its plan fits; with
+    ``state=False`` nothing fits."""
+    graph = rewriter.capture(dense_mlp("adamw"), 8)
+    found = tune_graph(graph, device="cpu-testbed", memory=12 * MiB, trials=20)
+    assert found.chosen is not None and found.chosen.peak_bytes <= 12 * MiB
+    moved = found.plan.host_state
+    assert moved and all(item.mode == HOST_WEIGHTS for item in moved) and len(moved) < len(movable_weights(graph))
+    assert any("weights and optimizer slots" in note for note in found.notes)
+    assert tune_graph(graph, device="cpu-testbed", memory=12 * MiB, trials=20, state=False).chosen is None
