@@ -10,8 +10,9 @@ budget at the batch, found by bisection, its parameter count, and the best plan'
 the unswapped step at that width: no action at all; swaps and recomputation of activations (the state on the
 device); the same with every variable's optimizer slots on the host and its update there (``simulator.state``);
 each of the last two also with the variable writes after their reads (``simulator.state.writes_after_reads``:
-AdamW's decay otherwise holds every weight twice through the backward pass). The ratio of parameter counts is
-the headline. Measured (``--no-measured`` skips it): a small member on the CPU testbed with every slot on the
+AdamW's decay otherwise holds every weight twice through the backward pass); and with the writes after their
+reads, every weight on the host beside its slots (mode ``host-weights``: read on the device through copies in,
+which the search may swap between the forward and backward reads). The ratio of parameter counts is the headline. Measured (``--no-measured`` skips it): a small member on the CPU testbed with every slot on the
 host, its peak against the prediction and its weights after 3 steps (``benchmarks.large_model.measured``).
 ZeRO-Offload reports 10x the model size on one V100 with the state, gradients and update on the host.
 """
@@ -148,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
     notes = [f"Parameters that fit with the slots on the host / with the state on the device: {ratio(HOST, SWAP)}; "
              f"both with the writes after their reads: {ratio(HOST_LATE, SWAP_LATE)}; the slots on the host and the "
-             f"writes after their reads / swaps and recomputation alone: {ratio(HOST_LATE, SWAP)}.",
+             f"writes after their reads / swaps and recomputation alone: {ratio(HOST_LATE, SWAP)}. With the weights on "
+             f"the host too: {ratio(WEIGHTS_LATE, SWAP_LATE)} against the state on the device with the writes after "
+             f"their reads, {ratio(WEIGHTS_LATE, SWAP)} against swaps and recomputation alone, "
+             f"{ratio(WEIGHTS_LATE, NO_ACTION)} against no action.",
              "Derived members checked: width 320 predicted from 128, 192, 256, largest relative error "
              + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + "."]
     settings = {"command": "python -m benchmarks " + " ".join(["large-model", *(argv if argv is not None else sys.argv[2:])]),

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from simulator.graph import GraphError, OpGraph, successor_csr
+from simulator.graph import GraphError, OpGraph, depending_on, successor_csr
 from simulator.ordering import position_of
 
 HOST_UPDATE = "host-update"
@@ -189,14 +189,7 @@ def _reads_before_readers(g: OpGraph, reads: np.ndarray, on_host: np.ndarray) ->
         inputs = set(g.tensor_producer[g.edge_tensor[g.edge_consumer == first]].tolist())
         inputs |= set(g.control_src[g.control_dst == first].tolist())
         inputs.discard(read)
-        after, stack = {read}, [read]  # what depends on the read: never before it
-        while stack:
-            op = stack.pop()
-            for nxt in following[bounds[op]:bounds[op + 1]]:
-                if nxt not in after:
-                    after.add(nxt)
-                    stack.append(nxt)
-        for source in sorted(inputs - after):
+        for source in sorted(inputs - depending_on(read, bounds, following)):  # never an op after the read
             src.append(source)
             dst.append(read)
     return np.asarray(src, np.int64), np.asarray(dst, np.int64)

@@ -2,8 +2,8 @@
 ``rewriter.step.host_state.copy_weights_in``, ``simulator.state.with_host_state``): each weight lives on the
 host beside its slots and is updated there; the device reads it through copies in. 3 steps train bitwise like
 Keras on a Dense model and a transformer block, also with a plan that swaps a weight's copy in between its
-forward and backward readers; the measured peak is the predicted one; a model saved while training so loads
-in plain Keras."""
+forward and backward readers; the measured peak is the predicted one; the search moves weights where the slots
+alone do not fit (a model saved while training so loads in plain Keras: test_host_state)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import dataclasses
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import rewriter
 from autotune.run.tuning import tune_graph
@@ -134,26 +133,6 @@ def test_the_measured_peak_with_the_weights_on_the_host_is_the_predicted_one():
 
 def records_paths(records) -> list[str]:
     return [item.variable for item in records]
-
-
-def test_a_model_saved_while_training_with_the_weights_on_the_host_loads_in_plain_keras(tmp_path):
-    """model.save after 2 steps with every weight on the host; keras.models.load_model in plain Keras gives the
-    same weights and optimizer state, on the device; a tf.train.Checkpoint restores into a plain model."""
-    model = _model("dense", "adamw")
-    x, y = example_batch(model, BATCH)
-    step = rewriter.apply(model, _weights_plan(model), batch_size=BATCH, verify=False)
-    step(x, y)
-    step(x, y)
-    model.save(tmp_path / "trained.keras")
-    loaded = keras.models.load_model(tmp_path / "trained.keras")
-    assert th.bitwise_equal(th.weights_of(model), th.weights_of(loaded))
-    assert th.bitwise_equal(th.optimizer_state(model), th.optimizer_state(loaded))
-    assert not any(_on_host(v) for v in loaded.trainable_variables)
-    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "ckpt"))
-    plain = _model("dense", "adamw")
-    plain.optimizer.build(plain.trainable_variables)
-    tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).assert_consumed()
-    assert th.bitwise_equal(th.weights_of(model), th.weights_of(plain))
 
 
 def test_the_search_moves_the_weights_where_the_slots_alone_do_not_fit():
