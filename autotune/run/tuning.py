@@ -33,7 +33,7 @@ from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
 from simulator.state import (HOST_WEIGHTS, HostState, movable_state, moved_bytes, state_groups, state_refusal,
-                             with_host_state)
+                             with_host_state, writes_after_reads)
 
 log = logging.getLogger(__name__)
 
@@ -382,14 +382,18 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
 def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
             correction: PeakCorrection | None = None, measured: bool = False,
             host_state: tuple[HostState, ...] = ()) -> TuneResult:
-    """``search_graph`` with the optimizer slots of ``host_state`` on the host (none: the step as captured)."""
+    """``search_graph`` with the optimizer slots of ``host_state`` on the host (none: the step as captured), the
+    variable writes after the reads they would hold where it moves any."""
     device_model, user_budget = target.device, target.device_budget_bytes
     policy, sampler, seed, recompute = options.policy, options.sampler, options.seed, options.recompute
     max_overhead = options.max_overhead
     correction = correction or PeakCorrection()
     notes: list[str] = []
     captured = graph.with_batch(batch_size or graph.batch_size)
-    g = with_host_state(captured, host_state, copies_in=not device_model.host_buffers_shared)
+    # with state on the host the tool runs its own step anyway: variable writes (AdamW's decay) wait for the reads
+    # they would hold (simulator.state.writes_after_reads), as that step is chained
+    g = with_host_state(writes_after_reads(captured) if host_state else captured, host_state,
+                        copies_in=not device_model.host_buffers_shared)
     budget = correction.search_budget(user_budget, g.persistent_bytes)
     if not correction.is_identity and budget <= g.persistent_bytes:
         notes.append(f"measured runs showed the simulator short on this model ({correction.describe()}): with "

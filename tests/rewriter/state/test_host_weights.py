@@ -146,3 +146,15 @@ def test_the_search_moves_the_weights_where_the_slots_alone_do_not_fit():
     assert moved and all(item.mode == HOST_WEIGHTS for item in moved) and len(moved) < len(movable_weights(graph))
     assert any("weights and optimizer slots" in note for note in found.notes)
     assert tune_graph(graph, device="cpu-testbed", memory=12 * MiB, trials=20, state=False).chosen is None
+
+
+def test_a_search_that_moves_state_runs_the_writes_after_their_reads():
+    """The MLP with AdamW at batch 8 in 15 MiB on the testbed: the search that moves state searches the step with
+    the decay's writes after the reads they would hold (``writes_after_reads`` in its graph), where every slot on
+    the host is enough (13.19 MiB predicted) and the weights stay; in the captured order it moved two weights
+    with their slots (24 MiB of state, 11.37 MiB predicted)."""
+    graph = rewriter.capture(dense_mlp("adamw"), 8)
+    found = tune_graph(graph, device="cpu-testbed", memory=15 * MiB, trials=20)
+    assert found.chosen is not None and found.plan_graph.meta.get("writes_after_reads", 0) > 0
+    assert found.plan.host_state and all(item.mode != HOST_WEIGHTS for item in found.plan.host_state)
+    assert found.chosen.peak_bytes <= 15 * MiB
