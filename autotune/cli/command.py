@@ -352,6 +352,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
 
 def _summary_text(result, report: Path, seconds: float) -> str:
     from autotune.run.calibrated_timing import time_model_note
+    from simulator.state import moved_kinds
     from autotune.report.writer import param_text
     from autotune.run.training import training_phrase
 
@@ -371,7 +372,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped, "
                      f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
                      f"{result.plan.order_name} order"
-                     + (f", optimizer slots of {len(result.plan.host_state)} variable(s) on the host"
+                     + (f", {moved_kinds(result.plan.host_state)} of {len(result.plan.host_state)} variable(s) on the host"
                         if result.plan.host_state else ""))
         p = shown.params
     if result.applies_plan and (result.plan.changes_step or result.recomputes) and p is not None:

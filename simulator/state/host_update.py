@@ -87,6 +87,11 @@ def movable_weights(g: OpGraph) -> dict[str, int]:
     return {path: int(entry["weight_bytes"]) for path, entry in found.items() if "weight_ops" in entry}
 
 
+def moved_kinds(host_state: Sequence[HostState]) -> str:
+    """What ``host_state`` keeps on the host, in a report's words."""
+    return "weights and optimizer slots" if any(item.mode == HOST_WEIGHTS for item in host_state) else "optimizer slots"
+
+
 def moved_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
     """Resident bytes ``host_state`` takes off the device: the slots, and the weights of ``host-weights``."""
     slots, weights = movable_state(g), movable_weights(g)
