@@ -427,8 +427,10 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
-    name = options.study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
-                                                problem.space, host_state)
+    name = study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute, problem.space,
+                          host_state)
+    if options.study_name:  # the name given is the step as captured's; a step with moved state has its own beside it
+        name = f"{options.study_name}/{name}" if host_state else options.study_name
     study = open_study(options.storage, name, g, problem.space)
     if baseline.feasible and host_state:
         notes.append("with those optimizer slots on the host the step fits without swapping")
