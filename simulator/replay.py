@@ -298,7 +298,8 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         if on_host.any():  # a swapped weight's host copy is the weight itself: no host bytes of its own
             swap_bytes = moved.tensor_bytes[plan.tensor].astype(np.float64)
             swap_bytes[on_host] = 0.0
-            peak, when = kernels.host_peak(swap_bytes, plan.in_swap, _transfers(result, result.__dict__["_on_demand"][0]))
+            transfers = _transfers(result, result.__dict__["_on_demand"][0])
+            peak, when = kernels.host_peak(swap_bytes, plan.in_swap, transfers)
             object.__setattr__(result, "host_peak_bytes", int(peak))
             object.__setattr__(result, "host_peak_s", float(when))
         object.__setattr__(result, "h2d_bytes", int(result.h2d_bytes + in_bytes.sum()))

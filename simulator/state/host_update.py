@@ -67,7 +67,8 @@ def host_ops(g: OpGraph, host_state: Sequence[HostState]) -> np.ndarray:
     if unknown:
         raise GraphError(f"the plan moves the optimizer state of {len(unknown)} variable(s) this graph cannot move "
                          f"(e.g. {unknown[0]!r}): {state_refusal(g) or 'not a trainable variable with slots'}")
-    old = [item.variable for item in host_state if item.mode == HOST_WEIGHTS and "weight_ops" not in found[item.variable]]
+    old = [item.variable for item in host_state
+           if item.mode == HOST_WEIGHTS and "weight_ops" not in found[item.variable]]
     if old:
         raise GraphError(f"the plan moves the weight of {old[0]!r}, but this graph was captured before captures "
                          "recorded the reads and writes of weights: capture it again")
