@@ -222,10 +222,13 @@ def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndar
 def host_update_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
     """What moving ``host_state`` adds to the step on ``device``, each copy in turn after the compute (none
     overlapped: an upper bound where a link runs beside the compute): the gradients copied out and, where the
-    host hands over no buffer (``host_buffers_shared``), the changes copied in. The update's own ops keep the
-    op times the graph has (a calibration times them as part of the step on the testbed)."""
+    host hands over no buffer (``host_buffers_shared``), the changes copied in; the first copies in of the weights
+    on the host (``g`` moved: ``with_host_state``) everywhere. The update's own ops keep the op times the graph
+    has (a calibration times them as part of the step on the testbed)."""
     out_bytes, in_bytes = host_transfers(g, host_state)
+    if device.host_buffers_shared:  # a weight's copy in is a copy all the same (the testbed's DeepCopy)
+        in_bytes = g.tensor_bytes[np.asarray(g.meta.get(WEIGHT_READS, ()), np.int64)].astype(np.float64)
     seconds = float(np.sum(device.transfer_seconds(out_bytes, "d2h"))) if len(out_bytes) else 0.0
-    if len(in_bytes) and not device.host_buffers_shared:
+    if len(in_bytes):
         seconds += float(np.sum(device.transfer_seconds(in_bytes, "h2d")))
     return seconds

@@ -18,7 +18,7 @@ import pytest
 import rewriter
 from autotune.run.tuning import tune_graph
 from benchmarks.models import example_batch
-from simulator import SwapPlan, replay
+from simulator import SwapPlan, get_device, replay
 from simulator.buffers import slot_levels
 from simulator.graph import FORWARD
 from simulator.ordering import position_of
@@ -103,6 +103,12 @@ def test_the_simulated_step_with_the_weights_on_the_host():
     for read in reads.tolist():  # each copy in runs in the level before its first reader's, not at the start
         first = position[moved.edge_consumer[moved.edge_tensor == read]].min()
         assert level[first] - level[position[moved.tensor_producer[read]]] == 1
+    testbed = get_device("cpu-testbed")  # its copies in are DeepCopy ops on the step's cores: time all the same
+    unswapped = replay(moved, dataclasses.replace(SwapPlan.empty(moved), host_state=records), testbed)
+    copies_in_s = float(np.sum(testbed.transfer_seconds(moved.tensor_bytes[reads].astype(np.float64), "h2d")))
+    copies_out_s = float(np.sum(testbed.transfer_seconds(host_transfers(moved, records)[0], "d2h")))
+    assert unswapped.step_s - unswapped.compute_s == pytest.approx(copies_out_s + copies_in_s, rel=1e-9)
+    assert copies_in_s > 0
     result = replay(graph, plan, "v100-16gb")
     assert result.n_swap_outs == 1 and result.host_peak_bytes == 0
     out_bytes, in_bytes = host_transfers(moved, records)  # the gradients out; the first copies in of the weights
