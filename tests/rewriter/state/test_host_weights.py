@@ -18,6 +18,7 @@ import pytest
 import rewriter
 from autotune.run.tuning import tune_graph
 from benchmarks.models import example_batch
+from rewriter.step import gpu_graph as gpu
 from simulator import SwapPlan, get_device, replay
 from simulator.buffers import slot_levels
 from simulator.graph import FORWARD
@@ -170,3 +171,25 @@ def test_a_search_that_moves_state_runs_the_writes_after_their_reads():
     assert found.chosen is not None and found.plan_graph.meta.get("writes_after_reads", 0) > 0
     assert found.plan.host_state and all(item.mode != HOST_WEIGHTS for item in found.plan.host_state)
     assert found.chosen.peak_bytes <= 15 * MiB
+
+
+def test_the_gpu_graph_reads_each_weight_through_a_copy_grappler_keeps():
+    """The GPU path, built without a GPU (``rewriter.step.gpu_graph``): each weight the device reads is read
+    through an ``Identity`` on GPU:0 of its read on the host, the swapped kernel's copy out is an ``Identity`` on
+    the host, and Grappler's passes for a (virtual) GPU keep every copy in."""
+    keras.utils.clear_session()
+    model = _model("dense", "adamw")
+    graph = rewriter.capture(model, BATCH)
+    records = tuple(HostState(path, HOST_WEIGHTS) for path in movable_weights(graph))
+    moved, plan, _ = _swapped_read(graph, records)
+    step = rewriter.apply(model, plan, graph=moved, placement=rewriter.GpuPlacement(), verify=False)
+    nodes = {node.name: node for node in step.graph_def.node}
+    copies = [node for node in step.graph_def.node if node.name.startswith("weight_in/")]
+    assert len(copies) >= len(records)
+    assert all(node.op == "Identity" and node.device == "/device:GPU:0"
+               and nodes[node.input[0]].op == "ReadVariableOp" for node in copies)
+    assert [(nodes[swap.swap_out].op, nodes[swap.swap_out].device) for swap in step.applied] == [
+        ("Identity", "/device:CPU:0")]
+    optimized = gpu.optimize_for_gpu(step.graph_def, [tensor.name for tensor in step.traced.concrete.outputs])
+    kept = {node.name for node in optimized.node}
+    assert all(node.name in kept for node in copies)
