@@ -143,7 +143,7 @@ def describe_movable_state(concrete, model, scope: str | None) -> dict:
     every gradient is alive at once whatever moves, or None) and per variable whose slots can move,
     ``slot_bytes`` and ``ops``, the ops that run on the host once they do (its update and the reads and writes
     of its slots), ``weight_bytes`` and ``weight_ops``, the reads and writes of the variable itself (they run on
-    the host too when the weight moves, ``simulator.state.host_weights``)."""
+    the host too when the weight moves, ``simulator.state.with_host_state``)."""
     reason = state_refusal(model) if scope is not None else "the step's optimizer has no name scope"
     together = gradients_read_together(model)
     if reason is not None:

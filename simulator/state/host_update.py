@@ -90,7 +90,8 @@ def movable_weights(g: OpGraph) -> dict[str, int]:
 
 def moved_kinds(host_state: Sequence[HostState]) -> str:
     """What ``host_state`` keeps on the host, in a report's words."""
-    return "weights and optimizer slots" if any(item.mode == HOST_WEIGHTS for item in host_state) else "optimizer slots"
+    weights = any(item.mode == HOST_WEIGHTS for item in host_state)
+    return "weights and optimizer slots" if weights else "optimizer slots"
 
 
 def moved_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
@@ -167,7 +168,8 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
     kept = ~host_tensor[g.held_tensor] if len(g.held_tensor) else np.zeros(0, bool)
     reads = np.flatnonzero(weight_read)
     src, dst = _reads_before_readers(g, reads, on_host)
-    meta = dict(g.meta, host_state=_records(moved), host_state_copies_in=copies_in, **{WEIGHT_READS: reads.tolist()})
+    meta = dict(g.meta, host_state=_records(moved), host_state_copies_in=copies_in,
+                **{WEIGHT_READS: reads.tolist()})
     return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
                                tensor_persistent=g.tensor_persistent & ~weight_read,
                                tensor_swappable=g.tensor_swappable | weight_read,
