@@ -436,6 +436,18 @@ def successor_csr(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     return ptr, dst[order]
 
 
+def depending_on(op: int, bounds: list[int], following: list[int]) -> set[int]:
+    """``op`` and every op that depends on it, over ``successor_csr``'s lists (as Python lists: walked op by op)."""
+    found, stack = {op}, [op]
+    while stack:
+        current = stack.pop()
+        for nxt in following[bounds[current]:bounds[current + 1]]:
+            if nxt not in found:
+                found.add(nxt)
+                stack.append(nxt)
+    return found
+
+
 def _compute_levels(g: OpGraph) -> np.ndarray:
     src = np.concatenate([g.tensor_producer[g.edge_tensor], g.control_src])
     dst = np.concatenate([g.edge_consumer, g.control_dst])

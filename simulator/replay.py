@@ -42,7 +42,7 @@ from simulator.graph import PHASE_NAMES, GraphError, OpGraph
 from simulator.kernels.records import PlanArrays, ReplayGraphRecord, StepRecord, Transfers
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
-from simulator.state.host_update import host_transfers, host_update_seconds, with_host_state
+from simulator.state.host_update import WEIGHT_READS, host_transfers, host_update_seconds, with_host_state
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,13 +143,17 @@ def _op_start_s(result: Replay, finish_all: np.ndarray, context: _Context) -> np
     return result.op_end_s - context.op_seconds  # as the slot's finish less its time (kernels' rounding)
 
 
+def _transfers(result: Replay, finish_all: np.ndarray) -> Transfers:
+    """A replay's timed copies as the kernels read them."""
+    return Transfers(out_start=result.swap_out_start_s, out_end=result.swap_out_end_s,
+                     in_ready=result.swap_in_alloc_s, in_start=result.swap_in_start_s,
+                     in_end=result.swap_in_end_s, finish_all=finish_all,
+                     out_queue=np.argsort(result.swap_out_start_s, kind="stable"),
+                     in_processed=np.argsort(result.swap_in_start_s, kind="stable"))
+
+
 def _copy_overlap_s(result: Replay, finish_all: np.ndarray, context: _Context) -> float:
-    transfers = Transfers(out_start=result.swap_out_start_s, out_end=result.swap_out_end_s,
-                          in_ready=result.swap_in_alloc_s, in_start=result.swap_in_start_s,
-                          in_end=result.swap_in_end_s, finish_all=finish_all,
-                          out_queue=np.argsort(result.swap_out_start_s, kind="stable"),
-                          in_processed=np.argsort(result.swap_in_start_s, kind="stable"))
-    return float(kernels.copy_overlap(transfers, context.duration))
+    return float(kernels.copy_overlap(_transfers(result, finish_all), context.duration))
 
 
 ON_DEMAND_FIELDS = {"op_end_s": _op_end_s, "op_start_s": _op_start_s, "copy_overlap_s": _copy_overlap_s}
@@ -257,6 +261,9 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
         float_bytes = _float_bytes(graph)
         persistent = graph.persistent_bytes
         d2h_seconds = _per_transfer(device.transfer_seconds(float_bytes, "d2h"), graph.n_tensors)
+        if graph.meta.get(WEIGHT_READS):  # a weight on the host is there already: its copy out is none
+            d2h_seconds = d2h_seconds.copy()
+            d2h_seconds[np.asarray(graph.meta[WEIGHT_READS], np.int64)] = 0.0
         h2d_seconds = _per_transfer(device.transfer_seconds(float_bytes, "h2d"), graph.n_tensors)
         step = StepRecord(
             duration=duration, finish_plain=finish_plain,
@@ -275,7 +282,8 @@ def _context(g: OpGraph, device: DeviceModel) -> _Context:
 
 def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str = "v100-16gb") -> Replay:
     """Simulate one step of ``g`` at its batch size under ``plan`` (None or empty: no swapping); a plan's
-    ``host_state`` replays the step with those optimizer slots on the host (``simulator.state.with_host_state``)."""
+    ``host_state`` replays the step with those optimizer slots (and weights) on the host
+    (``simulator.state.with_host_state``); a swap of a weight's copy in needs no copy out."""
     if isinstance(device, str):
         device = get_device(device)
     if plan is not None and plan.host_state:  # optimizer slots on the host (simulator.state), their copies after
@@ -284,7 +292,16 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         out_bytes, in_bytes = host_transfers(moved, plan.host_state)
         object.__setattr__(result, "step_s", result.step_s + host_update_seconds(moved, plan.host_state, device))
         object.__setattr__(result, "stall_s", max(0.0, result.step_s - result.compute_s))
-        object.__setattr__(result, "d2h_bytes", int(result.d2h_bytes + out_bytes.sum()))
+        on_host = np.isin(plan.tensor, np.asarray(moved.meta.get(WEIGHT_READS, ()), np.int64))
+        object.__setattr__(result, "d2h_bytes", int(result.d2h_bytes + out_bytes.sum()
+                                                    - moved.tensor_bytes[plan.tensor[on_host]].sum()))
+        if on_host.any():  # a swapped weight's host copy is the weight itself: no host bytes of its own
+            swap_bytes = moved.tensor_bytes[plan.tensor].astype(np.float64)
+            swap_bytes[on_host] = 0.0
+            transfers = _transfers(result, result.__dict__["_on_demand"][0])
+            peak, when = kernels.host_peak(swap_bytes, plan.in_swap, transfers)
+            object.__setattr__(result, "host_peak_bytes", int(peak))
+            object.__setattr__(result, "host_peak_s", float(when))
         object.__setattr__(result, "h2d_bytes", int(result.h2d_bytes + in_bytes.sum()))
         return result
     if plan is not None and plan.order_name != g.order:

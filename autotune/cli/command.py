@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "parts, exactly, docs/design.md 12; also split = false in autotune.toml)")
     search.add_argument("--state", action=argparse.BooleanOptionalAction, default=None,
                         help="--no-state: keep the optimizer state on the device (by default, where no plan fits "
-                             "with it there, the slots of the largest variables of SGD, Adam or AdamW live on the "
-                             "host and their update runs there; also state = false in autotune.toml)")
+                             "with it there, the slots of the largest variables of SGD, Adam or AdamW, then their "
+                             "weights too, live on the host and their update runs there; also state = false in "
+                             "autotune.toml)")
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "
@@ -355,6 +356,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
 
 def _summary_text(result, report: Path, seconds: float) -> str:
     from autotune.run.calibrated_timing import time_model_note
+    from simulator.state import moved_kinds
     from autotune.report.writer import param_text
     from autotune.run.training import training_phrase
 
@@ -377,7 +379,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"({shown.metrics['overhead']:+.1%}), {result.plan.n_swaps} tensors swapped, "
                      f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
                      f"{result.plan.order_name} order"
-                     + (f", optimizer slots of {len(result.plan.host_state)} variable(s) on the host"
+                     + (f", {moved_kinds(result.plan.host_state)} of {len(result.plan.host_state)} variable(s) on the host"
                         if result.plan.host_state else ""))
         p = shown.params
     if result.applies_plan and (result.plan.changes_step or result.recomputes) and p is not None:

@@ -71,12 +71,13 @@ def memory_timeline(result, path: Path) -> Path:
 
 
 def memory_by_original_level(result) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The plan's device memory per level of the step as captured (clones counted at their far
-    readers' levels: ``simulator.recompute.actions.original_levels``), and the levels of its swap-ins' and
+    """The plan's device memory per level of the step as captured (each op at its own level there, clones at their
+    far readers': ``simulator.recompute.actions.original_levels``), and the levels of its swap-ins' and
     recomputations' first readers."""
     plan_graph = result.plan_graph if result.plan_graph is not None else result.graph
     levels = categorized_levels(plan_graph)
-    stands_for = original_levels(result.graph, plan_graph) if result.recomputes else levels
+    # (its control edges, where it moves weights or runs writes after reads, can shift its levels too)
+    stands_for = original_levels(result.graph, plan_graph)
     # an original level holds what the plan's graph holds at the levels its ops (and clones standing for
     # it) run at, the most of them: every original level has ops there, so none is drawn empty
     memory = np.zeros(len(result.baseline_replay.level_peak_bytes))

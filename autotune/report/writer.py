@@ -24,6 +24,7 @@ from autotune.run.floor import floor_of
 from autotune.inputs import format_bytes
 from autotune.run.stage_times import StageClock, StageTimes
 from autotune.run.training import training_phrase
+from simulator.state import moved_kinds
 
 RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
 
@@ -57,10 +58,11 @@ def _listed(names: list[str], shown: int = 5) -> str:
     return f"{len(names)}: " + ", ".join(names[:shown]) + ", ..."
 
 
-def _plan_clauses(n_swaps: int, n_recomputes: int, order_name: str, n_host_state: int = 0) -> str:
+def _plan_clauses(n_swaps: int, n_recomputes: int, order_name: str, host_state: tuple = ()) -> str:
     """What a plan does, for the report's verdict sentence ("swaps 3 tensors, recomputes 2 tensors")."""
-    clauses = [f"keeps the optimizer slots of {n_host_state} variable{'s' * (n_host_state != 1)} on the host, where "
-               "their update runs"] if n_host_state else []
+    n_host_state = len(host_state)
+    clauses = [f"keeps the {moved_kinds(host_state)} of {n_host_state} variable{'s' * (n_host_state != 1)} on the "
+               "host, where their update runs"] if n_host_state else []
     if n_swaps or not n_recomputes:
         clauses.append(f"swaps {n_swaps} tensor{'s' * (n_swaps != 1)}" if n_swaps else "swaps nothing")
     if n_recomputes:
@@ -87,7 +89,7 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
     sections = []
     verdict = [f"**{result.verdict.headline}**"]
     if result.feasible and result.plan is not None and (result.plan.changes_step or result.recomputes):
-        verdict.append(f"The plan {_plan_clauses(result.plan.n_swaps, len(result.recomputes), result.plan.order_name, len(result.plan.host_state))}"
+        verdict.append(f"The plan {_plan_clauses(result.plan.n_swaps, len(result.recomputes), result.plan.order_name, result.plan.host_state)}"
                        f" and brings the predicted peak from "
                        f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
                        f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
@@ -121,7 +123,8 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
         ("graph rewrites (every figure is of the rewritten step)" if result.graph_rewrites else "graph rewrites",
          _rewrites_text(summary["graph_rewrite_changes"]) or "none"),
         ("resident (weights, optimizer state, inputs)", floor_of(result.graph).resident_parts()
-         + (f"; the plan moves {format_bytes(summary['host_state_bytes'])} of optimizer slots ({len(summary['host_state'])} "
+         + (f"; the plan moves {format_bytes(summary['host_state_bytes'])} of {moved_kinds(result.plan.host_state)} "
+            f"({len(summary['host_state'])} "
             "variables) to the host, the rest stays" if summary["host_state"] else "")),
         ("least peak any swap plan can reach (largest op's inputs and outputs + resident)",
          format_bytes(summary["peak_lower_bound_bytes"])),

@@ -29,7 +29,7 @@ from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, DeviceModel, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
 from simulator.split import SplitFloor
-from simulator.state import HostState, movable_state, with_host_state
+from simulator.state import HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, movable_weights, with_host_state
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
 OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
@@ -145,8 +145,10 @@ def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[
 
 
 def state_floor_bytes(graph: OpGraph, device_model: DeviceModel) -> int:
-    """The floor with the optimizer slots of every variable that can move on the host (``simulator.state``)."""
-    movable = tuple(HostState(path) for path in movable_state(graph))
+    """The floor with the optimizer slots of every variable that can move on the host (``simulator.state``),
+    and the weights with them where the capture recorded their reads (mode ``host-weights``)."""
+    weights = movable_weights(graph)
+    movable = tuple(HostState(path, HOST_WEIGHTS if path in weights else HOST_UPDATE) for path in movable_state(graph))
     return peak_lower_bound_bytes(with_host_state(graph, movable, copies_in=not device_model.host_buffers_shared))
 
 

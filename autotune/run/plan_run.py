@@ -189,9 +189,10 @@ def planned_run(result: TuneResult, placement=None, note: str = "") -> PlannedRu
                         f"accelerator, CPU:1 as the host) at batch {batch}"
                         + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + ".")
     graph = result.graph.with_batch(batch)
-    # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there
-    plan_graph = graph if params is None or result.plan_graph is None else result.plan_graph.with_batch(batch)
-    plan = SwapPlan.empty(graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
+    # the plan's recomputations (names, whatever the batch) are in its graph; the swaps are made there, and its
+    # order (weights on the host run their reads just before their readers, simulator.state.with_host_state)
+    plan_graph = graph if result.plan_graph is None else result.plan_graph.with_batch(batch)
+    plan = SwapPlan.empty(plan_graph) if params is None else plan_swaps(plan_graph, params, kept_reads=device.kept_reads)
     if result.plan is not None and result.plan.host_state:  # the optimizer slots the plan keeps on the host
         plan = replace(plan, host_state=result.plan.host_state)
     return PlannedRun(placement, batch, device, graph, plan_graph, plan, note)
@@ -311,11 +312,10 @@ def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plan
     placement, batch, device, graph, plan, note = (planned.placement, planned.batch, planned.device, planned.graph,
                                                    planned.plan, planned.note)
     on_gpu = planned.on_gpu
-    params = None if result.shown is None else result.shown.params
     plan_graph = planned.plan_graph
     predicted_base = replay(graph, None, device)
     data = synthetic_batch(model, batch, inputs)  # as captured
-    run_graph = graph if params is None else plan_graph
+    run_graph = plan_graph  # the graph the plan was made on (the captured step's but where the plan moves weights)
     run = run_plan(model, run_graph, plan, device, data, placement=placement, inputs=inputs, clock=clock)
     measured, predicted = run.measured, run.predicted
     step_s = float("nan") if measured is None else measured.step_s

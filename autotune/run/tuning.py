@@ -32,7 +32,8 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
-from simulator.state import HostState, movable_state, state_groups, state_refusal, with_host_state
+from simulator.state import (HOST_WEIGHTS, HostState, movable_state, moved_bytes, state_groups, state_refusal,
+                             with_host_state, writes_after_reads)
 
 log = logging.getLogger(__name__)
 
@@ -268,10 +269,9 @@ class TuneResult:
             "predicted_recompute_s": None if shown is None else shown.metrics.get("recompute_s", 0.0),
             "swaps": 0 if self.plan is None else self.plan.n_swaps,
             "swap_ins": 0 if self.plan is None else self.plan.n_swap_ins,
-            # variables whose optimizer slots the plan keeps on the host (simulator.state), and the slots' bytes
+            # variables whose optimizer slots (and weights) the plan keeps on the host (simulator.state), and their bytes
             "host_state": [] if self.plan is None else [item.variable for item in self.plan.host_state],
-            "host_state_bytes": 0 if self.plan is None else sum(movable_state(self.graph)[item.variable]
-                                                                for item in self.plan.host_state),
+            "host_state_bytes": 0 if self.plan is None else moved_bytes(self.graph, self.plan.host_state),
             "trials": len(self.evaluations),
             "max_batch_without_swap": self.max_batch_without_swap,
             "measured_on": None if m is None else m.measured_on,
@@ -393,8 +393,9 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
     ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run
     again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
-    the movable slots' bytes, half, three quarters, all), and the first group that fits is the plan's
-    ``host_state``; False: the state stays (``--no-state``).
+    the movable slots' bytes, half, three quarters, all), then with their weights too (the same shares of
+    weights and slots, mode ``host-weights``), and the first group that fits is the plan's ``host_state``;
+    False: the state stays (``--no-state``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
@@ -417,20 +418,33 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
             return replace(moved, notes=[f"the optimizer slots of {len(group)} of {len(movable_state(g))} variable(s), "
                                          f"{format_bytes(size)}, live on the host, where their update runs"
                                          " (--no-state keeps them on the device)"] + moved.notes)
-    return replace(moved, notes=moved.notes + ["not even with every movable optimizer slot on the host"])
+    total = len(movable_state(g))
+    for group in state_groups(g, mode=HOST_WEIGHTS):  # then the weights too, largest first
+        moved = _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
+                        host_state=group)
+        if moved.chosen is not None:
+            return replace(moved, notes=[f"the weights and optimizer slots of {len(group)} of {total} variable(s), "
+                                         f"{format_bytes(moved_bytes(g, group))}, live on the host, where their "
+                                         "update runs; the device reads each weight through copies in"
+                                         " (--no-state keeps them on the device)"] + moved.notes)
+    return replace(moved, notes=moved.notes + ["not even with every movable weight and optimizer slot on the host"])
 
 
 def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
             correction: PeakCorrection | None = None, measured: bool = False,
             host_state: tuple[HostState, ...] = ()) -> TuneResult:
-    """``search_graph`` with the optimizer slots of ``host_state`` on the host (none: the step as captured)."""
+    """``search_graph`` with the optimizer slots of ``host_state`` on the host (none: the step as captured), the
+    variable writes after the reads they would hold where it moves any."""
     device_model, user_budget = target.device, target.device_budget_bytes
     policy, sampler, seed, recompute = options.policy, options.sampler, options.seed, options.recompute
     max_overhead = options.max_overhead
     correction = correction or PeakCorrection()
     notes: list[str] = []
     captured = graph.with_batch(batch_size or graph.batch_size)
-    g = with_host_state(captured, host_state, copies_in=not device_model.host_buffers_shared)
+    # with state on the host the tool runs its own step anyway: variable writes (AdamW's decay) wait for the reads
+    # they would hold (simulator.state.writes_after_reads), as that step is chained
+    g = with_host_state(writes_after_reads(captured) if host_state else captured, host_state,
+                        copies_in=not device_model.host_buffers_shared)
     budget = correction.search_budget(user_budget, g.persistent_bytes)
     if not correction.is_identity and budget <= g.persistent_bytes:
         notes.append(f"measured runs showed the simulator short on this model ({correction.describe()}): with "
@@ -464,8 +478,10 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
         notes.append(f"no swap plan can fit: {g.op_name[op]} ({g.op_type[op]}) needs its inputs and outputs on the "
                      f"device at once, {format_bytes(lower_bound)} with the resident memory"
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
-    name = options.study_name or study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute,
-                                                problem.space, host_state)
+    name = study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute, problem.space,
+                          host_state)
+    if options.study_name:  # the name given is the step as captured's; a step with moved state has its own beside it
+        name = f"{options.study_name}/{name}" if host_state else options.study_name
     study = open_study(options.storage, name, g, problem.space)
     if baseline.feasible and host_state:
         notes.append("with those optimizer slots on the host the step fits without swapping")

@@ -1,6 +1,7 @@
 """A small member of the GPT family on the CPU testbed with every variable's optimizer slots on the host and its
-update there, without and with the writes after their reads (``simulator.state.late_writes``): the measured
-peak against the prediction, and the weights after 3 steps against plain Keras'.
+update there, without and with the writes after their reads (``simulator.state.late_writes``), and with the
+weights on the host too, read on the device through copies in, without and with each copied in again for its
+backward reads: the measured peak against the prediction, and the weights after 3 steps against plain Keras'.
 
     python -m benchmarks.large_model.measured [--width 256] [--depth 2] [--seq-len 64] [--vocab 512] [--batch 8]
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.large_model.gpt import gpt
     from benchmarks.models import example_batch
     from simulator import SwapPlan, replay
-    from simulator.state import HostState, movable_state, writes_after_reads
+    from simulator.state import (HOST_WEIGHTS, HostState, movable_state, moved_bytes, with_host_state,
+                                 writes_after_reads)
 
     tf.config.experimental.enable_op_determinism()
     kwargs = dict(width=args.width, depth=args.depth, vocab=args.vocab, seq_len=args.seq_len)
@@ -50,35 +52,68 @@ def main(argv: list[str] | None = None) -> int:
                  f"batch {args.batch} ({parameters:,} parameters), AdamW, serialized in level order. As captured: "
                  f"peak predicted {replay(captured, empty, 'cpu-testbed').peak_bytes / MiB:.2f} MiB, measured "
                  f"{before.peak_bytes / MiB:.2f}.")
-    for name, graph in (("slots of all variables on the host", captured),
-                        ("the same, writes after their reads", writes_after_reads(captured))):
-        plan = dataclasses.replace(SwapPlan.empty(graph), host_state=tuple(HostState(path) for path in moved))
-        predicted = replay(graph, plan, "cpu-testbed")
-        measured = rewriter.measure(rewriter.apply(model, plan, graph=graph, verify=False), x, y, repeats=1)
+    slots = tuple(HostState(path) for path in moved)
+    weights = tuple(HostState(path, HOST_WEIGHTS) for path in moved)
+    late = writes_after_reads(captured)
+    on_host = with_host_state(late, weights, copies_in=False)
+    plans = {}
+    for name, graph, records, swaps in (
+            ("slots of all variables on the host", captured, slots, []),
+            ("the same, writes after their reads", late, slots, []),
+            ("the same, the weights on the host too", on_host, weights, []),
+            ("the same, each weight copied in again for its backward reads", on_host, weights, _read_again(on_host))):
+        plans[name] = graph, dataclasses.replace(SwapPlan.from_swaps(graph, swaps), host_state=records)
+        predicted = replay(*plans[name], "cpu-testbed")
+        measured = rewriter.measure(rewriter.apply(model, plans[name][1], graph=graph, verify=False), x, y, repeats=1)
         errors.append(measured.peak_bytes / predicted.peak_bytes - 1)
-        lines.append(f"{name} ({sum(moved.values()) / MiB:.2f} MiB of slots): peak predicted "
+        lines.append(f"{name} ({moved_bytes(captured, records) / MiB:.2f} MiB of state): peak predicted "
                      f"{predicted.peak_bytes / MiB:.2f} MiB, measured {measured.peak_bytes / MiB:.2f} ({errors[-1]:+.1%}).")
     # weights after 3 steps: Keras' train_on_batch, the step serialized in the plan's order as captured (no
-    # action), and with the last plan, each on a fresh model
+    # action), and with the last two plans, each on a fresh model
     chained = gpt(**kwargs)
     plain_step = rewriter.apply(chained, empty, graph=captured, verify=False)
-    fresh = gpt(**kwargs)
-    moved_step = rewriter.apply(fresh, plan, graph=writes_after_reads(captured), verify=False)
-    losses = [[float(run(x, y)) for _ in range(3)] for run in (plain.train_on_batch, plain_step, moved_step)]
-    keras_w, chained_w, moved_w = ([v.numpy() for v in m.weights + m.optimizer.variables] for m in (plain, chained, fresh))
-    same = all(np.array_equal(a, b) for a, b in zip(chained_w, moved_w))
+    fresh, fresh_weights = gpt(**kwargs), gpt(**kwargs)
+    graph, plan = plans["the same, writes after their reads"]
+    moved_step = rewriter.apply(fresh, plan, graph=graph, verify=False)
+    graph, plan = plans["the same, each weight copied in again for its backward reads"]
+    weights_step = rewriter.apply(fresh_weights, plan, graph=graph, verify=False)
+    losses = [[float(run(x, y)) for _ in range(3)]
+              for run in (plain.train_on_batch, plain_step, moved_step, weights_step)]
+    keras_w, chained_w, moved_w, weights_w = ([v.numpy() for v in m.weights + m.optimizer.variables]
+                                              for m in (plain, chained, fresh, fresh_weights))
+    same = all(np.array_equal(a, b) for a, b in zip(chained_w, moved_w)) and losses[1] == losses[3] \
+        and all(np.array_equal(a, b) for a, b in zip(chained_w, weights_w))
     moved_by = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(keras_w[:len(model.weights)],
                                                                                 [v.numpy() for v in gpt(**kwargs).weights]))
     off = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(keras_w[:len(model.weights)],
                                                                             moved_w[:len(model.weights)]))
-    lines.append(f"After 3 steps (op determinism on), the last plan against the step serialized in the captured order: "
-                 f"losses {'equal' if losses[1] == losses[2] else 'differ'}, weights and optimizer slots "
+    lines.append(f"After 3 steps (op determinism on), the last two plans against the step serialized in the captured "
+                 f"order: losses {'equal' if losses[1] == losses[2] == losses[3] else 'differ'}, weights and optimizer slots "
                  f"{'bitwise equal' if same else 'DIFFER'}; against Keras' train_on_batch: losses "
                  f"{'equal' if losses[0] == losses[2] else 'differ'}, weights within {off:.1e} (the 3 steps moved them by up "
                  f"to {moved_by:.1e}): the serialized step's own rounding, not the move's (Grappler's arithmetic "
                  f"optimizer rewrites a chained step otherwise: with it off, bitwise equal to Keras').")
     print(" ".join(lines))
     return 0 if same and all(abs(e) <= 0.05 for e in errors) else 1
+
+
+def _read_again(g) -> list:
+    """Swaps of each weight's copy in (``simulator.state.with_host_state``) read again in the backward pass:
+    freed after its forward readers, copied in from the weight on the host before the backward ones (synchronous
+    swap-ins: the least memory)."""
+    import numpy as np
+
+    from simulator.graph import FORWARD
+    from simulator.plan import Swap, SwapIn
+    from simulator.state.host_update import WEIGHT_READS
+
+    swaps = []
+    for tensor in g.meta[WEIGHT_READS]:
+        readers = g.edge_consumer[g.edge_tensor == tensor]
+        later = tuple(int(c) for c in np.unique(readers[g.op_phase[readers] != FORWARD]))
+        if later and len(later) < len(np.unique(readers)):
+            swaps.append(Swap(int(tensor), False, (SwapIn(later, None),)))
+    return swaps
 
 
 if __name__ == "__main__":

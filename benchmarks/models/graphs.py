@@ -13,7 +13,7 @@ from benchmarks.zoo import ZOO
 from simulator import OpGraph
 
 # a cached graph is stale when the code that captured it changed
-CAPTURE_SOURCES = ("rewriter/trace/tracing.py", "rewriter/trace/graph_rewrites.py")
+CAPTURE_SOURCES = ("rewriter/trace/tracing.py", "rewriter/trace/graph_rewrites.py", "rewriter/trace/optimizer_state.py")
 
 
 def _capture_code() -> str:

@@ -109,7 +109,7 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
         if batch_size is None or int(batch_size) < 1:
             raise CaptureError(f"batch size must be a positive integer, got {batch_size!r}")
         # before the trace: the step must capture the slots where the plan keeps them
-        place_state(model, [item.variable for item in named.host_state], place)
+        place_state(model, named.host_state, place)
         traced = trace_keras_step(model, int(batch_size), inputs, sample_weight=sample_weight)
     planned = named  # by the names the capture gives (rewriter.trace.op_names), whatever this process called the layers
     named = traced_names(named, traced.canonical)

@@ -25,7 +25,7 @@ from rewriter.trace.optimizer_state import (host_update_ops, slot_access_ops, sl
                                             variable_handles)
 from rewriter.trace.tracing import forget_traces
 from simulator.plan import PlanError
-from simulator.state import HostState
+from simulator.state import HOST_WEIGHTS, HostState
 
 log = logging.getLogger(__name__)
 
@@ -43,35 +43,62 @@ def home_slots(model, paths: Iterable[str], device: str) -> list[str]:
     if unknown:
         raise PlanError(f"the plan's host_state names {len(unknown)} variable(s) that are not trainable variables "
                         f"of this model (e.g. {unknown[0]!r}): it was made for another model")
-    target = tf.DeviceSpec.from_string(device)
-    moved = []
-    for path in wanted:
-        changed = False
-        for slot in slots[path]:
-            old = slot.value
-            placed = tf.DeviceSpec.from_string(old.device)
-            if (placed.device_type, placed.device_index) == (target.device_type, target.device_index):
-                continue
-            with tf.device(device):
-                slot._value = tf.Variable(old.read_value(), dtype=old.dtype, trainable=old.trainable,
-                                          name=old.name.split(":")[0])
-            changed = True
-        if changed:
-            moved.append(path)
+    moved = [path for path in wanted if _home(slots[path], device)]
     if moved:
         _forget_functions(model)
         log.info("optimizer slots of %d variable(s) on %s", len(moved), device)
     return moved
 
 
-def place_state(model, host_paths: Sequence[str], placement: Placement) -> None:
-    """The slots of ``host_paths`` on the placement's host, every other slot on its accelerator (put back
-    where an earlier plan had moved it), so the step traced next finds the state where the plan wants it."""
+def _home(variables: Iterable, device: str) -> bool:
+    """Make each Keras variable's ``tf.Variable`` anew on ``device`` with its value, where it is elsewhere;
+    whether any moved (the caller drops what traced the old ones)."""
+    target = tf.DeviceSpec.from_string(device)
+    changed = False
+    for variable in variables:
+        old = variable.value
+        placed = tf.DeviceSpec.from_string(old.device)
+        if (placed.device_type, placed.device_index) == (target.device_type, target.device_index):
+            continue
+        with tf.device(device):
+            variable._value = tf.Variable(old.read_value(), dtype=old.dtype, trainable=old.trainable,
+                                          name=old.name.split(":")[0])
+        changed = True
+    return changed
+
+
+def home_weights(model, paths: Iterable[str], placement: Placement) -> None:
+    """The trainable variables ``paths`` on the placement's host, every other one on its accelerator (a plan's
+    ``host-weights`` records): read on the device through copies in (``copy_weights_in``), updated where they live."""
+    wanted = set(paths)
+    weights = list(model.trainable_variables)
+    unknown = wanted - {variable.path for variable in weights}
+    if unknown:
+        raise PlanError(f"the plan's host_state names {len(unknown)} variable(s) that are not trainable variables "
+                        f"of this model (e.g. {sorted(unknown)[0]!r}): it was made for another model")
+    optimizer = model.optimizer
+    indices = optimizer._trainable_variables_indices  # Keras finds a variable's slots by its tf.Variable's id
+    index_of = {variable.path: indices.pop(optimizer._var_key(variable)) for variable in weights}
+    moved = _home([v for v in weights if v.path in wanted], placement.host)
+    back = _home([v for v in weights if v.path not in wanted], placement.accelerator)
+    for variable in weights:
+        indices[optimizer._var_key(variable)] = index_of[variable.path]
+    if moved or back:
+        _forget_functions(model)
+        log.info("%d weight(s) on %s", len(wanted), placement.host)
+
+
+def place_state(model, host_state: Sequence[HostState], placement: Placement) -> None:
+    """The slots of ``host_state``'s variables on the placement's host, every other slot on its accelerator (put
+    back where an earlier plan had moved it), and the weights of its ``host-weights`` records likewise, so the step
+    traced next finds the state where the plan wants it."""
+    host_paths = [item.variable for item in host_state]
     if host_paths:
         home_slots(model, host_paths, placement.host)
     if state_refusal(model) is None:
         wanted = set(host_paths)
         home_slots(model, [path for path in slots_by_variable(model) if path not in wanted], placement.accelerator)
+        home_weights(model, [item.variable for item in host_state if item.mode == HOST_WEIGHTS], placement)
 
 
 def _forget_functions(model) -> None:
@@ -143,7 +170,46 @@ def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], 
         raise PlanError(f"the update of {missing[0]!r} was not found among the optimizer's ops: its state cannot "
                         "move to the host")
     slot_paths = set().union(*groups.values()) - set(groups)
+    weight_ops = {item.variable: slot_access_ops(graph_def, handles, {item.variable}) for item in host_state
+                  if item.mode == HOST_WEIGHTS}
     copy = (placement.swap_op, placement.swap_out_device) if placement.copies_wait_for_compute else None
-    edited = place_on_host(graph_def, set().union(*placed.values()), placement.host,
-                           on_host=slot_access_ops(graph_def, handles, slot_paths), copy=copy, tensor_info=tensor_info)
-    return edited, placed
+    host_side = slot_access_ops(graph_def, handles, slot_paths) | set().union(*weight_ops.values())
+    edited = place_on_host(graph_def, set().union(*placed.values()), placement.host, on_host=host_side, copy=copy,
+                           tensor_info=tensor_info)
+    if weight_ops:
+        edited = copy_weights_in(edited, set().union(*weight_ops.values()), set().union(*placed.values()) | host_side,
+                                 placement, tensor_info)
+    # the weights' reads and writes run on the host: what they allocate is the host's (the measured peak's rule)
+    return edited, {path: names | weight_ops.get(path, set()) for path, names in placed.items()}
+
+
+def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placement: Placement, tensor_info: dict):
+    """A copy of ``graph_def`` where the device reads a weight on the host through a copy in: each read of it
+    (a node of ``weight_ops`` with an output) read by a node off the host gets one copy on the accelerator (the
+    placement's swap op, named ``weight_in/<read>``), which its device readers read; it runs where the read runs
+    in the plan's order, just before its first reader (``simulator.state.with_host_state``). A plan's swap of the
+    read (its later readers, swap-ins started by triggers) copies in from the read itself: its copy out is an
+    ``Identity`` on the host, which allocates nothing."""
+    edited = tf.compat.v1.GraphDef()
+    edited.CopyFrom(graph_def)
+    nodes = {node.name: node for node in edited.node}
+    for node in edited.node:
+        if node.name.startswith(SWAP_OUT_PREFIX) and node.input and node.input[0].split(":")[0] in weight_ops:
+            node.op, node.device = "Identity", placement.host
+    copies: dict[str, str] = {}
+    for node in list(edited.node):
+        if node.name in host_side or node.name.startswith(SWAP_OUT_PREFIX) or node.device == placement.host:
+            continue
+        for k, name in enumerate(node.input):
+            source = name.lstrip("^").split(":")[0]
+            if name.startswith("^") or source not in weight_ops or nodes[source].op not in ("ReadVariableOp",):
+                continue
+            if name not in copies:
+                copies[name] = f"weight_in/{source}"
+                added = edited.node.add()
+                added.name, added.op, added.device = copies[name], placement.swap_op, placement.accelerator
+                added.input.append(name)
+                added.attr["T"].type = tensor_info[f"{source}:0"][0].as_datatype_enum
+                added.attr["_grappler_do_not_remove"].b = True
+            node.input[k] = copies[name]
+    return edited

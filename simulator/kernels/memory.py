@@ -183,9 +183,9 @@ def account(step, plan, far, slots, lifetimes, transfers):
             peak_slot, peak = slot, value
         if value > level_peak[levels_of_slot[slot]]:
             level_peak[levels_of_slot[slot]] = value
-    host_peak, host_peak_s = _host_peak(swap_bytes, plan.in_swap, transfers)
+    host_bytes, host_peak_s = host_peak(swap_bytes, plan.in_swap, transfers)
     return Memory(peak_slot, float(peak), level_peak, new_free, copy_end, in_alloc_slot, in_free_slot,
-                  in_place_out, wait_slots, wait_moment, host_peak, host_peak_s)
+                  in_place_out, wait_slots, wait_moment, host_bytes, host_peak_s)
 
 
 @array_helper
@@ -352,7 +352,7 @@ def _wait_peaks(step, transfers, slot_bytes, roots, frees, in_alloc_slot, in_byt
 
 
 @njit(cache=True, nogil=True)
-def _host_peak(swap_bytes, in_swap, transfers):
+def host_peak(swap_bytes, in_swap, transfers):
     """Host memory over time, its peak and when: a copy lives from its swap-out to its last swap-in
     (frees before allocations at the same instant; events ordered by time, size, then index with
     the copies out before the frees). One engine per direction copies first in, first out: the

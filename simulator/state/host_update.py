@@ -3,7 +3,10 @@
 ``HostState(variable, mode)`` names a trainable variable (its Keras path) whose optimizer slots live in
 host memory. Mode ``host-update``: the variable's update runs on the host, beside its slots; the
 gradient is copied out, the update computed there and the weight's change copied in. A plan holds
-these records under ``host_state`` (``simulator.plan``, ``swap-plan/3``).
+these records under ``host_state`` (``simulator.plan``, since ``swap-plan/3``). Mode ``host-weights``
+(``swap-plan/4``): the weight lives on the host too and is updated there, nothing copied back; each of its
+reads on the device is a copy in (``with_host_state``), which a plan may swap like an activation between its
+forward and backward readers.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from typing import Sequence
 
 import numpy as np
 
-from simulator.graph import GraphError, OpGraph
+from simulator.graph import GraphError, OpGraph, depending_on, successor_csr
+from simulator.ordering import position_of
 
 HOST_UPDATE = "host-update"
+HOST_WEIGHTS = "host-weights"  # the weight on the host as well, read on the device through copies in
 _BASE = "host_state_base"  # a moved graph's memo entry: the graph it was made from
-HOST_STATE_MODES = (HOST_UPDATE,)
+WEIGHT_READS = "host_weight_reads"  # a moved graph's meta: the tensors that are copies in of weights on the host
+HOST_STATE_MODES = (HOST_UPDATE, HOST_WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -29,13 +35,15 @@ class HostState:
     mode: str = HOST_UPDATE
 
 
-def read_host_state_records(records, error: type[GraphError] = GraphError) -> tuple[HostState, ...]:
-    """The records of a plan file's ``host_state`` entry; ``error`` says what is malformed."""
+def read_host_state_records(records, error: type[GraphError] = GraphError,
+                            modes: tuple[str, ...] = HOST_STATE_MODES) -> tuple[HostState, ...]:
+    """The records of a plan file's ``host_state`` entry (``modes``: those its version knows); ``error`` says
+    what is malformed."""
     if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("variable"), str)
-                                                and r.get("mode") in HOST_STATE_MODES for r in records) \
+                                                and r.get("mode") in modes for r in records) \
             or len({r["variable"] for r in records}) != len(records):
         raise error(f"the plan's host_state must list each variable once as {{'variable': path, 'mode': one of "
-                    f"{HOST_STATE_MODES}}}")
+                    f"{modes}}}")
     return tuple(HostState(r["variable"], r["mode"]) for r in records)
 
 
@@ -59,9 +67,38 @@ def host_ops(g: OpGraph, host_state: Sequence[HostState]) -> np.ndarray:
     if unknown:
         raise GraphError(f"the plan moves the optimizer state of {len(unknown)} variable(s) this graph cannot move "
                          f"(e.g. {unknown[0]!r}): {state_refusal(g) or 'not a trainable variable with slots'}")
+    old = [item.variable for item in host_state
+           if item.mode == HOST_WEIGHTS and "weight_ops" not in found[item.variable]]
+    if old:
+        raise GraphError(f"the plan moves the weight of {old[0]!r}, but this graph was captured before captures "
+                         "recorded the reads and writes of weights: capture it again")
     index = g.op_index()
-    return np.asarray(sorted({index[name] for item in host_state for name in found[item.variable]["ops"]
+    return np.asarray(sorted({index[name] for item in host_state for name in _ops_of(found[item.variable], item)
                               if name in index}), np.int64)
+
+
+def _ops_of(entry: dict, item: HostState) -> list[str]:
+    return entry["ops"] + (entry["weight_ops"] if item.mode == HOST_WEIGHTS else [])
+
+
+def movable_weights(g: OpGraph) -> dict[str, int]:
+    """Trainable variable path -> bytes of the weight, for the variables whose weight can move to the host with
+    its slots (mode ``host-weights``; none in a graph captured before captures recorded the weights' ops)."""
+    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    return {path: int(entry["weight_bytes"]) for path, entry in found.items() if "weight_ops" in entry}
+
+
+def moved_kinds(host_state: Sequence[HostState]) -> str:
+    """What ``host_state`` keeps on the host, in a report's words."""
+    weights = any(item.mode == HOST_WEIGHTS for item in host_state)
+    return "weights and optimizer slots" if weights else "optimizer slots"
+
+
+def moved_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
+    """Resident bytes ``host_state`` takes off the device: the slots, and the weights of ``host-weights``."""
+    slots, weights = movable_state(g), movable_weights(g)
+    return sum(slots[item.variable] + (weights[item.variable] if item.mode == HOST_WEIGHTS else 0)
+               for item in host_state)
 
 
 def with_host_state(g: OpGraph, host_state: Sequence[HostState], *, copies_in: bool = True) -> OpGraph:
@@ -95,10 +132,14 @@ def _base(g: OpGraph) -> OpGraph:
     return base.with_order(g.order)
 
 
-def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0)) -> list[tuple[HostState, ...]]:
-    """Variables whose slots a search moves, largest first: the fewest that hold each share of the movable
-    slots' bytes (duplicates dropped), so a step moves no more state than it needs."""
-    sizes = sorted(movable_state(g).items(), key=lambda item: (-item[1], item[0]))
+def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0), mode: str = HOST_UPDATE,
+                 ) -> list[tuple[HostState, ...]]:
+    """Variables whose state a search moves, largest first: the fewest that hold each share of the movable
+    bytes (duplicates dropped), so a step moves no more state than it needs. ``mode`` ``host-weights``: the
+    weights with their slots, by the bytes of both."""
+    weights = movable_weights(g) if mode == HOST_WEIGHTS else {}
+    sizes = sorted(((path, size + weights.get(path, 0)) for path, size in movable_state(g).items()
+                    if mode != HOST_WEIGHTS or path in weights), key=lambda item: (-item[1], item[0]))
     total = sum(size for _, size in sizes)
     groups: list[tuple[HostState, ...]] = []
     for share in shares:
@@ -106,7 +147,7 @@ def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0)) -
         while count < len(sizes) and taken < share * total:
             taken += sizes[count][1]
             count += 1
-        group = tuple(HostState(path) for path, _ in sizes[:count])
+        group = tuple(HostState(path, mode) for path, _ in sizes[:count])
         if group and group not in groups:
             groups.append(group)
     return groups
@@ -117,16 +158,49 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
     on_host[host_ops(g, moved)] = True
     read_on_device = np.zeros(g.n_tensors, bool)
     read_on_device[g.edge_tensor[~on_host[g.edge_consumer]]] = True
-    host_tensor = on_host[g.tensor_producer] & (~read_on_device if copies_in else True)  # what the device reads is copied in
+    # a weight on the host read on the device: its copy in, a buffer of its own there (on the testbed too)
+    weight_read = on_host[g.tensor_producer] & read_on_device & g.tensor_persistent
+    host_tensor = on_host[g.tensor_producer] & (~read_on_device if copies_in else ~weight_read)
     tensor_bytes_ab = g.tensor_bytes_ab.copy()
     tensor_bytes_ab[host_tensor] = 0.0
     persistent_ab = g.persistent_bytes_ab.copy()
-    persistent_ab[0] = max(0.0, persistent_ab[0] - sum(movable_state(g)[item.variable] for item in moved))
+    persistent_ab[0] = max(0.0, persistent_ab[0] - moved_bytes(g, moved))
     kept = ~host_tensor[g.held_tensor] if len(g.held_tensor) else np.zeros(0, bool)
-    meta = dict(g.meta, host_state=_records(moved), host_state_copies_in=copies_in)
+    reads = np.flatnonzero(weight_read)
+    src, dst = _reads_before_readers(g, reads, on_host)
+    meta = dict(g.meta, host_state=_records(moved), host_state_copies_in=copies_in,
+                **{WEIGHT_READS: reads.tolist()})
     return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
+                               tensor_persistent=g.tensor_persistent & ~weight_read,
+                               tensor_swappable=g.tensor_swappable | weight_read,
+                               control_src=np.concatenate([g.control_src, src]),
+                               control_dst=np.concatenate([g.control_dst, dst]),
                                held_tensor=g.held_tensor[kept], held_read=g.held_read[kept], meta=meta,
                                _graph_memo={_BASE: g}, _order_memo={}, _structure_cache={})
+
+
+def _reads_before_readers(g: OpGraph, reads: np.ndarray, on_host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Control edges that run each weight's read (its copy in) just before its first reader on the device in
+    ``g``'s order: from the producers of that reader's other inputs (and its control inputs) that do not
+    depend on the read. Without them a read with no inputs runs first and its copy would be held from the
+    start of the step to its reader."""
+    if not len(reads):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    position = position_of(g)
+    ptr, successors = successor_csr(g)
+    bounds, following = ptr.tolist(), successors.tolist()
+    src, dst = [], []
+    for tensor in reads.tolist():
+        read = int(g.tensor_producer[tensor])
+        readers = g.edge_consumer[(g.edge_tensor == tensor) & ~on_host[g.edge_consumer]]
+        first = int(readers[np.argmin(position[readers])])
+        inputs = set(g.tensor_producer[g.edge_tensor[g.edge_consumer == first]].tolist())
+        inputs |= set(g.control_src[g.control_dst == first].tolist())
+        inputs.discard(read)
+        for source in sorted(inputs - depending_on(read, bounds, following)):  # never an op after the read
+            src.append(source)
+            dst.append(read)
+    return np.asarray(src, np.int64), np.asarray(dst, np.int64)
 
 
 def _records(moved: tuple[HostState, ...]) -> list[dict]:
@@ -150,10 +224,13 @@ def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndar
 def host_update_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
     """What moving ``host_state`` adds to the step on ``device``, each copy in turn after the compute (none
     overlapped: an upper bound where a link runs beside the compute): the gradients copied out and, where the
-    host hands over no buffer (``host_buffers_shared``), the changes copied in. The update's own ops keep the
-    op times the graph has (a calibration times them as part of the step on the testbed)."""
+    host hands over no buffer (``host_buffers_shared``), the changes copied in; the first copies in of the weights
+    on the host (``g`` moved: ``with_host_state``) everywhere. The update's own ops keep the op times the graph
+    has (a calibration times them as part of the step on the testbed)."""
     out_bytes, in_bytes = host_transfers(g, host_state)
+    if device.host_buffers_shared:  # a weight's copy in is a copy all the same (the testbed's DeepCopy)
+        in_bytes = g.tensor_bytes[np.asarray(g.meta.get(WEIGHT_READS, ()), np.int64)].astype(np.float64)
     seconds = float(np.sum(device.transfer_seconds(out_bytes, "d2h"))) if len(out_bytes) else 0.0
-    if len(in_bytes) and not device.host_buffers_shared:
+    if len(in_bytes):
         seconds += float(np.sum(device.transfer_seconds(in_bytes, "h2d")))
     return seconds

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from simulator.graph import OpGraph, successor_csr
+from simulator.graph import OpGraph, depending_on, successor_csr
 from simulator.sharing import SHARING_IN_LEVEL_ORDER
 
 _KEY = "writes_after_reads"  # the graph's memo entry, and its meta's count of added edges
@@ -47,14 +47,7 @@ def _with_edges(g: OpGraph) -> OpGraph:
     for held, read in zip(g.held_tensor.tolist(), g.held_read.tolist()):
         writes.setdefault(int(g.tensor_producer[held]), set()).update(readers_of.get(int(root[read]), ()))
     for write, readers in writes.items():
-        after = {write}  # the write and every op that depends on it
-        stack = [write]
-        while stack:
-            op = stack.pop()
-            for nxt in following[bounds[op]:bounds[op + 1]]:
-                if nxt not in after:
-                    after.add(nxt)
-                    stack.append(nxt)
+        after = depending_on(write, bounds, following)
         private = _leading_only_to(write, following, bounds, preceding)
         entries = [op for op in private if not any(p in private for p in preceding[op])]
         for reader in sorted(readers - after - private):

@@ -17,7 +17,7 @@ from simulator import (GraphError, NamedPlan, OpGraph, PlanError, Swap, SwapIn, 
                        load_plan, plan_swaps, replay)
 from simulator.plan import FORMAT, check_structure
 from simulator.recompute.actions import Recompute, recomputed_tensors, with_recomputes
-from simulator.state import HOST_UPDATE, HostState
+from simulator.state import HOST_UPDATE, HOST_WEIGHTS, HostState
 from simulator.recompute.choice import RecomputeParams, actions_of, choose_recomputes
 
 PLANS = Path(__file__).resolve().parents[1] / "data" / "plans"
@@ -42,7 +42,7 @@ def test_a_plan_written_before_the_contract_loads_the_same(fixture):
     assert replay(graph, plan, "cpu-testbed").peak_bytes == 1033968  # what that version predicted
     # written again in the current format: the same file with its version and empty lists of the later actions
     written = json.loads(NamedPlan.from_json(text).to_json())
-    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/3"
+    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/4"
     assert written == {**json.loads(text), "format": FORMAT, "recomputes": [], "splits": [], "host_state": []}
     assert NamedPlan.from_json(text).recomputes == () and json.loads(again.to_json(graph)) == written
 
@@ -201,3 +201,16 @@ def test_optimizer_state_on_the_host_reads_back_and_older_versions_have_none():
     assert NamedPlan.from_dict(data) == named and named.changes_step
     older = {**_plan(), "format": "swap-plan/2", "host_state": [{"variable": "x", "mode": HOST_UPDATE}]}
     assert NamedPlan.from_dict(older).host_state == ()  # a key version 2 did not have is not read from it
+
+
+def test_weights_on_the_host_read_back_from_version_4_only():
+    """Mode ``host-weights`` (swap-plan/4) is written and read back; a version-3 file naming it is refused
+    with the modes that version knows, and its ``host-update`` records still read."""
+    named = NamedPlan(host_state=(HostState("dense/kernel", HOST_WEIGHTS), HostState("dense/bias")), batch_size=4)
+    data = named.to_dict()
+    assert data["format"] == "swap-plan/4" and data["host_state"][0]["mode"] == HOST_WEIGHTS
+    assert NamedPlan.from_dict(data) == named
+    with pytest.raises(PlanError, match="host-update"):
+        NamedPlan.from_dict({**data, "format": "swap-plan/3"})
+    older = {**data, "format": "swap-plan/3", "host_state": [data["host_state"][1]]}
+    assert NamedPlan.from_dict(older).host_state == (HostState("dense/bias"),)

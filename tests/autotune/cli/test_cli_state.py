@@ -1,7 +1,8 @@
 """The command line on a model whose optimizer state alone is over the budget: the 3x1024 Dense MLP with
 AdamW (27.2 MiB resident, 18.1 MiB of it Adam's slots). With the default search the slots of the largest
 variables move to the host, the measured run on the testbed confirms the plan, exit 0; with ``--no-state``
-(or ``state = false`` in autotune.toml) the state stays and no plan fits, exit 3."""
+(or ``state = false`` in autotune.toml) the state stays and no plan fits, exit 3. Under the floor with every slot
+moved, the weights move with their slots (mode ``host-weights``)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,19 @@ def test_no_state_keeps_the_old_verdict(model_dir, tmp_path, capsys):
     finally:
         (model_dir / "autotune.toml").unlink()
     assert code == EXIT_NO_FIT, text
+
+
+def test_under_the_floor_with_every_slot_moved_the_weights_move_too_and_are_confirmed(model_dir, tmp_path, capsys):
+    """12 MiB: under the floor with every slot on the host (9 MiB of weights stay), over the one with the weights
+    moved with them: the plan keeps the largest weights and their slots on the host (mode host-weights), the
+    measured run confirms it within 5 % of the prediction, exit 0."""
+    out = tmp_path / "out"
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", "12MiB", "--device", "cpu-testbed",
+                      "--trials", "20", "--out", out, "--quiet")
+    assert code == EXIT_OK, text
+    summary = json.loads((out / "summary.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert summary["confirmed_by_measurement"] and plan["format"] == "swap-plan/4"
+    assert plan["host_state"] and all(item["mode"] == "host-weights" for item in plan["host_state"])
+    assert summary["measured_peak_bytes"] <= 12 * MiB
+    assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.05

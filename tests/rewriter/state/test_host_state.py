@@ -20,8 +20,8 @@ from benchmarks.models import build_model, example_batch
 from rewriter.trace.optimizer_state import movable_state as movable_slots, state_refusal as optimizer_refusal
 from simulator import GraphError, SwapPlan, replay
 from simulator.plan import NamedPlan, PlanError
-from simulator.state import (HostState, movable_state, state_groups, state_refusal, with_host_state,
-                              writes_after_reads)
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, state_groups, state_refusal,
+                              with_host_state, writes_after_reads)
 from simulator.state.host_update import host_transfers
 from tests.rewriter.state.test_state import MiB, TOLERANCE, dense_mlp, small_cnn
 
@@ -52,10 +52,10 @@ def _model(kind: str, optimizer: str) -> keras.Model:
                        optimizer=_optimizer(optimizer))
 
 
-def _host_plan(model, variables=None) -> NamedPlan:
+def _host_plan(model, variables=None, mode: str = HOST_UPDATE) -> NamedPlan:
     model.optimizer.build(model.trainable_variables)
     paths = [v.path for v in model.trainable_variables] if variables is None else variables
-    return NamedPlan(host_state=tuple(HostState(path) for path in paths))
+    return NamedPlan(host_state=tuple(HostState(path, mode) for path in paths))
 
 
 def _on_host(variable) -> bool:
@@ -134,12 +134,15 @@ def test_some_variables_only_and_fit_after_apply():
     assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(moved))
 
 
-def test_a_model_saved_after_training_with_the_plan_loads_in_plain_keras(tmp_path):
-    """model.save after 2 steps with the slots on the host; keras.models.load_model in plain Keras gives the
-    same weights and optimizer state, and a tf.train.Checkpoint restores into a plain model too."""
+@pytest.mark.parametrize("mode", [HOST_UPDATE, HOST_WEIGHTS])
+def test_a_model_saved_after_training_with_the_plan_loads_in_plain_keras(tmp_path, mode):
+    """model.save after 2 steps with the slots (``host-weights``: and the weights) on the host;
+    keras.models.load_model in plain Keras gives the same weights and optimizer state, on the device, and a
+    tf.train.Checkpoint restores into a plain model too."""
     model = _model("dense", "adamw")
     x, y = example_batch(model, BATCH)
-    step = rewriter.apply(model, _host_plan(model), batch_size=BATCH, verify=False)
+    step = rewriter.apply(model, _host_plan(model, mode=mode), batch_size=BATCH, verify=False)
+    assert all(_on_host(v) for v in model.trainable_variables) == (mode == HOST_WEIGHTS)
     step(x, y)
     step(x, y)
     model.save(tmp_path / "trained.keras")
@@ -151,7 +154,8 @@ def test_a_model_saved_after_training_with_the_plan_loads_in_plain_keras(tmp_pat
     plain.optimizer.build(plain.trainable_variables)
     tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).assert_consumed()
     assert th.bitwise_equal(th.optimizer_state(model), th.optimizer_state(plain))
-    assert not any(_on_host(v) for v in plain.optimizer.variables)
+    assert th.bitwise_equal(th.weights_of(model), th.weights_of(plain))
+    assert not any(_on_host(v) for v in plain.optimizer.variables + plain.trainable_variables + loaded.variables)
 
 
 def test_an_unknown_optimizer_is_refused_with_the_reason():
