@@ -205,17 +205,23 @@ def _split_columns(probes: SwapProbes, batch: int, chosen, batch20: int, chosen2
             "parts_20pct": probes.parts_of(batch20, chosen20) if chosen20 is not None else np.nan,
             "parts_searched": "" if found is None else found.line(),
             "split_floor_set_by": "" if found is None else found.stop_reasons[found.parts],
-            "split_probes": "; ".join(f"{b}: " + ", ".join(_parts_outcome(probes.parts_at[b], k)
+            "split_probes": "; ".join(f"{b}: " + ", ".join(_parts_outcome(probes.parts_at[b], k,
+                                                                          probes.device.host_memory_bytes)
                                                            for k in probes.parts_at[b].outcomes)
                                       for b in sorted(probes.parts_at))}
 
 
-def _parts_outcome(found, parts: int) -> str:
+def _parts_outcome(found, parts: int, host_limit_bytes: int) -> str:
     """One k of a probe's parts search in a few words: its fastest plan's overhead, or by how much the
-    plan closest to the device budget misses it."""
+    plan closest to the device budget misses it; where some plans fit the device, by how much the one
+    closest to the host limit misses that instead."""
     outcome = found.outcomes[parts]
     if outcome.chosen is not None:
         return f"{parts}p {outcome.chosen.metrics['overhead']:.0%}"
+    on_device = [e for e in outcome.evaluations if e.excess_bytes <= 0]
+    if on_device:
+        host_excess = min(e.metrics["host_peak_bytes"] for e in on_device) - host_limit_bytes
+        return f"{parts}p misses the host limit by {host_excess / 2**30:.2f} GiB"
     return f"{parts}p misses by {min(e.excess_bytes for e in outcome.evaluations) / 2**30:.2f} GiB"
 
 
@@ -436,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                      "of the chosen plans (1: the step as captured); parts_searched: each k's best plan at the "
                      "largest batch; split_floor_set_by: what sets the floor of the chosen split there; split_probes: every "
                      "probed batch where a split was searched, each k's best overhead or by how much its plan "
-                     "closest to the device budget misses it. Overheads "
+                     "closest to the device budget misses it (or, where plans fit the device, the host limit). Overheads "
                      "are against the step as captured, the parts' own cost included. with_swap_any_host is not "
                      "searched with splits (it would double the run).")
     from autotune.report.writer import markdown_table

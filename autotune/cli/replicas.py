@@ -31,7 +31,9 @@ def check_settings(replicas: int, batch_size: int, *, maximize_batch: bool, grap
 
 def check_tf_config(environ=os.environ) -> None:
     """A ``TF_CONFIG`` naming several workers means ``MultiWorkerMirroredStrategy``: said and refused in one line
-    (its plan is not made or measured here yet); one worker's (or none) goes on as one machine."""
+    (the command tunes one machine; each worker makes and trains its plan with ``rewriter.capture_replicated``,
+    ``apply_replicated`` and ``use_replicated_step``, docs/design.md 14); parameter servers are refused as
+    unsupported; one worker's (or none) goes on as one machine."""
     text = environ.get("TF_CONFIG")
     if not text:
         return
@@ -40,11 +42,15 @@ def check_tf_config(environ=os.environ) -> None:
         workers = sum(len(cluster.get(kind) or ()) for kind in ("chief", "worker"))
     except (ValueError, AttributeError, TypeError):
         raise InputError("TF_CONFIG is not a JSON object with a cluster: fix or unset it") from None
-    if workers > 1 or cluster.get("ps"):
-        kind = "ParameterServerStrategy" if cluster.get("ps") else "MultiWorkerMirroredStrategy"
-        raise InputError(f"TF_CONFIG names {workers} workers{' and parameter servers' if cluster.get('ps') else ''}: "
-                         f"{kind} detected, which the tool does not tune yet; unset TF_CONFIG to tune this "
-                         "machine's step (--replicas N for its N devices, docs/design.md 14)")
+    if cluster.get("ps"):
+        raise InputError(f"TF_CONFIG names {workers} workers and parameter servers: ParameterServerStrategy detected, "
+                         "which the tool does not support; unset TF_CONFIG to tune this machine's step "
+                         "(--replicas N for its N devices, docs/design.md 14)")
+    if workers > 1:
+        raise InputError(f"TF_CONFIG names {workers} workers: MultiWorkerMirroredStrategy detected, which this "
+                         "command does not tune (it tunes one machine: unset TF_CONFIG, --replicas N for its N "
+                         "devices); each worker can make and train its plan in Python with "
+                         "rewriter.capture_replicated, apply_replicated and use_replicated_step (docs/design.md 14)")
 
 
 def several_gpus_note(gpus: int) -> str | None:

@@ -186,6 +186,10 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         raise ValueError(f"the model was not built in this {type(strategy).__name__}'s scope: build it (and "
                          "compile it) in strategy.scope(), then tune it")
     if built_under is not None:
+        if type(built_under).__name__ == "CollectiveAllReduceStrategy":  # MultiWorkerMirroredStrategy's class
+            raise ValueError("autotune.tune tunes one machine: under MultiWorkerMirroredStrategy each worker makes "
+                             "its plan with rewriter.capture_replicated and simulator.plan_swaps and trains with "
+                             "rewriter.apply_replicated and use_replicated_step (docs/design.md 14)")
         if search.maximize_batch or graph_rewrites:
             raise ValueError("a replicated step is tuned at a given batch_size, without graph_rewrites "
                              "(docs/design.md 14)")

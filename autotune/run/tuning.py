@@ -427,7 +427,11 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
                                          f"{format_bytes(moved_bytes(g, group))}, live on the host, where their "
                                          "update runs; the device reads each weight through copies in"
                                          " (--no-state keeps them on the device)"] + moved.notes)
-    return replace(moved, notes=moved.notes + ["not even with every movable weight and optimizer slot on the host"])
+    # nothing fits: the step as captured is what is shown (its floor and rewrites are what the user can act on)
+    miss = moved.closest.excess_bytes if moved.closest is not None else 0
+    return replace(result, notes=result.notes + ["not even with every movable weight and optimizer slot on the host"
+                                                 + (f" (its closest plan {format_bytes(miss)} over the budget)"
+                                                    if miss > 0 else "")])
 
 
 def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,

@@ -27,6 +27,7 @@ import tensorflow as tf
 from rewriter.errors import CaptureError
 from rewriter.tf_effects.collectives import COLLECTIVE_TYPES, strategy_of, unsupported
 from rewriter.trace import state_kinds
+from rewriter.trace.training_setup import describe_training
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs, build_if_needed, step_specs
 from rewriter.trace.tracing import (TracedStep, _optimizer_scope, _second_batch, build_opgraph, check_compiled,
                                     traced_function)
@@ -327,6 +328,7 @@ def capture_replicated(model, batch_size: int, inputs: StepInputs = NO_STEP_INPU
     second = trace_replicated_step(model, replicas, _second_batch(first.per_replica_batch) * replicas.in_sync, inputs)
     handles = {n for n in first.traced.ops}
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
+            "training": describe_training(model),
             "variables": state_kinds.describe_variables(first.traced.concrete, model, only=handles),
             "movable_state": {"refusal": "a replicated step keeps its optimizer state on each replica's device "
                                          "(moving it is not built for several devices)"}}

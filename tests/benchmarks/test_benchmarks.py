@@ -8,10 +8,13 @@ import pytest
 from benchmarks.__main__ import main as benchmarks_main
 from benchmarks.common import interleaved_seconds, per_second, write_results
 from benchmarks.floor_split import main as floor_split_main, row_of
+from benchmarks.max_batch import _parts_outcome
 from benchmarks.split.measured import main as split_measured_main
 from benchmarks.reference import (REFERENCES, ReferenceUnavailable, reference_simulator, reference_simulators,
                                   speed_row)
 from benchmarks.simulator_speed import search_row
+from autotune.search.policies import Outcome
+from autotune.search.space import Evaluation
 from simulator import SwapParams
 from simulator.synthetic import training_graph
 
@@ -91,3 +94,20 @@ def test_floor_split_row_lowers_the_floor_and_says_where_no_split_exists():
     assert floor_split_main(["--parts", "1"]) == 2
     assert floor_split_main(["--models", "no-such-model"]) == 2
     assert split_measured_main(["--parts", "1"]) == 2 and split_measured_main(["--runs", "0"]) == 2
+
+
+def test_a_parts_probe_says_which_limit_its_closest_plan_misses():
+    """A split probe whose plans fit the device but not the host says so, by how much it misses the host,
+    not as a negative miss of the device budget."""
+    def evaluation(excess_gib: float, host_gib: float) -> Evaluation:
+        return Evaluation(None, {"host_peak_bytes": host_gib * 2**30, "overhead": 1.0, "step_s": 1.0}, False,
+                          int(excess_gib * 2**30))
+
+    class Found:
+        outcomes = {8: Outcome([evaluation(-3.0, 70.0), evaluation(-1.0, 66.5)], None),
+                    16: Outcome([evaluation(0.5, 10.0), evaluation(0.25, 10.0)], None),
+                    32: Outcome([evaluation(-1.0, 60.0)], evaluation(-1.0, 60.0))}
+
+    assert _parts_outcome(Found, 8, 64 * 2**30) == "8p misses the host limit by 2.50 GiB"
+    assert _parts_outcome(Found, 16, 64 * 2**30) == "16p misses by 0.25 GiB"
+    assert _parts_outcome(Found, 32, 64 * 2**30) == "32p 100%"

@@ -127,7 +127,7 @@ def test_tuning_points_to_the_rewrite_when_a_concatenation_sets_the_floor(unet):
     assert any("--rewrite elide-broadcasts" in n for n in result.notes), result.notes
     budget = (both.persistent_bytes + peak_lower_bound_bytes(both)) // 2
     result = tune_graph(both, device="cpu-testbed", memory=budget, trials=5, progress=False)
-    assert any("no swap plan can fit" in n for n in result.notes)
+    assert any("no swap plan can fit" in n for n in result.notes), result.notes
     assert not any("--rewrite" in n for n in result.notes), result.notes
 
 

@@ -319,8 +319,14 @@ one_step = tf.function(lambda data: strategy.run(plain.train_step, args=(data,))
 for data in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)):
     one_step(data)
 graph = capture_replicated(model, batch)
+from autotune import tune
+try:  # refused before it captures or runs anything, so the workers' collectives stay in step
+    tune(model, batch_size=batch, memory=2**20)
+    refusal = None
+except ValueError as error:
+    refusal = str(error)
 ops = trace_replicated_step(model, resolve_replicas(model), batch).traced.concrete.graph.get_operations()
-facts = {"meta": graph.meta["replicas"], "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+facts = {"tune_refusal": refusal, "training": graph.meta["training"], "meta": graph.meta["replicas"], "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
          "collectives": [[op.type, op.get_attr("communication_hint").decode(), op.inputs[1].op.get_attr("value").int_val[0]]
                          for op in ops if op.type.startswith("Collective")]}
 for name, params in (("unswapped", SwapParams(threshold=10**6)), ("swapped", SwapParams(threshold=1, min_bytes=2**13))):
@@ -404,6 +410,13 @@ def test_model_fit_with_the_plan_trains_as_the_strategy_does_without_it(workers)
         # an epoch of 2.5 global batches: the last (8 samples, 4 on each worker) runs the plan applied at 8
         assert w["last_batch_steps"] == [8] and w["last_batch_iterations"] == [6, 6]
         assert w["last_batch_bitwise"]
+
+
+def test_autotune_tune_refuses_several_workers_in_one_line_and_the_capture_says_what_is_trained(workers):
+    for facts in workers:
+        assert facts["tune_refusal"].startswith("autotune.tune tunes one machine: under MultiWorkerMirroredStrategy")
+        assert "\n" not in facts["tune_refusal"]
+        assert facts["training"]["optimizer"]["class"] == "Adam" and facts["training"]["loss"]
 
 
 def test_a_failed_worker_stops_the_cluster_and_leaves_no_process():

@@ -35,8 +35,9 @@ def test_what_replicas_cannot_do_is_refused_in_one_line(model_dir, capsys, flags
 
 @pytest.mark.parametrize("tf_config,message", [
     ({"cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}, "task": {"type": "worker", "index": 0}},
-     "TF_CONFIG names 2 workers: MultiWorkerMirroredStrategy detected, which the tool does not tune yet"),
-    ({"cluster": {"worker": ["127.0.0.1:20001"], "ps": ["127.0.0.1:20003"]}}, "ParameterServerStrategy detected"),
+     "TF_CONFIG names 2 workers: MultiWorkerMirroredStrategy detected, which this command does not tune"),
+    ({"cluster": {"worker": ["127.0.0.1:20001"], "ps": ["127.0.0.1:20003"]}},
+     "ParameterServerStrategy detected, which the tool does not support"),
     ("{not json", "TF_CONFIG is not a JSON object with a cluster"),
 ])
 def test_a_tf_config_of_several_workers_is_said_and_refused_in_one_line(model_dir, capsys, monkeypatch, tf_config,
@@ -168,6 +169,8 @@ def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(saved, tmp_
     assert machine["host_budget_bytes"] == 64 * 2**30 and machine["within_budget"]
     assert machine["measured_host_bytes"] == sum(d["measured_host_bytes"] for d in summary["replicas"]["devices"]) > 0
     assert summary["replicas"]["all_reduce_bytes"] > 0
+    assert summary["optimizer"]["class"] and summary["loss"]  # what was tuned, as for one device
+    assert "not recorded" not in (out / "report.html").read_text()
     assert "on each of 2 devices" in summary["headline"] and f"verdict: {summary['headline']}" in done.stdout
     assert done.stdout.count(": confirmed\n") == 2, done.stdout
     report = (out / "report.html").read_text()
