@@ -220,8 +220,9 @@ def _parts_outcome(found, parts: int, host_limit_bytes: int) -> str:
         return f"{parts}p {outcome.chosen.metrics['overhead']:.0%}"
     on_device = [e for e in outcome.evaluations if e.excess_bytes <= 0]
     if on_device:
-        host_excess = min(e.metrics["host_peak_bytes"] for e in on_device) - host_limit_bytes
-        return f"{parts}p misses the host limit by {host_excess / 2**30:.2f} GiB"
+        host_excess_bytes = min(e.metrics["host_peak_bytes"] for e in on_device) - host_limit_bytes
+        return (f"{parts}p misses the host limit by {host_excess_bytes / 2**30:.2f} GiB" if host_excess_bytes > 0
+                else f"{parts}p fits both, none chosen")
     return f"{parts}p misses by {min(e.excess_bytes for e in outcome.evaluations) / 2**30:.2f} GiB"
 
 

@@ -261,7 +261,8 @@ def _replicas_section(memory: dict, budget_bytes: int, images: dict[str, Path]) 
     per_machine = pd.DataFrame([("host memory of the machine (every replica's swaps)",
                                  size(machine["predicted_host_bytes"]), size(machine["measured_host_bytes"]),
                                  size(machine["host_budget_bytes"]),
-                                 "within" if machine["within_budget"] else "over"),
+                                 "no plan" if machine["within_budget"] is None
+                                 else "within" if machine["within_budget"] else "over"),
                                 ("gradients' all-reduce pack, per replica", size(memory["all_reduce_bytes"]), "", "",
                                  "")],
                                columns=["", "predicted", "measured", "budget", ""])

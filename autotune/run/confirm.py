@@ -187,9 +187,9 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
                          "compile it) in strategy.scope(), then tune it")
     if built_under is not None:
         if type(built_under).__name__ == "CollectiveAllReduceStrategy":  # MultiWorkerMirroredStrategy's class
-            raise ValueError("autotune.tune tunes one machine: under MultiWorkerMirroredStrategy each worker makes "
-                             "its plan with rewriter.capture_replicated and simulator.plan_swaps and trains with "
-                             "rewriter.apply_replicated and use_replicated_step (docs/design.md 14)")
+            raise ValueError("autotune.tune takes MirroredStrategy on one machine, not MultiWorkerMirroredStrategy: "
+                             "each worker makes its plan with rewriter.capture_replicated and simulator.plan_swaps "
+                             "and trains with rewriter.apply_replicated and use_replicated_step (docs/design.md 14)")
         if search.maximize_batch or graph_rewrites:
             raise ValueError("a replicated step is tuned at a given batch_size, without graph_rewrites "
                              "(docs/design.md 14)")
@@ -251,7 +251,11 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
     the machine's host memory), timed by the calibration of the same step on one device (``replica_calibration``),
     and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``)."""
     import rewriter  # TensorFlow only when a model is tuned
+    import tensorflow as tf
 
+    if tf.config.list_physical_devices("GPU"):  # replicas are measured on the CPU testbed only
+        raise ValueError("a replicated step is tuned on the CPU testbed only for now: a GPU is visible "
+                         "(docs/design.md 14)")
     say(f"capturing one replica's training step at global batch {batch_size} ...")
     with clock.stage("capture"):
         graph = rewriter.capture_replicated(model, batch_size, inputs, name=name or getattr(model, "name", None))

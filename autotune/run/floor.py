@@ -174,7 +174,8 @@ def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recomput
         rewrite: peak_lower_bound_bytes(recaptured([rewrite])) for rewrite in rewrites_touching(graph, op)}
     ways = ways_down(graph, floor, budget, rewrite_floors, target.replicas)
     if movable and moved_floor <= budget:
-        ways.insert(0, f"the optimizer slots on the host (without --no-state) lower the floor to "
+        kinds = "weights and optimizer slots" if movable_weights(graph) else "optimizer slots"
+        ways.insert(0, f"the {kinds} on the host (without --no-state) lower the floor to "
                        f"{format_bytes(moved_floor)}, within the budget")
     if split is not None:
         reach = f"splitting the ops that set the floor along the batch in {split.parts} parts"

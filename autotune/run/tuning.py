@@ -32,8 +32,8 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
-from simulator.state import (HOST_WEIGHTS, HostState, movable_state, moved_bytes, state_groups, state_refusal,
-                             with_host_state, writes_after_reads)
+from simulator.state import (HOST_WEIGHTS, HostState, movable_state, moved_bytes, moved_kinds, state_groups,
+                             state_refusal, with_host_state, writes_after_reads)
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +226,8 @@ class TuneResult:
                 "all_reduce_ops": meta["all_reduce_ops"],
                 "machine": {"host_budget_bytes": host_budget, "predicted_host_bytes": predicted_host,
                             "measured_host_bytes": sum(hosts) if len(hosts) == len(devices) else None,
-                            "within_budget": (sum(hosts) if len(hosts) == len(devices) else predicted_host or 0)
-                            <= host_budget}}
+                            "within_budget": None if (len(hosts) != len(devices) and predicted_host is None) else
+                            (sum(hosts) if len(hosts) == len(devices) else predicted_host) <= host_budget}}
 
     def summary(self) -> dict[str, Any]:
         shown = self.shown
@@ -327,7 +327,7 @@ def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_
     if recompute:
         key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
     if host_state:
-        key += "|host_state|" + ",".join(sorted(item.variable for item in host_state))
+        key += "|host_state|" + ",".join(sorted(f"{item.variable}:{item.mode}" for item in host_state))
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
@@ -428,10 +428,11 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
                                          "update runs; the device reads each weight through copies in"
                                          " (--no-state keeps them on the device)"] + moved.notes)
     # nothing fits: the step as captured is what is shown (its floor and rewrites are what the user can act on)
-    miss = moved.closest.excess_bytes if moved.closest is not None else 0
-    return replace(result, notes=result.notes + ["not even with every movable weight and optimizer slot on the host"
-                                                 + (f" (its closest plan {format_bytes(miss)} over the budget)"
-                                                    if miss > 0 else "")])
+    miss_bytes = moved.closest.excess_bytes if moved.closest is not None else 0
+    return replace(result, notes=result.notes + [f"not even with the {moved_kinds(group)} of every "
+                                                 "movable variable on the host"
+                                                 + (f" (its closest plan {format_bytes(miss_bytes)} over the budget)"
+                                                    if miss_bytes > 0 else "")])
 
 
 def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
@@ -488,7 +489,7 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
         name = f"{options.study_name}/{name}" if host_state else options.study_name
     study = open_study(options.storage, name, g, problem.space)
     if baseline.feasible and host_state:
-        notes.append("with those optimizer slots on the host the step fits without swapping")
+        notes.append(f"with those {moved_kinds(host_state)} on the host the step fits without swapping")
         outcome_evaluations, chosen = [baseline], baseline
     elif baseline.feasible:
         notes.append("the rewritten step fits without swapping: plan.json holds only the graph rewrites"

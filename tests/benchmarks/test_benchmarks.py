@@ -106,8 +106,10 @@ def test_a_parts_probe_says_which_limit_its_closest_plan_misses():
     class Found:
         outcomes = {8: Outcome([evaluation(-3.0, 70.0), evaluation(-1.0, 66.5)], None),
                     16: Outcome([evaluation(0.5, 10.0), evaluation(0.25, 10.0)], None),
-                    32: Outcome([evaluation(-1.0, 60.0)], evaluation(-1.0, 60.0))}
+                    32: Outcome([evaluation(-1.0, 60.0)], evaluation(-1.0, 60.0)),
+                    64: Outcome([evaluation(-1.0, 60.0)], None)}
 
     assert _parts_outcome(Found, 8, 64 * 2**30) == "8p misses the host limit by 2.50 GiB"
     assert _parts_outcome(Found, 16, 64 * 2**30) == "16p misses by 0.25 GiB"
     assert _parts_outcome(Found, 32, 64 * 2**30) == "32p 100%"
+    assert _parts_outcome(Found, 64, 64 * 2**30) == "64p fits both, none chosen"

@@ -414,7 +414,7 @@ def test_model_fit_with_the_plan_trains_as_the_strategy_does_without_it(workers)
 
 def test_autotune_tune_refuses_several_workers_in_one_line_and_the_capture_says_what_is_trained(workers):
     for facts in workers:
-        assert facts["tune_refusal"].startswith("autotune.tune tunes one machine: under MultiWorkerMirroredStrategy")
+        assert facts["tune_refusal"].startswith("autotune.tune takes MirroredStrategy on one machine, not Multi")
         assert "\n" not in facts["tune_refusal"]
         assert facts["training"]["optimizer"]["class"] == "Adam" and facts["training"]["loss"]
 
