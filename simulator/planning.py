@@ -32,6 +32,10 @@ TRIGGER_OP_TYPES = frozenset({
     "FusedBatchNormGradV3", "MaxPoolGrad", "MaxPool3DGrad", "AvgPoolGrad", "AvgPool3DGrad",
     "BiasAddGrad", "SoftmaxGrad", "Conv2DTranspose", "Conv3DTranspose",
 })
+# Ops that only relabel their input's layout: Grappler may bypass one (a transpose that undoes another) and move
+# its control edges to its input, even a split part it keeps, so a swap-in would start early
+# (tests/rewriter/edit/test_split_parts.py); never a split step's trigger
+LAYOUT_OP_TYPES = frozenset({"Transpose", "Reshape", "Squeeze", "ExpandDims", "Identity"})
 
 
 # ---------------------------------------------------------------------- rules
@@ -77,11 +81,12 @@ def _candidate_tensors(g: OpGraph, params: SwapParams) -> np.ndarray:
 
 def _trigger_candidates(g: OpGraph) -> np.ndarray:
     """Ops a swap-in may start after: heavy backward ops (``TRIGGER_OP_TYPES``) and, in a split step, every
-    part and combine of a region in any phase (the rewriter marks them for Grappler to keep), so that a
-    tensor read again after its batch norm's sums are combined comes back part by part, each just before its
-    reader, forward passes included (docs/design.md 12)."""
+    part and combine of a region in any phase (the rewriter marks them for Grappler to keep) but those that
+    only relabel a layout (``LAYOUT_OP_TYPES``), so that a tensor read again after its batch norm's sums are
+    combined comes back part by part, each just before its reader, forward passes included (docs/design.md 12)."""
     heavy = (g.op_phase == BACKWARD) & np.isin(g.op_type, list(TRIGGER_OP_TYPES))
-    return np.flatnonzero(heavy | split_step_ops(g))
+    parts = split_step_ops(g) & ~np.isin(g.op_type, list(LAYOUT_OP_TYPES))
+    return np.flatnonzero(heavy | parts)
 
 
 def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:

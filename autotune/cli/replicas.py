@@ -43,7 +43,7 @@ def check_tf_config(environ=os.environ) -> None:
     except (ValueError, AttributeError, TypeError):
         raise InputError("TF_CONFIG is not a JSON object with a cluster: fix or unset it") from None
     if cluster.get("ps"):
-        raise InputError(f"TF_CONFIG names parameter servers: ParameterServerStrategy detected, "
+        raise InputError("TF_CONFIG names parameter servers: ParameterServerStrategy detected, "
                          "which the tool does not support; unset TF_CONFIG to tune this machine's step "
                          "(--replicas N for its N devices, docs/design.md 14)")
     if workers > 1:

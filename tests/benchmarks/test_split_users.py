@@ -11,7 +11,7 @@ import pytest
 
 import rewriter
 from benchmarks.zoo import ZooModel
-from simulator import SwapPlan, replay
+from simulator import SwapParams, SwapPlan, plan_swaps, replay
 from simulator.split import floor_after_splitting
 
 pytestmark = pytest.mark.tf
@@ -52,3 +52,20 @@ def test_a_users_model_splits_and_trains_as_keras(name):
     floating = [i for i, w in enumerate(reference.weights) if "float" in str(w.dtype)]
     split, keras_ = th.weights_of(model), th.weights_of(reference)
     assert th.max_relative_difference([split[i] for i in floating], [keras_[i] for i in floating]) <= TOLERANCE
+
+
+def test_a_split_steps_swap_ins_wait_for_triggers_grappler_keeps():
+    """The TimeDistributed model's backward transposes a part back from ``(frames, batch, ...)``; Grappler moves
+    such a transpose's control edges to its input, so a swap-in triggered there would start early. A split step's
+    triggers are parts that compute (``simulator.planning.LAYOUT_OP_TYPES`` never): every swap-in waits where
+    planned."""
+    entry = SMALL_USERS["video_classifier"]
+    found = floor_after_splitting(rewriter.capture(entry.build(), BATCH), PARTS)
+    plan = plan_swaps(found.split_graph, SwapParams(threshold=10, lb=2, ub=8, min_bytes=4, order="cto"),
+                      kept_reads=rewriter.detect().kept_reads)
+    model = entry.build()
+    step = rewriter.apply(model, plan.to_named(found.split_graph), batch_size=BATCH)
+    step(*entry.example_batch(model))
+    result = step.verification
+    assert plan.n_swaps > 20 and step.split
+    assert result.ok and not result.triggers_moved and not result.copies_early, result.triggers_moved[:3]

@@ -326,7 +326,8 @@ try:  # refused before it captures or runs anything, so the workers' collectives
 except ValueError as error:
     refusal = str(error)
 ops = trace_replicated_step(model, resolve_replicas(model), batch).traced.concrete.graph.get_operations()
-facts = {"tune_refusal": refusal, "training": graph.meta["training"], "meta": graph.meta["replicas"], "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+facts = {"tune_refusal": refusal, "training": graph.meta["training"], "meta": graph.meta["replicas"],
+         "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
          "collectives": [[op.type, op.get_attr("communication_hint").decode(), op.inputs[1].op.get_attr("value").int_val[0]]
                          for op in ops if op.type.startswith("Collective")]}
 for name, params in (("unswapped", SwapParams(threshold=10**6)), ("swapped", SwapParams(threshold=1, min_bytes=2**13))):
