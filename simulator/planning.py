@@ -32,9 +32,9 @@ TRIGGER_OP_TYPES = frozenset({
     "FusedBatchNormGradV3", "MaxPoolGrad", "MaxPool3DGrad", "AvgPoolGrad", "AvgPool3DGrad",
     "BiasAddGrad", "SoftmaxGrad", "Conv2DTranspose", "Conv3DTranspose",
 })
-# Ops that only relabel their input's layout: Grappler may bypass one (a transpose that undoes another) and move
-# its control edges to its input, even a split part it keeps, so a swap-in would start early
-# (tests/rewriter/edit/test_split_parts.py); never a split step's trigger
+# Ops that only relabel their input's layout: Grappler may bypass one and move its control edges to its input,
+# even a split part it keeps, so a swap-in would start early (the TimeDistributed model's backward transposes,
+# tests/benchmarks/test_split_users.py); never a split step's trigger
 LAYOUT_OP_TYPES = frozenset({"Transpose", "Reshape", "Squeeze", "ExpandDims", "Identity"})
 
 
