@@ -19,6 +19,7 @@ import numpy as np
 from autotune.inputs import format_bytes
 from autotune.run.stage_times import StageClock
 from autotune.run.tuning import MeasuredRun, TuneResult
+from autotune.run.verdict import PLAIN_FIT_PEAK_RUNS
 from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
 from simulator.replay import Replay
 
@@ -30,9 +31,6 @@ log = logging.getLogger(__name__)
 # what a measured run on the CPU testbed may cost this machine
 TESTBED_MAX_PEAK_BYTES = 3 * 2**30
 TESTBED_MAX_STEP_S = 4.0
-# model.fit's own step runs in TensorFlow's executor order, whose peak varies between runs (verdict.md): "fits with a
-# plain model.fit" stands on the highest of this many measured steps
-PLAIN_FIT_PEAK_RUNS = 3
 # the re-anchoring's passes start within this time (as the calibration's, ``calibrate(max_timing_s)``): a pass
 # of the demo's ResNet-50 (b16: the plan's step and two anchors) takes 7 s, and at load 3-4, 20 passes
 # without 6 agreeing within 5 % took the measured run to 338 s (benchmarks/results/cli_time_resnet50.md);

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.run.verdict import (DOES_NOT_FIT, FITS, FITS_WITHOUT_SWAPPING, NOT_CONFIRMED, PLAIN_FIT, SERIALIZED_STEP,
-                              TOLERANCE, PeakCorrection, actions_phrase, check_run, confirmed, next_correction,
-                              not_confirmed, predicted)
+from autotune.run.verdict import (DOES_NOT_FIT, FITS, FITS_WITHOUT_SWAPPING, NOT_CONFIRMED, PLAIN_FIT,
+                                  PLAIN_FIT_PEAK_RUNS, SERIALIZED_STEP, TOLERANCE, PeakCorrection, actions_phrase,
+                                  check_run, confirmed, next_correction, not_confirmed, predicted)
 
 from autotune.run.target import resolve_target
 
@@ -182,11 +182,11 @@ def test_plain_fit_stands_on_the_highest_of_its_measured_peaks(monkeypatch):
     import rewriter
     import tensorflow as tf
 
-    from autotune.run.plan_run import PLAIN_FIT_PEAK_RUNS, plain_fit_reading
+    from autotune.run.plan_run import plain_fit_reading
 
-    peaks = iter([5 * MiB, 9 * MiB, 7 * MiB])
+    peaks = iter([5 * MiB, 9 * MiB, 7 * MiB, 6 * MiB, 8 * MiB])
     monkeypatch.setattr(rewriter, "measure", lambda step, x, y, **_: SimpleNamespace(peak_bytes=next(peaks)))
-    assert PLAIN_FIT_PEAK_RUNS == 3 and plain_fit_reading(object(), (None, None)).peak_bytes == 9 * MiB
+    assert PLAIN_FIT_PEAK_RUNS == 5 and plain_fit_reading(object(), (None, None)).peak_bytes == 9 * MiB
 
     def exhausted(step, x, y, **_):
         raise tf.errors.ResourceExhaustedError(None, None, "out of memory")
