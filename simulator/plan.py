@@ -39,7 +39,7 @@ from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
 from simulator.recompute.actions import Recompute, check_recompute_structure, recomputed_tensors, with_recomputes
 from simulator.split.actions import SplitRegion, held_regions, read_split_records, split_records, with_plan_splits
-from simulator.state.host_update import HOST_UPDATE, HostState, read_host_state_records
+from simulator.state.host_update import HOST_UPDATE, HOST_WEIGHTS, HostState, read_host_state_records
 
 FORMAT_NAME = "swap-plan"
 FORMAT_VERSION = 4  # what this version writes; it reads every version in _READERS
@@ -546,8 +546,12 @@ def _read_v2(data: dict[str, Any]) -> NamedPlan:
 def _read_v3(data: dict[str, Any]) -> NamedPlan:
     """``swap-plan/3``: version 2, the split regions (``splits``, ``ops`` and ``parts`` each) and the optimizer
     state on the host (``host_state``, ``variable`` and ``mode`` each); left out: none."""
+    records = data.get("host_state", [])
+    if isinstance(records, list) and any(isinstance(r, dict) and r.get("mode") == HOST_WEIGHTS for r in records):
+        raise PlanError(f"the plan's host_state names mode '{HOST_WEIGHTS}', which needs format swap-plan/4 (this "
+                        "file says swap-plan/3)")
     return replace(_read_v2(data), splits=read_split_records(data.get("splits", []), PlanError),
-                   host_state=read_host_state_records(data.get("host_state", []), PlanError, (HOST_UPDATE,)))
+                   host_state=read_host_state_records(records, PlanError, (HOST_UPDATE,)))
 
 
 def _read_v4(data: dict[str, Any]) -> NamedPlan:

@@ -205,12 +205,12 @@ def test_optimizer_state_on_the_host_reads_back_and_older_versions_have_none():
 
 def test_weights_on_the_host_read_back_from_version_4_only():
     """Mode ``host-weights`` (swap-plan/4) is written and read back; a version-3 file naming it is refused
-    with the modes that version knows, and its ``host-update`` records still read."""
+    with the version it needs, and its ``host-update`` records still read."""
     named = NamedPlan(host_state=(HostState("dense/kernel", HOST_WEIGHTS), HostState("dense/bias")), batch_size=4)
     data = named.to_dict()
     assert data["format"] == "swap-plan/4" and data["host_state"][0]["mode"] == HOST_WEIGHTS
     assert NamedPlan.from_dict(data) == named
-    with pytest.raises(PlanError, match="host-update"):
+    with pytest.raises(PlanError, match="'host-weights', which needs format swap-plan/4"):
         NamedPlan.from_dict({**data, "format": "swap-plan/3"})
     older = {**data, "format": "swap-plan/3", "host_state": [data["host_state"][1]]}
     assert NamedPlan.from_dict(older).host_state == (HostState("dense/bias"),)
