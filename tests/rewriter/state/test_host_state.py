@@ -46,6 +46,11 @@ def _model(kind: str, optimizer: str) -> keras.Model:
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
         model.compile(optimizer=_optimizer(optimizer), loss="mse", jit_compile=False)
         return model
+    if kind == "gru":  # a recurrent layer: its forward and backward run in While loops
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6, 4)), keras.layers.GRU(8), keras.layers.Dense(4)])
+        model.compile(optimizer=_optimizer(optimizer), loss="mse", jit_compile=False)
+        return model
     if kind == "cnn":
         return build_model("small_cnn", image_size=8, seed=0, optimizer=_optimizer(optimizer))
     return build_model("transformer_encoder", seq_len=8, vocab=32, d_model=16, heads=2, ff=32, layers=1, seed=0,
@@ -169,6 +174,11 @@ def test_an_unknown_optimizer_is_refused_with_the_reason():
     accumulating = _model("dense", "sgd")
     accumulating.compile(optimizer=_optimizer("adam", gradient_accumulation_steps=2), loss="mse")
     assert "gradient_accumulation_steps" in optimizer_refusal(accumulating)
+    scaled = _model("dense", "sgd")  # mixed precision's optimizer: its update is Keras' loss-scaling wrapper's
+    scaled.compile(optimizer=keras.optimizers.LossScaleOptimizer(_optimizer("adam")), loss="mse")
+    assert "LossScaleOptimizer" in optimizer_refusal(scaled)
+    with pytest.raises(PlanError, match="LossScaleOptimizer is not one whose slots"):
+        rewriter.apply(scaled, _host_plan(scaled), batch_size=BATCH, verify=False)
 
 
 def test_a_plan_naming_another_models_variable_is_refused():

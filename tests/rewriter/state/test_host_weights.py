@@ -1,8 +1,8 @@
 """Weights on the host between uses (a plan's ``host_state`` records of mode ``host-weights``,
 ``rewriter.step.host_state.copy_weights_in``, ``simulator.state.with_host_state``): each weight lives on the
 host beside its slots and is updated there; the device reads it through copies in. 3 steps train bitwise like
-Keras on a Dense model and a transformer block, also with a plan that swaps a weight's copy in between its
-forward and backward readers; the measured peak is the predicted one; the search moves weights where the slots
+Keras on a Dense model, a transformer block and a GRU (its passes run in While loops), also with a plan that
+swaps a weight's copy in between its forward and backward readers; the measured peak is the predicted one; the search moves weights where the slots
 alone do not fit (a model saved while training so loads in plain Keras: test_host_state)."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _swapped_read(graph, records) -> tuple:
 
 @pytest.mark.parametrize("kind, optimizer, swapped", [
     ("dense", "adamw", False), pytest.param("transformer", "adam", False, marks=pytest.mark.long),
-    ("dense", "adam", True), ("transformer", "adamw", True)])
+    ("dense", "adam", True), ("transformer", "adamw", True), ("gru", "adam", False)])
 def test_three_steps_bitwise_with_the_weights_on_the_host(kind, optimizer, swapped):
     """Weights, slots and losses after 3 steps with every weight and its slots on the host; the weights live on
     the host, the device reads them through ``weight_in`` copies. Unswapped, not chained: bitwise equal to Keras'
