@@ -221,13 +221,14 @@ class TuneResult:
         host_budget = self.target.machine_host_budget_bytes or self.target.host_budget_bytes
         hosts = [d["measured_host_bytes"] for d in devices if "measured_host_bytes" in d]
         predicted_host = None if shown is None else len(devices) * int(shown.metrics["host_peak_bytes"])
+        measured_host = sum(hosts) if len(hosts) == len(devices) else None
+        machine_host = predicted_host if measured_host is None else measured_host
         return {"devices": devices, "replicas": len(devices), "global_batch_size": meta["global_batch_size"],
                 "per_replica_batch_size": meta["per_replica_batch_size"], "all_reduce_bytes": meta["all_reduce_bytes"],
                 "all_reduce_ops": meta["all_reduce_ops"],
                 "machine": {"host_budget_bytes": host_budget, "predicted_host_bytes": predicted_host,
-                            "measured_host_bytes": sum(hosts) if len(hosts) == len(devices) else None,
-                            "within_budget": None if (len(hosts) != len(devices) and predicted_host is None) else
-                            (sum(hosts) if len(hosts) == len(devices) else predicted_host) <= host_budget}}
+                            "measured_host_bytes": measured_host,
+                            "within_budget": None if machine_host is None else machine_host <= host_budget}}
 
     def summary(self) -> dict[str, Any]:
         shown = self.shown
