@@ -29,7 +29,8 @@ from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, DeviceModel, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
 from simulator.split import SplitFloor
-from simulator.state import HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, movable_weights, with_host_state
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, movable_weights, moved_kinds,
+                             with_host_state)
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
 OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
@@ -144,12 +145,17 @@ def ways_down(g: OpGraph, floor: Floor, budget_bytes: int, rewrite_floors: dict[
     return ways
 
 
-def state_floor_bytes(graph: OpGraph, device_model: DeviceModel) -> int:
-    """The floor with the optimizer slots of every variable that can move on the host (``simulator.state``),
-    and the weights with them where the capture recorded their reads (mode ``host-weights``)."""
+def every_movable(graph: OpGraph) -> tuple[HostState, ...]:
+    """The optimizer slots of every variable that can move to the host (``simulator.state``), and the weights with
+    them where the capture recorded their reads (mode ``host-weights``)."""
     weights = movable_weights(graph)
-    movable = tuple(HostState(path, HOST_WEIGHTS if path in weights else HOST_UPDATE) for path in movable_state(graph))
-    return peak_lower_bound_bytes(with_host_state(graph, movable, copies_in=not device_model.host_buffers_shared))
+    return tuple(HostState(path, HOST_WEIGHTS if path in weights else HOST_UPDATE) for path in movable_state(graph))
+
+
+def state_floor_bytes(graph: OpGraph, device_model: DeviceModel) -> int:
+    """The floor with ``every_movable`` state on the host."""
+    return peak_lower_bound_bytes(with_host_state(graph, every_movable(graph),
+                                                  copies_in=not device_model.host_buffers_shared))
 
 
 def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recompute: bool = True,
@@ -174,8 +180,7 @@ def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recomput
         rewrite: peak_lower_bound_bytes(recaptured([rewrite])) for rewrite in rewrites_touching(graph, op)}
     ways = ways_down(graph, floor, budget, rewrite_floors, target.replicas)
     if movable and moved_floor <= budget:
-        kinds = "weights and optimizer slots" if movable_weights(graph) else "optimizer slots"
-        ways.insert(0, f"the {kinds} on the host (without --no-state) lower the floor to "
+        ways.insert(0, f"the {moved_kinds(every_movable(graph))} on the host (without --no-state) lower the floor to "
                        f"{format_bytes(moved_floor)}, within the budget")
     if split is not None:
         reach = f"splitting the ops that set the floor along the batch in {split.parts} parts"
