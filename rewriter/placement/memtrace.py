@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import pandas as pd
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
@@ -70,8 +71,22 @@ def parse_xspace(path: str) -> pd.DataFrame:
     return memory_events(read_xspace(path))
 
 
+CALL_EVENT = "memtrace_call"  # the profiler event ``profile_call`` wraps each call in
+
+
+def call_starts_ps(space) -> list[int]:
+    """Start times of the calls ``profile_call`` ran (its ``CALL_EVENT`` events), in order."""
+    starts = []
+    for plane in space.planes:
+        ids = {mid for mid, m in plane.event_metadata.items() if m.name == CALL_EVENT}
+        for line in plane.lines:
+            starts.extend(line.timestamp_ns * 1000 + ev.offset_ps for ev in line.events if ev.metadata_id in ids)
+    return sorted(starts)
+
+
 def memory_events(space) -> pd.DataFrame:
-    """Memory events of an ``XSpace`` as a time-ordered DataFrame (columns ``COLUMNS``)."""
+    """Memory events of an ``XSpace`` as a time-ordered DataFrame (columns ``COLUMNS``, and ``call``: the
+    index of the ``profile_call`` call running when the event happened, 0 where the trace marks none)."""
     rows = []
     for plane in space.planes:
         kinds = {mid: _EVENT_KIND[m.name] for mid, m in plane.event_metadata.items()
@@ -98,6 +113,9 @@ def memory_events(space) -> pd.DataFrame:
     for col in ("tf_op", "region_type", "shape", "allocator_name", "thread"):
         df[col] = df[col].fillna("").astype(str)
     df["data_type"] = df["data_type"].map(_dtype_name)
+    starts = call_starts_ps(space)
+    df["call"] = (np.searchsorted(np.asarray(starts, np.int64), df["time_ps"].to_numpy(np.int64), side="right") - 1
+                  ).clip(min=0) if starts else 0
     # Allocator events are emitted under the allocator's lock, so timestamps order them;
     # the stable sort keeps per-thread order for (rare) equal timestamps.
     return df.sort_values("time_ps", kind="stable").reset_index(drop=True)
@@ -122,7 +140,8 @@ def profile_call(fn: Callable[..., Any], *args: Any, calls: int = 1, logdir: str
         results = []
         try:
             for _ in range(calls):
-                results.append(fn(*args))
+                with tf.profiler.experimental.Trace(CALL_EVENT):
+                    results.append(fn(*args))
         finally:
             tf.profiler.experimental.stop()
         del results
@@ -136,10 +155,11 @@ def profile_call(fn: Callable[..., Any], *args: Any, calls: int = 1, logdir: str
             shutil.rmtree(logdir, ignore_errors=True)
 
 
-def record_memory_events(fn: Callable[..., Any], *args: Any,
+def record_memory_events(fn: Callable[..., Any], *args: Any, calls: int = 1,
                          logdir: str | None = None) -> pd.DataFrame:
-    """Run ``fn(*args)`` once under the profiler and return its allocator events (see ``profile_call``)."""
-    return memory_events(profile_call(fn, *args, logdir=logdir))
+    """Run ``fn(*args)`` ``calls`` times under the profiler and return its allocator events (see
+    ``profile_call``; column ``call`` tells the calls apart)."""
+    return memory_events(profile_call(fn, *args, calls=calls, logdir=logdir))
 
 
 CONSTANT_FOLDED = "__cf__"  # in the names of the constants TensorFlow's runtime constant folding makes
@@ -249,7 +269,7 @@ class MemoryPeak:
 
 def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
                      resident_bytes: int = 0, resident_unit: str = "chunks", untracked_frees: str = "subtract",
-                     allocator: str | None = None) -> MemoryPeak:
+                     allocator: str | None = None, previous: pd.DataFrame | None = None) -> MemoryPeak:
     """Replay ``events`` in time order, leaving out host-op allocations and their frees.
 
     A free of an address not allocated inside the trace releases memory that existed
@@ -264,7 +284,11 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
     buffer only removes an over-count. ``"ignore"`` (the naive rule) never subtracts
     and over-estimates the peak by the pre-existing memory freed before it (20-37 MiB,
     2-4 % on ResNet-50 batch 8). ``allocator`` restricts the replay to one allocator
-    (useful on a real GPU; on the CPU testbed both devices share one).
+    (useful on a real GPU; on the CPU testbed both devices share one). ``previous``: the events of the call
+    before, of the same step: the buffers its host ops kept past it (a weight on the host replaced by its
+    update's copy-on-write) are the host's, so their frees here leave the accelerator's resident part alone;
+    freed before the peak they would otherwise lower it by a whole weight (the MLP's 4 MiB kernels,
+    tests/rewriter/state/test_host_weights.py).
     """
     if untracked_frees not in ("subtract", "ignore"):
         raise ValueError(f"untracked_frees must be 'subtract' or 'ignore', not {untracked_frees!r}")
@@ -272,6 +296,7 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
         raise ValueError(f"resident_unit must be 'chunks' or 'requested', not {resident_unit!r}")
     if allocator is not None:
         events = events[events["allocator_name"] == allocator]
+    hosts_kept = _kept_host_addresses(previous, is_host_op) if previous is not None else set()
     live: dict[int, tuple[int, int, bool]] = {}  # addr -> (requested, allocated, host)
     base = resident_bytes  # resident bytes not yet freed inside the trace, in resident_unit
     req = alloc = host = untracked = 0
@@ -298,6 +323,8 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
             old = live.pop(addr, None)
             if old is not None:
                 req, alloc, host = _sub(req, alloc, host, old)
+            elif addr in hosts_kept:
+                hosts_kept.discard(addr)
             else:
                 untracked += a
                 if untracked_frees == "subtract":
@@ -305,6 +332,17 @@ def accelerator_peak(events: pd.DataFrame, *, is_host_op: Callable[[str], bool],
     return MemoryPeak(peak_requested_bytes=peak_req, peak_allocated_bytes=peak_alloc,
                       host_peak_requested_bytes=peak_host, resident_bytes=resident_bytes,
                       untracked_free_bytes=untracked, peak_time_ps=peak_time, peak_op=peak_op)
+
+
+def _kept_host_addresses(events: pd.DataFrame, is_host_op: Callable[[str], bool]) -> set[int]:
+    """Addresses of the allocations host ops made in ``events`` and did not free there."""
+    kept: dict[int, bool] = {}
+    for kind, addr, op in zip(events["kind"], events["addr"], events["tf_op"]):
+        if kind == "alloc":
+            kept[addr] = bool(is_host_op(op))
+        else:
+            kept.pop(addr, None)
+    return {addr for addr, on_host in kept.items() if on_host}
 
 
 def _sub(req: int, alloc: int, host: int, entry: tuple[int, int, bool]) -> tuple[int, int, int]:

@@ -209,10 +209,14 @@ class CpuTestbedPlacement(Placement):
             peak = memtrace.measure_call_peak(fn, *args, is_host_op=is_host_op, device="CPU:0")
         else:
             # the CPU allocator also holds what other functions of the process left behind (the
-            # constants TF materialised while optimising them): count only the step's own state
-            events = memtrace.record_memory_events(fn, *args)
-            peak = memtrace.accelerator_peak(events, is_host_op=is_host_op, resident_bytes=resident_bytes,
-                                             resident_unit="requested")
+            # constants TF materialised while optimising them): count only the step's own state. With
+            # state on the host, the call before is traced too: the host buffers it kept are freed in this one
+            host_state = bool(host_ops) and not self.single_device
+            events = memtrace.record_memory_events(fn, *args, calls=2 if host_state else 1)
+            measured = events[events["call"] == events["call"].max()]
+            peak = memtrace.accelerator_peak(measured, is_host_op=is_host_op, resident_bytes=resident_bytes,
+                                             resident_unit="requested",
+                                             previous=events[events["call"] < events["call"].max()] if host_state else None)
         return PeakReading(peak_bytes=int(peak.peak_requested_bytes), allocator_peak_bytes=int(peak.peak_allocated_bytes),
                            host_peak_bytes=int(peak.host_peak_requested_bytes), resident_bytes=int(peak.resident_bytes))
 

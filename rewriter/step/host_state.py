@@ -20,7 +20,8 @@ from typing import Iterable, Sequence
 
 import tensorflow as tf
 
-from rewriter.placement.placements import SWAP_OUT_PREFIX, Placement
+from rewriter.edit.graph_edit import HOST_SWAP_IN_SUFFIX
+from rewriter.placement.placements import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
 from rewriter.trace.optimizer_state import (host_update_ops, slot_access_ops, slots_by_variable, state_refusal,
                                             variable_handles)
 from rewriter.trace.tracing import forget_traces
@@ -148,7 +149,42 @@ def place_on_host(graph_def, names: Iterable[str], device: str, *, on_host: Iter
                 added.attr["T"].type = info[0].as_datatype_enum
                 added.attr["_grappler_do_not_remove"].b = True
             node.input[k] = copies[name]
+    _copies_out_where_read(edited, set(copies.values()))
     return edited
+
+
+def _copies_out_where_read(graph_def, copies: set[str]) -> None:
+    """Make each copy out in ``copies`` wait for what its readers on the host wait for (their control inputs that
+    do not come after the copy) and for the swap-ins those start: it runs where the replay frees the tensor, when
+    the host reads it (``simulator.state.with_host_state``), after the copies in started by the same op, instead
+    of wherever the executor queues it. Left to the executor, the MLP's gradient copy ran before or after a swap-in
+    started beside it, and the measured peak was the prediction or a whole kernel below it, from call to call
+    (tests/rewriter/state/test_host_weights.py)."""
+    nodes = {node.name: node for node in graph_def.node}
+    readers: dict[str, set[str]] = {}
+    for node in graph_def.node:
+        for name in node.input:
+            readers.setdefault(name.lstrip("^").split(":")[0], set()).add(node.name)
+    swap_ins_after: dict[str, list[str]] = {}  # a swap-in's start -> the swap-ins (their copies in) it starts
+    for node in graph_def.node:
+        if node.name.startswith(SWAP_IN_PREFIX) and node.name.endswith(HOST_SWAP_IN_SUFFIX):
+            copy_in = node.name[:-len(HOST_SWAP_IN_SUFFIX)]
+            for name in node.input:
+                if name.startswith("^") and copy_in in nodes:
+                    swap_ins_after.setdefault(name[1:], []).append(copy_in)
+    for copy in sorted(copies):
+        later, frontier = {copy}, [copy]
+        while frontier:  # what depends on the copy: never waited for (a cycle)
+            for reader in readers.get(frontier.pop(), ()):
+                if reader not in later:
+                    later.add(reader)
+                    frontier.append(reader)
+        starts = [name[1:] for reader in sorted(readers.get(copy, ())) for name in nodes[reader].input
+                  if name.startswith("^") and name[1:] not in later]
+        waits = starts + [copy_in for start in starts for copy_in in swap_ins_after.get(start, ())
+                          if copy_in not in later]
+        node = nodes[copy]
+        node.input.extend(f"^{name}" for name in dict.fromkeys(waits) if f"^{name}" not in node.input)
 
 
 def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], placement: Placement,
@@ -213,3 +249,4 @@ def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placem
                 added.attr["_grappler_do_not_remove"].b = True
             node.input[k] = copies[name]
     return edited
+

@@ -44,3 +44,17 @@ def test_resident_part_is_counted_in_its_own_unit(unit, resident, requested, all
 def test_unknown_unit_is_refused():
     with pytest.raises(ValueError, match="resident_unit"):
         accelerator_peak(TRACE, is_host_op=is_host, resident_unit="pages")
+
+
+def test_a_host_buffer_the_call_before_kept_leaves_the_resident_part_alone():
+    """A weight on the host replaced by its update's copy-on-write each call: the call before kept the new buffer
+    (address 7, a host op's), this call frees it before its own peak. Only the host's: the resident part stays;
+    read without the call before, the free of an untracked address lowers it by the whole buffer."""
+    previous = _trace(("alloc", 7, 4000, 4096, "adam_w/assign_sub"), ("alloc", 8, 50, 256, "conv"),
+                      ("free", 8, 50, 256, "conv"))
+    call = _trace(("free", 7, 4000, 4096, ""), ("alloc", 9, 1000, 1024, "conv"), ("free", 9, 1000, 1024, "conv"))
+    host = {"adam_w/assign_sub"}.__contains__
+    kept = accelerator_peak(call, is_host_op=host, resident_bytes=5000, resident_unit="requested", previous=previous)
+    assert kept.peak_requested_bytes == 6000 and kept.untracked_free_bytes == 0
+    alone = accelerator_peak(call, is_host_op=host, resident_bytes=5000, resident_unit="requested")
+    assert alone.peak_requested_bytes == 5000 and alone.untracked_free_bytes == 4096
