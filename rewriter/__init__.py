@@ -46,6 +46,7 @@ _HOMES = {
     "replicated_gpu_graph_def": "rewriter.step", "replica_placement_problems": "rewriter.step",
     "CalibrationError": "rewriter.timing", "Measurement": "rewriter.timing", "calibrate": "rewriter.timing",
     "measure": "rewriter.timing", "measure_replicas": "rewriter.timing",
+    "time_replicas": "rewriter.timing",
     "capture": "rewriter.trace", "capture_step": "rewriter.trace", "trace_function_step": "rewriter.trace",
     "trace_keras_step": "rewriter.trace", "StepInputs": "rewriter.trace", "capture_replicated": "rewriter.trace",
     "PlanError": "simulator.plan", "load_plan": "simulator.plan",  # the plan's one reader and error

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from autotune.inputs import format_bytes
 from autotune.run.stage_times import StageClock
@@ -257,7 +254,7 @@ class ReplicatedRuns:
                                              graph=planned.plan_graph, batch_size=batch, inputs=self.inputs,
                                              verify_with=(x, y))
         peaks = rewriter.measure_replicas(step, x, y)
-        step_s = _timed_step_s(step, x, y, self.timed_steps)
+        step_s = rewriter.time_replicas(step, x, y, self.timed_steps)
         plain = None
         if not result.has_actions:  # "fits without swapping" must hold for the step model.fit runs, TF's op order
             with clock.stage("apply"):
@@ -283,23 +280,6 @@ class ReplicatedRuns:
             verification_problems=[f"replica {k}: {problem}" for k, c in enumerate(checks) for problem in c.problems()],
             time_model=planned.device.name, time_calibrated=isinstance(planned.device, CalibratedDevice),
             plain_peak_bytes=plain, replicas=replicas)
-
-
-def _timed_step_s(step, x, y, repeats: int) -> float:
-    """The median wall time of ``repeats`` calls of the replicated ``step`` after one untimed; its variables put
-    back."""
-    flat = step.flat_inputs(step.split(x, y))
-    snapshot = step.snapshot()
-    times = []
-    try:
-        for k in range(repeats + 1):
-            started = time.perf_counter()
-            _, loss = step.run_flat(*flat)
-            np.asarray(loss)  # waits for the step
-            times.append(time.perf_counter() - started)
-    finally:
-        snapshot.restore()
-    return float(np.median(times[1:]))
 
 
 def measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun | None = None, *,

@@ -13,6 +13,7 @@ while the all-reduce runs, beside the pack alone (the gradients, as large, were 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,22 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
                                  int(peak.host_peak_requested_bytes), resident[k],
                                  int(unowned["requested_bytes"].sum())))
     return tuple(peaks)
+
+
+def time_replicas(step, x, y, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of the replicated ``step`` on the global batch ``(x, y)`` after
+    one untimed; every variable is put back."""
+    flat = step.flat_inputs(step.split(x, y))
+    snapshot = step.snapshot()
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            np.asarray(step.run_flat(*flat)[1])  # the loss: waits for the step
+            times.append(time.perf_counter() - started)
+    finally:
+        snapshot.restore()
+    return float(np.median(times[1:]))
 
 
 def gpu_replica_peaks(events, placements, *, resident_bytes, allocator_peak_bytes) -> tuple[ReplicaPeak, ...]:
