@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import tensorflow as tf
 
 from rewriter.edit.graph_edit import HOST_SWAP_IN_SUFFIX
+from rewriter.edit.graph_refs import Ancestry
 from rewriter.placement.placements import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
 from rewriter.trace.optimizer_state import (host_update_ops, slot_access_ops, slots_by_variable, state_refusal,
                                             variable_handles)
@@ -172,17 +173,16 @@ def _copies_out_where_read(graph_def, copies: set[str]) -> None:
             for name in node.input:
                 if name.startswith("^") and copy_in in nodes:
                     swap_ins_after.setdefault(name[1:], []).append(copy_in)
+    ancestry = Ancestry(graph_def)
+
+    def after(name: str, copy: str) -> bool:  # what runs after the copy is never waited for (a cycle)
+        return name == copy or ancestry.depends(name, copy)
+
     for copy in sorted(copies):
-        later, frontier = {copy}, [copy]
-        while frontier:  # what depends on the copy: never waited for (a cycle)
-            for reader in readers.get(frontier.pop(), ()):
-                if reader not in later:
-                    later.add(reader)
-                    frontier.append(reader)
         starts = [name[1:] for reader in sorted(readers.get(copy, ())) for name in nodes[reader].input
-                  if name.startswith("^") and name[1:] not in later]
+                  if name.startswith("^") and not after(name[1:], copy)]
         waits = starts + [copy_in for start in starts for copy_in in swap_ins_after.get(start, ())
-                          if copy_in not in later]
+                          if not after(copy_in, copy)]
         node = nodes[copy]
         node.input.extend(f"^{name}" for name in dict.fromkeys(waits) if f"^{name}" not in node.input)
 
