@@ -42,7 +42,8 @@ from simulator.graph import PHASE_NAMES, GraphError, OpGraph
 from simulator.kernels.records import PlanArrays, ReplayGraphRecord, StepRecord, Transfers
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
-from simulator.state.host_update import WEIGHT_READS, host_transfers, host_update_seconds, with_host_state
+from simulator.state.host_update import (WEIGHT_READS, host_copy_seconds, host_cpu_seconds, host_transfers,
+                                         host_update_ops, with_host_state)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +88,7 @@ class Replay:
     wait_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     wait_moment_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     host_peak_s: float = 0.0  # when the host holds host_peak_bytes
+    host_update_s: float = 0.0  # of step_s, the host's CPU updating the state the plan moved there
     # compute time that runs while copies do (summed over copies): what copies sharing the compute's
     # cores slow down (DeviceModel.copy_contention seconds per second of it; stalls cost nothing more)
     copy_overlap_s: float = 0.0
@@ -164,11 +166,19 @@ for _name, _compute in ON_DEMAND_FIELDS.items():
 
 def op_seconds(g: OpGraph, device: DeviceModel) -> np.ndarray:
     """Per-op compute time on ``device``, indexed like g's ops: measured on a ``CalibratedDevice`` (which
-    refuses another model's graph), else the roofline of FLOPs and bytes touched."""
-    if isinstance(device, CalibratedDevice):
-        return g.cached(("op_seconds", device), device.graph_op_seconds, structural=False)
-    return g.cached(("op_seconds", device), lambda graph: np.asarray(
-        device.op_seconds(graph.op_flops, graph.op_touched_bytes), dtype=np.float64), structural=False)
+    refuses another model's graph), else the roofline of FLOPs and bytes touched. The ops of an update moved to
+    a host that has its own rate (``DeviceModel.host_update_bytes_per_s``) take none: the host's CPU runs
+    them (``simulator.state.host_update.host_cpu_seconds``)."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        if isinstance(device, CalibratedDevice):
+            seconds = np.array(device.graph_op_seconds(graph), dtype=np.float64)
+        else:
+            seconds = np.asarray(device.op_seconds(graph.op_flops, graph.op_touched_bytes), dtype=np.float64)
+        if device.host_update_bytes_per_s > 0:
+            seconds[host_update_ops(graph)] = 0.0
+        return seconds
+
+    return g.cached(("op_seconds", device), compute, structural=False)
 
 
 def _slot_times(g: OpGraph, device: DeviceModel) -> tuple[np.ndarray, np.ndarray]:
@@ -290,7 +300,9 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         moved = with_host_state(g, plan.host_state, copies_in=not device.host_buffers_shared)
         result = replay(moved, dataclasses.replace(plan, host_state=()), device)
         out_bytes, in_bytes = host_transfers(moved, plan.host_state)
-        object.__setattr__(result, "step_s", result.step_s + host_update_seconds(moved, plan.host_state, device))
+        cpu_s = host_cpu_seconds(moved, plan.host_state, device)
+        object.__setattr__(result, "step_s", result.step_s + host_copy_seconds(moved, plan.host_state, device) + cpu_s)
+        object.__setattr__(result, "host_update_s", cpu_s)
         object.__setattr__(result, "stall_s", max(0.0, result.step_s - result.compute_s))
         on_host = np.isin(plan.tensor, np.asarray(moved.meta.get(WEIGHT_READS, ()), np.int64))
         object.__setattr__(result, "d2h_bytes", int(result.d2h_bytes + out_bytes.sum()
@@ -337,7 +349,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
         swapped_root_free_slot=out.root_free_slot, swap_in_alloc_slot=out.in_alloc_slot,
         swap_in_free_slot=out.in_free_slot, in_place_outputs=out.in_place_out, swapped_root_copy_end_s=out.copy_end,
         swap_in_alloc_s=out.in_ready, wait_slots=out.wait_slots, wait_moment_s=out.wait_moment,
-        host_peak_s=out.host_peak_s)
+        host_peak_s=out.host_peak_s, host_update_s=0.0)
 
 
 def _waited_copies_out(plan: SwapPlan, device: DeviceModel) -> np.ndarray:

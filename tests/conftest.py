@@ -24,6 +24,7 @@ def unit_device(bandwidth_bytes_per_s: float = 100.0, latency_s: float = 0.0):
         get_device("v100-16gb"), name="unit", peak_flops=1.0, compute_efficiency=1.0,
         mem_bandwidth_bytes_per_s=1e30, bandwidth_efficiency=1.0, op_overhead_s=0.0,
         h2d_bytes_per_s=bandwidth_bytes_per_s, d2h_bytes_per_s=bandwidth_bytes_per_s, transfer_latency_s=latency_s,
+        host_update_bytes_per_s=0.0, host_update_variable_s=0.0,  # a moved update keeps its ops' FLOP counts
     )
 
 

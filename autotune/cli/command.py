@@ -380,7 +380,9 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"{len(recomputed)} recomputed ({format_bytes(sum(row['bytes'] for row in recomputed))}), "
                      f"{result.plan.order_name} order"
                      + (f", {moved_kinds(result.plan.host_state)} of {len(result.plan.host_state)} variable(s) on the host"
-                        if result.plan.host_state else ""))
+                        if result.plan.host_state else "")
+                     + (f" (their update: {result.replay.host_update_s:.3g} s of the step on the host's CPU)"
+                        if result.replay is not None and result.replay.host_update_s else ""))
         p = shown.params
     if result.applies_plan and (result.plan.changes_step or result.recomputes) and p is not None:
         cost = param_text("recompute_cost", p.to_dict().get("recompute_cost"))  # a unit, not 1.13e-11

@@ -23,6 +23,7 @@ from autotune.run.calibration_cache import MachineKey, calibration_key
 from autotune.run.plan_run import testbed_batch_for
 from autotune.run.target import Target, resolve_device
 from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, replay
+from simulator.state import movable_state
 
 if TYPE_CHECKING:  # TensorFlow only when a model is calibrated
     from rewriter.trace.step_inputs import StepInputs
@@ -95,12 +96,30 @@ def calibrate_for(model, graph: OpGraph, batch_size: int, inputs: StepInputs, *,
         except CalibrationError as error:
             raise InputError(f"cannot calibrate step times: {error} (--no-calibrate uses the preset's "
                              "estimates)") from None
+        calibrated = with_host_update(model, graph, calibrated, placement, say)
         calibration_cache.store(key, calibrated, machine)
     say(calibrated.describe())
     note = extrapolation_note(batches, batch_size)
     if note:
         say(note)
     return calibrated
+
+
+def with_host_update(model, graph: OpGraph, calibrated: CalibratedDevice, placement,
+                     say: Callable[[str], None]) -> CalibratedDevice:
+    """Beside a GPU, ``calibrated`` with the host's CPU timed at the model's own optimizer update
+    (``rewriter.timing.host_update_rate``): a plan that moves optimizer state runs it there. On the testbed the
+    update is timed as part of the step."""
+    from rewriter.timing.host_update_rate import HostUpdateError, measure_host_update
+
+    if placement.measured_on != "gpu" or not movable_state(graph):
+        return calibrated
+    try:
+        rate = measure_host_update(model.optimizer, host=placement.host)
+    except HostUpdateError as error:
+        say(f"the host's update rate is the {calibrated.preset} preset's: {error}")
+        return calibrated
+    return calibrated.with_host_update(rate.bytes_per_s, rate.per_variable_s, rate.describe())
 
 
 def search_target(target: Target, calibration: CalibratedDevice | None) -> Target:

@@ -273,6 +273,8 @@ class TuneResult:
             # variables whose optimizer slots (and weights) the plan keeps on the host (simulator.state), and their bytes
             "host_state": [] if self.plan is None else [item.variable for item in self.plan.host_state],
             "host_state_bytes": 0 if self.plan is None else moved_bytes(self.graph, self.plan.host_state),
+            # of the predicted step, the host's CPU applying their update (0 where it runs in the step's ops: the testbed)
+            "predicted_host_update_s": None if self.replay is None else self.replay.host_update_s,
             "trials": len(self.evaluations),
             "max_batch_without_swap": self.max_batch_without_swap,
             "measured_on": None if m is None else m.measured_on,

@@ -34,7 +34,7 @@ from benchmarks.common import write_results
 from benchmarks.large_model.gpt import HEAD_SIZE, gpt, gpt_parameters
 from benchmarks.large_model.scaling import WidthFamily
 from benchmarks.models.graphs import _cached_capture
-from simulator import get_device, replay
+from simulator import DeviceModel, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, moved_bytes, with_host_state,
                              writes_after_reads)
@@ -114,13 +114,14 @@ def row(fam: Family, family: WidthFamily, batch: int, device, setting: str, widt
             "floor_GiB": round(peak_lower_bound_bytes(g) / GiB, 3), "floor_op": str(g.op_name[op]),
             "unswapped_peak_GiB": round(plain.peak_bytes / GiB, 3),
             "overhead": None if found is None else round(found.metrics["overhead"], 4),
+            # of the plan's step, the host's CPU applying the update moved there (simulator.state.host_cpu_seconds)
+            "host_update_s": None if found is None else round(problem.replay(found.params).host_update_s, 3),
             "unswapped_step_s": round(plain.step_s, 4)}
 
 
-def simulate(fam: Family, batch: int, device_name: str, trials: int) -> tuple[pd.DataFrame, dict]:
+def simulate(fam: Family, batch: int, device: DeviceModel, trials: int) -> tuple[pd.DataFrame, dict]:
     family = WidthFamily.of({w: fam.captured(w) for w in CAPTURED_WIDTHS})
     errors = family.check_held_out()
-    device = get_device(device_name)
     rows = []
     for setting in SETTINGS:
         width = largest_width(family, batch, device, setting, trials)
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-measured", action="store_true")
     args = parser.parse_args(argv)
     fam = Family(args.depth, args.vocab, args.seq_len)
-    table, errors = simulate(fam, args.batch, args.device, args.trials)
+    device = get_device(args.device)
+    table, errors = simulate(fam, args.batch, device, args.trials)
     count = dict(zip(table["setting"], table["parameters"]))
 
     def ratio(a: str, b: str) -> str:
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"command": "python -m benchmarks " + " ".join(["large-model", *(argv if argv is not None else sys.argv[2:])]),
                 "device": args.device, "depth": args.depth, "seq_len": args.seq_len, "batch": args.batch,
                 "vocab": args.vocab, "optimizer": "AdamW", "trials per width": args.trials,
+                "host update": f"{device.host_update_bytes_per_s / 1e9:.2f} GB/s of weights, gradients and slots, "
+                               f"{device.host_update_variable_s * 1e6:.0f} us per variable ({device.name}'s)",
                 "captured widths": CAPTURED_WIDTHS}
     if not args.no_measured:
         result = subprocess.run([sys.executable, "-m", "benchmarks.large_model.measured"], capture_output=True,

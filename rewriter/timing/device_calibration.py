@@ -523,7 +523,7 @@ def fit_copies(g: OpGraph, plans: dict[str, SwapPlan], measured_s: dict[str, flo
     rows = [(r.copy_overlap_s / measured_s[w], (plans[w].n_swaps + plans[w].n_swap_ins) / measured_s[w],
              1.0 - r.step_s / measured_s[w]) for w, r in replays.items()]
     design, target = np.array([row[:2] for row in rows]), np.array([row[2] for row in rows])
-    alpha, overhead = _nonnegative_least_squares(design, target)
+    alpha, overhead = nonnegative_least_squares(design, target)
     alpha = min(alpha, MAX_CONTENTION)
     parts = [f"{w} ({plans[w].n_swaps} swaps, {plans[w].n_swap_ins} swap-ins): measured {1e3 * measured_s[w]:.2f} ms, "
              f"replayed {1e3 * r.step_s:.2f} ms without contention and overhead ({1e3 * r.stall_s:.2f} ms stalls, "
@@ -533,7 +533,7 @@ def fit_copies(g: OpGraph, plans: dict[str, SwapPlan], measured_s: dict[str, flo
     return alpha, overhead, text
 
 
-def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> tuple[float, float]:
+def nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> tuple[float, float]:
     """min |design @ x - target| over x >= 0, two unknowns: the unconstrained solution if it is
     non-negative, else the better of the two one-unknown fits."""
     x, *_ = np.linalg.lstsq(design, target, rcond=None)

@@ -117,6 +117,13 @@ class CalibratedDevice(DeviceModel):
                                f"b{b} {t * 1e3:.2f} ms" for b, t in zip(self.batch_sizes, new)),))
         return replace(rescaled, name=f"{self.preset}-calibrated-{rescaled.calibration_id[:8]}")
 
+    def with_host_update(self, bytes_per_s: float, variable_s: float, note: str) -> "CalibratedDevice":
+        """The same calibration with the host's update rate measured on this machine beside its GPU
+        (``rewriter.timing.host_update_rate``), ``note`` saying how."""
+        rated = replace(self, host_update_bytes_per_s=float(bytes_per_s), host_update_variable_s=float(variable_s),
+                        notes=self.notes + (note,))
+        return replace(rated, name=f"{self.preset}-calibrated-{rated.calibration_id[:8]}")
+
     def for_graph(self, g, calibrated, why: str) -> "CalibratedDevice":
         """These op times serving ``g``, the same model's step traced another way (one replica's step under a
         ``tf.distribute`` strategy, whose loss scaling, gradient pack and optimizer ops are named apart from the

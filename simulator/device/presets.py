@@ -92,6 +92,12 @@ class DeviceModel:
     # share one memory: the send/receive passes the buffer on): the change a host update sends to a weight's
     # write then takes no device memory (simulator.state.with_host_state); a GPU copies it in
     host_buffers_shared: bool = False
+    # how fast the host's CPU applies an update the plan moved there (simulator.state.host_update.host_cpu_seconds):
+    # bytes of weight, gradient and optimizer slots per second, and a fixed cost per variable (its ops'
+    # dispatch). 0: the update's ops keep the op times the graph has (the CPU testbed, whose host shares the
+    # compute's cores: a calibration times the update as part of the step)
+    host_update_bytes_per_s: float = 0.0
+    host_update_variable_s: float = 0.0
 
     def __post_init__(self):
         positive = (
@@ -105,7 +111,8 @@ class DeviceModel:
             v = getattr(self, field)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{self.name}: {field} must be in (0, 1], got {v!r}")
-        for field in ("transfer_latency_s", "op_overhead_s", "copy_contention", "copy_overhead_s"):
+        for field in ("transfer_latency_s", "op_overhead_s", "copy_contention", "copy_overhead_s",
+                      "host_update_bytes_per_s", "host_update_variable_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{self.name}: {field} must be >= 0")
 
@@ -140,6 +147,13 @@ class DeviceModel:
         compute = np.asarray(flops, dtype=np.float64) / self.effective_flops
         memory = np.asarray(touched_bytes, dtype=np.float64) / self.effective_bandwidth
         return np.maximum(compute, memory) + self.op_overhead_s
+
+    def host_update_s(self, variables: int, state_bytes: float) -> float:
+        """Seconds the host's CPU takes to update ``variables`` variables holding ``state_bytes`` of weights,
+        gradients and slots (0 where the update keeps the graph's op times: ``host_update_bytes_per_s`` 0)."""
+        if not self.host_update_bytes_per_s > 0:
+            return 0.0
+        return variables * self.host_update_variable_s + state_bytes / self.host_update_bytes_per_s
 
     # ---------------------------------------------------------------- transfer
     def link_bytes_per_s(self, direction: str) -> float:
@@ -201,10 +215,18 @@ _LMS_PAPER = ("Le, Imai, Negishi, Kawachiya: 'TFLMS: Large Model Support in Tens
 #  - bandwidth_efficiency = 0.8: estimate anchored on a measurement -- a device memcopy on
 #    A100-40GB reaches 1355 of 1555 GB/s = 0.87 (https://github.com/PTsolvers/gpu-workshop-JuliaCon23/issues/7);
 #    TF elementwise kernels (strided, broadcast, fused epilogues) do somewhat worse.
+#  - host_update_bytes_per_s = 4.5e9, host_update_variable_s = 23e-6: measured, and a conservative stand-in for a
+#    GPU server's host -- Keras 3.15's AdamW update on 2 cores of the development VM (rewriter.timing.
+#    measure_host_update: 96 variables of 256 parameters and 2 of 16M, 4.49 GB/s of weights, gradients and
+#    slots and 22.8 us per variable; SGD with momentum 10.2 GB/s, Adam 5.2). A server's host has more cores
+#    and memory channels, so a preset's host update is an upper bound; beside a visible GPU the calibration
+#    measures the machine's own host with the model's own optimizer (autotune.run.calibrated_timing).
 _GPU_LATENCY_S = 10e-6
 _GPU_OP_OVERHEAD_S = 5e-6
 _GPU_COMPUTE_EFF = 0.6
 _GPU_BW_EFF = 0.8
+_HOST_UPDATE_BYTES_PER_S = 4.5 * GB
+_HOST_UPDATE_VARIABLE_S = 23e-6
 
 V100_16GB = DeviceModel(
     # Tesla V100 SXM2 16GB (the IBM LMS paper's GPU) on an x86 host with a PCIe 3.0 x16 host
@@ -223,6 +245,8 @@ V100_16GB = DeviceModel(
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate, anchored on a measured memcopy
+    host_update_bytes_per_s=_HOST_UPDATE_BYTES_PER_S,  # measured, conservative: see _HOST_UPDATE_BYTES_PER_S
+    host_update_variable_s=_HOST_UPDATE_VARIABLE_S,  # measured, see above
     source=f"{_V100_DS}; {_PCIE3_MEAS}; {_TF_RESERVE}; DGX-1 512 GB RAM (Wikipedia 'Nvidia DGX')",
 )
 
@@ -246,6 +270,8 @@ V100_16GB_NVLINK = DeviceModel(
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate
+    host_update_bytes_per_s=_HOST_UPDATE_BYTES_PER_S,  # measured, conservative: see _HOST_UPDATE_BYTES_PER_S
+    host_update_variable_s=_HOST_UPDATE_VARIABLE_S,  # measured, see above
     source=f"{_V100_DS}; {_NVLINK2_MEAS}; {_LMS_PAPER}; {_TF_RESERVE}",
 )
 
@@ -266,6 +292,8 @@ A100_40GB = DeviceModel(
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate
+    host_update_bytes_per_s=_HOST_UPDATE_BYTES_PER_S,  # measured, conservative: see _HOST_UPDATE_BYTES_PER_S
+    host_update_variable_s=_HOST_UPDATE_VARIABLE_S,  # measured, see above
     source=f"{_A100_DS}; {_PCIE4_MEAS}; {_TF_RESERVE}; DGX A100 1 TB RAM (Wikipedia 'Nvidia DGX')",
 )
 
@@ -285,6 +313,8 @@ A100_80GB = DeviceModel(
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate
+    host_update_bytes_per_s=_HOST_UPDATE_BYTES_PER_S,  # measured, conservative: see _HOST_UPDATE_BYTES_PER_S
+    host_update_variable_s=_HOST_UPDATE_VARIABLE_S,  # measured, see above
     source=f"{_A100_DS}; {_PCIE4_MEAS}; {_TF_RESERVE}; DGX A100 640GB: 2 TB RAM",
 )
 
@@ -310,6 +340,8 @@ H100_80GB = DeviceModel(
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate
+    host_update_bytes_per_s=_HOST_UPDATE_BYTES_PER_S,  # measured, conservative: see _HOST_UPDATE_BYTES_PER_S
+    host_update_variable_s=_HOST_UPDATE_VARIABLE_S,  # measured, see above
     source=f"{_H100_DS}; {_PCIE5_MEAS}; {_TF_RESERVE}; 8-GPU H100 nodes: 2 TB RAM (DGX H100; MLPerf v3.1 XE9680)",
 )
 
@@ -333,6 +365,8 @@ H200_141GB = DeviceModel(
     op_overhead_s=_GPU_OP_OVERHEAD_S,  # estimate
     compute_efficiency=_GPU_COMPUTE_EFF,  # estimate
     bandwidth_efficiency=_GPU_BW_EFF,  # estimate
+    host_update_bytes_per_s=_HOST_UPDATE_BYTES_PER_S,  # measured, conservative: see _HOST_UPDATE_BYTES_PER_S
+    host_update_variable_s=_HOST_UPDATE_VARIABLE_S,  # measured, see above
     source=f"{_H200_DS}; {_PCIE5_MEAS}; {_TF_RESERVE}; 8-GPU H200 node: 2 TB RAM (MLPerf v4.1 NVIDIA system)",
 )
 

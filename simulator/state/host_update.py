@@ -221,12 +221,11 @@ def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndar
     return base.tensor_bytes[out].astype(np.float64), base.tensor_bytes[back].astype(np.float64)
 
 
-def host_update_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
-    """What moving ``host_state`` adds to the step on ``device``, each copy in turn after the compute (none
-    overlapped: an upper bound where a link runs beside the compute): the gradients copied out and, where the
-    host hands over no buffer (``host_buffers_shared``), the changes copied in; the first copies in of the weights
-    on the host (``g`` moved: ``with_host_state``) everywhere. The update's own ops keep the op times the graph
-    has (a calibration times them as part of the step on the testbed)."""
+def host_copy_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
+    """What the copies of ``host_state``'s update add to the step on ``device``, each in turn after the compute
+    (none overlapped: an upper bound where a link runs beside the compute): the gradients copied out and, where
+    the host hands over no buffer (``host_buffers_shared``), the changes copied in; the first copies in of the
+    weights on the host (``g`` moved: ``with_host_state``) everywhere. The update itself: ``host_cpu_seconds``."""
     out_bytes, in_bytes = host_transfers(g, host_state)
     if device.host_buffers_shared:  # a weight's copy in is a copy all the same (the testbed's DeepCopy)
         in_bytes = g.tensor_bytes[np.asarray(g.meta.get(WEIGHT_READS, ()), np.int64)].astype(np.float64)
@@ -234,3 +233,31 @@ def host_update_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> 
     if len(in_bytes):
         seconds += float(np.sum(device.transfer_seconds(in_bytes, "h2d")))
     return seconds
+
+
+def host_cpu_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
+    """The host's CPU applying ``host_state``'s update at its rate (``DeviceModel.host_update_s``), after the
+    compute (an upper bound: it runs beside the device's), where the device has a rate; its ops then take no
+    device time (``host_update_ops``). Without one (the testbed) the update's ops keep the op times the graph
+    has (a calibration times them as part of the step), and this is 0."""
+    if not device.host_update_bytes_per_s > 0:
+        return 0.0
+    return device.host_update_s(len(host_state), updated_bytes(g, host_state))
+
+
+def updated_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
+    """Bytes the host's update of ``host_state`` reads and writes: each variable's weight, gradient and slots."""
+    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    if any("weight_bytes" not in found.get(item.variable, {}) for item in host_state):
+        raise GraphError("this graph was captured before captures recorded the bytes of each weight: capture it again")
+    return sum(2 * int(found[item.variable]["weight_bytes"]) + int(found[item.variable]["slot_bytes"])
+               for item in host_state)
+
+
+def host_update_ops(g: OpGraph) -> np.ndarray:
+    """Indices of the ops of ``g`` (a moved graph, or one made from it) that run on the host's CPU under the
+    optimizer state it moved (``with_host_state``); none in a graph that moved none."""
+    records = g.meta.get("host_state")
+    if not records:
+        return np.zeros(0, np.int64)
+    return host_ops(g, read_host_state_records(records))

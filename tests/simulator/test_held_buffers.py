@@ -1,6 +1,7 @@
 """A variable write while a read of the variable is still pending holds the old buffer beside the new
 one (``OpGraph.held_tensor``, ``simulator.sharing``), and the writes moved after their reads
-(``simulator.state.writes_after_reads``); hand-computed cases, and a moved step's derived graph."""
+(``simulator.state.writes_after_reads``); hand-computed cases, a moved step's derived graph, and the host's CPU
+timing the update a plan moved there."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from simulator import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, SwapPlan, replay
+from simulator import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, SwapPlan, get_device, replay
 from simulator.ordering import execution_order
-from simulator.replay import live_buffers
+from simulator.replay import live_buffers, op_seconds
 from simulator.state import HostState, with_host_state, writes_after_reads
 
 WEIGHT_BYTES = 1000
@@ -105,3 +106,37 @@ def test_a_graph_made_from_a_moved_step_is_not_moved_again(unit):
     assert replay(derived, plan, unit).persistent_bytes == WEIGHT_BYTES
     with pytest.raises(GraphError, match="other optimizer state"):
         with_host_state(derived, state, copies_in=not copies_in)
+
+
+# the host's CPU updating the state a plan moved there (docs/design.md 13): beside a GPU its time is the host's
+# rate, not the op times the graph has; on the testbed the update's ops keep theirs
+SLOT_BYTES = 2 * WEIGHT_BYTES
+
+
+def moved_step():
+    g = weight_decay_step(backward_first=True)
+    flops = np.array([[1.0, 0.0], [20.0, 0.0], [7.0, 0.0], [1.0, 0.0], [20.0, 0.0]])  # seconds on the unit device
+    variables = {"w": {"slot_bytes": SLOT_BYTES, "ops": ["decay"], "weight_bytes": WEIGHT_BYTES}}
+    return dataclasses.replace(g, op_flops_ab=flops, persistent_bytes_ab=np.array([3.0 * WEIGHT_BYTES, 0.0]),
+                               meta={"movable_state": {"refusal": None, "variables": variables}})
+
+
+def test_a_host_with_a_rate_runs_the_update_at_it_and_the_device_not_at_all(unit):
+    g, state = moved_step(), (HostState("w"),)
+    plan = dataclasses.replace(SwapPlan.empty(g), host_state=state)
+    rated = dataclasses.replace(unit, host_update_bytes_per_s=50.0, host_update_variable_s=3.0)
+    without, beside = replay(g, plan, unit), replay(g, plan, rated)
+    decay = g.op_index()["decay"]
+    moved = with_host_state(g, state, copies_in=True)
+    assert op_seconds(moved, unit)[decay] > 0 and op_seconds(moved, rated)[decay] == 0.0
+    assert op_seconds(g, rated)[decay] == op_seconds(g, unit)[decay]  # the step as captured keeps it
+    host_s = 3.0 + (2 * WEIGHT_BYTES + SLOT_BYTES) / 50.0  # one variable: weight, gradient, slots
+    assert beside.step_s == pytest.approx(without.step_s - op_seconds(g, unit)[decay] + host_s)
+    assert beside.peak_bytes == without.peak_bytes
+
+
+def test_the_gpu_presets_time_the_hosts_update_and_the_testbed_times_it_in_the_step():
+    for name in ("v100-16gb", "a100-80gb", "h100-80gb"):
+        device = get_device(name)
+        assert device.host_update_bytes_per_s > 0 and device.host_update_s(2, 1e9) > device.host_update_s(1, 1e9)
+    assert get_device("cpu-testbed").host_update_s(10, 1e9) == 0.0

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from autotune.cli.command import EXIT_NO_FIT, EXIT_OK, main
+from simulator import get_device
 from tests.cli_helpers import uncalibrated
 from tests.rewriter.state.test_state import dense_mlp
 
@@ -76,3 +77,20 @@ def test_under_the_floor_with_every_slot_moved_the_weights_move_too_and_are_conf
     assert plan["host_state"] and all(item["mode"] == "host-weights" for item in plan["host_state"])
     assert summary["measured_peak_bytes"] <= 12 * MiB
     assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.05
+
+
+def test_beside_a_gpu_the_hosts_update_is_part_of_the_predicted_step(model_dir, tmp_path, capsys):
+    """Simulated for v100-16gb: the plan's update runs on the host's CPU at the preset's rate (its ops take no
+    GPU time), and the summary says how much of the step that is."""
+    out = tmp_path / "out"
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "v100-16gb",
+                      "--trials", "20", "--out", out, "--quiet", "--no-measure")
+    assert code == EXIT_OK, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["host_state"]
+    device = get_device("v100-16gb")
+    variables = len(summary["host_state"])
+    # at least the slots and each weight with its gradient: more than the slots' bytes alone at the preset's rate
+    assert summary["predicted_host_update_s"] > device.host_update_s(variables, summary["host_state_bytes"])
+    assert summary["predicted_step_s"] > summary["predicted_host_update_s"]
+    assert "of the step on the host's CPU" in text
