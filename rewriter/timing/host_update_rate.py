@@ -61,7 +61,11 @@ def measure_host_update(optimizer: keras.optimizers.Optimizer, *, host: str = "/
         calls[(variables, size)] = call
         state_bytes.append(nbytes)
     for call in calls.values():  # traced and warmed up outside the timing
-        call()
+        try:
+            call()
+        except (tf.errors.OpError, ValueError, TypeError, NotImplementedError) as error:
+            raise HostUpdateError(f"{type(optimizer).__name__}'s update does not run on variables alone: "
+                                  f"{_own_words(error)}") from None
     timing = timed_passes(calls, min_passes=4, max_passes=30, min_total_s=min_timing_s, max_total_s=max_timing_s)
     measured = np.array([timing.step_s[key] for key in calls])
     design = np.array([[variables, nbytes] for (variables, _), nbytes in zip(shapes, state_bytes)], np.float64)
@@ -93,3 +97,11 @@ def _update_call(optimizer, host: str, variables: int, size: int):
         return fresh.iterations
 
     return apply, variables * size * 4 * 2 + slot_bytes
+
+
+def _own_words(error: BaseException) -> str:
+    """The error's type and own message: a traced function's error puts them last, after "in user code:" and a
+    trace."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    words, kind = (lines[-1][:300] if lines else ""), type(error).__name__
+    return words if words.startswith(kind) else f"{kind}: {words}"

@@ -47,3 +47,12 @@ def test_the_rate_predicts_an_update_of_other_shapes():
     other = measure_host_update(optimizer, shapes=((24, 1 << 20), (1, 1 << 10)))
     predicted = rate.seconds(24, other.state_bytes[0])
     assert predicted == pytest.approx(other.measured_s[0], rel=0.3)
+
+
+def test_an_optimizer_whose_update_needs_more_than_its_variables_is_refused_in_words():
+    class Reads(keras.optimizers.SGD):
+        def update_step(self, gradient, variable, learning_rate):
+            raise ValueError("reads the model's loss")
+
+    with pytest.raises(HostUpdateError, match="does not run on variables alone: ValueError: reads the model's loss"):
+        measure_host_update(Reads(0.1), shapes=SMALL, min_timing_s=0.2, max_timing_s=1.0)
