@@ -1,0 +1,93 @@
+"""Optimizer slots streamed around an update on the device (a plan's ``host_state`` records of mode ``stream-slots``,
+``rewriter.step.host_state``, ``simulator.state.with_host_state``): the slots live on the host and only their reads
+and writes run there; the update's arithmetic stays on the accelerator, which reads each slot through a
+``weight_in/`` copy and whose values written to a slot are copied out. 3 steps train bitwise like Keras with SGD
+with momentum, Adam and AdamW on the 3x1024 Dense MLP; the measured peak is the predicted one."""
+
+from __future__ import annotations
+
+import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+
+import dataclasses
+
+import keras
+import pytest
+
+import rewriter
+from benchmarks.models import example_batch
+from rewriter.placement.placements import SWAP_OUT_PREFIX
+from simulator import SwapPlan, replay
+from simulator.plan import NamedPlan
+from simulator.state import STREAM_SLOTS, HostState, movable_state, with_host_state
+from simulator.state.host_update import WEIGHT_READS, host_transfers
+from tests.rewriter.state.test_host_state import _on_host
+from tests.rewriter.state.test_state import MiB, TOLERANCE, dense_mlp
+
+pytestmark = pytest.mark.tf
+BATCH = 8
+
+
+def _streamed(model) -> tuple[HostState, ...]:
+    model.optimizer.build(model.trainable_variables)
+    return tuple(HostState(v.path, STREAM_SLOTS) for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam", "adamw"])
+def test_three_steps_bitwise_like_keras_with_every_slot_streamed(optimizer):
+    """Weights, slots and losses after 3 steps with every variable's slots streamed: bitwise equal to Keras'
+    train_on_batch. The slots live on the host and their reads and writes run there (the first call's partition
+    graphs), the update's arithmetic on the accelerator; each slot read the accelerator reads is copied in, each
+    value written to a slot copied out."""
+    th.deterministic()
+    keras.utils.clear_session()
+    plain = dense_mlp(optimizer)
+    x, y = example_batch(plain, BATCH)
+    keras.utils.clear_session()
+    moved = dense_mlp(optimizer)
+    step = rewriter.apply(moved, NamedPlan(host_state=_streamed(moved)), batch_size=BATCH, verify_with=(x, y))
+    check = step.verification
+    assert check is not None and check.ok and not check.host_updates_elsewhere, check.summary()
+    assert check.host_updates_on_host >= 2 * len(moved.trainable_variables)  # a read and a write per slot at least
+    slots = [v for v in moved.optimizer.variables if len(v.shape) > 0]
+    assert slots and all(_on_host(v) for v in slots) and not any(_on_host(v) for v in moved.trainable_variables)
+    nodes = {node.name: node for node in step.graph_def.node}
+    on_host = set().union(*step.host_updates.values())
+    assert all(nodes[name].op in ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp") for name in on_host)
+    arithmetic = [node for node in step.graph_def.node if node.name.startswith(step.traced.optimizer_scope + "/")
+                  and node.name not in on_host and node.op in ("Mul", "Sub", "AddV2", "RealDiv", "Sqrt")]
+    assert arithmetic and all(node.device == step.placement.accelerator for node in arithmetic)
+    copies_in = [node for node in step.graph_def.node if node.name.startswith("weight_in/")]
+    copies_out = [node for node in step.graph_def.node if node.name.startswith(SWAP_OUT_PREFIX + "host_update/")]
+    assert copies_in and all(nodes[node.input[0]].name in on_host for node in copies_in)
+    assert len(copies_out) == len(slots)  # one value written to each slot
+    losses_plain = [float(plain.train_on_batch(x, y)) for _ in range(3)]
+    losses_moved = [float(step(x, y)) for _ in range(3)]
+    assert losses_plain == losses_moved
+    assert th.bitwise_equal(th.weights_of(plain), th.weights_of(moved))
+    assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(moved))
+
+
+@pytest.mark.parametrize("optimizer, order", [("adam", "cto"), ("adam", "memory"), ("adamw", "memory"),
+                                              ("sgd_momentum", "memory")])
+def test_the_measured_peak_with_the_slots_streamed_is_the_predicted_one(optimizer, order):
+    """The MLP at batch 8, every slot streamed, serialized in the moved graph's order: the measured peak within 5 %
+    of the prediction (Adam 33.15 MiB predicted and measured in level order, 21.06 in the memory order; AdamW 22.11,
+    SGD with momentum 22.16 in the memory order; 43.21 and 35.22 with the slots on the device). Keras' update reads
+    each slot twice, before its write and after it: the slots' bytes are copied in twice and out once."""
+    keras.utils.clear_session()
+    model = dense_mlp(optimizer)
+    graph = rewriter.capture(model, BATCH)
+    x, y = example_batch(model, BATCH)
+    slot_bytes = movable_state(graph)
+    records = tuple(HostState(path, STREAM_SLOTS) for path in slot_bytes)
+    moved = with_host_state(graph.with_order(order), records, copies_in=False)
+    plan = dataclasses.replace(SwapPlan.empty(moved), host_state=records)
+    predicted = replay(moved, plan, "cpu-testbed")
+    out_bytes, in_bytes = host_transfers(moved, records)
+    assert out_bytes.sum() == sum(slot_bytes.values()) and in_bytes.sum() == 2 * sum(slot_bytes.values())
+    assert len(moved.meta[WEIGHT_READS]) == 2 * sum(len(v.shape) > 0 for v in model.optimizer.variables)
+    step = rewriter.apply(model, plan, graph=moved, verify=False)
+    measured = rewriter.measure(step, x, y, repeats=1)
+    assert abs(measured.peak_bytes / predicted.peak_bytes - 1) <= TOLERANCE, (measured.peak_bytes, predicted.peak_bytes)
+    plain = replay(graph, SwapPlan.empty(graph), "cpu-testbed")
+    assert predicted.peak_bytes <= plain.peak_bytes - 10 * MiB
