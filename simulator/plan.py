@@ -17,8 +17,8 @@ graph that holds them (``with_recomputes``) names them in its graph, and its swa
 A ``swap-plan/1`` file still reads (no recomputations). Split regions (``simulator.split``): ``NamedPlan.splits``
 since ``swap-plan/3``, built first; optimizer slots on the host (``NamedPlan.host_state``, ``simulator.state``) since
 the same version, weights on the host with them (mode ``host-weights``) since ``swap-plan/4``, slots streamed
-around an update on the device (mode ``stream-slots``) since ``swap-plan/5``. Another kind of action: records on ``NamedPlan`` under its own key, a new ``FORMAT_VERSION`` and its reader in ``_READERS``, the
-older readers kept.
+around an update on the device (mode ``stream-slots``) since ``swap-plan/5``. Another kind of action: records on
+``NamedPlan`` under its own key, a new ``FORMAT_VERSION`` and its reader in ``_READERS``, the older readers kept.
 """
 
 from __future__ import annotations

@@ -214,7 +214,8 @@ def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], 
     streamed = {item.variable for item in host_state if item.mode == STREAM_SLOTS}
     kinds = {node.name: node.op for node in graph_def.node}
     # a streamed update's arithmetic stays on the accelerator; the values it writes to the slots go out to them
-    updates = {path: slot_writes(slot_ops[path], kinds) if path in streamed else names for path, names in placed.items()}
+    updates = {path: slot_writes(slot_ops[path], kinds) if path in streamed else names
+               for path, names in placed.items()}
     copy = (placement.swap_op, placement.swap_out_device) if placement.copies_wait_for_compute else None
     host_side = set().union(*slot_ops.values(), *weight_ops.values())
     edited = place_on_host(graph_def, set().union(*updates.values()), placement.host, on_host=host_side, copy=copy,
@@ -239,9 +240,9 @@ def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placem
     """A copy of ``graph_def`` where the device reads a weight (or a streamed slot) on the host through a copy in:
     each read of it (a node of ``weight_ops`` with an output) read by a node off the host gets one copy on the
     accelerator (the placement's swap op, named ``weight_in/<read>``), which its device readers read; it runs where
-    the read runs in the plan's order, just before its first reader (``simulator.state.with_host_state``). A plan's swap of the
-    read (its later readers, swap-ins started by triggers) copies in from the read itself: its copy out is an
-    ``Identity`` on the host, which allocates nothing."""
+    the read runs in the plan's order, just before its first reader (``simulator.state.with_host_state``). A plan's
+    swap of the read (its later readers, swap-ins started by triggers) copies in from the read itself: its copy out
+    is an ``Identity`` on the host, which allocates nothing."""
     edited = tf.compat.v1.GraphDef()
     edited.CopyFrom(graph_def)
     nodes = {node.name: node for node in edited.node}

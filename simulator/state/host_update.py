@@ -43,11 +43,12 @@ class HostState:
     mode: str = HOST_UPDATE
 
 
-def read_host_state_records(records, error: type[GraphError] = GraphError,
-                            version: int = max(MODE_FORMAT_VERSIONS.values()), format_name: str = "swap-plan",
-                            ) -> tuple[HostState, ...]:
-    """The records of a plan file's ``host_state`` entry, written in format ``version`` (a mode newer than it is
-    refused with the version it needs); ``error`` says what is malformed."""
+def read_host_state_records(records, error: type[GraphError] = GraphError, version: int | None = None,
+                            format_name: str = "") -> tuple[HostState, ...]:
+    """The records of a plan file's ``host_state`` entry, written in version ``version`` of the format
+    ``format_name`` (None: the newest; a mode newer than it is refused with the version it needs); ``error`` says
+    what is malformed."""
+    version = max(MODE_FORMAT_VERSIONS.values()) if version is None else version
     newest = max((r["mode"] for r in records if isinstance(r, dict) and r.get("mode") in MODE_FORMAT_VERSIONS),
                  key=MODE_FORMAT_VERSIONS.get, default=None) if isinstance(records, list) else None
     if newest is not None and MODE_FORMAT_VERSIONS[newest] > version:
@@ -117,6 +118,14 @@ def moved_kinds(host_state: Sequence[HostState]) -> str:
     """What ``host_state`` keeps on the host, in a report's words."""
     weights = any(item.mode == HOST_WEIGHTS for item in host_state)
     return "weights and optimizer slots" if weights else "optimizer slots"
+
+
+def where_updated(host_state: Sequence[HostState]) -> str:
+    """Where ``host_state``'s updates run, in a report's words (after "on the host, ")."""
+    streamed = len(host_state) - len(updates_on_host(host_state))
+    if streamed == len(host_state):
+        return "streamed in and out around their update on the device"
+    return "where their update runs" + (f" ({streamed} streamed around an update on the device)" if streamed else "")
 
 
 def moved_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
