@@ -27,9 +27,9 @@ HOST_WEIGHTS = "host-weights"  # the weight on the host as well, read on the dev
 STREAM_SLOTS = "stream-slots"  # the slots on the host, streamed in and out around an update on the device
 _BASE = "host_state_base"  # a moved graph's memo entry: the graph it was made from
 WEIGHT_READS = "host_weight_reads"  # a moved graph's meta: the tensors that are copies in of weights on the host
-HOST_STATE_MODES = (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS)
 # the plan format version (simulator.plan) that first wrote each mode: an older file naming it is refused
 MODE_FORMAT_VERSIONS = {HOST_UPDATE: 3, HOST_WEIGHTS: 4, STREAM_SLOTS: 5}
+HOST_STATE_MODES = tuple(MODE_FORMAT_VERSIONS)
 # the capture's entry (movable_state) that lists the ops a mode runs on the host beside ``ops``, and what it records
 _RECORDED_OPS = {HOST_WEIGHTS: ("weight_ops", "moves the weight", "weights"),
                  STREAM_SLOTS: ("slot_ops", "streams the slots", "slots")}
@@ -49,7 +49,7 @@ def read_host_state_records(records, error: type[GraphError] = GraphError, versi
     ``format_name`` (None: the newest; a mode newer than it is refused with the version it needs); ``error`` says
     what is malformed."""
     version = max(MODE_FORMAT_VERSIONS.values()) if version is None else version
-    newest = max((r["mode"] for r in records if isinstance(r, dict) and r.get("mode") in MODE_FORMAT_VERSIONS),
+    newest = max((r["mode"] for r in records if isinstance(r, dict) and r.get("mode") in HOST_STATE_MODES),
                  key=MODE_FORMAT_VERSIONS.get, default=None) if isinstance(records, list) else None
     if newest is not None and MODE_FORMAT_VERSIONS[newest] > version:
         raise error(f"the plan's host_state names mode '{newest}', which needs format {format_name}/"

@@ -232,3 +232,5 @@ def test_streamed_slots_read_back_from_version_5_only():
     assert NamedPlan.from_dict(older).host_state == named.host_state[1:]
     with pytest.raises(PlanError, match="each variable once"):
         NamedPlan.from_dict({**data, "host_state": [{"variable": "x", "mode": "stream"}]})
+    with pytest.raises(PlanError, match="each variable once"):
+        NamedPlan.from_dict({**data, "host_state": [{"variable": "x", "mode": [STREAM_SLOTS]}]})
