@@ -399,8 +399,7 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     the movable slots' bytes, half, three quarters, all; each group updated on the host and streamed around
     an update on the device, mode ``stream-slots``, the faster that fits kept), then with their weights too (the
     same shares of weights and slots, mode ``host-weights``), and the first group that fits is the plan's
-    ``host_state``;
-    False: the state stays (``--no-state``).
+    ``host_state``; False: the state stays (``--no-state``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then

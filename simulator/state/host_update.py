@@ -26,7 +26,7 @@ HOST_UPDATE = "host-update"
 HOST_WEIGHTS = "host-weights"  # the weight on the host as well, read on the device through copies in
 STREAM_SLOTS = "stream-slots"  # the slots on the host, streamed in and out around an update on the device
 _BASE = "host_state_base"  # a moved graph's memo entry: the graph it was made from
-WEIGHT_READS = "host_weight_reads"  # a moved graph's meta: the tensors that are copies in of weights on the host
+WEIGHT_READS = "host_weight_reads"  # a moved graph's meta: the copies in of weights (and streamed slots) on the host
 # the plan format version (simulator.plan) that first wrote each mode: an older file naming it is refused
 MODE_FORMAT_VERSIONS = {HOST_UPDATE: 3, HOST_WEIGHTS: 4, STREAM_SLOTS: 5}
 HOST_STATE_MODES = tuple(MODE_FORMAT_VERSIONS)
