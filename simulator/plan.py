@@ -16,9 +16,9 @@ Recomputations (docs/design.md 9, ``simulator.recompute.actions.Recompute``) are
 graph that holds them (``with_recomputes``) names them in its graph, and its swaps may name the clones.
 A ``swap-plan/1`` file still reads (no recomputations). Split regions (``simulator.split``): ``NamedPlan.splits``
 since ``swap-plan/3``, built first; optimizer slots on the host (``NamedPlan.host_state``, ``simulator.state``) since
-the same version, weights on the host with them (mode ``host-weights``) since ``swap-plan/4``. Another kind of
-action: records on ``NamedPlan`` under its own key, a new ``FORMAT_VERSION`` and its reader in ``_READERS``, the
-older readers kept.
+the same version, weights on the host with them (mode ``host-weights``) since ``swap-plan/4``, slots streamed
+around an update on the device (mode ``stream-slots``) since ``swap-plan/5``. Another kind of action: records on
+``NamedPlan`` under its own key, a new ``FORMAT_VERSION`` and its reader in ``_READERS``, the older readers kept.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
 from simulator.recompute.actions import Recompute, check_recompute_structure, recomputed_tensors, with_recomputes
 from simulator.split.actions import SplitRegion, held_regions, read_split_records, split_records, with_plan_splits
-from simulator.state.host_update import HOST_UPDATE, HOST_WEIGHTS, HostState, read_host_state_records
+from simulator.state.host_update import HostState, read_host_state_records
 
 FORMAT_NAME = "swap-plan"
-FORMAT_VERSION = 4  # what this version writes; it reads every version in _READERS
+FORMAT_VERSION = 5  # what this version writes; it reads every version in _READERS
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 
@@ -543,26 +543,28 @@ def _read_v2(data: dict[str, Any]) -> NamedPlan:
     return replace(_read_v1(data), recomputes=tuple(actions))
 
 
-def _read_v3(data: dict[str, Any]) -> NamedPlan:
+def _read_v3(data: dict[str, Any], version: int = 3) -> NamedPlan:
     """``swap-plan/3``: version 2, the split regions (``splits``, ``ops`` and ``parts`` each) and the optimizer
-    state on the host (``host_state``, ``variable`` and ``mode`` each); left out: none."""
-    records = data.get("host_state", [])
-    if isinstance(records, list) and any(isinstance(r, dict) and r.get("mode") == HOST_WEIGHTS for r in records):
-        raise PlanError(f"the plan's host_state names mode '{HOST_WEIGHTS}', which needs format swap-plan/4 (this "
-                        "file says swap-plan/3)")
+    state on the host (``host_state``, ``variable`` and ``mode`` each; a mode newer than ``version`` refused)."""
     return replace(_read_v2(data), splits=read_split_records(data.get("splits", []), PlanError),
-                   host_state=read_host_state_records(records, PlanError, (HOST_UPDATE,)))
+                   host_state=read_host_state_records(data.get("host_state", []), PlanError, version, FORMAT_NAME))
 
 
 def _read_v4(data: dict[str, Any]) -> NamedPlan:
     """``swap-plan/4``: version 3, and ``host_state`` records of mode ``host-weights`` (the weight on the host
     too)."""
-    return replace(_read_v3({**data, "host_state": []}),
-                   host_state=read_host_state_records(data.get("host_state", []), PlanError))
+    return _read_v3(data, 4)
+
+
+def _read_v5(data: dict[str, Any]) -> NamedPlan:
+    """``swap-plan/5``: version 4, and ``host_state`` records of mode ``stream-slots`` (the slots streamed in and
+    out around an update on the device)."""
+    return _read_v3(data, 5)
 
 
 # format version -> reader; a new version adds its reader and keeps the older ones
-_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {1: _read_v1, 2: _read_v2, 3: _read_v3, 4: _read_v4}
+_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {1: _read_v1, 2: _read_v2, 3: _read_v3, 4: _read_v4,
+                                                              5: _read_v5}
 
 
 def load_plan(plan: Any, graph: OpGraph | None = None) -> NamedPlan:

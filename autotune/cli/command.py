@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--state", action=argparse.BooleanOptionalAction, default=None,
                         help="--no-state: keep the optimizer state on the device (by default, where no plan fits "
                              "with it there, the slots of the largest variables of SGD, Adam or AdamW, then their "
-                             "weights too, live on the host and their update runs there; also state = false in "
-                             "autotune.toml)")
+                             "weights too, live on the host and their update runs there, or the slots are streamed "
+                             "around it on the device where that is faster; also state = false in autotune.toml)")
     search.add_argument("--rewrite", action="append", metavar="NAME",
                         help="exact graph rewrite to make before swapping (repeatable; also graph_rewrites in "
                              "autotune.toml): split-concat splits a convolution reading a channel concatenation "

@@ -24,7 +24,7 @@ from autotune.run.floor import floor_of
 from autotune.inputs import format_bytes
 from autotune.run.stage_times import StageClock, StageTimes
 from autotune.run.training import training_phrase
-from simulator.state import moved_kinds
+from simulator.state import moved_kinds, where_updated
 
 RECOMPUTES_SHOWN = 20  # rows of the report's recomputation table
 
@@ -62,7 +62,7 @@ def _plan_clauses(n_swaps: int, n_recomputes: int, order_name: str, host_state: 
     """What a plan does, for the report's verdict sentence ("swaps 3 tensors, recomputes 2 tensors")."""
     n_host_state = len(host_state)
     clauses = [f"keeps the {moved_kinds(host_state)} of {n_host_state} variable{'s' * (n_host_state != 1)} on the "
-               "host, where their update runs"] if n_host_state else []
+               f"host, {where_updated(host_state)}"] if n_host_state else []
     if n_swaps or not n_recomputes:
         clauses.append(f"swaps {n_swaps} tensor{'s' * (n_swaps != 1)}" if n_swaps else "swaps nothing")
     if n_recomputes:

@@ -32,8 +32,8 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
-from simulator.state import (HOST_WEIGHTS, HostState, movable_state, moved_bytes, moved_kinds, state_groups,
-                             state_refusal, with_host_state, writes_after_reads)
+from simulator.state import (HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes, moved_kinds,
+                             state_groups, state_refusal, where_updated, with_host_state, writes_after_reads)
 
 log = logging.getLogger(__name__)
 
@@ -396,9 +396,10 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
     ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run
     again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
-    the movable slots' bytes, half, three quarters, all), then with their weights too (the same shares of
-    weights and slots, mode ``host-weights``), and the first group that fits is the plan's ``host_state``;
-    False: the state stays (``--no-state``).
+    the movable slots' bytes, half, three quarters, all; each group updated on the host and streamed around
+    an update on the device, mode ``stream-slots``, the faster that fits kept), then with their weights too (the
+    same shares of weights and slots, mode ``host-weights``), and the first group that fits is the plan's
+    ``host_state``; False: the state stays (``--no-state``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
@@ -413,13 +414,16 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
         note = (f"the optimizer state stays on the device: {reason}" if reason
                 else "no optimizer state of this step can move to the host")
         return replace(result, notes=result.notes + [note])
-    for group in groups:
-        moved = _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
-                        host_state=group)
+    streamed = {tuple(item.variable for item in group): group for group in state_groups(g, mode=STREAM_SLOTS)}
+    for group in groups:  # the update on the host or on the device, the slots streamed: the faster that fits
+        modes = (group, streamed.get(tuple(item.variable for item in group)))
+        tried = [_search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
+                         host_state=state) for state in modes if state]
+        moved = min(tried, key=lambda found: (found.chosen is None, found.chosen.step_s if found.chosen else 0.0))
         if moved.chosen is not None:
-            size = sum(movable_state(g)[item.variable] for item in group)
+            size, where = sum(movable_state(g)[item.variable] for item in group), where_updated(moved.plan.host_state)
             return replace(moved, notes=[f"the optimizer slots of {len(group)} of {len(movable_state(g))} variable(s), "
-                                         f"{format_bytes(size)}, live on the host, where their update runs"
+                                         f"{format_bytes(size)}, live on the host, {where}"
                                          " (--no-state keeps them on the device)"] + moved.notes)
     total = len(movable_state(g))
     for group in state_groups(g, mode=HOST_WEIGHTS):  # then the weights too, largest first

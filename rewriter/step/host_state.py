@@ -7,7 +7,10 @@ variable the plan names are re-homed on the host device (each Keras slot variabl
 the step's GraphDef (the optimizer's ops that lead only to writes of the variable and of its slots) is
 placed on the host: the gradient is copied out, the update runs beside the slots, and the weight's change
 is copied in to the write, which stays with the weight on the device. Same kernels on both sides, so the
-step trains bitwise like Keras' (``tests/rewriter/state/test_host_state.py``).
+step trains bitwise like Keras' (``tests/rewriter/state/test_host_state.py``). Streamed slots (mode
+``stream-slots``): the slots live on the host as well, but only their reads and writes run there; the arithmetic
+stays on the accelerator, which reads each slot through a copy in and whose values written to a slot are copied
+out (``tests/rewriter/state/test_stream_slots.py``).
 
 Which optimizers and which ops: ``rewriter.trace.optimizer_state`` (an optimizer it does not know is
 refused with the reason).
@@ -23,11 +26,11 @@ import tensorflow as tf
 from rewriter.edit.graph_edit import HOST_SWAP_IN_SUFFIX
 from rewriter.edit.graph_refs import Ancestry
 from rewriter.placement.placements import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
-from rewriter.trace.optimizer_state import (host_update_ops, slot_access_ops, slots_by_variable, state_refusal,
-                                            variable_handles)
+from rewriter.trace.optimizer_state import (RESOURCE_READ_TYPES, host_update_ops, slot_access_ops, slots_by_variable,
+                                            state_refusal, variable_handles)
 from rewriter.trace.tracing import forget_traces
 from simulator.plan import PlanError
-from simulator.state import HOST_WEIGHTS, HostState
+from simulator.state import HOST_WEIGHTS, STREAM_SLOTS, HostState
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +143,7 @@ def place_on_host(graph_def, names: Iterable[str], device: str, *, on_host: Iter
                 name = node.input[k] = barriers[source][int(output or 0)]
                 source, _, output = name.partition(":")
             info = (tensor_info or {}).get(f"{source}:{output or 0}")
-            if copy is None or source in host_side or info is None:
+            if copy is None or source in host_side or info is None or info[0] == tf.resource:  # a handle: no data
                 continue
             if name not in copies:
                 copies[name] = f"{SWAP_OUT_PREFIX}host_update/{source}_{output or 0}"
@@ -205,27 +208,41 @@ def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], 
     if missing:
         raise PlanError(f"the update of {missing[0]!r} was not found among the optimizer's ops: its state cannot "
                         "move to the host")
-    slot_paths = set().union(*groups.values()) - set(groups)
+    slot_ops = {path: slot_access_ops(graph_def, handles, paths - {path}) for path, paths in groups.items()}
     weight_ops = {item.variable: slot_access_ops(graph_def, handles, {item.variable}) for item in host_state
                   if item.mode == HOST_WEIGHTS}
+    streamed = {item.variable for item in host_state if item.mode == STREAM_SLOTS}
+    kinds = {node.name: node.op for node in graph_def.node}
+    # a streamed update's arithmetic stays on the accelerator; the values it writes to the slots go out to them
+    updates = {path: slot_writes(slot_ops[path], kinds) if path in streamed else names
+               for path, names in placed.items()}
     copy = (placement.swap_op, placement.swap_out_device) if placement.copies_wait_for_compute else None
-    host_side = slot_access_ops(graph_def, handles, slot_paths) | set().union(*weight_ops.values())
-    edited = place_on_host(graph_def, set().union(*placed.values()), placement.host, on_host=host_side, copy=copy,
+    host_side = set().union(*slot_ops.values(), *weight_ops.values())
+    edited = place_on_host(graph_def, set().union(*updates.values()), placement.host, on_host=host_side, copy=copy,
                            tensor_info=tensor_info)
-    if weight_ops:
-        edited = copy_weights_in(edited, set().union(*weight_ops.values()), set().union(*placed.values()) | host_side,
-                                 placement, tensor_info)
-    # the weights' reads and writes run on the host: what they allocate is the host's (the measured peak's rule)
-    return edited, {path: names | weight_ops.get(path, set()) for path, names in placed.items()}
+    on_host = set().union(*updates.values()) | host_side
+    if streamed:  # placed, not left to the placer beside the slots they read
+        edited = place_on_host(edited, set().union(*(placed[path] for path in streamed)), placement.accelerator)
+    copied_in = set().union(*weight_ops.values(), *(slot_ops[path] for path in streamed))
+    if copied_in:
+        edited = copy_weights_in(edited, copied_in, on_host, placement, tensor_info)
+    # the state's reads and writes run on the host: what they allocate is the host's (the measured peak's rule)
+    return edited, {path: (slot_ops[path] if path in streamed else names) | weight_ops.get(path, set())
+                    for path, names in placed.items()}
+
+
+def slot_writes(names: set[str], kinds: dict[str, str]) -> set[str]:
+    """The nodes of ``names`` (a variable's slot reads and writes) that write: those not of a read's type."""
+    return {name for name in names if kinds[name] not in RESOURCE_READ_TYPES}
 
 
 def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placement: Placement, tensor_info: dict):
-    """A copy of ``graph_def`` where the device reads a weight on the host through a copy in: each read of it
-    (a node of ``weight_ops`` with an output) read by a node off the host gets one copy on the accelerator (the
-    placement's swap op, named ``weight_in/<read>``), which its device readers read; it runs where the read runs
-    in the plan's order, just before its first reader (``simulator.state.with_host_state``). A plan's swap of the
-    read (its later readers, swap-ins started by triggers) copies in from the read itself: its copy out is an
-    ``Identity`` on the host, which allocates nothing."""
+    """A copy of ``graph_def`` where the device reads a weight (or a streamed slot) on the host through a copy in:
+    each read of it (a node of ``weight_ops`` with an output) read by a node off the host gets one copy on the
+    accelerator (the placement's swap op, named ``weight_in/<read>``), which its device readers read; it runs where
+    the read runs in the plan's order, just before its first reader (``simulator.state.with_host_state``). A plan's
+    swap of the read (its later readers, swap-ins started by triggers) copies in from the read itself: its copy out
+    is an ``Identity`` on the host, which allocates nothing."""
     edited = tf.compat.v1.GraphDef()
     edited.CopyFrom(graph_def)
     nodes = {node.name: node for node in edited.node}

@@ -142,8 +142,9 @@ def describe_movable_state(concrete, model, scope: str | None) -> dict:
     """``graph.meta["movable_state"]``: ``refusal`` (why nothing moves, or None), ``gradients_together`` (why
     every gradient is alive at once whatever moves, or None) and per variable whose slots can move,
     ``slot_bytes`` and ``ops``, the ops that run on the host once they do (its update and the reads and writes
-    of its slots), ``weight_bytes`` and ``weight_ops``, the reads and writes of the variable itself (they run on
-    the host too when the weight moves, ``simulator.state.with_host_state``)."""
+    of its slots), ``slot_ops``, those reads and writes alone (what runs on the host when the slots are streamed
+    around an update left on the device), ``weight_bytes`` and ``weight_ops``, the reads and writes of the variable
+    itself (they run on the host too when the weight moves, ``simulator.state.with_host_state``)."""
     reason = state_refusal(model) if scope is not None else "the step's optimizer has no name scope"
     together = gradients_read_together(model)
     if reason is not None:
@@ -157,9 +158,9 @@ def describe_movable_state(concrete, model, scope: str | None) -> dict:
     weights = {variable.path: variable for variable in model.trainable_variables}
     found = {}
     for path, names in placed.items():
-        ops = names | slot_access_ops(graph_def, handles, groups[path] - {path})
+        slot_ops = slot_access_ops(graph_def, handles, groups[path] - {path})
         weight = weights[path].value
-        found[path] = {"slot_bytes": int(sizes[path]), "ops": sorted(ops),
+        found[path] = {"slot_bytes": int(sizes[path]), "ops": sorted(names | slot_ops), "slot_ops": sorted(slot_ops),
                        "weight_bytes": int(weight.shape.num_elements()) * weight.dtype.size,
                        "weight_ops": sorted(slot_access_ops(graph_def, handles, {path}))}
     return {"refusal": None, "gradients_together": together, "variables": found}

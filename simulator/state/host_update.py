@@ -6,7 +6,9 @@ gradient is copied out, the update computed there and the weight's change copied
 these records under ``host_state`` (``simulator.plan``, since ``swap-plan/3``). Mode ``host-weights``
 (``swap-plan/4``): the weight lives on the host too and is updated there, nothing copied back; each of its
 reads on the device is a copy in (``with_host_state``), which a plan may swap like an activation between its
-forward and backward readers.
+forward and backward readers. Mode ``stream-slots`` (``swap-plan/5``): the slots live on the host, the update's
+arithmetic stays on the device; only the slots' reads and writes run on the host, so each slot the update reads is
+copied in and each value it writes to one is copied out.
 """
 
 from __future__ import annotations
@@ -22,9 +24,15 @@ from simulator.ordering import position_of
 
 HOST_UPDATE = "host-update"
 HOST_WEIGHTS = "host-weights"  # the weight on the host as well, read on the device through copies in
+STREAM_SLOTS = "stream-slots"  # the slots on the host, streamed in and out around an update on the device
 _BASE = "host_state_base"  # a moved graph's memo entry: the graph it was made from
-WEIGHT_READS = "host_weight_reads"  # a moved graph's meta: the tensors that are copies in of weights on the host
-HOST_STATE_MODES = (HOST_UPDATE, HOST_WEIGHTS)
+WEIGHT_READS = "host_weight_reads"  # a moved graph's meta: the copies in of weights (and streamed slots) on the host
+# the plan format version (simulator.plan) that first wrote each mode: an older file naming it is refused
+MODE_FORMAT_VERSIONS = {HOST_UPDATE: 3, HOST_WEIGHTS: 4, STREAM_SLOTS: 5}
+HOST_STATE_MODES = tuple(MODE_FORMAT_VERSIONS)
+# the capture's entry (movable_state) that lists the ops a mode runs on the host beside ``ops``, and what it records
+_RECORDED_OPS = {HOST_WEIGHTS: ("weight_ops", "moves the weight", "weights"),
+                 STREAM_SLOTS: ("slot_ops", "streams the slots", "slots")}
 
 
 @dataclass(frozen=True)
@@ -35,10 +43,18 @@ class HostState:
     mode: str = HOST_UPDATE
 
 
-def read_host_state_records(records, error: type[GraphError] = GraphError,
-                            modes: tuple[str, ...] = HOST_STATE_MODES) -> tuple[HostState, ...]:
-    """The records of a plan file's ``host_state`` entry (``modes``: those its version knows); ``error`` says
+def read_host_state_records(records, error: type[GraphError] = GraphError, version: int | None = None,
+                            format_name: str = "") -> tuple[HostState, ...]:
+    """The records of a plan file's ``host_state`` entry, written in version ``version`` of the format
+    ``format_name`` (None: the newest; a mode newer than it is refused with the version it needs); ``error`` says
     what is malformed."""
+    version = max(MODE_FORMAT_VERSIONS.values()) if version is None else version
+    newest = max((r["mode"] for r in records if isinstance(r, dict) and r.get("mode") in HOST_STATE_MODES),
+                 key=MODE_FORMAT_VERSIONS.get, default=None) if isinstance(records, list) else None
+    if newest is not None and MODE_FORMAT_VERSIONS[newest] > version:
+        raise error(f"the plan's host_state names mode '{newest}', which needs format {format_name}/"
+                    f"{MODE_FORMAT_VERSIONS[newest]} (this file says {format_name}/{version})")
+    modes = tuple(mode for mode, since in MODE_FORMAT_VERSIONS.items() if since <= version)
     if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("variable"), str)
                                                 and r.get("mode") in modes for r in records) \
             or len({r["variable"] for r in records}) != len(records):
@@ -67,18 +83,28 @@ def host_ops(g: OpGraph, host_state: Sequence[HostState]) -> np.ndarray:
     if unknown:
         raise GraphError(f"the plan moves the optimizer state of {len(unknown)} variable(s) this graph cannot move "
                          f"(e.g. {unknown[0]!r}): {state_refusal(g) or 'not a trainable variable with slots'}")
-    old = [item.variable for item in host_state
-           if item.mode == HOST_WEIGHTS and "weight_ops" not in found[item.variable]]
+    old = [item for item in host_state
+           if item.mode in _RECORDED_OPS and _RECORDED_OPS[item.mode][0] not in found[item.variable]]
     if old:
-        raise GraphError(f"the plan moves the weight of {old[0]!r}, but this graph was captured before captures "
-                         "recorded the reads and writes of weights: capture it again")
+        _, does, what = _RECORDED_OPS[old[0].mode]
+        raise GraphError(f"the plan {does} of {old[0].variable!r}, but this graph was captured before captures "
+                         f"recorded the reads and writes of {what}: capture it again")
     index = g.op_index()
     return np.asarray(sorted({index[name] for item in host_state for name in _ops_of(found[item.variable], item)
                               if name in index}), np.int64)
 
 
 def _ops_of(entry: dict, item: HostState) -> list[str]:
+    """The ops ``item`` runs on the host: the slots' reads and writes alone when streamed, else the update with
+    them (and the weight's reads and writes with ``host-weights``)."""
+    if item.mode == STREAM_SLOTS:
+        return entry["slot_ops"]
     return entry["ops"] + (entry["weight_ops"] if item.mode == HOST_WEIGHTS else [])
+
+
+def updates_on_host(host_state: Sequence[HostState]) -> tuple[HostState, ...]:
+    """The records of ``host_state`` whose update's arithmetic runs on the host (not those streamed)."""
+    return tuple(item for item in host_state if item.mode != STREAM_SLOTS)
 
 
 def movable_weights(g: OpGraph) -> dict[str, int]:
@@ -92,6 +118,14 @@ def moved_kinds(host_state: Sequence[HostState]) -> str:
     """What ``host_state`` keeps on the host, in a report's words."""
     weights = any(item.mode == HOST_WEIGHTS for item in host_state)
     return "weights and optimizer slots" if weights else "optimizer slots"
+
+
+def where_updated(host_state: Sequence[HostState]) -> str:
+    """Where ``host_state``'s updates run, in a report's words (after "on the host, ")."""
+    streamed = len(host_state) - len(updates_on_host(host_state))
+    if streamed == len(host_state):
+        return "streamed in and out around their update on the device"
+    return "where their update runs" + (f" ({streamed} streamed around an update on the device)" if streamed else "")
 
 
 def moved_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
@@ -136,10 +170,13 @@ def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0), m
                  ) -> list[tuple[HostState, ...]]:
     """Variables whose state a search moves, largest first: the fewest that hold each share of the movable
     bytes (duplicates dropped), so a step moves no more state than it needs. ``mode`` ``host-weights``: the
-    weights with their slots, by the bytes of both."""
+    weights with their slots, by the bytes of both; ``stream-slots``: the slots of the variables whose capture
+    recorded their reads and writes."""
     weights = movable_weights(g) if mode == HOST_WEIGHTS else {}
+    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    needed = _RECORDED_OPS.get(mode, ("ops",))[0]
     sizes = sorted(((path, size + weights.get(path, 0)) for path, size in movable_state(g).items()
-                    if mode != HOST_WEIGHTS or path in weights), key=lambda item: (-item[1], item[0]))
+                    if needed in found[path]), key=lambda item: (-item[1], item[0]))
     total = sum(size for _, size in sizes)
     groups: list[tuple[HostState, ...]] = []
     for share in shares:
@@ -239,10 +276,12 @@ def host_cpu_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> flo
     """The host's CPU applying ``host_state``'s update at its rate (``DeviceModel.host_update_s``), after the
     compute (an upper bound: it runs beside the device's), where the device has a rate; its ops then take no
     device time (``host_update_ops``). Without one (the testbed) the update's ops keep the op times the graph
-    has (a calibration times them as part of the step), and this is 0."""
-    if not device.host_update_bytes_per_s > 0:
+    has (a calibration times them as part of the step), and this is 0. Streamed slots (``stream-slots``) are
+    updated on the device: they count nothing here."""
+    updated = updates_on_host(host_state)
+    if not device.host_update_bytes_per_s > 0 or not updated:
         return 0.0
-    return device.host_update_s(len(host_state), updated_bytes(g, host_state))
+    return device.host_update_s(len(updated), updated_bytes(g, updated))
 
 
 def updated_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:

@@ -13,7 +13,8 @@ import pytest
 from simulator import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, SwapPlan, get_device, replay
 from simulator.ordering import execution_order
 from simulator.replay import live_buffers, op_seconds
-from simulator.state import HostState, with_host_state, writes_after_reads
+from simulator.state import STREAM_SLOTS, HostState, host_ops, with_host_state, writes_after_reads
+from simulator.state.host_update import WEIGHT_READS, host_cpu_seconds
 
 WEIGHT_BYTES = 1000
 
@@ -140,3 +141,74 @@ def test_the_gpu_presets_time_the_hosts_update_and_the_testbed_times_it_in_the_s
         device = get_device(name)
         assert device.host_update_bytes_per_s > 0 and device.host_update_s(2, 1e9) > device.host_update_s(1, 1e9)
     assert get_device("cpu-testbed").host_update_s(10, 1e9) == 0.0
+
+
+# a variable whose slot m is streamed (docs/design.md 13): the update reads m, writes m += delta, reads it again
+STREAMED = {"slot_bytes": WEIGHT_BYTES, "weight_bytes": WEIGHT_BYTES, "ops": ["m_read", "delta", "m_write",
+            "m_read2", "change"], "slot_ops": ["m_read", "m_write", "m_read2"], "weight_ops": ["read", "w_write"]}
+
+
+def streamed_step(entry: dict = STREAMED) -> OpGraph:
+    """read -> f -> b (the gradient g); the update: delta = f(g, m), m += delta (its output the old buffer, held
+    while the first read of m is pending), m read again after the write, the weight's change from it, its write.
+    Flops: each op's seconds on the unit device."""
+    return OpGraph.build(
+        op_name=["read", "f", "b", "m_read", "delta", "m_write", "m_read2", "change", "w_write"],
+        op_type=["ReadVariableOp", "MatMul", "MatMul", "ReadVariableOp", "Sub", "AssignAddVariableOp",
+                 "ReadVariableOp", "Mul", "AssignSubVariableOp"],
+        op_phase=[FORWARD, FORWARD, BACKWARD] + [UPDATE] * 6,
+        op_flops_ab=[(1.0, 0.0), (20.0, 0.0), (20.0, 0.0), (1.0, 0.0), (5.0, 0.0), (2.0, 0.0), (1.0, 0.0),
+                     (5.0, 0.0), (2.0, 0.0)],
+        tensor_producer=[0, 1, 2, 3, 4, 5, 6, 7, 8],
+        tensor_bytes_ab=[(WEIGHT_BYTES, 0), (100, 0), (WEIGHT_BYTES, 0), (WEIGHT_BYTES, 0), (WEIGHT_BYTES, 0),
+                         (WEIGHT_BYTES, 0), (WEIGHT_BYTES, 0), (WEIGHT_BYTES, 0), (WEIGHT_BYTES, 0)],
+        tensor_persistent=[True, False, False, True, False, False, True, False, False],
+        tensor_swappable=[False, True, True, False, True, False, False, True, False],
+        edge_tensor=[0, 0, 1, 2, 3, 4, 6, 7],
+        edge_consumer=[1, 2, 2, 4, 4, 5, 7, 8],
+        edge_slot=[0, 0, 1, 0, 1, 0, 0, 0],
+        control_src=[5, 2], control_dst=[6, 8],
+        persistent_bytes_ab=(2 * WEIGHT_BYTES, 0),
+        outputs=[1],
+        held_tensor=[5], held_read=[3],
+        meta={"movable_state": {"refusal": None, "variables": {"w": entry}}},
+    )
+
+
+def test_streamed_slots_run_their_reads_and_writes_on_the_host_and_the_update_on_the_device(unit):
+    """Mode ``stream-slots``: only m's reads and writes run on the host. The slot leaves the resident bytes; each
+    read of it the device reads is a copy in, a buffer of the device's just before its reader; the delta written to
+    it is the device's until the write (its copy out); the write's old buffer is the host's. The copies are the step
+    time's, the update keeps its device time and the host's CPU runs nothing (it has a rate)."""
+    g = streamed_step()
+    streamed, updated = (HostState("w", STREAM_SLOTS),), (HostState("w"),)
+    assert g.op_name[host_ops(g, streamed)].tolist() == ["m_read", "m_write", "m_read2"]
+    moved = with_host_state(g, streamed, copies_in=True)
+    reads = moved.meta[WEIGHT_READS]
+    assert [g.tensor_name(t) for t in reads] == ["m_read:0", "m_read2:0"]
+    assert moved.persistent_bytes == WEIGHT_BYTES and not moved.tensor_persistent[reads].any()
+    assert moved.tensor_bytes[g.tensor_index()["m_write:0"]] == 0 and len(moved.held_tensor) == 0
+    order = moved.op_name[execution_order(moved)].tolist()
+    assert order.index("m_read") == order.index("delta") - 1  # copied in just before its reader, not at the start
+    plan = dataclasses.replace(SwapPlan.empty(g), host_state=streamed)
+    r = replay(g, plan, unit)
+    # at delta: the weight (resident), f:0, g, m's copy in and delta; at m_write (on the host) nothing new
+    assert r.peak_bytes == WEIGHT_BYTES + 100 + 3 * WEIGHT_BYTES
+    assert r.h2d_bytes == 2 * WEIGHT_BYTES and r.d2h_bytes == WEIGHT_BYTES  # m in twice, delta out once
+    copies_s = 3 * WEIGHT_BYTES / unit.h2d_bytes_per_s
+    assert r.step_s - r.compute_s == pytest.approx(copies_s)
+    rated = dataclasses.replace(unit, host_update_bytes_per_s=50.0, host_update_variable_s=3.0)
+    beside = replay(g, plan, rated)
+    assert beside.host_update_s == 0.0 and host_cpu_seconds(moved, streamed, rated) == 0.0
+    device_s = op_seconds(moved, rated)
+    assert device_s[g.op_index()["delta"]] > 0 and device_s[g.op_index()["m_write"]] == 0.0
+    assert replay(g, dataclasses.replace(plan, host_state=updated), rated).host_update_s == pytest.approx(
+        3.0 + 3 * WEIGHT_BYTES / 50.0)  # the update on the host: weight, gradient and slot at its rate
+
+
+def test_streaming_a_graph_captured_before_slot_ops_were_recorded_asks_for_a_new_capture(unit):
+    old = streamed_step({key: value for key, value in STREAMED.items() if key != "slot_ops"})
+    plan = dataclasses.replace(SwapPlan.empty(old), host_state=(HostState("w", STREAM_SLOTS),))
+    with pytest.raises(GraphError, match="streams the slots of 'w'.*capture it again"):
+        replay(old, plan, unit)
+    assert replay(old, dataclasses.replace(plan, host_state=(HostState("w"),)), unit).persistent_bytes == WEIGHT_BYTES

@@ -17,7 +17,7 @@ from simulator import (GraphError, NamedPlan, OpGraph, PlanError, Swap, SwapIn, 
                        load_plan, plan_swaps, replay)
 from simulator.plan import FORMAT, check_structure
 from simulator.recompute.actions import Recompute, recomputed_tensors, with_recomputes
-from simulator.state import HOST_UPDATE, HOST_WEIGHTS, HostState
+from simulator.state import HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState
 from simulator.recompute.choice import RecomputeParams, actions_of, choose_recomputes
 
 PLANS = Path(__file__).resolve().parents[1] / "data" / "plans"
@@ -42,7 +42,7 @@ def test_a_plan_written_before_the_contract_loads_the_same(fixture):
     assert replay(graph, plan, "cpu-testbed").peak_bytes == 1033968  # what that version predicted
     # written again in the current format: the same file with its version and empty lists of the later actions
     written = json.loads(NamedPlan.from_json(text).to_json())
-    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/4"
+    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/5"
     assert written == {**json.loads(text), "format": FORMAT, "recomputes": [], "splits": [], "host_state": []}
     assert NamedPlan.from_json(text).recomputes == () and json.loads(again.to_json(graph)) == written
 
@@ -208,9 +208,29 @@ def test_weights_on_the_host_read_back_from_version_4_only():
     with the version it needs, and its ``host-update`` records still read."""
     named = NamedPlan(host_state=(HostState("dense/kernel", HOST_WEIGHTS), HostState("dense/bias")), batch_size=4)
     data = named.to_dict()
-    assert data["format"] == "swap-plan/4" and data["host_state"][0]["mode"] == HOST_WEIGHTS
-    assert NamedPlan.from_dict(data) == named
+    assert data["host_state"][0]["mode"] == HOST_WEIGHTS
+    assert NamedPlan.from_dict(data) == named == NamedPlan.from_dict({**data, "format": "swap-plan/4"})
     with pytest.raises(PlanError, match="'host-weights', which needs format swap-plan/4"):
         NamedPlan.from_dict({**data, "format": "swap-plan/3"})
     older = {**data, "format": "swap-plan/3", "host_state": [data["host_state"][1]]}
     assert NamedPlan.from_dict(older).host_state == (HostState("dense/bias"),)
+
+
+def test_streamed_slots_read_back_from_version_5_only():
+    """Mode ``stream-slots`` (swap-plan/5, the format written) is written and read back beside the other modes; a
+    version-4 or version-3 file naming it is refused with the version it needs, and their other records still read."""
+    named = NamedPlan(host_state=(HostState("dense/kernel", STREAM_SLOTS), HostState("dense/bias", HOST_WEIGHTS),
+                                  HostState("out/kernel")), batch_size=4)
+    data = named.to_dict()
+    assert data["format"] == "swap-plan/5" and data["host_state"][0]["mode"] == STREAM_SLOTS
+    assert NamedPlan.from_dict(data) == named
+    for version in (3, 4):
+        with pytest.raises(PlanError, match=f"'stream-slots', which needs format swap-plan/5 .this file says "
+                                            f"swap-plan/{version}"):
+            NamedPlan.from_dict({**data, "format": f"swap-plan/{version}"})
+    older = {**data, "format": "swap-plan/4", "host_state": data["host_state"][1:]}
+    assert NamedPlan.from_dict(older).host_state == named.host_state[1:]
+    with pytest.raises(PlanError, match="each variable once"):
+        NamedPlan.from_dict({**data, "host_state": [{"variable": "x", "mode": "stream"}]})
+    with pytest.raises(PlanError, match="each variable once"):
+        NamedPlan.from_dict({**data, "host_state": [{"variable": "x", "mode": [STREAM_SLOTS]}]})

@@ -73,24 +73,40 @@ def test_under_the_floor_with_every_slot_moved_the_weights_move_too_and_are_conf
     assert code == EXIT_OK, text
     summary = json.loads((out / "summary.json").read_text())
     plan = json.loads((out / "plan.json").read_text())
-    assert summary["confirmed_by_measurement"] and plan["format"] == "swap-plan/4"
+    assert summary["confirmed_by_measurement"] and plan["format"] == "swap-plan/5"
     assert plan["host_state"] and all(item["mode"] == "host-weights" for item in plan["host_state"])
     assert summary["measured_peak_bytes"] <= 12 * MiB
     assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.05
 
 
 def test_beside_a_gpu_the_hosts_update_is_part_of_the_predicted_step(model_dir, tmp_path, capsys):
-    """Simulated for v100-16gb: the plan's update runs on the host's CPU at the preset's rate (its ops take no
-    GPU time), and the summary says how much of the step that is."""
+    """Simulated for v100-16gb in 20 MiB (where streaming the slots does not fit): the plan's update runs on the
+    host's CPU at the preset's rate (its ops take no GPU time), and the summary says how much of the step that is."""
     out = tmp_path / "out"
-    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "v100-16gb",
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", "20MiB", "--device", "v100-16gb",
                       "--trials", "20", "--out", out, "--quiet", "--no-measure")
     assert code == EXIT_OK, text
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["host_state"]
+    plan = json.loads((out / "plan.json").read_text())
+    assert summary["host_state"] and all(item["mode"] == "host-update" for item in plan["host_state"])
     device = get_device("v100-16gb")
     variables = len(summary["host_state"])
     # at least the slots and each weight with its gradient: more than the slots' bytes alone at the preset's rate
     assert summary["predicted_host_update_s"] > device.host_update_s(variables, summary["host_state_bytes"])
     assert summary["predicted_step_s"] > summary["predicted_host_update_s"]
     assert "of the step on the host's CPU" in text
+
+
+def test_beside_a_gpu_the_slots_are_streamed_where_that_is_faster(model_dir, tmp_path, capsys):
+    """Simulated for v100-16gb in 24 MiB: the two largest kernels' slots fit updated on the host (19.27 MiB, a
+    step of 11.76 ms, 7.50 of them the host's CPU) and streamed in and out around the update on the GPU (23.16 MiB,
+    6.11 ms): the plan streams them (mode stream-slots) and the host's CPU runs no update."""
+    out = tmp_path / "out"
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "v100-16gb",
+                      "--trials", "20", "--out", out, "--quiet", "--no-measure")
+    assert code == EXIT_OK, text
+    summary = json.loads((out / "summary.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["host_state"] and all(item["mode"] == "stream-slots" for item in plan["host_state"])
+    assert summary["host_state_bytes"] < 18.2 * MiB and summary["predicted_peak_bytes"] <= 24 * MiB
+    assert not summary.get("predicted_host_update_s") and "streamed in and out" in (out / "report.md").read_text()

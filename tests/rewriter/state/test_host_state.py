@@ -20,8 +20,8 @@ from benchmarks.models import build_model, example_batch
 from rewriter.trace.optimizer_state import movable_state as movable_slots, state_refusal as optimizer_refusal
 from simulator import GraphError, SwapPlan, replay
 from simulator.plan import NamedPlan, PlanError
-from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, state_groups, state_refusal,
-                              with_host_state, writes_after_reads)
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, state_groups,
+                              state_refusal, with_host_state, writes_after_reads)
 from simulator.state.host_update import host_transfers
 from tests.rewriter.state.test_state import MiB, TOLERANCE, dense_mlp, small_cnn
 
@@ -139,7 +139,7 @@ def test_some_variables_only_and_fit_after_apply():
     assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(moved))
 
 
-@pytest.mark.parametrize("mode", [HOST_UPDATE, HOST_WEIGHTS])
+@pytest.mark.parametrize("mode", [HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS])
 def test_a_model_saved_after_training_with_the_plan_loads_in_plain_keras(tmp_path, mode):
     """model.save after 2 steps with the slots (``host-weights``: and the weights) on the host;
     keras.models.load_model in plain Keras gives the same weights and optimizer state, on the device, and a
