@@ -381,7 +381,7 @@ def _summary_text(result, report: Path, seconds: float) -> str:
                      f"{result.plan.order_name} order"
                      + (f", {moved_kinds(result.plan.host_state)} of {len(result.plan.host_state)} variable(s) on the host"
                         if result.plan.host_state else "")
-                     + (f" (their update: {result.replay.host_update_s:.3g} s of the step on the host's CPU)"
+                     + (f" ({result.replay.host_update_s:.3g} s of the step on the host's CPU)"
                         if result.replay is not None and result.replay.host_update_s else ""))
         p = shown.params
     if result.applies_plan and (result.plan.changes_step or result.recomputes) and p is not None:

@@ -94,7 +94,7 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
                        f"{format_bytes(result.baseline.peak_bytes)} to {format_bytes(shown.peak_bytes)} "
                        f"(budget {format_bytes(result.budget_bytes)}), at a simulated step time of "
                        f"{_seconds(shown.step_s)} ({_pct(shown.metrics['overhead'])} over computing alone"
-                       + (f"; {_seconds(result.replay.host_update_s)} of it the host's CPU applying the update"
+                       + (f"; {_seconds(result.replay.host_update_s)} of it on the host's CPU"
                           if result.replay is not None and result.replay.host_update_s else "") + ").")
     elif result.feasible:
         verdict.append(f"The predicted peak without swapping is {format_bytes(result.baseline.peak_bytes)}, within "

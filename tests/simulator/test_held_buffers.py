@@ -179,7 +179,8 @@ def test_streamed_slots_run_their_reads_and_writes_on_the_host_and_the_update_on
     """Mode ``stream-slots``: only m's reads and writes run on the host. The slot leaves the resident bytes; each
     read of it the device reads is a copy in, a buffer of the device's just before its reader; the delta written to
     it is the device's until the write (its copy out); the write's old buffer is the host's. The copies are the step
-    time's, the update keeps its device time and the host's CPU runs nothing (it has a rate)."""
+    time's, the update keeps its device time and the host's CPU (where it has a rate) runs the slot's writes only:
+    the slot's bytes at its rate."""
     g = streamed_step()
     streamed, updated = (HostState("w", STREAM_SLOTS),), (HostState("w"),)
     assert g.op_name[host_ops(g, streamed)].tolist() == ["m_read", "m_write", "m_read2"]
@@ -199,7 +200,11 @@ def test_streamed_slots_run_their_reads_and_writes_on_the_host_and_the_update_on
     assert r.step_s - r.compute_s == pytest.approx(copies_s)
     rated = dataclasses.replace(unit, host_update_bytes_per_s=50.0, host_update_variable_s=3.0)
     beside = replay(g, plan, rated)
-    assert beside.host_update_s == 0.0 and host_cpu_seconds(moved, streamed, rated) == 0.0
+    slot_s = 3.0 + WEIGHT_BYTES / 50.0  # m, as many bytes as the weight (streamed_step)
+    assert beside.host_update_s == pytest.approx(slot_s) == host_cpu_seconds(moved, streamed, rated)
+    unrated = dataclasses.replace(rated, host_update_bytes_per_s=0.0)  # the slot's ops then take device time
+    on_host_s = op_seconds(moved, unrated)[host_ops(g, streamed)].sum()
+    assert beside.step_s == pytest.approx(replay(g, plan, unrated).step_s - on_host_s + slot_s)
     device_s = op_seconds(moved, rated)
     assert device_s[g.op_index()["delta"]] > 0 and device_s[g.op_index()["m_write"]] == 0.0
     assert replay(g, dataclasses.replace(plan, host_state=updated), rated).host_update_s == pytest.approx(
