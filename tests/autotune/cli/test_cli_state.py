@@ -10,10 +10,15 @@ import tests.tf_helpers as th  # noqa: F401,I001 -- first: configures TF before 
 
 import json
 
+import keras
 import pytest
+
+import rewriter
 
 from autotune.cli.command import EXIT_NO_FIT, EXIT_OK, main
 from simulator import get_device
+from simulator.state import HostState
+from simulator.state.host_update import host_cpu_seconds
 from tests.cli_helpers import uncalibrated
 from tests.rewriter.state.test_state import dense_mlp
 
@@ -80,10 +85,11 @@ def test_under_the_floor_with_every_slot_moved_the_weights_move_too_and_are_conf
 
 
 def test_beside_a_gpu_the_hosts_update_is_part_of_the_predicted_step(model_dir, tmp_path, capsys):
-    """Simulated for v100-16gb in 20 MiB (where streaming the slots does not fit): the plan's update runs on the
-    host's CPU at the preset's rate (its ops take no GPU time), and the summary says how much of the step that is."""
+    """Simulated for v100-16gb in 17 MiB (where no slot of the two largest kernels fits streamed): the plan's update
+    runs on the host's CPU at the preset's rate (its ops take no GPU time), and the summary says how much of the
+    step that is."""
     out = tmp_path / "out"
-    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", "20MiB", "--device", "v100-16gb",
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", "17MiB", "--device", "v100-16gb",
                       "--trials", "20", "--out", out, "--quiet", "--no-measure")
     assert code == EXIT_OK, text
     summary = json.loads((out / "summary.json").read_text())
@@ -114,3 +120,25 @@ def test_beside_a_gpu_the_slots_are_streamed_where_that_is_faster(model_dir, tmp
     assert summary["predicted_host_update_s"] == pytest.approx(
         device.host_update_s(len(plan["host_state"]), summary["host_state_bytes"]))
     assert "streamed in and out" in (out / "report.md").read_text()
+
+
+def test_beside_a_gpu_a_group_that_fits_only_partly_streamed_mixes_the_modes(model_dir, tmp_path, capsys):
+    """Simulated for v100-16gb in 20 MiB: the two largest kernels' slots do not fit streamed (23.16 MiB) and fit
+    updated on the host (a step of 11.76 ms); one kernel's streamed and the other's updated on the host fits too
+    (19.16 MiB) and is faster (10.83 ms): the plan mixes the modes, and the host's CPU runs one update and one
+    kernel's slot writes."""
+    out = tmp_path / "out"
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", "20MiB", "--device", "v100-16gb",
+                      "--trials", "20", "--out", out, "--quiet", "--no-measure")
+    assert code == EXIT_OK, text
+    summary = json.loads((out / "summary.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    modes = {item["variable"]: item["mode"] for item in plan["host_state"]}
+    assert sorted(modes.values()) == ["host-update", "stream-slots"] and summary["predicted_peak_bytes"] <= 20 * MiB
+    graph = rewriter.capture(keras.models.load_model(model_dir / "mlp.keras"), 8)
+    state = tuple(HostState(path, mode) for path, mode in modes.items())
+    device = get_device("v100-16gb")
+    assert summary["predicted_host_update_s"] == pytest.approx(host_cpu_seconds(graph, state, device))
+    both_on_host = tuple(HostState(path) for path in modes)
+    assert summary["predicted_host_update_s"] < host_cpu_seconds(graph, both_on_host, device)
+    assert "1 streamed around an update on the device" in (out / "report.md").read_text()

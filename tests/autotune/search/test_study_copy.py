@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from autotune.search import study_copy
-from autotune.run.tuning import optuna_storage
+from autotune.search.study_copy import optuna_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
