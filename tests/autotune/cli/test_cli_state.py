@@ -52,7 +52,7 @@ def test_state_over_the_budget_moves_to_the_host_and_is_confirmed(model_dir, tmp
     assert summary["measured_peak_bytes"] <= 24 * MiB
     assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.05
     assert summary["host_state_bytes"] < 18.2 * MiB  # the largest variables first, not every slot
-    assert "optimizer state on the host" in text and "optimizer slots" in (out / "report.md").read_text()
+    assert "optimizer state on the host" in text and "optimizer slots" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_no_state_keeps_the_old_verdict(model_dir, tmp_path, capsys):
@@ -84,16 +84,21 @@ def test_under_the_floor_with_every_slot_moved_the_weights_move_too_and_are_conf
     assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.05
 
 
+def _simulated_beside_a_gpu(capsys, model_dir, tmp_path, memory: str) -> tuple[dict, dict, str]:
+    """summary.json, plan.json and the words of the command simulating the MLP at batch 8 for v100-16gb in
+    ``memory`` (exit 0); report.md beside them in ``tmp_path / "out"``."""
+    out = tmp_path / "out"
+    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", memory, "--device", "v100-16gb",
+                      "--trials", "20", "--out", out, "--quiet", "--no-measure")
+    assert code == EXIT_OK, text
+    return json.loads((out / "summary.json").read_text()), json.loads((out / "plan.json").read_text()), text
+
+
 def test_beside_a_gpu_the_hosts_update_is_part_of_the_predicted_step(model_dir, tmp_path, capsys):
     """Simulated for v100-16gb in 17 MiB (where no slot of the two largest kernels fits streamed): the plan's update
     runs on the host's CPU at the preset's rate (its ops take no GPU time), and the summary says how much of the
     step that is."""
-    out = tmp_path / "out"
-    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", "17MiB", "--device", "v100-16gb",
-                      "--trials", "20", "--out", out, "--quiet", "--no-measure")
-    assert code == EXIT_OK, text
-    summary = json.loads((out / "summary.json").read_text())
-    plan = json.loads((out / "plan.json").read_text())
+    summary, plan, text = _simulated_beside_a_gpu(capsys, model_dir, tmp_path, "17MiB")
     assert summary["host_state"] and all(item["mode"] == "host-update" for item in plan["host_state"])
     device = get_device("v100-16gb")
     variables = len(summary["host_state"])
@@ -108,18 +113,13 @@ def test_beside_a_gpu_the_slots_are_streamed_where_that_is_faster(model_dir, tmp
     step of 11.76 ms, 7.50 of them the host's CPU) and streamed in and out around the update on the GPU (23.16 MiB,
     9.89 ms, 3.77 of them the host's CPU writing the slots): the plan streams them (mode stream-slots) and the
     host's CPU runs their writes alone, the slots' bytes at the preset's rate."""
-    out = tmp_path / "out"
-    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "v100-16gb",
-                      "--trials", "20", "--out", out, "--quiet", "--no-measure")
-    assert code == EXIT_OK, text
-    summary = json.loads((out / "summary.json").read_text())
-    plan = json.loads((out / "plan.json").read_text())
+    summary, plan, text = _simulated_beside_a_gpu(capsys, model_dir, tmp_path, BUDGET)
     assert plan["host_state"] and all(item["mode"] == "stream-slots" for item in plan["host_state"])
     assert summary["host_state_bytes"] < 18.2 * MiB and summary["predicted_peak_bytes"] <= 24 * MiB
     device = get_device("v100-16gb")
     assert summary["predicted_host_update_s"] == pytest.approx(
         device.host_update_s(len(plan["host_state"]), summary["host_state_bytes"]))
-    assert "streamed in and out" in (out / "report.md").read_text()
+    assert "streamed in and out" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_beside_a_gpu_a_group_that_fits_only_partly_streamed_mixes_the_modes(model_dir, tmp_path, capsys):
@@ -127,12 +127,7 @@ def test_beside_a_gpu_a_group_that_fits_only_partly_streamed_mixes_the_modes(mod
     updated on the host (a step of 11.76 ms); one kernel's streamed and the other's updated on the host fits too
     (19.16 MiB) and is faster (10.83 ms): the plan mixes the modes, and the host's CPU runs one update and one
     kernel's slot writes."""
-    out = tmp_path / "out"
-    code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", "20MiB", "--device", "v100-16gb",
-                      "--trials", "20", "--out", out, "--quiet", "--no-measure")
-    assert code == EXIT_OK, text
-    summary = json.loads((out / "summary.json").read_text())
-    plan = json.loads((out / "plan.json").read_text())
+    summary, plan, text = _simulated_beside_a_gpu(capsys, model_dir, tmp_path, "20MiB")
     modes = {item["variable"]: item["mode"] for item in plan["host_state"]}
     assert sorted(modes.values()) == ["host-update", "stream-slots"] and summary["predicted_peak_bytes"] <= 20 * MiB
     graph = rewriter.capture(keras.models.load_model(model_dir / "mlp.keras"), 8)
@@ -141,4 +136,4 @@ def test_beside_a_gpu_a_group_that_fits_only_partly_streamed_mixes_the_modes(mod
     assert summary["predicted_host_update_s"] == pytest.approx(host_cpu_seconds(graph, state, device))
     both_on_host = tuple(HostState(path) for path in modes)
     assert summary["predicted_host_update_s"] < host_cpu_seconds(graph, both_on_host, device)
-    assert "1 streamed around an update on the device" in (out / "report.md").read_text()
+    assert "1 streamed around an update on the device" in (tmp_path / "out" / "report.md").read_text()
