@@ -545,6 +545,10 @@ def capture_notes(g: OpGraph) -> list[str]:
     if together and g.meta.get("host_state"):
         notes.append(f"the optimizer reads every gradient before it updates any variable ({together}): the device "
                      "holds all gradients at once, so the slots moved to the host save their own bytes only")
+    elif together:  # the planned step updates each variable as its gradient is final, unless this holds them
+        notes.append(f"the optimizer reads every gradient before it updates any variable ({together}): the device "
+                     "holds all gradients at once; without it each variable's update runs, and frees its gradient, "
+                     "as soon as that gradient is final")
     return notes
 
 

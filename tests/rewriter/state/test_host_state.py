@@ -290,12 +290,15 @@ def test_the_writes_after_their_reads_drop_the_measured_peak_as_predicted():
 
 def test_global_norm_clipping_holds_every_gradient_and_the_notes_say_so():
     """With ``global_clipnorm`` every gradient is read by the norm before any update: the capture records why,
-    and a search with slots on the host says that they save their own bytes only; Adam without it records none."""
+    a search with slots on the host says that they save their own bytes only, one without says why every gradient
+    stays (each update runs as its gradient is final otherwise); Adam without it records and says none."""
     clipped = rewriter.capture(dense_mlp("adam", global_clipnorm=1.0), 2)
     reason = clipped.meta["movable_state"]["gradients_together"]
     assert "global_clipnorm" in reason and state_refusal(clipped) is None
     moved = with_host_state(clipped, tuple(HostState(path) for path in movable_state(clipped)), copies_in=False)
     assert any("every gradient" in note and "global_clipnorm" in note for note in capture_notes(moved))
-    assert not any("every gradient" in note for note in capture_notes(clipped))  # nothing moved: nothing to say
+    kept = [note for note in capture_notes(clipped) if "every gradient" in note]  # nothing moved: why they stay
+    assert len(kept) == 1 and "global_clipnorm" in kept[0] and "as soon as that gradient is final" in kept[0]
     plain = rewriter.capture(dense_mlp("adam"), 2)
     assert plain.meta["movable_state"]["gradients_together"] is None
+    assert not any("every gradient" in note for note in capture_notes(plain))
