@@ -290,7 +290,10 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise InputError(f"cannot create --out {out}: {error.strerror or error}") from None
+    from autotune.search.study_copy import check_storage
+
     search = replace(settings["search"], storage=args.storage or default_storage(out))
+    check_storage(search.storage)  # a file that is no study: refused before the model loads
     measurement = settings["measurement"]
     replicas = settings["replicas"]
     _say(quiet, f"loading {settings['model_file']} ...")

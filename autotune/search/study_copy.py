@@ -132,21 +132,40 @@ def optuna_storage(storage: str | None):
     if storage is None or "://" in storage:
         return storage
     path = Path(storage)
-    if path.is_file() and path.stat().st_size:  # never append to a file that is not a journal
-        with path.open("rb") as file:
-            first = file.readline()
-        if first.startswith(b"SQLite format 3\x00"):  # a database given as a path
-            return f"sqlite:///{path.resolve()}"
-        try:
-            is_journal = "op_code" in json.loads(first)
-        except (ValueError, TypeError):
-            is_journal = False
-        if not is_journal:
-            raise InputError("it is neither an Optuna journal nor an SQLite database (it is left as it is)")
+    if _stored_kind(path) == "sqlite":  # a database given as a path
+        return f"sqlite:///{path.resolve()}"
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     return JournalStorage(JournalFileBackend(storage))
+
+
+def check_storage(storage: str | None) -> None:
+    """Refuse a ``--storage`` file that holds neither a journal nor an SQLite database before anything slow runs
+    (``InputError``; the file is left as it is)."""
+    if storage is not None and "://" not in storage:
+        try:
+            _stored_kind(Path(storage))
+        except InputError as error:
+            raise InputError(f"cannot open the Optuna storage {storage!r}: {error}") from None
+
+
+def _stored_kind(path: Path) -> str | None:
+    """"sqlite" or "journal" for a file holding a study, None for a missing or empty one; another file is refused:
+    a journal is never appended to a file that is not one."""
+    if not (path.is_file() and path.stat().st_size):
+        return None
+    with path.open("rb") as file:
+        first = file.readline()
+    if first.startswith(b"SQLite format 3\x00"):
+        return "sqlite"
+    try:
+        is_journal = "op_code" in json.loads(first)
+    except (ValueError, TypeError):
+        is_journal = False
+    if not is_journal:
+        raise InputError("it is neither an Optuna journal nor an SQLite database (it is left as it is)")
+    return "journal"
 
 
 def open_study(storage: str | None, name: str, graph: OpGraph, space: SearchSpace) -> optuna.Study:
