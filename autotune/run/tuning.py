@@ -368,11 +368,12 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
     ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run
     again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
-    the movable slots' bytes, half, three quarters, all; each group updated on the host and streamed around
-    an update on the device, mode ``stream-slots``, the faster that fits kept; where one mode fits and the other
-    not, its variables tried in the other one at a time, ``_modes_per_variable``), then with their weights too (the
-    same shares of weights and slots, mode ``host-weights``), and the first group that fits is the plan's
-    ``host_state``; False: the state stays (``--no-state``).
+    the movable slots' bytes, half, three quarters, all; each group updated on the host and, where the host has
+    a rate of its own, streamed around an update on the device, mode ``stream-slots``, the faster that fits kept;
+    where one mode fits and the other not, its variables tried in the other one at a time,
+    ``_modes_per_variable``), then with their weights too (the same shares of weights and slots, mode
+    ``host-weights``), and the first group that fits is the plan's ``host_state``; False: the state stays
+    (``--no-state``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then
@@ -387,7 +388,10 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
         note = (f"the optimizer state stays on the device: {reason}" if reason
                 else "no optimizer state of this step can move to the host")
         return replace(result, notes=result.notes + [note])
-    streamed = {tuple(item.variable for item in group): group for group in state_groups(g, mode=STREAM_SLOTS)}
+    # streaming pays only where the host's CPU updates slower than the device (its own rate, beside a GPU): where
+    # the update keeps the graph's op times (the testbed) the update on the host copies fewer bytes and holds less
+    streamed = {tuple(item.variable for item in group): group for group in state_groups(g, mode=STREAM_SLOTS)} \
+        if target.device.host_update_bytes_per_s > 0 else {}
     for group in groups:  # the update on the host or on the device, the slots streamed: the faster that fits
         modes = (group, streamed.get(tuple(item.variable for item in group)))
         tried = [_search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
