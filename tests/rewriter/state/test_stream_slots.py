@@ -2,9 +2,9 @@
 ``rewriter.step.host_state``, ``simulator.state.with_host_state``): the slots live on the host and only their reads
 and writes run there; the update's arithmetic stays on the accelerator, which reads each slot through a
 ``weight_in/`` copy and whose values written to a slot are copied out. 3 steps train bitwise like Keras with SGD
-with momentum, Adam and AdamW on the 3x1024 Dense MLP, a small CNN and a transformer block; the measured peak is the
-predicted one; the GPU graph keeps its copies in (a model saved after streamed steps loads in plain Keras:
-test_host_state)."""
+with momentum, Adam and AdamW on the 3x1024 Dense MLP, with Adam on a small CNN and AdamW on a transformer block;
+the measured peak is the predicted one; the GPU graph keeps its copies in (a model saved after streamed steps loads
+in plain Keras: test_host_state)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def _built(kind: str, optimizer: str) -> keras.Model:
     return dense_mlp(optimizer) if kind == "mlp" else _model(kind, "sgd" if optimizer == "sgd_momentum" else optimizer)
 
 
+# each optimizer on the MLP, each model with one (the update's arithmetic is the optimizer's, the copies the
+# model's); the other four of the 3 x 3 pass too but cost the default run 20 s
 @pytest.mark.parametrize("kind, optimizer", [("mlp", "sgd_momentum"), ("mlp", "adam"), ("mlp", "adamw"),
-                                             ("cnn", "sgd_momentum"), ("cnn", "adam"), ("cnn", "adamw"),
-                                             ("transformer", "sgd_momentum"), ("transformer", "adam"),
-                                             ("transformer", "adamw")])
+                                             ("cnn", "adam"), ("transformer", "adamw")])
 def test_three_steps_bitwise_like_keras_with_every_slot_streamed(kind, optimizer):
     """Weights, slots and losses after 3 steps with every variable's slots streamed: bitwise equal to Keras'
     train_on_batch. The slots live on the host and their reads and writes run there (the first call's partition
