@@ -16,6 +16,9 @@ import pytest
 import rewriter
 
 from autotune.cli.command import EXIT_NO_FIT, EXIT_OK, main
+from autotune.run.options import SearchOptions
+from autotune.run.target import resolve_target
+from autotune.run.tuning import search_graph
 from simulator import get_device
 from simulator.state import HostState
 from simulator.state.host_update import host_cpu_seconds
@@ -94,35 +97,47 @@ def _simulated_beside_a_gpu(capsys, model_dir, tmp_path, memory: str) -> tuple[d
     return json.loads((out / "summary.json").read_text()), json.loads((out / "plan.json").read_text()), text
 
 
-def test_beside_a_gpu_the_hosts_update_is_part_of_the_predicted_step(model_dir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def captured(model_dir):
+    """The saved MLP's step at batch 8, as the command captures it."""
+    return rewriter.capture(keras.models.load_model(model_dir / "mlp.keras"), 8)
+
+
+def _searched_beside_a_gpu(captured, memory_mib: int):
+    """The search the command runs for v100-16gb in ``memory_mib`` MiB with --no-measure (uncalibrated)."""
+    return search_graph(captured, resolve_target("v100-16gb", memory_mib * MiB), SearchOptions(trials=20))
+
+
+def test_beside_a_gpu_the_hosts_update_is_part_of_the_predicted_step(captured):
     """Simulated for v100-16gb in 17 MiB (where no slot of the two largest kernels fits streamed): the plan's update
     runs on the host's CPU at the preset's rate (its ops take no GPU time), and the summary says how much of the
     step that is."""
-    summary, plan, text = _simulated_beside_a_gpu(capsys, model_dir, tmp_path, "17MiB")
-    assert summary["host_state"] and all(item["mode"] == "host-update" for item in plan["host_state"])
+    result = _searched_beside_a_gpu(captured, 17)
+    summary = result.summary()
+    assert summary["host_state"] and all(item.mode == "host-update" for item in result.plan.host_state)
     device = get_device("v100-16gb")
     variables = len(summary["host_state"])
     # at least the slots and each weight with its gradient: more than the slots' bytes alone at the preset's rate
     assert summary["predicted_host_update_s"] > device.host_update_s(variables, summary["host_state_bytes"])
     assert summary["predicted_step_s"] > summary["predicted_host_update_s"]
-    assert "of the step on the host's CPU" in text
 
 
-def test_beside_a_gpu_the_slots_are_streamed_where_that_is_faster(model_dir, tmp_path, capsys):
+def test_beside_a_gpu_the_slots_are_streamed_where_that_is_faster(captured):
     """Simulated for v100-16gb in 24 MiB: the two largest kernels' slots fit updated on the host (19.27 MiB, a
     step of 11.76 ms, 7.50 of them the host's CPU) and streamed in and out around the update on the GPU (23.16 MiB,
     9.89 ms, 3.77 of them the host's CPU writing the slots): the plan streams them (mode stream-slots) and the
     host's CPU runs their writes alone, the slots' bytes at the preset's rate."""
-    summary, plan, text = _simulated_beside_a_gpu(capsys, model_dir, tmp_path, BUDGET)
-    assert plan["host_state"] and all(item["mode"] == "stream-slots" for item in plan["host_state"])
+    result = _searched_beside_a_gpu(captured, 24)
+    summary = result.summary()
+    assert result.plan.host_state and all(item.mode == "stream-slots" for item in result.plan.host_state)
     assert summary["host_state_bytes"] < 18.2 * MiB and summary["predicted_peak_bytes"] <= 24 * MiB
     device = get_device("v100-16gb")
     assert summary["predicted_host_update_s"] == pytest.approx(
-        device.host_update_s(len(plan["host_state"]), summary["host_state_bytes"]))
-    assert "streamed in and out" in (tmp_path / "out" / "report.md").read_text()
+        device.host_update_s(len(result.plan.host_state), summary["host_state_bytes"]))
+    assert any("streamed in and out around their update on the device" in note for note in result.notes)
 
 
-def test_beside_a_gpu_a_group_that_fits_only_partly_streamed_mixes_the_modes(model_dir, tmp_path, capsys):
+def test_beside_a_gpu_a_group_that_fits_only_partly_streamed_mixes_the_modes(model_dir, captured, tmp_path, capsys):
     """Simulated for v100-16gb in 20 MiB: the two largest kernels' slots do not fit streamed (23.16 MiB) and fit
     updated on the host (a step of 11.76 ms); one kernel's streamed and the other's updated on the host fits too
     (19.16 MiB) and is faster (10.83 ms): the plan mixes the modes, and the host's CPU runs one update and one
@@ -130,10 +145,11 @@ def test_beside_a_gpu_a_group_that_fits_only_partly_streamed_mixes_the_modes(mod
     summary, plan, text = _simulated_beside_a_gpu(capsys, model_dir, tmp_path, "20MiB")
     modes = {item["variable"]: item["mode"] for item in plan["host_state"]}
     assert sorted(modes.values()) == ["host-update", "stream-slots"] and summary["predicted_peak_bytes"] <= 20 * MiB
-    graph = rewriter.capture(keras.models.load_model(model_dir / "mlp.keras"), 8)
+    graph = captured
     state = tuple(HostState(path, mode) for path, mode in modes.items())
     device = get_device("v100-16gb")
     assert summary["predicted_host_update_s"] == pytest.approx(host_cpu_seconds(graph, state, device))
     both_on_host = tuple(HostState(path) for path in modes)
     assert summary["predicted_host_update_s"] < host_cpu_seconds(graph, both_on_host, device)
     assert "1 streamed around an update on the device" in (tmp_path / "out" / "report.md").read_text()
+    assert "of the step on the host's CPU" in text

@@ -58,7 +58,8 @@ def test_optuna_within_one_percent_of_exhaustive(small_unet, fraction):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kwargs,batch", [("resnet50", {}, 256), ("unet3d", {"size": 64}, 96)])
+@pytest.mark.parametrize("name,kwargs,batch", [  # ResNet-50's with -m long, and in python -m benchmarks tuning
+    pytest.param("resnet50", {}, 256, marks=pytest.mark.long), ("unet3d", {"size": 64}, 96)])
 def test_optuna_no_worse_than_tflms_v2(name, kwargs, batch):
     g = capture(build_model(name, **kwargs), 1).with_batch(batch)
     budget = get_device("v100-16gb").budget_bytes

@@ -15,10 +15,10 @@ SMALL = ((16, 64), (2, 1 << 18))  # a default run's shapes: a second each
 HOST = "/device:CPU:1"  # the testbed's host
 
 
-@pytest.mark.parametrize("optimizer, slots", [(lambda: keras.optimizers.SGD(0.01, momentum=0.9), 1),
-                                              (lambda: keras.optimizers.Adam(1e-3), 2),
-                                              (lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.01), 2)],
-                         ids=["sgd-momentum", "adam", "adamw"])
+@pytest.mark.parametrize("optimizer, slots", [
+    pytest.param(lambda: keras.optimizers.SGD(0.01, momentum=0.9), 1, id="sgd-momentum"),
+    pytest.param(lambda: keras.optimizers.Adam(1e-3), 2, id="adam", marks=pytest.mark.long),  # as AdamW's
+    pytest.param(lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.01), 2, id="adamw")])
 def test_the_rate_counts_weights_gradients_and_the_optimizers_own_slots(optimizer, slots):
     rate = measure_host_update(optimizer(), host=HOST, shapes=SMALL, min_timing_s=0.2, max_timing_s=3.0)
     assert rate.state_bytes == tuple(n * size * 4 * (2 + slots) for n, size in SMALL)

@@ -43,9 +43,16 @@ def _built(kind: str, optimizer: str) -> keras.Model:
 
 
 # each optimizer on the MLP, each model with one (the update's arithmetic is the optimizer's, the copies the
-# model's); the other four of the 3 x 3 pass too but cost the default run 20 s
+# model's); the other four of the 3 x 3 run with -m long (they cost the default run 20 s)
+LONG = pytest.mark.long
+
+
 @pytest.mark.parametrize("kind, optimizer", [("mlp", "sgd_momentum"), ("mlp", "adam"), ("mlp", "adamw"),
-                                             ("cnn", "adam"), ("transformer", "adamw")])
+                                             ("cnn", "adam"), ("transformer", "adamw"),
+                                             pytest.param("cnn", "sgd_momentum", marks=LONG),
+                                             pytest.param("cnn", "adamw", marks=LONG),
+                                             pytest.param("transformer", "sgd_momentum", marks=LONG),
+                                             pytest.param("transformer", "adam", marks=LONG)])
 def test_three_steps_bitwise_like_keras_with_every_slot_streamed(kind, optimizer):
     """Weights, slots and losses after 3 steps with every variable's slots streamed: bitwise equal to Keras'
     train_on_batch. The slots live on the host and their reads and writes run there (the first call's partition
@@ -80,8 +87,9 @@ def test_three_steps_bitwise_like_keras_with_every_slot_streamed(kind, optimizer
     assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(moved))
 
 
-@pytest.mark.parametrize("optimizer, order", [("adam", "cto"), ("adam", "memory"), ("adamw", "memory"),
-                                              ("sgd_momentum", "memory"), ("adam", SWAPPING)])
+@pytest.mark.parametrize("optimizer, order", [pytest.param("adam", "cto", marks=LONG), ("adam", "memory"),
+                                              ("adamw", "memory"), pytest.param("sgd_momentum", "memory", marks=LONG),
+                                              ("adam", SWAPPING)])
 def test_the_measured_peak_with_the_slots_streamed_is_the_predicted_one(optimizer, order):
     """The MLP at batch 8, every slot streamed, serialized in the moved graph's order: the peak of two measurements
     within 5 % of the prediction (Adam 33.15 MiB predicted and measured in level order, 21.06 in the memory order;
