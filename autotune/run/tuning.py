@@ -352,11 +352,12 @@ def _modes_per_variable(moved: TuneResult, search: Callable[[tuple[HostState, ..
     (``search(host_state)``: the search with that state). Per variable, streaming is faster but keeps the update's
     working set on the device, the update on the host the reverse: a group may fit only with both."""
     state = moved.plan.host_state
-    for item in state[:MODE_FLIPS]:
-        other = STREAM_SLOTS if item.mode == HOST_UPDATE else HOST_UPDATE
-        tried = search(tuple(replace(each, mode=other) if each is item else each for each in state))
+    for variable in [item.variable for item in state][:MODE_FLIPS]:
+        flipped = tuple(replace(each, mode=STREAM_SLOTS if each.mode == HOST_UPDATE else HOST_UPDATE)
+                        if each.variable == variable else each for each in state)
+        tried = search(flipped)
         if tried.chosen is not None and tried.chosen.step_s < moved.chosen.step_s:
-            moved, state = tried, tried.plan.host_state
+            moved, state = tried, flipped
     return moved
 
 

@@ -13,11 +13,12 @@ import optuna  # noqa: E402
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, make_policy  # noqa: E402
 from autotune.search.space import SearchSpace, TuningProblem, evaluation_from_trial  # noqa: E402
-from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
+from autotune.run.tuning import _modes_per_variable, study_name_for, tune_graph  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from rewriter.trace.tracing import capture  # noqa: E402
 from simulator import SwapParams, get_device, plan_swaps, replay  # noqa: E402
 from simulator.plan import validate_plan  # noqa: E402
+from simulator.state import HOST_UPDATE, STREAM_SLOTS, HostState  # noqa: E402
 from simulator.synthetic import training_graph  # noqa: E402
 from tests.simulator.test_recompute_choice import conv_relu_graph  # noqa: E402
 
@@ -301,3 +302,24 @@ def test_off_grid_refinement_beats_the_whole_grid_and_resumes():
     validate_plan(g, resumed.plan(again.params))
     outcome = make_policy("optuna").search(resumed, study, Budget(trials=5))
     assert outcome.chosen.step_s <= best.value
+
+
+def test_each_variable_is_tried_in_the_other_mode_from_the_state_kept_so_far():
+    """A group's variables flip one at a time: a flip that is faster stays, and the next starts from it (the second
+    variable is tried with the first already streamed)."""
+    step_s = {(HOST_UPDATE, HOST_UPDATE): 10.0, (STREAM_SLOTS, HOST_UPDATE): 8.0, (HOST_UPDATE, STREAM_SLOTS): 9.0,
+              (STREAM_SLOTS, STREAM_SLOTS): 7.0}
+    asked = []
+
+    def searched(state):
+        modes = tuple(item.mode for item in state)
+        asked.append(modes)
+        chosen = dataclasses.make_dataclass("Chosen", ["step_s"])(step_s[modes])
+        copies = tuple(HostState(item.variable, item.mode) for item in state)  # as a plan file reads them back
+        return dataclasses.make_dataclass("Found", ["chosen", "plan"])(
+            chosen, dataclasses.make_dataclass("Plan", ["host_state"])(copies))
+
+    start = (HostState("a"), HostState("b"))
+    found = _modes_per_variable(searched(start), searched)
+    assert asked[1:] == [(STREAM_SLOTS, HOST_UPDATE), (STREAM_SLOTS, STREAM_SLOTS)]
+    assert found.chosen.step_s == 7.0 and [item.mode for item in found.plan.host_state] == [STREAM_SLOTS] * 2
