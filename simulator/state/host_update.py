@@ -63,6 +63,12 @@ def read_host_state_records(records, error: type[GraphError] = GraphError, versi
     return tuple(HostState(r["variable"], r["mode"]) for r in records)
 
 
+def captured_variables(g: OpGraph) -> dict[str, dict]:
+    """Trainable variable path -> what the capture recorded of its state (``graph.meta["movable_state"]``:
+    ``slot_bytes``, ``ops``, ``slot_ops``, ``weight_bytes``, ``weight_ops``); empty in a graph captured before it."""
+    return (g.meta.get("movable_state") or {}).get("variables") or {}
+
+
 def state_refusal(g: OpGraph) -> str | None:
     """Why the capture found no optimizer state that can move (None: some can, or the graph predates it)."""
     return (g.meta.get("movable_state") or {}).get("refusal")
@@ -71,14 +77,14 @@ def state_refusal(g: OpGraph) -> str | None:
 def movable_state(g: OpGraph) -> dict[str, int]:
     """Trainable variable path -> bytes of its optimizer slots, for the variables whose slots can move to
     the host (the capture's ``graph.meta["movable_state"]``; none in a graph captured before it)."""
-    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    found = captured_variables(g)
     return {path: int(entry["slot_bytes"]) for path, entry in found.items()}
 
 
 def host_ops(g: OpGraph, host_state: Sequence[HostState]) -> np.ndarray:
     """Indices of the ops that run on the host under ``host_state``: each variable's update and the reads
     and writes of its slots (names the capture recorded; those the reduced graph dropped are skipped)."""
-    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    found = captured_variables(g)
     unknown = [item.variable for item in host_state if item.variable not in found]
     if unknown:
         raise GraphError(f"the plan moves the optimizer state of {len(unknown)} variable(s) this graph cannot move "
@@ -110,7 +116,7 @@ def updates_on_host(host_state: Sequence[HostState]) -> tuple[HostState, ...]:
 def movable_weights(g: OpGraph) -> dict[str, int]:
     """Trainable variable path -> bytes of the weight, for the variables whose weight can move to the host with
     its slots (mode ``host-weights``; none in a graph captured before captures recorded the weights' ops)."""
-    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    found = captured_variables(g)
     return {path: int(entry["weight_bytes"]) for path, entry in found.items() if "weight_ops" in entry}
 
 
@@ -173,7 +179,7 @@ def state_groups(g: OpGraph, shares: Sequence[float] = (0.25, 0.5, 0.75, 1.0), m
     weights with their slots, by the bytes of both; ``stream-slots``: the slots of the variables whose capture
     recorded their reads and writes."""
     weights = movable_weights(g) if mode == HOST_WEIGHTS else {}
-    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    found = captured_variables(g)
     needed = _RECORDED_OPS.get(mode, ("ops",))[0]
     sizes = sorted(((path, size + weights.get(path, 0)) for path, size in movable_state(g).items()
                     if needed in found[path]), key=lambda item: (-item[1], item[0]))
@@ -291,7 +297,7 @@ def host_cpu_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> flo
 
 def updated_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
     """Bytes the host's update of ``host_state`` reads and writes: each variable's weight, gradient and slots."""
-    found = (g.meta.get("movable_state") or {}).get("variables") or {}
+    found = captured_variables(g)
     if any("weight_bytes" not in found.get(item.variable, {}) for item in host_state):
         raise GraphError("this graph was captured before captures recorded the bytes of each weight: capture it again")
     return sum(2 * int(found[item.variable]["weight_bytes"]) + int(found[item.variable]["slot_bytes"])
