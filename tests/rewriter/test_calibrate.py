@@ -63,7 +63,7 @@ def _timed_step(model, graph, plan, batch: int):
 
 
 # Timing on a shared 2-core machine: see the docstrings for how often they pass. Outside the default run
-# (pytest -m timing runs them); python -m benchmarks step-time is the measurement.
+# (pytest -m timing -n 0 runs them, alone on the cores); python -m benchmarks step-time is the measurement.
 @pytest.mark.timing
 def test_a_calibration_at_two_batch_sizes_predicts_a_third(calibrated_cnn):
     """No step at the predicted batch enters the prediction: the calibration's own measurements only."""
