@@ -1,4 +1,4 @@
-"""What every benchmark shares: the machine record, result files, and timing helpers.
+"""What every benchmark shares: the machine record, result files, and timing tools.
 
 Each benchmark writes ``benchmarks/results/<name>.csv``, ``<name>.md`` (a Markdown table with the
 commit, machine, versions and settings above it) and its PNG plots next to them. benchmarks/README.md

@@ -232,7 +232,7 @@ def test_every_room_says_what_lives_in_it():
 
 def test_the_simulators_tests_need_no_tensorflow():
     """tests/simulator/ runs from stored graphs: none of its modules imports TensorFlow, Keras, the rewriter
-    or the TensorFlow test helpers, and the suite's conftest (with ``import rewriter``, which prepares the
+    or the TensorFlow test tools, and the suite's conftest (with ``import rewriter``, which prepares the
     environment) loads no TensorFlow either."""
     wrong = []
     for path in sorted((ROOT / "tests" / "simulator").glob("*.py")):
@@ -240,7 +240,7 @@ def test_the_simulators_tests_need_no_tensorflow():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             wrong += [f"{path.name}: {name}" for name in names
-                      if name.partition(".")[0] in ("tensorflow", "keras", "rewriter") or name == "tests.tf_helpers"]
+                      if name.partition(".")[0] in ("tensorflow", "keras", "rewriter") or name == "tests.tf_tools"]
     assert wrong == []
     script = "import sys, tests.conftest, rewriter, simulator; sys.exit('tensorflow' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)

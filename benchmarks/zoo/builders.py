@@ -1,6 +1,6 @@
 """The zoo's model builders (Keras; ``benchmarks.zoo`` lists them without importing Keras).
 
-Builders reuse ``benchmarks.models``' helpers (compilation, applications, U-Net, transformer). The
+Builders reuse ``benchmarks.models``' shared builders (compilation, applications, U-Net, transformer). The
 custom layer and loss are registered as Keras serializables, so saved models load again.
 """
 

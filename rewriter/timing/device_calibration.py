@@ -32,7 +32,7 @@ the same model: ``simulator.replay(g, plan, calibrated)`` and ``autotune`` take 
 ``CalibrationError`` (bad input, exit 2 in the CLI): the model does not run at a calibration batch
 size, or a calibration is used on another model's graph (``CalibrationMismatchError``).
 
-``timed_passes`` is the timing helper both the calibration and ``benchmarks/step_time.py`` use, so
+``timed_passes`` is the timing routine both the calibration and ``benchmarks/step_time.py`` use, so
 that predictions and measurements are taken the same way.
 """
 

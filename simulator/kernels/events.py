@@ -7,10 +7,10 @@ import numpy as np
 from numba import njit
 
 from simulator.kernels.records import LateCopies, Transfers
-from simulator.kernels.tools import array_helper, heap_pop, heap_push, search_left, search_right, slot_argsort
+from simulator.kernels.tools import array_routine, heap_pop, heap_push, search_left, search_right, slot_argsort
 
 
-@array_helper
+@array_routine
 def _swap_out_end(i, out_end, late, finish_plain, seg_slot, seg_shift, seg_count, shift):
     """The end of copy out ``i``, scheduling the late copies out (``LateCopies``) in queue order up to it
     (``late.cursor[0]``: the next late copy out, ``late.cursor[1]``: the segment of the last one's

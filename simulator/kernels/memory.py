@@ -8,7 +8,7 @@ import numpy as np
 from numba import njit
 
 from simulator.kernels.records import Memory, RootFrees
-from simulator.kernels.tools import (array_helper, contains_value, lexsort, precedes, radix_argsort, search_left_near,
+from simulator.kernels.tools import (array_routine, contains_value, lexsort, precedes, radix_argsort, search_left_near,
                                     search_right_near)
 
 
@@ -188,7 +188,7 @@ def account(step, plan, far, slots, lifetimes, transfers):
                   in_place_out, wait_slots, wait_moment, host_bytes, host_peak_s)
 
 
-@array_helper
+@array_routine
 def _candidate(candidate_of, slots, slot):
     """``slot``'s number among the sorted ``slots`` through the map ``candidate_of`` (set only at
     those slots), or -1."""
@@ -566,7 +566,7 @@ def _copy_overlap(transfers, start, done, ascending):
     return _pairwise_sum(inside)
 
 
-@array_helper
+@array_routine
 def _done_by(time, slot, start, finish_all, done):
     """The compute done by ``time`` in ``slot`` (-1: before the first): ``np.clip`` as numpy does it."""
     if slot < 0:

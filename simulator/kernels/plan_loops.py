@@ -7,7 +7,7 @@ Each kernel does, operation for operation, what the numpy code it replaced did (
 additions in the same order, the same tie-breaking), so results are bit-identical to it: the golden
 set (tests/simulator/test_golden.py) holds them to that. ``cache=True`` keeps the machine code under
 ``__pycache__``, so a new process loads it instead of compiling again (``kernel_tools`` says how the
-small helpers are compiled).
+small routines are compiled).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Small compiled helpers of the kernels (``plan_loops``, ``events``, ``memory``):
+"""Small compiled routines of the kernels (``plan_loops``, ``events``, ``memory``):
 binary searches without slices, a binary heap, sorts, membership in a few values.
 
-Helpers that take arrays and allocate nothing are compiled without numba's reference counting
-(``array_helper``): inlined or not, numba counted a reference to each array they take, in and out,
+Routines that take arrays and allocate nothing are compiled without numba's reference counting
+(``array_routine``): inlined or not, numba counted a reference to each array they take, in and out,
 with an atomic instruction each (about 5,900 a ResNet-50 replay, a quarter of its time); ones that
 take only numbers are inlined (``inline="always"``).
 """
@@ -13,12 +13,12 @@ import numpy as np
 from numba import njit
 
 
-# Helpers called per swap, swap-in or wait that take arrays and allocate none: numba's reference
-# counting off (its ``_nrt`` option). Inlined at numba's level (``inline="always"``) such a helper
+# Routines called per swap, swap-in or wait that take arrays and allocate none: numba's reference
+# counting off (its ``_nrt`` option). Inlined at numba's level (``inline="always"``) such a routine
 # still took a reference to each array argument and dropped it after its loop, two atomic
 # instructions per array and call that LLVM cannot prune across a loop: 647 heap pushes cost 14 us
-# that way, 1.2 us without. Such a helper must not create or return an array.
-array_helper = njit(cache=True, nogil=True, _nrt=False)
+# that way, 1.2 us without. Such a routine must not create or return an array.
+array_routine = njit(cache=True, nogil=True, _nrt=False)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -26,7 +26,7 @@ def heap_less(time_a, index_a, time_b, index_b):
     return time_a < time_b or (time_a == time_b and index_a < index_b)
 
 
-@array_helper
+@array_routine
 def heap_push(times, items, size, time, item):
     """Push (time, item) onto the binary min-heap in ``times``/``items[:size]``; returns the new size."""
     position = size
@@ -42,7 +42,7 @@ def heap_push(times, items, size, time, item):
     return size + 1
 
 
-@array_helper
+@array_routine
 def heap_pop(times, items, size):
     """Remove the least (time, item) (ties by item, as heapq's tuples); returns it and the new size."""
     time, item = times[0], items[0]
@@ -66,7 +66,7 @@ def heap_pop(times, items, size):
     return time, item, size
 
 
-@array_helper
+@array_routine
 def search_left_in(values, lo, hi, x):
     """``np.searchsorted(values[lo:hi], x, "left") + lo`` for a scalar, without a slice (numba's
     own searchsorted allocates per call; a slice costs a reference count in a hot loop)."""
@@ -79,7 +79,7 @@ def search_left_in(values, lo, hi, x):
     return lo
 
 
-@array_helper
+@array_routine
 def search_right_in(values, lo, hi, x):
     """``np.searchsorted(values[lo:hi], x, "right") + lo`` for a scalar."""
     while lo < hi:
@@ -91,19 +91,19 @@ def search_right_in(values, lo, hi, x):
     return lo
 
 
-@array_helper
+@array_routine
 def search_left(values, x):
     """``np.searchsorted(values, x, "left")`` for a scalar."""
     return search_left_in(values, 0, len(values), x)
 
 
-@array_helper
+@array_routine
 def search_right(values, x):
     """``np.searchsorted(values, x, "right")`` for a scalar."""
     return search_right_in(values, 0, len(values), x)
 
 
-@array_helper
+@array_routine
 def search_left_near(values, x, hint):
     """``search_left(values, x)`` searched from ``hint`` (a previous answer) upward, doubling the step, so a
     run of ascending look-ups costs about one pass; a look-up below the hint is a plain search."""
@@ -118,7 +118,7 @@ def search_left_near(values, x, hint):
     return search_left_in(values, where, min(where + step + 1, n), x)
 
 
-@array_helper
+@array_routine
 def search_right_near(values, x, hint):
     """``search_right(values, x)`` searched from ``hint`` upward (see ``search_left_near``)."""
     n = len(values)
@@ -224,12 +224,12 @@ def slot_argsort(slots, n_slots):
     return radix_argsort(slots, 1, n_slots + 1)
 
 
-@array_helper
+@array_routine
 def contains_value(values, count, value):
     return contains_value_in(values, 0, count, value)
 
 
-@array_helper
+@array_routine
 def contains_value_in(values, lo, hi, value):
     """Whether ``value`` is among ``values[lo:hi]`` (a few: searched linearly)."""
     for k in range(lo, hi):

@@ -5,7 +5,7 @@ and the parameter count is Keras'."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
 
 import dataclasses
 

@@ -5,7 +5,7 @@ Augmentation layers' random draws end the region and are cut at its entry, so th
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import pytest
 

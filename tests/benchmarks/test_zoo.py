@@ -5,7 +5,7 @@ right. ``python -m benchmarks fidelity --zoo`` runs the whole zoo x 7 plans."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
 
 import numpy as np
 import pandas as pd

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import keras
 import numpy as np

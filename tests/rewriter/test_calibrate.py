@@ -3,7 +3,7 @@ third, orders plans of clearly different stalls as measured, and refuses bad inp
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import importlib.util
 import json

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import pytest
 from tensorflow.core.framework import graph_pb2

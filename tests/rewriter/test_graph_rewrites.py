@@ -3,7 +3,7 @@ computes the same update."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import numpy as np
 import pytest

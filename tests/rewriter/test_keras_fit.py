@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import numpy as np
 import pytest

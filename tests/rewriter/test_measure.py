@@ -11,7 +11,7 @@ import sys
 import logging
 from collections import Counter
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import numpy as np
 import pandas as pd
@@ -69,7 +69,7 @@ def test_warns_when_small_allocations_are_hidden(monkeypatch, caplog):
 
 
 def test_warns_when_onednn_kernels_are_off(monkeypatch, caplog):
-    assert placement_module.onednn_enabled() is True, "import rewriter (tf_helpers) turns oneDNN on"
+    assert placement_module.onednn_enabled() is True, "import rewriter (tf_tools) turns oneDNN on"
     monkeypatch.setattr(placement_module, "onednn_enabled", lambda: False)
     monkeypatch.setattr(placement_module, "_warned_onednn", False)
     with caplog.at_level(logging.WARNING, logger="rewriter.placement.placements"):
@@ -134,7 +134,7 @@ def test_swapped_plan_measures_its_predicted_peak_on_every_run():
 
 _SCRIPT = """
 import json, sys
-import tests.tf_helpers as th
+import tests.tf_tools as th
 import tensorflow as tf
 import rewriter
 from benchmarks.models import build_model, example_batch

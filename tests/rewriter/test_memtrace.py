@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: F401, I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: F401, I001 -- first: configures TF before its runtime starts
 
 import pandas as pd
 import pytest

@@ -3,7 +3,7 @@ thing and every swap op of the plan survives Grappler."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 from dataclasses import dataclass
 

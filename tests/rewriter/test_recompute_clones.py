@@ -3,7 +3,7 @@ and refuse what must not be recomputed (docs/design.md 9)."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import types
 

@@ -3,7 +3,7 @@ hosts CPU:1 and CPU:3; docs/design.md 14): one replica's captured graph, the nam
 replica, one plan applied to both, trained through model.fit as plain MirroredStrategy trains, and each replica's
 measured peak against the prediction. The testbed needs its own interpreter (this one has two logical CPUs), so
 one fresh process does the TensorFlow work and reports what it found. The same for MultiWorkerMirroredStrategy:
-two worker processes on 127.0.0.1, each with its own testbed (tests.tf_helpers.run_workers)."""
+two worker processes on 127.0.0.1, each with its own testbed (tests.tf_tools.run_workers)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import keras
 import numpy as np
@@ -362,7 +362,7 @@ print("FACTS " + json.dumps(facts))
 @pytest.fixture(scope="module")
 def workers() -> list[dict]:
     """Two MultiWorkerMirroredStrategy workers on 127.0.0.1, each a process with its own testbed, started and
-    stopped here (tests.tf_helpers.run_workers); what each found."""
+    stopped here (tests.tf_tools.run_workers); what each found."""
     done = th.run_workers(MULTI_WORKER, 2, timeout=180)
     found = [[line for line in d.stdout.splitlines() if line.startswith("FACTS ")] for d in done]
     assert all(d.returncode == 0 for d in done) and all(found), "\n".join(d.stderr[-3000:] for d in done)

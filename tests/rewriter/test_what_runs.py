@@ -4,7 +4,7 @@ and the fused oneDNN ops a swapped step keeps (``simulator.fusion``)."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: F401, I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: F401, I001 -- first: configures TF before its runtime starts
 
 import keras
 import numpy as np

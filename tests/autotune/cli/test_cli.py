@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from autotune.cli.command import main  # noqa: E402
-from tests.cli_helpers import uncalibrated  # noqa: E402
+from tests.cli_tools import uncalibrated  # noqa: E402
 from autotune.search.study_copy import optuna_storage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]

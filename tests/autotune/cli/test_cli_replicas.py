@@ -14,7 +14,7 @@ import pytest
 from autotune.cli.command import main
 from rewriter import environment
 from tests.autotune.cli.test_cli_inputs import model_dir  # noqa: F401 -- a .keras archive never loaded
-from tests.cli_helpers import uncalibrated
+from tests.cli_tools import uncalibrated
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -6,7 +6,7 @@ moved, the weights move with their slots (mode ``host-weights``)."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: F401,I001 -- first: configures TF before its runtime starts
 
 import json
 
@@ -22,7 +22,7 @@ from autotune.run.tuning import search_graph
 from simulator import get_device
 from simulator.state import HostState
 from simulator.state.host_update import host_cpu_seconds
-from tests.cli_helpers import uncalibrated
+from tests.cli_tools import uncalibrated
 from tests.rewriter.state.test_state import dense_mlp
 
 pytestmark = pytest.mark.tf

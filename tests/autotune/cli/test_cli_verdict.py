@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from autotune.cli.command import main  # noqa: E402
-from tests.cli_helpers import uncalibrated  # noqa: E402
+from tests.cli_tools import uncalibrated  # noqa: E402
 from rewriter.placement.placements import CpuTestbedPlacement, PeakReading  # noqa: E402
 from autotune.run.target import resolve_target  # noqa: E402
 from autotune.run.verdict import PeakCorrection  # noqa: E402

@@ -9,7 +9,7 @@ import json
 import sys
 import textwrap
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import keras
 import numpy as np
@@ -17,7 +17,7 @@ import pytest
 
 import rewriter
 from autotune.cli.command import main
-from tests.cli_helpers import uncalibrated
+from tests.cli_tools import uncalibrated
 from rewriter.trace.tracing import capture, synthetic_batch
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from simulator import SwapParams, plan_swaps, replay

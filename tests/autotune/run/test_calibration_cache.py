@@ -3,7 +3,7 @@ on the same machine, and never by another graph or machine."""
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: F401, I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: F401, I001 -- first: configures TF before its runtime starts
 
 import dataclasses
 import json

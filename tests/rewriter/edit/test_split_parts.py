@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import keras
 import numpy as np

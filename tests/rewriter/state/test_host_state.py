@@ -5,7 +5,7 @@ training with the plan loads in plain Keras; an optimizer the tool does not know
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import dataclasses
 

@@ -3,7 +3,7 @@ optimizer state on the host beside a GPU spends on the host's CPU (docs/design.m
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import keras
 import pytest

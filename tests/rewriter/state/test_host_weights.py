@@ -7,7 +7,7 @@ alone do not fit (a model saved while training so loads in plain Keras: test_hos
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import dataclasses
 

@@ -10,7 +10,7 @@ optimizer's ``tf.cond`` (``rewriter.tf_effects.conditionals``), the small CNN wi
 
 from __future__ import annotations
 
-import tests.tf_helpers as th  # noqa: I001 -- first: configures TF before its runtime starts
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
 
 import keras
 import numpy as np
