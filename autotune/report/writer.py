@@ -101,11 +101,11 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
                        f"the budget of {format_bytes(result.budget_bytes)}"
                        + (" (of the rewritten step; the plan applies the rewrites)." if result.graph_rewrites else "."))
     else:  # peaks as corrected by measured runs, where there were any (the same as predicted otherwise)
-        correction, resident = result.correction, result.graph.persistent_bytes
-        base = correction.corrected(result.baseline.peak_bytes, resident)
+        correction = result.correction
+        base = correction.corrected(result.baseline.peak_bytes, result.graph.persistent_bytes)
         miss = ""
         if shown is not None:
-            closest = correction.corrected(shown.peak_bytes, resident)
+            closest = correction.corrected(shown.peak_bytes, result.resident_bytes())
             miss = (f" The closest plan found reaches {format_bytes(closest)}, "
                     f"{format_bytes(max(0, closest - result.budget_bytes))} over it.")
         corrected = "" if correction.is_identity else (f" (corrected from measured runs: "

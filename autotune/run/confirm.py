@@ -40,7 +40,7 @@ def _promoted_closest(result: TuneResult, check: Check) -> TuneResult:
     the target, is within the budget (and agrees with its corrected prediction) is the plan."""
     chosen = replace(result.closest, feasible=True, excess_bytes=check.projected_bytes - check.budget_bytes)
     verdict = predicted(fits=True, swaps=result.has_actions,
-                        peak_bytes=result.correction.corrected(chosen.peak_bytes, result.graph.persistent_bytes),
+                        peak_bytes=result.correction.corrected(chosen.peak_bytes, result.resident_bytes()),
                         budget_bytes=result.budget_bytes, measured=True, action=result.action_phrase)
     note = ("the corrected search found no plan under its stricter limit, but the closest plan's measured peak "
             "is within the budget: the measurement decides")
@@ -129,7 +129,7 @@ def confirm(model, graph, target: Target, inputs: StepInputs, *, batch_size: int
                 checks, reason=f"the corrected search chose the plan measured in round {measured_round} again and "
                                f"its measurement does not confirm it, so more rounds would measure nothing new; "
                                f"{check.describe()}"))
-        correction = next_correction(check, correction, result.graph.with_batch(run.batch_size).persistent_bytes)
+        correction = next_correction(check, correction, result.resident_bytes(run.batch_size))
         if round_ < rounds:
             what = (f"the measured run agrees with the prediction, but its peak, carried to the target's "
                     f"prediction, is {format_bytes(check.projected_bytes - check.budget_bytes)} over the budget"

@@ -182,15 +182,23 @@ class TuneResult:
         """The chosen candidate, or the closest miss when nothing fits."""
         return self.chosen or self.closest
 
+    def resident_bytes(self, batch_size: int | None = None) -> int:
+        """What stays resident through the shown plan's step at ``batch_size`` (the run's by default): the captured
+        step's weights, optimizer state and inputs less the state the plan keeps on the host. A measured peak is
+        corrected and carried by what lies above this; the captured step's resident bytes, which count the moved
+        state, made every check of a plan that moves state agree and carried its peak to at least that state."""
+        g = self.graph if batch_size is None else self.graph.with_batch(batch_size)
+        return with_host_state(g, () if self.plan is None else self.plan.host_state).persistent_bytes
+
     def check_of(self, run: MeasuredRun, measured_bytes: int | None, round_: int, correction: PeakCorrection,
                  reused_from: int | None = None) -> Check:
         """``run`` (``measured_bytes``: its peak, or one replica's) against the prediction for the machine it ran
         on, carried to the target's prediction (``autotune.run.verdict.check_run``)."""
         return check_run(round=round_, measured_on=run.measured_on, measured_bytes=measured_bytes,
                          predicted_bytes=run.predicted_peak_bytes,
-                         resident_bytes=self.graph.with_batch(run.batch_size).persistent_bytes,
+                         resident_bytes=self.resident_bytes(run.batch_size),
                          predicted_at_request_bytes=self.shown.peak_bytes,
-                         resident_at_request_bytes=self.graph.persistent_bytes, measured_batch=run.batch_size,
+                         resident_at_request_bytes=self.resident_bytes(), measured_batch=run.batch_size,
                          requested_batch=self.batch_size, budget_bytes=self.budget_bytes, correction=correction,
                          target_on=getattr(self.device, "preset", None) or self.device.name, reused_from=reused_from)
 
