@@ -30,7 +30,7 @@ from simulator import BACKWARD, DeviceModel, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
 from simulator.split import SplitFloor
 from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, HostState, movable_state, movable_weights, moved_kinds,
-                             with_host_state)
+                             state_refusal, with_host_state)
 
 BROADCAST_TYPES = ("Tile", "BroadcastTo")
 OPTIMIZER_SLOTS = "optimizer slots"  # rewriter.trace.state_kinds.SLOTS, the kind resident_split_bytes names
@@ -192,6 +192,9 @@ def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recomput
     notes = [f"decided right after capture, with no calibration, search or measured run: {floor.describe()}; "
              f"no swap or recomputation plan goes under that ({format_bytes(floor.floor_bytes)})",
              "what would get under the budget: " + "; ".join(ways)]
+    refusal = state_refusal(graph)
+    if state and not movable and refusal and floor.resident_split.get(OPTIMIZER_SLOTS, 0):
+        notes.append(f"the optimizer state cannot move to the host: {refusal}")  # as the search says it
     problem = TuningProblem(graph, device_model, budget, space=SearchSpace.for_graph(graph, recompute=recompute))
     baseline = problem.baseline()
     return TuneResult(model=str(graph.meta.get("model", "model")), batch_size=graph.batch_size, target=target,

@@ -394,7 +394,7 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     groups = state_groups(g)
     if not groups:
         reason = state_refusal(g)
-        note = (f"the optimizer state stays on the device: {reason}" if reason
+        note = (f"the optimizer state cannot move to the host: {reason}" if reason
                 else "no optimizer state of this step can move to the host")
         return replace(result, notes=result.notes + [note])
     # streaming pays only where the host's CPU updates slower than the device (its own rate, beside a GPU): where

@@ -81,3 +81,27 @@ def test_a_budget_under_every_floor_suggests_nothing_that_cannot_reach_it(unet, 
     assert "--rewrite split-concat lowers the floor only to" in text and "still over the budget" in text
     assert "lowers the floor to" not in text
     assert "no batch size gets under the budget" in text
+
+
+def test_a_mixed_precision_models_state_that_cannot_move_is_said_with_why(nothing_after_capture, capsys, tmp_path):
+    """Under the floor with Keras' LossScaleOptimizer (mixed precision), whose update checks every gradient before
+    any: its optimizer state cannot move to the host, and the command says so beside the floor (exit 3 right
+    after capture)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x = keras.Input((256,))
+        model = keras.Model(x, keras.layers.Dense(10, dtype="float32")(keras.layers.Dense(1024, activation="relu")(x)))
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),  # kept by the file
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    path = tmp_path / "mixed.keras"
+    model.save(path)
+    code = main([str(path), "--batch-size", str(BATCH), "--memory", "1MiB", "--device", "cpu-testbed", "--calibrate",
+                 "--out", str(tmp_path / "out")])  # the state may move: it is the optimizer that keeps it
+    text = "".join(capsys.readouterr())
+    assert code == 3, text
+    assert "the optimizer state cannot move to the host: optimizer LossScaleOptimizer is not one whose" in text
