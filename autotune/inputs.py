@@ -185,15 +185,19 @@ def load_model(path: Path, describe_error=None, notes: list[str] | None = None):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
             model = keras.models.load_model(path)
+        skipped_counts = []  # one per optimizer Keras skipped (a LossScaleOptimizer and the one inside it: two)
         for warning in caught:
             skipped = OPTIMIZER_SKIPPED.search(str(warning.message))
-            if skipped and notes is not None:
-                notes.append(f"the optimizer state saved in {Path(path).name} was not loaded (Keras: "
-                             f"{skipped.group(3)} variables saved, {skipped.group(2)} built; a model saved before "
-                             "it trained has none): the tuning sizes the optimizer state from the model's weights, "
-                             "so the result is the same")
-            elif not skipped:
+            if skipped:
+                skipped_counts.append(skipped)
+            else:
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        if skipped_counts and notes is not None:
+            counts = "; ".join(f"{found.group(3)} variables saved, {found.group(2)} built"
+                               + (f" for {found.group(1)}" if len(skipped_counts) > 1 else "") for found in skipped_counts)
+            notes.append(f"the optimizer state saved in {Path(path).name} was not loaded (Keras: {counts}; a model "
+                         "saved before it trained has none): the tuning sizes the optimizer state from the model's "
+                         "weights, so the result is the same")
     except Exception as error:  # Keras raises many kinds for a broken or foreign file
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         text = describe_error(error) if describe_error is not None else first[:300]

@@ -73,6 +73,12 @@ def test_keras_optimizer_warning_is_explained_not_printed(tmp_path):
     assert loaded.optimizer is not None
     assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
     assert len(notes) == 1 and "was not loaded" in notes[0] and "the result is the same" in notes[0], notes
+    # a LossScaleOptimizer saved untrained: Keras skips it and the optimizer inside it, one note names both
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse")
+    model.save(tmp_path / "scaled.keras")
+    notes = []
+    load_model(tmp_path / "scaled.keras", notes=notes)
+    assert len(notes) == 1 and notes[0].count("built for ") == 2, notes
 
 
 SCRIPT = textwrap.dedent('''
