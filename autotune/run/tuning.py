@@ -185,8 +185,8 @@ class TuneResult:
     def resident_bytes(self, batch_size: int | None = None) -> int:
         """What stays resident through the shown plan's step at ``batch_size`` (the run's by default): the captured
         step's weights, optimizer state and inputs less the state the plan keeps on the host. A measured peak is
-        corrected and carried by what lies above this; the captured step's resident bytes, which count the moved
-        state, made every check of a plan that moves state agree and carried its peak to at least that state."""
+        corrected and carried by what lies above this (``autotune.run.verdict.check_run``), not above state that
+        is not on the device."""
         g = self.graph if batch_size is None else self.graph.with_batch(batch_size)
         return with_host_state(g, () if self.plan is None else self.plan.host_state).persistent_bytes
 

@@ -84,9 +84,9 @@ def test_a_budget_under_every_floor_suggests_nothing_that_cannot_reach_it(unet, 
 
 
 def test_a_mixed_precision_models_state_that_cannot_move_is_said_with_why(nothing_after_capture, capsys, tmp_path):
-    """Under the floor with Keras' LossScaleOptimizer (mixed precision), whose update checks every gradient before
-    any: its optimizer state cannot move to the host, and the command says so beside the floor (exit 3 right
-    after capture)."""
+    """Under the floor with Keras' LossScaleOptimizer (mixed precision; its update runs in a branch taken after
+    every gradient is checked), whose state the tool does not move: the command says so and why beside the floor
+    (exit 3 right after capture)."""
     import keras
 
     keras.utils.set_random_seed(0)

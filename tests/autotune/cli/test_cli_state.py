@@ -65,8 +65,8 @@ def test_a_measured_plan_that_moves_state_is_carried_to_the_target_by_what_it_le
                                                                                              capsys):
     """For v100-16gb in 24 MiB, measured on the testbed: the miss measured there is carried to the target's
     prediction by the memory above what the plan leaves resident (its state moved), so the plan the search chose is
-    confirmed in its first round. Carried by the captured step's resident bytes (27.2 MiB, the moved slots
-    counted), every plan that moved state projected to at least those and was re-tuned as over the budget."""
+    confirmed in its first round (the moved slots are not resident: counted as such, any plan that moves state
+    would project to at least their 27.2 MiB)."""
     out = tmp_path / "out"
     code, text = _run(capsys, model_dir, "--batch-size", "8", "--memory", BUDGET, "--device", "v100-16gb",
                       "--trials", "20", "--out", out, "--quiet")
