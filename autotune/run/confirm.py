@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from autotune.run.calibrated_timing import calibrate_for, search_target
 from autotune.run.floor import choose_parts, foregone, split_lines, split_to_budget, state_floor_bytes
-from autotune.search.parts import parts_to_search
+from autotune.search.parts import parts_to_search, split_floor
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import ReplicatedRuns, SingleDeviceRuns
@@ -204,11 +204,14 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     captured, split, split_notes, splits = graph, None, [], []
+    # a split's floor with the optimizer state the search may move on the host as well: the two together
+    floor_of = (lambda g: state_floor_bytes(g, target.device)) if search.state else None
     if peak_lower_bound_bytes(graph) > target.device_budget_bytes and not search.maximize_batch and not (
             search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
-        split = split_to_budget(graph, target.device_budget_bytes)  # the ops that set the floor, in parts
-        if split is not None and search.split and split.split_floor_bytes <= target.device_budget_bytes:
-            splits = parts_to_search(captured, target.device_budget_bytes, first=split)  # the fewest that fit, and more
+        split = split_to_budget(graph, target.device_budget_bytes, floor_of)  # the ops that set the floor, in parts
+        if split is not None and search.split and split_floor(split, floor_of) <= target.device_budget_bytes:
+            splits = parts_to_search(captured, target.device_budget_bytes, first=split,  # the fewest that fit, and more
+                                     floor_of=floor_of)
             graph = split.split_graph
     known = foregone(graph, target, policy=search.policy, recompute=search.recompute, state=search.state,
                      recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),

@@ -25,34 +25,44 @@ SPLIT_PARTS = (2, 4, 8, 16, 32)  # the parts a split may have, fewest first (few
 PARTS_DOUBLINGS = 2  # the search tries the fewest parts that fit and this many doublings of them
 
 
-def split_to_budget(g: OpGraph, budget_bytes: int) -> SplitFloor | None:
-    """The split with the fewest parts (``SPLIT_PARTS``, at most the batch) whose floor is within the budget,
-    else the one with the lowest floor; None when no region of ``g`` can be split."""
-    lowest = None
+FloorOf = Callable[[OpGraph], int]  # a split step's floor: as split, or with what else the search may move
+
+
+def split_floor(found: SplitFloor, floor_of: FloorOf | None = None) -> int:
+    """``found``'s floor after splitting, or ``floor_of`` its split step (the floor with the optimizer state the
+    search may move on the host too: ``autotune.run.floor.state_floor_bytes``)."""
+    return found.split_floor_bytes if floor_of is None else floor_of(found.split_graph)
+
+
+def split_to_budget(g: OpGraph, budget_bytes: int, floor_of: FloorOf | None = None) -> SplitFloor | None:
+    """The split with the fewest parts (``SPLIT_PARTS``, at most the batch) whose floor (``split_floor``) is within
+    the budget, else the one with the lowest floor; None when no region of ``g`` can be split."""
+    lowest, lowest_bytes = None, 0
     for parts in (p for p in SPLIT_PARTS if p <= g.batch_size):
         found = floor_after_splitting(g, parts)
         if not found.regions:
             continue
-        if found.split_floor_bytes <= budget_bytes:
+        floor_bytes = split_floor(found, floor_of)
+        if floor_bytes <= budget_bytes:
             return found
-        if lowest is None or found.split_floor_bytes < lowest.split_floor_bytes:
-            lowest = found
+        if lowest is None or floor_bytes < lowest_bytes:
+            lowest, lowest_bytes = found, floor_bytes
     return lowest
 
 
 def parts_to_search(g: OpGraph, budget_bytes: int, doublings: int = PARTS_DOUBLINGS,
-                    first: SplitFloor | None = None) -> list[SplitFloor]:
-    """The splits a search tries, fewest parts first: the fewest parts whose floor is within the budget
-    (``split_to_budget``, or ``first`` where the caller has it already) and up to ``doublings`` doublings of
-    them (``SPLIT_PARTS``, at most the batch); none when no split gets under the budget."""
-    first = first or split_to_budget(g, budget_bytes)
-    if first is None or first.split_floor_bytes > budget_bytes:
+                    first: SplitFloor | None = None, floor_of: FloorOf | None = None) -> list[SplitFloor]:
+    """The splits a search tries, fewest parts first: the fewest parts whose floor (``split_floor``) is within the
+    budget (``split_to_budget``, or ``first`` where the caller has it already) and up to ``doublings`` doublings
+    of them (``SPLIT_PARTS``, at most the batch); none when no split gets under the budget."""
+    first = first or split_to_budget(g, budget_bytes, floor_of)
+    if first is None or split_floor(first, floor_of) > budget_bytes:
         return []
     found = [first]
     for parts in SPLIT_PARTS:
         if first.parts < parts <= g.batch_size and len(found) <= doublings:
             more = floor_after_splitting(g, parts)
-            if more.regions and more.split_floor_bytes <= budget_bytes:
+            if more.regions and split_floor(more, floor_of) <= budget_bytes:
                 found.append(more)
     return found
 
