@@ -2,7 +2,8 @@
 AdamW (27.2 MiB resident, 18.1 MiB of it Adam's slots). With the default search the slots of the largest
 variables move to the host, the measured run on the testbed confirms the plan, exit 0; with ``--no-state``
 (or ``state = false`` in autotune.toml) the state stays and no plan fits, exit 3. Under the floor with every slot
-moved, the weights move with their slots (mode ``host-weights``)."""
+moved, the weights move with their slots (mode ``host-weights``). Where neither a split nor moved state gets under the
+floor alone, the split is chosen by its floor with the state moved and the plan does both."""
 
 from __future__ import annotations
 
