@@ -185,16 +185,17 @@ def load_model(path: Path, describe_error=None, notes: list[str] | None = None):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
             model = keras.models.load_model(path)
-        skipped_counts = []  # one per optimizer Keras skipped (a LossScaleOptimizer and the one inside it: two)
+        skipped_optimizers = []  # Keras' warning per optimizer it skipped (a LossScaleOptimizer and its inner one: two)
         for warning in caught:
             skipped = OPTIMIZER_SKIPPED.search(str(warning.message))
             if skipped:
-                skipped_counts.append(skipped)
+                skipped_optimizers.append(skipped)
             else:
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-        if skipped_counts and notes is not None:
+        if skipped_optimizers and notes is not None:
+            named = len(skipped_optimizers) > 1
             counts = "; ".join(f"{found.group(3)} variables saved, {found.group(2)} built"
-                               + (f" for {found.group(1)}" if len(skipped_counts) > 1 else "") for found in skipped_counts)
+                               + (f" for {found.group(1)}" if named else "") for found in skipped_optimizers)
             notes.append(f"the optimizer state saved in {Path(path).name} was not loaded (Keras: {counts}; a model "
                          "saved before it trained has none): the tuning sizes the optimizer state from the model's "
                          "weights, so the result is the same")

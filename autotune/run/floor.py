@@ -24,7 +24,7 @@ from autotune.search.parts import PartsSearch, search_parts, split_to_budget  # 
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import SearchSpace, TuningProblem
 from autotune.run.target import Target
-from autotune.run.tuning import TuneResult, largest_batch
+from autotune.run.tuning import TuneResult, largest_batch, why_state_stays
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, DeviceModel, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes
@@ -192,9 +192,8 @@ def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recomput
     notes = [f"decided right after capture, with no calibration, search or measured run: {floor.describe()}; "
              f"no swap or recomputation plan goes under that ({format_bytes(floor.floor_bytes)})",
              "what would get under the budget: " + "; ".join(ways)]
-    refusal = state_refusal(graph)
-    if state and not movable and refusal and floor.resident_split.get(OPTIMIZER_SLOTS, 0):
-        notes.append(f"the optimizer state cannot move to the host: {refusal}")  # as the search says it
+    if state and not movable and state_refusal(graph) and floor.resident_split.get(OPTIMIZER_SLOTS, 0):
+        notes.append(why_state_stays(graph))
     problem = TuningProblem(graph, device_model, budget, space=SearchSpace.for_graph(graph, recompute=recompute))
     baseline = problem.baseline()
     return TuneResult(model=str(graph.meta.get("model", "model")), batch_size=graph.batch_size, target=target,

@@ -369,6 +369,13 @@ def _modes_per_variable(moved: TuneResult, search: Callable[[tuple[HostState, ..
     return moved
 
 
+def why_state_stays(g: OpGraph) -> str:
+    """The note that says why none of ``g``'s optimizer state can move to the host (the capture's refusal)."""
+    reason = state_refusal(g)
+    return (f"the optimizer state cannot move to the host: {reason}" if reason
+            else "no optimizer state of this step can move to the host")
+
+
 def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
                  correction: PeakCorrection | None = None, measured: bool = False) -> TuneResult:
     """Search swap parameters for ``graph`` on ``target`` by simulation.
@@ -393,10 +400,7 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     g = graph.with_batch(batch_size or graph.batch_size)
     groups = state_groups(g)
     if not groups:
-        reason = state_refusal(g)
-        note = (f"the optimizer state cannot move to the host: {reason}" if reason
-                else "no optimizer state of this step can move to the host")
-        return replace(result, notes=result.notes + [note])
+        return replace(result, notes=result.notes + [why_state_stays(g)])
     # streaming pays only where the host's CPU updates slower than the device (its own rate, beside a GPU): where
     # the update keeps the graph's op times (the testbed) the update on the host copies fewer bytes and holds less
     streamed = {tuple(item.variable for item in group): group for group in state_groups(g, mode=STREAM_SLOTS)} \
