@@ -74,6 +74,7 @@ ZOO: dict[str, ZooModel] = {entry.name: entry for entry in (
     ZooModel("stacked_gru", "recurrent", "recurrent", 16, {"kind": "gru", "stacked": True, "units": 64}),
     ZooModel("conv_gru", "recurrent", "conv_gru", 16),
     ZooModel("attention", "attention", "attention", 8, {"seq_len": 64}),
+    ZooModel("token_lm", "attention", "token_lm", 8, {"seq_len": 64}),
     ZooModel("multi_io", "multi_io", "multi_io", 8),
     ZooModel("separable_cnn", "separable", "separable_cnn", 8),
     ZooModel("conv1d_net", "conv1d", "conv1d_net", 8),

@@ -155,6 +155,26 @@ def attention(*, seq_len: int = 64, seed: int = 0, **kwargs: Any) -> keras.Model
     return transformer_encoder(seq_len=seq_len, seed=seed, **settings)
 
 
+def token_lm(*, seq_len: int = 64, vocab: int = 1000, d_model: int = 64, heads: int = 4, ff: int = 256,
+             blocks: int = 2, seed: int = 0) -> keras.Model:
+    """A small decoder language model: causal self-attention, a GELU feed-forward and a vocabulary head on
+    every token, a loss per token (its Dense layers and loss reshape the batch with the steps into rows)."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input(shape=(seq_len,), dtype="int32", name="tokens")
+    x = layers.Embedding(vocab, d_model, name="embed")(tokens)
+    for k in range(blocks):
+        h = layers.LayerNormalization(name=f"block{k}_ln1")(x)
+        x = x + layers.MultiHeadAttention(heads, d_model // heads, name=f"block{k}_mha")(h, h, use_causal_mask=True)
+        h = layers.LayerNormalization(name=f"block{k}_ln2")(x)
+        h = layers.Dense(ff, activation="gelu", name=f"block{k}_ff1")(h)
+        x = x + layers.Dense(d_model, name=f"block{k}_ff2")(h)
+    logits = layers.Dense(vocab, name="head")(layers.LayerNormalization(name="ln_out")(x))
+    model = keras.Model(tokens, logits, name="token_lm")
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3), jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def multi_io(*, image_size: int = 48, features: int = 16, seed: int = 0) -> keras.Model:
     """Two inputs (an image and tabular features), two outputs (a class and a regressed value) with
     per-output losses and loss weights."""
@@ -314,6 +334,7 @@ BUILDERS: dict[str, Callable[..., keras.Model]] = {
     "unet2d": unet2d,
     "mixed_cnn": mixed_cnn,
     "attention": attention,
+    "token_lm": token_lm,
     "recurrent": recurrent,
     "conv_gru": conv_gru,
     "multi_io": multi_io,

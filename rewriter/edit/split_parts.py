@@ -28,7 +28,11 @@ step's GraphDef the way ``simulator.split.with_splits`` has them, under the same
   (``check_part_shapes``);
 * the batch is the leading axis of a tensor, or the one axis that grows between the two traces
   (``BatchShapes.axis``: TimeDistributed's ``(frames, batch, ...)``): entries split, concatenations join and
-  slices are checked along it.
+  slices are checked along it. A batch flattened with the axes after it (a Dense layer's ``Tensordot`` on a
+  sequence: ``(batch x steps, width)``) leads with ``BatchShapes.rows`` rows a sample; parts take that many rows
+  a sample where those rows are blocks of samples (``_sample_major``, as ``simulator.split.sample_major``), and a
+  ``Reshape`` whose shape is computed when the step runs (an embedding gradient's rows) takes its part's share
+  of its static output shape.
 
 Which tensors grow with the batch is read from two traces of the step (``BatchShapes``: at the batch and
 one more), as the capture does. Nothing is changed when a region is refused (one ``PlanError`` naming the op
@@ -65,6 +69,8 @@ SPLIT_ATTR = "_split_part"  # every node the split adds carries its own name (fo
 SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1, "Tile": 1, "Fill": 0, "Slice": 2, "Conv2DBackpropInput": 0,
                 "Conv3DBackpropInputV2": 0, "DepthwiseConv2dNativeBackpropInput": 0, "AvgPoolGrad": 0,
                 "AvgPool3DGrad": 0, "StridedSliceGrad": 0}
+# op types whose shape input is their output's shape, and the attribute naming its type
+OUTPUT_SHAPE_INPUTS = {"Reshape": "Tshape", "BroadcastTo": "Tidx", "Fill": "index_type"}
 # op type -> the input slot of its axis: along axis 0 the op moves samples across parts
 AXIS_INPUTS = {"Split": 0, "SplitV": 2}
 
@@ -101,6 +107,7 @@ class _PartsBuilder:
         self.whole: dict[str, str] = {}  # "op:k" -> the whole tensor (combined, or concatenated lazily)
         self.entries: dict[tuple[int, str], str] = {}
         self.folded: dict[tuple[str, int], np.ndarray | None] = {}  # values computed from constants (const_value)
+        self.major: dict[str, bool] = {}  # "op:k" -> whether its rows are blocks of samples (_sample_major)
         self.added: dict[int, dict[str, list[str]]] = {r: {"combines": [], "concats": [], "entries": []}
                                                        for r in range(len(regions))}
 
@@ -140,6 +147,11 @@ class _PartsBuilder:
         grown_out = [ref for ref in outputs if self.shapes.grows(ref)]
         if node.op in NEVER_SPLIT:
             raise PlanError(f"split: {op} cannot run in parts: a {node.op}: {NEVER_SPLIT[node.op]}")
+        interleaved = [ref for ref in ["%s:%d" % t for t in reads] + grown_out
+                       if self.shapes.grows(ref) and not self._sample_major(ref)]
+        if interleaved:
+            raise PlanError(f"split: {op} cannot run in parts: {interleaved[0]} holds the batch flattened with other "
+                            "axes in an order whose rows are not blocks of samples")
         if grown_out and len(grown_out) == len(outputs):
             if node.op not in PER_SAMPLE_TYPES:
                 raise PlanError(f"split: {op} cannot run in parts: a {node.op}: how its outputs depend on other "
@@ -165,15 +177,39 @@ class _PartsBuilder:
                             "not known")
         return COMBINE_KINDS[node.op]
 
+    def _leads(self, ref: str) -> bool:
+        """Whether the batch is the first axis of ``ref`` but for axes of size 1."""
+        axis = self.shapes.axis(ref)
+        return axis is not None and all(d == 1 for d in self.shapes.at_batch[ref][:axis])
+
+    def _sample_major(self, ref: str) -> bool:
+        """Whether a block of rows of ``ref``'s batch axis is a block of samples (as ``simulator.split.sample_major``
+        has it): one row a sample, or a batch flattened by a ``Reshape`` of a tensor whose samples lead, or made from
+        such tensors with as many rows a sample by an op of a region (a matmul over the features, a per-row loss)."""
+        if self.shapes.rows(ref) == 1:
+            return True
+        if ref not in self.major:
+            self.major[ref] = False  # a cycle is no proof
+            node = self.editor.nodes[parse_ref(ref)[0]]
+            reads = ["%s:%d" % self.editor.resolve(data) for _, data in self.editor.data_inputs(node)]
+            grown = [read for read in reads if self.shapes.grows(read)]
+            if node.op == "Reshape":
+                self.major[ref] = bool(grown) and all(self._leads(read) and self._sample_major(read) for read in grown)
+            else:
+                self.major[ref] = bool(grown) and all(self.shapes.rows(read) == self.shapes.rows(ref)
+                                                      and self._sample_major(read) for read in grown)
+        return self.major[ref]
+
     def _keeps_every_sample(self, node, data: list[str]) -> bool:
         """Whether a ``Slice`` or ``StridedSlice`` takes the whole batch axis of its input, in order (a slice of
         TimeDistributed's frames, ``x[t]`` of ``(frames, batch, ...)``, keeps every sample)."""
-        axis = self.shapes.axis("%s:%d" % self.editor.resolve(data[0])) or 0
+        source = "%s:%d" % self.editor.resolve(data[0])
+        axis, whole = self.shapes.axis(source) or 0, self.batch * self.shapes.rows(source)
         bounds = [const_value(self.editor, ref, self.folded) for ref in data[1:]]
         known = [value is not None and value.ndim == 1 and len(value) > axis for value in bounds]
         if node.op == "Slice":  # a size of the whole batch starts at 0 (a concatenation's gradient: ConcatOffset)
             begin, size = bounds
-            return known[1] and (int(size[axis]) == self.batch
+            return known[1] and (int(size[axis]) == whole
                                  or int(size[axis]) == -1 and known[0] and int(begin[axis]) == 0)
         masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
                                                    "shrink_axis_mask")}
@@ -189,7 +225,7 @@ class _PartsBuilder:
         if masks["ellipsis_mask"] & bit or masks["new_axis_mask"] & bit or masks["shrink_axis_mask"] & bit:
             return False
         return int(strides[axis]) == 1 and (masks["begin_mask"] & bit or int(begin[axis]) == 0) \
-            and (masks["end_mask"] & bit or int(end[axis]) >= self.batch)
+            and (masks["end_mask"] & bit or int(end[axis]) >= whole)
 
     # ------------------------------------------------------------------ reads
 
@@ -215,7 +251,8 @@ class _PartsBuilder:
             source = self.whole_of(ref) if op in self.region_of else ref
             batches = part_batches(self.batch, self.regions[r].parts)
             name = entry_name(op, k, r)
-            sizes = self.const(f"{name}/sizes", np.asarray(batches, np.int64))
+            rows = self.shapes.rows(f"{op}:{k}")  # a batch flattened with the axes after it: k rows a sample
+            sizes = self.const(f"{name}/sizes", np.asarray(batches, np.int64) * rows)
             axis = self.const(f"{name}/axis", np.asarray(self.shapes.axis(f"{op}:{k}"), np.int32))
             node = self.add(name, "SplitV", [source, sizes, axis], keep=True, region=r, role="entries")
             node.attr["num_split"].i = len(batches)
@@ -238,12 +275,19 @@ class _PartsBuilder:
         if SHAPE_INPUTS.get(node_type) == slot:
             value = const_value(self.editor, ref, self.folded)
             axis = self.shapes.axis(f"{op}:0") or 0  # where the op's output holds the batch
-            if value is not None and value.ndim == 1 and len(value) > axis and int(value[axis]) == self.batch:
+            rows = self.shapes.rows(f"{op}:0")
+            if value is None and node_type in OUTPUT_SHAPE_INPUTS and self.shapes.grows(f"{op}:0"):
+                # a shape computed at run time (an embedding gradient's rows: the ids' size beside the table's
+                # shape): the op makes that shape, known statically, so a part's is its share of it
+                dtype = tf.as_dtype(self.editor.nodes[op].attr[OUTPUT_SHAPE_INPUTS[node_type]].type)
+                return self.const(f"{part_name(op, i)}/batch_shape",
+                                  np.asarray(self.shapes.with_part(f"{op}:0", n), dtype.as_numpy_dtype))
+            if value is not None and value.ndim == 1 and len(value) > axis and int(value[axis]) == self.batch * rows:
                 if node_type == "Tile" and self._tiles_a_part(r, op, i):
                     raise PlanError(f"split: {op} cannot run in parts: a Tile repeating a batch-dependent tensor "
                                     "along the batch")
                 value = value.copy()
-                value[axis] = n
+                value[axis] = n * rows
                 return self.const(f"{part_name(op, i)}/batch_shape", value)
         return ref
 
@@ -360,7 +404,8 @@ class _PartsBuilder:
         return node.name
 
     def _fold_static_shapes(self) -> None:
-        """A ``Shape``, ``ShapeN``, ``Size`` or ``Rank`` of a split op's output becomes the constant it is,
+        """A ``Shape``, ``ShapeN``, ``Size`` or ``Rank`` of a split op's output (or of any tensor that grows with
+        the batch: a region's shape input computed from it is then a constant too) becomes the constant it is,
         before the parts are made: a part's shape input naming the batch is then a constant to rewrite (a
         convolution's input-size gradient reads a ``ShapeN``), and no concatenation of the parts is made for
         it (Grappler's constant folding would fold it with a control edge from that concatenation, which the
@@ -369,7 +414,7 @@ class _PartsBuilder:
             data = self.editor.data_inputs(node)
             reads = [self.editor.resolve(ref) for _, ref in data]
             if node.name in self.region_of or node.op not in ("Shape", "ShapeN", "Size", "Rank") \
-                    or not any(source in self.region_of for source, _ in reads):
+                    or not any(source in self.region_of or self.shapes.grows(f"{source}:{k}") for source, k in reads):
                 continue
             shapes = [self.shapes.at_batch.get(f"{source}:{k}") for source, k in reads]
             if any(shape is None for shape in shapes):

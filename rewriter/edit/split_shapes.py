@@ -67,20 +67,33 @@ class BatchShapes:
     def axis(self, ref: str) -> int | None:
         """The axis of tensor ``ref`` that is the batch (the leading one, or another: TimeDistributed's frames
         lead as ``(frames, batch, ...)``), None when it does not grow with the batch; PlanError when it grows but
-        not along one axis (a batch flattened into another dimension: its rows are not blocks of samples)."""
+        not along one axis (a batch flattened into another dimension but the leading one)."""
+        return self._batch_axis(ref)[0]
+
+    def rows(self, ref: str) -> int:
+        """Rows a sample has along the batch axis of ``ref``: 1, or k for a batch flattened with the axes after
+        it (``(batch x steps, width)``, a Dense layer's ``Tensordot`` on a sequence), which leads the tensor."""
+        return self._batch_axis(ref)[1]
+
+    def _batch_axis(self, ref: str) -> tuple[int | None, int]:
         small, large = self.at_batch.get(ref), self.at_next.get(ref)
         if small is None or large is None or small == large:
-            return None
+            return None, 1
         grown = [a for a, (x, y) in enumerate(zip(small, large)) if x != y] if len(small) == len(large) else []
-        if len(grown) == 1 and small[grown[0]] == self.batch_size and large[grown[0]] == self.batch_size + 1:
-            return grown[0]
+        if len(grown) == 1:
+            axis = grown[0]
+            if small[axis] == self.batch_size and large[axis] == self.batch_size + 1:
+                return axis, 1
+            rows, left = divmod(small[axis], self.batch_size)
+            if not left and large[axis] == rows * (self.batch_size + 1) and all(d == 1 for d in small[:axis]):
+                return axis, rows
         raise PlanError(f"tensor {ref} {small} grows with the batch ({large} at one sample more) but not along one "
                         "axis: its rows are not blocks of samples, it cannot be split")
 
     def with_part(self, ref: str, samples: int) -> tuple[int, ...]:
         """The static shape of a part of ``samples`` samples of batch-dependent tensor ``ref``."""
-        shape, axis = list(self.at_batch[ref]), self.axis(ref)
-        shape[axis] = samples
+        shape, (axis, rows) = list(self.at_batch[ref]), self._batch_axis(ref)
+        shape[axis] = samples * rows
         return tuple(shape)
 
 

@@ -524,8 +524,8 @@ def _mixed_precision_facts(snapshot: dict[str, Any], scratch: list[str], dtype: 
 
 def _shape_text(small, large, b1: int = 1, b2: int = 2) -> str:
     """``N`` marks a dimension that is the batch (``b1`` samples in ``small``, ``b2`` in ``large``); one that
-    grows otherwise is ``N*k`` (``k`` rows a sample: a flattened batch, whose rows are not blocks of samples
-    for ``simulator.split``) or ``N?``."""
+    grows otherwise is ``N*k`` (``k`` rows a sample: a batch flattened with other axes, whose rows
+    ``simulator.split.sample_major`` tells blocks of samples or not) or ``N?``."""
     if small is None:
         return "?"
     if large is None:

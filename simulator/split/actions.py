@@ -15,7 +15,7 @@ import numpy as np
 
 from simulator.graph import GraphError, OpGraph
 from simulator.recompute.actions import inputs_of, outputs_of
-from simulator.split.classes import BATCH_SUM, ENDS, batch_dependent, op_split
+from simulator.split.classes import BATCH_SUM, ENDS, OWN_BUFFER_SHAPES, batch_dependent, op_split
 
 SPLIT_MARK = "/split_"
 # the op type of one step of each combine kind (a running combine: part i's partial joins the result so far)
@@ -154,7 +154,7 @@ class _SplitGraphBuilder:
         rows["swappable"].append(bool(g.tensor_swappable[like]))
         return len(rows["producer"]) - 1
 
-    def graph(self, outputs: list[int], meta: dict) -> OpGraph:
+    def graph(self, outputs: list[int], meta: dict, held: list[tuple[int, int]]) -> OpGraph:
         g, ops, tensors = self.g, self.op_rows, self.tensor_rows
         edges = np.asarray(self.edges, np.int64).reshape(-1, 3)
         controls = np.asarray(self.controls, np.int64).reshape(-1, 2)
@@ -166,7 +166,8 @@ class _SplitGraphBuilder:
             tensor_persistent=tensors["persistent"], tensor_swappable=tensors["swappable"],
             edge_tensor=edges[:, 0], edge_consumer=edges[:, 1], edge_slot=edges[:, 2],
             control_src=controls[:, 0], control_dst=controls[:, 1], persistent_bytes_ab=g.persistent_bytes_ab,
-            outputs=outputs, batch_size=g.batch_size, meta=meta)
+            outputs=outputs, held_tensor=[t for t, _ in held], held_read=[r for _, r in held],
+            batch_size=g.batch_size, meta=meta)
 
 
 def _itemsize(dtype: str) -> int:
@@ -245,19 +246,21 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
                                            touched=(a_touched, b_touched * share)) for i, share in enumerate(shares)]
             if classes[op].kind == BATCH_SUM:
                 combines[name] = classes[op].combine
+            outputs_of_op = [t for t in made[op] if str(g.tensor_shape[t]) not in OWN_BUFFER_SHAPES]  # TF's outputs
             for tensor in made[op]:
                 a, b = g.tensor_bytes_ab[tensor]
                 parts = [builder.add_tensor(new, int(g.tensor_output[tensor]), tensor, bytes_ab=(a, b * share),
                                             shape=_part_shape(str(g.tensor_shape[tensor]), f"{n}/{g.batch_size}"))
                          for new, n, share in zip(part_ops[op], batches, shares)]
-                if classes[op].kind != BATCH_SUM:
-                    parts_of_tensor[tensor] = parts
+                if classes[op].kind != BATCH_SUM or str(g.tensor_shape[tensor]) in OWN_BUFFER_SHAPES:
+                    parts_of_tensor[tensor] = parts  # a batch-summing op's scratch: each part its own
                     continue
                 # the running combine: step j joins partial j + 1 to the result so far, in its buffer
                 so_far, combine_ops = parts[0], []
                 elements = a / _itemsize(str(g.tensor_dtype[tensor]))
                 for step, partial in enumerate(parts[1:]):
-                    step_name = combine_name(name, step if len(made[op]) == 1 else f"{g.tensor_output[tensor]}_{step}")
+                    step_name = combine_name(name, step if len(outputs_of_op) == 1
+                                             else f"{g.tensor_output[tensor]}_{step}")
                     mean = classes[op].combine == "mean" and step == len(parts) - 2  # the sum, then the mean
                     combine = builder.add_op(f"{step_name}/sum" if mean else step_name, op,
                                              type_=COMBINE_OP_TYPES[classes[op].combine], flops=(elements, 0.0),
@@ -338,4 +341,7 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
         builder.controls += [(s, d) for s in sources for d in targets]
     outputs = [whole(t) if new_tensor[t] < 0 else int(new_tensor[t]) for t in g.outputs.tolist()]
     meta = {**g.meta, "splits": split_regions(g) + records}
-    return builder.graph(outputs, meta).with_order(g.order)
+    # a variable's write holding a read's buffer (copy-on-write): both outside every region, renumbered
+    held = [(int(new_tensor[t]), int(new_tensor[r])) for t, r in zip(g.held_tensor.tolist(), g.held_read.tolist())
+            if new_tensor[t] >= 0 and new_tensor[r] >= 0]
+    return builder.graph(outputs, meta, held).with_order(g.order)

@@ -14,16 +14,19 @@ An op of a training step is one of three things to a split along the batch (docs
 The class is read from the op type and the tensor sizes the ``OpGraph`` holds: a tensor is
 batch-dependent when its ``b`` of ``a + b * batch`` is not zero, and its shape text (``N`` marks a
 dimension that grows with the batch) must start with the batch, so that a part is a block of rows, but for
-the few ops the rewriter splits along another axis (``OFF_AXIS_TYPES``).
+the few ops the rewriter splits along another axis (``OFF_AXIS_TYPES``). A batch flattened with the axes
+after it (``N*k``: ``k`` rows a sample, a Dense layer's ``Tensordot`` on a sequence) starts it too where its
+rows are blocks of samples (``sample_major``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.graph import OpGraph
+from simulator.graph import OpGraph, level_order
 from simulator.recompute.actions import NEVER_RECOMPUTED, RECOMPUTE_CLASSES, inputs_of, outputs_of
 
 PER_SAMPLE, BATCH_SUM, ENDS = "per-sample", "batch-sum", "ends"
@@ -109,15 +112,62 @@ def _one_batch_axis(shape: str) -> bool:
     return dims.count("N") == 1 and not any("N" in dim and dim != "N" for dim in dims)
 
 
-def _leading_batch(shape: str) -> bool:
-    """Whether a block of rows of the batch axis is a block of the tensor's memory: the batch is the first
-    dimension but for dimensions of size 1 (``(1,N,1,8,...)``, an upsampling's repeat, lies as ``(N,...)``)."""
-    if shape in ("", *OWN_BUFFER_SHAPES):
-        return True
+def _leading_dim(shape: str) -> str | None:
+    """The first dimension of the shape text but for dimensions of size 1 (``(1,N,1,8,...)``, an upsampling's
+    repeat, lies as ``(N,...)``); None for a scalar."""
     dims = shape.strip("()").split(",")
     while dims and dims[0] == "1":
         dims.pop(0)
-    return bool(dims) and dims[0] == "N"
+    return dims[0] if dims and dims[0] else None
+
+
+def rows_per_sample(shape: str) -> int | None:
+    """How many leading rows a sample has when the batch leads the shape text: 1 for ``(N,...)``, k for a batch
+    flattened with the axes after it (``(N*k,...)``: a Dense layer's ``Tensordot`` on a sequence reshapes
+    ``(batch, steps, width)`` to ``(batch x steps, width)``), None when the batch does not lead."""
+    first = _leading_dim(shape)
+    if first == "N":
+        return 1
+    if first and re.fullmatch(r"N\*[0-9]+", first):
+        return int(first[2:])
+    return None
+
+
+def sample_major(g: OpGraph) -> np.ndarray:
+    """Per tensor: whether a block of its leading rows is a block of samples. A tensor led by ``N`` is; one led
+    by ``N*k`` only where the rows came so: made by a ``Reshape`` of a tensor whose samples lead (row-major
+    order keeps each sample's elements together), or by an op whose batch-dependent inputs all have the same
+    rows a sample and are so (a matmul over the features, an elementwise op, a per-row loss). The same shape
+    text can hold the steps' rows interleaved (a ``Transpose`` to ``(steps, batch, ...)``, then a ``Reshape``;
+    a ``Tile`` along the batch): those are not, and end a region."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        grows = batch_dependent(graph)
+        shapes = [str(shape) for shape in graph.tensor_shape]
+        rows = [rows_per_sample(shape) for shape in shapes]
+        read, made = inputs_of(graph), outputs_of(graph)
+        major = np.array([rows[t] == 1 or not grows[t] for t in range(graph.n_tensors)])
+        for op in level_order(graph).tolist():
+            flattened = [t for t in made[op] if grows[t] and rows[t] is not None and rows[t] > 1]
+            if not flattened:
+                continue
+            grown_in = [t for t, _ in read[op] if grows[t]]
+            if str(graph.op_type[op]) == "Reshape":
+                ok = bool(grown_in) and all(rows[t] is not None and major[t] for t in grown_in)
+                major[flattened] = ok
+                continue
+            major[flattened] = bool(grown_in) and all(rows[s] == rows[t] and major[s]
+                                                      for s in grown_in for t in flattened)
+        return major
+
+    return g.cached("sample_major", compute, structural=True)
+
+
+def _leading_batch(g: OpGraph, tensor: int) -> bool:
+    """Whether a block of rows of the batch axis is a block of the tensor's memory (``sample_major``)."""
+    shape = str(g.tensor_shape[tensor])
+    if shape in ("", *OWN_BUFFER_SHAPES):
+        return True
+    return rows_per_sample(shape) is not None and bool(sample_major(g)[tensor])
 
 
 def op_split(g: OpGraph, op: int) -> OpSplit:
@@ -127,12 +177,14 @@ def op_split(g: OpGraph, op: int) -> OpSplit:
     inputs = [tensor for tensor, _ in inputs_of(g)[op]]
     outputs = outputs_of(g)[op]
     grown_in = [t for t in inputs if grows[t]]
+    own = [t for t in outputs if str(g.tensor_shape[t]) in OWN_BUFFER_SHAPES]  # each part has its own
+    outputs = [t for t in outputs if t not in own]
     grown_out = [t for t in outputs if grows[t]]
-    if not grown_in and not grown_out:
+    if not grown_in and not grown_out and not any(grows[t] for t in own):
         return OpSplit(ENDS, reason="nothing it reads or makes grows with the batch")
     if op_type in NEVER_SPLIT:
         return OpSplit(ENDS, reason=f"a {op_type}: {NEVER_SPLIT[op_type]}")
-    off_axis = [t for t in grown_in + grown_out if not _leading_batch(str(g.tensor_shape[t]))
+    off_axis = [t for t in grown_in + grown_out if not _leading_batch(g, t)
                 and not (op_type in OFF_AXIS_TYPES and _one_batch_axis(str(g.tensor_shape[t])))]
     if off_axis:
         return OpSplit(ENDS, reason=f"{g.tensor_name(off_axis[0])} {g.tensor_shape[off_axis[0]]} does not have the "
