@@ -185,7 +185,7 @@ class _PartsBuilder:
     def _sample_major(self, ref: str) -> bool:
         """Whether a block of rows of ``ref``'s batch axis is a block of samples (as ``simulator.split.sample_major``
         has it): one row a sample, or a batch flattened by a ``Reshape`` of a tensor whose samples lead, or made from
-        such tensors with as many rows a sample by an op of a region (a matmul over the features, a per-row loss)."""
+        such tensors with as many rows a sample (a matmul over the features, a per-row loss) or from none."""
         if self.shapes.rows(ref) == 1:
             return True
         if ref not in self.major:
@@ -196,8 +196,8 @@ class _PartsBuilder:
             if node.op == "Reshape":
                 self.major[ref] = bool(grown) and all(self._leads(read) and self._sample_major(read) for read in grown)
             else:
-                self.major[ref] = bool(grown) and all(self.shapes.rows(read) == self.shapes.rows(ref)
-                                                      and self._sample_major(read) for read in grown)
+                self.major[ref] = all(self.shapes.rows(read) == self.shapes.rows(ref) and self._sample_major(read)
+                                      for read in grown)  # none: a constant tiled over the rows, all alike
         return self.major[ref]
 
     def _keeps_every_sample(self, node, data: list[str]) -> bool:

@@ -137,7 +137,8 @@ def sample_major(g: OpGraph) -> np.ndarray:
     """Per tensor: whether a block of its leading rows is a block of samples. A tensor led by ``N`` is; one led
     by ``N*k`` only where the rows came so: made by a ``Reshape`` of a tensor whose samples lead (row-major
     order keeps each sample's elements together), or by an op whose batch-dependent inputs all have the same
-    rows a sample and are so (a matmul over the features, an elementwise op, a per-row loss). The same shape
+    rows a sample and are so (a matmul over the features, an elementwise op, a per-row loss), or by one that
+    reads none (a constant tiled over the rows: every block alike; a part's is made at its shape). The same shape
     text can hold the steps' rows interleaved (a ``Transpose`` to ``(steps, batch, ...)``, then a ``Reshape``;
     a ``Tile`` along the batch): those are not, and end a region."""
     def compute(graph: OpGraph) -> np.ndarray:
@@ -155,8 +156,7 @@ def sample_major(g: OpGraph) -> np.ndarray:
                 ok = bool(grown_in) and all(rows[t] is not None and major[t] for t in grown_in)
                 major[flattened] = ok
                 continue
-            major[flattened] = bool(grown_in) and all(rows[s] == rows[t] and major[s]
-                                                      for s in grown_in for t in flattened)
+            major[flattened] = all(rows[s] == rows[t] and major[s] for s in grown_in for t in flattened)
         return major
 
     return g.cached("sample_major", compute, structural=True)
