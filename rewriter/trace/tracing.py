@@ -48,6 +48,8 @@ FORWARDING_TYPES = frozenset({
     "BiasAdd", "Rsqrt", "RsqrtGrad", "Sqrt", "SqrtGrad", "Neg", "Square", "Exp", "Log", "Log1p", "Reciprocal",
     "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "ClipByValue", "SelectV2",
     "CollectiveReduceV2",  # the all-reduce writes into its pack (rewriter.tf_effects.collectives)
+    # the cross-entropy's gradient takes its logits' buffer (forward_input_or_allocate_output({0}, 1, ...))
+    "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
 })
 # what a swap may move: floats, and int64 (the labels Keras' sparse losses cast, as large as an
 # activation and kept from the forward pass's start to the loss; plans swap them with tensors="all");
