@@ -55,6 +55,7 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
     takers = CHAIN_TAILS | SIBLING_FUSIONS
     position = {name: k for k, name in enumerate(result)}
     ancestry: Ancestry | None = None
+    left: list[tuple[str, str, str]] = []  # partners kept apart: (op, its partner, what op waits for between)
     for op in order:
         if editor.nodes[op].op not in takers:
             continue
@@ -73,13 +74,16 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
                       and any(ancestry.depends(name, partner) for partner in partners)]
         blocking = [name for name in dependents if ancestry.depends(op, name)]
         if blocking:
-            log.warning("%s and %s may be merged by a graph pass, but %s waits for %s, which depends on the "
-                        "first: left in the plan's order", op, partners[0], op, blocking[0])
+            left.append((op, partners[0], blocking[0]))
             continue
         later = set(dependents)
         result[start:end + 1] = ([name for name in segment if name not in moved and name not in later]
                                  + [name for name in segment if name in moved] + [op] + dependents)
         position.update((name, k) for k, name in enumerate(result[start:end + 1], start))
+    if left:  # one line a step (a split step's running combines are such pairs by the hundred)
+        op, partner, blocking = left[0]
+        log.warning("%d op pair(s) a graph pass may merge are left in the plan's order, as a later one waits for "
+                    "an op that depends on the first (e.g. %s and %s, through %s)", len(left), op, partner, blocking)
     return result
 
 
