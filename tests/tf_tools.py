@@ -25,6 +25,7 @@ prepare_environment()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from tensorflow.python.framework import config as tf_config  # noqa: E402 -- op determinism can be turned off
 
 from rewriter.placement.placements import configure_testbed  # noqa: E402
 
@@ -34,6 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def deterministic() -> None:
     tf.config.experimental.enable_op_determinism()
+
+
+@contextlib.contextmanager
+def without_op_determinism():
+    """Op determinism off inside the block, as a user's step has it (an earlier test of the same worker may have
+    turned it on, and TF then builds some ops otherwise: the sparse cross-entropy from a LogSoftmax and a gather)."""
+    was = tf_config.is_op_determinism_enabled()
+    tf_config.disable_op_determinism()
+    try:
+        yield
+    finally:
+        if was:
+            tf.config.experimental.enable_op_determinism()
 
 
 @contextlib.contextmanager

@@ -163,16 +163,18 @@ def test_grouped_convolution_gradient_holds_xla_dense_copies():
 @pytest.mark.tf
 def test_a_language_models_loss_takes_its_logits_buffer():
     """token_lm's vocabulary head on every token makes the logits the step's largest tensor (2 MB at batch 8). The
-    sparse cross-entropy writes its gradient into their buffer (TF's kernel forwards input 0 to output 1), so the
-    step holds them once: the capture marks the op forwarding and the unswapped peak is predicted within 2 %
-    (counted twice, it was 14.6 % over: benchmarks/results/fidelity_zoo.md)."""
+    fused sparse cross-entropy writes its gradient into their buffer (TF's kernel forwards input 0 to output 1), so
+    the step holds them once: the capture marks the op forwarding and the unswapped peak is predicted within 2 %
+    (counted twice, it was 14.6 % over: benchmarks/results/fidelity_zoo.md). With op determinism on, TF builds the
+    loss from a LogSoftmax and a gather instead (predicted 13.7 % over, the safe side; not modelled yet)."""
     entry = ZOO["token_lm"]
-    model = entry.build()
-    graph = rewriter.capture(model, entry.batch, name=entry.name)
-    loss = [op for op in range(graph.n_ops) if graph.op_type[op] == "SparseSoftmaxCrossEntropyWithLogits"]
-    assert loss and all(graph.op_forwards_input[op] for op in loss)
-    plan = SwapPlan.empty(graph)
-    predicted = replay(graph, plan, get_device("cpu-testbed")).peak_bytes
-    measured = _measured_peak_bytes(model, entry, plan, graph)
+    with th.without_op_determinism():
+        model = entry.build()
+        graph = rewriter.capture(model, entry.batch, name=entry.name)
+        loss = [op for op in range(graph.n_ops) if graph.op_type[op] == "SparseSoftmaxCrossEntropyWithLogits"]
+        assert loss and all(graph.op_forwards_input[op] for op in loss)
+        plan = SwapPlan.empty(graph)
+        predicted = replay(graph, plan, get_device("cpu-testbed")).peak_bytes
+        measured = _measured_peak_bytes(model, entry, plan, graph)
     print(f"\ntoken_lm b{entry.batch}: predicted {predicted / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB")
     assert abs(predicted / measured - 1.0) <= 0.02
