@@ -38,16 +38,21 @@ def deterministic() -> None:
 
 
 @contextlib.contextmanager
-def without_op_determinism():
-    """Op determinism off inside the block, as a user's step has it (an earlier test of the same worker may have
+def op_determinism(enabled: bool):
+    """Op determinism on or off inside the block, restored after (an earlier test of the same worker may have
     turned it on, and TF then builds some ops otherwise: the sparse cross-entropy from a LogSoftmax and a gather)."""
     was = tf_config.is_op_determinism_enabled()
-    tf_config.disable_op_determinism()
+    if enabled:
+        tf.config.experimental.enable_op_determinism()
+    else:
+        tf_config.disable_op_determinism()
     try:
         yield
     finally:
         if was:
             tf.config.experimental.enable_op_determinism()
+        else:
+            tf_config.disable_op_determinism()
 
 
 @contextlib.contextmanager

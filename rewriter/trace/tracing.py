@@ -46,7 +46,7 @@ FORWARDING_TYPES = frozenset({
     "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SigmoidGrad", "TanhGrad", "SoftplusGrad",
     "AddN", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
     "BiasAdd", "Rsqrt", "RsqrtGrad", "Sqrt", "SqrtGrad", "Neg", "Square", "Exp", "Log", "Log1p", "Reciprocal",
-    "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "ClipByValue", "SelectV2",
+    "SquaredDifference", "Abs", "Sign", "Erf", "Gelu", "GeluGrad", "Softmax", "LogSoftmax", "ClipByValue", "SelectV2",
     "CollectiveReduceV2",  # the all-reduce writes into its pack (rewriter.tf_effects.collectives)
     # the cross-entropy's gradient takes its logits' buffer (forward_input_or_allocate_output({0}, 1, ...))
     "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
