@@ -246,13 +246,13 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
                                            touched=(a_touched, b_touched * share)) for i, share in enumerate(shares)]
             if classes[op].kind == BATCH_SUM:
                 combines[name] = classes[op].combine
-            outputs_of_op = [t for t in made[op] if str(g.tensor_shape[t]) not in OWN_BUFFER_SHAPES]  # TF's outputs
+            outputs_of_op = [t for t in made[op] if str(g.tensor_shape[t]) not in OWN_BUFFER_SHAPES]  # not its scratch
             for tensor in made[op]:
                 a, b = g.tensor_bytes_ab[tensor]
                 parts = [builder.add_tensor(new, int(g.tensor_output[tensor]), tensor, bytes_ab=(a, b * share),
                                             shape=_part_shape(str(g.tensor_shape[tensor]), f"{n}/{g.batch_size}"))
                          for new, n, share in zip(part_ops[op], batches, shares)]
-                if classes[op].kind != BATCH_SUM or str(g.tensor_shape[tensor]) in OWN_BUFFER_SHAPES:
+                if classes[op].kind != BATCH_SUM or tensor not in outputs_of_op:
                     parts_of_tensor[tensor] = parts  # a batch-summing op's scratch: each part its own
                     continue
                 # the running combine: step j joins partial j + 1 to the result so far, in its buffer
