@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+import tests.tf_tools as th  # noqa: E402
 from autotune.cli.command import main  # noqa: E402
 from tests.cli_tools import uncalibrated  # noqa: E402
 from rewriter.placement.placements import CpuTestbedPlacement, PeakReading  # noqa: E402
@@ -152,7 +153,15 @@ def test_a_u_net_measured_on_the_testbed_is_confirmed_for_the_v100(tmp_path, cap
     its unswapped peak there where the chosen plan's v100 prediction meets the budget and its testbed
     prediction does not (the testbed keeps other reads on the device). The measurement agrees with the
     testbed's prediction, so the plan is confirmed for the v100, in at most two measured rounds and
-    never by measuring a plan twice."""
+    never by measuring a plan twice. Op determinism is on for this step, set here and restored after: TensorFlow
+    then builds the sparse cross-entropy from a LogSoftmax and a gather, and the case arises at these budgets; off,
+    at no budget from 40 to 70 % of the peak (the test had passed only where an earlier test of its worker left it
+    on)."""
+    with th.op_determinism(True):
+        _u_net_confirmed_for_the_v100(tmp_path, capsys)
+
+
+def _u_net_confirmed_for_the_v100(tmp_path, capsys):
     from autotune.run.plan_run import planned_run
     from autotune.run.tuning import tune_graph
     from benchmarks.zoo import SMALL
