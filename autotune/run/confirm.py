@@ -203,16 +203,9 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     for rewrite in graph_rewrites:
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
-    captured, split, split_notes, splits = graph, None, [], []
-    # a split's floor with the optimizer state the search may move on the host as well: the two together
-    floor_of = (lambda g: state_floor_bytes(g, target.device)) if search.state else None
-    if peak_lower_bound_bytes(graph) > target.device_budget_bytes and not search.maximize_batch and not (
-            search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
-        split = split_to_budget(graph, target.device_budget_bytes, floor_of)  # the ops that set the floor, in parts
-        if split is not None and search.split and split_floor(split, floor_of) <= target.device_budget_bytes:
-            splits = parts_to_search(captured, target.device_budget_bytes, first=split,  # the fewest that fit, and more
-                                     floor_of=floor_of)
-            graph = split.split_graph
+    captured = graph
+    split, splits = _splits_to_search(graph, target, search)
+    graph = split.split_graph if splits else graph
     known = foregone(graph, target, policy=search.policy, recompute=search.recompute, state=search.state,
                      recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
                                                      graph_rewrites=[*graph_rewrites, *more]),
@@ -222,15 +215,8 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     with clock.stage("calibration"):  # of the captured step: a split step's parts take the preset's estimates
         calibration = calibrate_for(model, captured, batch_size, inputs, say=say,
                                     recalibrate=measurement.recalibrate) if measurement.calibrates else None
-    if splits:
-        if len(splits) > 1:  # the number of parts searched with the plan: the search proper runs on the fastest's
-            with clock.stage("search"):
-                parts = choose_parts(captured, splits, search_target(target, calibration), search)
-            split, graph = parts.split, parts.split.split_graph
-            split_notes = [parts.line()]
-        split_notes.insert(0, split_lines(split))
-        for note in split_notes:
-            say(note)
+    graph, split_notes = _chosen_split(captured, graph, splits, search_target(target, calibration), search,
+                                       clock, say)
     if not measurement.measure:
         with clock.stage("search"):
             searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
@@ -246,13 +232,48 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time
 
 
+def _splits_to_search(graph, target: Target, search: SearchOptions):
+    """Where the captured step's floor is over the device budget: the split of the ops that set it
+    (``split_to_budget``, kept for the report even where splitting is off) and, where splitting may run and
+    brings the floor within the budget, the numbers of parts to search (the fewest that fit, and more)."""
+    # a split's floor with the optimizer state the search may move on the host as well: the two together
+    floor_of = (lambda g: state_floor_bytes(g, target.device)) if search.state else None
+    if peak_lower_bound_bytes(graph) <= target.device_budget_bytes or search.maximize_batch or (
+            search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
+        return None, []
+    split = split_to_budget(graph, target.device_budget_bytes, floor_of)  # the ops that set the floor, in parts
+    if split is None or not search.split or split_floor(split, floor_of) > target.device_budget_bytes:
+        return split, []
+    return split, parts_to_search(graph, target.device_budget_bytes, first=split, floor_of=floor_of)
+
+
+def _chosen_split(captured, graph, splits, target: Target, search: SearchOptions, clock: StageClock,
+                  say: Callable[[str], None]):
+    """The graph the search proper runs on and the report's lines on the split: with several numbers of parts to
+    search, the fastest's split graph (``choose_parts``, on ``target`` with its calibration); ``graph`` as it is
+    and no lines where nothing is split."""
+    if not splits:
+        return graph, []
+    split, notes = splits[0], []
+    if len(splits) > 1:  # the number of parts searched with the plan: the search proper runs on the fastest's
+        with clock.stage("search"):
+            parts = choose_parts(captured, splits, target, search)
+        split, graph = parts.split, parts.split.split_graph
+        notes = [parts.line()]
+    notes.insert(0, split_lines(split))
+    for note in notes:
+        say(note)
+    return graph, notes
+
+
 def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, *, search: SearchOptions,
                     measurement: MeasureOptions, name: str | None, say: Callable[[str], None],
                     clock: StageClock) -> TuneResult:
     """``tune`` for a model built in ``MirroredStrategy.scope()``: one replica's step at the per-replica batch,
     searched with ``target``'s device budget per device and 1/N of its host budget each (the replicas' swaps share
     the machine's host memory), timed by the calibration of the same step on one device (``replica_calibration``),
-    and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``)."""
+    and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``). Under one
+    replica's floor its batch is split as a single device's is, on every replica; the optimizer state stays."""
     import rewriter  # TensorFlow only when a model is tuned
     import tensorflow as tf
 
@@ -267,22 +288,29 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
     each = target.per_replica(count)
     say(f"captured {graph.n_ops} ops of one replica of {count} at batch {graph.batch_size}; resident memory "
         f"{format_bytes(graph.persistent_bytes)}, the gradients' all-reduce pack {format_bytes(meta['all_reduce_bytes'])}")
-    search = replace(search, split=False, state=False)  # neither is built for a replicated step
-    known = foregone(graph, each, policy=search.policy, recompute=search.recompute, state=False,
-                     split_allowed=False)
+    search = replace(search, state=False)  # moving optimizer state is not built for a replicated step
+    captured = graph
+    split, splits = _splits_to_search(graph, each, search)  # one replica's batch in parts, on every replica
+    graph = split.split_graph if splits else graph
+    known = foregone(graph, each, policy=search.policy, recompute=search.recompute, state=False, split=split,
+                     split_allowed=search.split)
     if known is not None:
         return known
     with clock.stage("calibration"):
-        calibration = replica_calibration(model, graph, inputs, recalibrate=measurement.recalibrate, say=say) \
+        calibration = replica_calibration(model, captured, inputs, recalibrate=measurement.recalibrate, say=say) \
             if measurement.calibrates else None
+    graph, split_notes = _chosen_split(captured, graph, splits, search_target(each, calibration), search, clock, say)
     if not measurement.measure:
         with clock.stage("search"):
             searched = search_graph(graph, search_target(each, calibration), search, batch_size=graph.batch_size)
-        return replace(searched, calibration=calibration)
-    say(f"searching, then measuring the chosen plan on each of the {count} replicas ...")
-    return per_device_verdict(confirm(model, graph, each, inputs, batch_size=graph.batch_size, search=search,
-                                      rounds=measurement.rounds, calibration=calibration, clock=clock,
-                                      say=lambda text: say(f"measured: {text}"), runs=ReplicatedRuns(model, inputs)))
+        result = replace(searched, calibration=calibration)
+    else:
+        say(f"searching, then measuring the chosen plan on each of the {count} replicas ...")
+        result = per_device_verdict(confirm(model, graph, each, inputs, batch_size=graph.batch_size, search=search,
+                                            rounds=measurement.rounds, calibration=calibration, clock=clock,
+                                            say=lambda text: say(f"measured: {text}"),
+                                            runs=ReplicatedRuns(model, inputs)))
+    return replace(result, notes=[*split_notes, *result.notes])
 
 
 def per_device_verdict(result: TuneResult) -> TuneResult:

@@ -29,7 +29,7 @@ from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
 from rewriter.step.apply_plan import apply
-from rewriter.step.replicated import ReplicatedEdit, edit_replicas, trace_for_plan
+from rewriter.step.replicated import ReplicatedEdit, edit_replicas, replicated_batch_shapes, trace_for_plan
 from rewriter.trace.replicas import SHARED, ReplicatedTrace
 from rewriter.tf_effects.grappler import swap_grappler_config
 from rewriter.placement.placements import GpuPlacement, Placement, limit_device_memory  # noqa: F401 -- re-exported
@@ -130,7 +130,7 @@ def replicated_gpu_graph_def(model, plan, *, graph=None, batch_size: int | None 
     variable's reads and the step's inputs, placed there too), each replica's swaps to ``host``, the one host memory
     of the machine the replicas share. ``.graph_def`` is what a GPU machine imports; ``replica_placement_problems``
     checks it. Same arguments as ``rewriter.step.replicated.apply_replicated``."""
-    named, _, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, **trace_kwargs)
+    named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, **trace_kwargs)
     gpus = replica_gpus(trace)
     graph_def = graph_pb2.GraphDef()
     graph_def.CopyFrom(trace.traced.concrete.graph.as_graph_def())
@@ -139,19 +139,25 @@ def replicated_gpu_graph_def(model, plan, *, graph=None, batch_size: int | None 
         if owner != SHARED:
             node.device = gpus[owner]
     placements = tuple(GpuPlacement(accelerator="/device:" + gpu.rsplit("device:", 1)[-1], host=host) for gpu in gpus)
-    return edit_replicas(trace, named, placements, graph_def=graph_def)
+    shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
+    return edit_replicas(trace, named, placements, graph_def=graph_def, shapes=shapes)
 
 
 def replica_placement_problems(edit: ReplicatedEdit) -> list[str]:
     """What would make the GPU-placed replicated step (``replicated_gpu_graph_def``) run otherwise than planned: an
-    op of replica k off its GPU, a swap node off its device (the copy out and the host-side swap-in on the host,
-    the swap-in on the replica's GPU), a copy to a GPU that would not wait for its trigger (``host_side_problems``)."""
+    op of replica k off its GPU (a node of its split regions too), a swap node off its device (the copy
+    out and the host-side swap-in on the host, the swap-in on the replica's GPU), a copy to a GPU that would not wait
+    for its trigger (``host_side_problems``)."""
     nodes = {node.name: node for node in edit.graph_def.node}
     problems = [f"{name} (replica {k}) on {nodes[name].device or 'no device'}, not {edit.placements[k].accelerator}"
                 for name, k in edit.trace.owner.items()  # (ops the edit removed, Keras' IdentityN, are not there)
                 if k != SHARED and name in nodes
                 and _device_key(nodes[name].device) != _device_key(edit.placements[k].accelerator)]
     for k, place in enumerate(edit.placements):
+        split_nodes = [name for item in (edit.splits[k] if edit.splits else ())
+                       for name in item.part_nodes + item.combines + item.concats + item.entries]
+        problems += [f"{name} (replica {k}) on {nodes[name].device or 'no device'}, not {place.accelerator}"
+                     for name in split_nodes if _device_key(nodes[name].device) != _device_key(place.accelerator)]
         for swap in edit.applied[k]:
             wanted = [(swap.swap_out, place.swap_out_device)]
             wanted += [(node, device) for item in swap.swap_ins

@@ -10,8 +10,10 @@ variables and slots update in place, and the all-reduce runs as Keras' optimizer
 ``use_replicated_step(model, step)`` makes ``model.fit`` run it: each batch of the strategy's distributed dataset
 is fed replica by replica and the logs are averaged over the replicas, as Keras does under a strategy.
 
-Not built for several replicas (refused with one ``PlanError``): split regions, optimizer state on the host,
-graph rewrites. The first call checks what survived Grappler on each replica (``verify_replicas``).
+A plan's split regions are built on every replica first (``rewriter.edit.split_parts``, replica k's regions and
+parts named from its own ops), then its recomputations and swaps, as on one device. Not built for several
+replicas (refused with one ``PlanError``): optimizer state on the host, graph rewrites. The first call checks
+what survived Grappler on each replica (``verify_replicas``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rewriter.check.collected import collect_first_call, constant_nodes
 from rewriter.check.verification import Verification, check
 from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, edit_graph_def
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
+from rewriter.edit.split_parts import AppliedSplit, BatchShapes, apply_splits, check_part_shapes
 from rewriter.placement import memtrace
 from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
 from rewriter.step.apply_plan import _step_facts
@@ -38,6 +41,7 @@ from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.trace.tracing import call_time_values, import_step
 from simulator.plan import NamedPlan, NamedSwap, NamedSwapIn, PlanError, load_plan
 from simulator.recompute.actions import Recompute, original_name
+from simulator.split import SplitRegion, split_origin
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +57,19 @@ def replica_placement(replicas: Replicas, k: int) -> Placement:
 
 
 def replica_plan(plan: NamedPlan, names: dict[str, str]) -> NamedPlan:
-    """``plan`` (replica 0's names) with replica k's names (``names``: replica 0's op -> replica k's): one
-    ``PlanError`` when a swap or recomputation names an op that has no counterpart there; ops of the order
-    without one (an op replica k reads from replica 0, as the step count) are left out of its order."""
+    """``plan`` (replica 0's names) with replica k's names (``names``: replica 0's op -> replica k's; a split's
+    part or a recomputation's clone named from its original's): one ``PlanError`` when a region, swap or
+    recomputation names an op that has no counterpart there; ops of the order without one (an op replica k reads
+    from replica 0, as the step count) are left out of its order."""
     missing: list[str] = []
+
+    def origin(name: str) -> str:
+        return split_origin(original_name(name))
 
     def op(name: str | None) -> str | None:
         if name is None:
             return None
-        base = original_name(name)
+        base = origin(name)
         found = names.get(base)
         if found is None:
             missing.append(name)
@@ -78,32 +86,34 @@ def replica_plan(plan: NamedPlan, names: dict[str, str]) -> NamedPlan:
                                            for item in s.swap_ins)) for s in plan.swaps)
     recomputes = tuple(Recompute(tensor=tensor(r.tensor), ops=tuple(op(o) for o in r.ops), trigger=op(r.trigger),
                                  consumers=tuple(op(c) for c in r.consumers)) for r in plan.recomputes)
+    splits = tuple(SplitRegion(tuple(op(o) for o in region.ops), region.parts) for region in plan.splits)
     if missing:
         raise PlanError(f"{len(missing)} name(s) of the plan have no counterpart on another replica (e.g. "
                         f"{', '.join(missing[:3])}): the plan was made for another step")
-    order = tuple(names[original_name(o)] + o[len(original_name(o)):] for o in plan.order
-                  if original_name(o) in names)
-    return replace(plan, swaps=swaps, recomputes=recomputes, order=order, canonical_names={})
+    order = tuple(names[origin(o)] + o[len(origin(o)):] for o in plan.order if origin(o) in names)
+    return replace(plan, swaps=swaps, recomputes=recomputes, splits=splits, order=order, canonical_names={})
 
 
 def _refuse_unbuilt(plan: NamedPlan) -> None:
-    unbuilt = [what for what, present in (("split regions", plan.splits), ("optimizer state on the host",
-               plan.host_state), ("graph rewrites", plan.graph_rewrites)) if present]
+    unbuilt = [what for what, present in (("optimizer state on the host", plan.host_state),
+                                          ("graph rewrites", plan.graph_rewrites)) if present]
     if unbuilt:
         raise PlanError(f"the plan has {' and '.join(unbuilt)}, which are not built for a replicated step "
-                        "(docs/design.md 14): make the plan with --no-split --no-state and without --rewrite")
+                        "(docs/design.md 14): make the plan with --no-state and without --rewrite")
 
 
 class ReplicatedStep:
     """One optimizer step of the replicated, rewritten step: ``step(x, y)`` on a global batch (split evenly over
     the replicas, replica 0 first, as a distributed dataset splits it) -> the replicas' mean loss.
 
-    ``applied[k]``/``skipped[k]``/``placements[k]``: replica k's swaps and devices; ``trace``: the
+    ``applied[k]``/``skipped[k]``/``placements[k]``/``splits[k]``: replica k's swaps, devices and split regions as
+    built (empty without regions); ``trace``: the
     ``ReplicatedTrace`` (its ``owner`` tells each op's replica); ``plan``: replica 0's plan as applied."""
 
     def __init__(self, *, function, trace: ReplicatedTrace, graph_def, plan: NamedPlan,
                  applied: tuple[list[AppliedSwap], ...], skipped: tuple[list, ...], placements: tuple[Placement, ...],
-                 swap_op: str, model, recomputed: tuple[tuple, ...] = (), inputs: StepInputs = NO_STEP_INPUTS):
+                 swap_op: str, model, recomputed: tuple[tuple, ...] = (),
+                 splits: tuple[tuple[AppliedSplit, ...], ...] = (), inputs: StepInputs = NO_STEP_INPUTS):
         self._function = function
         self.trace = trace
         self.traced = trace.traced
@@ -112,6 +122,7 @@ class ReplicatedStep:
         self.applied = applied
         self.skipped = skipped
         self.recomputed = recomputed
+        self.splits = splits
         self.placements = placements
         self.swap_op = swap_op
         self.replicas = trace.replicas
@@ -143,11 +154,14 @@ class ReplicatedStep:
             own.add(swap.swap_out)
             own.update(node for item in swap.swap_ins for node in (item.name, item.host_node) if node)
         own.update(clone for item in (self.recomputed[k] if self.recomputed else ()) for clone in item.ops + item.extra)
+        own.update(node for item in (self.splits[k] if self.splits else ())
+                   for node in item.part_nodes + item.combines + item.concats + item.entries)
         return frozenset(own)
 
     def owner_of(self, name: str) -> int:
         """The replica an op of the step belongs to (the nodes added for it included; a constant TensorFlow's
-        runtime folded, ``__cf__``, by the op it was folded from); -1 for none."""
+        runtime folded, ``__cf__``, by the op it was folded from, and a node made inside a split part, as its
+        shape constants, by the op it was split from); -1 for none."""
         if self._owners is None:
             owners = {op: k for op, k in self.trace.owner.items() if k >= 0}
             for k in range(self.replicas.count):
@@ -155,7 +169,8 @@ class ReplicatedStep:
             self._owners = owners
         if name in self._owners:
             return self._owners[name]
-        return self._owners.get(name.split(memtrace.CONSTANT_FOLDED, 1)[0].rstrip("/_"), -1)
+        base = name.split(memtrace.CONSTANT_FOLDED, 1)[0].rstrip("/_")
+        return self._owners.get(base, self._owners.get(split_origin(base), -1))
 
     def event_owners(self, events):
         """Each memory event's replica (``memtrace.event_owners``); -1 for an allocation no op of a replica made:
@@ -235,8 +250,8 @@ class ReplicatedStep:
 @dataclass(frozen=True)
 class ReplicatedEdit:
     """The replicated step's GraphDef with one plan on every replica, before anything runs it: per replica its
-    swaps (``applied``, ``skipped``), its recomputations' clones and its placement (``rewriter.step.gpu_graph``
-    builds one for GPUs without a GPU)."""
+    swaps (``applied``, ``skipped``), its recomputations' clones, its split regions as built and its placement
+    (``rewriter.step.gpu_graph`` builds one for GPUs without a GPU)."""
 
     trace: ReplicatedTrace
     plan: NamedPlan
@@ -245,6 +260,7 @@ class ReplicatedEdit:
     skipped: tuple[list, ...]
     recomputed: tuple[tuple, ...]
     placements: tuple[Placement, ...]
+    splits: tuple[tuple[AppliedSplit, ...], ...] = ()
 
 
 def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
@@ -263,19 +279,58 @@ def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, in
     return traced_names(named, trace.traced.canonical), inputs, trace
 
 
+def replicated_batch_shapes(model, trace: ReplicatedTrace, inputs: StepInputs = NO_STEP_INPUTS) -> BatchShapes:
+    """Which tensors of the replicated step grow with a replica's batch: the step traced again at one sample more
+    a replica (``BatchShapes``, as ``apply`` reads a single device's step)."""
+    second = trace_replicated_step(model, trace.replicas, (trace.per_replica_batch + 1) * trace.replicas.in_sync,
+                                   inputs)
+    return BatchShapes.of(trace.traced, second.traced)
+
+
+def _split_replicas(trace: ReplicatedTrace, plans: list[NamedPlan], placements: tuple[Placement, ...], graph_def,
+                    shapes: BatchShapes, passthrough):
+    """Every replica's split regions built in ``graph_def`` (replica k's by ``plans[k]``, the nodes made anew for it
+    without a device, a combine, on its accelerator: left unplaced, TensorFlow's placer puts every replica's on one),
+    checked after import: the edited GraphDef, each replica's regions as built, and the split step's facts for the
+    edits after."""
+    concrete = trace.traced.concrete
+    losses = [names.get(trace.traced.loss_op) for names in trace.names]
+    fetches = [t.op.name for t in concrete.outputs] + [loss for loss in losses if loss]
+    split = []
+    for mine, place in zip(plans, placements):
+        before = {node.name for node in graph_def.node}
+        graph_def, built = apply_splits(graph_def, mine.splits, shapes, passthrough=passthrough, fetches=fetches)
+        for node in graph_def.node:
+            if not node.device and node.name not in before:
+                node.device = place.accelerator
+        split.append(tuple(built))
+    parted = import_step(graph_def, trace.traced)  # the split step as TF reads it: its shapes, what Grappler folds
+    for built in split:
+        check_part_shapes(parted.graph, built, shapes)
+    return graph_def, tuple(split), _step_facts(parted)
+
+
 def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Placement, ...], *, graph_def=None,
-                  swap_op: str = "auto") -> ReplicatedEdit:
+                  swap_op: str = "auto", shapes: BatchShapes | None = None) -> ReplicatedEdit:
     """Edit the replicated step's GraphDef (default: the traced one) once per replica: replica 0 by the plan's
-    names, replica k by its counterparts' (``replica_plan``), its swaps on ``placements[k]``."""
+    names, replica k by its counterparts' (``replica_plan``), its swaps on ``placements[k]``; a plan's split
+    regions first, on every replica (``shapes``: ``replicated_batch_shapes``, needed then)."""
     concrete = trace.traced.concrete
     foldable, tensor_info, passthrough = _step_facts(concrete)
     graph_def = concrete.graph.as_graph_def() if graph_def is None else graph_def
+    plans = [named if k == 0 else replica_plan(named, trace.names[k]) for k in range(len(placements))]
+    split: tuple[tuple[AppliedSplit, ...], ...] = ()
+    if named.splits:  # first: the plan's recomputations and swaps were made on the split step
+        if shapes is None:
+            raise ValueError("a plan with split regions needs the step's batch shapes (replicated_batch_shapes)")
+        graph_def, split, (foldable, tensor_info, passthrough) = _split_replicas(trace, plans, placements, graph_def,
+                                                                                 shapes, passthrough)
     applied, skipped, recomputed = [], [], []
     for k, place in enumerate(placements):
         chosen = place.swap_op if swap_op in (None, "auto") else swap_op
         if chosen not in SWAP_OPS:
             raise ValueError(f"swap_op must be 'auto' or one of {SWAP_OPS}, got {swap_op!r}")
-        mine = named if k == 0 else replica_plan(named, trace.names[k])
+        mine = plans[k]
         info = tensor_info
         if mine.recomputes:
             graph_def, clones = apply_recomputes(graph_def, mine.recomputes, foldable=foldable, order=mine.order,
@@ -287,7 +342,7 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
         applied.append(done)
         skipped.append(left)
     return ReplicatedEdit(trace, named, graph_def, tuple(applied), tuple(skipped), tuple(recomputed),
-                          tuple(placements))
+                          tuple(placements), split)
 
 
 def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
@@ -301,15 +356,17 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
                                           serialize=serialize)
     replicas = trace.replicas
+    shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
     edit = edit_replicas(trace, named, tuple(replica_placement(replicas, k) for k in range(replicas.count)),
-                         swap_op=swap_op)
+                         swap_op=swap_op, shapes=shapes)
     function = import_step(edit.graph_def, trace.traced)
     step = ReplicatedStep(function=function, trace=trace, graph_def=edit.graph_def, plan=named, applied=edit.applied,
                           skipped=edit.skipped, placements=edit.placements, swap_op=edit.placements[0].swap_op,
-                          model=model, recomputed=edit.recomputed, inputs=inputs)
-    log.info("applied %d swap(s) and %d recomputation(s) on each of %d replicas (%s)", step.n_swap_outs,
-             len(named.recomputes), replicas.count, ", ".join(p.describe() for p in edit.placements))
-    if verify and (named.swaps or named.recomputes):
+                          model=model, recomputed=edit.recomputed, splits=edit.splits, inputs=inputs)
+    log.info("applied %d swap(s), %d recomputation(s) and %d split region(s) on each of %d replicas (%s)",
+             step.n_swap_outs, len(named.recomputes), len(named.splits), replicas.count,
+             ", ".join(p.describe() for p in edit.placements))
+    if verify and (named.swaps or named.recomputes or named.splits):
         step.verification = verify_replicas(step, verify_with)
     return step
 
@@ -336,11 +393,12 @@ def verify_replicas(step: ReplicatedStep, example=None) -> tuple[Verification, .
     step.constant_bytes = tuple(memtrace.constant_bytes(events[owners == k], nodes)
                                 for k in range(step.replicas.count))
     results = []
-    if not any(step.applied) and not any(step.recomputed):  # nothing to verify: the constants alone
+    if not any(step.applied) and not any(step.recomputed) and not any(step.splits):  # the constants alone
         return ()
     for k, place in enumerate(step.placements):
         result = check(graphs, step.applied[k], accelerator=place.accelerator, host=place.host,
-                       recomputed=step.recomputed[k] if step.recomputed else ())
+                       recomputed=step.recomputed[k] if step.recomputed else (),
+                       split=step.splits[k] if step.splits else ())
         if not result.ok:
             log.warning("replica %d: %s", k, result.headline())
         results.append(result)

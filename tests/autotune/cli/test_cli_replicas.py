@@ -180,6 +180,31 @@ def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(saved, tmp_
 
 
 @pytest.mark.tf
+def test_a_budget_under_one_replicas_floor_splits_its_batch_on_every_replica(saved, tmp_path):
+    """350 KiB per device: under one replica's floor at batch 8 (its last convolution's weight gradient beside the
+    resident state, 369 KiB), over the floor of its batch in parts. With ``--no-split``: exit 3, right after the
+    capture, naming the floor and what a split would reach. Without it: each replica's batch of 8 runs in parts on
+    its own device, both replicas measured within 5 % of the prediction, under the unsplit floor, and confirmed."""
+    budget = 350 * 1024
+    refused = _autotune(saved, tmp_path / "unsplit", memory="350KiB", flags=("--replicas", 2, "--no-split"))
+    assert refused.returncode == 3, refused.stdout + refused.stderr[-3000:]
+    floor = json.loads((tmp_path / "unsplit" / "summary.json").read_text())["peak_lower_bound_bytes"]
+    assert floor > budget and "splitting the ops that set the floor along the batch in 2 parts would lower it" \
+        in refused.stdout and "(without --no-split)" in refused.stdout
+    out = tmp_path / "split"
+    done = _autotune(saved, out, memory="350KiB")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    parts = plan["splits"][0]["parts"]
+    assert summary["headline"].startswith(f"Fits with the batch split in {parts} parts") and parts >= 2
+    assert summary["confirmed_by_measurement"]
+    for device in _devices_confirmed(summary, budget=budget):
+        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05
+        assert device["measured_bytes"] < floor
+
+
+@pytest.mark.tf
 def test_a_replica_measured_above_its_prediction_corrects_the_search(saved, tmp_path):
     """Every replica's peak 60 KiB above what the simulator sees: the first plan measures over the budget, the
     miss corrects the search as on one device, and the plan of the next round is measured and confirmed on
