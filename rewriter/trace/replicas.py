@@ -150,6 +150,14 @@ def trace_replicated_step(model, replicas: Replicas, batch_size: int,
         build_if_needed(model, inputs)
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
+        compiled = (getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None))
+        if any(part is not None and not part.built for part in compiled):
+            # the compiled loss's trackers (a Mean per output of a multi-output model) are variables made on the
+            # first train_step: inside strategy.run in a traced function TensorFlow cannot lift them
+            # ("UnliftableError ... depends transitively on placeholder"); Keras' fit builds them first the same way
+            model._symbolic_build(data_batch=inputs.train_data(  # noqa: SLF001
+                [tf.zeros((1,) + tuple(spec.shape)[1:], spec.dtype) for spec in inputs.x_specs],
+                [tf.zeros((1,) + tuple(spec.shape)[1:], spec.dtype) for spec in inputs.label_specs]))
     specs = list(inputs.x_specs) + list(inputs.label_specs)
     n_flat, n_x = len(specs), len(inputs.x_specs)
     signature = [tf.TensorSpec(s.shape, s.dtype, name=f"{s.name or 'input'}_r{k}")
