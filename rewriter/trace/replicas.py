@@ -174,8 +174,10 @@ def trace_replicated_step(model, replicas: Replicas, batch_size: int,
     function = tf.function(step, input_signature=signature, autograph=False)
     concrete, recorded = traced_function(function, model, "the replicated training step")
     owner = _owners(concrete, replicas, n_flat)
-    losses = [t for t in recorded.computed + recorded.differentiated
-              if isinstance(t, tf.Tensor) and owner.get(t.op.name) == 0]
+    mine = [[t for t in found if isinstance(t, tf.Tensor) and owner.get(t.op.name) == 0]
+            for found in (recorded.computed, recorded.differentiated)]
+    losses = mine[0] or mine[1]  # what compute_loss returned, as on one device (a LossScaleOptimizer
+    # differentiates the loss times its scale, which feeds no output)
     if not losses:
         raise CaptureError("the replicated training step computed no loss on its first replica")
     names = _match_replicas(concrete, model, owner, replicas.count, n_flat)

@@ -238,6 +238,19 @@ use_replicated_step(model, plan_swaps(graph, SwapParams(threshold=10**6)), graph
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 facts["two_heads"] = {"ops": graph.n_ops, "batch": graph.batch_size, "bitwise": all(
     np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
+# mixed precision: compile wraps the optimizer in a LossScaleOptimizer, which differentiates the loss times its scale
+keras.mixed_precision.set_dtype_policy("mixed_float16")
+with strategy.scope():
+    model, plain = dense_cnn(), dense_cnn()
+keras.mixed_precision.set_dtype_policy("float32")
+x = rng.random((3 * batch, 8, 8, 3), dtype=np.float32)
+y = rng.random((3 * batch, 4), dtype=np.float32)
+graph = capture_replicated(model, batch)
+plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+use_replicated_step(model, plan_swaps(graph, SwapParams(threshold=10**6)), graph=graph, batch_size=batch)
+model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+facts["mixed"] = {"optimizer": type(model.optimizer).__name__, "loss_op": graph.meta["loss_op"], "bitwise": all(
+    np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
 print("FACTS " + json.dumps(facts))
 """
 
@@ -343,6 +356,15 @@ def test_a_model_of_two_outputs_is_captured_and_trains_as_plain_mirrored_strateg
     ("UnliftableError") and the capture failed. Three steps of fit with the plan bitwise equal to plain fit."""
     assert facts["two_heads"]["batch"] == 8 and facts["two_heads"]["ops"] > 0
     assert facts["two_heads"]["bitwise"]
+
+
+def test_a_mixed_precision_model_is_captured_by_the_loss_compute_loss_returns(facts):
+    """Under mixed_float16 the LossScaleOptimizer differentiates the loss times its scale, which feeds no output
+    of the step: the capture takes the loss compute_loss returned, as on one device (it took the scaled one and
+    failed, "does not feed the step's outputs or updates"). Three steps of fit bitwise equal to plain fit."""
+    mixed = facts["mixed"]
+    assert mixed["optimizer"] == "LossScaleOptimizer" and "compile_loss" in mixed["loss_op"], mixed
+    assert mixed["bitwise"]
 
 
 def test_split_regions_are_built_on_every_replica_and_train_as_plain_mirrored_strategy(facts):
