@@ -155,16 +155,15 @@ def _settings(args: argparse.Namespace):
     check_model_archive(model_file)
     config = load_config(model_file.parent)
     batch = _given(args.batch_size, config.batch_size)
-    if batch is None and args.maximize_batch:
-        batch = 1  # only where the capture starts: sizes are linear in the batch, the search picks it
+    if batch is None and args.maximize_batch:  # only where the capture starts: sizes are linear in the batch,
+        batch = max(1, args.replicas)  # the search picks it (one sample a replica)
     if batch is None:
         raise InputError("no batch size: give --batch-size or batch_size in autotune.toml")
     if batch < 1:
         raise InputError(f"batch size must be positive, got {batch}")
     check_tf_config()  # several workers named: a strategy not tuned yet, said in one line
     if args.replicas != 1:  # several devices (docs/design.md 14): what it does not do yet refused here
-        check_settings(args.replicas, int(batch), maximize_batch=args.maximize_batch,
-                       graph_rewrites=args.rewrite or config.graph_rewrites)
+        check_settings(args.replicas, int(batch), graph_rewrites=args.rewrite or config.graph_rewrites)
     memory = _given(args.memory, config.memory)
     trials = _given(args.trials, config.trials, 200)
     if trials < 1:

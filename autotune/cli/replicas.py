@@ -18,15 +18,15 @@ from typing import Callable
 from autotune.inputs import InputError, format_bytes
 
 
-def check_settings(replicas: int, batch_size: int, *, maximize_batch: bool, graph_rewrites) -> None:
+def check_settings(replicas: int, batch_size: int, *, graph_rewrites) -> None:
     """What ``--replicas`` does not do yet, refused in one line before anything slow happens."""
     if replicas < 1:
         raise InputError(f"--replicas must be at least 1, got {replicas}")
     if batch_size % replicas:
         raise InputError(f"--batch-size {batch_size} does not split evenly over {replicas} replicas: "
                          f"give a multiple of {replicas}")
-    if maximize_batch or graph_rewrites:
-        raise InputError("--replicas does not take --maximize-batch or --rewrite yet (docs/design.md 14)")
+    if graph_rewrites:
+        raise InputError("--replicas does not take --rewrite yet (docs/design.md 14)")
 
 
 def check_tf_config(environ=os.environ) -> None:

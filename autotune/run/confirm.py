@@ -176,6 +176,7 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     measurement = replace(measurement or MeasureOptions(), **({} if measure is None else {"measure": measure}))
     target = target or resolve_target(device, memory)
     inputs = inputs or NO_STEP_INPUTS
+    given_batch = batch_size
     if batch_size is None:
         if not search.maximize_batch:
             raise ValueError("batch_size is required unless maximize_batch=True")
@@ -190,9 +191,10 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
             raise ValueError("autotune.tune takes MirroredStrategy on one machine, not MultiWorkerMirroredStrategy: "
                              "each worker makes its plan with rewriter.capture_replicated and simulator.plan_swaps "
                              "and trains with rewriter.apply_replicated and use_replicated_step (docs/design.md 14)")
-        if search.maximize_batch or graph_rewrites:
-            raise ValueError("a replicated step is tuned at a given batch_size, without graph_rewrites "
-                             "(docs/design.md 14)")
+        if graph_rewrites:
+            raise ValueError("a replicated step is tuned without graph_rewrites (docs/design.md 14)")
+        if given_batch is None:  # one sample a replica where the capture starts (the search picks the batch)
+            batch_size = built_under.num_replicas_in_sync
         return tune_replicated(model, batch_size, target, inputs, search=search, measurement=measurement,
                                name=name, say=say, clock=clock)
     say(f"capturing the training step at batch {batch_size} ...")

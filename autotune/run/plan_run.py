@@ -174,10 +174,10 @@ class PlannedRun:
         return json.dumps([self.placement.measured_on, self.batch, self.device.name, named], sort_keys=True)
 
 
-def planned_run(result: TuneResult, placement=None, note: str = "") -> PlannedRun:
+def planned_run(result: TuneResult, placement=None, note: str = "", batch: int | None = None) -> PlannedRun:
     """The run that measures ``result``'s shown plan on this machine (``measure_result``); ``placement``: where
     it runs when not this machine's own (one replica's device and host; at the requested batch, ``note`` says
-    where)."""
+    where), ``batch`` the batch it runs at there (default: the requested one)."""
     import rewriter  # TensorFlow only when a plan is measured
 
     given = placement is not None
@@ -187,7 +187,7 @@ def planned_run(result: TuneResult, placement=None, note: str = "") -> PlannedRu
     if placement.measured_on == "gpu":
         batch, device, note = result.batch_size, result.device, note
     else:
-        batch = result.batch_size if given else testbed_batch(result)
+        batch = batch or (result.batch_size if given else testbed_batch(result))
         calibration = result.calibration
         device = calibration if calibration is not None and calibration.preset == "cpu-testbed" else get_device("cpu-testbed")
         note = note or (f"No GPU here: the plan's parameters were applied on the CPU testbed (CPU:0 as the "
@@ -234,10 +234,12 @@ class ReplicatedRuns:
         from rewriter.step.replicated import replica_placement
         from rewriter.trace.replicas import resolve_replicas
 
-        meta = result.graph.meta["replicas"]
-        return planned_run(result, placement=replica_placement(resolve_replicas(self.model), 0), note=(
-            f"Measured on each of the CPU testbed's {len(meta['devices'])} replicas (replica k on CPU:2k, its host "
-            f"CPU:2k+1) at global batch {meta['global_batch_size']}, {meta['per_replica_batch_size']} per replica."))
+        count = len(result.graph.meta["replicas"]["devices"])
+        batch = testbed_batch(result)  # per replica: the tuned one, or less where the testbed would be slow
+        return planned_run(result, placement=replica_placement(resolve_replicas(self.model), 0), batch=batch, note=(
+            f"Measured on each of the CPU testbed's {count} replicas (replica k on CPU:2k, its host CPU:2k+1) at "
+            f"global batch {count * batch}, {batch} per replica"
+            + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + "."))
 
     def measure(self, result: TuneResult, planned: PlannedRun, clock: StageClock) -> MeasuredRun:
         with clock.stage("measured_run"):
@@ -247,7 +249,7 @@ class ReplicatedRuns:
         import rewriter  # TensorFlow only when a plan is measured
         from rewriter.trace.step_inputs import synthetic_batch
 
-        batch = int(result.graph.meta["replicas"]["global_batch_size"])
+        batch = planned.batch * len(result.graph.meta["replicas"]["devices"])  # the global batch it runs at
         x, y = synthetic_batch(self.model, batch, self.inputs)
         with clock.stage("apply"):
             step = rewriter.apply_replicated(self.model, planned.plan.to_named(planned.plan_graph),

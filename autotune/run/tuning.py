@@ -231,8 +231,8 @@ class TuneResult:
         predicted_host = None if shown is None else len(devices) * int(shown.metrics["host_peak_bytes"])
         measured_host = sum(hosts) if len(hosts) == len(devices) else None
         machine_host = predicted_host if measured_host is None else measured_host
-        return {"devices": devices, "replicas": len(devices), "global_batch_size": meta["global_batch_size"],
-                "per_replica_batch_size": meta["per_replica_batch_size"], "all_reduce_bytes": meta["all_reduce_bytes"],
+        return {"devices": devices, "replicas": len(devices), "global_batch_size": len(devices) * self.batch_size,
+                "per_replica_batch_size": self.batch_size, "all_reduce_bytes": meta["all_reduce_bytes"],
                 "all_reduce_ops": meta["all_reduce_ops"],
                 "machine": {"host_budget_bytes": host_budget, "predicted_host_bytes": predicted_host,
                             "measured_host_bytes": measured_host,

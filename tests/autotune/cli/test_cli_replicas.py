@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("flags,message", [
     (["--batch-size", "15", "--replicas", "2"], "--batch-size 15 does not split evenly over 2 replicas"),
     (["--batch-size", "16", "--replicas", "0"], "--replicas must be at least 1, got 0"),
-    (["--batch-size", "16", "--replicas", "2", "--maximize-batch"], "--replicas does not take --maximize-batch"),
-    (["--batch-size", "16", "--replicas", "2", "--rewrite", "split-concat"], "--replicas does not take"),
+    (["--batch-size", "16", "--replicas", "2", "--rewrite", "split-concat"], "--replicas does not take --rewrite"),
 ])
 def test_what_replicas_cannot_do_is_refused_in_one_line(model_dir, capsys, flags, message):
     code = main([str(model_dir), *flags])
@@ -197,11 +196,32 @@ def test_a_budget_under_one_replicas_floor_splits_its_batch_on_every_replica(sav
     summary = json.loads((out / "summary.json").read_text())
     plan = json.loads((out / "plan.json").read_text())
     parts = plan["splits"][0]["parts"]
-    assert summary["headline"].startswith(f"Fits with the batch split in {parts} parts") and parts >= 2
-    assert summary["confirmed_by_measurement"]
+    assert summary["headline"].startswith(f"Fits with the batch split in {parts} parts") and parts >= 2, done.stdout
+    assert summary["confirmed_by_measurement"], done.stdout
     for device in _devices_confirmed(summary, budget=budget):
-        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05
+        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05, done.stdout
         assert device["measured_bytes"] < floor
+
+
+@pytest.mark.tf
+def test_maximize_batch_finds_the_largest_batch_per_replica_and_measures_it_on_every_replica(saved, tmp_path):
+    """--maximize-batch with --replicas 2 and no batch size: the capture starts at one sample a replica, the search
+    picks the largest batch a replica's budget holds with a plan, and both replicas are measured at it (the global
+    batch twice that) and confirmed."""
+    out = tmp_path / "out"
+    args = [saved, "--replicas", 2, "--maximize-batch", "--memory", "700KiB", "--trials", 30, "--out", out, "--quiet"]
+    done = subprocess.run([sys.executable, "-m", "autotune", *uncalibrated(args)], capture_output=True, text=True,
+                          env=environment.testbed_environment(PYTHONPATH=str(ROOT)), timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    per_replica = summary["batch_size"]
+    assert per_replica > summary["max_batch_without_swap"] >= 1 and summary["confirmed_by_measurement"], summary
+    memory = summary["replicas"]
+    assert memory["per_replica_batch_size"] == per_replica and memory["global_batch_size"] == 2 * per_replica
+    for device in memory["devices"]:
+        assert device["confirmed"] and device["projected_bytes"] <= BUDGET
+    assert f"largest batch that fits: {per_replica}" in done.stdout
+    assert f"global batch {2 * per_replica}" in done.stdout
 
 
 @pytest.mark.tf
