@@ -335,11 +335,11 @@ def configure_testbed(n_devices: int = 2, *, gpu_memory_limit_bytes: int | None 
         log.info("TensorFlow is already initialised with %d CPU device(s): using the single-device testbed",
                  len(tf.config.list_logical_devices("CPU")))
         return False
-    if (tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1) < n_devices:
-        # a thread per logical device, as one accelerator and its host have on two cores: with fewer, each
-        # replica's chained ops run inline on every thread and the copies out queue behind them until an op
-        # waits for one (docs/design.md 14)
-        tf.config.threading.set_inter_op_parallelism_threads(n_devices)
+    threads = tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
+    if n_devices > 2 and threads < 2 * n_devices:
+        # several replicas: two threads per logical device. With fewer, each replica's chained ops run inline on
+        # the threads and its copies out queue behind them until an op waits for one (docs/design.md 14)
+        tf.config.threading.set_inter_op_parallelism_threads(2 * n_devices)
     return True
 
 
