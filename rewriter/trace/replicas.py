@@ -155,9 +155,13 @@ def trace_replicated_step(model, replicas: Replicas, batch_size: int,
             # the compiled loss's trackers (a Mean per output of a multi-output model) are variables made on the
             # first train_step: inside strategy.run in a traced function TensorFlow cannot lift them
             # ("UnliftableError ... depends transitively on placeholder"); Keras' fit builds them first the same way
-            model._symbolic_build(data_batch=inputs.train_data(  # noqa: SLF001
-                [tf.zeros((1,) + tuple(spec.shape)[1:], spec.dtype) for spec in inputs.x_specs],
-                [tf.zeros((1,) + tuple(spec.shape)[1:], spec.dtype) for spec in inputs.label_specs]))
+            try:
+                model._symbolic_build(data_batch=inputs.train_data(  # noqa: SLF001
+                    [tf.zeros((1,) + tuple(spec.shape)[1:], spec.dtype) for spec in inputs.x_specs],
+                    [tf.zeros((1,) + tuple(spec.shape)[1:], spec.dtype) for spec in inputs.label_specs]))
+            except Exception as error:  # the model's own loss or metric code failed on these shapes
+                raise CaptureError(f"building the compiled loss and metrics before tracing the replicated step "
+                                   f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}") from error
     specs = list(inputs.x_specs) + list(inputs.label_specs)
     n_flat, n_x = len(specs), len(inputs.x_specs)
     signature = [tf.TensorSpec(s.shape, s.dtype, name=f"{s.name or 'input'}_r{k}")
@@ -176,8 +180,9 @@ def trace_replicated_step(model, replicas: Replicas, batch_size: int,
     owner = _owners(concrete, replicas, n_flat)
     mine = [[t for t in found if isinstance(t, tf.Tensor) and owner.get(t.op.name) == 0]
             for found in (recorded.computed, recorded.differentiated)]
-    losses = mine[0] or mine[1]  # what compute_loss returned, as on one device (a LossScaleOptimizer
-    # differentiates the loss times its scale, which feeds no output)
+    # what compute_loss returned, as on one device (a LossScaleOptimizer differentiates the loss times its scale,
+    # which feeds no output)
+    losses = mine[0] or mine[1]
     if not losses:
         raise CaptureError("the replicated training step computed no loss on its first replica")
     names = _match_replicas(concrete, model, owner, replicas.count, n_flat)
