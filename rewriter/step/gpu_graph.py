@@ -154,8 +154,7 @@ def replica_placement_problems(edit: ReplicatedEdit) -> list[str]:
                 if k != SHARED and name in nodes
                 and _device_key(nodes[name].device) != _device_key(edit.placements[k].accelerator)]
     for k, place in enumerate(edit.placements):
-        split_nodes = [name for item in (edit.splits[k] if edit.splits else ())
-                       for name in item.part_nodes + item.combines + item.concats + item.entries]
+        split_nodes = [name for item in (edit.splits[k] if edit.splits else ()) for name in item.nodes]
         problems += [f"{name} (replica {k}) on {nodes[name].device or 'no device'}, not {place.accelerator}"
                      for name in split_nodes if _device_key(nodes[name].device) != _device_key(place.accelerator)]
         for swap in edit.applied[k]:

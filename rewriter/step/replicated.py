@@ -154,8 +154,7 @@ class ReplicatedStep:
             own.add(swap.swap_out)
             own.update(node for item in swap.swap_ins for node in (item.name, item.host_node) if node)
         own.update(clone for item in (self.recomputed[k] if self.recomputed else ()) for clone in item.ops + item.extra)
-        own.update(node for item in (self.splits[k] if self.splits else ())
-                   for node in item.part_nodes + item.combines + item.concats + item.entries)
+        own.update(node for item in (self.splits[k] if self.splits else ()) for node in item.nodes)
         return frozenset(own)
 
     def owner_of(self, name: str) -> int:
