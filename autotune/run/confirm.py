@@ -206,8 +206,7 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
         say(f"{rewrite}: {len(changed)} op(s) rewritten" if changed else f"{rewrite}: nothing in this model to rewrite")
     captured = graph
-    split, splits = _splits_to_search(graph, target, search)
-    graph = split.split_graph if splits else graph
+    split, splits, graph = _splits_to_search(graph, target, search)
     known = foregone(graph, target, policy=search.policy, recompute=search.recompute, state=search.state,
                      recaptured=lambda more: capture(model, batch_size, inputs, name=graph.meta.get("model"),
                                                      graph_rewrites=[*graph_rewrites, *more]),
@@ -217,11 +216,11 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     with clock.stage("calibration"):  # of the captured step: a split step's parts take the preset's estimates
         calibration = calibrate_for(model, captured, batch_size, inputs, say=say,
                                     recalibrate=measurement.recalibrate) if measurement.calibrates else None
-    graph, split_notes = _chosen_split(captured, graph, splits, search_target(target, calibration), search,
-                                       clock, say)
+    timed = search_target(target, calibration)
+    graph, split_notes = _chosen_split(captured, graph, splits, timed, search, clock, say)
     if not measurement.measure:
         with clock.stage("search"):
-            searched = search_graph(graph, search_target(target, calibration), search, batch_size=batch_size)
+            searched = search_graph(graph, timed, search, batch_size=batch_size)
         result = replace(searched, calibration=calibration)
     else:
         say("searching, then measuring the chosen plan on the real training step ...")
@@ -237,16 +236,18 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
 def _splits_to_search(graph, target: Target, search: SearchOptions):
     """Where the captured step's floor is over the device budget: the split of the ops that set it
     (``split_to_budget``, kept for the report even where splitting is off) and, where splitting may run and
-    brings the floor within the budget, the numbers of parts to search (the fewest that fit, and more)."""
+    brings the floor within the budget, the numbers of parts to search (the fewest that fit, and more) and the
+    graph of the fewest; else ``graph`` itself."""
     # a split's floor with the optimizer state the search may move on the host as well: the two together
     floor_of = (lambda g: state_floor_bytes(g, target.device)) if search.state else None
     if peak_lower_bound_bytes(graph) <= target.device_budget_bytes or search.maximize_batch or (
             search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
-        return None, []
+        return None, [], graph
     split = split_to_budget(graph, target.device_budget_bytes, floor_of)  # the ops that set the floor, in parts
     if split is None or not search.split or split_floor(split, floor_of) > target.device_budget_bytes:
-        return split, []
-    return split, parts_to_search(graph, target.device_budget_bytes, first=split, floor_of=floor_of)
+        return split, [], graph
+    return split, parts_to_search(graph, target.device_budget_bytes, first=split, floor_of=floor_of), \
+        split.split_graph
 
 
 def _chosen_split(captured, graph, splits, target: Target, search: SearchOptions, clock: StageClock,
@@ -292,8 +293,7 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
         f"{format_bytes(graph.persistent_bytes)}, the gradients' all-reduce pack {format_bytes(meta['all_reduce_bytes'])}")
     search = replace(search, state=False)  # moving optimizer state is not built for a replicated step
     captured = graph
-    split, splits = _splits_to_search(graph, each, search)  # one replica's batch in parts, on every replica
-    graph = split.split_graph if splits else graph
+    split, splits, graph = _splits_to_search(graph, each, search)  # one replica's batch in parts, on every replica
     known = foregone(graph, each, policy=search.policy, recompute=search.recompute, state=False, split=split,
                      split_allowed=search.split)
     if known is not None:
@@ -301,10 +301,11 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
     with clock.stage("calibration"):
         calibration = replica_calibration(model, captured, inputs, recalibrate=measurement.recalibrate, say=say) \
             if measurement.calibrates else None
-    graph, split_notes = _chosen_split(captured, graph, splits, search_target(each, calibration), search, clock, say)
+    timed = search_target(each, calibration)
+    graph, split_notes = _chosen_split(captured, graph, splits, timed, search, clock, say)
     if not measurement.measure:
         with clock.stage("search"):
-            searched = search_graph(graph, search_target(each, calibration), search, batch_size=graph.batch_size)
+            searched = search_graph(graph, timed, search, batch_size=graph.batch_size)
         result = replace(searched, calibration=calibration)
     else:
         say(f"searching, then measuring the chosen plan on each of the {count} replicas ...")
