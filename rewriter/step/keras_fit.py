@@ -26,6 +26,8 @@ from rewriter.step.swap_step import SwapStep
 log = logging.getLogger(__name__)
 
 _ORIGINAL = "_swap_original_train_function"
+WEIGHT_PER_OUTPUT = ("the swap-rewritten training step takes one sample weight per sample (as class_weight gives), "
+                     "not one per output")
 _STEP = "_swap_step"
 
 
@@ -76,9 +78,7 @@ def make_train_function(model, step: SwapStep):
         if y is None and step.traced.inputs is not None and step.traced.inputs.y_names:
             raise ValueError("the swap-rewritten training step needs labels (x, y)")
         if isinstance(sample_weight, (dict, list, tuple)):
-            raise ValueError("the swap-rewritten training step takes one sample weight per sample (as "
-                             "class_weight gives), not one per output; undo it with "
-                             "rewriter.step.keras_fit.restore_train_function(model)")
+            raise ValueError(f"{WEIGHT_PER_OUTPUT}; undo it with rewriter.step.keras_fit.restore_train_function(model)")
         # with sample_weight or class_weight: the plan applied to the step traced with the weights
         target = step.for_batch(step.batch_of(x), weighted=sample_weight is not None or step.weighted)
         return target.run(x, y, sample_weight)

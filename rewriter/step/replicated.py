@@ -8,7 +8,9 @@ plan's order. The edited step is imported once (``rewriter.trace.tracing.import_
 variables and slots update in place, and the all-reduce runs as Keras' optimizer built it.
 
 ``use_replicated_step(model, step)`` makes ``model.fit`` run it: each batch of the strategy's distributed dataset
-is fed replica by replica and the logs are averaged over the replicas, as Keras does under a strategy.
+is fed replica by replica and the logs are averaged over the replicas, as Keras does under a strategy. A batch with
+``sample_weight`` or ``class_weight`` runs the plan applied to the step traced with a weight per sample after each
+replica's labels (``apply_replicated(..., sample_weight=True)``, cached), as on one device.
 
 A plan's split regions are built on every replica first (``rewriter.edit.split_parts``, replica k's regions and
 parts named from its own ops), then its recomputations and swaps, as on one device. Not built for several
@@ -33,7 +35,7 @@ from rewriter.edit.split_parts import AppliedSplit, BatchShapes, apply_splits, c
 from rewriter.placement import memtrace
 from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
 from rewriter.step.apply_plan import _step_facts
-from rewriter.step.keras_fit import install_train_function, train_function_of
+from rewriter.step.keras_fit import WEIGHT_PER_OUTPUT, install_train_function, train_function_of
 from rewriter.step.swap_step import StateSnapshot
 from rewriter.trace.op_names import traced_names
 from rewriter.trace.replicas import Replicas, ReplicatedTrace, resolve_replicas, trace_replicated_step
@@ -133,7 +135,7 @@ class ReplicatedStep:
         self._model = model
         self._inputs = inputs
         self._owners: dict[str, int] | None = None
-        self._others: dict[int, ReplicatedStep] = {}
+        self._others: dict[tuple[int, bool], ReplicatedStep] = {}
         signature = self.traced.concrete.structured_outputs
         self._output_structure = signature
 
@@ -177,27 +179,43 @@ class ReplicatedStep:
         the replicas' chunks are allocated within a millisecond of each other in either order."""
         return memtrace.event_owners(events, self.owner_of)
 
-    def flat_inputs(self, per_replica: list[tuple[Any, Any]]) -> list[tf.Tensor]:
-        """Flat step inputs from (x, y) per replica (dicts by name, lists in flat order, or arrays)."""
+    @property
+    def weighted(self) -> bool:
+        """Whether each replica's labels end with a weight per sample of the loss (``apply_replicated``)."""
+        return self.traced.inputs.weight_spec is not None
+
+    def flat_inputs(self, per_replica: list[tuple]) -> list[tf.Tensor]:
+        """Flat step inputs from (x, y) or (x, y, sample_weight) per replica (dicts by name, lists in flat order,
+        or arrays); a weighted step given no weights weighs every sample 1, the unweighted loss."""
         specs = self.traced.inputs
         flat = []
-        for x, y in per_replica:
+        for x, y, *weight in per_replica:
             xs, ys = specs.flatten(x, y)
+            weight = weight[0] if weight else None
+            if weight is not None and not self.weighted:
+                raise ValueError("this step takes no sample weights: use step.for_batch(n, weighted=True)")
+            if self.weighted:
+                ys.append(tf.ones((self.trace.per_replica_batch,)) if weight is None
+                          else tf.reshape(tf.convert_to_tensor(weight), (-1,)))
             flat.extend(xs + ys)
         wanted = self.traced.concrete.inputs[: len(flat)]
         if len(flat) != self.trace.n_flat * self.replicas.count:
             raise ValueError(f"the replicated step takes {self.trace.n_flat} input(s) and label(s) per replica")
         return [tf.cast(tf.convert_to_tensor(value), spec.dtype) for value, spec in zip(flat, wanted)]
 
-    def split(self, x, y) -> list[tuple[Any, Any]]:
-        """A global batch -> one (x, y) per replica of this process, in order, as ``experimental_distribute_dataset``
-        splits it (a worker of ``MultiWorkerMirroredStrategy`` takes its replicas' shares)."""
+    def split(self, x, y, sample_weight=None) -> list[tuple]:
+        """A global batch -> one (x, y) (or (x, y, sample_weight)) per replica of this process, in order, as
+        ``experimental_distribute_dataset`` splits it (a worker of ``MultiWorkerMirroredStrategy`` takes its replicas'
+        shares)."""
         first, per = self.replicas.first_replica, self.trace.per_replica_batch
 
         def part(value, k):
+            if value is None:
+                return None
             return tf.nest.map_structure(lambda v: np.asarray(v)[(first + k) * per:(first + k + 1) * per], value)
 
-        return [(part(x, k), None if y is None else part(y, k)) for k in range(self.replicas.count)]
+        return [(part(x, k), part(y, k)) + (() if sample_weight is None else (part(sample_weight, k),))
+                for k in range(self.replicas.count)]
 
     def run_flat(self, *flat):
         """One step on flat inputs: (the logs of each replica, each replica's loss)."""
@@ -212,26 +230,31 @@ class ReplicatedStep:
         return tf.nest.map_structure(
             lambda v: tf.reduce_mean(strategy.experimental_local_results(v), axis=0), logs)
 
-    def run(self, x, y=None):
-        return self.logs_of(self.run_flat(*self.flat_inputs(self.split(x, y)))[0])
+    def run(self, x, y=None, sample_weight=None):
+        """One optimizer step on a global batch; returns the replicas' mean logs."""
+        return self.logs_of(self.run_flat(*self.flat_inputs(self.split(x, y, sample_weight)))[0])
 
     def __call__(self, x, y=None):
         """One optimizer step on a global batch; returns the replicas' mean loss."""
         return self.run(x, y)["loss"]
 
-    def for_batch(self, batch_size: int) -> "ReplicatedStep":
-        """The same plan applied at another global batch (an epoch's last, smaller batch), cached; one
-        ``ValueError`` for a batch that does not split evenly over the replicas."""
-        if int(batch_size) == self.batch_size:
+    def for_batch(self, batch_size: int, weighted: bool | None = None) -> "ReplicatedStep":
+        """The same plan applied at another global batch (an epoch's last, smaller batch) or to the step that takes
+        sample weights (``weighted``), cached; one ``ValueError`` for a batch that does not split evenly over the
+        replicas."""
+        weighted = self.weighted if weighted is None else bool(weighted)
+        if int(batch_size) == self.batch_size and weighted == self.weighted:
             return self
         if int(batch_size) % self.replicas.in_sync:
             raise ValueError(f"a batch of {batch_size} samples does not split evenly over {self.replicas.in_sync} "
                              "replicas: give a dataset whose size is a multiple of the batch size, or drop the "
                              "remainder")
-        if int(batch_size) not in self._others:
-            self._others[int(batch_size)] = apply_replicated(self._model, self.plan, batch_size=int(batch_size),
-                                                             inputs=self._inputs, swap_op=self.swap_op, verify=False)
-        return self._others[int(batch_size)]
+        key = (int(batch_size), weighted)
+        if key not in self._others:
+            self._others[key] = apply_replicated(self._model, self.plan, batch_size=int(batch_size),
+                                                 inputs=self._inputs, swap_op=self.swap_op, verify=False,
+                                                 sample_weight=weighted)
+        return self._others[key]
 
     def zeros(self) -> list[tf.Tensor]:
         return [tf.zeros(t.shape, t.dtype) for t in self.traced.concrete.inputs[: self.trace.n_flat *
@@ -263,9 +286,10 @@ class ReplicatedEdit:
 
 
 def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
-                   serialize: bool = True) -> tuple[NamedPlan, StepInputs, ReplicatedTrace]:
+                   serialize: bool = True,
+                   sample_weight: bool = False) -> tuple[NamedPlan, StepInputs, ReplicatedTrace]:
     """The plan by the replicated step's names, the step's inputs and its trace at the global ``batch_size``
-    (default: the plan's per-replica batch times the replicas)."""
+    (default: the plan's per-replica batch times the replicas), with a weight per sample when ``sample_weight``."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
     _refuse_unbuilt(named)
@@ -274,7 +298,7 @@ def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, in
         named = replace(named, order=())
     if batch_size is None:
         batch_size = int(named.batch_size or 0) * replicas.in_sync
-    trace = trace_replicated_step(model, replicas, int(batch_size), inputs)
+    trace = trace_replicated_step(model, replicas, int(batch_size), inputs, sample_weight=sample_weight)
     return traced_names(named, trace.traced.canonical), inputs, trace
 
 
@@ -282,7 +306,7 @@ def replicated_batch_shapes(model, trace: ReplicatedTrace, inputs: StepInputs = 
     """Which tensors of the replicated step grow with a replica's batch: the step traced again at one sample more
     a replica (``BatchShapes``, as ``apply`` reads a single device's step)."""
     second = trace_replicated_step(model, trace.replicas, (trace.per_replica_batch + 1) * trace.replicas.in_sync,
-                                   inputs)
+                                   inputs, sample_weight=trace.traced.inputs.weight_spec is not None)
     return BatchShapes.of(trace.traced, second.traced)
 
 
@@ -345,15 +369,16 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
 
 
 def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
-                     swap_op: str = "auto", serialize: bool = True, verify: bool = True,
-                     verify_with=None) -> ReplicatedStep:
+                     swap_op: str = "auto", serialize: bool = True, verify: bool = True, verify_with=None,
+                     sample_weight: bool = False) -> ReplicatedStep:
     """Apply ``plan`` (made on ``capture_replicated``'s graph of one replica) to every replica of ``model``'s
     ``MirroredStrategy`` step at the global ``batch_size`` (default: the plan's per-replica batch times the
     replicas). One ``PlanError`` for a plan that does not fit; one ``CaptureError`` for another strategy.
     ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
-    Grappler (``ReplicatedStep.verification``), then every variable is put back."""
+    Grappler (``ReplicatedStep.verification``), then every variable is put back. ``sample_weight``: the step takes
+    a weight per sample after each replica's labels (``model.fit`` with ``sample_weight`` or ``class_weight``)."""
     named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
-                                          serialize=serialize)
+                                          serialize=serialize, sample_weight=sample_weight)
     replicas = trace.replicas
     shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
     edit = edit_replicas(trace, named, tuple(replica_placement(replicas, k) for k in range(replicas.count)),
@@ -409,18 +434,22 @@ def make_replicated_train_function(model, step: ReplicatedStep):
     replica."""
     strategy = step.replicas.strategy
 
+    def local(value, k):
+        return None if value is None else tf.nest.map_structure(
+            lambda v: strategy.experimental_local_results(v)[k], value)
+
     def run_batch(x, y, sample_weight):
-        if sample_weight is not None:
-            raise ValueError("the replicated swap step takes no sample weights yet (docs/design.md 14)")
-        per_replica = [(tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], x),
-                        None if y is None else
-                        tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[k], y))
+        if isinstance(sample_weight, (dict, list, tuple)):
+            raise ValueError(f"{WEIGHT_PER_OUTPUT}; undo it with rewriter.step.keras_fit.restore_train_function(model)")
+        per_replica = [(local(x, k), local(y, k)) + (() if sample_weight is None else (local(sample_weight, k),))
                        for k in range(step.replicas.count)]
-        shares = [int(tf.nest.flatten(part)[0].shape[0]) for part, _ in per_replica]
+        shares = [int(tf.nest.flatten(part[0])[0].shape[0]) for part in per_replica]
         if len(set(shares)) > 1:  # the strategy split an epoch's last batch unevenly
             raise ValueError(f"a batch of {sum(shares)} samples does not split evenly over {len(shares)} "
                              "replicas: give a dataset whose size is a multiple of the batch size")
-        target = step.for_batch(shares[0] * step.replicas.in_sync)  # every worker's replicas have one share each
+        # every worker's replicas have one share each; with sample_weight or class_weight the plan applied to the
+        # step traced with the weights
+        target = step.for_batch(shares[0] * step.replicas.in_sync, weighted=sample_weight is not None or step.weighted)
         return target.logs_of(target.run_flat(*target.flat_inputs(per_replica))[0])
 
     return train_function_of(model, step, run_batch)

@@ -138,13 +138,14 @@ class ReplicatedTrace:
         return self.traced.batch_size
 
 
-def trace_replicated_step(model, replicas: Replicas, batch_size: int,
-                          given: StepInputs = NO_STEP_INPUTS) -> ReplicatedTrace:
+def trace_replicated_step(model, replicas: Replicas, batch_size: int, given: StepInputs = NO_STEP_INPUTS, *,
+                          sample_weight: bool = False) -> ReplicatedTrace:
     """Trace ``strategy.run(model.train_step, ...)`` at the global ``batch_size``; inputs in flat order, replica
-    by replica (replica k's inputs then labels, as ``StepSpecs`` orders one replica's)."""
+    by replica (replica k's inputs then labels, as ``StepSpecs`` orders one replica's); ``sample_weight``: each
+    replica's labels end with a weight per sample of the loss (``rewriter.step.keras_fit``)."""
     check_compiled(model, replicated=True)
     per = replicas.per_replica_batch(batch_size)
-    inputs = step_specs(model, per, given)
+    inputs = step_specs(model, per, given, sample_weight=sample_weight)
     strategy = replicas.strategy
     with strategy.scope():
         build_if_needed(model, inputs)

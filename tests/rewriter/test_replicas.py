@@ -140,7 +140,7 @@ facts["trained"] = model.optimizer.iterations.numpy().item()
 x, y = x[:2 * batch + 8], y[:2 * batch + 8]
 plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-facts["last_batch_steps"] = sorted(step._others)
+facts["last_batch_steps"] = sorted(size for size, _ in step._others)
 facts["last_batch_worst"] = max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
                                 for a, b in zip(plain.weights, model.weights))
 facts["iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
@@ -251,6 +251,31 @@ use_replicated_step(model, plan_swaps(graph, SwapParams(threshold=10**6)), graph
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 facts["mixed"] = {"optimizer": type(model.optimizer).__name__, "loss_op": graph.meta["loss_op"], "bitwise": all(
     np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
+# sample weights and class weights: each batch runs the plan applied to the step traced with a weight per sample
+def classifier():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.Flatten(), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+with strategy.scope():
+    model, plain = classifier(), classifier()
+x = rng.random((3 * batch, 8, 8, 3), dtype=np.float32)
+y = rng.integers(0, 3, 3 * batch)
+weights = rng.random(3 * batch).astype(np.float32)
+graph = capture_replicated(model, batch)
+step = use_replicated_step(model, plan_swaps(graph, SwapParams(threshold=1, min_bytes=2**10)), graph=graph,
+                           batch_size=batch)
+weighted = {}
+for name, given in (("sample_weight", {"sample_weight": weights}),
+                    ("class_weight", {"class_weight": {0: 1.0, 1: 3.0, 2: 0.5}})):
+    plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, **given)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, **given)
+    weighted[name] = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))
+facts["weighted"] = dict(weighted, swaps=step.n_swap_outs, steps=[list(key) for key in sorted(step._others)],
+                         weighted_swaps=[s.n_swap_outs for s in step._others.values()],
+                         inputs=[len(s.traced.concrete.inputs) for s in (step, *step._others.values())],
+                         iterations=[m.optimizer.iterations.numpy().item() for m in (plain, model)])
 print("FACTS " + json.dumps(facts))
 """
 
@@ -367,6 +392,18 @@ def test_a_mixed_precision_model_is_captured_by_the_loss_compute_loss_returns(fa
     assert mixed["bitwise"]
 
 
+def test_model_fit_with_sample_and_class_weights_runs_the_plan_traced_with_the_weights(facts):
+    """fit with sample_weight, then with class_weight (which Keras turns into a weight per sample): each batch runs
+    the plan applied to the step traced with a weight after each replica's labels (one more input per replica),
+    its swaps as many as the unweighted step's, and three steps of each bitwise equal to plain fit."""
+    weighted = facts["weighted"]
+    assert weighted["swaps"] > 0 and weighted["steps"] == [[16, True]], weighted
+    assert weighted["weighted_swaps"] == [weighted["swaps"]]
+    assert weighted["inputs"][1] >= weighted["inputs"][0] + 2, weighted["inputs"]
+    assert weighted["iterations"] == [6, 6]
+    assert weighted["sample_weight"] and weighted["class_weight"]
+
+
 def test_split_regions_are_built_on_every_replica_and_train_as_plain_mirrored_strategy(facts):
     """One replica's step split in 4 parts by the simulator (``floor_after_splitting``) and swapped: the regions
     built on both replicas, replica 1's from its own ops (each part, combine and entry told to replica 1), every
@@ -468,7 +505,7 @@ x, y = x[:2 * batch + 8], y[:2 * batch + 8]
 for data in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)):
     one_step(data)
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-facts["last_batch_steps"] = sorted(step._others)
+facts["last_batch_steps"] = sorted(size for size, _ in step._others)
 facts["last_batch_bitwise"] = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))
 facts["last_batch_iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
 print("FACTS " + json.dumps(facts))
