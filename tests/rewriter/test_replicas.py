@@ -172,6 +172,19 @@ step = apply_replicated(dense, plan, graph=graph, batch_size=batch)
 peaks = measure_replicas(step, rng.random((batch, 256), dtype=np.float32), rng.random((batch, 4), dtype=np.float32))
 facts["dense"] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
                   "resident": graph.persistent_bytes, "pack": graph.meta["replicas"]["all_reduce_bytes"]}
+# the same stack with AdamW: its decay writes each kernel while a read of it is pending, and TensorFlow's
+# copy-on-write frees the kernel's buffer of the call before
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    decayed = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(512, activation="relu") for _ in range(3)],
+                                keras.layers.Dense(4)])
+    decayed.compile(optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01), loss="mse")
+graph = capture_replicated(decayed, batch)
+plan = plan_swaps(graph, SwapParams(threshold=10**6))
+peaks = measure_replicas(apply_replicated(decayed, plan, graph=graph, batch_size=batch),
+                         rng.random((batch, 256), dtype=np.float32), rng.random((batch, 4), dtype=np.float32))
+facts["dense_adamw"] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes),
+                        "measured": [r.peak_bytes for r in peaks]}
 
 # split regions on every replica: batch normalisation's moments, the loss and the weight gradients summed over
 # each replica's parts, then all-reduced (tanh, not relu: a relu's mask flips on rounding differences, which
@@ -360,6 +373,15 @@ def test_a_peak_at_the_all_reduce_is_predicted(facts):
     for measured in dense["measured"]:
         assert abs(measured / dense["predicted"] - 1) <= 0.05, (measured, dense["predicted"])
     assert abs(dense["predicted"] - (dense["resident"] + 2 * dense["pack"])) < 0.02 * dense["predicted"]
+
+
+def test_a_buffer_freed_by_a_copy_on_write_is_told_its_replica(facts):
+    """AdamW's decay writes each kernel while a read of it is pending: TensorFlow copies the kernel and frees the
+    buffer the call before made. The measurement traces that call too, so the free has its replica's owner; left
+    unowned, each replica's peak counted the old kernels (15,297,068 B measured against 13,187,960 predicted)."""
+    adamw = facts["dense_adamw"]
+    for measured in adamw["measured"]:
+        assert abs(measured / adamw["predicted"] - 1) <= 0.05, (measured, adamw["predicted"])
 
 
 def test_model_fit_with_the_plan_trains_as_plain_mirrored_strategy(facts):
