@@ -276,7 +276,8 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
     searched with ``target``'s device budget per device and 1/N of its host budget each (the replicas' swaps share
     the machine's host memory), timed by the calibration of the same step on one device (``replica_calibration``),
     and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``). Under one
-    replica's floor its batch is split as a single device's is, on every replica; the optimizer state stays."""
+    replica's floor its batch is split as a single device's is, on every replica, and the optimizer slots may move
+    to each replica's host (its weights stay on the device)."""
     import rewriter  # TensorFlow only when a model is tuned
     import tensorflow as tf
 
@@ -291,10 +292,9 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
     each = target.per_replica(count)
     say(f"captured {graph.n_ops} ops of one replica of {count} at batch {graph.batch_size}; resident memory "
         f"{format_bytes(graph.persistent_bytes)}, the gradients' all-reduce pack {format_bytes(meta['all_reduce_bytes'])}")
-    search = replace(search, state=False)  # moving optimizer state is not built for a replicated step
     captured = graph
     split, splits, graph = _splits_to_search(graph, each, search)  # one replica's batch in parts, on every replica
-    known = foregone(graph, each, policy=search.policy, recompute=search.recompute, state=False, split=split,
+    known = foregone(graph, each, policy=search.policy, recompute=search.recompute, state=search.state, split=split,
                      split_allowed=search.split)
     if known is not None:
         return known

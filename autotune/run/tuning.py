@@ -205,14 +205,17 @@ class TuneResult:
     def replica_memory(self) -> dict[str, Any] | None:
         """Memory per device and per machine of a replicated step (docs/design.md 14; None for one device): each
         replica's predicted and measured peak against the per-device budget and its verdict (its own check,
-        swaps verified), the host memory every replica's swaps share against the machine's host budget, and the
-        gradients' all-reduce pack."""
+        swaps verified), the host memory every replica's swaps and optimizer slots share against the machine's host
+        budget, and the gradients' all-reduce pack."""
         meta = self.graph.meta.get("replicas")
         if meta is None:
             return None
         shown, m = self.shown, self.measurement
         measured = {row["device"]: row for row in (m.replicas if m is not None else ())}
         round_ = self.verdict.checks[-1].round if self.verdict is not None and self.verdict.checks else 1
+        # a replica's host holds its swapped tensors and the optimizer slots the plan moved
+        host_bytes = None if shown is None else int(shown.metrics["host_peak_bytes"]) + (
+            0 if self.plan is None else moved_bytes(self.graph, self.plan.host_state))
         devices = []
         for device, host in zip(meta["devices"], meta["hosts"]):
             row = measured.get(device)
@@ -220,7 +223,7 @@ class TuneResult:
             devices.append({
                 "device": device, "host": host, "budget_bytes": self.budget_bytes,
                 "predicted_bytes": None if shown is None else int(shown.peak_bytes),
-                "predicted_host_bytes": None if shown is None else int(shown.metrics["host_peak_bytes"]),
+                "predicted_host_bytes": host_bytes,
                 **({} if row is None else {
                     "predicted_on_testbed_bytes": m.predicted_peak_bytes, "measured_bytes": row["measured_bytes"],
                     "projected_bytes": check.projected_bytes, "measured_host_bytes": row["host_peak_bytes"],
@@ -228,7 +231,7 @@ class TuneResult:
                     "confirmed": check.confirmed and row["swaps_verified"]})})
         host_budget = self.target.machine_host_budget_bytes or self.target.host_budget_bytes
         hosts = [d["measured_host_bytes"] for d in devices if "measured_host_bytes" in d]
-        predicted_host = None if shown is None else len(devices) * int(shown.metrics["host_peak_bytes"])
+        predicted_host = None if host_bytes is None else len(devices) * host_bytes
         measured_host = sum(hosts) if len(hosts) == len(devices) else None
         machine_host = predicted_host if measured_host is None else measured_host
         return {"devices": devices, "replicas": len(devices), "global_batch_size": len(devices) * self.batch_size,

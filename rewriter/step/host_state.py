@@ -19,6 +19,7 @@ refused with the reason).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import tensorflow as tf
@@ -55,19 +56,42 @@ def home_slots(model, paths: Iterable[str], device: str) -> list[str]:
     return moved
 
 
+def _on(value, device: str) -> bool:
+    """Whether the ``tf.Variable`` ``value`` lives on ``device`` (by type and index)."""
+    placed, target = tf.DeviceSpec.from_string(value.device), tf.DeviceSpec.from_string(device)
+    return (placed.device_type, placed.device_index) == (target.device_type, target.device_index)
+
+
+def _made_on(value, device: str):
+    """A new ``tf.Variable`` on ``device`` with ``value``'s value, dtype, trainability and name."""
+    with tf.device(device):
+        return tf.Variable(value.read_value(), dtype=value.dtype, trainable=value.trainable,
+                           name=value.name.split(":")[0])
+
+
 def _home(variables: Iterable, device: str) -> bool:
     """Make each Keras variable's ``tf.Variable`` anew on ``device`` with its value, where it is elsewhere;
     whether any moved (the caller drops what traced the old ones)."""
-    target = tf.DeviceSpec.from_string(device)
+    changed = False
+    for variable in variables:
+        if not _on(variable.value, device):
+            variable._value = _made_on(variable.value, device)
+            changed = True
+    return changed
+
+
+def _home_mirrored(variables: Iterable, devices: Sequence[str]) -> bool:
+    """``_home`` for the variables of a model built under ``MirroredStrategy``: each one's component k made anew on
+    ``devices[k]`` where it is elsewhere, gathered in a new mirrored variable of the same strategy and aggregation
+    (Keras reads and checkpoints it as before); whether any moved."""
     changed = False
     for variable in variables:
         old = variable.value
-        placed = tf.DeviceSpec.from_string(old.device)
-        if (placed.device_type, placed.device_index) == (target.device_type, target.device_index):
+        components = list(old.values)
+        if all(_on(value, device) for value, device in zip(components, devices)):
             continue
-        with tf.device(device):
-            variable._value = tf.Variable(old.read_value(), dtype=old.dtype, trainable=old.trainable,
-                                          name=old.name.split(":")[0])
+        made = [value if _on(value, device) else _made_on(value, device) for value, device in zip(components, devices)]
+        variable._value = type(old)(old.distribute_strategy, made, old.aggregation)
         changed = True
     return changed
 
@@ -104,6 +128,34 @@ def place_state(model, host_state: Sequence[HostState], placement: Placement) ->
         wanted = set(host_paths)
         home_slots(model, [path for path in slots_by_variable(model) if path not in wanted], placement.accelerator)
         home_weights(model, [item.variable for item in host_state if item.mode == HOST_WEIGHTS], placement)
+
+
+def place_replica_state(model, host_state: Sequence[HostState], placements: Sequence[Placement]) -> None:
+    """``place_state`` for a model built under ``MirroredStrategy``: the slots of ``host_state``'s variables on each
+    replica's host (replica k's component on ``placements[k]``'s), every other slot on its replica's accelerator.
+    A weight stays on the accelerators: the all-reduce's gradients update every replica's copy there."""
+    weights = [item.variable for item in host_state if item.mode == HOST_WEIGHTS]
+    if weights:
+        raise PlanError(f"the plan moves {len(weights)} weight(s) to the host (e.g. {weights[0]!r}), which is not "
+                        "built for a replicated step (docs/design.md 14): its optimizer slots can move")
+    wanted = {item.variable for item in host_state}
+    reason = state_refusal(model)
+    if reason is not None:
+        if wanted:
+            raise PlanError(f"the plan moves optimizer state, but {reason}")
+        return
+    slots = slots_by_variable(model)
+    unknown = sorted(wanted - set(slots))
+    if unknown:
+        raise PlanError(f"the plan's host_state names {len(unknown)} variable(s) that are not trainable variables "
+                        f"of this model (e.g. {unknown[0]!r}): it was made for another model")
+    moved = False
+    for path, variables in slots.items():
+        devices = [place.host if path in wanted else place.accelerator for place in placements]
+        moved = _home_mirrored(variables, devices) or moved
+    if moved:
+        _forget_functions(model)
+        log.info("optimizer slots of %d variable(s) on each of %d replicas' hosts", len(wanted), len(placements))
 
 
 def _forget_functions(model) -> None:
@@ -190,14 +242,36 @@ def _copies_out_where_read(graph_def, copies: set[str]) -> None:
         node.input.extend(f"^{name}" for name in dict.fromkeys(waits) if f"^{name}" not in node.input)
 
 
-def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], placement: Placement,
-                     tensor_info: dict):
-    """The step's GraphDef with the update of each ``host_state`` variable on the placement's host: (graph_def,
-    {variable path: the nodes placed there}). The slots must be there already (``home_slots``). Where copies
-    wait for the compute (the testbed) what the update reads from the accelerator is copied out explicitly
-    (``place_on_host``); ``tensor_info``: "op:k" -> (dtype, bytes) of the step's tensors."""
-    if not host_state:
-        return graph_def, {}
+@dataclass(frozen=True)
+class StateNodes:
+    """The step's nodes a plan's ``host_state`` moves, per variable path: its update's arithmetic (``updates``,
+    the optimizer's ops that lead only to writes of it and its slots), the reads and writes of its slots
+    (``slot_ops``) and, for a weight on the host, of the weight (``weight_ops``); ``streamed``: the variables whose
+    slots are streamed around an update left on the accelerator."""
+
+    updates: dict[str, set[str]]
+    slot_ops: dict[str, set[str]]
+    weight_ops: dict[str, set[str]]
+    streamed: frozenset[str]
+
+    def renamed(self, names: dict[str, str]) -> "StateNodes":
+        """The same nodes on another replica (``names``: this replica's node -> that one's); one ``PlanError`` for a
+        node without a counterpart."""
+        missing = sorted(name for group in (self.updates, self.slot_ops, self.weight_ops)
+                         for nodes in group.values() for name in nodes if name not in names)
+        if missing:
+            raise PlanError(f"{len(missing)} node(s) of the optimizer's update have no counterpart on another replica "
+                            f"(e.g. {missing[0]!r})")
+
+        def mapped(group: dict[str, set[str]]) -> dict[str, set[str]]:
+            return {path: {names[name] for name in nodes} for path, nodes in group.items()}
+
+        return StateNodes(mapped(self.updates), mapped(self.slot_ops), mapped(self.weight_ops), self.streamed)
+
+
+def state_nodes(graph_def, traced, model, host_state: Sequence[HostState]) -> StateNodes:
+    """What ``host_state`` moves in the step's GraphDef (``StateNodes``); one ``PlanError`` where a variable's update
+    is not among the optimizer's ops."""
     handles = variable_handles(traced.concrete, model)
     slots = slots_by_variable(model)
     groups = {item.variable: {item.variable, *(slot.path for slot in slots[item.variable])} for item in host_state}
@@ -211,7 +285,24 @@ def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], 
     slot_ops = {path: slot_access_ops(graph_def, handles, paths - {path}) for path, paths in groups.items()}
     weight_ops = {item.variable: slot_access_ops(graph_def, handles, {item.variable}) for item in host_state
                   if item.mode == HOST_WEIGHTS}
-    streamed = {item.variable for item in host_state if item.mode == STREAM_SLOTS}
+    streamed = frozenset(item.variable for item in host_state if item.mode == STREAM_SLOTS)
+    return StateNodes(placed, slot_ops, weight_ops, streamed)
+
+
+def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], placement: Placement,
+                     tensor_info: dict):
+    """The step's GraphDef with the update of each ``host_state`` variable on the placement's host: (graph_def,
+    {variable path: the nodes placed there}). The slots must be there already (``home_slots``). Where copies
+    wait for the compute (the testbed) what the update reads from the accelerator is copied out explicitly
+    (``place_on_host``); ``tensor_info``: "op:k" -> (dtype, bytes) of the step's tensors."""
+    if not host_state:
+        return graph_def, {}
+    return place_state_nodes(graph_def, state_nodes(graph_def, traced, model, host_state), placement, tensor_info)
+
+
+def place_state_nodes(graph_def, nodes: StateNodes, placement: Placement, tensor_info: dict):
+    """``apply_host_state`` for the nodes ``nodes`` (a replica's, ``StateNodes.renamed`` from the first one's)."""
+    placed, slot_ops, weight_ops, streamed = nodes.updates, nodes.slot_ops, nodes.weight_ops, nodes.streamed
     kinds = {node.name: node.op for node in graph_def.node}
     # a streamed update's arithmetic stays on the accelerator; the values it writes to the slots go out to them
     updates = {path: slot_writes(slot_ops[path], kinds) if path in streamed else names

@@ -13,9 +13,11 @@ is fed replica by replica and the logs are averaged over the replicas, as Keras 
 replica's labels (``apply_replicated(..., sample_weight=True)``, cached), as on one device.
 
 A plan's split regions are built on every replica first (``rewriter.edit.split_parts``, replica k's regions and
-parts named from its own ops), then its recomputations and swaps, as on one device. Not built for several
-replicas (refused with one ``PlanError``): optimizer state on the host, graph rewrites. The first call checks
-what survived Grappler on each replica (``verify_replicas``).
+parts named from its own ops), then its recomputations and swaps, as on one device. A plan's optimizer slots on the
+host (updated there or streamed) live on each replica's host: replica k's component of each mirrored slot is made
+anew there (``rewriter.step.host_state.place_replica_state``) and replica k's update is placed beside it, its nodes
+named from the first replica's. Not built for several replicas (refused with one ``PlanError``): weights on the
+host, graph rewrites. The first call checks what survived Grappler on each replica (``verify_replicas``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rewriter.edit.split_parts import AppliedSplit, BatchShapes, apply_splits, c
 from rewriter.placement import memtrace
 from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
 from rewriter.step.apply_plan import _step_facts
+from rewriter.step.host_state import StateNodes, place_replica_state, place_state_nodes, state_nodes
 from rewriter.step.keras_fit import WEIGHT_PER_OUTPUT, install_train_function, train_function_of
 from rewriter.step.swap_step import StateSnapshot
 from rewriter.trace.op_names import traced_names
@@ -97,25 +100,24 @@ def replica_plan(plan: NamedPlan, names: dict[str, str]) -> NamedPlan:
 
 
 def _refuse_unbuilt(plan: NamedPlan) -> None:
-    unbuilt = [what for what, present in (("optimizer state on the host", plan.host_state),
-                                          ("graph rewrites", plan.graph_rewrites)) if present]
-    if unbuilt:
-        raise PlanError(f"the plan has {' and '.join(unbuilt)}, which are not built for a replicated step "
-                        "(docs/design.md 14): make the plan with --no-state and without --rewrite")
+    if plan.graph_rewrites:
+        raise PlanError("the plan has graph rewrites, which are not built for a replicated step (docs/design.md 14): "
+                        "make the plan without --rewrite")
 
 
 class ReplicatedStep:
     """One optimizer step of the replicated, rewritten step: ``step(x, y)`` on a global batch (split evenly over
     the replicas, replica 0 first, as a distributed dataset splits it) -> the replicas' mean loss.
 
-    ``applied[k]``/``skipped[k]``/``placements[k]``/``splits[k]``: replica k's swaps, devices and split regions as
-    built (empty without regions); ``trace``: the
+    ``applied[k]``/``skipped[k]``/``placements[k]``/``splits[k]``/``host_updates[k]``: replica k's swaps, devices,
+    split regions and nodes placed on its host beside its optimizer slots as built (empty without); ``trace``: the
     ``ReplicatedTrace`` (its ``owner`` tells each op's replica); ``plan``: replica 0's plan as applied."""
 
     def __init__(self, *, function, trace: ReplicatedTrace, graph_def, plan: NamedPlan,
                  applied: tuple[list[AppliedSwap], ...], skipped: tuple[list, ...], placements: tuple[Placement, ...],
                  swap_op: str, model, recomputed: tuple[tuple, ...] = (),
-                 splits: tuple[tuple[AppliedSplit, ...], ...] = (), inputs: StepInputs = NO_STEP_INPUTS):
+                 splits: tuple[tuple[AppliedSplit, ...], ...] = (), inputs: StepInputs = NO_STEP_INPUTS,
+                 host_updates: tuple[dict[str, set[str]], ...] = (), state_nodes: tuple[frozenset[str], ...] = ()):
         self._function = function
         self.trace = trace
         self.traced = trace.traced
@@ -125,6 +127,8 @@ class ReplicatedStep:
         self.skipped = skipped
         self.recomputed = recomputed
         self.splits = splits
+        self.host_updates = host_updates
+        self._state_nodes = state_nodes
         self.placements = placements
         self.swap_op = swap_op
         self.replicas = trace.replicas
@@ -157,6 +161,7 @@ class ReplicatedStep:
             own.update(node for item in swap.swap_ins for node in (item.name, item.host_node) if node)
         own.update(clone for item in (self.recomputed[k] if self.recomputed else ()) for clone in item.ops + item.extra)
         own.update(node for item in (self.splits[k] if self.splits else ()) for node in item.nodes)
+        own.update(self._state_nodes[k] if self._state_nodes else ())
         return frozenset(own)
 
     def owner_of(self, name: str) -> int:
@@ -283,16 +288,25 @@ class ReplicatedEdit:
     recomputed: tuple[tuple, ...]
     placements: tuple[Placement, ...]
     splits: tuple[tuple[AppliedSplit, ...], ...] = ()
+    host_updates: tuple[dict[str, set[str]], ...] = ()  # per replica: variable path -> its nodes on the host
+    state_nodes: tuple[frozenset[str], ...] = ()  # per replica: every node the state's placement added or moved
 
 
 def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
-                   serialize: bool = True,
-                   sample_weight: bool = False) -> tuple[NamedPlan, StepInputs, ReplicatedTrace]:
+                   serialize: bool = True, sample_weight: bool = False,
+                   placements: tuple[Placement, ...] | None = None) -> tuple[NamedPlan, StepInputs, ReplicatedTrace]:
     """The plan by the replicated step's names, the step's inputs and its trace at the global ``batch_size``
-    (default: the plan's per-replica batch times the replicas), with a weight per sample when ``sample_weight``."""
+    (default: the plan's per-replica batch times the replicas), with a weight per sample when ``sample_weight``.
+    ``placements``: each replica's, where the plan's optimizer slots are put before the trace (without them a plan
+    that moves state is refused)."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
     _refuse_unbuilt(named)
+    if placements is not None:
+        place_replica_state(model, named.host_state, placements)
+    elif named.host_state:
+        raise PlanError("the plan moves optimizer state, which the replicated step is not built with here "
+                        "(docs/design.md 14)")
     inputs = inputs.or_planned(named)
     if not serialize:
         named = replace(named, order=())
@@ -334,10 +348,12 @@ def _split_replicas(trace: ReplicatedTrace, plans: list[NamedPlan], placements: 
 
 
 def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Placement, ...], *, graph_def=None,
-                  swap_op: str = "auto", shapes: BatchShapes | None = None) -> ReplicatedEdit:
+                  swap_op: str = "auto", shapes: BatchShapes | None = None,
+                  state: StateNodes | None = None) -> ReplicatedEdit:
     """Edit the replicated step's GraphDef (default: the traced one) once per replica: replica 0 by the plan's
     names, replica k by its counterparts' (``replica_plan``), its swaps on ``placements[k]``; a plan's split
-    regions first, on every replica (``shapes``: ``replicated_batch_shapes``, needed then)."""
+    regions first, on every replica (``shapes``: ``replicated_batch_shapes``, needed then); its optimizer state
+    last (``state``: the first replica's ``StateNodes``, needed then)."""
     concrete = trace.traced.concrete
     foldable, tensor_info, passthrough = _step_facts(concrete)
     graph_def = concrete.graph.as_graph_def() if graph_def is None else graph_def
@@ -348,7 +364,7 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
             raise ValueError("a plan with split regions needs the step's batch shapes (replicated_batch_shapes)")
         graph_def, split, (foldable, tensor_info, passthrough) = _split_replicas(trace, plans, placements, graph_def,
                                                                                  shapes, passthrough)
-    applied, skipped, recomputed = [], [], []
+    applied, skipped, recomputed, host_updates, state_nodes = [], [], [], [], []
     for k, place in enumerate(placements):
         chosen = place.swap_op if swap_op in (None, "auto") else swap_op
         if chosen not in SWAP_OPS:
@@ -364,8 +380,16 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
                                                foldable=foldable, kept_reads=place.kept_reads, passthrough=passthrough)
         applied.append(done)
         skipped.append(left)
+        if named.host_state:
+            if state is None:
+                raise ValueError("a plan that moves optimizer state needs the first replica's StateNodes")
+            before = {node.name for node in graph_def.node}
+            nodes = state if k == 0 else state.renamed(trace.names[k])
+            graph_def, updates = place_state_nodes(graph_def, nodes, place, info)
+            host_updates.append(updates)
+            state_nodes.append(frozenset({node.name for node in graph_def.node} - before).union(*updates.values()))
     return ReplicatedEdit(trace, named, graph_def, tuple(applied), tuple(skipped), tuple(recomputed),
-                          tuple(placements), split)
+                          tuple(placements), split, tuple(host_updates), tuple(state_nodes))
 
 
 def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
@@ -377,20 +401,23 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     ``verify``: the first call (on ``verify_with`` = (x, y), else zeros) checks each replica's swaps survived
     Grappler (``ReplicatedStep.verification``), then every variable is put back. ``sample_weight``: the step takes
     a weight per sample after each replica's labels (``model.fit`` with ``sample_weight`` or ``class_weight``)."""
+    replicas = resolve_replicas(model)
+    placements = tuple(replica_placement(replicas, k) for k in range(replicas.count))
     named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
-                                          serialize=serialize, sample_weight=sample_weight)
-    replicas = trace.replicas
+                                          serialize=serialize, sample_weight=sample_weight, placements=placements)
     shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
-    edit = edit_replicas(trace, named, tuple(replica_placement(replicas, k) for k in range(replicas.count)),
-                         swap_op=swap_op, shapes=shapes)
+    state = (state_nodes(trace.traced.concrete.graph.as_graph_def(), trace.traced, model, named.host_state)
+             if named.host_state else None)
+    edit = edit_replicas(trace, named, placements, swap_op=swap_op, shapes=shapes, state=state)
     function = import_step(edit.graph_def, trace.traced)
     step = ReplicatedStep(function=function, trace=trace, graph_def=edit.graph_def, plan=named, applied=edit.applied,
                           skipped=edit.skipped, placements=edit.placements, swap_op=edit.placements[0].swap_op,
-                          model=model, recomputed=edit.recomputed, splits=edit.splits, inputs=inputs)
-    log.info("applied %d swap(s), %d recomputation(s) and %d split region(s) on each of %d replicas (%s)",
-             step.n_swap_outs, len(named.recomputes), len(named.splits), replicas.count,
-             ", ".join(p.describe() for p in edit.placements))
-    if verify and (named.swaps or named.recomputes or named.splits):
+                          model=model, recomputed=edit.recomputed, splits=edit.splits, inputs=inputs,
+                          host_updates=edit.host_updates, state_nodes=edit.state_nodes)
+    log.info("applied %d swap(s), %d recomputation(s), %d split region(s) and the slots of %d variable(s) on the host "
+             "on each of %d replicas (%s)", step.n_swap_outs, len(named.recomputes), len(named.splits),
+             len(named.host_state), replicas.count, ", ".join(p.describe() for p in edit.placements))
+    if verify and (named.swaps or named.recomputes or named.splits or named.host_state):
         step.verification = verify_replicas(step, verify_with)
     return step
 
@@ -417,12 +444,14 @@ def verify_replicas(step: ReplicatedStep, example=None) -> tuple[Verification, .
     step.constant_bytes = tuple(memtrace.constant_bytes(events[owners == k], nodes)
                                 for k in range(step.replicas.count))
     results = []
-    if not any(step.applied) and not any(step.recomputed) and not any(step.splits):  # the constants alone
-        return ()
+    if not any(step.applied) and not any(step.recomputed) and not any(step.splits) and not step.host_updates:
+        return ()  # the constants alone
     for k, place in enumerate(step.placements):
         result = check(graphs, step.applied[k], accelerator=place.accelerator, host=place.host,
                        recomputed=step.recomputed[k] if step.recomputed else (),
-                       split=step.splits[k] if step.splits else ())
+                       split=step.splits[k] if step.splits else (),
+                       host_updates=frozenset().union(*step.host_updates[k].values()) if step.host_updates
+                       else frozenset())
         if not result.ok:
             log.warning("replica %d: %s", k, result.headline())
         results.append(result)

@@ -47,7 +47,7 @@ def _state_bytes(step, flat: list[tf.Tensor], k: int) -> int:
         value = getattr(variable, "value", variable)
         parts = getattr(value, "values", None)
         part = parts[k] if parts and len(parts) > k else value
-        if parts or step.replicas.replica_of_device(getattr(part, "device", "") or "") == k:
+        if step.replicas.replica_of_device(getattr(part, "device", "") or "") == k:  # not a slot on its host
             total += int(np.prod(part.shape)) * tf.as_dtype(part.dtype).size
     n = step.trace.n_flat
     return total + sum(int(np.prod(t.shape)) * t.dtype.size for t in flat[k * n:(k + 1) * n])
@@ -93,12 +93,21 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
     if on_gpus:
         return gpu_replica_peaks(traced, step.placements, resident_bytes=resident, allocator_peak_bytes=allocator_peaks)
     measured = traced["call"] == traced["call"].max()
-    events, mine = traced[measured], step.event_owners(traced)[measured]
+    owners = step.event_owners(traced)
+    events, mine = traced[measured], owners[measured]
     unowned = events[(mine < 0) & (events["kind"] == "alloc")]
+    # the nodes placed beside a replica's optimizer slots allocate on its host
+    host_ops = frozenset().union(*(names for updates in step.host_updates for names in updates.values()))
+
+    def is_host_op(name: str) -> bool:
+        return is_swap_out_op(name) or name in host_ops
+
     peaks = []
     for k in range(step.replicas.count):
-        peak = memtrace.accelerator_peak(events[mine == k], is_host_op=is_swap_out_op, resident_bytes=resident[k],
-                                         resident_unit="requested")
+        # the buffers the call before kept on the host (a slot replaced by its update's copy-on-write) are the host's
+        previous = traced[~measured][owners[~measured] == k] if host_ops else None
+        peak = memtrace.accelerator_peak(events[mine == k], is_host_op=is_host_op, resident_bytes=resident[k],
+                                         resident_unit="requested", previous=previous)
         peaks.append(ReplicaPeak(k, step.replicas.devices[k], int(peak.peak_requested_bytes),
                                  int(peak.host_peak_requested_bytes), resident[k],
                                  int(unowned["requested_bytes"].sum())))

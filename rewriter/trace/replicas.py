@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from rewriter.errors import CaptureError
 from rewriter.tf_effects.collectives import COLLECTIVE_TYPES, strategy_of, unsupported
+from rewriter.trace.optimizer_state import describe_movable_state
 from rewriter.trace import state_kinds
 from rewriter.trace.training_setup import describe_training
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs, build_if_needed, step_specs
@@ -329,6 +330,17 @@ def _pair_captures(concrete, model, owner: dict[str, int], k: int) -> dict[str, 
     return pairs
 
 
+def replica_movable_state(trace: ReplicatedTrace, model) -> dict:
+    """``graph.meta["movable_state"]`` of the first replica: the ops of each variable's update and of its slots'
+    reads and writes there (``describe_movable_state``; the first replica's variables are the ones the traced
+    step's captures name). A weight stays on the accelerators (``rewriter.step.host_state.place_replica_state``),
+    so no entry records a weight's ops."""
+    found = describe_movable_state(trace.traced.concrete, model, trace.traced.optimizer_scope)
+    for entry in found["variables"].values():
+        entry.pop("weight_ops", None)
+    return found
+
+
 def collective_ops(graph: OpGraph) -> list[int]:
     """Ops of a replica graph that all-reduce across the replicas."""
     return [i for i, kind in enumerate(graph.op_type) if kind in COLLECTIVE_TYPES]
@@ -346,8 +358,7 @@ def capture_replicated(model, batch_size: int, inputs: StepInputs = NO_STEP_INPU
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
             "training": describe_training(model),
             "variables": state_kinds.describe_variables(first.traced.concrete, model, only=handles),
-            "movable_state": {"refusal": "a replicated step keeps its optimizer state on each replica's device "
-                                         "(moving it is not built for several devices)"}}
+            "movable_state": replica_movable_state(first, model)}
     if inputs.to_dict():
         meta["step_inputs"] = inputs.to_dict()
     graph = build_opgraph(first.traced, second.traced, meta=meta)

@@ -203,6 +203,50 @@ def test_a_budget_under_one_replicas_floor_splits_its_batch_on_every_replica(sav
         assert device["measured_bytes"] < floor
 
 
+SAVE_MLP = """
+import keras
+keras.utils.set_random_seed(1)
+layers = [keras.layers.Dense(512, activation="relu") for _ in range(3)]
+model = keras.Sequential([keras.Input((256,)), *layers, keras.layers.Dense(4)])
+model.compile(optimizer="adam", loss="mse")
+model.save({path!r})
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_mlp(tmp_path_factory):
+    """A 3x512 Dense stack with Adam, saved compiled: its slots (5.03 MiB) outweigh its activations."""
+    directory = tmp_path_factory.mktemp("replicas_mlp") / "model"
+    directory.mkdir()
+    subprocess.run([sys.executable, "-c", SAVE_MLP.format(path=str(directory / "model.keras"))], check=True,
+                   env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, timeout=300)
+    return directory
+
+
+@pytest.mark.tf
+def test_optimizer_slots_move_to_each_replicas_host_when_its_state_is_over_the_budget(saved_mlp, tmp_path):
+    """10 MiB per device, under one replica's unswapped step (12.58 MiB, resident 7.55 MiB of which 5.03 MiB Adam's
+    slots; its activations are a few KiB): with ``--no-state`` exit 3; without it the slots of the largest
+    variables live on each replica's host, both replicas measured within 5 % of the prediction and confirmed, and
+    the machine's host memory holds both replicas' moved slots, as predicted."""
+    refused = _autotune(saved_mlp, tmp_path / "kept", memory="10MiB", flags=("--replicas", 2, "--no-state"))
+    assert refused.returncode == 3, refused.stdout + refused.stderr[-3000:]
+    assert "the optimizer slots on the host (without --no-state)" in refused.stdout
+    out = tmp_path / "moved"
+    done = _autotune(saved_mlp, out, memory="10MiB")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert summary["headline"].startswith("Fits with optimizer state on the host") and summary["host_state"]
+    assert [item["variable"] for item in plan["host_state"]] == summary["host_state"]
+    for device in _devices_confirmed(summary, budget=10 * 2**20):
+        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05, done.stdout
+        assert device["predicted_host_bytes"] >= summary["host_state_bytes"] > 0
+    machine = summary["replicas"]["machine"]
+    assert machine["predicted_host_bytes"] == 2 * device["predicted_host_bytes"] and machine["within_budget"]
+    assert abs(machine["measured_host_bytes"] / machine["predicted_host_bytes"] - 1) <= 0.05, machine
+
+
 @pytest.mark.tf
 def test_maximize_batch_finds_the_largest_batch_per_replica_and_measures_it_on_every_replica(saved, tmp_path):
     """--maximize-batch with --replicas 2 and no batch size: the capture starts at one sample a replica, the search
