@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import tensorflow as tf
 
+from rewriter.tf_effects.collectives import COLLECTIVE_TYPES
 from rewriter.tf_effects.variable_writes import WRITE_TYPES_PREFIX
 from rewriter.trace.state_kinds import keras_kinds
 
@@ -92,7 +93,8 @@ def _node_input(name: str) -> str:
 def host_update_ops(graph_def, handles: dict[str, str], groups: dict[str, set[str]], scope: str) -> dict[str, set[str]]:
     """Nodes of ``graph_def`` to place on the host, per moved variable: the optimizer's nodes (``scope``, its
     name scope) that lead only to writes of the variable or of its slots (``groups``: variable path -> the
-    paths of it and its slots), without the reads and writes, which follow their variable.
+    paths of it and its slots), without the reads and writes, which follow their variable, and without what leads
+    to them through a collective (a replicated step's all-gather of a sparse gradient runs on the replicas' devices).
     ``handles``: the placeholder node of each captured variable -> its path."""
     nodes = {node.name: node for node in graph_def.node}
     in_scope = re.compile(rf"^{scope}(_\d+)?/")
@@ -107,7 +109,8 @@ def host_update_ops(graph_def, handles: dict[str, str], groups: dict[str, set[st
         stack, seen = [_node_input(i) for i in node.input[1:] if not i.startswith("^")], set()
         while stack:
             name = stack.pop()
-            if name in seen or name not in nodes or not in_scope.match(name) or nodes[name].op == "Placeholder":
+            if name in seen or name not in nodes or not in_scope.match(name) or nodes[name].op == "Placeholder" \
+                    or nodes[name].op in COLLECTIVE_TYPES:
                 continue
             seen.add(name)
             writers[name].add(written)

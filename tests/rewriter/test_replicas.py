@@ -340,6 +340,27 @@ for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, wei
         "restored": equal(model.weights, restored.weights) and equal(model.optimizer.variables,
                                                                       restored.optimizer.variables),
         "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)]}
+# an Embedding's gradient is sparse: the replicas all-gather it inside the optimizer's scope, on their devices
+def embedded():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 16),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+with strategy.scope():
+    model, plain = embedded(), embedded()
+tokens = rng.integers(0, 50, (3 * batch, 6)).astype(np.int32)
+graph = capture_replicated(model, batch)
+records = tuple(HostState(path) for path in movable_state(graph))
+step = apply_replicated(model, dataclasses.replace(SwapPlan.empty(graph), host_state=records), graph=graph,
+                        batch_size=batch, verify_with=(tokens[:batch], y[:batch]))
+plain.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+use_replicated_step(model, step)
+model.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+facts["state"]["embedding"] = {
+    "moved": len(records), "problems": [v.problems() for v in step.verification],
+    "gathers": sorted(n.device for n in step.graph_def.node if n.op == "CollectiveGatherV2"),
+    "bitwise": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
 try:  # the GPU construction of a replicated step does not place the state
     replicated_gpu_graph_def(model, plan, graph=moved, batch_size=batch)
     facts["state"]["gpu_refusal"] = None
@@ -505,6 +526,16 @@ def test_optimizer_slots_on_each_replicas_host_train_as_plain_mirrored_strategy(
         # update's where both run on one device, not where the update runs on the host (with it off, bitwise), as for
         # the single device's SGD in tests/rewriter/state/test_host_state.py
         assert state["worst_relative"] <= 1e-6
+
+
+def test_a_sparse_gradients_all_gather_stays_on_the_replicas_devices(facts):
+    """An Embedding's sparse gradient is all-gathered by the replicas inside the optimizer's name scope: the nodes
+    placed on the host stop at the collective (placed there, it ran on the device anyway and failed the check), so
+    both replicas' updates are verified on their hosts, and three steps of fit are bitwise equal to plain fit."""
+    embedding = facts["state"]["embedding"]
+    assert embedding["moved"] == 3 and embedding["problems"] == [[], []], embedding
+    assert embedding["gathers"] and not any(d.endswith(("CPU:1", "CPU:3")) for d in embedding["gathers"])
+    assert embedding["bitwise"]
 
 
 def test_the_gpu_construction_of_a_replicated_step_refuses_moved_state_in_one_line(facts):
