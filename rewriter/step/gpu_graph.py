@@ -29,6 +29,7 @@ from tensorflow.python.grappler import cluster as gcluster
 from tensorflow.python.grappler import tf_optimizer
 
 from rewriter.step.apply_plan import apply
+from rewriter.step.host_state import state_nodes
 from rewriter.step.replicated import ReplicatedEdit, edit_replicas, replicated_batch_shapes, trace_for_plan
 from rewriter.trace.replicas import SHARED, ReplicatedTrace
 from rewriter.tf_effects.grappler import swap_grappler_config
@@ -140,20 +141,25 @@ def replicated_gpu_graph_def(model, plan, *, graph=None, batch_size: int | None 
             node.device = gpus[owner]
     placements = tuple(GpuPlacement(accelerator="/device:" + gpu.rsplit("device:", 1)[-1], host=host) for gpu in gpus)
     shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
-    return edit_replicas(trace, named, placements, graph_def=graph_def, shapes=shapes)
+    state = state_nodes(graph_def, trace.traced, model, named.host_state) if named.host_state else None
+    return edit_replicas(trace, named, placements, graph_def=graph_def, shapes=shapes, state=state)
 
 
 def replica_placement_problems(edit: ReplicatedEdit) -> list[str]:
     """What would make the GPU-placed replicated step (``replicated_gpu_graph_def``) run otherwise than planned: an
     op of replica k off its GPU (a node of its split regions too), a swap node off its device (the copy
     out and the host-side swap-in on the host, the swap-in on the replica's GPU), a copy to a GPU that would not wait
-    for its trigger (``host_side_problems``)."""
+    for its trigger (``host_side_problems``), a node of the optimizer state the plan moves off the host."""
     nodes = {node.name: node for node in edit.graph_def.node}
+    on_host = [edit.on_host[k] if edit.on_host else frozenset() for k in range(len(edit.placements))]
     problems = [f"{name} (replica {k}) on {nodes[name].device or 'no device'}, not {edit.placements[k].accelerator}"
                 for name, k in edit.trace.owner.items()  # (ops the edit removed, Keras' IdentityN, are not there)
-                if k != SHARED and name in nodes
+                if k != SHARED and name in nodes and name not in on_host[k]
                 and _device_key(nodes[name].device) != _device_key(edit.placements[k].accelerator)]
     for k, place in enumerate(edit.placements):
+        problems += [f"{name} (replica {k}'s optimizer state) on {nodes[name].device or 'no device'}, not {place.host}"
+                     for name in sorted(on_host[k]) if name in nodes
+                     and _device_key(nodes[name].device) != _device_key(place.host)]
         split_nodes = [name for item in (edit.splits[k] if edit.splits else ()) for name in item.nodes]
         problems += [f"{name} (replica {k}) on {nodes[name].device or 'no device'}, not {place.accelerator}"
                      for name in split_nodes if _device_key(nodes[name].device) != _device_key(place.accelerator)]

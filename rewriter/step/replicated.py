@@ -290,6 +290,7 @@ class ReplicatedEdit:
     splits: tuple[tuple[AppliedSplit, ...], ...] = ()
     host_updates: tuple[dict[str, set[str]], ...] = ()  # per replica: variable path -> its nodes on the host
     state_nodes: tuple[frozenset[str], ...] = ()  # per replica: every node the state's placement added or moved
+    on_host: tuple[frozenset[str], ...] = ()  # per replica: the state's nodes that run on its host
 
 
 def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,
@@ -297,16 +298,13 @@ def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, in
                    placements: tuple[Placement, ...] | None = None) -> tuple[NamedPlan, StepInputs, ReplicatedTrace]:
     """The plan by the replicated step's names, the step's inputs and its trace at the global ``batch_size``
     (default: the plan's per-replica batch times the replicas), with a weight per sample when ``sample_weight``.
-    ``placements``: each replica's, where the plan's optimizer slots are put before the trace (without them a plan
-    that moves state is refused)."""
+    ``placements``: each replica's, where the plan's optimizer slots are put before the trace (None: the variables
+    are left where they are, as for a GraphDef built for other devices, ``rewriter.step.gpu_graph``)."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
     _refuse_unbuilt(named)
     if placements is not None:
         place_replica_state(model, named.host_state, placements)
-    elif named.host_state:
-        raise PlanError("the plan moves optimizer state, which the replicated step is not built with here "
-                        "(docs/design.md 14)")
     inputs = inputs.or_planned(named)
     if not serialize:
         named = replace(named, order=())
@@ -364,7 +362,7 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
             raise ValueError("a plan with split regions needs the step's batch shapes (replicated_batch_shapes)")
         graph_def, split, (foldable, tensor_info, passthrough) = _split_replicas(trace, plans, placements, graph_def,
                                                                                  shapes, passthrough)
-    applied, skipped, recomputed, host_updates, state_nodes = [], [], [], [], []
+    applied, skipped, recomputed, host_updates, state_nodes, on_host = [], [], [], [], [], []
     for k, place in enumerate(placements):
         chosen = place.swap_op if swap_op in (None, "auto") else swap_op
         if chosen not in SWAP_OPS:
@@ -386,10 +384,17 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
             before = {node.name for node in graph_def.node}
             nodes = state if k == 0 else state.renamed(trace.names[k])
             graph_def, updates = place_state_nodes(graph_def, nodes, place, info)
+            # the slots' reads and writes run with the slots, on the host: said in the GraphDef, which a GPU
+            # machine imports with the variables where the plan puts them
+            slot_ops = set().union(*nodes.slot_ops.values())
+            for node in graph_def.node:
+                if node.name in slot_ops:
+                    node.device = place.host
             host_updates.append(updates)
-            state_nodes.append(frozenset({node.name for node in graph_def.node} - before).union(*updates.values()))
+            on_host.append(frozenset(slot_ops).union(*updates.values()))
+            state_nodes.append(frozenset({node.name for node in graph_def.node} - before) | on_host[-1])
     return ReplicatedEdit(trace, named, graph_def, tuple(applied), tuple(skipped), tuple(recomputed),
-                          tuple(placements), split, tuple(host_updates), tuple(state_nodes))
+                          tuple(placements), split, tuple(host_updates), tuple(state_nodes), tuple(on_host))
 
 
 def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, inputs: StepInputs = NO_STEP_INPUTS,

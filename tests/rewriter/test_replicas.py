@@ -292,7 +292,6 @@ facts["weighted"] = dict(weighted, swaps=step.n_swap_outs, steps=[list(key) for 
 # optimizer slots on each replica's host: updated there (AdamW) or streamed around the update (SGD with momentum)
 import dataclasses, tempfile
 from simulator import SwapPlan
-from simulator.plan import PlanError
 tmp = tempfile.mkdtemp()
 from simulator.state import HOST_UPDATE, STREAM_SLOTS, HostState, movable_state, with_host_state
 def state_mlp(optimizer):
@@ -314,6 +313,18 @@ for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, wei
     plan = dataclasses.replace(SwapPlan.empty(moved), host_state=records)
     step = apply_replicated(model, plan, graph=moved, batch_size=batch, verify_with=(x[:batch], y[:batch]))
     peaks = measure_replicas(step, x[:batch], y[:batch])
+    # the same plan as 2 GPUs of one machine run it, built here without a GPU: each replica's moved state on the host
+    edit = replicated_gpu_graph_def(model, plan, graph=moved, batch_size=batch)
+    broken = graph_pb2.GraphDef()
+    broken.CopyFrom(edit.graph_def)
+    moved_off = sorted(edit.on_host[1])[0]
+    for node in broken.node:
+        if node.name == moved_off:  # one of replica 1's state nodes on its GPU
+            node.device = edit.placements[1].accelerator
+    devices = {node.name: node.device for node in edit.graph_def.node}
+    gpu = {"problems": replica_placement_problems(edit), "on_host": [len(names) for names in edit.on_host],
+           "devices": sorted({devices[name] for names in edit.on_host for name in names}),
+           "broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "moved_off": moved_off}
     slots = [v for v in model.optimizer.variables if len(v.shape) > 0]
     plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     use_replicated_step(model, step)
@@ -339,7 +350,7 @@ for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, wei
         "replicas_equal": all(np.array_equal(v.value.values[0].numpy(), v.value.values[1].numpy()) for v in slots),
         "restored": equal(model.weights, restored.weights) and equal(model.optimizer.variables,
                                                                       restored.optimizer.variables),
-        "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)]}
+        "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)], "gpu": gpu}
 # an Embedding's gradient is sparse: the replicas all-gather it inside the optimizer's scope, on their devices
 def embedded():
     keras.utils.set_random_seed(1)
@@ -361,11 +372,6 @@ facts["state"]["embedding"] = {
     "moved": len(records), "problems": [v.problems() for v in step.verification],
     "gathers": sorted(n.device for n in step.graph_def.node if n.op == "CollectiveGatherV2"),
     "bitwise": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
-try:  # the GPU construction of a replicated step does not place the state
-    replicated_gpu_graph_def(model, plan, graph=moved, batch_size=batch)
-    facts["state"]["gpu_refusal"] = None
-except PlanError as error:
-    facts["state"]["gpu_refusal"] = str(error)
 print("FACTS " + json.dumps(facts))
 """
 
@@ -538,9 +544,15 @@ def test_a_sparse_gradients_all_gather_stays_on_the_replicas_devices(facts):
     assert embedding["bitwise"]
 
 
-def test_the_gpu_construction_of_a_replicated_step_refuses_moved_state_in_one_line(facts):
-    refusal = facts["state"]["gpu_refusal"]
-    assert refusal and "optimizer state" in refusal and len(refusal.splitlines()) == 1
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_gpu_construction_puts_each_replicas_moved_state_on_the_host(facts, name):
+    """The replicated step as two GPUs of one machine run it, built without a GPU: each replica's update (AdamW's)
+    or its slots' reads and writes (SGD's streamed momentum) on the machine's host, every other op of the replica on
+    its GPU; one of replica 1's state nodes moved to its GPU is named."""
+    gpu = facts["state"][name]["gpu"]
+    assert gpu["problems"] == [] and gpu["on_host"][0] == gpu["on_host"][1] > 0, gpu
+    assert gpu["devices"] == ["/device:CPU:0"]
+    assert len(gpu["broken"]) == 1 and gpu["moved_off"] in gpu["broken"][0] and "replica 1" in gpu["broken"][0]
 
 
 def test_split_regions_are_built_on_every_replica_and_train_as_plain_mirrored_strategy(facts):
