@@ -15,7 +15,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from autotune.run.calibrated_timing import calibrate_for, search_target
-from autotune.run.floor import choose_parts, foregone, split_lines, split_to_budget, state_floor_bytes
+from autotune.run.floor import (choose_parts, foregone, split_lines, split_to_budget, split_way,
+                                state_floor_bytes)
 from autotune.search.parts import parts_to_search, split_floor
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
@@ -28,6 +29,7 @@ from autotune.run.verdict import (MAX_ROUNDS, Check, PeakCorrection, confirmed, 
                               predicted)
 from simulator import CalibratedDevice
 from simulator.buffers import peak_lower_bound_bytes
+from simulator.graph import OpGraph
 
 if TYPE_CHECKING:  # TensorFlow only when a model is tuned
     from rewriter.trace.step_inputs import StepInputs
@@ -217,37 +219,62 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         calibration = calibrate_for(model, captured, batch_size, inputs, say=say,
                                     recalibrate=measurement.recalibrate) if measurement.calibrates else None
     timed = search_target(target, calibration)
-    graph, split_notes = _chosen_split(captured, graph, splits, timed, search, clock, say)
-    if not measurement.measure:
-        with clock.stage("search"):
-            searched = search_graph(graph, timed, search, batch_size=batch_size)
-        result = replace(searched, calibration=calibration)
-    else:
+
+    def tuned(graph: OpGraph) -> TuneResult:
+        if not measurement.measure:
+            with clock.stage("search"):
+                return replace(search_graph(graph, timed, search, batch_size=batch_size), calibration=calibration)
         say("searching, then measuring the chosen plan on the real training step ...")
-        result = confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
-                         calibration=calibration, clock=clock, say=lambda text: say(f"measured: {text}"))
-    result = replace(result, notes=[*split_notes, *result.notes])
+        return confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
+                       calibration=calibration, clock=clock, say=lambda text: say(f"measured: {text}"))
+
+    result = _split_when_state_missed(captured, graph, splits, target, timed, search, clock, say, tuned)
     # a weighted step is traced and the plan applied to it: no TensorFlow work under --no-measure
     weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) \
         if result.applies_plan and measurement.measure else None
     return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time
 
 
-def _splits_to_search(graph, target: Target, search: SearchOptions):
+def _splits_to_search(graph, target: Target, search: SearchOptions, *, state_first: bool = True):
     """Where the captured step's floor is over the device budget: the split of the ops that set it
     (``split_to_budget``, kept for the report even where splitting is off) and, where splitting may run and
     brings the floor within the budget, the numbers of parts to search (the fewest that fit, and more) and the
-    graph of the fewest; else ``graph`` itself."""
+    graph of the fewest; else ``graph`` itself. ``state_first``: none where the floor with every movable state on
+    the host fits (the search tries that first, ``_split_when_state_missed`` the split after)."""
     # a split's floor with the optimizer state the search may move on the host as well: the two together
     floor_of = (lambda g: state_floor_bytes(g, target.device)) if search.state else None
     if peak_lower_bound_bytes(graph) <= target.device_budget_bytes or search.maximize_batch or (
-            search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
+            state_first and search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
         return None, [], graph
     split = split_to_budget(graph, target.device_budget_bytes, floor_of)  # the ops that set the floor, in parts
     if split is None or not search.split or split_floor(split, floor_of) > target.device_budget_bytes:
         return split, [], graph
     return split, parts_to_search(graph, target.device_budget_bytes, first=split, floor_of=floor_of), \
         split.split_graph
+
+
+def _split_when_state_missed(captured, graph, splits, target: Target, timed: Target, search: SearchOptions,
+                             clock: StageClock, say: Callable[[str], None],
+                             tuned: Callable[[OpGraph], TuneResult]) -> TuneResult:
+    """``tuned`` (search, or search and measure) on ``graph`` or the graph ``splits`` chooses (``_splits_to_search``'s
+    graph and numbers of parts), its split's lines first. Where nothing was split because the floor with every
+    movable state on the host fits, yet no plan did (that floor is a bound, not a plan: the weights' copies in
+    stay), the split of the ops that set the floor is searched after."""
+    graph, split_notes = _chosen_split(captured, graph, splits, timed, search, clock, say)
+    result = tuned(graph)
+    if result.feasible or splits or not search.state:
+        return replace(result, notes=[*split_notes, *result.notes])
+    split, later, graph = _splits_to_search(captured, target, search, state_first=False)
+    if split is not None and not search.split:
+        return replace(result, notes=[*result.notes, split_way(split, target.device_budget_bytes, False)])
+    if not later:
+        return result
+    say("no plan fits with the optimizer state on the host; splitting the ops that set the floor ...")
+    graph, split_notes = _chosen_split(captured, graph, later, timed, search, clock, say)
+    split = tuned(graph)
+    return replace(split, notes=[*split_notes, "no plan fitted with the optimizer state on the host and the step "
+                                               "whole: the ops that set the floor are split", *split.notes]) \
+        if split.feasible else result
 
 
 def _chosen_split(captured, graph, splits, target: Target, search: SearchOptions, clock: StageClock,
@@ -276,8 +303,8 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
     searched with ``target``'s device budget per device and 1/N of its host budget each (the replicas' swaps share
     the machine's host memory), timed by the calibration of the same step on one device (``replica_calibration``),
     and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``). Under one
-    replica's floor its batch is split as a single device's is, on every replica, and the optimizer slots may move
-    to each replica's host (its weights stay on the device)."""
+    replica's floor its batch is split as a single device's is, on every replica, and the optimizer state may move
+    to each replica's host."""
     import rewriter  # TensorFlow only when a model is tuned
     import tensorflow as tf
 
@@ -302,18 +329,17 @@ def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, 
         calibration = replica_calibration(model, captured, inputs, recalibrate=measurement.recalibrate, say=say) \
             if measurement.calibrates else None
     timed = search_target(each, calibration)
-    graph, split_notes = _chosen_split(captured, graph, splits, timed, search, clock, say)
-    if not measurement.measure:
-        with clock.stage("search"):
-            searched = search_graph(graph, timed, search, batch_size=graph.batch_size)
-        result = replace(searched, calibration=calibration)
-    else:
+
+    def tuned(graph: OpGraph) -> TuneResult:
+        if not measurement.measure:
+            with clock.stage("search"):
+                return replace(search_graph(graph, timed, search, batch_size=graph.batch_size), calibration=calibration)
         say(f"searching, then measuring the chosen plan on each of the {count} replicas ...")
-        result = per_device_verdict(confirm(model, graph, each, inputs, batch_size=graph.batch_size, search=search,
-                                            rounds=measurement.rounds, calibration=calibration, clock=clock,
-                                            say=lambda text: say(f"measured: {text}"),
-                                            runs=ReplicatedRuns(model, inputs)))
-    return replace(result, notes=[*split_notes, *result.notes])
+        return per_device_verdict(confirm(model, graph, each, inputs, batch_size=graph.batch_size, search=search,
+                                          rounds=measurement.rounds, calibration=calibration, clock=clock,
+                                          say=lambda text: say(f"measured: {text}"), runs=ReplicatedRuns(model, inputs)))
+
+    return _split_when_state_missed(captured, graph, splits, each, timed, search, clock, say, tuned)
 
 
 def per_device_verdict(result: TuneResult) -> TuneResult:

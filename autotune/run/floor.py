@@ -158,6 +158,14 @@ def state_floor_bytes(graph: OpGraph, device_model: DeviceModel) -> int:
                                                   copies_in=not device_model.host_buffers_shared))
 
 
+def split_way(split: SplitFloor, budget_bytes: int, split_allowed: bool) -> str:
+    """What splitting the ops that set the floor would do, in a report's words."""
+    reach = f"splitting the ops that set the floor along the batch in {split.parts} parts"
+    if not split_allowed and split.split_floor_bytes <= budget_bytes:
+        return f"{reach} would lower it to {format_bytes(split.split_floor_bytes)}, within the budget (without --no-split)"
+    return f"{reach} lowers it only to {format_bytes(split.split_floor_bytes)}, still over the budget"
+
+
 def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recompute: bool = True,
              recaptured: Callable[[Sequence[str]], OpGraph] | None = None, state: bool = True,
              split: SplitFloor | None = None, split_allowed: bool = True) -> TuneResult | None:
@@ -183,10 +191,7 @@ def foregone(graph: OpGraph, target: Target, *, policy: str = "optuna", recomput
         ways.insert(0, f"the {moved_kinds(every_movable(graph))} on the host (without --no-state) lower the floor to "
                        f"{format_bytes(moved_floor)}, within the budget")
     if split is not None:
-        reach = f"splitting the ops that set the floor along the batch in {split.parts} parts"
-        ways.insert(-1, f"{reach} would lower it to {format_bytes(split.split_floor_bytes)}, within the budget "
-                        "(without --no-split)" if not split_allowed and split.split_floor_bytes <= budget else
-                    f"{reach} lowers it only to {format_bytes(split.split_floor_bytes)}, still over the budget")
+        ways.insert(-1, split_way(split, budget, split_allowed))
     headline = (f"Does not fit: no plan can peak under {format_bytes(floor.floor_bytes)} at batch {floor.batch_size}, "
                 f"over the budget of {format_bytes(budget)}: {floor.describe()}.")
     notes = [f"decided right after capture, with no calibration, search or measured run: {floor.describe()}; "

@@ -105,16 +105,24 @@ def home_weights(model, paths: Iterable[str], placement: Placement) -> None:
     if unknown:
         raise PlanError(f"the plan's host_state names {len(unknown)} variable(s) that are not trainable variables "
                         f"of this model (e.g. {sorted(unknown)[0]!r}): it was made for another model")
-    optimizer = model.optimizer
-    indices = optimizer._trainable_variables_indices  # Keras finds a variable's slots by its tf.Variable's id
-    index_of = {variable.path: indices.pop(optimizer._var_key(variable)) for variable in weights}
-    moved = _home([v for v in weights if v.path in wanted], placement.host)
-    back = _home([v for v in weights if v.path not in wanted], placement.accelerator)
-    for variable in weights:
-        indices[optimizer._var_key(variable)] = index_of[variable.path]
-    if moved or back:
+    if _keyed_again(model, lambda: [_home([v for v in weights if v.path in wanted], placement.host),
+                                    _home([v for v in weights if v.path not in wanted], placement.accelerator)]):
         _forget_functions(model)
         log.info("%d weight(s) on %s", len(wanted), placement.host)
+
+
+def _keyed_again(model, move) -> bool:
+    """``move()`` (which makes trainable variables anew, returning whether each of its moves changed any) with the
+    optimizer's index of each variable kept: Keras finds a variable's slots by its ``tf.Variable``'s id."""
+    optimizer = model.optimizer
+    indices = optimizer._trainable_variables_indices
+    weights = list(model.trainable_variables)
+    index_of = {variable.path: indices.pop(optimizer._var_key(variable)) for variable in weights}
+    try:
+        return any(move())
+    finally:
+        for variable in weights:
+            indices[optimizer._var_key(variable)] = index_of[variable.path]
 
 
 def place_state(model, host_state: Sequence[HostState], placement: Placement) -> None:
@@ -132,13 +140,10 @@ def place_state(model, host_state: Sequence[HostState], placement: Placement) ->
 
 def place_replica_state(model, host_state: Sequence[HostState], placements: Sequence[Placement]) -> None:
     """``place_state`` for a model built under ``MirroredStrategy``: the slots of ``host_state``'s variables on each
-    replica's host (replica k's component on ``placements[k]``'s), every other slot on its replica's accelerator.
-    A weight stays on the accelerators: the all-reduce's gradients update every replica's copy there."""
-    weights = [item.variable for item in host_state if item.mode == HOST_WEIGHTS]
-    if weights:
-        raise PlanError(f"the plan moves {len(weights)} weight(s) to the host (e.g. {weights[0]!r}), which is not "
-                        "built for a replicated step (docs/design.md 14): its optimizer slots can move")
+    replica's host (replica k's component on ``placements[k]``'s), every other slot on its replica's accelerator,
+    and the weights of its ``host-weights`` records likewise."""
     wanted = {item.variable for item in host_state}
+    weights = {item.variable for item in host_state if item.mode == HOST_WEIGHTS}
     reason = state_refusal(model)
     if reason is not None:
         if wanted:
@@ -153,6 +158,10 @@ def place_replica_state(model, host_state: Sequence[HostState], placements: Sequ
     for path, variables in slots.items():
         devices = [place.host if path in wanted else place.accelerator for place in placements]
         moved = _home_mirrored(variables, devices) or moved
+    trainable = list(model.trainable_variables)
+    moved = _keyed_again(model, lambda: [
+        _home_mirrored([v], [place.host if v.path in weights else place.accelerator for place in placements])
+        for v in trainable]) or moved
     if moved:
         _forget_functions(model)
         log.info("optimizer slots of %d variable(s) on each of %d replicas' hosts", len(wanted), len(placements))

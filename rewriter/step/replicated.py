@@ -14,10 +14,10 @@ replica's labels (``apply_replicated(..., sample_weight=True)``, cached), as on 
 
 A plan's split regions are built on every replica first (``rewriter.edit.split_parts``, replica k's regions and
 parts named from its own ops), then its recomputations and swaps, as on one device. A plan's optimizer slots on the
-host (updated there or streamed) live on each replica's host: replica k's component of each mirrored slot is made
-anew there (``rewriter.step.host_state.place_replica_state``) and replica k's update is placed beside it, its nodes
-named from the first replica's. Not built for several replicas (refused with one ``PlanError``): weights on the
-host, graph rewrites. The first call checks what survived Grappler on each replica (``verify_replicas``).
+host (updated there or streamed, with the weight or without) live on each replica's host: replica k's component of
+each mirrored variable is made anew there (``rewriter.step.host_state.place_replica_state``) and replica k's update
+is placed beside it, its nodes named from the first replica's. Not built for several replicas (refused with one
+``PlanError``): graph rewrites. The first call checks what survived Grappler on each replica (``verify_replicas``).
 """
 
 from __future__ import annotations
@@ -384,14 +384,14 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
             before = {node.name for node in graph_def.node}
             nodes = state if k == 0 else state.renamed(trace.names[k])
             graph_def, updates = place_state_nodes(graph_def, nodes, place, info)
-            # the slots' reads and writes run with the slots, on the host: said in the GraphDef, which a GPU
-            # machine imports with the variables where the plan puts them
-            slot_ops = set().union(*nodes.slot_ops.values())
+            # the reads and writes of the slots (and weights) moved run with them, on the host: said in the
+            # GraphDef, which a GPU machine imports with the variables where the plan puts them
+            accesses = set().union(*nodes.slot_ops.values(), *nodes.weight_ops.values())
             for node in graph_def.node:
-                if node.name in slot_ops:
+                if node.name in accesses:
                     node.device = place.host
             host_updates.append(updates)
-            on_host.append(frozenset(slot_ops).union(*updates.values()))
+            on_host.append(frozenset(accesses).union(*updates.values()))
             state_nodes.append(frozenset({node.name for node in graph_def.node} - before) | on_host[-1])
     return ReplicatedEdit(trace, named, graph_def, tuple(applied), tuple(skipped), tuple(recomputed),
                           tuple(placements), split, tuple(host_updates), tuple(state_nodes), tuple(on_host))

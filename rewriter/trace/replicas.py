@@ -331,14 +331,10 @@ def _pair_captures(concrete, model, owner: dict[str, int], k: int) -> dict[str, 
 
 
 def replica_movable_state(trace: ReplicatedTrace, model) -> dict:
-    """``graph.meta["movable_state"]`` of the first replica: the ops of each variable's update and of its slots'
-    reads and writes there (``describe_movable_state``; the first replica's variables are the ones the traced
-    step's captures name). A weight stays on the accelerators (``rewriter.step.host_state.place_replica_state``),
-    so no entry records a weight's ops."""
-    found = describe_movable_state(trace.traced.concrete, model, trace.traced.optimizer_scope)
-    for entry in found["variables"].values():
-        entry.pop("weight_ops", None)
-    return found
+    """``graph.meta["movable_state"]`` of the first replica: the ops of each variable's update and of its slots' and
+    weight's reads and writes there (``describe_movable_state``; the first replica's variables are the ones the
+    traced step's captures name)."""
+    return describe_movable_state(trace.traced.concrete, model, trace.traced.optimizer_scope)
 
 
 def collective_ops(graph: OpGraph) -> list[int]:

@@ -289,11 +289,13 @@ facts["weighted"] = dict(weighted, swaps=step.n_swap_outs, steps=[list(key) for 
                          weighted_swaps=[s.n_swap_outs for s in step._others.values()],
                          inputs=[len(s.traced.concrete.inputs) for s in (step, *step._others.values())],
                          iterations=[m.optimizer.iterations.numpy().item() for m in (plain, model)])
-# optimizer slots on each replica's host: updated there (AdamW) or streamed around the update (SGD with momentum)
+# optimizer slots on each replica's host: updated there (AdamW) or streamed around the update (SGD with momentum);
+# Adam's with the weights there too
 import dataclasses, tempfile
 from simulator import SwapPlan
 tmp = tempfile.mkdtemp()
-from simulator.state import HOST_UPDATE, STREAM_SLOTS, HostState, movable_state, with_host_state
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes,
+                             with_host_state)
 def state_mlp(optimizer):
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(256, activation="relu") for _ in range(2)],
@@ -304,12 +306,13 @@ facts["state"] = {}
 x = rng.random((3 * batch, 64), dtype=np.float32)
 y = rng.random((3 * batch, 4), dtype=np.float32)
 for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05), HOST_UPDATE),
-                              ("sgd", lambda: keras.optimizers.SGD(0.01, momentum=0.9), STREAM_SLOTS)):
+                              ("sgd", lambda: keras.optimizers.SGD(0.01, momentum=0.9), STREAM_SLOTS),
+                              ("weights", lambda: keras.optimizers.Adam(1e-3), HOST_WEIGHTS)):
     with strategy.scope():
         model, plain = state_mlp(optimizer), state_mlp(optimizer)
     graph = capture_replicated(model, batch)
     records = tuple(HostState(path, mode) for path in movable_state(graph))
-    moved = with_host_state(graph, records, copies_in=False) if mode == STREAM_SLOTS else graph
+    moved = graph if mode == HOST_UPDATE else with_host_state(graph, records, copies_in=False)
     plan = dataclasses.replace(SwapPlan.empty(moved), host_state=records)
     step = apply_replicated(model, plan, graph=moved, batch_size=batch, verify_with=(x[:batch], y[:batch]))
     peaks = measure_replicas(step, x[:batch], y[:batch])
@@ -339,15 +342,20 @@ for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, wei
     facts["state"][name] = {
         "moved": len(records), "unmoved": int(replay(graph, SwapPlan.empty(graph), "cpu-testbed").peak_bytes),
         "predicted": int(replay(moved, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
-        "slot_bytes": sum(movable_state(graph).values()), "host_measured": [r.host_peak_bytes for r in peaks],
+        "moved_bytes": moved_bytes(graph, records), "host_measured": [r.host_peak_bytes for r in peaks],
         "slot_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in slots for c in v.value.values}),
+        "weight_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in model.trainable_variables
+                                  for c in v.value.values}),
+        "all_reduce_devices": sorted({n.device.rsplit("device:", 1)[-1] for n in step.graph_def.node
+                                      if n.op == "CollectiveReduceV2"}),
         "on_host": [[v.host_updates_on_host, v.host_updates_planned, v.ok] for v in step.verification],
         "weights_bitwise": equal(plain.weights, model.weights),
         "worst_relative": max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
                               for a, b in zip(plain.weights + plain.optimizer.variables,
                                               model.weights + model.optimizer.variables) if np.abs(a.numpy()).any()),
         "slots_bitwise": equal(plain.optimizer.variables, model.optimizer.variables),
-        "replicas_equal": all(np.array_equal(v.value.values[0].numpy(), v.value.values[1].numpy()) for v in slots),
+        "replicas_equal": all(np.array_equal(v.value.values[0].numpy(), v.value.values[1].numpy())
+                              for v in slots + model.trainable_variables),
         "restored": equal(model.weights, restored.weights) and equal(model.optimizer.variables,
                                                                       restored.optimizer.variables),
         "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)], "gpu": gpu}
@@ -509,23 +517,26 @@ def test_model_fit_with_sample_and_class_weights_runs_the_plan_traced_with_the_w
     assert weighted["sample_weight"] and weighted["class_weight"]
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "weights"])
 def test_optimizer_slots_on_each_replicas_host_train_as_plain_mirrored_strategy(facts, name):
     """Every slot of a Dense stack on its replica's host (replica k's component on CPU:2k+1): AdamW's update runs
-    there, SGD's momentum is streamed around the update left on the device. The nodes placed on the host ran there
-    on both replicas; each replica's peak measured within 5 % of the prediction and below the unmoved step's by the
-    slots' bytes, which the host holds; after three steps of fit weights and slots equal to plain MirroredStrategy fit,
-    both replicas' slots equal, and the weights saved then load into a plain Keras model."""
+    there, SGD's momentum is streamed around the update left on the device, Adam's weights live on the host too
+    (read on the device through copies in; the gradients still all-reduced on the devices). The nodes placed on the
+    host ran there on both replicas; each replica's peak measured within 5 % of the prediction and below the unmoved
+    step's by the bytes moved, which the host holds; after three steps of fit weights and slots equal to plain
+    MirroredStrategy fit, both replicas' equal, and the weights saved then load into a plain Keras model."""
     state = facts["state"][name]
     assert state["moved"] == 6 and state["slot_devices"] == ["CPU:1", "CPU:3"], state
+    assert state["weight_devices"] == (["CPU:1", "CPU:3"] if name == "weights" else ["CPU:0", "CPU:2"])
+    assert state["all_reduce_devices"] == ["CPU:0", "CPU:2"]
     assert all(0 < on <= planned and ok for on, planned, ok in state["on_host"]), state["on_host"]
     for measured, host in zip(state["measured"], state["host_measured"]):
         assert abs(measured / state["predicted"] - 1) <= 0.05, (measured, state["predicted"])
-        assert measured <= state["unmoved"] - state["slot_bytes"] + 4096
-        assert host >= state["slot_bytes"]
+        assert measured <= state["unmoved"] - state["moved_bytes"] + 4096
+        assert host >= state["moved_bytes"] - (state["moved_bytes"] // 3 if name == "weights" else 0)
     assert state["iterations"] == [3, 3]
     assert state["replicas_equal"] and state["restored"]
-    if name == "sgd":  # the arithmetic stays on the device
+    if name != "adamw":
         assert state["weights_bitwise"] and state["slots_bitwise"], state["worst_relative"]
     else:
         # one kernel 6.7e-8 relative off: Grappler's arithmetic optimizer rewrites the decay's arithmetic with the
@@ -544,7 +555,7 @@ def test_a_sparse_gradients_all_gather_stays_on_the_replicas_devices(facts):
     assert embedding["bitwise"]
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "weights"])
 def test_the_gpu_construction_puts_each_replicas_moved_state_on_the_host(facts, name):
     """The replicated step as two GPUs of one machine run it, built without a GPU: each replica's update (AdamW's)
     or its slots' reads and writes (SGD's streamed momentum) on the machine's host, every other op of the replica on
