@@ -13,7 +13,9 @@ stays on the accelerator, which reads each slot through a copy in and whose valu
 out (``tests/rewriter/state/test_stream_slots.py``).
 
 Which optimizers and which ops: ``rewriter.trace.optimizer_state`` (an optimizer it does not know is
-refused with the reason).
+refused with the reason). On a ``MirroredStrategy`` step each variable is mirrored, one component per replica:
+``place_replica_state`` makes replica k's anew on replica k's host, and ``StateNodes.renamed`` names replica k's
+update from the first replica's (``rewriter.step.replicated``).
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ def place_replica_state(model, host_state: Sequence[HostState], placements: Sequ
         for v in trainable]) or moved
     if moved:
         _forget_functions(model)
-        log.info("optimizer slots of %d variable(s) on each of %d replicas' hosts", len(wanted), len(placements))
+        log.info("optimizer state of %d variable(s) (%d with the weight) on each of %d replicas' hosts", len(wanted),
+                 len(weights), len(placements))
 
 
 def _forget_functions(model) -> None:
