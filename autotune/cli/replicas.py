@@ -104,6 +104,7 @@ def device_lines(result) -> list[str]:
                                                                     ("predicted", machine["predicted_host_bytes"]))
                if value is not None]
     budget = format_bytes(machine["host_budget_bytes"])
-    lines.append(f"host memory of the machine (every replica's swaps and moved state): {', '.join(figures)} of {budget}" if figures
+    lines.append(f"host memory of the machine (every replica's swaps and moved state): {', '.join(figures)} "
+                 f"of {budget}" if figures
                  else f"host budget of the machine: {budget} (no plan)")
     return lines

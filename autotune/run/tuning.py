@@ -205,15 +205,15 @@ class TuneResult:
     def replica_memory(self) -> dict[str, Any] | None:
         """Memory per device and per machine of a replicated step (docs/design.md 14; None for one device): each
         replica's predicted and measured peak against the per-device budget and its verdict (its own check,
-        swaps verified), the host memory every replica's swaps and optimizer slots share against the machine's host
-        budget, and the gradients' all-reduce pack."""
+        swaps verified), the host memory every replica's swaps and moved optimizer state share against the
+        machine's host budget, and the gradients' all-reduce pack."""
         meta = self.graph.meta.get("replicas")
         if meta is None:
             return None
         shown, m = self.shown, self.measurement
         measured = {row["device"]: row for row in (m.replicas if m is not None else ())}
         round_ = self.verdict.checks[-1].round if self.verdict is not None and self.verdict.checks else 1
-        # a replica's host holds its swapped tensors and the optimizer slots the plan moved
+        # a replica's host holds its swapped tensors and the optimizer state (slots, weights) the plan moved
         host_bytes = None if shown is None else int(shown.metrics["host_peak_bytes"]) + (
             0 if self.plan is None else moved_bytes(self.graph, self.plan.host_state))
         devices = []

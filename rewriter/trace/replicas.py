@@ -330,13 +330,6 @@ def _pair_captures(concrete, model, owner: dict[str, int], k: int) -> dict[str, 
     return pairs
 
 
-def replica_movable_state(trace: ReplicatedTrace, model) -> dict:
-    """``graph.meta["movable_state"]`` of the first replica: the ops of each variable's update and of its slots' and
-    weight's reads and writes there (``describe_movable_state``; the first replica's variables are the ones the
-    traced step's captures name)."""
-    return describe_movable_state(trace.traced.concrete, model, trace.traced.optimizer_scope)
-
-
 def collective_ops(graph: OpGraph) -> list[int]:
     """Ops of a replica graph that all-reduce across the replicas."""
     return [i for i, kind in enumerate(graph.op_type) if kind in COLLECTIVE_TYPES]
@@ -354,7 +347,8 @@ def capture_replicated(model, batch_size: int, inputs: StepInputs = NO_STEP_INPU
     meta = {"model": name or getattr(model, "name", "model"), "optimizer": type(model.optimizer).__name__,
             "training": describe_training(model),
             "variables": state_kinds.describe_variables(first.traced.concrete, model, only=handles),
-            "movable_state": replica_movable_state(first, model)}
+            # the first replica's update and reads and writes: its variables are the ones the captures name
+            "movable_state": describe_movable_state(first.traced.concrete, model, first.traced.optimizer_scope)}
     if inputs.to_dict():
         meta["step_inputs"] = inputs.to_dict()
     graph = build_opgraph(first.traced, second.traced, meta=meta)
