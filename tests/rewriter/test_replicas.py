@@ -533,6 +533,7 @@ def test_optimizer_slots_on_each_replicas_host_train_as_plain_mirrored_strategy(
     for measured, host in zip(state["measured"], state["host_measured"]):
         assert abs(measured / state["predicted"] - 1) <= 0.05, (measured, state["predicted"])
         assert measured <= state["unmoved"] - state["moved_bytes"] + 4096
+        # the slots' bytes (with Adam's weights moved: two slots a weight, two thirds of the bytes moved)
         assert host >= state["moved_bytes"] - (state["moved_bytes"] // 3 if name == "weights" else 0)
     assert state["iterations"] == [3, 3]
     assert state["replicas_equal"] and state["restored"]
