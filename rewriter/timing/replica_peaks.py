@@ -85,8 +85,11 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
             tf.config.experimental.reset_memory_stats(gpu)
         # on the testbed the call before the measured one is traced too: a variable's copy-on-write (AdamW's
         # decay while a read is pending) frees the buffer the call before made, and only that call's trace tells
-        # the free's replica (a buffer made before the trace has none: left unowned, it stayed counted)
-        traced = memtrace.record_memory_events(call, *flat, calls=1 if on_gpus else 2)
+        # the free's replica (a buffer made before the trace has none: left unowned, it stayed counted). Not in a
+        # worker of several: two calls of a step whose all-reduce crosses processes, traced together,
+        # aborted the process in TensorFlow ("double free or corruption") in 3 of 10 runs, one call in none
+        one_call = on_gpus or step.replicas.workers > 1
+        traced = memtrace.record_memory_events(call, *flat, calls=1 if one_call else 2)
         allocator_peaks = [int(tf.config.experimental.get_memory_info(gpu)["peak"]) for gpu in gpus]
     finally:
         snapshot.restore()
