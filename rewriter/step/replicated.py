@@ -411,9 +411,9 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
                                           serialize=serialize, sample_weight=sample_weight, placements=placements)
     shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
-    state = (state_nodes(trace.traced.concrete.graph.as_graph_def(), trace.traced, model, named.host_state)
-             if named.host_state else None)
-    edit = edit_replicas(trace, named, placements, swap_op=swap_op, shapes=shapes, state=state)
+    graph_def = trace.traced.concrete.graph.as_graph_def()  # once: the state's nodes are found in the one edited
+    state = state_nodes(graph_def, trace.traced, model, named.host_state) if named.host_state else None
+    edit = edit_replicas(trace, named, placements, graph_def=graph_def, swap_op=swap_op, shapes=shapes, state=state)
     function = import_step(edit.graph_def, trace.traced)
     step = ReplicatedStep(function=function, trace=trace, graph_def=edit.graph_def, plan=named, applied=edit.applied,
                           skipped=edit.skipped, placements=edit.placements, swap_op=edit.placements[0].swap_op,

@@ -120,14 +120,19 @@ sys.exit(main(sys.argv[1:]))
 BUDGET = 700 * 1024  # under one replica's unswapped step: 801 KiB predicted at batch 8
 
 
+def _saved(tmp_path_factory, name: str, code: str) -> Path:
+    """A model directory holding the ``model.keras`` that ``code`` (a program with a ``{path}`` field) saves."""
+    directory = tmp_path_factory.mktemp(name) / "model"
+    directory.mkdir()
+    subprocess.run([sys.executable, "-c", code.format(path=str(directory / "model.keras"))], check=True,
+                   env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, timeout=300)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """The 4-conv stack saved compiled."""
-    directory = tmp_path_factory.mktemp("replicas") / "model"
-    directory.mkdir()
-    subprocess.run([sys.executable, "-c", SAVE.format(path=str(directory / "model.keras"))], check=True,
-                   env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, timeout=300)
-    return directory
+    return _saved(tmp_path_factory, "replicas", SAVE)
 
 
 def _autotune(saved, out: Path, *, extra_bytes: int = 0, memory: str = "700KiB", flags=("--replicas", 2),
@@ -219,11 +224,7 @@ model.save({path!r})
 @pytest.fixture(scope="module")
 def saved_mlp(tmp_path_factory):
     """A 3x512 Dense stack with Adam, saved compiled: its slots (5.03 MiB) outweigh its activations."""
-    directory = tmp_path_factory.mktemp("replicas_mlp") / "model"
-    directory.mkdir()
-    subprocess.run([sys.executable, "-c", SAVE_MLP.format(path=str(directory / "model.keras"))], check=True,
-                   env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, timeout=300)
-    return directory
+    return _saved(tmp_path_factory, "replicas_mlp", SAVE_MLP)
 
 
 @pytest.mark.tf
