@@ -324,6 +324,11 @@ class OpGraph:
             return self._structure_cache
         return self.__dict__.setdefault("_batch_cache", {})
 
+    def __getstate__(self) -> dict:
+        """Pickled without its memos (they hold analyses' functions): rebuilt where it is read."""
+        return {**{k: v for k, v in self.__dict__.items() if k != "_batch_cache"},
+                "_graph_memo": {}, "_order_memo": {}, "_structure_cache": {}}
+
     def cached(self, key, compute, *, structural: bool):
         """Memoise a module's own analysis of this graph: structural ones are shared by all batch sizes
         (scope "view"), the others kept per batch size. An analysis other modules read is an

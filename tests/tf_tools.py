@@ -112,10 +112,11 @@ def free_ports(count: int) -> list[int]:
 ADDRESS_TAKEN = ("Address already in use", "Failed to add port", "Could not start gRPC server")
 
 
-def run_workers(code: str, count: int = 2, *, timeout: int = 120, attempts: int = 2,
+def run_workers(code: str | list[str], count: int = 2, *, timeout: int = 120, attempts: int = 2,
                 env: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Run ``code`` in ``count`` fresh interpreters, the workers of one ``MultiWorkerMirroredStrategy`` cluster on
     127.0.0.1 (``TF_CONFIG`` names worker ``i`` of ``count``), each with the testbed's environment (``env`` on top).
+    ``code``: a program, or the interpreter's arguments (``["-m", "autotune", ...]``).
 
     Every worker is stopped (its process group killed) when one fails, when ``timeout`` seconds pass or when the
     caller is interrupted: a worker left waiting for a dead peer's all-reduce would wait forever. The ports are
@@ -124,14 +125,15 @@ def run_workers(code: str, count: int = 2, *, timeout: int = 120, attempts: int 
     for attempt in range(attempts):
         ports = free_ports(count)
         cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-        done = _run_cluster(textwrap.dedent(code), cluster, timeout, env or {})
+        args = ["-c", textwrap.dedent(code)] if isinstance(code, str) else [str(a) for a in code]
+        done = _run_cluster(args, cluster, timeout, env or {})
         taken = any(d.returncode != 0 and any(text in d.stderr for text in ADDRESS_TAKEN) for d in done)
         if not taken or attempt == attempts - 1:
             return done
     return done
 
 
-def _run_cluster(code: str, cluster: dict, timeout: int, extra: dict) -> list[subprocess.CompletedProcess]:
+def _run_cluster(args: list[str], cluster: dict, timeout: int, extra: dict) -> list[subprocess.CompletedProcess]:
     count = len(cluster["worker"])
     with tempfile.TemporaryDirectory(prefix="workers_") as folder:
         outputs = [(open(Path(folder, f"{i}.out"), "w+"), open(Path(folder, f"{i}.err"), "w+")) for i in range(count)]
@@ -140,7 +142,7 @@ def _run_cluster(code: str, cluster: dict, timeout: int, extra: dict) -> list[su
             for i, (out, err) in enumerate(outputs):
                 config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
                 env = testbed_environment(PYTHONPATH=str(REPO), TF_CONFIG=config, **extra)
-                processes.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=out,
+                processes.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=out,
                                                   stderr=err, text=True, start_new_session=True))
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in processes):

@@ -2,7 +2,7 @@
 
 Exit codes: 0 done (a plan fits, confirmed by a measured run unless --no-measure); 2 bad input;
 3 no plan fits the budget, or none was confirmed by a measured run (the report is still written);
-130 interrupted (finished trials stay in the study; run the same command again to resume).
+4 worker 0 of a TF_CONFIG's cluster stopped (this worker's run ends with it); 130 interrupted (finished trials stay in the study; run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from autotune.cli.replicas import check_settings, check_tf_config, device_lines, load_replicated, several_gpus_note
+from autotune.cli.replicas import (check_settings, check_tf_config, check_workers, device_lines, load_multi_worker,
+                                   load_replicated, several_gpus_note)
 from autotune.inputs import InputError, format_bytes, parse_bytes
 
-EXIT_OK, EXIT_INPUT, EXIT_NO_FIT, EXIT_INTERRUPTED = 0, 2, 3, 130
+EXIT_OK, EXIT_INPUT, EXIT_NO_FIT, EXIT_WORKER_STOPPED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 
 DESCRIPTION = """\
 Find swap settings that make a Keras model's training step fit in accelerator memory.
@@ -115,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--replicas", type=int, default=1, metavar="N",
                      help="train under MirroredStrategy on N devices: a plan for one replica, the budget and verdict "
                           "per device, the host budget shared by the replicas; measured on the CPU testbed's N "
-                          "replicas (docs/design.md 14)")
+                          "replicas. Under a TF_CONFIG of several workers run the command on every worker instead "
+                          "(MultiWorkerMirroredStrategy, one replica each; worker 0 writes the report; "
+                          "docs/design.md 14)")
     run.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                      help="measure step times on this machine (the model's own step profiled at two batch sizes, "
                           "copies and swapped steps timed) instead of the preset's datasheet estimate: the search "
@@ -161,8 +164,10 @@ def _settings(args: argparse.Namespace):
         raise InputError("no batch size: give --batch-size or batch_size in autotune.toml")
     if batch < 1:
         raise InputError(f"batch size must be positive, got {batch}")
-    check_tf_config()  # several workers named: a strategy not tuned yet, said in one line
-    if args.replicas != 1:  # several devices (docs/design.md 14): what it does not do yet refused here
+    workers = check_tf_config()  # several: every worker runs this command under MultiWorkerMirroredStrategy
+    if workers > 1:
+        check_workers(workers, args.replicas, int(batch))
+    if workers > 1 or args.replicas != 1:  # several devices (docs/design.md 14): what it does not do yet refused here
         check_settings(args.replicas, int(batch), graph_rewrites=args.rewrite or config.graph_rewrites)
     memory = _given(args.memory, config.memory)
     trials = _given(args.trials, config.trials, 200)
@@ -206,6 +211,7 @@ def _settings(args: argparse.Namespace):
     return {
         "model_file": model_file,
         "replicas": args.replicas,
+        "workers": workers,
         "imports": imports,
         "batch_size": int(batch),
         "memory": None if memory is None else parse_bytes(memory, "--memory"),
@@ -309,7 +315,9 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
                                 device_from=settings["device_from"])
         load_notes: list[str] = []
-        if replicas != 1:  # the testbed's 2N logical CPUs, the model loaded in MirroredStrategy's scope
+        if settings["workers"] > 1:  # each worker's testbed, the model loaded in MultiWorkerMirroredStrategy's scope
+            model = load_multi_worker(lambda: load_user_model(settings, load_notes))
+        elif replicas != 1:  # the testbed's 2N logical CPUs, the model loaded in MirroredStrategy's scope
             model = load_replicated(replicas, lambda: load_user_model(settings, load_notes))
         else:
             if measurement.measure or measurement.calibrates:
@@ -327,6 +335,8 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                                   "minute on 2 cores) ..."):
             warm_up()
     from autotune.run.confirm import tune
+    from autotune.run.plan_run import WorkerStopped
+    from rewriter.trace.replicas import resolve_replicas
     from rewriter.trace.tracing import CaptureError
     from rewriter.trace.step_inputs import StepInputs
 
@@ -338,8 +348,16 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                       clock=clock)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
+    except WorkerStopped as error:  # worker 0 of a TF_CONFIG's cluster: its own output says why
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_WORKER_STOPPED
     result = replace(result, notes=[*result.notes, *load_notes, *model_notes(model)])
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
+    several = settings["workers"] > 1
+    if several and resolve_replicas(model).task:  # the chief's result: its report is on its machine
+        text = _summary_text(result, "written by worker 0 into its --out", time.monotonic() - started)
+        print(text.replace("\nverdict: ", "\n" + "\n".join(device_lines(result)) + "\nverdict: ", 1))
+        return EXIT_OK if result.verdict.ok else EXIT_NO_FIT
     from autotune.report.writer import write_report
 
     try:
@@ -350,13 +368,13 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     if "previous" in files:
         _say(quiet, f"the report that was in {out} is now in {files['previous']}")
     text = _summary_text(result, files["report.html"], time.monotonic() - started)
-    if replicas != 1:
+    if replicas != 1 or several:
         text = text.replace("\nverdict: ", "\n" + "\n".join(device_lines(result)) + "\nverdict: ", 1)
     print(text)
     return EXIT_OK if result.verdict.ok else EXIT_NO_FIT
 
 
-def _summary_text(result, report: Path, seconds: float) -> str:
+def _summary_text(result, report: Path | str, seconds: float) -> str:
     from autotune.run.calibrated_timing import time_model_note
     from simulator.state import moved_kinds
     from autotune.report.writer import param_text

@@ -6,7 +6,9 @@ The model is loaded in the strategy's scope (the testbed's replicas ``CPU:0``, `
 measured rounds with corrections, the report. What differs lives there (``autotune.run.confirm.tune_replicated``:
 one replica's step, the budget per device, 1/N of the host budget each; ``autotune.run.plan_run.ReplicatedRuns``:
 every replica measured). Here: what ``--replicas`` refuses before anything slow, the strategy a ``TF_CONFIG``
-implies, and the verdict per device the CLI prints.
+implies, and the verdict per device the CLI prints. Under a ``TF_CONFIG`` of several workers every worker runs
+the command: worker 0 tunes, writes the report and decides; the others measure its plans on their replicas and
+print its verdict (``autotune.run.confirm.tune_workers``).
 """
 
 from __future__ import annotations
@@ -19,38 +21,50 @@ from autotune.inputs import InputError, format_bytes
 
 
 def check_settings(replicas: int, batch_size: int, *, graph_rewrites) -> None:
-    """What ``--replicas`` does not do yet, refused in one line before anything slow happens."""
+    """What a replicated step (``--replicas``, a ``TF_CONFIG``) does not do yet, refused in one line before anything
+    slow happens."""
     if replicas < 1:
         raise InputError(f"--replicas must be at least 1, got {replicas}")
     if batch_size % replicas:
         raise InputError(f"--batch-size {batch_size} does not split evenly over {replicas} replicas: "
                          f"give a multiple of {replicas}")
     if graph_rewrites:
-        raise InputError("--replicas does not take --rewrite yet (docs/design.md 14)")
+        raise InputError("--rewrite is not made on a replicated step yet (--replicas or a TF_CONFIG of several "
+                         "workers; docs/design.md 14)")
 
 
-def check_tf_config(environ=os.environ) -> None:
-    """A ``TF_CONFIG`` naming several workers means ``MultiWorkerMirroredStrategy``: said and refused in one line
-    (the command tunes one machine; each worker makes and trains its plan with ``rewriter.capture_replicated``,
-    ``apply_replicated`` and ``use_replicated_step``, docs/design.md 14); parameter servers are refused as
-    unsupported; one worker's (or none) goes on as one machine."""
+def check_tf_config(environ=os.environ) -> int:
+    """The workers a ``TF_CONFIG`` names (1 when unset): several mean ``MultiWorkerMirroredStrategy``, every
+    worker running this command (``load_multi_worker``); parameter servers are refused as unsupported."""
     text = environ.get("TF_CONFIG")
     if not text:
-        return
+        return 1
     try:
-        cluster = json.loads(text).get("cluster") or {}
+        config = json.loads(text)
+        cluster = config.get("cluster") or {}
         workers = sum(len(cluster.get(kind) or ()) for kind in ("chief", "worker"))
+        task = config.get("task") or {}
     except (ValueError, AttributeError, TypeError):
         raise InputError("TF_CONFIG is not a JSON object with a cluster: fix or unset it") from None
     if cluster.get("ps"):
         raise InputError("TF_CONFIG names parameter servers: ParameterServerStrategy detected, "
                          "which the tool does not support; unset TF_CONFIG to tune this machine's step "
                          "(--replicas N for its N devices, docs/design.md 14)")
-    if workers > 1:
-        raise InputError(f"TF_CONFIG names {workers} workers: MultiWorkerMirroredStrategy detected, which this "
-                         "command does not tune (it tunes one machine: unset TF_CONFIG, --replicas N for its N "
-                         "devices); each worker can make and train its plan in Python with "
-                         "rewriter.capture_replicated, apply_replicated and use_replicated_step (docs/design.md 14)")
+    if workers > 1 and (task.get("type") not in ("chief", "worker") or not isinstance(task.get("index"), int)
+                        or not 0 <= task["index"] < len(cluster.get(task["type"]) or ())):
+        raise InputError(f"TF_CONFIG names {workers} workers but its task {task!r} is not one of them: give "
+                         '"task": {"type": "worker", "index": I} with I this worker\'s place in the cluster')
+    return max(workers, 1)
+
+
+def check_workers(workers: int, replicas: int, batch_size: int) -> None:
+    """Under a ``TF_CONFIG`` of several workers: one replica a worker on the testbed, the batch split evenly."""
+    if replicas != 1:
+        raise InputError(f"TF_CONFIG names {workers} workers: each runs one replica on its CPU testbed, so leave "
+                         "out --replicas (it counts one machine's devices without TF_CONFIG)")
+    if batch_size % workers:
+        raise InputError(f"--batch-size {batch_size} does not split evenly over the {workers} workers' replicas: "
+                         f"give a multiple of {workers}")
 
 
 def several_gpus_note(gpus: int) -> str | None:
@@ -79,6 +93,22 @@ def load_replicated(replicas: int, load: Callable[[], object]):
         return load()
 
 
+def load_multi_worker(load: Callable[[], object]):
+    """Each worker's testbed (its accelerator CPU:0, its host CPU:1), then ``load()`` the model in
+    ``MultiWorkerMirroredStrategy``'s scope (which waits for every worker the ``TF_CONFIG`` names)."""
+    import tensorflow as tf
+
+    from rewriter.placement.placements import configure_testbed
+
+    if tf.config.list_physical_devices("GPU"):
+        raise InputError("a TF_CONFIG of several workers is tuned on the CPU testbed only for now: a GPU is visible "
+                         "(docs/design.md 14)")
+    if not configure_testbed(2):
+        raise InputError("each worker's testbed needs 2 logical CPUs, and TensorFlow had started with fewer")
+    with tf.distribute.MultiWorkerMirroredStrategy().scope():
+        return load()
+
+
 def device_lines(result) -> list[str]:
     """The verdict per device and the machine's host memory, as printed above the verdict."""
     memory = result.replica_memory()
@@ -104,7 +134,8 @@ def device_lines(result) -> list[str]:
                                                                     ("predicted", machine["predicted_host_bytes"]))
                if value is not None]
     budget = format_bytes(machine["host_budget_bytes"])
-    lines.append(f"host memory of the machine (every replica's swaps and moved state): {', '.join(figures)} "
+    machine_is = "the machine" if memory["workers"] == 1 else "the fullest worker's machine"
+    lines.append(f"host memory of {machine_is} (its replicas' swaps and moved state): {', '.join(figures)} "
                  f"of {budget}" if figures
                  else f"host budget of the machine: {budget} (no plan)")
     return lines

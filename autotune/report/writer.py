@@ -224,10 +224,12 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
                              if n in images]))
     if result.applies_plan and memory is not None:
         sections.append(Section("Train with the plan", [f"`{plan_file}` holds the plan for one replica; apply it to "
-                                                        "every replica of the model built in the strategy's scope:"],
+                                                        "every replica of the model built in the strategy's scope"
+                                                        + (":" if memory.get("workers", 1) == 1 else
+                                                           f" (each worker with its own copy of `{plan_file}`):")],
                                 code=(
                                     "import keras, rewriter, tensorflow as tf\n"
-                                    "with tf.distribute.MirroredStrategy().scope():\n"
+                                    f"with tf.distribute.{_strategy_name(memory)}().scope():\n"
                                     "    model = keras.models.load_model('model.keras')\n"
                                     f"step = rewriter.apply_replicated(model, '{plan_file}', "
                                     f"batch_size={memory['global_batch_size']})\n"
@@ -268,7 +270,11 @@ def _replicas_section(memory: dict, budget_bytes: int, images: dict[str, Path]) 
                                 ("gradients' all-reduce pack, per replica", size(memory["all_reduce_bytes"]), "", "",
                                  "")],
                                columns=["", "predicted", "measured", "budget", ""])
-    text = [f"{memory['replicas']} replicas of MirroredStrategy at global batch {memory['global_batch_size']} "
+    workers = memory.get("workers", 1)
+    text = [f"{memory['replicas']} replicas of {_strategy_name(memory)}"
+            + ("" if workers == 1 else f" ({workers} workers, each its own machine; worker 0 chose the plans, every "
+                                       "worker measured them on its replicas)")
+            + f" at global batch {memory['global_batch_size']} "
             f"({memory['per_replica_batch_size']} per replica): one plan, made for one replica, runs on every "
             f"replica. The budget is per device ({format_bytes(budget_bytes)} each) and the verdict per device: "
             "each replica's measured peak is checked as a single device's is. Host memory is per machine: the "
@@ -277,6 +283,10 @@ def _replicas_section(memory: dict, budget_bytes: int, images: dict[str, Path]) 
             "the all-reduce a replica holds its gradients, the pack and the reduced copy (docs/design.md 14)."]
     return Section("Devices and machine", text, [devices, per_machine],
                    [n for n in ("replica_memory.png",) if n in images])
+
+
+def _strategy_name(memory: dict) -> str:
+    return "MirroredStrategy" if memory.get("workers", 1) == 1 else "MultiWorkerMirroredStrategy"
 
 
 def markdown_table(table: pd.DataFrame, float_format: str = "{:.4g}") -> str:

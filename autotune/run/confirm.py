@@ -20,7 +20,7 @@ from autotune.run.floor import (choose_parts, foregone, split_lines, split_to_bu
 from autotune.search.parts import parts_to_search, split_floor
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
-from autotune.run.plan_run import ReplicatedRuns, SingleDeviceRuns
+from autotune.run.plan_run import ReplicatedRuns, SingleDeviceRuns, TuneFinished, follow_chief, tell_workers
 from autotune.run.options import MeasureOptions, SearchOptions
 from autotune.run.stage_times import StageClock
 from autotune.run.target import Target, resolve_target
@@ -163,7 +163,9 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
     ``clock``: times the run's stages (``autotune.run.stage_times``).
     ``strategy``: the ``tf.distribute.MirroredStrategy`` the model was built under (found by itself when left
     out): one replica's step is tuned, the budget per device, the host budget shared by the replicas, and every
-    replica measured (``tune_replicated``, docs/design.md 14).
+    replica measured (``tune_replicated``, docs/design.md 14). Under ``MultiWorkerMirroredStrategy`` every worker
+    calls it: worker 0 tunes, the others measure its plans on their replicas, and all return its result
+    (``tune_workers``).
     A model that cannot be captured raises ``CaptureError`` before anything is searched (another strategy too).
     """
     from rewriter.tf_effects.collectives import strategy_of  # TensorFlow only when a model is tuned
@@ -189,16 +191,12 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         raise ValueError(f"the model was not built in this {type(strategy).__name__}'s scope: build it (and "
                          "compile it) in strategy.scope(), then tune it")
     if built_under is not None:
-        if type(built_under).__name__ == "CollectiveAllReduceStrategy":  # MultiWorkerMirroredStrategy's class
-            raise ValueError("autotune.tune takes MirroredStrategy on one machine, not MultiWorkerMirroredStrategy: "
-                             "each worker makes its plan with rewriter.capture_replicated and simulator.plan_swaps "
-                             "and trains with rewriter.apply_replicated and use_replicated_step (docs/design.md 14)")
         if graph_rewrites:
             raise ValueError("a replicated step is tuned without graph_rewrites (docs/design.md 14)")
         if given_batch is None:  # one sample a replica where the capture starts (the search picks the batch)
             batch_size = built_under.num_replicas_in_sync
-        return tune_replicated(model, batch_size, target, inputs, search=search, measurement=measurement,
-                               name=name, say=say, clock=clock)
+        return tune_workers(model, batch_size, target, inputs, search=search, measurement=measurement,
+                            name=name, say=say, clock=clock)
     say(f"capturing the training step at batch {batch_size} ...")
     with clock.stage("capture"):
         graph = capture(model, batch_size, inputs, name=name or getattr(model, "name", None),
@@ -296,28 +294,51 @@ def _chosen_split(captured, graph, splits, target: Target, search: SearchOptions
     return graph, notes
 
 
-def tune_replicated(model, batch_size: int, target: Target, inputs: StepInputs, *, search: SearchOptions,
-                    measurement: MeasureOptions, name: str | None, say: Callable[[str], None],
-                    clock: StageClock) -> TuneResult:
+def tune_workers(model, batch_size: int, target: Target, inputs: StepInputs, *, search: SearchOptions,
+                 measurement: MeasureOptions, name: str | None, say: Callable[[str], None],
+                 clock: StageClock) -> TuneResult:
+    """``tune_replicated`` on every worker of a cluster (one worker under ``MirroredStrategy``): each captures the
+    step (tracing it builds the optimizer's variables, which the workers make together); the chief (worker 0)
+    searches and decides, every other worker measures each plan it orders on its own replicas
+    (``follow_chief``) and returns the chief's result, which the chief sends last, or why it stopped."""
+    import rewriter  # TensorFlow only when a model is tuned
+    import tensorflow as tf
+    from rewriter.trace.replicas import resolve_replicas
+
+    if tf.config.list_physical_devices("GPU"):  # replicas are measured on the CPU testbed only
+        raise ValueError("a replicated step is tuned on the CPU testbed only for now: a GPU is visible "
+                         "(docs/design.md 14)")
+    replicas = resolve_replicas(model)
+    say(f"capturing one replica's training step at global batch {batch_size} ...")
+    with clock.stage("capture"):
+        graph = rewriter.capture_replicated(model, batch_size, inputs, name=name or getattr(model, "name", None))
+    if replicas.task:
+        say(f"worker {replicas.task} of {replicas.workers}: measuring the plans worker 0 chooses on this worker's "
+            f"{replicas.count} replica(s) ...")
+        with clock.stage("measured_run"):
+            return follow_chief(model, inputs, replicas)
+    try:
+        result = tune_replicated(model, graph, target, inputs, search=search, measurement=measurement, say=say,
+                                 clock=clock)
+    except BaseException as error:
+        tell_workers(replicas, TuneFinished(None, f"{type(error).__name__}: {error}"))
+        raise
+    tell_workers(replicas, TuneFinished(replace(result, study=None)))
+    return result
+
+
+def tune_replicated(model, graph: OpGraph, target: Target, inputs: StepInputs, *, search: SearchOptions,
+                    measurement: MeasureOptions, say: Callable[[str], None], clock: StageClock) -> TuneResult:
     """``tune`` for a model built in ``MirroredStrategy.scope()``: one replica's step at the per-replica batch,
     searched with ``target``'s device budget per device and 1/N of its host budget each (the replicas' swaps share
     the machine's host memory), timed by the calibration of the same step on one device (``replica_calibration``),
     and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``). Under one
     replica's floor its batch is split as a single device's is, on every replica, and the optimizer state may move
-    to each replica's host."""
-    import rewriter  # TensorFlow only when a model is tuned
-    import tensorflow as tf
-
-    if tf.config.list_physical_devices("GPU"):  # replicas are measured on the CPU testbed only
-        raise ValueError("a replicated step is tuned on the CPU testbed only for now: a GPU is visible "
-                         "(docs/design.md 14)")
-    say(f"capturing one replica's training step at global batch {batch_size} ...")
-    with clock.stage("capture"):
-        graph = rewriter.capture_replicated(model, batch_size, inputs, name=name or getattr(model, "name", None))
+    to each replica's host. ``graph``: one replica's captured step (``rewriter.capture_replicated``)."""
     meta = graph.meta["replicas"]
-    count = len(meta["devices"])
+    count = len(meta["devices"])  # this machine's: they share its host memory
     each = target.per_replica(count)
-    say(f"captured {graph.n_ops} ops of one replica of {count} at batch {graph.batch_size}; resident memory "
+    say(f"captured {graph.n_ops} ops of one replica of {meta['in_sync']} at batch {graph.batch_size}; resident memory "
         f"{format_bytes(graph.persistent_bytes)}, the gradients' all-reduce pack {format_bytes(meta['all_reduce_bytes'])}")
     captured = graph
     split, splits, graph = _splits_to_search(graph, each, search)  # one replica's batch in parts, on every replica

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,8 @@ from autotune.inputs import format_bytes
 from autotune.run.stage_times import StageClock
 from autotune.run.tuning import MeasuredRun, TuneResult
 from autotune.run.verdict import PLAIN_FIT_PEAK_RUNS
-from simulator import CalibratedDevice, CalibrationError, DeviceModel, OpGraph, SwapPlan, get_device, plan_swaps, replay
+from simulator import (CalibratedDevice, CalibrationError, DeviceModel, NamedPlan, OpGraph, SwapPlan, get_device,
+                       plan_swaps, replay)
 from simulator.replay import Replay
 
 if TYPE_CHECKING:  # TensorFlow only when a plan is measured
@@ -219,11 +221,119 @@ class SingleDeviceRuns:
 
 
 @dataclass(frozen=True)
+class WorkerOrder:
+    """What the chief of several ``MultiWorkerMirroredStrategy`` workers has every worker run: ``plan`` (made on
+    ``plan_graph``) applied to its replicas at the global ``batch`` and measured; with no actions, ``graph``'s step
+    as ``model.fit`` runs it beside."""
+
+    plan: NamedPlan
+    plan_graph: OpGraph
+    graph: OpGraph
+    batch: int
+    has_actions: bool
+
+
+@dataclass(frozen=True)
+class WorkerReadings:
+    """One worker's measurement of a ``WorkerOrder``: its replicas' rows (``MeasuredRun.replicas``), its timed step,
+    the plain step's peak (with no actions), its swaps' checks; ``error``: why it could not run the order."""
+
+    replicas: tuple[dict, ...] = ()
+    step_s: float = float("nan")
+    plain_peak_bytes: int | None = None
+    swaps_survived: int | None = None
+    problems: tuple[str, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TuneFinished:
+    """The chief's last word to the other workers: its result (without the study), or why it stopped."""
+
+    result: TuneResult | None
+    error: str | None = None
+
+
+def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
+                    clock: StageClock | None = None) -> WorkerReadings:
+    """``order`` applied to this process's replicas (``rewriter.apply_replicated``) and each one's peak measured
+    (``rewriter.measure_replicas``); every worker of a cluster runs it together (the steps' all-reduces)."""
+    import rewriter  # TensorFlow only when a plan is measured
+    from rewriter.trace.step_inputs import synthetic_batch
+
+    clock = clock or StageClock()
+    x, y = synthetic_batch(model, order.batch, inputs)
+    with clock.stage("apply"):
+        step = rewriter.apply_replicated(model, order.plan, graph=order.plan_graph, batch_size=order.batch,
+                                         inputs=inputs, verify_with=(x, y))
+    peaks = rewriter.measure_replicas(step, x, y)
+    step_s = rewriter.time_replicas(step, x, y, timed_steps)
+    plain = None
+    if not order.has_actions:  # "fits without swapping" must hold for the step model.fit runs, TF's op order
+        with clock.stage("apply"):
+            own = rewriter.apply_replicated(model, SwapPlan.empty(order.graph).to_named(order.graph),
+                                            graph=order.graph, batch_size=order.batch, inputs=inputs,
+                                            serialize=False, verify=False)
+        plain = max(peak.peak_bytes for _ in range(PLAIN_FIT_PEAK_RUNS)
+                    for peak in rewriter.measure_replicas(own, x, y))
+    checks = step.verification or ()
+    task = step.replicas.task
+    rows = tuple({"replica": step.replicas.first_replica + p.replica, "worker": task, "device": p.device,
+                  "host": step.placements[p.replica].host, "measured_bytes": p.peak_bytes,
+                  "host_peak_bytes": p.host_peak_bytes, "resident_bytes": p.resident_bytes,
+                  "unowned_bytes": p.unowned_bytes, "swaps_verified": not checks or checks[p.replica].ok,
+                  "swaps_survived": None if not checks else checks[p.replica].swap_outs} for p in peaks)
+    return WorkerReadings(rows, step_s, plain, None if not checks else min(c.swap_outs for c in checks),
+                          tuple(f"replica {step.replicas.first_replica + k}: {problem}" for k, c in enumerate(checks)
+                                for problem in c.problems()))
+
+
+class WorkerStopped(RuntimeError):
+    """The chief of several workers stopped tuning (its error, or its connection lost)."""
+
+
+def follow_chief(model, inputs, replicas, timed_steps: int = 3) -> TuneResult:
+    """A worker other than the chief while the chief tunes: each plan it orders measured on this worker's replicas
+    and the readings sent back, until it finishes; its result is returned (``WorkerStopped`` if it stopped)."""
+    message = _from_chief(replicas, b"")
+    while not isinstance(message, TuneFinished):
+        try:
+            readings = worker_readings(model, inputs, message, timed_steps)
+        except Exception as error:  # noqa: BLE001 -- said to the chief, whose run reports it
+            readings = WorkerReadings(error=f"worker {replicas.task}: {type(error).__name__}: {error}")
+        message = _from_chief(replicas, pickle.dumps(readings))
+        if isinstance(message, WorkerReadings):  # the chief's own, sent with the others': its next word
+            message = _from_chief(replicas, b"")
+    if message.error is not None:
+        raise WorkerStopped(f"worker 0 stopped tuning: {message.error}")
+    return message.result
+
+
+def _from_chief(replicas, payload: bytes):
+    """The chief's word in one exchange between the workers (pickled by this same tool: the workers trust their
+    cluster as their collectives do)."""
+    import tensorflow as tf  # TensorFlow only when a plan is measured
+
+    try:
+        return pickle.loads(replicas.exchange(payload)[0])  # noqa: S301
+    except tf.errors.OpError as error:  # the chief's process ended: its collectives aborted
+        raise WorkerStopped(f"lost worker 0 ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+
+
+def tell_workers(replicas, finished: TuneFinished) -> None:
+    """The chief's last word to the other workers (a no-op for one)."""
+    if replicas.workers > 1:
+        replicas.exchange(pickle.dumps(finished))
+
+
+@dataclass(frozen=True)
 class ReplicatedRuns:
     """How ``autotune.run.confirm`` measures a plan for every replica of a ``MirroredStrategy`` model on the CPU
     testbed (docs/design.md 14): the plan applied on each replica (``rewriter.apply_replicated``) at the global
     batch, each replica's peak measured (``rewriter.measure_replicas``). The run's peak is the highest replica's
-    (the check that confirms it confirms every replica); ``MeasuredRun.replicas`` holds each one's."""
+    (the check that confirms it confirms every replica); ``MeasuredRun.replicas`` holds each one's. Under
+    ``MultiWorkerMirroredStrategy`` this is the chief's: every other worker runs the same plan
+    (``follow_chief``) and sends its replicas' readings."""
 
     model: Any
     inputs: Any  # rewriter.StepInputs
@@ -234,11 +344,12 @@ class ReplicatedRuns:
         from rewriter.step.replicated import replica_placement
         from rewriter.trace.replicas import resolve_replicas
 
-        count = len(result.graph.meta["replicas"]["devices"])
+        replicas = resolve_replicas(self.model)
         batch = testbed_batch(result)  # per replica: the tuned one, or less where the testbed would be slow
-        return planned_run(result, placement=replica_placement(resolve_replicas(self.model), 0), batch=batch, note=(
-            f"Measured on each of the CPU testbed's {count} replicas (replica k on CPU:2k, its host CPU:2k+1) at "
-            f"global batch {count * batch}, {batch} per replica"
+        workers = "" if replicas.workers == 1 else f" of each of {replicas.workers} workers"
+        return planned_run(result, placement=replica_placement(replicas, 0), batch=batch, note=(
+            f"Measured on each of the CPU testbed's {replicas.count} replicas{workers} (replica k on CPU:2k, its "
+            f"host CPU:2k+1) at global batch {replicas.in_sync * batch}, {batch} per replica"
             + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + "."))
 
     def measure(self, result: TuneResult, planned: PlannedRun, clock: StageClock) -> MeasuredRun:
@@ -246,42 +357,32 @@ class ReplicatedRuns:
             return self._measure(result, planned, clock)
 
     def _measure(self, result: TuneResult, planned: PlannedRun, clock: StageClock) -> MeasuredRun:
-        import rewriter  # TensorFlow only when a plan is measured
-        from rewriter.trace.step_inputs import synthetic_batch
+        from rewriter.trace.replicas import resolve_replicas
 
-        batch = planned.batch * len(result.graph.meta["replicas"]["devices"])  # the global batch it runs at
-        x, y = synthetic_batch(self.model, batch, self.inputs)
-        with clock.stage("apply"):
-            step = rewriter.apply_replicated(self.model, planned.plan.to_named(planned.plan_graph),
-                                             graph=planned.plan_graph, batch_size=batch, inputs=self.inputs,
-                                             verify_with=(x, y))
-        peaks = rewriter.measure_replicas(step, x, y)
-        step_s = rewriter.time_replicas(step, x, y, self.timed_steps)
-        plain = None
-        if not result.has_actions:  # "fits without swapping" must hold for the step model.fit runs, TF's op order
-            with clock.stage("apply"):
-                own = rewriter.apply_replicated(self.model, SwapPlan.empty(planned.graph).to_named(planned.graph),
-                                                graph=planned.graph, batch_size=batch, inputs=self.inputs,
-                                                serialize=False, verify=False)
-            plain = max(peak.peak_bytes for _ in range(PLAIN_FIT_PEAK_RUNS)
-                        for peak in rewriter.measure_replicas(own, x, y))
+        replicas = resolve_replicas(self.model)
+        order = WorkerOrder(planned.plan.to_named(planned.plan_graph), planned.plan_graph, planned.graph,
+                            planned.batch * replicas.in_sync, result.has_actions)
+        if replicas.workers > 1:
+            replicas.exchange(pickle.dumps(order))
+        every = [worker_readings(self.model, self.inputs, order, self.timed_steps, clock)]
+        if replicas.workers > 1:
+            every += [pickle.loads(payload) for payload in replicas.exchange(pickle.dumps(every[0]))[1:]]  # noqa: S301
+        failed = [r.error for r in every if r.error is not None]
+        if failed:
+            raise RuntimeError("; ".join(failed))
         predicted = replay(planned.plan_graph, planned.plan, planned.device)
-        checks = step.verification or ()
-        replicas = tuple({"replica": p.replica, "device": p.device, "host": step.placements[p.replica].host,
-                          "measured_bytes": p.peak_bytes, "host_peak_bytes": p.host_peak_bytes,
-                          "resident_bytes": p.resident_bytes, "unowned_bytes": p.unowned_bytes,
-                          "swaps_verified": not checks or checks[p.replica].ok,
-                          "swaps_survived": None if not checks else checks[p.replica].swap_outs} for p in peaks)
+        survived = [r.swaps_survived for r in every if r.swaps_survived is not None]
+        plain = [r.plain_peak_bytes for r in every if r.plain_peak_bytes is not None]
+        rows = tuple(row for r in every for row in r.replicas)
         return MeasuredRun(
-            measured_on="cpu-testbed", batch_size=planned.batch, peak_bytes=max(p.peak_bytes for p in peaks),
-            step_s=step_s, baseline_peak_bytes=None, baseline_step_s=None,
+            measured_on="cpu-testbed", batch_size=planned.batch, peak_bytes=max(row["measured_bytes"] for row in rows),
+            step_s=max(r.step_s for r in every), baseline_peak_bytes=None, baseline_step_s=None,
             predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s,
             predicted_baseline_peak_bytes=replay(planned.graph, None, planned.device).peak_bytes,
-            note=planned.note, swaps_planned=planned.plan.n_swaps,
-            swaps_survived=None if not checks else min(c.swap_outs for c in checks),
-            verification_problems=[f"replica {k}: {problem}" for k, c in enumerate(checks) for problem in c.problems()],
+            note=planned.note, swaps_planned=planned.plan.n_swaps, swaps_survived=min(survived) if survived else None,
+            verification_problems=[problem for r in every for problem in r.problems],
             time_model=planned.device.name, time_calibrated=isinstance(planned.device, CalibratedDevice),
-            plain_peak_bytes=plain, replicas=replicas)
+            plain_peak_bytes=max(plain) if plain else None, replicas=rows)
 
 
 def measure_result(model, result: TuneResult, inputs: StepInputs, planned: PlannedRun | None = None, *,

@@ -47,8 +47,9 @@ class Target:
         host = self.host_budget_bytes // replicas
         return replace(self, device=replace(self.device, host_memory_bytes=host), replicas=replicas,
                        machine_host_budget_bytes=self.host_budget_bytes,
-                       host_budget_source=f"{self.host_budget_source}, shared by {replicas} replicas: "
-                                          f"{format_bytes(host)} each")
+                       host_budget_source=f"{self.host_budget_source}, " + (
+                           "one replica on the machine" if replicas == 1
+                           else f"shared by {replicas} replicas: {format_bytes(host)} each"))
 
     @property
     def budget_source(self) -> str:

@@ -217,11 +217,15 @@ class TuneResult:
         host_bytes = None if shown is None else int(shown.metrics["host_peak_bytes"]) + (
             0 if self.plan is None else moved_bytes(self.graph, self.plan.host_state))
         devices = []
-        for device, host in zip(meta["devices"], meta["hosts"]):
+        # this worker's replicas, then those the other workers of a cluster measured (each its own machine)
+        places = [*zip(meta["devices"], meta["hosts"], [0] * len(meta["devices"])),
+                  *((row["device"], row["host"], row["worker"]) for row in measured.values()
+                    if row["device"] not in meta["devices"])]
+        for device, host, worker in places:
             row = measured.get(device)
             check = None if row is None else self.check_of(m, row["measured_bytes"], round_, self.correction)
             devices.append({
-                "device": device, "host": host, "budget_bytes": self.budget_bytes,
+                "device": device, "host": host, "worker": worker, "budget_bytes": self.budget_bytes,
                 "predicted_bytes": None if shown is None else int(shown.peak_bytes),
                 "predicted_host_bytes": host_bytes,
                 **({} if row is None else {
@@ -230,11 +234,14 @@ class TuneResult:
                     "swaps_verified": row["swaps_verified"], "check": check.describe(),
                     "confirmed": check.confirmed and row["swaps_verified"]})})
         host_budget = self.target.machine_host_budget_bytes or self.target.host_budget_bytes
-        hosts = [d["measured_host_bytes"] for d in devices if "measured_host_bytes" in d]
-        predicted_host = None if host_bytes is None else len(devices) * host_bytes
-        measured_host = sum(hosts) if len(hosts) == len(devices) else None
+        predicted_host = None if host_bytes is None else len(meta["devices"]) * host_bytes
+        machines = {d["worker"] for d in devices}  # the fullest machine's host memory: its replicas' hosts
+        measured_host = max(sum(d["measured_host_bytes"] for d in devices if d["worker"] == worker)
+                            for worker in machines) \
+            if all("measured_host_bytes" in d for d in devices) else None
         machine_host = predicted_host if measured_host is None else measured_host
-        return {"devices": devices, "replicas": len(devices), "global_batch_size": len(devices) * self.batch_size,
+        return {"devices": devices, "replicas": len(devices), "workers": meta.get("workers", 1),
+                "global_batch_size": meta.get("in_sync", len(devices)) * self.batch_size,
                 "per_replica_batch_size": self.batch_size, "all_reduce_bytes": meta["all_reduce_bytes"],
                 "all_reduce_ops": meta["all_reduce_ops"],
                 "machine": {"host_budget_bytes": host_budget, "predicted_host_bytes": predicted_host,

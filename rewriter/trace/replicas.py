@@ -82,6 +82,33 @@ class Replicas:
         found = [k for k, own in enumerate(self.devices) if _device_key(own) == key]
         return found[0] if found else None
 
+    @property
+    def task(self) -> int:
+        """This worker's index (0, the chief, under MirroredStrategy)."""
+        return self.first_replica // self.count
+
+    def exchange(self, payload: bytes) -> list[bytes]:
+        """Every worker's ``payload``, by task, on every worker: two all-reduces of the strategy (the lengths, then
+        the bytes padded to the longest, each worker's in its own row, its first replica contributing). Every
+        worker must call it together, as any collective; under MirroredStrategy ``[payload]``."""
+        if self.workers == 1:
+            return [bytes(payload)]
+
+        def own_row(values: np.ndarray):
+            def value_for(context):
+                mine = context.replica_id_in_sync_group == self.first_replica
+                return tf.constant(values if mine else np.zeros_like(values))
+            return self.strategy.reduce("SUM", self.strategy.experimental_distribute_values_from_function(value_for),
+                                        axis=None).numpy()
+
+        lengths = np.zeros(self.workers, np.int64)
+        lengths[self.task] = len(payload)
+        lengths = own_row(lengths)
+        rows = np.zeros((self.workers, int(lengths.max())), np.int32)  # int32: the collectives sum no uint8
+        rows[self.task, :len(payload)] = np.frombuffer(payload, np.uint8)
+        rows = own_row(rows)
+        return [rows[k, :lengths[k]].astype(np.uint8).tobytes() for k in range(self.workers)]
+
     def to_dict(self) -> dict[str, Any]:
         return {"count": self.count, "strategy": type(self.strategy).__name__, "devices": list(self.devices),
                 "hosts": list(self.hosts), "in_sync": self.in_sync, "workers": self.workers}
@@ -118,8 +145,16 @@ def resolve_replicas(model) -> Replicas:
                                "MirroredStrategy(['/cpu:0', '/cpu:2']); rewriter.placement.configure_testbed(4))")
         hosts.append(host)
     resolver = strategy.cluster_resolver  # MultiWorkerMirroredStrategy's TF_CONFIG; None under MirroredStrategy
-    task = int(resolver.task_id or 0) if resolver is not None and in_sync > len(devices) else 0
+    task = _worker_index(resolver) if resolver is not None and in_sync > len(devices) else 0
     return Replicas(strategy, devices, tuple(hosts), in_sync, task * len(devices))
+
+
+def _worker_index(resolver) -> int:
+    """This worker's place in the group: a ``chief`` job comes first, then the workers by index (as the strategy
+    numbers its replicas)."""
+    jobs = resolver.cluster_spec().as_dict()
+    index = int(resolver.task_id or 0)
+    return index + 1 if resolver.task_type == "worker" and jobs.get("chief") else index
 
 
 @dataclass
