@@ -21,6 +21,7 @@ import sys
 
 import pandas as pd
 
+from autotune.run.floor import state_floor_bytes
 from autotune.run.tuning import max_batch_without_swap
 from benchmarks.common import write_results
 from benchmarks.models.graphs import captured_graph, zoo_graph
@@ -29,6 +30,7 @@ from rewriter.errors import CaptureError
 from simulator import UPDATE, OpGraph, get_device, replay
 from simulator.buffers import peak_lower_bound_bytes
 from simulator.split import SplitFloor, floor_after_splitting, split_origin
+from simulator.state import movable_state
 
 NAME = "floor_split"
 DEVICE = "v100-16gb"
@@ -76,6 +78,10 @@ def row_of(name: str, graph: OpGraph, batch: int, rule: str, parts: list[int]) -
         row[f"k{k}_pct"] = 100 * found.split_floor_bytes / peak if found else row["floor_pct"]
     if batch < max(parts):
         row["parts_note"] = f"batch {batch}: {batch} parts at most" if batch > 1 else "batch 1: no split"
+    # what the tool's search reaches with both: the split step with every movable weight and slot on the host
+    split_step = found.split_graph if found is not None and found.regions else g
+    row[f"k{max(parts)}_state_pct"] = 100 * state_floor_bytes(split_step, get_device(DEVICE)) / peak
+    row["state_movable"] = len(movable_state(g))
     if found is not None:
         binding = split_origin(found.binding_op)
         row["set_by"] = set_by(g, found)
@@ -130,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(group)} models (before: {group['floor_pct'].median():.1f} %): target <= {TARGET_PCT:.0f} % "
                 + ("met" if median <= TARGET_PCT else "missed")
                 + (" (and before splitting)" if group["floor_pct"].median() <= TARGET_PCT else "")
-                + f"; what sets the floor after: {causes}")
+                + f"; what sets the floor after: {causes}; with every movable weight and optimizer slot on the host "
+                f"too (what the search combines): {group[f'k{largest}_state_pct'].median():.1f} %")
 
     notes = [
         "## Notes", "",
@@ -141,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
          "`floor_after_splitting(g, K)` over the same peak; at the largest K: split_peak_pct, the split graph's own "
          "unswapped replay (op-major order: every part of an op before the next op), never under its floor; "
          "region_ops: ops split; binding: the op whose working set sets the floor after splitting, set_by: what it is, "
-         "and stop: why splitting went no further."),
+         "and stop: why splitting went no further; kK_state_pct: the floor of the same split step with every movable "
+         "weight and optimizer slot on the host (`autotune.run.floor.state_floor_bytes`), state_movable: the "
+         "variables whose state can move (none under a LossScaleOptimizer, docs/design.md 13)."),
         ("- More parts than samples: one sample a part (`parts_note`)."),
         ("- The 3D U-Net trains at batch 1 (sizes grow by voxels per sample): no split along the batch exists, "
          "its floor stays; splitting it would need the spatial axes (TSPLIT splits those too)."),
