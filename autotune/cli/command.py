@@ -167,8 +167,8 @@ def _settings(args: argparse.Namespace):
     workers = check_tf_config()  # several: every worker runs this command under MultiWorkerMirroredStrategy
     if workers > 1:
         check_workers(workers, args.replicas, int(batch))
-    if workers > 1 or args.replicas != 1:  # several devices (docs/design.md 14): what it does not do yet refused here
-        check_settings(args.replicas, int(batch), graph_rewrites=args.rewrite or config.graph_rewrites)
+    if args.replicas != 1:  # several devices (docs/design.md 14): what it cannot run refused here
+        check_settings(args.replicas, int(batch))
     memory = _given(args.memory, config.memory)
     trials = _given(args.trials, config.trials, 200)
     if trials < 1:

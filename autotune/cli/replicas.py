@@ -20,17 +20,13 @@ from typing import Callable
 from autotune.inputs import InputError, format_bytes
 
 
-def check_settings(replicas: int, batch_size: int, *, graph_rewrites) -> None:
-    """What a replicated step (``--replicas``, a ``TF_CONFIG``) does not do yet, refused in one line before anything
-    slow happens."""
+def check_settings(replicas: int, batch_size: int) -> None:
+    """What ``--replicas`` cannot run, refused in one line before anything slow happens."""
     if replicas < 1:
         raise InputError(f"--replicas must be at least 1, got {replicas}")
     if batch_size % replicas:
         raise InputError(f"--batch-size {batch_size} does not split evenly over {replicas} replicas: "
                          f"give a multiple of {replicas}")
-    if graph_rewrites:
-        raise InputError("--rewrite is not made on a replicated step yet (--replicas or a TF_CONFIG of several "
-                         "workers; docs/design.md 14)")
 
 
 def check_tf_config(environ=os.environ) -> int:

@@ -178,6 +178,8 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
                                                    (("trials", trials), ("maximize_batch", maximize_batch))
                                                    if value is not None})
     measurement = replace(measurement or MeasureOptions(), **({} if measure is None else {"measure": measure}))
+    if graph_rewrites:  # a split step is built without graph rewrites (rewriter.step.apply_plan)
+        search = replace(search, split=False)
     target = target or resolve_target(device, memory)
     inputs = inputs or NO_STEP_INPUTS
     given_batch = batch_size
@@ -191,12 +193,10 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         raise ValueError(f"the model was not built in this {type(strategy).__name__}'s scope: build it (and "
                          "compile it) in strategy.scope(), then tune it")
     if built_under is not None:
-        if graph_rewrites:
-            raise ValueError("a replicated step is tuned without graph_rewrites (docs/design.md 14)")
         if given_batch is None:  # one sample a replica where the capture starts (the search picks the batch)
             batch_size = built_under.num_replicas_in_sync
         return tune_workers(model, batch_size, target, inputs, search=search, measurement=measurement,
-                            name=name, say=say, clock=clock)
+                            name=name, say=say, clock=clock, graph_rewrites=graph_rewrites)
     say(f"capturing the training step at batch {batch_size} ...")
     with clock.stage("capture"):
         graph = capture(model, batch_size, inputs, name=name or getattr(model, "name", None),
@@ -296,7 +296,7 @@ def _chosen_split(captured, graph, splits, target: Target, search: SearchOptions
 
 def tune_workers(model, batch_size: int, target: Target, inputs: StepInputs, *, search: SearchOptions,
                  measurement: MeasureOptions, name: str | None, say: Callable[[str], None],
-                 clock: StageClock) -> TuneResult:
+                 clock: StageClock, graph_rewrites=()) -> TuneResult:
     """``tune_replicated`` on every worker of a cluster (one worker under ``MirroredStrategy``): each captures the
     step (tracing it builds the optimizer's variables, which the workers make together); the chief (worker 0)
     searches and decides, every other worker measures each plan it orders on its own replicas
@@ -311,7 +311,12 @@ def tune_workers(model, batch_size: int, target: Target, inputs: StepInputs, *, 
     replicas = resolve_replicas(model)
     say(f"capturing one replica's training step at global batch {batch_size} ...")
     with clock.stage("capture"):
-        graph = rewriter.capture_replicated(model, batch_size, inputs, name=name or getattr(model, "name", None))
+        graph = rewriter.capture_replicated(model, batch_size, inputs, name=name or getattr(model, "name", None),
+                                            graph_rewrites=graph_rewrites)
+    for rewrite in graph_rewrites:
+        changed = graph.meta.get("graph_rewrite_changes", {}).get(rewrite, [])
+        say(f"{rewrite}: {len(changed)} op(s) of each replica rewritten" if changed
+            else f"{rewrite}: nothing in this model to rewrite")
     if replicas.task:
         say(f"worker {replicas.task} of {replicas.workers}: measuring the plans worker 0 chooses on this worker's "
             f"{replicas.count} replica(s) ...")

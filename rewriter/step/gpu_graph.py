@@ -133,8 +133,7 @@ def replicated_gpu_graph_def(model, plan, *, graph=None, batch_size: int | None 
     checks it. Same arguments as ``rewriter.step.replicated.apply_replicated``."""
     named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, **trace_kwargs)
     gpus = replica_gpus(trace)
-    graph_def = graph_pb2.GraphDef()
-    graph_def.CopyFrom(trace.traced.concrete.graph.as_graph_def())
+    graph_def = trace.step_graph_def()
     for node in graph_def.node:
         owner = trace.owner.get(node.name, SHARED)
         if owner != SHARED:

@@ -41,7 +41,8 @@ from rewriter.step.host_state import StateNodes, place_replica_state, place_stat
 from rewriter.step.keras_fit import WEIGHT_PER_OUTPUT, install_train_function, train_function_of
 from rewriter.step.swap_step import StateSnapshot
 from rewriter.trace.op_names import traced_names
-from rewriter.trace.replicas import Replicas, ReplicatedTrace, resolve_replicas, trace_replicated_step
+from rewriter.trace.replicas import (Replicas, ReplicatedTrace, resolve_replicas, rewritten_trace,
+                                     trace_replicated_step)
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.trace.tracing import call_time_values, import_step
 from simulator.plan import NamedPlan, NamedSwap, NamedSwapIn, PlanError, load_plan
@@ -97,12 +98,6 @@ def replica_plan(plan: NamedPlan, names: dict[str, str]) -> NamedPlan:
                         f"{', '.join(missing[:3])}): the plan was made for another step")
     order = tuple(names[origin(o)] + o[len(origin(o)):] for o in plan.order if origin(o) in names)
     return replace(plan, swaps=swaps, recomputes=recomputes, splits=splits, order=order, canonical_names={})
-
-
-def _refuse_unbuilt(plan: NamedPlan) -> None:
-    if plan.graph_rewrites:
-        raise PlanError("the plan has graph rewrites, which are not built for a replicated step (docs/design.md 14): "
-                        "make the plan without --rewrite")
 
 
 class ReplicatedStep:
@@ -302,7 +297,8 @@ def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, in
     are left where they are, as for a GraphDef built for other devices, ``rewriter.step.gpu_graph``)."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
-    _refuse_unbuilt(named)
+    if named.splits and named.graph_rewrites:
+        raise PlanError("a plan with split regions applies to a step without graph rewrites")
     if placements is not None:
         place_replica_state(model, named.host_state, placements)
     inputs = inputs.or_planned(named)
@@ -311,6 +307,11 @@ def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, in
     if batch_size is None:
         batch_size = int(named.batch_size or 0) * replicas.in_sync
     trace = trace_replicated_step(model, replicas, int(batch_size), inputs, sample_weight=sample_weight)
+    if named.graph_rewrites:  # the plan was made on the rewritten step: every replica rewritten the same way first
+        try:
+            trace, _ = rewritten_trace(trace, named.graph_rewrites)
+        except ValueError as error:
+            raise PlanError(f"the plan asks for a graph rewrite this version does not have: {error}") from None
     return traced_names(named, trace.traced.canonical), inputs, trace
 
 
@@ -352,9 +353,11 @@ def edit_replicas(trace: ReplicatedTrace, named: NamedPlan, placements: tuple[Pl
     names, replica k by its counterparts' (``replica_plan``), its swaps on ``placements[k]``; a plan's split
     regions first, on every replica (``shapes``: ``replicated_batch_shapes``, needed then); its optimizer state
     last (``state``: the first replica's ``StateNodes``, needed then)."""
-    concrete = trace.traced.concrete
-    foldable, tensor_info, passthrough = _step_facts(concrete)
-    graph_def = concrete.graph.as_graph_def() if graph_def is None else graph_def
+    # the step as TensorFlow reads it (rewritten: imported so): its shapes, what Grappler folds
+    as_read = trace.traced.concrete if trace.rewritten_graph_def is None else import_step(trace.rewritten_graph_def,
+                                                                                          trace.traced)
+    foldable, tensor_info, passthrough = _step_facts(as_read)
+    graph_def = trace.step_graph_def() if graph_def is None else graph_def
     plans = [named if k == 0 else replica_plan(named, trace.names[k]) for k in range(len(placements))]
     split: tuple[tuple[AppliedSplit, ...], ...] = ()
     if named.splits:  # first: the plan's recomputations and swaps were made on the split step
@@ -411,7 +414,7 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
                                           serialize=serialize, sample_weight=sample_weight, placements=placements)
     shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
-    graph_def = trace.traced.concrete.graph.as_graph_def()  # once: the state's nodes are found in the one edited
+    graph_def = trace.step_graph_def()  # once: the state's nodes are found in the one edited
     state = state_nodes(graph_def, trace.traced, model, named.host_state) if named.host_state else None
     edit = edit_replicas(trace, named, placements, graph_def=graph_def, swap_op=swap_op, shapes=shapes, state=state)
     function = import_step(edit.graph_def, trace.traced)

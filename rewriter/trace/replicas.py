@@ -17,9 +17,10 @@ line.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -31,8 +32,8 @@ from rewriter.trace import state_kinds
 from rewriter.trace.training_setup import describe_training
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs, build_if_needed, step_specs
 from rewriter.trace.tracing import (TracedStep, _optimizer_scope, _second_batch, build_opgraph, check_compiled,
-                                    traced_function)
-from rewriter.trace.op_names import canonical_names
+                                    import_step, rewrite_graph_def, traced_function)
+from rewriter.trace.op_names import canonical, canonical_names
 from simulator.graph import OpGraph
 
 SHARED = -1  # an op no replica owns (a NoOp grouping every replica's updates)
@@ -168,10 +169,54 @@ class ReplicatedTrace:
     names: tuple[dict[str, str], ...]
     owner: dict[str, int]
     n_flat: int  # inputs and labels of one replica, in the step's flat input order
+    # the step's GraphDef after graph rewrites (``rewritten_trace``); None: the traced function's own
+    rewritten_graph_def: Any = None
 
     @property
     def per_replica_batch(self) -> int:
         return self.traced.batch_size
+
+    def step_graph_def(self):
+        """The GraphDef a plan edits: the rewritten one, else the traced function's (a fresh copy)."""
+        if self.rewritten_graph_def is None:
+            return self.traced.concrete.graph.as_graph_def()
+        graph_def = type(self.rewritten_graph_def)()
+        graph_def.CopyFrom(self.rewritten_graph_def)
+        return graph_def
+
+    def capture_step(self) -> TracedStep:
+        """The trace a capture reads: with the rewrites, their GraphDef imported (``import_step``; never run)."""
+        if self.rewritten_graph_def is None:
+            return self.traced
+        return dataclasses.replace(self.traced, concrete=import_step(self.rewritten_graph_def, self.traced,
+                                                                     keep_input_names=True))
+
+
+def rewritten_trace(trace: ReplicatedTrace, rewrites: Sequence[str]) -> tuple[ReplicatedTrace, dict[str, list[str]]]:
+    """``trace`` with the exact graph rewrites (``rewriter.trace.graph_rewrites``) made on every replica's ops at
+    once, and what each changed (replica 0's ops). An op a rewrite adds is named by the op it replaces
+    (``<conv>/part0``): it belongs to that op's replica, and replica k's counterpart is named by replica k's op
+    (``canonical``'s longest prefix). The function itself is kept: a plan's edit starts from the rewritten GraphDef
+    (``step_graph_def``) and is imported with the traced function's inputs and captures."""
+    concrete = trace.traced.concrete
+    graph_def, changed = rewrite_graph_def(concrete.graph.as_graph_def(), rewrites, concrete.graph)
+    if not any(changed.values()):
+        return trace, changed
+    present = {node.name for node in graph_def.node}
+    owner = {name: k for name, k in trace.owner.items() if name in present}
+    for name in present - set(owner):
+        prefix = name
+        while "/" in prefix and prefix not in trace.owner:
+            prefix = prefix.rpartition("/")[0]
+        owner[name] = trace.owner.get(prefix, SHARED)
+    names = tuple({**{a: b for a, b in mine.items() if a in present},
+                   **{name: canonical(name, mine) for name in present if owner[name] == 0 and name not in mine}}
+                  for mine in trace.names)
+    ops = frozenset(name for name, k in owner.items() if k == 0)
+    # what each rewrite replaced (gone from the rewritten graph), of replica 0's ops
+    mine_changed = {rewrite: [name for name in done if trace.owner.get(name) == 0] for rewrite, done in changed.items()}
+    return dataclasses.replace(trace, traced=dataclasses.replace(trace.traced, ops=ops), names=names, owner=owner,
+                               rewritten_graph_def=graph_def), mine_changed
 
 
 def trace_replicated_step(model, replicas: Replicas, batch_size: int, given: StepInputs = NO_STEP_INPUTS, *,
@@ -371,10 +416,12 @@ def collective_ops(graph: OpGraph) -> list[int]:
 
 
 def capture_replicated(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *,
-                       name: str | None = None) -> OpGraph:
+                       name: str | None = None, graph_rewrites: Sequence[str] = ()) -> OpGraph:
     """Capture one replica's training step of a model built in ``MirroredStrategy.scope()``, at the
     per-replica batch of the global ``batch_size`` (``graph.meta["replicas"]``: the replica devices and hosts,
-    the global batch, the all-reduce's ops and bytes). Refused with one ``CaptureError`` for another strategy."""
+    the global batch, the all-reduce's ops and bytes). ``graph_rewrites``: exact rewrites made on every replica
+    first (``rewritten_trace``; those that changed something in ``meta["graph_rewrites"]``, as ``capture`` records
+    them). Refused with one ``CaptureError`` for another strategy."""
     replicas = resolve_replicas(model)
     first = trace_replicated_step(model, replicas, int(batch_size), inputs)
     second = trace_replicated_step(model, replicas, _second_batch(first.per_replica_batch) * replicas.in_sync, inputs)
@@ -386,7 +433,16 @@ def capture_replicated(model, batch_size: int, inputs: StepInputs = NO_STEP_INPU
             "movable_state": describe_movable_state(first.traced.concrete, model, first.traced.optimizer_scope)}
     if inputs.to_dict():
         meta["step_inputs"] = inputs.to_dict()
-    graph = build_opgraph(first.traced, second.traced, meta=meta)
+    if graph_rewrites:
+        try:
+            first, changed = rewritten_trace(first, graph_rewrites)
+            second, _ = rewritten_trace(second, graph_rewrites)
+        except ValueError as error:  # an unknown rewrite name
+            raise CaptureError(str(error)) from None
+        done = [r for r in graph_rewrites if changed.get(r)]
+        if done:
+            meta.update(graph_rewrites=done, graph_rewrite_changes={r: changed[r] for r in done})
+    graph = build_opgraph(first.capture_step(), second.capture_step(), meta=meta)
     reduce_ops = collective_ops(graph)
     pack = np.isin(graph.tensor_producer, reduce_ops) & (graph.tensor_output == 0)
     graph.meta["replicas"] = dict(replicas.to_dict(), global_batch_size=int(batch_size),

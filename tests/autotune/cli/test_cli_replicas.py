@@ -22,8 +22,6 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("flags,message", [
     (["--batch-size", "15", "--replicas", "2"], "--batch-size 15 does not split evenly over 2 replicas"),
     (["--batch-size", "16", "--replicas", "0"], "--replicas must be at least 1, got 0"),
-    (["--batch-size", "16", "--replicas", "2", "--rewrite", "split-concat"],
-     "--rewrite is not made on a replicated step yet"),
 ])
 def test_what_replicas_cannot_do_is_refused_in_one_line(model_dir, capsys, flags, message):
     code = main([str(model_dir), *flags])
