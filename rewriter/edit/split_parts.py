@@ -498,6 +498,42 @@ class _PartsBuilder:
             del self.editor.nodes[name]
 
 
+def with_unplanned_ops(graph_def: graph_pb2.GraphDef, regions: Sequence[SplitRegion], shapes: BatchShapes,
+                       planned: frozenset[str]) -> tuple[SplitRegion, ...]:
+    """``regions`` grown by the ops of ``graph_def`` the plan never saw (not in ``planned``, the ops of the step it
+    was made on) that sit inside one region: every data reader of theirs in it, one of their inputs from it, their
+    outputs per-sample. ``model.fit`` with ``sample_weight`` runs the plan on the step traced with a weight per
+    sample: its loss multiplied by the weight between two ops of a region; left out, the region would join its
+    parts there and split them again, so the loss of every part would wait for every part's forward, which the
+    plan's order runs after the first part's backward (a cycle)."""
+    if not planned or not regions:
+        return tuple(regions)
+    nodes = {node.name: node for node in graph_def.node}
+    readers: dict[str, set[str]] = {}
+    for node in graph_def.node:
+        for ref in node.input:
+            if not ref.startswith("^"):
+                readers.setdefault(parse_ref(ref)[0], set()).add(node.name)
+    grown = [set(region.ops) for region in regions]
+    changed = True
+    while changed:
+        changed = False
+        for name, node in nodes.items():
+            if name in planned or any(name in ops for ops in grown) or not node.input:
+                continue
+            outputs = [f"{name}:{k}" for k in range(shapes.outputs.get(name, 0))]
+            if not outputs or not all(shapes.grows(ref) for ref in outputs):
+                continue
+            inputs = {parse_ref(ref)[0] for ref in node.input if not ref.startswith("^")}
+            for ops in grown:
+                if readers.get(name) and readers[name] <= ops and inputs & ops:
+                    ops.add(name)
+                    changed = True
+                    break
+    return tuple(SplitRegion(tuple(region.ops) + tuple(sorted(ops - set(region.ops))), region.parts)
+                 for region, ops in zip(regions, grown))
+
+
 def apply_splits(graph_def: graph_pb2.GraphDef, regions: Sequence[SplitRegion], shapes: BatchShapes, *,
                  fetches: Sequence[str] = (), passthrough: dict[str, int] | None = None
                  ) -> tuple[graph_pb2.GraphDef, list[AppliedSplit]]:

@@ -33,7 +33,7 @@ from rewriter.check.collected import collect_first_call, constant_nodes
 from rewriter.check.verification import Verification, check
 from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, edit_graph_def
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
-from rewriter.edit.split_parts import AppliedSplit, BatchShapes, apply_splits, check_part_shapes
+from rewriter.edit.split_parts import AppliedSplit, BatchShapes, apply_splits, check_part_shapes, with_unplanned_ops
 from rewriter.placement import memtrace
 from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
 from rewriter.step.apply_plan import _step_facts
@@ -335,7 +335,8 @@ def _split_replicas(trace: ReplicatedTrace, plans: list[NamedPlan], placements: 
     split = []
     for mine, place in zip(plans, placements):
         before = {node.name for node in graph_def.node}
-        graph_def, built = apply_splits(graph_def, mine.splits, shapes, passthrough=passthrough, fetches=fetches)
+        regions = with_unplanned_ops(graph_def, mine.splits, shapes, frozenset(mine.order))
+        graph_def, built = apply_splits(graph_def, regions, shapes, passthrough=passthrough, fetches=fetches)
         for node in graph_def.node:
             if not node.device and node.name not in before:
                 node.device = place.accelerator

@@ -110,6 +110,16 @@ def _time_distributed():
                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
+def _conv_stack():
+    """Three convolutions, pooling, a dense head, a mean squared error: its loss per sample in the region."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6, 6, 2))
+    h = x
+    for _ in range(3):
+        h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(h)
+    return _compiled(x, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(h)), "mse")
+
+
 def _batch(model):
     rng = np.random.default_rng(0)
     if model.inputs[0].dtype == "int32":  # token ids, a label per token
@@ -227,6 +237,32 @@ def test_a_split_step_trains_with_keras_fit():
     """``use_swap_step`` and ``model.fit``: three epochs of one batch, as Keras' fit trains."""
     split, reference, _, _ = _trains_as_keras(_cnn, fit=True)
     _assert_close(split, reference)
+
+
+def test_a_split_plan_in_its_memory_order_trains_with_sample_weights_as_keras():
+    """``model.fit`` with ``sample_weight`` runs the plan on the step traced with a weight per sample, whose loss is
+    multiplied by it between two ops of the region (an op the plan never saw): that op runs in parts too, so the
+    plan's memory order (one part's backward before the next part's forward) stays acyclic, and three epochs train
+    as Keras' weighted fit (before, the region joined its parts at that op: "the plan makes the step cyclic")."""
+    th.deterministic()
+    model, reference = _conv_stack(), _conv_stack()
+    graph = rewriter.capture(model, BATCH)
+    split = floor_after_splitting(graph, 2)
+    plan = plan_swaps(split.split_graph, SwapParams(threshold=10**6, order="memory")).to_named(split.split_graph)
+    position = {op: k for k, op in enumerate(plan.order)}
+    parts = [op for op in plan.order if SPLIT_MARK in op]
+    first_backward = min(position[op] for op in parts if op.startswith("gradient_tape/") and op.endswith("_part_0"))
+    assert any(position[op] > first_backward for op in parts if not op.startswith("gradient_tape/")), \
+        "the memory order runs a part's forward after the first part's backward"
+    x, _ = _batch(model)
+    rng = np.random.default_rng(1)
+    y, weights = rng.normal(size=(BATCH, 3)).astype("float32"), rng.uniform(0.2, 2.0, size=BATCH).astype("float32")
+    step = rewriter.use_swap_step(model, plan, batch_size=BATCH, verify=False)
+    model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=STEPS, verbose=0, shuffle=False)
+    reference.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=STEPS, verbose=0, shuffle=False)
+    (applied,) = step._others[(BATCH, True)].split
+    assert any(op.startswith("compile_loss/") and op.endswith("/mul") for op in applied.per_sample), applied.ops
+    _assert_close(th.weights_of(model), th.weights_of(reference))
 
 
 def test_the_parts_survive_grappler():
