@@ -2,7 +2,8 @@
 
 Exit codes: 0 done (a plan fits, confirmed by a measured run unless --no-measure); 2 bad input;
 3 no plan fits the budget, or none was confirmed by a measured run (the report is still written);
-4 worker 0 of a TF_CONFIG's cluster stopped (this worker's run ends with it); 130 interrupted (finished trials stay in the study; run the same command again to resume).
+4 a worker of a TF_CONFIG's cluster stopped (every worker's run ends with it);
+130 interrupted (finished trials stay in the study; run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -348,7 +349,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
                       clock=clock)
     except CaptureError as error:
         raise InputError(f"cannot capture the training step of {settings['model_file']}: {error}") from None
-    except WorkerStopped as error:  # worker 0 of a TF_CONFIG's cluster: its own output says why
+    except WorkerStopped as error:  # a worker of a TF_CONFIG's cluster: its own output says more
         print(f"error: {error}", file=sys.stderr)
         return EXIT_WORKER_STOPPED
     result = replace(result, notes=[*result.notes, *load_notes, *model_notes(model)])

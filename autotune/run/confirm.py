@@ -10,6 +10,7 @@ never changed after the fact; the CLI and ``tune()`` both come through here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
@@ -326,7 +327,8 @@ def tune_workers(model, batch_size: int, target: Target, inputs: StepInputs, *, 
         result = tune_replicated(model, graph, target, inputs, search=search, measurement=measurement, say=say,
                                  clock=clock)
     except BaseException as error:
-        tell_workers(replicas, TuneFinished(None, f"{type(error).__name__}: {error}"))
+        with contextlib.suppress(Exception):  # a worker gone takes its collectives along: the error is this one
+            tell_workers(replicas, TuneFinished(None, f"{type(error).__name__}: {error}"))
         raise
     tell_workers(replicas, TuneFinished(replace(result, study=None)))
     return result

@@ -289,7 +289,8 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
 
 
 class WorkerStopped(RuntimeError):
-    """The chief of several workers stopped tuning (its error, or its connection lost)."""
+    """A worker of a cluster stopped tuning: the chief (its error, or its connection lost), or another worker that
+    could not run the chief's plan (its error, said to the chief)."""
 
 
 def follow_chief(model, inputs, replicas, timed_steps: int = 3) -> TuneResult:
@@ -369,7 +370,7 @@ class ReplicatedRuns:
             every += [pickle.loads(payload) for payload in replicas.exchange(pickle.dumps(every[0]))[1:]]  # noqa: S301
         failed = [r.error for r in every if r.error is not None]
         if failed:
-            raise RuntimeError("; ".join(failed))
+            raise WorkerStopped("; ".join(failed))
         predicted = replay(planned.plan_graph, planned.plan, planned.device)
         survived = [r.swaps_survived for r in every if r.swaps_survived is not None]
         plain = [r.plain_peak_bytes for r in every if r.plain_peak_bytes is not None]
