@@ -60,8 +60,9 @@ from rewriter.edit.recompute_clones import KEEP_ATTR
 from rewriter.edit.split_shapes import BatchShapes, const_value, pure
 from simulator.graph import GraphError
 from simulator.plan import PlanError
+from simulator.recompute.actions import original_name
 from simulator.split.actions import (COMBINE_OP_TYPES, SplitRegion, combine_name, concat_name, entry_name, part_batches,
-                                     part_name)
+                                     part_name, split_origin)
 from simulator.split.classes import COMBINE_KINDS, NEVER_SPLIT, PER_SAMPLE_TYPES
 
 SPLIT_ATTR = "_split_part"  # every node the split adds carries its own name (found again after Grappler)
@@ -498,33 +499,38 @@ class _PartsBuilder:
             del self.editor.nodes[name]
 
 
-def with_unplanned_ops(graph_def: graph_pb2.GraphDef, regions: Sequence[SplitRegion], shapes: BatchShapes,
-                       planned: frozenset[str]) -> tuple[SplitRegion, ...]:
-    """``regions`` grown by the ops of ``graph_def`` the plan never saw (not in ``planned``, the ops of the step it
-    was made on) that sit inside one region: every data reader of theirs in it, one of their inputs from it, their
-    outputs per-sample. ``model.fit`` with ``sample_weight`` runs the plan on the step traced with a weight per
-    sample: its loss multiplied by the weight between two ops of a region; left out, the region would join its
-    parts there and split them again, so the loss of every part would wait for every part's forward, which the
-    plan's order runs after the first part's backward (a cycle)."""
-    if not planned or not regions:
+def with_weighted_ops(graph_def: graph_pb2.GraphDef, regions: Sequence[SplitRegion], shapes: BatchShapes,
+                      order: Sequence[str], weights: Sequence[str]) -> tuple[SplitRegion, ...]:
+    """``regions`` grown by the ops a weight per sample adds to the step the plan was made on: ``model.fit`` with
+    ``sample_weight`` runs the plan on the step traced with the weights (``weights``: their input nodes), whose loss
+    is multiplied by them between two ops of a region. Such an op (fed by the weights, none of the plan's ``order``
+    stands for it, every data reader of its in one region, an input from it, its outputs per-sample) joins that
+    region; left out, the region would join its parts there and split them again, every part's loss would wait for
+    every part's forward, and an order that runs a part's backward before the next part's forward is a cycle."""
+    if not order or not regions or not weights:
         return tuple(regions)
+    planned = {split_origin(original_name(op)) for op in order}
     nodes = {node.name: node for node in graph_def.node}
     readers: dict[str, set[str]] = {}
     for node in graph_def.node:
         for ref in node.input:
             if not ref.startswith("^"):
                 readers.setdefault(parse_ref(ref)[0], set()).add(node.name)
+    weighted, stack = set(), list(weights)
+    while stack:  # every op fed by a weight
+        for reader in readers.get(stack.pop(), ()):
+            if reader not in weighted:
+                weighted.add(reader)
+                stack.append(reader)
     grown = [set(region.ops) for region in regions]
     changed = True
     while changed:
         changed = False
-        for name, node in nodes.items():
-            if name in planned or any(name in ops for ops in grown) or not node.input:
-                continue
+        for name in sorted(weighted - planned):
             outputs = [f"{name}:{k}" for k in range(shapes.outputs.get(name, 0))]
-            if not outputs or not all(shapes.grows(ref) for ref in outputs):
+            if any(name in ops for ops in grown) or not outputs or not all(shapes.grows(ref) for ref in outputs):
                 continue
-            inputs = {parse_ref(ref)[0] for ref in node.input if not ref.startswith("^")}
+            inputs = {parse_ref(ref)[0] for ref in nodes[name].input if not ref.startswith("^")}
             for ops in grown:
                 if readers.get(name) and readers[name] <= ops and inputs & ops:
                     ops.add(name)

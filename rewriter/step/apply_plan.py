@@ -27,7 +27,7 @@ from rewriter.trace.op_names import traced_names
 from rewriter.tf_effects.passthrough import passthrough_ops
 from rewriter.placement.placements import Placement, resolve as resolve_placement
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
-from rewriter.edit.split_parts import BatchShapes, apply_splits, check_part_shapes, with_unplanned_ops
+from rewriter.edit.split_parts import BatchShapes, apply_splits, check_part_shapes, with_weighted_ops
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from rewriter.step.swap_step import StateSnapshot, SwapStep  # noqa: F401 -- the step apply returns
 from rewriter.step.host_state import apply_host_state, place_state
@@ -135,7 +135,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
                             "size to see which tensors grow with it), without graph rewrites")
         shapes = BatchShapes.of(traced, trace_keras_step(model, traced.batch_size + 1, inputs,
                                                          sample_weight=sample_weight))
-        regions = with_unplanned_ops(graph_def, named.splits, shapes, frozenset(named.order))
+        weights = traced.input_names[-1:] if sample_weight else []  # the weight per sample: the last input
+        regions = with_weighted_ops(graph_def, named.splits, shapes, named.order, weights)
         graph_def, split = apply_splits(graph_def, regions, shapes, passthrough=passthrough,
                                         fetches=[t.op.name for t in concrete.outputs] + [traced.loss_op])
         parted = import_step(graph_def, traced)  # the split step as TF reads it: its shapes, what Grappler folds

@@ -33,7 +33,7 @@ from rewriter.check.collected import collect_first_call, constant_nodes
 from rewriter.check.verification import Verification, check
 from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, edit_graph_def
 from rewriter.edit.recompute_clones import apply_recomputes, clone_tensor_info
-from rewriter.edit.split_parts import AppliedSplit, BatchShapes, apply_splits, check_part_shapes, with_unplanned_ops
+from rewriter.edit.split_parts import AppliedSplit, BatchShapes, apply_splits, check_part_shapes, with_weighted_ops
 from rewriter.placement import memtrace
 from rewriter.placement.placements import CpuTestbedPlacement, GpuPlacement, Placement
 from rewriter.step.apply_plan import _step_facts
@@ -333,9 +333,12 @@ def _split_replicas(trace: ReplicatedTrace, plans: list[NamedPlan], placements: 
     losses = [names.get(trace.traced.loss_op) for names in trace.names]
     fetches = [t.op.name for t in concrete.outputs] + [loss for loss in losses if loss]
     split = []
+    # each replica's weight per sample, the last of its inputs (``model.fit`` with ``sample_weight``)
+    weights = [trace.traced.input_names[(k + 1) * trace.n_flat - 1] for k in range(len(plans))] \
+        if trace.traced.inputs.weight_spec is not None else []
     for mine, place in zip(plans, placements):
         before = {node.name for node in graph_def.node}
-        regions = with_unplanned_ops(graph_def, mine.splits, shapes, frozenset(mine.order))
+        regions = with_weighted_ops(graph_def, mine.splits, shapes, mine.order, weights)
         graph_def, built = apply_splits(graph_def, regions, shapes, passthrough=passthrough, fetches=fetches)
         for node in graph_def.node:
             if not node.device and node.name not in before:
