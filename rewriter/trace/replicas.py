@@ -32,7 +32,7 @@ from rewriter.trace import state_kinds
 from rewriter.trace.training_setup import describe_training
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs, build_if_needed, step_specs
 from rewriter.trace.tracing import (TracedStep, _optimizer_scope, _second_batch, build_opgraph, check_compiled,
-                                    import_step, rewrite_graph_def, traced_function)
+                                    import_step, rewrite_graph_def, traced_function, with_rewrites)
 from rewriter.trace.op_names import canonical, canonical_names
 from simulator.graph import OpGraph
 
@@ -433,15 +433,7 @@ def capture_replicated(model, batch_size: int, inputs: StepInputs = NO_STEP_INPU
             "movable_state": describe_movable_state(first.traced.concrete, model, first.traced.optimizer_scope)}
     if inputs.to_dict():
         meta["step_inputs"] = inputs.to_dict()
-    if graph_rewrites:
-        try:
-            first, changed = rewritten_trace(first, graph_rewrites)
-            second, _ = rewritten_trace(second, graph_rewrites)
-        except ValueError as error:  # an unknown rewrite name
-            raise CaptureError(str(error)) from None
-        done = [r for r in graph_rewrites if changed.get(r)]
-        if done:
-            meta.update(graph_rewrites=done, graph_rewrite_changes={r: changed[r] for r in done})
+    first, second, meta = with_rewrites(first, second, graph_rewrites, meta, rewrite=rewritten_trace)
     graph = build_opgraph(first.capture_step(), second.capture_step(), meta=meta)
     reduce_ops = collective_ops(graph)
     pack = np.isin(graph.tensor_producer, reduce_ops) & (graph.tensor_output == 0)

@@ -567,7 +567,7 @@ def capture(model, batch_size: int, inputs: StepInputs = NO_STEP_INPUTS, *, name
             "movable_state": describe_movable_state(first.concrete, model, first.optimizer_scope)}
     if inputs.to_dict():  # plans made on the graph are applied at these shapes
         meta["step_inputs"] = inputs.to_dict()
-    first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
+    first, second, meta = with_rewrites(first, second, graph_rewrites, meta)
     return build_opgraph(first, second, meta=meta)
 
 
@@ -579,17 +579,19 @@ def capture_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.Tensor
     first = trace_function_step(step_fn, specs_at, int(batch_size), optimizer=optimizer)
     second = trace_function_step(step_fn, specs_at, _second_batch(int(batch_size)), optimizer=optimizer)
     meta = {"model": name, "variables": state_kinds.describe_variables(first.concrete)}
-    first, second, meta = _with_rewrites(first, second, graph_rewrites, meta)
+    first, second, meta = with_rewrites(first, second, graph_rewrites, meta)
     return build_opgraph(first, second, meta=meta)
 
 
-def _with_rewrites(first: TracedStep, second: TracedStep, rewrites: Sequence[str], meta: dict):
-    """Both traces rewritten; the rewrites that changed something recorded in ``meta``."""
+def with_rewrites(first, second, rewrites: Sequence[str], meta: dict, rewrite: Callable | None = None):
+    """Both traces rewritten by ``rewrite`` (``rewritten_step``, or a replicated step's ``rewritten_trace``); the
+    rewrites that changed something recorded in ``meta``."""
     if not rewrites:
         return first, second, meta
+    rewrite = rewrite or rewritten_step
     try:
-        first, changed = rewritten_step(first, rewrites)
-        second, _ = rewritten_step(second, rewrites)
+        first, changed = rewrite(first, rewrites)
+        second, _ = rewrite(second, rewrites)
     except ValueError as error:  # an unknown rewrite name
         raise CaptureError(str(error)) from None
     done = [r for r in rewrites if changed.get(r)]
