@@ -324,8 +324,8 @@ def tune_workers(model, batch_size: int, target: Target, inputs: StepInputs, *, 
         with clock.stage("measured_run"):
             return follow_chief(model, inputs, replicas)
     try:
-        result = tune_replicated(model, graph, target, inputs, search=search, measurement=measurement, say=say,
-                                 clock=clock)
+        result = tune_replicated(model, replicas, graph, target, inputs, search=search, measurement=measurement,
+                                 say=say, clock=clock)
     except BaseException as error:
         with contextlib.suppress(Exception):  # a worker gone takes its collectives along: the error is this one
             tell_workers(replicas, TuneFinished(None, f"{type(error).__name__}: {error}"))
@@ -334,14 +334,16 @@ def tune_workers(model, batch_size: int, target: Target, inputs: StepInputs, *, 
     return result
 
 
-def tune_replicated(model, graph: OpGraph, target: Target, inputs: StepInputs, *, search: SearchOptions,
-                    measurement: MeasureOptions, say: Callable[[str], None], clock: StageClock) -> TuneResult:
+def tune_replicated(model, replicas, graph: OpGraph, target: Target, inputs: StepInputs, *,
+                    search: SearchOptions, measurement: MeasureOptions, say: Callable[[str], None],
+                    clock: StageClock) -> TuneResult:
     """``tune`` for a model built in ``MirroredStrategy.scope()``: one replica's step at the per-replica batch,
     searched with ``target``'s device budget per device and 1/N of its host budget each (the replicas' swaps share
     the machine's host memory), timed by the calibration of the same step on one device (``replica_calibration``),
     and measured on every replica until the highest replica's peak confirms the plan (``ReplicatedRuns``). Under one
     replica's floor its batch is split as a single device's is, on every replica, and the optimizer state may move
-    to each replica's host. ``graph``: one replica's captured step (``rewriter.capture_replicated``)."""
+    to each replica's host. ``replicas``: the strategy resolved (``rewriter.Replicas``); ``graph``: one replica's
+    captured step (``rewriter.capture_replicated``)."""
     meta = graph.meta["replicas"]
     count = len(meta["devices"])  # this machine's: they share its host memory
     each = target.per_replica(count)
@@ -365,7 +367,8 @@ def tune_replicated(model, graph: OpGraph, target: Target, inputs: StepInputs, *
         say(f"searching, then measuring the chosen plan on each of the {count} replicas ...")
         return per_device_verdict(confirm(model, graph, each, inputs, batch_size=graph.batch_size, search=search,
                                           rounds=measurement.rounds, calibration=calibration, clock=clock,
-                                          say=lambda text: say(f"measured: {text}"), runs=ReplicatedRuns(model, inputs)))
+                                          say=lambda text: say(f"measured: {text}"),
+                                          runs=ReplicatedRuns(model, inputs, replicas)))
 
     return _split_when_state_missed(captured, graph, splits, each, timed, search, clock, say, tuned)
 

@@ -338,14 +338,14 @@ class ReplicatedRuns:
 
     model: Any
     inputs: Any  # rewriter.StepInputs
+    replicas: Any  # rewriter.Replicas: the strategy the model was built under, resolved once
     timed_steps: int = 3
     apply_with = "rewriter.apply_replicated + rewriter.use_replicated_step"
 
     def planned(self, result: TuneResult) -> PlannedRun:
         from rewriter.step.replicated import replica_placement
-        from rewriter.trace.replicas import resolve_replicas
 
-        replicas = resolve_replicas(self.model)
+        replicas = self.replicas
         batch = testbed_batch(result)  # per replica: the tuned one, or less where the testbed would be slow
         workers = "" if replicas.workers == 1 else f" of each of {replicas.workers} workers"
         return planned_run(result, placement=replica_placement(replicas, 0), batch=batch, note=(
@@ -358,9 +358,7 @@ class ReplicatedRuns:
             return self._measure(result, planned, clock)
 
     def _measure(self, result: TuneResult, planned: PlannedRun, clock: StageClock) -> MeasuredRun:
-        from rewriter.trace.replicas import resolve_replicas
-
-        replicas = resolve_replicas(self.model)
+        replicas = self.replicas
         order = WorkerOrder(planned.plan.to_named(planned.plan_graph), planned.plan_graph, planned.graph,
                             planned.batch * replicas.in_sync, result.has_actions)
         if replicas.workers > 1:
