@@ -38,6 +38,9 @@ _ADDS = frozenset({"Add", "AddV2", "AddN"})
 _STAGE = {**dict.fromkeys(("Pad", "MirrorPad"), 0), **dict.fromkeys(_CONTRACTIONS, 1),
           **dict.fromkeys(("FusedBatchNorm", "FusedBatchNormV3"), 1), **dict.fromkeys(("BiasAdd", "BiasAddV1"), 2),
           **dict.fromkeys(_ADDS, 3), **dict.fromkeys(_ACTIVATIONS, 4)}
+# the operand of a chain op that a wait can come through without leaving the chain unfused (an Identity that waits
+# for a copy out, rewriter.edit.graph_edit): a contraction's second operand, a bias add's bias
+WAIT_OPERANDS = {**dict.fromkeys(_CONTRACTIONS, 1), "BiasAdd": 1, "BiasAddV1": 1}
 CHAIN_TAILS = frozenset(set(_STAGE) - {"Pad", "MirrorPad"} | {"Mul"})  # ops that can end (or sit inside) a chain
 FUSION_HOPS = 4  # data edges upstream of a chain tail that may belong to its chain (Pad->Conv->Bias->Add->Relu)
 
@@ -108,8 +111,9 @@ def in_fused_chain(op: Op, op_type: Callable[[Op], str], sources: Callable[[Op],
     ``FusionTables.has_danger | endangered``). Grappler's remapper fuses a chain (contraction+bias,
     Sigmoid+Mul into oneDNN's swish) only when its parts have no control edges, so a wait placed on such
     an op leaves the chain unfused and the step rounds differently from the plain one: the copy out
-    the testbed makes an op wait for (``rewriter.edit.graph_edit``) is waited for past the chain instead
-    (EfficientNetB0: 16 Conv2D+BiasAdd, 1 MatMul+BiasAdd and 33 swish fusions were lost that way)."""
+    the testbed makes an op wait for (``rewriter.edit.graph_edit``) is waited for through an operand outside
+    the chain (``WAIT_OPERANDS``) or past the chain (EfficientNetB0: 16 Conv2D+BiasAdd, 1 MatMul+BiasAdd and
+    33 swish fusions were lost with the wait on the chain itself)."""
     if fusion_neighbourhood(op, op_type, sources, readers):
         return True
     return any(op in fusion_neighbourhood(reader, op_type, sources, readers) for reader in readers(op))
@@ -201,6 +205,7 @@ class FusionTables:
     input_source: np.ndarray
     control_ptr: np.ndarray
     control_ops: np.ndarray
+    wait_operand: np.ndarray  # per op, whether a wait can come through one of its operands (WAIT_OPERANDS)
 
 
 
@@ -220,8 +225,9 @@ def fusion_tables(g: OpGraph) -> FusionTables:
         input_ptr, input_tensor = _csr([[tensor for tensor, _ in inputs] for inputs in index.inputs])
         _, input_source = _csr([[source for _, source in inputs] for inputs in index.inputs])
         control_ptr, control_ops = _csr(index.controls)
+        wait_operand = np.isin(graph.op_type, list(WAIT_OPERANDS)).reshape(graph.n_ops)
         return FusionTables(has_danger, endangered, danger_ptr, danger_ops, source_ptr, source_ops, input_ptr,
-                            input_tensor, input_source, control_ptr, control_ops)
+                            input_tensor, input_source, control_ptr, control_ops, wait_operand)
     return g.cached("fusion_tables", compute, structural=True)
 
 

@@ -35,13 +35,14 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
+import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from rewriter.edit.chain_order import chain_in_order, partners_adjacent
 from rewriter.edit.graph_refs import Ancestry, parse_ref, tensor_ref
 from rewriter.tf_effects.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement.placements import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
-from simulator.fusion import fusion_neighbourhood, in_fused_chain
+from simulator.fusion import WAIT_OPERANDS, fusion_neighbourhood, in_fused_chain
 from simulator.plan import NamedPlan, NamedSwap, PlanError, missing_names_error, not_read_error
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class AppliedSwap:
     # where copies wait for the compute threads (Placement.copies_wait_for_compute): the op after the
     # producer, made to wait for the copy out so it runs when the simulator starts it
     started_by: str = ""
+    waits_through: str = ""  # the Identity of started_by's operand that waits for it, where that op is in a chain
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,9 @@ class GraphEditor:
                            and name.startswith((SWAP_IN_PREFIX, SWAP_OUT_PREFIX)))
             raise PlanError(f"the plan makes the step cyclic (a trigger or 'after' op depends on the consumer it "
                             f"should run before), e.g. around {stuck[:3] or 'the swap nodes'}")
+
+
+COPY_WAIT_PREFIX = "copy_wait/"  # an operand of a fused chain's op, forwarded once a copy out is done
 
 
 def _node_name(kind: str, tensor: tuple[str, int], j: int | None = None) -> str:
@@ -489,13 +494,44 @@ def _add_swap(editor: GraphEditor, record: NamedSwap, placement: Placement, *, s
             sync_controls.append(next_in_order[tensor[0]])
         for reader in sync_controls:
             editor.nodes[reader].input.append(f"^{out_name}")
-    started_by = ""
+    started_by = through = ""
     if not record.sync_out and placement.copies_wait_for_compute:
-        started_by = _next_kept(editor, tensor[0], next_in_order)
-        if started_by:
-            editor.nodes[started_by].input.append(f"^{out_name}")
+        started_by, through = _wait_for_copy(editor, tensor, next_in_order, out_name)
     return AppliedSwap(record.tensor, out_name, dtype.name, int(nbytes), record.sync_out, tuple(swap_ins),
-                       tuple(sync_controls), started_by)
+                       tuple(sync_controls), started_by, through)
+
+
+def _wait_for_copy(editor: GraphEditor, tensor: tuple[str, int], next_in_order: dict[str, str],
+                   copy: str) -> tuple[str, str]:
+    """Make the op after ``tensor``'s producer in the chained order wait for its copy out ``copy``: that op's name
+    and the node it waits through ("" for its own control edge; ("", "") at the end of the order).
+
+    An op of a fused chain takes no control edge (Grappler's remapper would leave the chain unfused): where it has
+    an operand outside the chain (``simulator.fusion.WAIT_OPERANDS``: a contraction's second operand, a bias), that
+    operand comes through an ``Identity`` that waits for the copy, which forwards the buffer and fuses as before;
+    elsewhere the wait goes past the chain (``_next_kept``). Waited for past the next chains, a copy out ran after
+    them on a loaded testbed now and then, its buffer held through them (a split convolution stack's forward measured
+    one part's activation over its prediction)."""
+    following = next_in_order.get(tensor[0])
+    while following and may_vanish(editor.nodes[following], editor.nodes, editor.foldable):
+        following = next_in_order.get(following)
+    if not following:
+        return "", ""
+    node = editor.nodes[following]
+    data = editor.data_inputs(node)
+    slot = WAIT_OPERANDS.get(node.op, len(data))
+    if not editor.in_fused_chain(following):
+        node.input.append(f"^{copy}")
+        return following, ""
+    if slot >= len(data):
+        following = _next_kept(editor, tensor[0], next_in_order)
+        if following:
+            editor.nodes[following].input.append(f"^{copy}")
+        return following, ""
+    wait = editor.add_node(_node_name(COPY_WAIT_PREFIX, tensor), "Identity", [data[slot][1], f"^{copy}"], node.device,
+                           tf.dtypes.as_dtype(node.attr["T"].type))
+    node.input[data[slot][0]] = wait.name
+    return following, wait.name
 
 
 def _next_kept(editor: GraphEditor, name: str, next_in_order: dict[str, str]) -> str:
@@ -508,8 +544,9 @@ def _next_kept(editor: GraphEditor, name: str, next_in_order: dict[str, str]) ->
     its buffer held all that while (the every_model multi-output model: 96.1 or 112.1 KiB against
     103.8 predicted). Waited for by that op, it runs where the simulator starts it. A control edge on
     an op of a chain Grappler's remapper would fuse (a Conv2D and its BiasAdd, swish's Sigmoid and
-    Mul) keeps the chain unfused, and the step then rounds otherwise than Keras' own: the wait goes
-    past the chain (``simulator.fusion.in_fused_chain``; the replay places it there too)."""
+    Mul) keeps the chain unfused, and the step then rounds otherwise than Keras' own: where the chain's op
+    has no operand to wait through (``_wait_for_copy``), the wait goes past the chain
+    (``simulator.fusion.in_fused_chain``; the replay places it there too)."""
     following = next_in_order.get(name)
     while following and (may_vanish(editor.nodes[following], editor.nodes, editor.foldable)
                          or editor.in_fused_chain(following)):

@@ -297,11 +297,12 @@ def _first_remaining_readers(buffers, fusion, rewired, swap_tensor, sync_out):
     after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
     where the producer runs last. ``sync_out`` 2 (a copy the step waits for only because the device's
     copies wait for compute, ``replay._waited_copies_out``): past ops of a fused chain, which a control
-    edge would keep unfused (``simulator.fusion.in_fused_chain``), as the rewriter places that wait."""
+    edge would keep unfused (``simulator.fusion.in_fused_chain``), unless the op takes the wait through an
+    operand (``simulator.fusion.WAIT_OPERANDS``), as the rewriter places that wait."""
     position, tensor_producer = buffers.position, buffers.tensor_producer
     tensor_read_ptr, tensor_read_consumer = buffers.tensor_read_ptr, buffers.tensor_read_consumer
     tensor_read_id = buffers.tensor_read_id
-    has_danger, endangered = fusion.has_danger, fusion.endangered
+    has_danger, endangered, wait_operand = fusion.has_danger, fusion.endangered, fusion.wait_operand
     n_ops = len(position)
     sync_wait = np.full(len(swap_tensor), -1, np.int64)
     op_at = np.empty(n_ops, np.int64)
@@ -315,7 +316,8 @@ def _first_remaining_readers(buffers, fusion, rewired, swap_tensor, sync_out):
             if not rewired[tensor_read_id[e]]:
                 earliest = min(earliest, position[tensor_read_consumer[e]])
         first = earliest if earliest < n_ops else position[tensor_producer[tensor]] + 1
-        while sync_out[i] == 2 and first < n_ops and (has_danger[op_at[first]] or endangered[op_at[first]]):
+        while sync_out[i] == 2 and first < n_ops and (has_danger[op_at[first]] or endangered[op_at[first]]) \
+                and not wait_operand[op_at[first]]:
             first += 1
         if first < n_ops:
             sync_wait[i] = first

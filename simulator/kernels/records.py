@@ -87,7 +87,7 @@ class FusionRecord(_Record):
     op's slot and each tensor's producer."""
 
     FIELDS = ("position", "tensor_producer", "has_danger", "endangered", "danger_ptr", "danger_ops", "source_ptr",
-              "source_ops", "input_ptr", "input_tensor", "input_source", "control_ptr", "control_ops")
+              "source_ops", "input_ptr", "input_tensor", "input_source", "control_ptr", "control_ops", "wait_operand")
 
 
 structref.define_proxy(FusionRecord, FusionRecordType, FusionRecord.FIELDS)
