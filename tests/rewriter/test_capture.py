@@ -120,7 +120,7 @@ def _measured_peak(model, batch):
 # captures, measures and runs the plain Keras step anyway) asserts the same of it (test_unswapped_...).
 @pytest.mark.slow
 @pytest.mark.parametrize("name,batch,kwargs", [
-    ("unet3d", 1, {"size": 64}),
+    ("unet3d", 1, {"size": 32}),
 ])
 def test_predicted_peak_matches_the_real_step(name, batch, kwargs, tmp_path):
     gc.collect()

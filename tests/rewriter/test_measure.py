@@ -251,7 +251,7 @@ def test_prediction_matches_measurement_resnet50(resnet):
     assert (abs(table["ratio"] - 1.0) <= 0.15).all(), table.to_string()
 
 
-UNET3D = dict(size=48, base_filters=8, depth=3)
+UNET3D = dict(size=32, base_filters=8, depth=3)
 
 
 @pytest.fixture(scope="module")
