@@ -360,7 +360,7 @@ def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
     import optuna
 
     storage = optuna_storage(str(out / "study.log"))
-    while time.monotonic() < deadline:  # wait until the second run has added trials
+    while time.monotonic() < deadline and process.poll() is None:  # until the second run has added trials
         time.sleep(2)
         try:
             trials = optuna.load_study(study_name="sigint", storage=storage).trials
