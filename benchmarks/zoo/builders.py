@@ -328,6 +328,7 @@ BUILDERS: dict[str, Callable[..., keras.Model]] = {
     "EfficientNetB0": _app("EfficientNetB0", 32),
     "Xception": _app("Xception", 71),
     "MobileNetV3Small": _app("MobileNetV3Small", 32),
+    "MobileNet": _app("MobileNet", 32),
     "ConvNeXtTiny": _app("ConvNeXtTiny", 32),
     "NASNetMobile": _app("NASNetMobile", 32),
     "EfficientNetV2B0": _app("EfficientNetV2B0", 32),

@@ -28,7 +28,7 @@ MEAN = 0.02  # and a model's plans within 2 % on average (its median over the be
 # plans' mean may reach 3.5 % (the swapped plan up to 7 % under, the unswapped one exact), no more.
 SAFE_SIDE_MEAN = {"unet": 0.035}
 PEAK_READINGS = 3  # profiled steps per plan, their median: a loaded testbed delays a swap's host copy
-# now and then, keeping its device buffer longer (mobilenetv3small_32's swapped plan read once 22.3 MiB
+# now and then, keeping its device buffer longer (MobileNetV3Small at 32x32: its swapped plan read once 22.3 MiB
 # against 19.8 in every other step)
 # a swap plan of the fidelity benchmark's set: far reads through a swap-in window, grouped, copies out synchronous
 SWAP_PARAMS = SwapParams.from_dict(dict(fidelity.PLANS)["T5 lb2-ub20 g4 sync-out"])
