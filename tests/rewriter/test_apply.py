@@ -614,7 +614,7 @@ def test_copies_out_on_the_testbed_run_right_after_their_producer():
     for applied in step.applied:
         producer = applied.tensor.partition(":")[0]
         assert order.index(applied.started_by) > order.index(producer)
-        # a Dense layer's MatMul, BiasAdd and Relu fuse: such an op waits through its kernel or bias, forwarded
+        # an op of a fused chain waits through its kernel or bias, forwarded (the test below)
         waiter = applied.waits_through or applied.started_by
         assert f"^{applied.swap_out}" in nodes[waiter].input
         assert not applied.waits_through or applied.waits_through in nodes[applied.started_by].input
@@ -624,6 +624,37 @@ def test_copies_out_on_the_testbed_run_right_after_their_producer():
     assert max(peaks) <= predicted, (peaks, predicted)
     on_gpu = rewriter.apply(model, plan, graph=graph, batch_size=32, placement=rewriter.GpuPlacement(), verify=False)
     assert on_gpu.applied and not any(applied.started_by for applied in on_gpu.applied)
+
+
+def test_a_fused_convolution_after_the_producer_waits_for_the_copy_out_through_its_kernel():
+    """A convolution stack whose swapped activations are each read next by the following Conv2D+BiasAdd+Relu chain:
+    a control edge on the Conv2D would leave the chain unfused, so the Conv2D reads its kernel through an Identity
+    that waits for the copy out (``AppliedSwap.waits_through``). Waited for past the chains instead, a split stack's
+    copy ran after the next two convolutions now and then on a loaded testbed, one part's activation held through
+    them (docs/design.md 9). The step is verified and measures no more than the replay predicts."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16, 16, 3)),
+                              *[keras.layers.Conv2D(8, 3, padding="same", activation="relu") for _ in range(4)],
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    graph = rewriter.capture(model, 8)
+    plan = plan_swaps(graph, SwapParams(threshold=4, min_bytes=4096))
+    step = rewriter.apply(model, plan, graph=graph, batch_size=8)
+    assert step.verification.ok, step.verification.summary()
+    nodes = _nodes(step)
+    through = [applied for applied in step.applied if applied.waits_through]
+    assert any(nodes[applied.started_by].op == "Conv2D" for applied in through), [
+        (applied.tensor, applied.started_by) for applied in step.applied]
+    for applied in through:
+        waiting = nodes[applied.waits_through]
+        assert waiting.op == "Identity" and f"^{applied.swap_out}" in waiting.input
+        assert nodes[applied.started_by].op in ("Conv2D", "MatMul")  # the Dense head's chain too
+        assert nodes[applied.started_by].input[1] == waiting.name
+        assert f"^{applied.swap_out}" not in nodes[applied.started_by].input
+    x, y = synthetic_batch(model, 8, seed=0)
+    predicted = replay(graph, plan, get_device("cpu-testbed")).peak_bytes
+    peaks = [rewriter.measure(step, x, y, warmup=1, repeats=1).peak_bytes for _ in range(3)]
+    assert max(peaks) <= predicted, (peaks, predicted)
 
 
 # ---------------------------------------------------------------------- plans by canonical names
