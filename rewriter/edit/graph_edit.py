@@ -515,23 +515,19 @@ def _wait_for_copy(editor: GraphEditor, tensor: tuple[str, int], next_in_order: 
     following = next_in_order.get(tensor[0])
     while following and may_vanish(editor.nodes[following], editor.nodes, editor.foldable):
         following = next_in_order.get(following)
-    if not following:
-        return "", ""
-    node = editor.nodes[following]
-    data = editor.data_inputs(node)
-    slot = WAIT_OPERANDS.get(node.op, len(data))
-    if not editor.in_fused_chain(following):
-        node.input.append(f"^{copy}")
-        return following, ""
-    if slot >= len(data):
+    if following and editor.in_fused_chain(following):
+        node = editor.nodes[following]
+        data = editor.data_inputs(node)
+        slot = WAIT_OPERANDS.get(node.op)
+        if slot is not None and slot < len(data):
+            wait = editor.add_node(_node_name(COPY_WAIT_PREFIX, tensor), "Identity", [data[slot][1], f"^{copy}"],
+                                   node.device, tf.dtypes.as_dtype(node.attr["T"].type))
+            node.input[data[slot][0]] = wait.name
+            return following, wait.name
         following = _next_kept(editor, tensor[0], next_in_order)
-        if following:
-            editor.nodes[following].input.append(f"^{copy}")
-        return following, ""
-    wait = editor.add_node(_node_name(COPY_WAIT_PREFIX, tensor), "Identity", [data[slot][1], f"^{copy}"], node.device,
-                           tf.dtypes.as_dtype(node.attr["T"].type))
-    node.input[data[slot][0]] = wait.name
-    return following, wait.name
+    if following:
+        editor.nodes[following].input.append(f"^{copy}")
+    return following or "", ""
 
 
 def _next_kept(editor: GraphEditor, name: str, next_in_order: dict[str, str]) -> str:

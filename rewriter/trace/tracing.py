@@ -583,12 +583,11 @@ def capture_step(step_fn: Callable, specs_at: Callable[[int], Sequence[tf.Tensor
     return build_opgraph(first, second, meta=meta)
 
 
-def with_rewrites(first, second, rewrites: Sequence[str], meta: dict, rewrite: Callable | None = None):
+def with_rewrites(first, second, rewrites: Sequence[str], meta: dict, rewrite: Callable = rewritten_step):
     """Both traces rewritten by ``rewrite`` (``rewritten_step``, or a replicated step's ``rewritten_trace``); the
     rewrites that changed something recorded in ``meta``."""
     if not rewrites:
         return first, second, meta
-    rewrite = rewrite or rewritten_step
     try:
         first, changed = rewrite(first, rewrites)
         second, _ = rewrite(second, rewrites)
