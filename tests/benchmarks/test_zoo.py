@@ -55,9 +55,16 @@ def _measured_peak_bytes(model, entry, plan, graph) -> float:
 # The small U-Net was predicted 7-14 % above its measured peak (a non-strict xfail until now) when the suite had
 # turned op determinism on before it: its sparse cross-entropy then folds 32 KiB more of constants, which the
 # prediction counted and the measurement left out (it counts them now: rewriter.timing.measurement, memtrace.constant_bytes).
+# Each model runs with op determinism off, as a user's model does: whether an earlier test of the same worker had
+# turned it on decided which step the U-Net measured (with it on, its unswapped step read 2 KiB over once).
 @pytest.mark.tf
 @pytest.mark.parametrize("family", list(SMALL))
 def test_small_model_of_each_family_is_predicted(family):
+    with th.op_determinism(False):
+        _check_predicted(family)
+
+
+def _check_predicted(family: str) -> None:
     entry = SMALL[family]
     model = entry.build()
     graph = rewriter.capture(model, entry.batch, name=entry.name)
