@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotune.cli.replicas import (check_settings, check_tf_config, check_workers, device_lines, load_multi_worker,
-                                   load_replicated, several_gpus_note)
+                                   load_replicated, several_gpus_note, worker_folder)
 from autotune.inputs import InputError, format_bytes, parse_bytes
 
 EXIT_OK, EXIT_INPUT, EXIT_NO_FIT, EXIT_WORKER_STOPPED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="train under MirroredStrategy on N devices: a plan for one replica, the budget and verdict "
                           "per device, the host budget shared by the replicas; measured on the CPU testbed's N "
                           "replicas. Under a TF_CONFIG of several workers run the command on every worker instead "
-                          "(MultiWorkerMirroredStrategy, one replica each; worker 0 writes the report; "
-                          "docs/design.md 14)")
+                          "(MultiWorkerMirroredStrategy, one replica each; worker 0 decides and writes the report, "
+                          "worker k the same into --out/worker-k; docs/design.md 14)")
     run.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                      help="measure step times on this machine (the model's own step profiled at two batch sizes, "
                           "copies and swapped steps timed) instead of the preset's datasheet estimate: the search "
@@ -355,10 +355,9 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     result = replace(result, notes=[*result.notes, *load_notes, *model_notes(model)])
     _say(quiet, f"budget: {format_bytes(result.budget_bytes)} from {result.budget_source}")
     several = settings["workers"] > 1
-    if several and resolve_replicas(model).task:  # the chief's result: its report is on its machine
-        text = _summary_text(result, "written by worker 0 into its --out", time.monotonic() - started)
-        print(text.replace("\nverdict: ", "\n" + "\n".join(device_lines(result)) + "\nverdict: ", 1))
-        return EXIT_OK if result.verdict.ok else EXIT_NO_FIT
+    worker = resolve_replicas(model).task if several else 0
+    if worker:  # worker 0's result, written on this worker's machine too (its plan.json to train with), apart from
+        out = out / worker_folder(worker)  # worker 0's own report where --out is one folder shared by the workers
     from autotune.report.writer import write_report
 
     try:

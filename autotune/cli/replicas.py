@@ -63,6 +63,12 @@ def check_workers(workers: int, replicas: int, batch_size: int) -> None:
                          f"give a multiple of {workers}")
 
 
+def worker_folder(worker: int) -> str:
+    """The folder of ``--out`` where worker ``worker`` (not 0) of a TF_CONFIG writes worker 0's result: apart from
+    worker 0's own report where the workers share one ``--out`` (a shared file system, or one machine)."""
+    return f"worker-{worker}"
+
+
 def several_gpus_note(gpus: int) -> str | None:
     """What the tool does beside several visible GPUs (a MirroredStrategy over them is what a user would train
     with): the plan is one GPU's, which every replica would run; None for one GPU or none."""
