@@ -179,8 +179,6 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
                                                    (("trials", trials), ("maximize_batch", maximize_batch))
                                                    if value is not None})
     measurement = replace(measurement or MeasureOptions(), **({} if measure is None else {"measure": measure}))
-    if graph_rewrites:  # a split step is built without graph rewrites (rewriter.step.apply_plan)
-        search = replace(search, split=False)
     target = target or resolve_target(device, memory)
     inputs = inputs or NO_STEP_INPUTS
     given_batch = batch_size

@@ -162,9 +162,8 @@ def split_way(split: SplitFloor, budget_bytes: int, split_allowed: bool) -> str:
     """What splitting the ops that set the floor would do, in a report's words."""
     reach = f"splitting the ops that set the floor along the batch in {split.parts} parts"
     if not split_allowed and split.split_floor_bytes <= budget_bytes:
-        unless = ("without --rewrite: a split step is built without graph rewrites"
-                  if split.split_graph.meta.get("graph_rewrites") else "without --no-split")
-        return f"{reach} would lower it to {format_bytes(split.split_floor_bytes)}, within the budget ({unless})"
+        return (f"{reach} would lower it to {format_bytes(split.split_floor_bytes)}, within the budget "
+                "(without --no-split)")
     return f"{reach} lowers it only to {format_bytes(split.split_floor_bytes)}, still over the budget"
 
 

@@ -18,7 +18,8 @@ import weakref
 from dataclasses import replace
 from typing import Any
 
-from rewriter.trace.tracing import CaptureError, TracedStep, import_step, rewrite_graph_def, trace_keras_step
+from rewriter.trace.tracing import (CaptureError, TracedStep, import_step, rewrite_graph_def, rewritten_step,
+                                   trace_keras_step)
 from rewriter.trace.costs import tensor_nbytes
 from rewriter.edit.graph_edit import SWAP_OPS, AppliedSwap, AppliedSwapIn, SkippedSwap, edit_graph_def  # noqa: F401
 from rewriter.tf_effects.grappler import foldable_ops
@@ -130,11 +131,13 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
     foldable, tensor_info, passthrough = _step_facts(rewritten)
     recomputed, split = [], []
     if named.splits:  # first: the plan's recomputations and swaps were made on the split step
-        if model is None or rewrites:
+        if model is None:
             raise PlanError("a plan with split regions applies to a Keras model's own step (traced at a second batch "
-                            "size to see which tensors grow with it), without graph rewrites")
-        shapes = BatchShapes.of(traced, trace_keras_step(model, traced.batch_size + 1, inputs,
-                                                         sample_weight=sample_weight))
+                            "size to see which tensors grow with it)")
+        following = trace_keras_step(model, traced.batch_size + 1, inputs, sample_weight=sample_weight)
+        # the regions name the rewritten step's ops: both traces rewritten the same way
+        shapes = BatchShapes.of(rewritten_step(traced, rewrites)[0], rewritten_step(following, rewrites)[0]) \
+            if rewrites else BatchShapes.of(traced, following)
         weights = traced.input_names[-1:] if sample_weight else []  # the weight per sample: the last input
         regions = with_weighted_ops(graph_def, named.splits, shapes, named.order, weights)
         graph_def, split = apply_splits(graph_def, regions, shapes, passthrough=passthrough,

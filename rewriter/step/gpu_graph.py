@@ -139,7 +139,7 @@ def replicated_gpu_graph_def(model, plan, *, graph=None, batch_size: int | None 
         if owner != SHARED:
             node.device = gpus[owner]
     placements = tuple(GpuPlacement(accelerator="/device:" + gpu.rsplit("device:", 1)[-1], host=host) for gpu in gpus)
-    shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
+    shapes = replicated_batch_shapes(model, trace, inputs, named.graph_rewrites) if named.splits else None
     state = state_nodes(graph_def, trace.traced, model, named.host_state) if named.host_state else None
     return edit_replicas(trace, named, placements, graph_def=graph_def, shapes=shapes, state=state)
 

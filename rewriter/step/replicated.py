@@ -16,15 +16,16 @@ A plan's split regions are built on every replica first (``rewriter.edit.split_p
 parts named from its own ops), then its recomputations and swaps, as on one device. A plan's optimizer slots on the
 host (updated there or streamed, with the weight or without) live on each replica's host: replica k's component of
 each mirrored variable is made anew there (``rewriter.step.host_state.place_replica_state``) and replica k's update
-is placed beside it, its nodes named from the first replica's. Not built for several replicas (refused with one
-``PlanError``): graph rewrites. The first call checks what survived Grappler on each replica (``verify_replicas``).
+is placed beside it, its nodes named from the first replica's. A plan's graph rewrites are made before all that,
+on every replica (``rewritten_trace``). The first call checks what survived Grappler on each replica
+(``verify_replicas``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -44,7 +45,7 @@ from rewriter.trace.op_names import traced_names
 from rewriter.trace.replicas import (Replicas, ReplicatedTrace, resolve_replicas, rewritten_trace,
                                      trace_replicated_step)
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
-from rewriter.trace.tracing import call_time_values, import_step
+from rewriter.trace.tracing import call_time_values, import_step, rewritten_step
 from simulator.plan import NamedPlan, NamedSwap, NamedSwapIn, PlanError, load_plan
 from simulator.recompute.actions import Recompute, original_name
 from simulator.split import SplitRegion, split_origin
@@ -297,8 +298,6 @@ def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, in
     are left where they are, as for a GraphDef built for other devices, ``rewriter.step.gpu_graph``)."""
     replicas = resolve_replicas(model)
     named = load_plan(plan, graph)
-    if named.splits and named.graph_rewrites:
-        raise PlanError("a plan with split regions applies to a step without graph rewrites")
     if placements is not None:
         place_replica_state(model, named.host_state, placements)
     inputs = inputs.or_planned(named)
@@ -315,11 +314,15 @@ def trace_for_plan(model, plan, *, batch_size: int | None = None, graph=None, in
     return traced_names(named, trace.traced.canonical), inputs, trace
 
 
-def replicated_batch_shapes(model, trace: ReplicatedTrace, inputs: StepInputs = NO_STEP_INPUTS) -> BatchShapes:
+def replicated_batch_shapes(model, trace: ReplicatedTrace, inputs: StepInputs = NO_STEP_INPUTS,
+                            rewrites: Sequence[str] = ()) -> BatchShapes:
     """Which tensors of the replicated step grow with a replica's batch: the step traced again at one sample more
-    a replica (``BatchShapes``, as ``apply`` reads a single device's step)."""
+    a replica (``BatchShapes``, as ``apply`` reads a single device's step), both traces with the plan's graph
+    ``rewrites`` made (the regions name the rewritten step's ops)."""
     second = trace_replicated_step(model, trace.replicas, (trace.per_replica_batch + 1) * trace.replicas.in_sync,
                                    inputs, sample_weight=trace.traced.inputs.weight_spec is not None)
+    if rewrites:
+        return BatchShapes.of(rewritten_step(trace.traced, rewrites)[0], rewritten_step(second.traced, rewrites)[0])
     return BatchShapes.of(trace.traced, second.traced)
 
 
@@ -417,7 +420,7 @@ def apply_replicated(model, plan, *, batch_size: int | None = None, graph=None, 
     placements = tuple(replica_placement(replicas, k) for k in range(replicas.count))
     named, inputs, trace = trace_for_plan(model, plan, batch_size=batch_size, graph=graph, inputs=inputs,
                                           serialize=serialize, sample_weight=sample_weight, placements=placements)
-    shapes = replicated_batch_shapes(model, trace, inputs) if named.splits else None
+    shapes = replicated_batch_shapes(model, trace, inputs, named.graph_rewrites) if named.splits else None
     graph_def = trace.step_graph_def()  # once: the state's nodes are found in the one edited
     state = state_nodes(graph_def, trace.traced, model, named.host_state) if named.host_state else None
     edit = edit_replicas(trace, named, placements, graph_def=graph_def, swap_op=swap_op, shapes=shapes, state=state)

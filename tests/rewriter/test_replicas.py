@@ -189,7 +189,8 @@ facts["dense_adamw"] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak
 # split regions on every replica: batch normalisation's moments, the loss and the weight gradients summed over
 # each replica's parts, then all-reduced (tanh, not relu: a relu's mask flips on rounding differences, which
 # three steps of SGD grow past any rounding tolerance; no layer before the batch norm has a bias, whose
-# gradient would be a sum that cancels to rounding noise)
+# gradient would be a sum that cancels to rounding noise), on the step with elide-broadcasts made (the batch
+# norm's backward without its tiles): the regions name the rewritten step's ops
 from simulator.split import floor_after_splitting
 def conv_bn():
     keras.utils.set_random_seed(1)
@@ -203,7 +204,7 @@ with strategy.scope():
     model, plain = conv_bn(), conv_bn()
 x = rng.random((3 * batch, 24, 24, 3), dtype=np.float32)
 y = rng.random((3 * batch, 4), dtype=np.float32)
-graph = capture_replicated(model, batch)
+graph = capture_replicated(model, batch, graph_rewrites=["elide-broadcasts"])
 split = floor_after_splitting(graph, 4)
 plan = plan_swaps(split.split_graph, SwapParams(threshold=1, min_bytes=2**13))
 named = plan.to_named(split.split_graph)
@@ -220,7 +221,7 @@ plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 use_replicated_step(model, step)
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 facts["split"] = {
-    "regions": [len(built) for built in step.splits], "parts": [item.parts for built in step.splits for item in built],
+    "rewrites": list(named.graph_rewrites), "regions": [len(built) for built in step.splits], "parts": [item.parts for built in step.splits for item in built],
     "owners": [sorted({step.owner_of(n) for item in built for n in item.part_nodes + item.combines + item.entries})
                for built in step.splits],
     "verified": [[v.ok, v.split_nodes, v.planned_split_nodes, v.swap_outs] for v in step.verification],
@@ -608,12 +609,13 @@ def test_the_gpu_construction_puts_each_replicas_moved_state_on_the_host(facts, 
 
 
 def test_split_regions_are_built_on_every_replica_and_train_as_plain_mirrored_strategy(facts):
-    """One replica's step split in 4 parts by the simulator (``floor_after_splitting``) and swapped: the regions
-    built on both replicas, replica 1's from its own ops (each part, combine and entry told to replica 1), every
+    """One replica's step with elide-broadcasts made, split in 4 parts by the simulator (``floor_after_splitting``)
+    and swapped: the regions built on both replicas, rewritten the same way, replica 1's from its own ops (each part, combine and entry told to replica 1), every
     part and combine still running after Grappler on both, each replica's measured peak the predicted one, and
     three steps of ``model.fit`` within 1e-5 of plain MirroredStrategy (a split sums in another order: never
     bitwise)."""
     split = facts["split"]
+    assert split["rewrites"] == ["elide-broadcasts"]
     assert split["regions"] == [1, 1] and split["parts"] == [4, 4]
     assert split["owners"] == [[0], [1]]
     for ok, survived, planned, swaps in split["verified"]:

@@ -422,3 +422,25 @@ def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_pat
     (model_dir / "autotune.toml").write_text("split = false\n")
     code, stdout, _ = _run_main(capsys, *common, "--out", tmp_path / "toml")
     assert code == 3 and "without --no-split" in stdout
+
+
+def test_a_step_with_graph_rewrites_splits_under_its_floor(capsys, tmp_path):
+    """``--rewrite elide-broadcasts`` lowers the wide CNN's floor, and a budget 30 % under that lower floor splits
+    the rewritten step: the plan file holds the rewrite and the regions, and the measured run confirms it."""
+    from rewriter.trace.tracing import capture
+    from simulator.buffers import peak_lower_bound_bytes
+    from tests.rewriter.edit.test_split_parts import _wide_cnn
+
+    model_dir = tmp_path / "wide"
+    model_dir.mkdir()
+    _wide_cnn().save(model_dir / "wide.keras")
+    rewritten = peak_lower_bound_bytes(capture(_wide_cnn(), 8, graph_rewrites=["elide-broadcasts"]))
+    assert rewritten < peak_lower_bound_bytes(capture(_wide_cnn(), 8))
+    budget = int(0.7 * rewritten)
+    code, stdout, err = _run_main(capsys, model_dir, "--batch-size", "8", "--memory", str(budget), "--trials", "60",
+                                  "--rewrite", "elide-broadcasts", "--quiet", "--out", tmp_path / "out")
+    assert code == 0, err + stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
+    assert plan["graph_rewrites"] == ["elide-broadcasts"] and plan["splits"] and plan["splits"][0]["parts"] >= 2
