@@ -221,7 +221,8 @@ plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 use_replicated_step(model, step)
 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 facts["split"] = {
-    "rewrites": list(named.graph_rewrites), "regions": [len(built) for built in step.splits], "parts": [item.parts for built in step.splits for item in built],
+    "rewrites": list(named.graph_rewrites), "regions": [len(built) for built in step.splits],
+    "parts": [item.parts for built in step.splits for item in built],
     "owners": [sorted({step.owner_of(n) for item in built for n in item.part_nodes + item.combines + item.entries})
                for built in step.splits],
     "verified": [[v.ok, v.split_nodes, v.planned_split_nodes, v.swap_outs] for v in step.verification],
@@ -610,10 +611,10 @@ def test_the_gpu_construction_puts_each_replicas_moved_state_on_the_host(facts, 
 
 def test_split_regions_are_built_on_every_replica_and_train_as_plain_mirrored_strategy(facts):
     """One replica's step with elide-broadcasts made, split in 4 parts by the simulator (``floor_after_splitting``)
-    and swapped: the regions built on both replicas, rewritten the same way, replica 1's from its own ops (each part, combine and entry told to replica 1), every
-    part and combine still running after Grappler on both, each replica's measured peak the predicted one, and
-    three steps of ``model.fit`` within 1e-5 of plain MirroredStrategy (a split sums in another order: never
-    bitwise)."""
+    and swapped: the regions built on both replicas, rewritten the same way, replica 1's from its own ops (each
+    part, combine and entry told to replica 1), every part and combine still running after Grappler on both, each
+    replica's measured peak the predicted one, and three steps of ``model.fit`` within 1e-5 of plain
+    MirroredStrategy (a split sums in another order: never bitwise)."""
     split = facts["split"]
     assert split["rewrites"] == ["elide-broadcasts"]
     assert split["regions"] == [1, 1] and split["parts"] == [4, 4]
