@@ -86,7 +86,7 @@ class DeviceModel:
     # copies wait for a compute thread and whose op after the producer is made to wait for the copy
     # (rewriter.edit.graph_edit, Placement.copies_wait_for_compute): the replay then waits for every copy out
     # where it waits for a synchronous one (its first reader left on the device, else the op after its
-    # producer). Set by rewriter.timing.device_calibration on such a placement; the presets keep False
+    # producer). The cpu-testbed preset sets it, and rewriter.timing.device_calibration on such a placement
     copies_out_wait: bool = False
     # whether a tensor the host hands to the device keeps its host buffer (the CPU testbed's two logical CPUs
     # share one memory: the send/receive passes the buffer on): the change a host update sends to a weight's
@@ -397,6 +397,8 @@ CPU_TESTBED = DeviceModel(
     name="cpu-testbed",
     kept_reads=ONEDNN_POOL_READS,
     host_buffers_shared=True,
+    # the testbed's placement makes the op after a producer wait for its copy out (Placement.copies_wait_for_compute)
+    copies_out_wait=True,
     capacity_bytes=24 * GiB,  # this machine's RAM (MemTotal 24684096 kB ~ 23.5 GiB; nominal 24 GiB)
     usable_fraction=1.0,  # no driver/allocator reserve on a CPU device; the budget is set by the tool
     # measured: tf.linalg.matmul 2048x2048x2048 fp32, 204 GFLOP/s (clean-run range 196-215)
