@@ -330,7 +330,7 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     out = kernels.replay_plan(context.step, PlanArrays(
         swap_tensor=plan.tensor, sync_out=_waited_copies_out(plan, device), in_swap=plan.in_swap,
         in_trigger=plan.in_trigger, in_after=plan.in_after, in_consumer_ptr=plan.in_consumer_ptr,
-        in_consumers=plan.in_consumers, after_copies_out=plan.after_copies_out), contended)
+        in_consumers=plan.in_consumers, after_copies_out=plan.after_copies_out or device.copies_out_wait), contended)
     # what copies sharing the compute's cores add to the step: DeviceModel.copy_contention x the compute
     # time that overlaps copies (0.0 x it without contention), and copy_overhead_s per copy
     contention_s = (device.copy_contention * out.overlap_s if contended else 0.0) + device.copy_overhead_s * (

@@ -185,11 +185,12 @@ def test_a_recomputed_clone_takes_its_originals_time():
 
 def test_where_the_op_after_a_producer_waits_for_its_copy_out_every_copy_out_is_waited_for():
     # the CPU testbed makes the op after a swapped tensor's producer wait for its copy out
-    # (Placement.copies_wait_for_compute): the replay waits for it as for a synchronous one
+    # (Placement.copies_wait_for_compute): the replay waits for it as for a synchronous one, and each swap-in
+    # waits for the copies out of what its trigger made (after_copies_out), as the testbed's rewrite has it
     g = training_graph(12, batch_size=8)
     plan = plan_swaps(g, SwapParams(threshold=1))
-    synchronous = plan_swaps(g, SwapParams(threshold=1, sync="out"))
-    assert not plan.sync_out.any() and synchronous.sync_out.all()
+    synchronous = plan_swaps(g, SwapParams(threshold=1, sync="out", after_copies_out=True))
+    assert not plan.sync_out.any() and synchronous.sync_out.all() and not plan.after_copies_out
     device = _calibrated(g)
     waiting = dataclasses.replace(device, copies_out_wait=True)
     assert waiting != device
@@ -197,6 +198,9 @@ def test_where_the_op_after_a_producer_waits_for_its_copy_out_every_copy_out_is_
     assert waited.step_s > free.step_s
     assert waited.step_s == pytest.approx(replay(g, synchronous, device).step_s)
     assert replay(g, synchronous, waiting).step_s == pytest.approx(replay(g, synchronous, device).step_s)
+    forced = plan_swaps(g, SwapParams(threshold=1, after_copies_out=True))
+    assert (replay(g, forced, waiting).step_s, replay(g, forced, waiting).peak_bytes) == (waited.step_s,
+                                                                                          waited.peak_bytes)
 
 
 def test_the_product_calibrates_at_two_batch_sizes_of_2_or_more_up_to_the_measured_one():
