@@ -125,10 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                "(measured_over_floor < 1) is what splitting adds. Peaks are measured in this process on the "
                "testbed's accelerator (CPU:0), as rewriter.measure reports them.",
                f"{within} of {len(table)} plans measured within 5 % of their prediction on every run, {below} "
-               "below it by more (the safe side). In a check of small_cnn-32 at 2 parts the split step without "
-               "swaps, and split plans swapping activations only or with sync both, measured their predictions "
-               "within 0.02 %; only plans swapping every tensor (tensors=all) with asynchronous copies out "
-               "measured under. The unsplit step's plans of the same parameters peak at its floor, so they do "
-               "not show whether the gap comes from the split: its cause is not established."])
+               "below it by more (the safe side). On the testbed each copy out runs where the replay has it: "
+               "waited for by the op after its producer, and by the swap-ins its producer starts "
+               "(docs/design.md 11)."])
     print(path)
     return 0
