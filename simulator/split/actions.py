@@ -8,6 +8,7 @@ sizes are that batch's; at another batch size each part keeps its share of it).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,6 +19,10 @@ from simulator.recompute.actions import inputs_of, outputs_of
 from simulator.split.classes import BATCH_SUM, ENDS, OWN_BUFFER_SHAPES, batch_dependent, op_split
 
 SPLIT_MARK = "/split_"
+# TF's Split/SplitV along the first axis hands out parts of its input's buffer only when a row's bytes are a
+# multiple of Eigen's largest alignment (split_op.cc's IsInnerDimsSizeAligned: EIGEN_MAX_ALIGN_BYTES, 64 on the
+# testbed's build; a build aligned to less shares more, so 64 errs on the side of a copy)
+SPLIT_SHARE_ALIGN_BYTES = 64
 # the op type of one step of each combine kind (a running combine: part i's partial joins the result so far)
 COMBINE_OP_TYPES = {"sum": "AddV2", "mean": "AddV2", "max": "Maximum", "min": "Minimum", "prod": "Mul"}
 
@@ -178,6 +183,16 @@ def _itemsize(dtype: str) -> int:
         return 4
 
 
+def _entry_shares_buffer(g: OpGraph, tensor: int) -> bool:
+    """Whether TF's split of ``tensor`` at a region's entry leaves its parts in the whole's buffer: only along the
+    first axis and where a row's bytes are a multiple of ``SPLIT_SHARE_ALIGN_BYTES``; elsewhere it copies each
+    part (the tiny CNN's 6x6x2 float input, 288 B a sample, was copied: 2.3 KiB at batch 8 over its prediction)."""
+    first = str(g.tensor_shape[tensor]).strip("()").split(",")[0]
+    rows = 1 if first == "N" else int(first[2:]) if re.fullmatch(r"N\*[0-9]+", first) else 0
+    row_bytes = float(g.tensor_bytes_ab[tensor][1]) / rows if rows else 0.5
+    return row_bytes == int(row_bytes) and int(row_bytes) % SPLIT_SHARE_ALIGN_BYTES == 0
+
+
 def _part_shape(shape: str, share: str) -> str:
     """The shape text of a part: the batch dimension marked with the part's share (the leading one, or the one
     ``N`` of a tensor holding the batch on another axis)."""
@@ -195,8 +210,9 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
     at the part's batch, not a share of its time). A per-sample op's parts read the parts of tensors
     made in the region (kept as separate tensors between its ops); a batch-dependent tensor from
     outside is cut at the region's entry by a ``Split`` along the batch whose parts share its buffer
-    (TF's split along the first axis does not copy). A batch-summing op's parts make partial results
-    of the whole output's size, joined by a running combine (``COMBINE_OP_TYPES``, writing in place;
+    where TF's split does not copy (``_entry_shares_buffer``), else are copies of their own. A batch-summing
+    op's parts make partial results of the whole output's size, joined by a running combine
+    (``COMBINE_OP_TYPES``, writing in place;
     part i + 2 waits for the step that joined part i + 1, so two partials are on the device at once, not
     ``parts``; a mean's parts make sums, its last step is their sum ``<step>/sum`` over the whole batch's
     count, as the rewriter builds it); its combined output is what every reader
@@ -302,16 +318,18 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
             return parts_of_tensor[tensor]
         if not grows[tensor]:
             return [whole(tensor) if tensor in parts_of_tensor else int(new_tensor[tensor])] * regions[r].parts
-        if (r, tensor) not in entries:  # cut at the region's entry, the parts sharing the whole's buffer
+        if (r, tensor) not in entries:  # cut at the region's entry, the parts sharing the whole's buffer or copied
             source = whole(tensor) if tensor in parts_of_tensor else int(new_tensor[tensor])
             producer = int(g.tensor_producer[tensor])
+            a, b = g.tensor_bytes_ab[tensor]
+            shared = _entry_shares_buffer(g, tensor)
             split = builder.add_op(entry_name(str(g.op_name[producer]), int(g.tensor_output[tensor]), r), reader,
-                                   type_="Split", flops=(0.0, 0.0), touched=(0.0, 0.0), forwards=False)
+                                   type_="Split", flops=(0.0, 0.0), touched=(0.0, 0.0) if shared else (0.0, 2.0 * b),
+                                   forwards=False)
             builder.edges.append((source, split, 0))
             batches = part_batches(g.batch_size, regions[r].parts)
-            a, b = g.tensor_bytes_ab[tensor]
             entries[(r, tensor)] = [
-                builder.add_tensor(split, i, tensor, bytes_ab=(a, b * n / g.batch_size), alias=source,
+                builder.add_tensor(split, i, tensor, bytes_ab=(a, b * n / g.batch_size), alias=source if shared else -1,
                                    shape=_part_shape(str(g.tensor_shape[tensor]), f"{n}/{g.batch_size}"))
                 for i, n in enumerate(batches)]
             records[r]["entries"].append(g.tensor_name(tensor))

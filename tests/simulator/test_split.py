@@ -228,17 +228,34 @@ def test_an_unknown_op_ends_a_region_and_reads_the_whole():
     assert ws[by_name["odd"]] == 800
 
 
-def test_a_region_entry_shares_the_whole_buffer():
-    """A region that starts at c cuts b at its entry: the parts share b's buffer, so each part of c
-    still has all of b on the device."""
-    g = chain()
+def _entry_chain(row_bytes: int, shape: str):
+    """a -> b -> c: per-sample ops at batch 4, b's rows ``row_bytes`` each, shaped ``shape``."""
+    return OpGraph.build(op_name=["a", "b", "c"], op_type=["Conv2D", "Relu", "Conv2D"],
+                         op_phase=[FORWARD, FORWARD, FORWARD], tensor_producer=[0, 1, 2],
+                         tensor_bytes_ab=[(0.0, 64.0), (0.0, float(row_bytes)), (0.0, 64.0)],
+                         tensor_shape=["(N,16)", shape, "(N,16)"], edge_tensor=[0, 1], edge_consumer=[1, 2],
+                         outputs=[2], batch_size=4)
+
+
+@pytest.mark.parametrize("row_bytes, shape, shared", [(128, "(N,32)", True), (288, "(N,6,6,2)", False),
+                                                      (100, "(N,25)", False)])
+def test_a_region_entry_shares_the_whole_buffer_where_tfs_split_does(row_bytes, shape, shared):
+    """A region that starts at c cuts b at its entry: TF's split along the first axis leaves the parts in b's
+    buffer where a row is a multiple of 64 bytes (each part of c then has all of b on the device), and copies
+    each part elsewhere (a row of 288 bytes: the 6x6x2 float input of a small CNN, measured)."""
+    g = _entry_chain(row_bytes, shape)
     s = with_splits(g, [SplitRegion(("c",), 2)])
     by_name = dict(zip(names(s), range(s.n_ops)))
     entry = s.tensor_index()["b/split_batch_0_0:1"]
-    assert s.tensor_alias_of[entry] == s.tensor_index()["b:0"]
     assert split_regions(s)[0]["entries"] == ["b:0"]
     ws = op_working_set_bytes(s)
-    assert ws[by_name["c/split_part_1"]] == 400 + 100
+    if shared:
+        assert s.tensor_alias_of[entry] == s.tensor_index()["b:0"]
+        assert ws[by_name["c/split_part_1"]] == 4 * row_bytes + 2 * 64
+    else:
+        assert s.tensor_alias_of[entry] == -1 and s.tensor_bytes[entry] == 2 * row_bytes
+        assert ws[by_name["c/split_part_1"]] == 2 * row_bytes + 2 * 64
+        assert ws[by_name["b/split_batch_0_0"]] == 4 * row_bytes + 2 * 2 * row_bytes  # the whole and its copies
 
 
 def test_floor_after_splitting_is_lower_where_it_should_be():
