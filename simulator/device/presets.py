@@ -84,9 +84,10 @@ class DeviceModel:
     copy_overhead_s: float = 0.0
     # whether the op after a swapped tensor's producer waits for its copy out, as on the CPU testbed, whose
     # copies wait for a compute thread and whose op after the producer is made to wait for the copy
-    # (rewriter.edit.graph_edit, Placement.copies_wait_for_compute): the replay then waits for every copy out
-    # where it waits for a synchronous one (its first reader left on the device, else the op after its
-    # producer). The cpu-testbed preset sets it, and rewriter.timing.device_calibration on such a placement
+    # (rewriter.edit.graph_edit, Placement.copies_wait_for_compute): the replay then waits for every copy out at
+    # the op after its producer (past a fused chain), starts it when that op is due, and has each swap-in wait
+    # for the copies out of what its trigger made (after_copies_out, as that placement's rewrite does). The
+    # cpu-testbed preset sets it, and rewriter.timing.device_calibration on such a placement
     copies_out_wait: bool = False
     # whether a tensor the host hands to the device keeps its host buffer (the CPU testbed's two logical CPUs
     # share one memory: the send/receive passes the buffer on): the change a host update sends to a weight's

@@ -189,8 +189,10 @@ def _entry_shares_buffer(g: OpGraph, tensor: int) -> bool:
     part (the tiny CNN's 6x6x2 float input, 288 B a sample, was copied: 2.3 KiB at batch 8 over its prediction)."""
     first = str(g.tensor_shape[tensor]).strip("()").split(",")[0]
     rows = 1 if first == "N" else int(first[2:]) if re.fullmatch(r"N\*[0-9]+", first) else 0
-    row_bytes = float(g.tensor_bytes_ab[tensor][1]) / rows if rows else 0.5
-    return row_bytes == int(row_bytes) and int(row_bytes) % SPLIT_SHARE_ALIGN_BYTES == 0
+    if not rows:  # the batch on another axis (or no shape known): TF's split copies
+        return False
+    row_bytes = float(g.tensor_bytes_ab[tensor][1]) / rows
+    return row_bytes.is_integer() and int(row_bytes) % SPLIT_SHARE_ALIGN_BYTES == 0
 
 
 def _part_shape(shape: str, share: str) -> str:
