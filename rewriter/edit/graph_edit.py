@@ -521,8 +521,7 @@ def _wait_for_copy(editor: GraphEditor, tensor: tuple[str, int], next_in_order: 
     if following and may_vanish(editor.nodes[following], editor.nodes, editor.foldable) \
             and not editor.in_fused_chain(following):  # where Grappler keeps it, it waits (and the next kept op)
         editor.nodes[following].input.append(f"^{copy}")
-    while following and may_vanish(editor.nodes[following], editor.nodes, editor.foldable):
-        following = next_in_order.get(following)
+    following = _next_kept(editor, tensor[0], next_in_order, past_chains=False)
     if following and editor.in_fused_chain(following):
         node = editor.nodes[following]
         data = editor.data_inputs(node)
@@ -538,9 +537,9 @@ def _wait_for_copy(editor: GraphEditor, tensor: tuple[str, int], next_in_order: 
     return following or "", ""
 
 
-def _next_kept(editor: GraphEditor, name: str, next_in_order: dict[str, str]) -> str:
-    """The first op after ``name`` in the chained order that Grappler keeps and that is no part of a
-    fused chain ("" at the end).
+def _next_kept(editor: GraphEditor, name: str, next_in_order: dict[str, str], *, past_chains: bool = True) -> str:
+    """The first op after ``name`` in the chained order that Grappler keeps and (``past_chains``) that is no part
+    of a fused chain ("" at the end).
 
     Where copies wait for the compute threads, TF's executor queues a copy out behind the ops it runs
     inline, one after the other in the chained order: measured on the testbed, a copy out ran right
@@ -553,7 +552,7 @@ def _next_kept(editor: GraphEditor, name: str, next_in_order: dict[str, str]) ->
     (``simulator.fusion.in_fused_chain``; the replay places it there too)."""
     following = next_in_order.get(name)
     while following and (may_vanish(editor.nodes[following], editor.nodes, editor.foldable)
-                         or editor.in_fused_chain(following)):
+                         or past_chains and editor.in_fused_chain(following)):
         following = next_in_order.get(following)
     return following or ""
 

@@ -135,8 +135,8 @@ def apply(model, plan, *, batch_size: int | None = None, graph=None, placement: 
             raise PlanError("a plan with split regions applies to a Keras model's own step (traced at a second batch "
                             "size to see which tensors grow with it)")
         following = trace_keras_step(model, traced.batch_size + 1, inputs, sample_weight=sample_weight)
-        # the regions name the rewritten step's ops: both traces rewritten the same way
-        shapes = BatchShapes.of(rewritten_step(traced, rewrites)[0], rewritten_step(following, rewrites)[0]) \
+        # the regions name the rewritten step's ops: both traces rewritten the same way (this one is already)
+        shapes = BatchShapes.of(replace(traced, concrete=rewritten), rewritten_step(following, rewrites)[0]) \
             if rewrites else BatchShapes.of(traced, following)
         weights = traced.input_names[-1:] if sample_weight else []  # the weight per sample: the last input
         regions = with_weighted_ops(graph_def, named.splits, shapes, named.order, weights)

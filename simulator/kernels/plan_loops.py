@@ -313,9 +313,10 @@ def _first_remaining_readers(buffers, fusion, rewired, swap_tensor, sync_out):
             continue
         tensor = swap_tensor[i]
         earliest = n_ops
-        for e in range(tensor_read_ptr[tensor], tensor_read_ptr[tensor + 1]):
-            if not rewired[tensor_read_id[e]] and sync_out[i] == 1:
-                earliest = min(earliest, position[tensor_read_consumer[e]])
+        if sync_out[i] == 1:  # the plan's own: its remaining readers wait
+            for e in range(tensor_read_ptr[tensor], tensor_read_ptr[tensor + 1]):
+                if not rewired[tensor_read_id[e]]:
+                    earliest = min(earliest, position[tensor_read_consumer[e]])
         first = earliest if earliest < n_ops else position[tensor_producer[tensor]] + 1
         while sync_out[i] == 2 and first < n_ops and (has_danger[op_at[first]] or endangered[op_at[first]]) \
                 and not wait_operand[op_at[first]]:
