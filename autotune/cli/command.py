@@ -316,15 +316,17 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
         target = resolve_target(settings["device"], settings["memory"], memory_from=settings["memory_from"],
                                 device_from=settings["device_from"])
         load_notes: list[str] = []
-        if settings["workers"] > 1:  # each worker's testbed, the model loaded in MultiWorkerMirroredStrategy's scope
-            model = load_multi_worker(lambda: load_user_model(settings, load_notes))
-        elif replicas != 1:  # the testbed's 2N logical CPUs, the model loaded in MirroredStrategy's scope
-            model = load_replicated(replicas, lambda: load_user_model(settings, load_notes))
+        # a budget given by --memory or --device becomes a GPU's memory limit (each replica's), so that what runs
+        # here is held to it
+        runs = measurement.measure or measurement.calibrates
+        gpu_limit = target.device_budget_bytes if target.limits_gpu and runs else None
+        if settings["workers"] > 1:  # each worker's GPUs or testbed, the model in MultiWorkerMirroredStrategy's scope
+            model = load_multi_worker(lambda: load_user_model(settings, load_notes), gpu_limit)
+        elif replicas != 1:  # N visible GPUs or the testbed's 2N logical CPUs, the model in MirroredStrategy's scope
+            model = load_replicated(replicas, lambda: load_user_model(settings, load_notes), gpu_limit)
         else:
-            if measurement.measure or measurement.calibrates:
-                # before TF's runtime starts: two logical CPUs when there is no GPU; on a GPU, a budget given by
-                # --memory or --device becomes GPU:0's memory limit, so the measured run is held to it
-                configure_testbed(gpu_memory_limit_bytes=target.device_budget_bytes if target.limits_gpu else None)
+            if runs:  # before TF's runtime starts: two logical CPUs when there is no GPU, else GPU:0's limit
+                configure_testbed(gpu_memory_limit_bytes=gpu_limit)
             model = load_user_model(settings, load_notes)  # the user's --import modules first
             import tensorflow as tf
 

@@ -1,14 +1,15 @@
 """``python -m autotune MODEL --replicas N``: a plan for training under ``tf.distribute.MirroredStrategy`` on N
-devices, made for one replica and measured on every replica of the CPU testbed (docs/design.md 14).
+devices, made for one replica and measured on every replica (docs/design.md 14).
 
-The model is loaded in the strategy's scope (the testbed's replicas ``CPU:0``, ``CPU:2``, ... with their hosts
-``CPU:1``, ``CPU:3``, ...) and tuned by ``autotune.tune`` as one device's model is: calibration, search,
-measured rounds with corrections, the report. What differs lives there (``autotune.run.confirm.tune_replicated``:
-one replica's step, the budget per device, 1/N of the host budget each; ``autotune.run.plan_run.ReplicatedRuns``:
-every replica measured). Here: what ``--replicas`` refuses before anything slow, the strategy a ``TF_CONFIG``
-implies, and the verdict per device the CLI prints. Under a ``TF_CONFIG`` of several workers every worker runs
-the command: worker 0 tunes, writes the report and decides; the others measure its plans on their replicas and
-print its verdict (``autotune.run.confirm.tune_workers``).
+The model is loaded in the strategy's scope (the first N visible GPUs, each held to the budget per device when
+one was given, their swaps to the machine's ``CPU:0``; without a GPU the testbed's replicas ``CPU:0``,
+``CPU:2``, ... with their hosts ``CPU:1``, ``CPU:3``, ...) and tuned by ``autotune.tune`` as one device's model
+is: calibration, search, measured rounds with corrections, the report. What differs lives there
+(``autotune.run.confirm.tune_replicated``: one replica's step, the budget per device, 1/N of the host budget
+each; ``autotune.run.plan_run.ReplicatedRuns``: every replica measured). Here: what ``--replicas`` refuses before
+anything slow, the strategy a ``TF_CONFIG`` implies, and the verdict per device the CLI prints. Under a
+``TF_CONFIG`` of several workers every worker runs the command: worker 0 tunes, writes the report and decides;
+the others measure its plans on their replicas and print its verdict (``autotune.run.confirm.tune_workers``).
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ def check_tf_config(environ=os.environ) -> int:
 
 
 def check_workers(workers: int, replicas: int, batch_size: int) -> None:
-    """Under a ``TF_CONFIG`` of several workers: one replica a worker on the testbed, the batch split evenly."""
+    """Under a ``TF_CONFIG`` of several workers: a worker's replicas are its visible GPUs (one on its CPU
+    testbed), never ``--replicas``; the batch split evenly over the workers (over their GPUs: at the capture)."""
     if replicas != 1:
-        raise InputError(f"TF_CONFIG names {workers} workers: each runs one replica on its CPU testbed, so leave "
-                         "out --replicas (it counts one machine's devices without TF_CONFIG)")
+        raise InputError(f"TF_CONFIG names {workers} workers: each runs a replica on each of its visible GPUs (one "
+                         "on its CPU testbed), so leave out --replicas (it counts one machine's devices without "
+                         "TF_CONFIG)")
     if batch_size % workers:
         raise InputError(f"--batch-size {batch_size} does not split evenly over the {workers} workers' replicas: "
                          f"give a multiple of {workers}")
@@ -70,42 +73,56 @@ def worker_folder(worker: int) -> str:
 
 
 def several_gpus_note(gpus: int) -> str | None:
-    """What the tool does beside several visible GPUs (a MirroredStrategy over them is what a user would train
-    with): the plan is one GPU's, which every replica would run; None for one GPU or none."""
+    """What the tool does beside several visible GPUs without ``--replicas``: the plan is one GPU's; None for one
+    GPU or none."""
     if gpus < 2:
         return None
-    return (f"{gpus} GPUs visible: the plan is made and measured for one of them (GPU:0); under MirroredStrategy "
-            f"every replica runs the same step, but its host memory is shared by the {gpus} replicas' swaps and "
-            "--replicas measures replicas on the CPU testbed only (docs/design.md 14)")
+    return (f"{gpus} GPUs visible: the plan is made and measured for one of them (GPU:0); to train under "
+            f"MirroredStrategy over them, tune with --replicas {gpus}: every replica runs the plan and their swaps "
+            "share this machine's host memory (docs/design.md 14)")
 
 
-def load_replicated(replicas: int, load: Callable[[], object]):
-    """Configure the testbed's 2N logical CPUs, then ``load()`` the model in ``MirroredStrategy``'s scope."""
+def gpu_replicas(replicas: int, gpus: int) -> list[str]:
+    """The devices of ``--replicas N``'s MirroredStrategy beside ``gpus`` visible GPUs: the first N; more replicas
+    than GPUs refused."""
+    if replicas > gpus:
+        raise InputError(f"--replicas {replicas} needs {replicas} GPUs and {gpus} "
+                         f"{'is' if gpus == 1 else 'are'} visible: give --replicas {gpus} or less")
+    return [f"/device:GPU:{k}" for k in range(replicas)]
+
+
+def load_replicated(replicas: int, load: Callable[[], object], gpu_memory_limit_bytes: int | None = None):
+    """``load()`` the model in the scope of ``MirroredStrategy`` over N devices: the first N visible GPUs
+    (``gpu_replicas``), each held to ``gpu_memory_limit_bytes`` (the budget per device the user named), else the
+    testbed's N replicas on its 2N logical CPUs."""
     import tensorflow as tf
 
-    from rewriter.placement.placements import configure_testbed
+    from rewriter.placement.placements import configure_testbed, limit_device_memory
     from rewriter.trace.replicas import testbed_replicas
 
-    if tf.config.list_physical_devices("GPU"):
-        raise InputError("--replicas runs on the CPU testbed only for now: a GPU is visible (docs/design.md 14)")
-    if not configure_testbed(2 * replicas):
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    devices = gpu_replicas(replicas, gpus) if gpus else testbed_replicas(replicas)
+    if gpus and gpu_memory_limit_bytes:
+        limit_device_memory(gpu_memory_limit_bytes, gpus=replicas)
+    if not gpus and not configure_testbed(2 * replicas):
         raise InputError(f"the testbed of {replicas} replicas needs {2 * replicas} logical CPUs, and TensorFlow "
                          "had started with fewer")
-    with tf.distribute.MirroredStrategy(testbed_replicas(replicas)).scope():
+    with tf.distribute.MirroredStrategy(devices).scope():
         return load()
 
 
-def load_multi_worker(load: Callable[[], object]):
-    """Each worker's testbed (its accelerator CPU:0, its host CPU:1), then ``load()`` the model in
-    ``MultiWorkerMirroredStrategy``'s scope (which waits for every worker the ``TF_CONFIG`` names)."""
+def load_multi_worker(load: Callable[[], object], gpu_memory_limit_bytes: int | None = None):
+    """``load()`` the model in ``MultiWorkerMirroredStrategy``'s scope (which waits for every worker the
+    ``TF_CONFIG`` names): a replica on each of this worker's visible GPUs, each held to ``gpu_memory_limit_bytes``
+    when given; without a GPU this worker's testbed (its accelerator CPU:0, its host CPU:1)."""
     import tensorflow as tf
 
-    from rewriter.placement.placements import configure_testbed
+    from rewriter.placement.placements import configure_testbed, limit_device_memory
 
-    if tf.config.list_physical_devices("GPU"):
-        raise InputError("a TF_CONFIG of several workers is tuned on the CPU testbed only for now: a GPU is visible "
-                         "(docs/design.md 14)")
-    if not configure_testbed(2):
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    if gpus and gpu_memory_limit_bytes:
+        limit_device_memory(gpu_memory_limit_bytes, gpus=gpus)
+    if not gpus and not configure_testbed(2):
         raise InputError("each worker's testbed needs 2 logical CPUs, and TensorFlow had started with fewer")
     with tf.distribute.MultiWorkerMirroredStrategy().scope():
         return load()
@@ -125,7 +142,8 @@ def device_lines(result) -> list[str]:
                                                                     f"predicted {format_bytes(predicted)} (not measured)"))
             continue
         lines.append(f"replica {k} on {device['device']}: measured {format_bytes(device['measured_bytes'])}, "
-                     f"predicted {format_bytes(device['predicted_on_testbed_bytes'])} on the testbed; "
+                     f"predicted {format_bytes(device['predicted_where_measured_bytes'])} "
+                     f"on {device['measured_on']}; "
                      f"{format_bytes(device['projected_bytes'])} carried to the target of "
                      f"{format_bytes(device['budget_bytes'])}: "
                      + ("confirmed" if device["confirmed"] else "not confirmed"

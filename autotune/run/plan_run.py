@@ -244,6 +244,7 @@ class WorkerReadings:
     swaps_survived: int | None = None
     problems: tuple[str, ...] = ()
     error: str | None = None
+    out_of_memory: bool = False  # on GPUs held to the budget: the plan's step ran out of memory (no rows)
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,7 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
     """``order`` applied to this process's replicas (``rewriter.apply_replicated``) and each one's peak measured
     (``rewriter.measure_replicas``); every worker of a cluster runs it together (the steps' all-reduces)."""
     import rewriter  # TensorFlow only when a plan is measured
+    import tensorflow as tf
     from rewriter.trace.step_inputs import synthetic_batch
 
     clock = clock or StageClock()
@@ -266,8 +268,12 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
     with clock.stage("apply"):
         step = rewriter.apply_replicated(model, order.plan, graph=order.plan_graph, batch_size=order.batch,
                                          inputs=inputs, verify_with=(x, y))
-    peaks = rewriter.measure_replicas(step, x, y)
-    step_s = rewriter.time_replicas(step, x, y, timed_steps)
+    try:
+        peaks = rewriter.measure_replicas(step, x, y)
+        step_s = rewriter.time_replicas(step, x, y, timed_steps)
+    except tf.errors.ResourceExhaustedError as error:  # GPUs held to the budget: a measured "does not fit"
+        log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+        return WorkerReadings(out_of_memory=True)
     plain = None
     if not order.has_actions:  # "fits without swapping" must hold for the step model.fit runs, TF's op order
         with clock.stage("apply"):
@@ -281,7 +287,8 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
     rows = tuple({"replica": step.replicas.first_replica + p.replica, "worker": task, "device": p.device,
                   "host": step.placements[p.replica].host, "measured_bytes": p.peak_bytes,
                   "host_peak_bytes": p.host_peak_bytes, "resident_bytes": p.resident_bytes,
-                  "unowned_bytes": p.unowned_bytes, "swaps_verified": not checks or checks[p.replica].ok,
+                  "unowned_bytes": p.unowned_bytes, "host_shared": p.host_shared,
+                  "swaps_verified": not checks or checks[p.replica].ok,
                   "swaps_survived": None if not checks else checks[p.replica].swap_outs} for p in peaks)
     return WorkerReadings(rows, step_s, plain, None if not checks else min(c.swap_outs for c in checks),
                           tuple(f"replica {step.replicas.first_replica + k}: {problem}" for k, c in enumerate(checks)
@@ -329,9 +336,9 @@ def tell_workers(replicas, finished: TuneFinished) -> None:
 
 @dataclass(frozen=True)
 class ReplicatedRuns:
-    """How ``autotune.run.confirm`` measures a plan for every replica of a ``MirroredStrategy`` model on the CPU
-    testbed (docs/design.md 14): the plan applied on each replica (``rewriter.apply_replicated``) at the global
-    batch, each replica's peak measured (``rewriter.measure_replicas``). The run's peak is the highest replica's
+    """How ``autotune.run.confirm`` measures a plan for every replica of a ``MirroredStrategy`` model, on its GPUs
+    or the CPU testbed (docs/design.md 14): the plan applied on each replica (``rewriter.apply_replicated``) at the
+    global batch, each replica's peak measured (``rewriter.measure_replicas``). The run's peak is the highest replica's
     (the check that confirms it confirms every replica); ``MeasuredRun.replicas`` holds each one's. Under
     ``MultiWorkerMirroredStrategy`` this is the chief's: every other worker runs the same plan
     (``follow_chief``) and sends its replicas' readings."""
@@ -346,9 +353,15 @@ class ReplicatedRuns:
         from rewriter.step.replicated import replica_placement
 
         replicas = self.replicas
-        batch = testbed_batch(result)  # per replica: the tuned one, or less where the testbed would be slow
+        placement = replica_placement(replicas, 0)
         workers = "" if replicas.workers == 1 else f" of each of {replicas.workers} workers"
-        return planned_run(result, placement=replica_placement(replicas, 0), batch=batch, note=(
+        if placement.measured_on == "gpu":  # the target itself, at the requested batch
+            return planned_run(result, placement=placement, note=(
+                f"Measured on each of the {replicas.count} GPUs{workers} (replica k on GPU:k, every replica's swaps "
+                f"to the machine's CPU:0) at global batch {replicas.in_sync * result.batch_size}, "
+                f"{result.batch_size} per replica."))
+        batch = testbed_batch(result)  # per replica: the tuned one, or less where the testbed would be slow
+        return planned_run(result, placement=placement, batch=batch, note=(
             f"Measured on each of the CPU testbed's {replicas.count} replicas{workers} (replica k on CPU:2k, its "
             f"host CPU:2k+1) at global batch {replicas.in_sync * batch}, {batch} per replica"
             + ("" if batch == result.batch_size else f" instead of {result.batch_size}") + "."))
@@ -372,9 +385,11 @@ class ReplicatedRuns:
         predicted = replay(planned.plan_graph, planned.plan, planned.device)
         survived = [r.swaps_survived for r in every if r.swaps_survived is not None]
         plain = [r.plain_peak_bytes for r in every if r.plain_peak_bytes is not None]
-        rows = tuple(row for r in every for row in r.replicas)
+        out_of_memory = any(r.out_of_memory for r in every)
+        rows = () if out_of_memory else tuple(row for r in every for row in r.replicas)
         return MeasuredRun(
-            measured_on="cpu-testbed", batch_size=planned.batch, peak_bytes=max(row["measured_bytes"] for row in rows),
+            measured_on=planned.placement.measured_on, batch_size=planned.batch,
+            peak_bytes=max((row["measured_bytes"] for row in rows), default=0), out_of_memory=out_of_memory,
             step_s=max(r.step_s for r in every), baseline_peak_bytes=None, baseline_step_s=None,
             predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s,
             predicted_baseline_peak_bytes=replay(planned.graph, None, planned.device).peak_bytes,

@@ -229,15 +229,17 @@ class TuneResult:
                 "predicted_bytes": None if shown is None else int(shown.peak_bytes),
                 "predicted_host_bytes": host_bytes,
                 **({} if row is None else {
-                    "predicted_on_testbed_bytes": m.predicted_peak_bytes, "measured_bytes": row["measured_bytes"],
+                    "predicted_where_measured_bytes": m.predicted_peak_bytes, "measured_bytes": row["measured_bytes"],
                     "projected_bytes": check.projected_bytes, "measured_host_bytes": row["host_peak_bytes"],
+                    "measured_on": m.measured_on, "host_shared": bool(row.get("host_shared")),
                     "swaps_verified": row["swaps_verified"], "check": check.describe(),
                     "confirmed": check.confirmed and row["swaps_verified"]})})
         host_budget = self.target.machine_host_budget_bytes or self.target.host_budget_bytes
         predicted_host = None if host_bytes is None else len(meta["devices"]) * host_bytes
         machines = {d["worker"] for d in devices}  # the fullest machine's host memory: its replicas' hosts
-        measured_host = max(sum(d["measured_host_bytes"] for d in devices if d["worker"] == worker)
-                            for worker in machines) \
+        def machine_bytes(rows: list[dict]) -> int:  # on GPUs every row holds the one pinned allocator's peak
+            return (max if any(r.get("host_shared") for r in rows) else sum)(r["measured_host_bytes"] for r in rows)
+        measured_host = max(machine_bytes([d for d in devices if d["worker"] == worker]) for worker in machines) \
             if all("measured_host_bytes" in d for d in devices) else None
         machine_host = predicted_host if measured_host is None else measured_host
         return {"devices": devices, "replicas": len(devices), "workers": meta.get("workers", 1),

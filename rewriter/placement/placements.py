@@ -294,23 +294,26 @@ def warn_if_onednn_off() -> bool:
     return off
 
 
-def limit_device_memory(budget_bytes: int) -> bool:
-    """Make ``budget_bytes`` GPU:0's memory limit (a logical device of that size). Only possible before
+def limit_device_memory(budget_bytes: int, gpus: int = 1) -> bool:
+    """Make ``budget_bytes`` the memory limit of each of the first ``gpus`` GPUs (a logical device of that size
+    on each: the replicas of ``--replicas N`` are held to the budget per device). Only possible before
     TensorFlow's runtime starts, i.e. before the model is loaded; returns whether it is in effect."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
+    visible = tf.config.list_physical_devices("GPU")[:gpus]
+    if not visible:
         return False
     limit_mib = max(1, int(budget_bytes) // 2**20)
-    current = tf.config.get_logical_device_configuration(gpus[0])
-    if current and getattr(current[0], "memory_limit", None) == limit_mib:
-        return True
-    try:
-        tf.config.set_logical_device_configuration(gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)])
-    except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
-        log.warning("TensorFlow's runtime had started before the budget of %.2f GiB could be set as GPU:0's memory "
-                    "limit: the measured run may use more than the budget and cannot show that a plan does not fit",
-                    budget_bytes / 2**30)
-        return False
+    for gpu in visible:
+        current = tf.config.get_logical_device_configuration(gpu)
+        if current and getattr(current[0], "memory_limit", None) == limit_mib:
+            continue
+        try:
+            limited = [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)]
+            tf.config.set_logical_device_configuration(gpu, limited)
+        except RuntimeError:  # "Virtual devices cannot be modified after being initialized"
+            log.warning("TensorFlow's runtime had started before the budget of %.2f GiB could be set as the memory "
+                        "limit of %s: the measured run may use more than the budget and cannot show that a plan does "
+                        "not fit", budget_bytes / 2**30, gpu.name.replace("/physical_device:", ""))
+            return False
     return True
 
 

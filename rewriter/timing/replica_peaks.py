@@ -29,8 +29,9 @@ from rewriter.trace import state_kinds
 @dataclass(frozen=True)
 class ReplicaPeak:
     """One replica's measured step: ``peak_bytes`` (its device side, requested bytes, resident included),
-    ``host_peak_bytes`` (its swap-outs' copies), ``resident_bytes`` (variables, batch share, constants),
-    ``unowned_bytes`` (allocations of the call no replica's op made, left out: the runtime's own)."""
+    ``host_peak_bytes`` (its swap-outs' copies; with ``host_shared``, every replica's on the machine: GPUs share
+    one pinned host allocator), ``resident_bytes`` (variables, batch share, constants), ``unowned_bytes``
+    (allocations of the call no replica's op made, left out: the runtime's own)."""
 
     replica: int
     device: str
@@ -38,6 +39,7 @@ class ReplicaPeak:
     host_peak_bytes: int
     resident_bytes: int
     unowned_bytes: int
+    host_shared: bool = False
 
 
 def _state_bytes(step, flat: list[tf.Tensor], k: int) -> int:
@@ -144,5 +146,5 @@ def gpu_replica_peaks(events, placements, *, resident_bytes, allocator_peak_byte
         reading = gpu_reading(events, device, allocator_peak_bytes=allocator_peak_bytes[k], current_bytes=0,
                               resident_bytes=resident_bytes[k], allocator_prefix=place.allocator_prefix)
         peaks.append(ReplicaPeak(k, place.accelerator, reading.peak_bytes, int(reading.host_peak_bytes or 0),
-                                 reading.resident_bytes, 0))
+                                 reading.resident_bytes, 0, host_shared=True))
     return tuple(peaks)

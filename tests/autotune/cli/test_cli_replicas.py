@@ -36,7 +36,8 @@ TWO_WORKERS = {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}
 
 @pytest.mark.parametrize("tf_config,flags,message", [
     ({"cluster": TWO_WORKERS, "task": {"type": "worker", "index": 0}}, ["--replicas", "2"],
-     "TF_CONFIG names 2 workers: each runs one replica on its CPU testbed, so leave out --replicas"),
+     "TF_CONFIG names 2 workers: each runs a replica on each of its visible GPUs (one on its CPU testbed), so "
+     "leave out --replicas"),
     ({"cluster": TWO_WORKERS, "task": {"type": "worker", "index": 0}}, ["--batch-size", "15"],
      "--batch-size 15 does not split evenly over the 2 workers' replicas"),
     ({"cluster": TWO_WORKERS, "task": {"type": "worker", "index": 2}}, [],
@@ -58,12 +59,91 @@ def test_what_a_tf_config_cannot_run_is_refused_in_one_line(model_dir, capsys, m
 def test_a_tf_config_of_one_worker_is_one_machine_and_several_gpus_are_said():
     from autotune.cli.replicas import check_tf_config, several_gpus_note
 
-    assert several_gpus_note(1) is None and "shared by the 4 replicas' swaps" in several_gpus_note(4)
+    assert several_gpus_note(1) is None and "tune with --replicas 4" in several_gpus_note(4)
 
     assert check_tf_config({"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:20001"]}})}) == 1
     assert check_tf_config({}) == 1
     chief = {"cluster": {"chief": ["127.0.0.1:20000"], **TWO_WORKERS}, "task": {"type": "chief", "index": 0}}
     assert check_tf_config({"TF_CONFIG": json.dumps(chief)}) == 3
+
+
+@pytest.mark.tf
+def test_beside_gpus_replicas_are_the_first_n_gpus_each_held_to_the_budget(monkeypatch):
+    """``--replicas N`` beside visible GPUs (none here: TensorFlow's device list and strategies stood in for):
+    ``MirroredStrategy`` over GPU:0..N-1, each GPU's memory limit the budget per device; more replicas than GPUs
+    refused in one line; a TF_CONFIG's worker takes every GPU it sees, each held to the budget."""
+    import contextlib
+
+    import tensorflow as tf
+
+    from autotune.cli.replicas import gpu_replicas, load_multi_worker, load_replicated
+    from autotune.inputs import InputError
+
+    gpus = [tf.config.PhysicalDevice(name=f"/physical_device:GPU:{k}", device_type="GPU") for k in range(3)]
+    limits, strategies = {}, []
+
+    class Strategy:
+        def __init__(self, devices=None):
+            strategies.append(devices)
+
+        def scope(self):
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: gpus if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda gpu: None)
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration",
+                        lambda gpu, configs: limits.__setitem__(gpu.name, configs[0].memory_limit))
+    monkeypatch.setattr(tf.distribute, "MirroredStrategy", Strategy)
+    monkeypatch.setattr(tf.distribute, "MultiWorkerMirroredStrategy", Strategy)
+
+    assert load_replicated(2, lambda: "loaded", 6 * 2**30) == "loaded"
+    assert strategies == [["/device:GPU:0", "/device:GPU:1"]]
+    assert limits == {"/physical_device:GPU:0": 6144, "/physical_device:GPU:1": 6144}
+    limits.clear()
+    assert load_replicated(3, lambda: "loaded") == "loaded" and strategies[-1] == gpu_replicas(3, 3) and not limits
+    with pytest.raises(InputError, match="--replicas 4 needs 4 GPUs and 3 are visible: give --replicas 3 or less"):
+        load_replicated(4, lambda: "loaded")
+    assert load_multi_worker(lambda: "loaded", 2**30) == "loaded" and strategies[-1] is None
+    assert sorted(limits.values()) == [1024] * 3
+
+
+@pytest.mark.tf
+def test_a_replicated_run_on_gpus_is_measured_there_at_the_requested_batch():
+    """The measured run of a replicated plan on GPUs (built here without one: a ``Replicas`` on GPU:0 and GPU:1):
+    at the requested batch on the GPUs themselves, said so; the machine's host memory is the one pinned
+    allocator's peak every GPU row holds, not their sum (on the testbed each replica's host is its own)."""
+    from dataclasses import replace
+
+    from autotune.run.plan_run import ReplicatedRuns
+    from autotune.run.tuning import MeasuredRun, tune_graph
+    from rewriter.trace.replicas import Replicas
+    from simulator.synthetic import training_graph
+
+    graph = training_graph(12, batch_size=8)
+    result = tune_graph(graph, device="v100-16gb", memory=int(0.7 * graph.persistent_bytes
+                                                               + 0.3 * 12 * 4 * 2**20), trials=20, seed=0)
+    gpus = tuple(f"/job:localhost/replica:0/task:0/device:GPU:{k}" for k in range(2))
+    replicas = Replicas(None, gpus, ("/device:CPU:0",) * 2, 2, 0)
+    planned = ReplicatedRuns(None, None, replicas).planned(result)
+    assert planned.on_gpu and planned.batch == result.batch_size == 8 and planned.device is result.device
+    assert planned.placement.accelerator == "/device:GPU:0" and "each of the 2 GPUs" in planned.note
+    assert "global batch 16, 8 per replica" in planned.note
+
+    meta = {"devices": list(gpus), "hosts": ["/device:CPU:0"] * 2, "in_sync": 2, "workers": 1,
+            "per_replica_batch_size": 8, "all_reduce_bytes": 4096, "all_reduce_ops": 1}
+    rows = tuple({"replica": k, "worker": 0, "device": device, "host": "/device:CPU:0", "measured_bytes": 1000 + k,
+                  "host_peak_bytes": 5000, "resident_bytes": 100, "unowned_bytes": 0, "host_shared": True,
+                  "swaps_verified": True, "swaps_survived": None} for k, device in enumerate(gpus))
+    run = MeasuredRun(measured_on="gpu", batch_size=8, peak_bytes=1001, step_s=0.1, baseline_peak_bytes=None,
+                      baseline_step_s=None, predicted_peak_bytes=1000, predicted_step_s=0.1,
+                      predicted_baseline_peak_bytes=2000, replicas=rows)
+    on_gpus = replace(result, graph=replace(result.graph, meta={**result.graph.meta, "replicas": meta}),
+                      measurement=run)
+    memory = on_gpus.replica_memory()
+    assert memory["machine"]["measured_host_bytes"] == 5000
+    assert [d["measured_on"] for d in memory["devices"]] == ["gpu", "gpu"]
+    testbed = replace(run, measured_on="cpu-testbed", replicas=tuple({**row, "host_shared": False} for row in rows))
+    assert replace(on_gpus, measurement=testbed).replica_memory()["machine"]["measured_host_bytes"] == 10000
 
 
 @pytest.mark.tf
@@ -175,7 +255,7 @@ def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(saved, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "fits" and summary["confirmed_by_measurement"]
     for device in _devices_confirmed(summary):
-        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05
+        assert abs(device["measured_bytes"] / device["predicted_where_measured_bytes"] - 1) <= 0.05
     assert summary["swaps"] or summary["recomputes"]
     assert summary["target"]["host_budget_source"].endswith("shared by 2 replicas: 32.00 GiB each")
     machine = summary["replicas"]["machine"]
@@ -217,7 +297,7 @@ def test_a_budget_under_one_replicas_floor_splits_its_batch_on_every_replica(sav
     assert summary["headline"].startswith(f"Fits with the batch split in {parts} parts") and parts >= 2, done.stdout
     assert summary["confirmed_by_measurement"], done.stdout
     for device in _devices_confirmed(summary, budget=budget):
-        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05, done.stdout
+        assert abs(device["measured_bytes"] / device["predicted_where_measured_bytes"] - 1) <= 0.05, done.stdout
         assert device["measured_bytes"] < floor
 
 
@@ -242,7 +322,7 @@ def test_under_a_tf_config_of_two_workers_worker_0_tunes_and_every_worker_measur
         for k in range(2)]
     for device in memory["devices"]:
         assert device["confirmed"] and device["projected_bytes"] <= BUDGET, device
-        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05, device
+        assert abs(device["measured_bytes"] / device["predicted_where_measured_bytes"] - 1) <= 0.05, device
     assert summary["verdict"] == "fits" and (summary["swaps"] or summary["recomputes"])
     assert "MultiWorkerMirroredStrategy (2 workers" in (out / "report.html").read_text()
     verdict = f"verdict: {summary['headline']}"
@@ -287,7 +367,7 @@ def test_optimizer_slots_move_to_each_replicas_host_when_its_state_is_over_the_b
     assert summary["headline"].startswith("Fits with optimizer state on the host") and summary["host_state"]
     assert [item["variable"] for item in plan["host_state"]] == summary["host_state"]
     for device in _devices_confirmed(summary, budget=10 * 2**20):
-        assert abs(device["measured_bytes"] / device["predicted_on_testbed_bytes"] - 1) <= 0.05, done.stdout
+        assert abs(device["measured_bytes"] / device["predicted_where_measured_bytes"] - 1) <= 0.05, done.stdout
         assert device["predicted_host_bytes"] >= summary["host_state_bytes"] > 0
     machine = summary["replicas"]["machine"]
     assert machine["predicted_host_bytes"] == 2 * device["predicted_host_bytes"] and machine["within_budget"]
@@ -343,7 +423,7 @@ def test_a_replica_measured_above_its_prediction_corrects_the_search(saved, tmp_
     assert len(rounds) >= 2 and not rounds[0]["confirmed"] and rounds[-1]["confirmed"], rounds
     assert summary["peak_correction"]["excess_bytes"] >= 60 * 1024 * 0.9
     for device in _devices_confirmed(summary):
-        assert device["measured_bytes"] > device["predicted_on_testbed_bytes"]
+        assert device["measured_bytes"] > device["predicted_where_measured_bytes"]
 
 
 @pytest.mark.tf
