@@ -33,11 +33,6 @@ def mixed_precision(enabled: bool = True) -> Iterator[None]:
         keras.mixed_precision.set_global_policy(before)
 
 
-# ---------------------------------------------------------------------- keras.applications
-
-
-
-
 # ---------------------------------------------------------------------- small hand-built models
 
 

@@ -40,7 +40,7 @@ def _swap_out_end(i, out_end, late, finish_plain, seg_slot, seg_shift, seg_count
 @njit(cache=True, nogil=True)
 def schedule(step, plan, slots, in_tensor, sync_wait):
     """The event pass of ``plan`` (``PlanArrays``; ``slots``: its ``SlotPlan``; ``in_tensor``: each
-    swap-in's tensor; ``sync_wait``: ``plan_loops._first_remaining_readers``) on ``step`` (a
+    swap-in's tensor; ``sync_wait``: ``plan_loops._sync_copy_waiters``) on ``step`` (a
     ``StepRecord``): walk the slots that wait for a transfer in order, shifting later ops by the stall.
 
     Queues are FIFO by ready time; a transfer's ready time depends only on slots before the one

@@ -291,15 +291,15 @@ def prepare(graph, plan, fused_wait, safe_slot):
 
 
 @njit(cache=True, nogil=True)
-def _first_remaining_readers(buffers, fusion, rewired, swap_tensor, sync_out):
-    """Per swapped tensor with a synchronous copy out: the first slot that still reads it on the
-    device (its reads not rewired to a swap-in; they wait for the copy), or when none does, the slot
-    after its producer's (so the copy frees the buffer before the step goes on); -1 elsewhere or
-    where the producer runs last. ``sync_out`` 2 (a copy the step waits for only because the device's
-    copies wait for compute, ``replay._waited_copies_out``): the slot after its producer's whatever reads
-    it, as the rewriter places that wait, but past ops of a fused chain, which a control edge would keep
-    unfused (``simulator.fusion.in_fused_chain``), unless the op takes the wait through an operand
-    (``simulator.fusion.WAIT_OPERANDS``)."""
+def _sync_copy_waiters(buffers, fusion, rewired, swap_tensor, sync_out):
+    """Per swapped tensor with a synchronous copy out, the slot that waits for that copy: the first slot
+    that still reads it on the device (its reads not rewired to a swap-in; they wait for the copy), or
+    when none does, the slot after its producer's (so the copy frees the buffer before the step goes on);
+    -1 elsewhere or where the producer runs last. ``sync_out`` 2 (a copy the step waits for only because
+    the device's copies wait for compute, ``replay._waited_copies_out``): the slot after its producer's
+    whatever reads it, as the rewriter places that wait, but past ops of a fused chain, which a control
+    edge would keep unfused (``simulator.fusion.in_fused_chain``), unless the op takes the wait through an
+    operand (``simulator.fusion.WAIT_OPERANDS``)."""
     position, tensor_producer = buffers.position, buffers.tensor_producer
     tensor_read_ptr, tensor_read_consumer = buffers.tensor_read_ptr, buffers.tensor_read_consumer
     tensor_read_id = buffers.tensor_read_id
@@ -368,7 +368,7 @@ def replay_plan(step, plan, overlap):
     slots = prepare(graph, plan, fused_wait, safe_slot)
     # the swapped buffers' lifetimes; the original buffer's remaining readers
     lifetimes = _lifetimes(graph.buffers, rewired, slots.roots, swap_tensor, slots.swap_root)
-    sync_wait = _first_remaining_readers(graph.buffers, graph.fusion, rewired, swap_tensor, plan.sync_out)
+    sync_wait = _sync_copy_waiters(graph.buffers, graph.fusion, rewired, swap_tensor, plan.sync_out)
     slots = _copies_before_their_waits(slots, plan.sync_out, sync_wait, plan.after_copies_out)
     transfers = schedule(step, plan, slots, in_tensor, sync_wait)
     memory = account(step, plan, far, slots, lifetimes, transfers)
