@@ -40,6 +40,9 @@ def state_refusal(model) -> str | None:
     if optimizer is None:
         return "the model has no optimizer"
     name = type(optimizer).__name__
+    if hasattr(optimizer, "inner_optimizer"):  # Keras wraps a mixed_float16 model's optimizer in it
+        return (f"{name} (mixed precision's loss scaling around {type(optimizer.inner_optimizer).__name__}) applies "
+                "the update inside a branch, skipped where a gradient is not finite: its state stays on the device")
     if _class_name(optimizer) not in KNOWN_SLOTS:
         return (f"optimizer {name} is not one whose slots and update the tool knows (Keras' SGD, Adam, AdamW): "
                 "its state stays on the device")
