@@ -116,10 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
     run.add_argument("--replicas", type=int, default=1, metavar="N",
                      help="train under MirroredStrategy on N devices: a plan for one replica, the budget and verdict "
-                          "per device, the host budget shared by the replicas; measured on the CPU testbed's N "
-                          "replicas. Under a TF_CONFIG of several workers run the command on every worker instead "
-                          "(MultiWorkerMirroredStrategy, one replica each; worker 0 decides and writes the report, "
-                          "worker k the same into --out/worker-k; docs/design.md 14)")
+                          "per device, the host budget shared by the replicas; measured on the first N visible "
+                          "GPUs, else on the CPU testbed's N replicas. Under a TF_CONFIG of several workers run the "
+                          "command on every worker instead (MultiWorkerMirroredStrategy, a replica on each of a "
+                          "worker's GPUs, one on its CPU testbed; worker 0 decides and writes the report, worker k "
+                          "the same into --out/worker-k; docs/design.md 14)")
     run.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                      help="measure step times on this machine (the model's own step profiled at two batch sizes, "
                           "copies and swapped steps timed) instead of the preset's datasheet estimate: the search "

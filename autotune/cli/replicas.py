@@ -138,12 +138,14 @@ def device_lines(result) -> list[str]:
     for k, device in enumerate(memory["devices"]):
         if "measured_bytes" not in device:
             predicted = device["predicted_bytes"]
-            lines.append(f"replica {k} on {device['device']}: " + ("no plan" if predicted is None else
-                                                                    f"predicted {format_bytes(predicted)} (not measured)"))
+            lines.append(f"replica {k} on {device['device']}: " + (
+                "no plan" if predicted is None else f"predicted {format_bytes(predicted)} ("
+                + (f"out of memory on {memory['measured_on']} held to the budget)" if memory["out_of_memory"]
+                   else "not measured)")))
             continue
         lines.append(f"replica {k} on {device['device']}: measured {format_bytes(device['measured_bytes'])}, "
                      f"predicted {format_bytes(device['predicted_where_measured_bytes'])} "
-                     f"on {device['measured_on']}; "
+                     f"on {memory['measured_on']}; "
                      f"{format_bytes(device['projected_bytes'])} carried to the target of "
                      f"{format_bytes(device['budget_bytes'])}: "
                      + ("confirmed" if device["confirmed"] else "not confirmed"

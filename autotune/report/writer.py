@@ -253,13 +253,14 @@ def _replicas_section(memory: dict, budget_bytes: int, images: dict[str, Path]) 
     def size(value) -> str:
         return "" if value is None else format_bytes(value)
 
-    where = next((d["measured_on"] for d in memory["devices"] if "measured_on" in d), "cpu-testbed")
+    where = memory["measured_on"] or "not measured"
     devices = pd.DataFrame([(f"replica {k}", d["device"], d["host"], size(d["predicted_bytes"]),
                              size(d.get("predicted_where_measured_bytes")), size(d.get("measured_bytes")),
                              size(d.get("projected_bytes")), size(d["budget_bytes"]),
                              "the machine's (below)" if d.get("host_shared") else size(d.get("measured_host_bytes")),
-                             "not measured" if "confirmed" not in d else "confirmed" if d["confirmed"]
-                             else "not confirmed") for k, d in enumerate(memory["devices"])],
+                             ("out of memory" if memory["out_of_memory"] else "not measured") if "confirmed" not in d
+                             else "confirmed" if d["confirmed"] else "not confirmed")
+                            for k, d in enumerate(memory["devices"])],
                            columns=["", "device", "host", "predicted (target)", f"predicted ({where})",
                                     f"measured ({where})", "measured, carried to the target", "budget per device",
                                     "host memory measured", "verdict"])

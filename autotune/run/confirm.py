@@ -11,6 +11,7 @@ never changed after the fact; the CLI and ``tune()`` both come through here.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
@@ -392,6 +393,7 @@ def replica_calibration(model, graph, inputs: StepInputs, *, recalibrate: bool,
     (``CalibratedDevice.for_graph``; the all-reduce's and the optimizer's, named apart, take the roofline). None,
     said, when the model cannot be copied off the strategy (a subclassed model without ``get_config``)."""
     import keras  # TensorFlow only when a model is tuned
+    from rewriter.timing.built_steps import forget_unswapped
     from rewriter.trace.tracing import capture
 
     per_replica = int(graph.meta["replicas"]["per_replica_batch_size"])
@@ -405,6 +407,9 @@ def replica_calibration(model, graph, inputs: StepInputs, *, recalibrate: bool,
         return None
     single = capture(plain, per_replica, inputs, name=graph.meta.get("model"))
     calibrated = calibrate_for(plain, single, per_replica, inputs, say=say, recalibrate=recalibrate)
+    forget_unswapped(plain)  # the copy's steps and variables leave the device replica 0 is measured on
+    del plain
+    gc.collect()
     served = calibrated.for_graph(graph, single, f"one replica's step timed by the single-device step's "
                                                  f"calibration at batch {per_replica}")
     say(served.notes[-1])

@@ -42,7 +42,7 @@ class PlanRun:
     """One plan predicted, applied and measured: ``readings`` holds one ``rewriter.Measurement`` per
     measured call (the first times ``repeats`` steps, each one profiles a step's memory); none when
     the step ran out of memory (on a GPU whose memory limit is the budget: a measured "does not fit",
-    not a crash)."""
+    not a crash), ``step`` None too when that happened in the apply's verifying first call."""
 
     plan: SwapPlan
     predicted: Replay
@@ -68,12 +68,17 @@ def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, b
     more profiled steps (a measured peak moves by a few % from step to step). ``clock``: the apply is
     timed as its own stage."""
     import rewriter  # TensorFlow only when a plan is measured
+    import tensorflow as tf
 
     predicted = replay(graph, plan, device)
     with (clock or StageClock()).stage("apply"):
-        step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement,
-                              verify=verify, verify_with=batch if verify else None,
-                              **({} if inputs is None else {"inputs": inputs}))
+        try:  # the verification runs the step's first call
+            step = rewriter.apply(model, plan, graph=graph, batch_size=graph.batch_size, placement=placement,
+                                  verify=verify, verify_with=batch if verify else None,
+                                  **({} if inputs is None else {"inputs": inputs}))
+        except tf.errors.ResourceExhaustedError as error:
+            log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+            return PlanRun(plan, predicted, None, [])
     return PlanRun(plan, predicted, step, _readings(step, *batch, warmup=warmup, repeats=repeats,
                                                     peak_repeats=peak_repeats))
 
@@ -265,13 +270,13 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
 
     clock = clock or StageClock()
     x, y = synthetic_batch(model, order.batch, inputs)
-    with clock.stage("apply"):
-        step = rewriter.apply_replicated(model, order.plan, graph=order.plan_graph, batch_size=order.batch,
-                                         inputs=inputs, verify_with=(x, y))
-    try:
+    try:  # GPUs held to the budget: out of memory (the apply's verifying first call included) is a measured
+        with clock.stage("apply"):  # "does not fit"
+            step = rewriter.apply_replicated(model, order.plan, graph=order.plan_graph, batch_size=order.batch,
+                                             inputs=inputs, verify_with=(x, y))
         peaks = rewriter.measure_replicas(step, x, y)
         step_s = rewriter.time_replicas(step, x, y, timed_steps)
-    except tf.errors.ResourceExhaustedError as error:  # GPUs held to the budget: a measured "does not fit"
+    except tf.errors.ResourceExhaustedError as error:
         log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
         return WorkerReadings(out_of_memory=True)
     plain = None
@@ -280,8 +285,11 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
             own = rewriter.apply_replicated(model, SwapPlan.empty(order.graph).to_named(order.graph),
                                             graph=order.graph, batch_size=order.batch, inputs=inputs,
                                             serialize=False, verify=False)
-        plain = max(peak.peak_bytes for _ in range(PLAIN_FIT_PEAK_RUNS)
-                    for peak in rewriter.measure_replicas(own, x, y))
+        try:
+            plain = max(peak.peak_bytes for _ in range(PLAIN_FIT_PEAK_RUNS)
+                        for peak in rewriter.measure_replicas(own, x, y))
+        except tf.errors.ResourceExhaustedError:  # model.fit's own order does not fit: the serialized step does
+            log.info("model.fit's own step ran out of memory at global batch %d", order.batch)
     checks = step.verification or ()
     task = step.replicas.task
     rows = tuple({"replica": step.replicas.first_replica + p.replica, "worker": task, "device": p.device,
@@ -357,8 +365,8 @@ class ReplicatedRuns:
         workers = "" if replicas.workers == 1 else f" of each of {replicas.workers} workers"
         if placement.measured_on == "gpu":  # the target itself, at the requested batch
             return planned_run(result, placement=placement, note=(
-                f"Measured on each of the {replicas.count} GPUs{workers} (replica k on GPU:k, every replica's swaps "
-                f"to the machine's CPU:0) at global batch {replicas.in_sync * result.batch_size}, "
+                f"Measured on each of the {replicas.count} GPUs{workers} (each replica on its own GPU, every "
+                f"replica's swaps to its machine's CPU:0) at global batch {replicas.in_sync * result.batch_size}, "
                 f"{result.batch_size} per replica."))
         batch = testbed_batch(result)  # per replica: the tuned one, or less where the testbed would be slow
         return planned_run(result, placement=placement, batch=batch, note=(
@@ -390,7 +398,8 @@ class ReplicatedRuns:
         return MeasuredRun(
             measured_on=planned.placement.measured_on, batch_size=planned.batch,
             peak_bytes=max((row["measured_bytes"] for row in rows), default=0), out_of_memory=out_of_memory,
-            step_s=max(r.step_s for r in every), baseline_peak_bytes=None, baseline_step_s=None,
+            step_s=float("nan") if out_of_memory else max(r.step_s for r in every),
+            baseline_peak_bytes=None, baseline_step_s=None,
             predicted_peak_bytes=predicted.peak_bytes, predicted_step_s=predicted.step_s,
             predicted_baseline_peak_bytes=replay(planned.graph, None, planned.device).peak_bytes,
             note=planned.note, swaps_planned=planned.plan.n_swaps, swaps_survived=min(survived) if survived else None,
@@ -443,7 +452,7 @@ def _measure_result(model, result: TuneResult, inputs: StepInputs, planned: Plan
         plain = plain_fit_reading(rewriter.KerasStep(model), data)
         if plain is None:
             log.info("model.fit's own step ran out of memory at batch %d", batch)
-    verification = run.step.verification
+    verification = None if run.step is None else run.step.verification
     if measured is not None:
         log.info("measured at batch %d: peak %s (predicted %s)", batch, format_bytes(measured.peak_bytes),
                  format_bytes(predicted.peak_bytes))

@@ -231,9 +231,8 @@ class TuneResult:
                 **({} if row is None else {
                     "predicted_where_measured_bytes": m.predicted_peak_bytes, "measured_bytes": row["measured_bytes"],
                     "projected_bytes": check.projected_bytes, "measured_host_bytes": row["host_peak_bytes"],
-                    "measured_on": m.measured_on, "host_shared": bool(row.get("host_shared")),
-                    "swaps_verified": row["swaps_verified"], "check": check.describe(),
-                    "confirmed": check.confirmed and row["swaps_verified"]})})
+                    "host_shared": bool(row.get("host_shared")), "swaps_verified": row["swaps_verified"],
+                    "check": check.describe(), "confirmed": check.confirmed and row["swaps_verified"]})})
         host_budget = self.target.machine_host_budget_bytes or self.target.host_budget_bytes
         predicted_host = None if host_bytes is None else len(meta["devices"]) * host_bytes
         machines = {d["worker"] for d in devices}  # the fullest machine's host memory: its replicas' hosts
@@ -243,6 +242,7 @@ class TuneResult:
             if all("measured_host_bytes" in d for d in devices) else None
         machine_host = predicted_host if measured_host is None else measured_host
         return {"devices": devices, "replicas": len(devices), "workers": meta.get("workers", 1),
+                "measured_on": None if m is None else m.measured_on, "out_of_memory": bool(m and m.out_of_memory),
                 "global_batch_size": meta.get("in_sync", len(devices)) * self.batch_size,
                 "per_replica_batch_size": self.batch_size, "all_reduce_bytes": meta["all_reduce_bytes"],
                 "all_reduce_ops": meta["all_reduce_ops"],

@@ -81,6 +81,13 @@ def unswapped_step(model, graph: OpGraph, batch: int, place: Placement | None, i
     return built
 
 
+def forget_unswapped(model) -> None:
+    """Drop the unswapped steps kept for ``model`` (``unswapped_step``): a copy of a model built only to be
+    calibrated then holds no memory of the device the model itself is measured on."""
+    for key in [key for key in _UNSWAPPED if key[0] == id(model)]:
+        _UNSWAPPED.pop(key)
+
+
 def warm_up(model, built: BuiltStep, place: Placement | None = None) -> None:
     """Two calls of ``built``: the first optimizes the function, the second runs as every later one. With
     ``place``, a first call is profiled for the constants its kernels make (``SwapStep.constant_bytes``, what

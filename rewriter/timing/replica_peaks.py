@@ -96,7 +96,8 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
     finally:
         snapshot.restore()
     if on_gpus:
-        return gpu_replica_peaks(traced, step.placements, resident_bytes=resident, allocator_peak_bytes=allocator_peaks)
+        return gpu_replica_peaks(traced, step.placements, devices=step.replicas.devices, resident_bytes=resident,
+                                 allocator_peak_bytes=allocator_peaks)
     measured = traced["call"] == traced["call"].max()
     owners = step.event_owners(traced)
     events, mine = traced[measured], owners[measured]
@@ -135,16 +136,18 @@ def time_replicas(step, x, y, repeats: int) -> float:
     return float(np.median(times[1:]))
 
 
-def gpu_replica_peaks(events, placements, *, resident_bytes, allocator_peak_bytes) -> tuple[ReplicaPeak, ...]:
+def gpu_replica_peaks(events, placements, *, devices, resident_bytes,
+                      allocator_peak_bytes) -> tuple[ReplicaPeak, ...]:
     """Each replica's peak on its GPU from one profiled step's memory events: a GPU's allocator (``GPU_k_bfc``)
     holds its replica's allocations alone, read in requested bytes on top of ``resident_bytes[k]``
     (``rewriter.placement.placements.gpu_reading``). The replicas' host copies share the machine's pinned
-    allocator, so ``host_peak_bytes`` is the machine's, the same on every row."""
+    allocator, so ``host_peak_bytes`` is the machine's, the same on every row. Each row is named by the
+    strategy's device (``devices[k]``, ``Replicas.devices``), as the capture names it."""
     peaks = []
     for k, place in enumerate(placements):
         device = place.accelerator.rsplit("device:", 1)[-1]
         reading = gpu_reading(events, device, allocator_peak_bytes=allocator_peak_bytes[k], current_bytes=0,
                               resident_bytes=resident_bytes[k], allocator_prefix=place.allocator_prefix)
-        peaks.append(ReplicaPeak(k, place.accelerator, reading.peak_bytes, int(reading.host_peak_bytes or 0),
+        peaks.append(ReplicaPeak(k, devices[k], reading.peak_bytes, int(reading.host_peak_bytes or 0),
                                  reading.resident_bytes, 0, host_shared=True))
     return tuple(peaks)

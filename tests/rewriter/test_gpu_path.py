@@ -172,8 +172,9 @@ def test_each_replicas_gpu_peak_is_read_from_its_own_allocator():
         (7, "free", 11, 3000, 3072, "replica_1/conv", "GPU_1_bfc"),
     ])
     placements = (rewriter.GpuPlacement(accelerator="/device:GPU:0"), rewriter.GpuPlacement(accelerator="/device:GPU:1"))
-    peaks = gpu_replica_peaks(events, placements, resident_bytes=[100, 300], allocator_peak_bytes=[4096, 8192])
+    devices = tuple(f"/job:localhost/replica:0/task:0/device:GPU:{k}" for k in range(2))  # as the strategy names them
+    peaks = gpu_replica_peaks(events, placements, devices=devices, resident_bytes=[100, 300],
+                              allocator_peak_bytes=[4096, 8192])
     assert [p.peak_bytes for p in peaks] == [100 + 1000, 300 + 3000]
-    assert [p.resident_bytes for p in peaks] == [100, 300] and [p.device for p in peaks] == ["/device:GPU:0",
-                                                                                             "/device:GPU:1"]
-    assert [p.host_peak_bytes for p in peaks] == [1200, 1200]
+    assert [p.resident_bytes for p in peaks] == [100, 300] and tuple(p.device for p in peaks) == devices
+    assert [p.host_peak_bytes for p in peaks] == [1200, 1200] and all(p.host_shared for p in peaks)

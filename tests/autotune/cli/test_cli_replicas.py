@@ -141,7 +141,7 @@ def test_a_replicated_run_on_gpus_is_measured_there_at_the_requested_batch():
                       measurement=run)
     memory = on_gpus.replica_memory()
     assert memory["machine"]["measured_host_bytes"] == 5000
-    assert [d["measured_on"] for d in memory["devices"]] == ["gpu", "gpu"]
+    assert memory["measured_on"] == "gpu" and len(memory["devices"]) == 2 and not memory["out_of_memory"]
     testbed = replace(run, measured_on="cpu-testbed", replicas=tuple({**row, "host_shared": False} for row in rows))
     assert replace(on_gpus, measurement=testbed).replica_memory()["machine"]["measured_host_bytes"] == 10000
 

@@ -193,3 +193,32 @@ def test_plain_fit_stands_on_the_highest_of_its_measured_peaks(monkeypatch):
 
     monkeypatch.setattr(rewriter, "measure", exhausted)
     assert plain_fit_reading(object(), (None, None)) is None
+
+
+@pytest.mark.tf
+def test_a_plan_out_of_memory_in_its_verifying_first_call_is_a_measured_does_not_fit(monkeypatch):
+    """On a GPU held to the budget the apply's verification is the step's first call, where a plan over the budget
+    runs out of memory: a run without readings (one device) or a worker's readings marked out of memory
+    (replicas), never an error that stops the tuning."""
+    import keras
+    import rewriter
+    import tensorflow as tf
+
+    from autotune.run.plan_run import WorkerOrder, run_plan, worker_readings
+    from rewriter.trace.step_inputs import NO_STEP_INPUTS
+    from simulator import SwapPlan
+    from simulator.synthetic import training_graph
+
+    def exhausted(*args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    monkeypatch.setattr(rewriter, "apply", exhausted)
+    monkeypatch.setattr(rewriter, "apply_replicated", exhausted)
+    graph = training_graph(4, batch_size=2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    run = run_plan(model, graph, SwapPlan.empty(graph), "v100-16gb", (None, None))
+    assert run.out_of_memory and run.step is None and run.measured is None
+    order = WorkerOrder(SwapPlan.empty(graph).to_named(graph), graph, graph, 2, True)
+    readings = worker_readings(model, NO_STEP_INPUTS, order, timed_steps=1)
+    assert readings.out_of_memory and readings.replicas == () and readings.error is None
