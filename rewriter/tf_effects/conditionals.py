@@ -64,6 +64,11 @@ def constant_tensors(op) -> list[Any]:
 
 def working_set_bytes(op, nbytes: Callable[[Any], int], *, forwarding: frozenset[str],
                       aliasing: frozenset[str]) -> int:
-    """The most bytes a branch of ``op`` holds at once beyond its inputs and outputs (0: not an ``If``)."""
+    """The most bytes a branch of ``op`` holds at once beyond its inputs and outputs (0: not an ``If``), a
+    conditional inside a branch with its own (Keras' optimizer update inside a LossScaleOptimizer's branch)."""
+    def inside(inner) -> int:
+        return working_set_bytes(inner, nbytes, forwarding=forwarding, aliasing=aliasing)
+
     return max((loops.graph_working_set_bytes(branch, set(), nbytes, forwarding=forwarding, aliasing=aliasing,
-                                              constant=_folded(branch)) for branch in branch_graphs(op)), default=0)
+                                              constant=_folded(branch), nested=inside)
+                for branch in branch_graphs(op)), default=0)

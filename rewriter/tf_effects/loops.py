@@ -49,6 +49,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import tensor_util
 
+from rewriter.tf_effects.passthrough import BROADCASTING_BINARY
+
 WHILE_TYPES = frozenset({"While", "StatelessWhile"})
 # Keras' TF backend passes parallel_iterations=32; one makes the loop's memory independent of timing
 PARALLEL_ITERATIONS = 1
@@ -330,8 +332,22 @@ def body_working_set_bytes(op, nbytes: Callable[[Any], int], *, forwarding: froz
     return graph_working_set_bytes(body, counted, nbytes, forwarding=forwarding, aliasing=aliasing)
 
 
+def _sized_by_readers(ops: list, nbytes: Callable[[Any], int]) -> Callable[[Any], int]:
+    """``nbytes`` where a tensor of unknown shape (0 bytes) is an operand of an elementwise op whose output's size
+    is known: that size, the most a broadcast operand can hold (an optimizer's ``UnsortedSegmentSum`` of an
+    embedding's gradient, its segment count read from a shape at run time, then subtracted from the weight)."""
+    inferred: dict[str, int] = {}
+    for inner in ops:
+        if inner.type in BROADCASTING_BINARY and inner.outputs and nbytes(inner.outputs[0]) > 0:
+            for tensor in inner.inputs:
+                if tensor.dtype == inner.outputs[0].dtype and nbytes(tensor) == 0:
+                    inferred[tensor.name] = max(inferred.get(tensor.name, 0), nbytes(inner.outputs[0]))
+    return lambda tensor: inferred.get(tensor.name) or nbytes(tensor)
+
+
 def graph_working_set_bytes(body, counted: set[str], nbytes: Callable[[Any], int], *, forwarding: frozenset[str],
-                            aliasing: frozenset[str], constant: frozenset[str] = frozenset()) -> int:
+                            aliasing: frozenset[str], constant: frozenset[str] = frozenset(),
+                            nested: Callable[[Any], int] | None = None) -> int:
     """The most bytes a function body (a loop's, a conditional's branch) holds at once beyond its inputs
     and outputs: its ops replayed in the executor's order (``_readiness_order``), each output live
     from its op to its last reader in the body (a body output to the body's end). ``aliasing`` ops
@@ -342,8 +358,10 @@ def graph_working_set_bytes(body, counted: set[str], nbytes: Callable[[Any], int
     counts) is freed after its last reader (the lists are counted whole until the loop ends, so the
     first iteration, where the peak is, holds one element less). ``constant``: ops whose outputs are
     constants Grappler folds (resident, counted by the caller); a variable assigned one of them shares
-    its buffer and frees its own from then on (an accumulator's reset to zeros)."""
+    its buffer and frees its own from then on (an accumulator's reset to zeros). ``nested``: what an op of the
+    body holds beyond its inputs and outputs while it runs (a conditional's own branches), live at its position."""
     ops = _readiness_order(body, constant)
+    nbytes = _sized_by_readers(ops, nbytes)
     end = len(ops)
     last_read: dict[str, int] = {}
     for i, inner in enumerate(ops):
@@ -371,6 +389,9 @@ def graph_working_set_bytes(body, counted: set[str], nbytes: Callable[[Any], int
 
     for i, inner in enumerate(ops):
         kind = inner.type
+        inside = nested(inner) if nested is not None else 0
+        if inside > 0:
+            size[f"{inner.name}/nested"], start[f"{inner.name}/nested"], stop[f"{inner.name}/nested"] = inside, i, i
         sources = [root.get(t.name) for t in inner.inputs]
         names = [t.name for t in inner.inputs]
         if kind == "ReadVariableOp" and inner.inputs:

@@ -24,6 +24,9 @@ MUL_TYPES = frozenset({"Mul", "MulNoNan"})
 DIV_TYPES = frozenset({"RealDiv", "Div", "DivNoNan"})
 ADD_TYPES = frozenset({"Add", "AddV2", "BiasAdd"})
 SUB_TYPES = frozenset({"Sub"})
+# elementwise ops whose two operands broadcast against each other (numpy rules)
+BROADCASTING_BINARY = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum",
+                                 "Minimum", "SquaredDifference"})
 # elementwise ops a folded operand is computed with (``maxval - minval``), evaluated here when small
 _EVALUATED = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply, "RealDiv": np.divide,
               "Neg": np.negative}

@@ -32,6 +32,8 @@ from typing import Any, Callable
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_pb2, types_pb2
 
+from rewriter.tf_effects.passthrough import BROADCASTING_BINARY
+
 # forward op -> (input gradient, filter gradient), all with the inputs of TF's convolution kernels
 CONVOLUTIONS = {
     "Conv2D": ("Conv2DBackpropInput", "Conv2DBackpropFilter"),
@@ -250,9 +252,6 @@ def split_concat_convs(graph_def: graph_pb2.GraphDef, shape_of: Callable[[str], 
     return rebuilt, split
 
 
-# elementwise ops whose two operands broadcast against each other (numpy rules)
-BROADCASTING_BINARY = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum",
-                                 "Minimum", "SquaredDifference"})
 BROADCAST_OPS = ("Tile", "BroadcastTo")
 
 

@@ -124,3 +124,30 @@ def test_resident_bytes_split_into_weights_slots_accumulators_and_inputs():
     assert split["gradient accumulators"] == weights and split["optimizer slots"] == 2 * weights
     assert split["constants"] >= weights  # the accumulators' zeros (rewriter.tf_effects.conditionals)
     assert gradient_bytes(graph) == weights
+
+
+def test_a_loss_scale_optimizers_update_of_an_embedding_is_predicted():
+    """Under mixed precision Keras' LossScaleOptimizer updates inside a branch, where an Embedding's gradient is
+    densified with a row count read at run time (a tensor of unknown shape there) and subtracted from the momentum
+    times its factor: the branch holds both table-sized buffers, which the capture counts (the unknown operand sized
+    by the elementwise op that reads it), so each measured step stays within the prediction."""
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((16,), dtype="int32"), keras.layers.Embedding(4000, 128),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10, dtype="float32")])
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(_optimizer("sgd"), initial_scale=1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    batch, table_bytes = 8, 4000 * 128 * 4
+    graph = rewriter.capture(model, batch)
+    assert graph.meta["branch_working_set_bytes"] >= 2 * table_bytes  # the gradient densified, the weight's product
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 4000, (batch, 16)).astype("int32"), rng.integers(0, 10, batch)
+    plan = SwapPlan.empty(graph)
+    step = rewriter.apply(model, plan, graph=graph, batch_size=batch, verify=False)
+    predicted = replay(graph, plan, "cpu-testbed").peak_bytes
+    measured = [rewriter.measure(step, x, y, warmup=1, repeats=1).peak_bytes for _ in range(4)]
+    assert all(m <= predicted * (1 + TOLERANCE) for m in measured) and _within(predicted, measured), (predicted,
+                                                                                                       measured)
