@@ -335,7 +335,7 @@ def body_working_set_bytes(op, nbytes: Callable[[Any], int], *, forwarding: froz
 def _sized_by_readers(ops: list, nbytes: Callable[[Any], int]) -> Callable[[Any], int]:
     """``nbytes`` where a tensor of unknown shape (0 bytes) is an operand of an elementwise op whose output's size
     is known: that size, the most a broadcast operand can hold (an optimizer's ``UnsortedSegmentSum`` of an
-    embedding's gradient, its segment count read from a shape at run time, then subtracted from the weight)."""
+    embedding's gradient, its segment count read from a shape at run time, then subtracted from a slot)."""
     inferred: dict[str, int] = {}
     for inner in ops:
         if inner.type in BROADCASTING_BINARY and inner.outputs and nbytes(inner.outputs[0]) > 0:
