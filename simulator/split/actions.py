@@ -8,7 +8,6 @@ sizes are that batch's; at another batch size each part keeps its share of it).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,7 +15,7 @@ import numpy as np
 
 from simulator.graph import GraphError, OpGraph
 from simulator.recompute.actions import inputs_of, outputs_of
-from simulator.split.classes import BATCH_SUM, ENDS, OWN_BUFFER_SHAPES, batch_dependent, op_split
+from simulator.split.classes import BATCH_SUM, ENDS, OWN_BUFFER_SHAPES, batch_dependent, op_split, rows_of_dim
 
 SPLIT_MARK = "/split_"
 # TF's Split/SplitV along the first axis hands out parts of its input's buffer only when a row's bytes are a
@@ -187,8 +186,7 @@ def _entry_shares_buffer(g: OpGraph, tensor: int) -> bool:
     """Whether TF's split of ``tensor`` at a region's entry leaves its parts in the whole's buffer: only along the
     first axis and where a row's bytes are a multiple of ``SPLIT_SHARE_ALIGN_BYTES``; elsewhere it copies each
     part (the tiny CNN's 6x6x2 float input, 288 B a sample, was copied: 2.3 KiB at batch 8 over its prediction)."""
-    first = str(g.tensor_shape[tensor]).strip("()").split(",")[0]
-    rows = 1 if first == "N" else int(first[2:]) if re.fullmatch(r"N\*[0-9]+", first) else 0
+    rows = rows_of_dim(str(g.tensor_shape[tensor]).strip("()").split(",")[0])  # the first axis, as TF's split sees it
     if not rows:  # the batch on another axis (or no shape known): TF's split copies
         return False
     row_bytes = float(g.tensor_bytes_ab[tensor][1]) / rows

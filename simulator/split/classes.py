@@ -125,11 +125,15 @@ def rows_per_sample(shape: str) -> int | None:
     """How many leading rows a sample has when the batch leads the shape text: 1 for ``(N,...)``, k for a batch
     flattened with the axes after it (``(N*k,...)``: a Dense layer's ``Tensordot`` on a sequence reshapes
     ``(batch, steps, width)`` to ``(batch x steps, width)``), None when the batch does not lead."""
-    first = _leading_dim(shape)
-    if first == "N":
+    return rows_of_dim(_leading_dim(shape))
+
+
+def rows_of_dim(dim: str | None) -> int | None:
+    """The rows a sample has in one dimension of shape text: 1 for ``N``, k for ``N*k``, None for any other."""
+    if dim == "N":
         return 1
-    if first and re.fullmatch(r"N\*[0-9]+", first):
-        return int(first[2:])
+    if dim and re.fullmatch(r"N\*[0-9]+", dim):
+        return int(dim[2:])
     return None
 
 
