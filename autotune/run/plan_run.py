@@ -77,10 +77,15 @@ def run_plan(model, graph: OpGraph, plan: SwapPlan, device: DeviceModel | str, b
                                   verify=verify, verify_with=batch if verify else None,
                                   **({} if inputs is None else {"inputs": inputs}))
         except tf.errors.ResourceExhaustedError as error:
-            log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+            _say_out_of_memory(error)
             return PlanRun(plan, predicted, None, [])
     return PlanRun(plan, predicted, step, _readings(step, *batch, warmup=warmup, repeats=repeats,
                                                     peak_repeats=peak_repeats))
+
+
+def _say_out_of_memory(error) -> None:
+    """Log a measured run's ``ResourceExhaustedError`` (on a GPU held to the budget: a measured "does not fit")."""
+    log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
 
 
 def _readings(step, x, y, *, warmup: int = 1, repeats: int = 3, peak_repeats: int = 1) -> list[Any]:
@@ -92,7 +97,7 @@ def _readings(step, x, y, *, warmup: int = 1, repeats: int = 3, peak_repeats: in
         readings = [rewriter.measure(step, x, y, warmup=warmup, repeats=repeats)]
         return readings + [rewriter.measure(step, x, y, warmup=0, repeats=1) for _ in range(peak_repeats - 1)]
     except tf.errors.ResourceExhaustedError as error:
-        log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+        _say_out_of_memory(error)
         return []
 
 
@@ -277,7 +282,7 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
         peaks = rewriter.measure_replicas(step, x, y)
         step_s = rewriter.time_replicas(step, x, y, timed_steps)
     except tf.errors.ResourceExhaustedError as error:
-        log.warning("the measured run ran out of memory: %s", str(error).splitlines()[0][:200])
+        _say_out_of_memory(error)
         return WorkerReadings(out_of_memory=True)
     plain = None
     if not order.has_actions:  # "fits without swapping" must hold for the step model.fit runs, TF's op order
