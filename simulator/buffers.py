@@ -27,6 +27,7 @@ from simulator.graph import BACKWARD, UPDATE, Analysis, OpGraph
 from simulator.kernels.records import BufferRecord
 from simulator.ordering import ORDERS, categorized_levels, distance_levels, execution_order, position_of
 from simulator.sharing import SHARING_IN_LEVEL_ORDER, share_buffers
+from simulator.state.host_update import triggered_reads
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,13 @@ def _analyse(g: OpGraph) -> Buffers:
     produced = position[g.tensor_producer]
 
     # segments: a link that reads its parent from >= 2 levels or execution slots away may be
-    # rewired by a plan (SwapParams.distance counts one or the other)
+    # rewired by a plan (SwapParams.distance counts one or the other), as every read of a copy in a plan
+    # makes (planning._always_far)
     has_parent = parent >= 0
     safe_parent = np.maximum(parent, 0)
     link_at, parent_at = np.maximum(link_op, 0), g.tensor_producer[safe_parent]
-    far = (levels[link_at] - levels[parent_at] >= 2) | (position[link_at] - position[parent_at] >= 2)
+    far = ((levels[link_at] - levels[parent_at] >= 2) | (position[link_at] - position[parent_at] >= 2)
+           | np.isin(safe_parent, triggered_reads(g)) & has_parent)
     is_head = ~has_parent | far
     segment = np.where(is_head, np.arange(n_tensors), parent)
     for _ in range(64):

@@ -24,6 +24,11 @@ def edge_distances(g: OpGraph) -> np.ndarray:
     return levels[g.edge_consumer] - levels[g.tensor_producer[g.edge_tensor]]
 
 
+# a graph's meta: ops the memory order runs as soon as they are ready (a read on the host whose copies in a plan
+# makes, simulator.state.host_update: it holds nothing on the device, and a swap-in's trigger must follow it)
+EARLY_OPS = "early_ops"
+
+
 def memory_order(g: OpGraph) -> np.ndarray:
     """A topological order that keeps little memory live: greedy (whenever several ops are ready,
     run the one that allocates the least beyond what it frees), then every op that allocates
@@ -41,6 +46,10 @@ def memory_order(g: OpGraph) -> np.ndarray:
     return _sink_allocations(g, _greedy_memory_order(g))
 
 
+def _early_ops(g: OpGraph) -> np.ndarray:
+    return np.asarray(g.meta.get(EARLY_OPS, ()), np.int64)
+
+
 def _greedy_memory_order(g: OpGraph) -> np.ndarray:
     """Whenever several ops are ready, the one that allocates the least beyond what it frees
     (ties: lower level, then index)."""
@@ -50,6 +59,7 @@ def _greedy_memory_order(g: OpGraph) -> np.ndarray:
     owners = np.flatnonzero((root == np.arange(g.n_tensors)) & ~info.persistent)
     allocates = np.zeros(g.n_ops)
     np.add.at(allocates, g.tensor_producer[owners], size[owners])
+    allocates[_early_ops(g)] = -np.inf
     reads = ~info.persistent[g.edge_tensor]
     pairs = np.unique(np.stack([root[g.edge_tensor[reads]], g.edge_consumer[reads]]), axis=1)
     readers_left = np.bincount(pairs[0], minlength=g.n_tensors).astype(np.int64)
@@ -88,9 +98,10 @@ def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:
     key: list[tuple[int, ...]] = [(p, 0) for p in position.tolist()]
     attached: dict[int, list[int]] = {}
     moved = [False] * g.n_ops
+    early = set(_early_ops(g).tolist())
     for seq, op in enumerate(order[::-1].tolist(), start=1):
         succ = successors[succ_bounds[op]:succ_bounds[op + 1]]
-        if not succ or outs[op] <= 0:
+        if not succ or outs[op] <= 0 or op in early:
             continue
         target = min(succ, key=lambda s: key[s])
         if not moved[target] and key[target][0] == key[op][0] + 1 and target not in attached:

@@ -17,7 +17,8 @@ graph that holds them (``with_recomputes``) names them in its graph, and its swa
 A ``swap-plan/1`` file still reads (no recomputations). Split regions (``simulator.split``): ``NamedPlan.splits``
 since ``swap-plan/3``, built first; optimizer slots on the host (``NamedPlan.host_state``, ``simulator.state``) since
 the same version, weights on the host with them (mode ``host-weights``) since ``swap-plan/4``, slots streamed
-around an update on the device (mode ``stream-slots``) since ``swap-plan/5``. Another kind of action: records on
+around an update on the device (mode ``stream-slots``) since ``swap-plan/5``, their copies in started by triggers
+(``triggered_reads``) since ``swap-plan/6``. Another kind of action: records on
 ``NamedPlan`` under its own key, a new ``FORMAT_VERSION`` and its reader in ``_READERS``, the older readers kept.
 """
 
@@ -27,6 +28,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -39,10 +41,10 @@ from simulator.ordering import execution_order, position_of
 from simulator.params import ParamsError, SwapParams
 from simulator.recompute.actions import Recompute, check_recompute_structure, recomputed_tensors, with_recomputes
 from simulator.split.actions import SplitRegion, held_regions, read_split_records, split_records, with_plan_splits
-from simulator.state.host_update import HostState, read_host_state_records
+from simulator.state.host_update import HostState, host_state_record, read_host_state_records
 
 FORMAT_NAME = "swap-plan"
-FORMAT_VERSION = 5  # what this version writes; it reads every version in _READERS
+FORMAT_VERSION = 6  # what this version writes; it reads every version in _READERS
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 
@@ -416,7 +418,7 @@ class NamedPlan:
             "recomputes": [{"tensor": action.tensor, "ops": list(action.ops), "trigger": action.trigger,
                             "consumers": list(action.consumers)} for action in self.recomputes],
             "splits": split_records(self.splits),
-            "host_state": [{"variable": item.variable, "mode": item.mode} for item in self.host_state],
+            "host_state": [host_state_record(item) for item in self.host_state],
             "after_copies_out": self.after_copies_out,
             "ordering": self.ordering,
             "order": list(self.order),
@@ -550,21 +552,12 @@ def _read_v3(data: dict[str, Any], version: int = 3) -> NamedPlan:
                    host_state=read_host_state_records(data.get("host_state", []), PlanError, version, FORMAT_NAME))
 
 
-def _read_v4(data: dict[str, Any]) -> NamedPlan:
-    """``swap-plan/4``: version 3, and ``host_state`` records of mode ``host-weights`` (the weight on the host
-    too)."""
-    return _read_v3(data, 4)
-
-
-def _read_v5(data: dict[str, Any]) -> NamedPlan:
-    """``swap-plan/5``: version 4, and ``host_state`` records of mode ``stream-slots`` (the slots streamed in and
-    out around an update on the device)."""
-    return _read_v3(data, 5)
-
-
-# format version -> reader; a new version adds its reader and keeps the older ones
-_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {1: _read_v1, 2: _read_v2, 3: _read_v3, 4: _read_v4,
-                                                              5: _read_v5}
+# format version -> reader; a new version adds its reader and keeps the older ones. Versions 4-6 add to the
+# ``host_state`` records only: mode ``host-weights`` (4, the weight on the host too), mode ``stream-slots`` (5, the
+# slots streamed in and out around an update on the device), ``triggered_reads`` (6, the copies in of a weight or of
+# streamed slots the plan's swap-ins, started by triggers); ``read_host_state_records`` refuses what a version lacks
+_READERS: dict[int, Callable[[dict[str, Any]], NamedPlan]] = {
+    1: _read_v1, 2: _read_v2, 3: _read_v3, **{version: partial(_read_v3, version=version) for version in (4, 5, 6)}}
 
 
 def load_plan(plan: Any, graph: OpGraph | None = None) -> NamedPlan:

@@ -18,6 +18,7 @@ from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES,
                               ParamsError, SwapParams)
 from simulator.plan import Swap, SwapIn, SwapPlan, after_ops, validate_plan  # noqa: F401 -- importable from here too
 from simulator.split.actions import split_step_ops
+from simulator.state.host_update import host_update_ops, triggered_reads
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
 
@@ -181,6 +182,16 @@ def _never_far(g: OpGraph, kept_reads: tuple[tuple[str, str], ...]) -> np.ndarra
     return g.cached(("never_far", kept_reads), compute, structural=True)
 
 
+def _always_far(g: OpGraph) -> np.ndarray:
+    """Per data edge: a read every plan moves to a swap-in, whatever its rules: a device read of a weight or slot on
+    the host whose copies in are the plan's (``state.triggered_reads``); an op on the host reads it there."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        on_host = np.zeros(graph.n_ops, bool)
+        on_host[host_update_ops(graph)] = True
+        return np.isin(graph.edge_tensor, triggered_reads(graph)) & ~on_host[graph.edge_consumer]
+    return g.cached("always_far", compute, structural=True)
+
+
 _NO_TABLE = np.zeros(1, np.int64)
 
 
@@ -262,9 +273,12 @@ def plan_swaps(g: OpGraph, params: SwapParams, *, kept_reads: tuple[tuple[str, s
     g = g.with_order(params.order)
     if params.distance == "slot":
         g = slot_levels_view(g)
+    forced = _always_far(g)
+    candidate = _candidate_tensors(g, params)
+    candidate[g.edge_tensor[forced]] = True
     swapped, in_swap, trigger, after, ptr, consumers = kernels.plan_reads(
-        _planning_record(g), _trigger_record(g, params), _never_far(g, tuple(kept_reads)),
-        _candidate_tensors(g, params), params.threshold, params.groupby, params.lb, params.ub)
+        _planning_record(g), _trigger_record(g, params), _never_far(g, tuple(kept_reads)), forced,
+        candidate, params.threshold, params.groupby, params.lb, params.ub)
     return SwapPlan(
         tensor=swapped,
         sync_out=np.full(len(swapped), params.sync in ("out", "both")),

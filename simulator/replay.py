@@ -43,7 +43,7 @@ from simulator.kernels.records import PlanArrays, ReplayGraphRecord, StepRecord,
 from simulator.ordering import execution_order, position_of
 from simulator.planning import SwapPlan
 from simulator.state.host_update import (WEIGHT_READS, host_copy_seconds, host_cpu_seconds, host_transfers,
-                                         host_update_ops, with_host_state)
+                                         host_update_ops, triggered_reads, with_host_state)
 
 
 @dataclass(frozen=True, eq=False)
@@ -299,9 +299,11 @@ def replay(g: OpGraph, plan: SwapPlan | None = None, device: DeviceModel | str =
     if plan is not None and plan.host_state:  # optimizer slots on the host (simulator.state), their copies after
         moved = with_host_state(g, plan.host_state, copies_in=not device.host_buffers_shared)
         result = replay(moved, dataclasses.replace(plan, host_state=()), device)
-        out_bytes, in_bytes = host_transfers(moved, plan.host_state)
+        planned = np.intersect1d(triggered_reads(moved), plan.tensor)  # copies in the plan's swap-ins make
+        out_bytes, in_bytes = host_transfers(moved, plan.host_state, planned)
         cpu_s = host_cpu_seconds(moved, plan.host_state, device)
-        object.__setattr__(result, "step_s", result.step_s + host_copy_seconds(moved, plan.host_state, device) + cpu_s)
+        copies_s = host_copy_seconds(moved, plan.host_state, device, planned)
+        object.__setattr__(result, "step_s", result.step_s + copies_s + cpu_s)
         object.__setattr__(result, "host_update_s", cpu_s)
         object.__setattr__(result, "stall_s", max(0.0, result.step_s - result.compute_s))
         on_host = np.isin(plan.tensor, np.asarray(moved.meta.get(WEIGHT_READS, ()), np.int64))

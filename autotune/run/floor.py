@@ -24,7 +24,8 @@ from autotune.search.parts import PartsSearch, search_parts, split_to_budget  # 
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import SearchSpace, TuningProblem
 from autotune.run.target import Target
-from autotune.run.tuning import TuneResult, largest_batch, why_state_stays
+from autotune.run.tuning import TuneResult, largest_batch
+from autotune.search.state_moves import why_state_stays
 from autotune.run.verdict import DOES_NOT_FIT, Verdict
 from simulator import BACKWARD, DeviceModel, OpGraph, replay
 from simulator.buffers import INPUTS, largest_working_set_op, peak_lower_bound_bytes, resident_split_bytes

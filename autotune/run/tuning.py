@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import optuna
@@ -23,6 +23,7 @@ from autotune.run.probes import (HOST_UNLIMITED_BYTES, MAX_BATCH, SwapProbes, la
                                   largest_batch_with_swap)
 from autotune.search.policies import Budget, make_policy
 from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
+from autotune.search.state_moves import search_state
 from autotune.search.study_copy import in_memory, open_study
 from autotune.run.verdict import SERIALIZED_STEP, Check, PeakCorrection, Verdict, actions_phrase, check_run, predicted
 from autotune.run.target import DEFAULT_DEVICE, Target, resolve_device, resolve_target  # noqa: F401 -- DEFAULT_DEVICE, resolve_device: re-exported
@@ -31,11 +32,9 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
-from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes, moved_kinds,
-                             state_groups, state_refusal, where_updated, with_host_state, writes_after_reads)
+from simulator.state import HostState, moved_bytes, moved_kinds, with_host_state, writes_after_reads
 
 log = logging.getLogger(__name__)
-MODE_FLIPS = 4  # variables of a moved group a search tries in the other mode, one at a time (_modes_per_variable)
 
 
 
@@ -350,7 +349,7 @@ def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_
     if recompute:
         key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
     if host_state:
-        key += "|host_state|" + ",".join(sorted(f"{item.variable}:{item.mode}" for item in host_state))
+        key += "|host_state|" + ",".join(sorted(map(str, host_state)))  # each record's fields
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"
@@ -366,28 +365,6 @@ def tune_graph(graph: OpGraph, *, batch_size: int | None = None, device: str | D
     return search_graph(graph, target or resolve_target(device, memory), options, batch_size=batch_size)
 
 
-def _modes_per_variable(moved: TuneResult, search: Callable[[tuple[HostState, ...]], TuneResult]) -> TuneResult:
-    """``moved``, the group that fits in one mode where the other did not, with its variables one at a time,
-    largest first (``MODE_FLIPS`` at most), in the other mode: each kept where the step still fits and is faster
-    (``search(host_state)``: the search with that state). Per variable, streaming is faster but keeps the update's
-    working set on the device, the update on the host the reverse: a group may fit only with both."""
-    state = moved.plan.host_state
-    for variable in [item.variable for item in state][:MODE_FLIPS]:
-        flipped = tuple(replace(each, mode=STREAM_SLOTS if each.mode == HOST_UPDATE else HOST_UPDATE)
-                        if each.variable == variable else each for each in state)
-        tried = search(flipped)
-        if tried.chosen is not None and tried.chosen.step_s < moved.chosen.step_s:
-            moved, state = tried, flipped
-    return moved
-
-
-def why_state_stays(g: OpGraph) -> str:
-    """The note that says why none of ``g``'s optimizer state can move to the host (the capture's refusal)."""
-    reason = state_refusal(g)
-    return (f"the optimizer state cannot move to the host: {reason}" if reason
-            else "no optimizer state of this step can move to the host")
-
-
 def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,
                  correction: PeakCorrection | None = None, measured: bool = False) -> TuneResult:
     """Search swap parameters for ``graph`` on ``target`` by simulation.
@@ -398,8 +375,8 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
     the movable slots' bytes, half, three quarters, all; each group updated on the host and, where the host has
     a rate of its own, streamed around an update on the device, mode ``stream-slots``, the faster that fits kept;
-    where one mode fits and the other not, its variables tried in the other one at a time,
-    ``_modes_per_variable``), then with their weights too (the same shares of weights and slots, mode
+    where one mode fits and the other not, its variables tried in the other one at a time; the copies in of weights
+    and streamed slots then started by triggers where that is faster, ``autotune.search.state_moves``), then with their weights too (the same shares of weights and slots, mode
     ``host-weights``), and the first group that fits is the plan's ``host_state``; False: the state stays
     (``--no-state``).
 
@@ -409,43 +386,13 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
     result = _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured)
     if result.chosen is not None or not options.state or options.maximize_batch:
         return result
-    g = graph.with_batch(batch_size or graph.batch_size)
-    groups = state_groups(g)
-    if not groups:
-        return replace(result, notes=result.notes + [why_state_stays(g)])
-    # streaming pays only where the host's CPU updates slower than the device (its own rate, beside a GPU): where
-    # the update keeps the graph's op times (the testbed) the update on the host copies fewer bytes and holds less
-    streamed = {tuple(item.variable for item in group): group for group in state_groups(g, mode=STREAM_SLOTS)} \
-        if target.device.host_update_bytes_per_s > 0 else {}
-    for group in groups:  # the update on the host or on the device, the slots streamed: the faster that fits
-        modes = (group, streamed.get(tuple(item.variable for item in group)))
-        tried = [_search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
-                         host_state=state) for state in modes if state]
-        moved = min(tried, key=lambda found: (found.chosen is None, found.chosen.step_s if found.chosen else 0.0))
-        if moved.chosen is not None and len(tried) == 2 and any(found.chosen is None for found in tried):
-            moved = _modes_per_variable(moved, lambda state: _search(
-                graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
-                host_state=state))
-        if moved.chosen is not None:
-            size, where = sum(movable_state(g)[item.variable] for item in group), where_updated(moved.plan.host_state)
-            return replace(moved, notes=[f"the optimizer slots of {len(group)} of {len(movable_state(g))} variable(s), "
-                                         f"{format_bytes(size)}, live on the host, {where}"
-                                         " (--no-state keeps them on the device)"] + moved.notes)
-    total = len(movable_state(g))
-    for group in state_groups(g, mode=HOST_WEIGHTS):  # then the weights too, largest first
-        moved = _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
-                        host_state=group)
-        if moved.chosen is not None:
-            return replace(moved, notes=[f"the weights and optimizer slots of {len(group)} of {total} variable(s), "
-                                         f"{format_bytes(moved_bytes(g, group))}, live on the host, where their "
-                                         "update runs; the device reads each weight through copies in"
-                                         " (--no-state keeps them on the device)"] + moved.notes)
-    # nothing fits: the step as captured is what is shown (its floor and rewrites are what the user can act on)
-    miss_bytes = moved.closest.excess_bytes if moved.closest is not None else 0
-    return replace(result, notes=result.notes + [f"not even with the {moved_kinds(group)} of every "
-                                                 "movable variable on the host"
-                                                 + (f" (its closest plan {format_bytes(miss_bytes)} over the budget)"
-                                                    if miss_bytes > 0 else "")])
+
+    def search(state: tuple[HostState, ...]) -> TuneResult:  # the search with that state on the host
+        return _search(graph, target, options, batch_size=batch_size, correction=correction, measured=measured,
+                       host_state=state)
+
+    return search_state(result, graph.with_batch(batch_size or graph.batch_size), search,
+                        streaming=target.device.host_update_bytes_per_s > 0)
 
 
 def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_size: int | None = None,

@@ -457,7 +457,11 @@ def _add_swap(editor: GraphEditor, record: NamedSwap, placement: Placement, *, s
             if not slots:
                 raise not_read_error(repr(consumer), record.tensor, " in this model's step")
             for slot in slots:
-                node.input[slot] = in_name
+                wait = _innermost_copy_wait(editor, node.input[slot])
+                if wait is not None:  # the read keeps waiting for the copies out it waited for
+                    wait.input[0] = in_name
+                else:
+                    node.input[slot] = in_name
                 rewired.append((consumer, slot))
         rewired_all.update(rewired)
         controls: list[str] = []
@@ -502,6 +506,16 @@ def _add_swap(editor: GraphEditor, record: NamedSwap, placement: Placement, *, s
         started_by, through = _wait_for_copy(editor, tensor, next_in_order, out_name)
     return AppliedSwap(record.tensor, out_name, dtype.name, int(nbytes), record.sync_out, tuple(swap_ins),
                        tuple(sync_controls), started_by, through)
+
+
+def _innermost_copy_wait(editor: GraphEditor, ref: str):
+    """The last of the ``copy_wait/`` Identities ``ref`` reads through (each waits for a copy out; ``_wait_for_copy``),
+    None if it reads through none: a swap-in rewires its input, so the reader still waits for every copy."""
+    wait = None
+    node = editor.nodes.get(parse_ref(ref)[0])
+    while node is not None and node.name.startswith(COPY_WAIT_PREFIX):
+        wait, node = node, editor.nodes.get(parse_ref(node.input[0])[0])
+    return wait
 
 
 def _wait_for_copy(editor: GraphEditor, tensor: tuple[str, int], next_in_order: dict[str, str],

@@ -259,12 +259,14 @@ class StateNodes:
     """The step's nodes a plan's ``host_state`` moves, per variable path: its update's arithmetic (``updates``,
     the optimizer's ops that lead only to writes of it and its slots), the reads and writes of its slots
     (``slot_ops``) and, for a weight on the host, of the weight (``weight_ops``); ``streamed``: the variables whose
-    slots are streamed around an update left on the accelerator."""
+    slots are streamed around an update left on the accelerator; ``triggered``: those whose reads the plan's swap-ins
+    copy in (``HostState.triggered_reads``)."""
 
     updates: dict[str, set[str]]
     slot_ops: dict[str, set[str]]
     weight_ops: dict[str, set[str]]
     streamed: frozenset[str]
+    triggered: frozenset[str] = frozenset()
 
     def renamed(self, names: dict[str, str]) -> "StateNodes":
         """The same nodes on another replica (``names``: this replica's node -> that one's); one ``PlanError`` for a
@@ -278,7 +280,8 @@ class StateNodes:
         def mapped(group: dict[str, set[str]]) -> dict[str, set[str]]:
             return {path: {names[name] for name in nodes} for path, nodes in group.items()}
 
-        return StateNodes(mapped(self.updates), mapped(self.slot_ops), mapped(self.weight_ops), self.streamed)
+        return StateNodes(mapped(self.updates), mapped(self.slot_ops), mapped(self.weight_ops), self.streamed,
+                          self.triggered)
 
 
 def state_nodes(graph_def, traced, model, host_state: Sequence[HostState]) -> StateNodes:
@@ -298,7 +301,8 @@ def state_nodes(graph_def, traced, model, host_state: Sequence[HostState]) -> St
     weight_ops = {item.variable: slot_access_ops(graph_def, handles, {item.variable}) for item in host_state
                   if item.mode == HOST_WEIGHTS}
     streamed = frozenset(item.variable for item in host_state if item.mode == STREAM_SLOTS)
-    return StateNodes(placed, slot_ops, weight_ops, streamed)
+    triggered = frozenset(item.variable for item in host_state if item.triggered_reads)
+    return StateNodes(placed, slot_ops, weight_ops, streamed, triggered)
 
 
 def apply_host_state(graph_def, traced, model, host_state: Sequence[HostState], placement: Placement,
@@ -328,7 +332,9 @@ def place_state_nodes(graph_def, nodes: StateNodes, placement: Placement, tensor
         edited = place_on_host(edited, set().union(*(placed[path] for path in streamed)), placement.accelerator)
     copied_in = set().union(*weight_ops.values(), *(slot_ops[path] for path in streamed))
     if copied_in:
-        edited = copy_weights_in(edited, copied_in, on_host, placement, tensor_info)
+        planned = set().union(*(weight_ops.get(path, set()) | (slot_ops[path] if path in streamed else set())
+                                for path in nodes.triggered))
+        edited = copy_weights_in(edited, copied_in, on_host, placement, tensor_info, planned=planned)
     # the state's reads and writes run on the host: what they allocate is the host's (the measured peak's rule)
     return edited, {path: (slot_ops[path] if path in streamed else names) | weight_ops.get(path, set())
                     for path, names in placed.items()}
@@ -339,13 +345,16 @@ def slot_writes(names: set[str], kinds: dict[str, str]) -> set[str]:
     return {name for name in names if kinds[name] not in RESOURCE_READ_TYPES}
 
 
-def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placement: Placement, tensor_info: dict):
+def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placement: Placement, tensor_info: dict,
+                    *, planned: set[str] = frozenset()):
     """A copy of ``graph_def`` where the device reads a weight (or a streamed slot) on the host through a copy in:
     each read of it (a node of ``weight_ops`` with an output) read by a node off the host gets one copy on the
     accelerator (the placement's swap op, named ``weight_in/<read>``), which its device readers read; it runs where
     the read runs in the plan's order, just before its first reader (``simulator.state.with_host_state``). A plan's
     swap of the read (its later readers, swap-ins started by triggers) copies in from the read itself: its copy out
-    is an ``Identity`` on the host, which allocates nothing."""
+    is an ``Identity`` on the host, which allocates nothing. A read of ``planned`` gets no copy of its own: the
+    plan's swap-ins serve every reader the simulator knows (``HostState.triggered_reads``); a reader left (a shape's
+    ``ShapeN``, a gradient nothing reads) is one Grappler folds or prunes."""
     edited = tf.compat.v1.GraphDef()
     edited.CopyFrom(graph_def)
     nodes = {node.name: node for node in edited.node}
@@ -358,7 +367,8 @@ def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placem
             continue
         for k, name in enumerate(node.input):
             source = name.lstrip("^").split(":")[0]
-            if name.startswith("^") or source not in weight_ops or nodes[source].op not in ("ReadVariableOp",):
+            if name.startswith("^") or source not in weight_ops or source in planned \
+                    or nodes[source].op not in ("ReadVariableOp",):
                 continue
             if name not in copies:
                 copies[name] = f"weight_in/{source}"

@@ -484,13 +484,14 @@ def after_ops(group_tensor, ptr, consumers, buffers):
 
 
 @njit(cache=True, nogil=True)
-def plan_reads(planning, triggers, excluded, candidate, threshold, groupby, lb, ub):
+def plan_reads(planning, triggers, excluded, forced, candidate, threshold, groupby, lb, ub):
     """The core of ``planning.plan_swaps`` (which documents the rules): the far reads, grouped per swap-in,
     groups still read on the device at their first consumer dropped, each group's ``after`` op and
     trigger. ``planning``: the graph view's ``PlanningRecord`` (its edges by tensor, then their
     consumer's slot: the reads of a tensor in execution order, so no sort per plan); ``triggers``: a
-    ``TriggerRecord``; ``excluded``: reads never far (update-phase readers, ``kept_reads``);
-    ``candidate``: per tensor, whether the rules may swap it. Returns the swapped tensors, each
+    ``TriggerRecord``; ``excluded``: reads never far (update-phase readers, ``kept_reads``); ``forced``: reads
+    always far (of a copy in the plan makes, ``state.triggered_reads``); ``candidate``: per tensor, whether the
+    rules may swap it. Returns the swapped tensors, each
     group's swap, trigger and ``after`` op, and the groups' reads (CSR)."""
     edge_order, edge_tensor, edge_consumer = planning.edge_order, planning.edge_tensor, planning.edge_consumer
     levels, buffers = planning.levels, planning.buffers
@@ -504,7 +505,8 @@ def plan_reads(planning, triggers, excluded, candidate, threshold, groupby, lb, 
     n_far = 0
     for e in edge_order:  # one read per (tensor, consumer): its edges are next to each other here
         tensor, consumer = edge_tensor[e], edge_consumer[e]
-        if (candidate[tensor] and not excluded[e] and levels[consumer] - levels[producer[tensor]] > threshold
+        if (candidate[tensor] and (forced[e] or not excluded[e] and levels[consumer] - levels[producer[tensor]]
+                                   > threshold)
                 and not (n_far and far_tensor[n_far - 1] == tensor and far_consumer[n_far - 1] == consumer)):
             far_tensor[n_far], far_consumer[n_far] = tensor, consumer
             n_far += 1

@@ -8,7 +8,9 @@ these records under ``host_state`` (``simulator.plan``, since ``swap-plan/3``). 
 reads on the device is a copy in (``with_host_state``), which a plan may swap like an activation between its
 forward and backward readers. Mode ``stream-slots`` (``swap-plan/5``): the slots live on the host, the update's
 arithmetic stays on the device; only the slots' reads and writes run on the host, so each slot the update reads is
-copied in and each value it writes to one is copied out.
+copied in and each value it writes to one is copied out. A record with ``triggered_reads`` (``swap-plan/6``) leaves
+each of those copies in (of a weight or a streamed slot) to the plan: every read on the device is a swap-in,
+started by a trigger as an activation's, so the copy runs beside the compute instead of just before its reader.
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from typing import Sequence
 
 import numpy as np
 
+from simulator.fusion import fused_shared_reads
 from simulator.graph import GraphError, OpGraph, depending_on, successor_csr
-from simulator.ordering import position_of
+from simulator.ordering import EARLY_OPS, position_of
 
 HOST_UPDATE = "host-update"
 HOST_WEIGHTS = "host-weights"  # the weight on the host as well, read on the device through copies in
 STREAM_SLOTS = "stream-slots"  # the slots on the host, streamed in and out around an update on the device
 _BASE = "host_state_base"  # a moved graph's memo entry: the graph it was made from
 WEIGHT_READS = "host_weight_reads"  # a moved graph's meta: the copies in of weights (and streamed slots) on the host
+TRIGGERED_READS = "host_triggered_reads"  # of those, the ones every device reader reads through a plan's swap-in
+TRIGGERED_READS_VERSION = 6  # the plan format version (simulator.plan) that first wrote ``triggered_reads``
 # the plan format version (simulator.plan) that first wrote each mode: an older file naming it is refused
 MODE_FORMAT_VERSIONS = {HOST_UPDATE: 3, HOST_WEIGHTS: 4, STREAM_SLOTS: 5}
 HOST_STATE_MODES = tuple(MODE_FORMAT_VERSIONS)
@@ -41,26 +46,50 @@ class HostState:
 
     variable: str
     mode: str = HOST_UPDATE
+    # the copies in of its weight or streamed slots started by triggers (swap-ins of the plan), not by their reader
+    triggered_reads: bool = False
+
+
+def with_triggered_reads(host_state: Sequence[HostState]) -> tuple[HostState, ...]:
+    """``host_state`` with the copies in of each record whose mode makes them (a weight's, a streamed slot's) left to
+    the plan's swap-ins, started by triggers (``triggered_reads``); None of them: ``host_state`` as it is."""
+    return tuple(dataclasses.replace(item, triggered_reads=True) if item.mode in _RECORDED_OPS else item
+                 for item in host_state)
 
 
 def read_host_state_records(records, error: type[GraphError] = GraphError, version: int | None = None,
                             format_name: str = "") -> tuple[HostState, ...]:
     """The records of a plan file's ``host_state`` entry, written in version ``version`` of the format
-    ``format_name`` (None: the newest; a mode newer than it is refused with the version it needs); ``error`` says
-    what is malformed."""
-    version = max(MODE_FORMAT_VERSIONS.values()) if version is None else version
+    ``format_name`` (None: the newest; a mode or key newer than it is refused with the version it needs); ``error``
+    says what is malformed."""
+    version = TRIGGERED_READS_VERSION if version is None else version
     newest = max((r["mode"] for r in records if isinstance(r, dict) and r.get("mode") in HOST_STATE_MODES),
                  key=MODE_FORMAT_VERSIONS.get, default=None) if isinstance(records, list) else None
     if newest is not None and MODE_FORMAT_VERSIONS[newest] > version:
         raise error(f"the plan's host_state names mode '{newest}', which needs format {format_name}/"
                     f"{MODE_FORMAT_VERSIONS[newest]} (this file says {format_name}/{version})")
+    if version < TRIGGERED_READS_VERSION and isinstance(records, list) \
+            and any(isinstance(r, dict) and "triggered_reads" in r for r in records):
+        raise error(f"the plan's host_state says 'triggered_reads', which needs format {format_name}/"
+                    f"{TRIGGERED_READS_VERSION} (this file says {format_name}/{version})")
     modes = tuple(mode for mode, since in MODE_FORMAT_VERSIONS.items() if since <= version)
     if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("variable"), str)
-                                                and r.get("mode") in modes for r in records) \
+                                                and r.get("mode") in modes and _triggered_ok(r) for r in records) \
             or len({r["variable"] for r in records}) != len(records):
         raise error(f"the plan's host_state must list each variable once as {{'variable': path, 'mode': one of "
-                    f"{modes}}}")
-    return tuple(HostState(r["variable"], r["mode"]) for r in records)
+                    f"{modes}}}, and 'triggered_reads' true or false only with a mode that copies reads in "
+                    f"({', '.join(_RECORDED_OPS)})")
+    return tuple(HostState(r["variable"], r["mode"], r.get("triggered_reads", False)) for r in records)
+
+
+def _triggered_ok(record: dict) -> bool:
+    value = record.get("triggered_reads", False)
+    return isinstance(value, bool) and (not value or record["mode"] in _RECORDED_OPS)
+
+
+def host_state_record(item: HostState) -> dict:
+    """``item`` as a plan file's ``host_state`` record (``triggered_reads`` written only when set)."""
+    return {"variable": item.variable, "mode": item.mode, **({"triggered_reads": True} if item.triggered_reads else {})}
 
 
 def captured_variables(g: OpGraph) -> dict[str, dict]:
@@ -210,9 +239,11 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
     persistent_ab[0] = max(0.0, persistent_ab[0] - moved_bytes(g, moved))
     kept = ~host_tensor[g.held_tensor] if len(g.held_tensor) else np.zeros(0, bool)
     reads = np.flatnonzero(weight_read)
-    src, dst = _reads_before_readers(g, reads, on_host)
+    triggered = reads[_triggered(g, moved, on_host)[reads]]
+    src, dst = _reads_before_readers(g, np.setdiff1d(reads, triggered), on_host)
     meta = dict(g.meta, host_state=_records(moved), host_state_copies_in=copies_in,
-                **{WEIGHT_READS: reads.tolist()})
+                **{WEIGHT_READS: reads.tolist(), TRIGGERED_READS: triggered.tolist(),
+                   EARLY_OPS: g.tensor_producer[triggered].tolist()})
     return dataclasses.replace(g, tensor_bytes_ab=tensor_bytes_ab, persistent_bytes_ab=persistent_ab,
                                tensor_persistent=g.tensor_persistent & ~weight_read,
                                tensor_swappable=g.tensor_swappable | weight_read,
@@ -220,6 +251,25 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
                                control_dst=np.concatenate([g.control_dst, dst]),
                                held_tensor=g.held_tensor[kept], held_read=g.held_read[kept], meta=meta,
                                _graph_memo={_BASE: g}, _order_memo={}, _structure_cache={})
+
+
+def _triggered(g: OpGraph, moved: tuple[HostState, ...], on_host: np.ndarray) -> np.ndarray:
+    """Per tensor: made by an op of a ``triggered_reads`` record, every device reader of it a read a swap-in may
+    serve (not one a fused chain shares, ``fusion.fused_shared_reads``: such a read keeps the copy before it)."""
+    triggered = np.zeros(g.n_tensors, bool)
+    items = [item for item in moved if item.triggered_reads]
+    if not items:
+        return triggered
+    triggered[np.isin(g.tensor_producer, host_ops(g, items))] = True
+    on_device = ~on_host[g.edge_consumer]
+    triggered[g.edge_tensor[on_device & fused_shared_reads(g)]] = False
+    return triggered
+
+
+def triggered_reads(g: OpGraph) -> np.ndarray:
+    """The tensors of ``g`` (a moved graph) whose copies in a plan makes: every device reader of them reads a
+    swap-in (``planning.plan_swaps``), whatever the swap rules, so none waits for a copy made at the read."""
+    return np.asarray(g.meta.get(TRIGGERED_READS, ()), np.int64)
 
 
 def _reads_before_readers(g: OpGraph, reads: np.ndarray, on_host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -247,31 +297,35 @@ def _reads_before_readers(g: OpGraph, reads: np.ndarray, on_host: np.ndarray) ->
 
 
 def _records(moved: tuple[HostState, ...]) -> list[dict]:
-    return [{"variable": item.variable, "mode": item.mode} for item in moved]
+    return [host_state_record(item) for item in moved]
 
 
-def host_transfers(g: OpGraph, host_state: Sequence[HostState]) -> tuple[np.ndarray, np.ndarray]:
+def host_transfers(g: OpGraph, host_state: Sequence[HostState], planned: Sequence[int] = ()
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Bytes at ``g``'s batch of each tensor ``host_state``'s updates copy out (what the host ops read from
     the device: the gradients, AdamW's read of the weight) and of each they copy in (what the device reads
-    from them: the change to the weight), one entry per tensor."""
+    from them: the change to the weight, a read of a weight or slot on the host), one entry per tensor; a read
+    of ``planned`` (a plan swaps it in for every device reader, ``triggered_reads``) is the plan's copies."""
     base = _base(g)
     on_host = np.zeros(base.n_ops, bool)
     on_host[host_ops(base, host_state)] = True
     producer_on_host = on_host[base.tensor_producer[base.edge_tensor]]
     reader_on_host = on_host[base.edge_consumer]
     out = np.unique(base.edge_tensor[reader_on_host & ~producer_on_host])
-    back = np.unique(base.edge_tensor[~reader_on_host & producer_on_host])
+    back = np.setdiff1d(base.edge_tensor[~reader_on_host & producer_on_host], np.asarray(planned, np.int64))
     return base.tensor_bytes[out].astype(np.float64), base.tensor_bytes[back].astype(np.float64)
 
 
-def host_copy_seconds(g: OpGraph, host_state: Sequence[HostState], device) -> float:
+def host_copy_seconds(g: OpGraph, host_state: Sequence[HostState], device, planned: Sequence[int] = ()) -> float:
     """What the copies of ``host_state``'s update add to the step on ``device``, each in turn after the compute
     (none overlapped: an upper bound where a link runs beside the compute): the gradients copied out and, where
     the host hands over no buffer (``host_buffers_shared``), the changes copied in; the first copies in of the
-    weights on the host (``g`` moved: ``with_host_state``) everywhere. The update itself: ``host_cpu_seconds``."""
-    out_bytes, in_bytes = host_transfers(g, host_state)
+    weights on the host (``g`` moved: ``with_host_state``) everywhere but of ``planned`` (``host_transfers``), whose
+    copies are the plan's swap-ins, timed on the link. The update itself: ``host_cpu_seconds``."""
+    out_bytes, in_bytes = host_transfers(g, host_state, planned)
     if device.host_buffers_shared:  # a weight's copy in is a copy all the same (the testbed's DeepCopy)
-        in_bytes = g.tensor_bytes[np.asarray(g.meta.get(WEIGHT_READS, ()), np.int64)].astype(np.float64)
+        reads = np.setdiff1d(np.asarray(g.meta.get(WEIGHT_READS, ()), np.int64), np.asarray(planned, np.int64))
+        in_bytes = g.tensor_bytes[reads].astype(np.float64)
     seconds = float(np.sum(device.transfer_seconds(out_bytes, "d2h"))) if len(out_bytes) else 0.0
     if len(in_bytes):
         seconds += float(np.sum(device.transfer_seconds(in_bytes, "h2d")))

@@ -42,7 +42,7 @@ def test_a_plan_written_before_the_contract_loads_the_same(fixture):
     assert replay(graph, plan, "cpu-testbed").peak_bytes == 1033968  # what that version predicted
     # written again in the current format: the same file with its version and empty lists of the later actions
     written = json.loads(NamedPlan.from_json(text).to_json())
-    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/5"
+    assert text.count('"format": "swap-plan/1"') == 1 and FORMAT == "swap-plan/6"
     assert written == {**json.loads(text), "format": FORMAT, "recomputes": [], "splits": [], "host_state": []}
     assert NamedPlan.from_json(text).recomputes == () and json.loads(again.to_json(graph)) == written
 
@@ -216,14 +216,14 @@ def test_weights_on_the_host_read_back_from_version_4_only():
     assert NamedPlan.from_dict(older).host_state == (HostState("dense/bias"),)
 
 
-def test_streamed_slots_read_back_from_version_5_only():
-    """Mode ``stream-slots`` (swap-plan/5, the format written) is written and read back beside the other modes; a
-    version-4 or version-3 file naming it is refused with the version it needs, and their other records still read."""
+def test_streamed_slots_read_back_from_version_5_on():
+    """Mode ``stream-slots`` (swap-plan/5) is written and read back beside the other modes; a version-4 or version-3
+    file naming it is refused with the version it needs, and their other records still read."""
     named = NamedPlan(host_state=(HostState("dense/kernel", STREAM_SLOTS), HostState("dense/bias", HOST_WEIGHTS),
                                   HostState("out/kernel")), batch_size=4)
     data = named.to_dict()
-    assert data["format"] == "swap-plan/5" and data["host_state"][0]["mode"] == STREAM_SLOTS
-    assert NamedPlan.from_dict(data) == named
+    assert data["format"] == "swap-plan/6" and data["host_state"][0]["mode"] == STREAM_SLOTS
+    assert NamedPlan.from_dict(data) == named == NamedPlan.from_dict({**data, "format": "swap-plan/5"})
     for version in (3, 4):
         with pytest.raises(PlanError, match=f"'stream-slots', which needs format swap-plan/5 .this file says "
                                             f"swap-plan/{version}"):
@@ -234,3 +234,21 @@ def test_streamed_slots_read_back_from_version_5_only():
         NamedPlan.from_dict({**data, "host_state": [{"variable": "x", "mode": "stream"}]})
     with pytest.raises(PlanError, match="each variable once"):
         NamedPlan.from_dict({**data, "host_state": [{"variable": "x", "mode": [STREAM_SLOTS]}]})
+
+
+def test_triggered_reads_read_back_from_version_6_only():
+    """A record's ``triggered_reads`` (swap-plan/6, the format written): written only when set, read back; a version-5
+    file saying it is refused with the version it needs; refused on a mode that copies nothing in (``host-update``)
+    and when not a boolean."""
+    named = NamedPlan(host_state=(HostState("dense/kernel", STREAM_SLOTS, triggered_reads=True),
+                                  HostState("dense/bias", HOST_WEIGHTS, triggered_reads=True), HostState("out/kernel")),
+                      batch_size=4)
+    data = named.to_dict()
+    assert [record.get("triggered_reads") for record in data["host_state"]] == [True, True, None]
+    assert NamedPlan.from_dict(data) == named and NamedPlan.from_dict(json.loads(named.to_json())) == named
+    with pytest.raises(PlanError, match="'triggered_reads', which needs format swap-plan/6 .this file says swap-plan/5"):
+        NamedPlan.from_dict({**data, "format": "swap-plan/5"})
+    for record in ({"variable": "x", "mode": "host-update", "triggered_reads": True},
+                   {"variable": "x", "mode": STREAM_SLOTS, "triggered_reads": "yes"}):
+        with pytest.raises(PlanError, match="'triggered_reads' true or false only with a mode that copies reads in"):
+            NamedPlan.from_dict({**data, "host_state": [record]})

@@ -183,7 +183,7 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and "<img alt='memory_timeline.png'" in html
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["format"] == "swap-plan/5" and (plan["swaps"] or plan["recomputes"])
+    assert plan["format"] == "swap-plan/6" and (plan["swaps"] or plan["recomputes"])
 
 
 def test_recomputation_is_chosen_applied_and_measured_and_no_recompute_swaps_only(capsys, tmp_path):
@@ -406,7 +406,7 @@ def test_a_budget_between_the_split_and_the_unsplit_floor_splits(capsys, tmp_pat
     summary = json.loads((tmp_path / "split" / "summary.json").read_text())
     plan = json.loads((tmp_path / "split" / "plan.json").read_text())
     assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
-    assert plan["format"] == "swap-plan/5" and plan["splits"] and plan["splits"][0]["parts"] >= 2
+    assert plan["format"] == "swap-plan/6" and plan["splits"] and plan["splits"][0]["parts"] >= 2
     assert "along the batch" in stdout and "lowers the floor" in stdout
     parts = plan["splits"][0]["parts"]
     assert f"verdict: Fits with the batch split in {parts} parts" in stdout and summary["headline"] in stdout

@@ -103,7 +103,7 @@ def test_under_the_floor_with_every_slot_moved_the_weights_move_too_and_are_conf
     assert code == EXIT_OK, text
     summary = json.loads((out / "summary.json").read_text())
     plan = json.loads((out / "plan.json").read_text())
-    assert summary["confirmed_by_measurement"] and plan["format"] == "swap-plan/5"
+    assert summary["confirmed_by_measurement"] and plan["format"] == "swap-plan/6"
     assert plan["host_state"] and all(item["mode"] == "host-weights" for item in plan["host_state"])
     assert summary["measured_peak_bytes"] <= 12 * MiB
     assert abs(summary["measured_peak_bytes"] / summary["predicted_peak_bytes_at_measured_batch"] - 1) <= 0.05

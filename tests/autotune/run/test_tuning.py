@@ -13,7 +13,8 @@ import optuna  # noqa: E402
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, make_policy  # noqa: E402
 from autotune.search.space import SearchSpace, TuningProblem, evaluation_from_trial  # noqa: E402
-from autotune.run.tuning import _modes_per_variable, study_name_for, tune_graph  # noqa: E402
+from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
+from autotune.search.state_moves import modes_per_variable  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from rewriter.trace.tracing import capture  # noqa: E402
 from simulator import SwapParams, get_device, plan_swaps, replay  # noqa: E402
@@ -320,6 +321,6 @@ def test_each_variable_is_tried_in_the_other_mode_from_the_state_kept_so_far():
             chosen, dataclasses.make_dataclass("Plan", ["host_state"])(copies))
 
     start = (HostState("a"), HostState("b"))
-    found = _modes_per_variable(searched(start), searched)
+    found = modes_per_variable(searched(start), searched)
     assert asked[1:] == [(STREAM_SLOTS, HOST_UPDATE), (STREAM_SLOTS, STREAM_SLOTS)]
     assert found.chosen.step_s == 7.0 and [item.mode for item in found.plan.host_state] == [STREAM_SLOTS] * 2
