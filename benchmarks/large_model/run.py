@@ -12,8 +12,9 @@ device); the same with every variable's optimizer slots on the host and its upda
 each of the last two also with the variable writes after their reads (``simulator.state.writes_after_reads``:
 AdamW's decay otherwise holds every weight twice through the backward pass); the slots on the host streamed
 in and out around an update left on the device (mode ``stream-slots``), with the writes after their reads; and
-with the writes after their reads, every weight on the host beside its slots (mode ``host-weights``: read on the device through copies in,
-which the search may swap between the forward and backward reads). The ratio of parameter counts is the headline. Measured (``--no-measured`` skips it): a small member on the CPU testbed with every slot on the
+with the writes after their reads, every weight on the host beside its slots (mode ``host-weights``: read on the device
+through copies in, which the search may swap between the forward and backward reads); each of the last two also with
+every copy in a swap-in of the plan started by a trigger (``HostState.triggered_reads``). The ratio of parameter counts is the headline. Measured (``--no-measured`` skips it): a small member on the CPU testbed with every slot on the
 host, its peak against the prediction and its weights after 3 steps (``benchmarks.large_model.measured``).
 ZeRO-Offload reports 10x the model size on one V100 with the state, gradients and update on the host.
 """
@@ -38,14 +39,19 @@ from benchmarks.models.graphs import _cached_capture
 from simulator import DeviceModel, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes,
-                             with_host_state, writes_after_reads)
+                             with_host_state, with_triggered_reads, writes_after_reads)
 
 CAPTURED_WIDTHS = (128, 192, 256, 320)  # the first three make the fit, the fourth checks it
 GiB = 1 << 30
-NO_ACTION, SWAP, SWAP_LATE, HOST, HOST_LATE, STREAM_LATE, WEIGHTS_LATE = SETTINGS = (
-    "no action", "swap + recompute", "swap + recompute, writes after reads", "swap + recompute + slots on host",
-    "swap + recompute + slots on host, writes after reads", "swap + recompute + slots streamed, writes after reads",
-    "swap + recompute + slots and weights on host")
+NO_ACTION, SWAP, SWAP_LATE, HOST, HOST_LATE, STREAM_LATE, STREAM_TRIGGERED, WEIGHTS_LATE, WEIGHTS_TRIGGERED = \
+    SETTINGS = ("no action", "swap + recompute", "swap + recompute, writes after reads",
+                "swap + recompute + slots on host", "swap + recompute + slots on host, writes after reads",
+                "swap + recompute + slots streamed, writes after reads",
+                "swap + recompute + slots streamed, writes after reads, copies in triggered",
+                "swap + recompute + slots and weights on host",
+                "swap + recompute + slots and weights on host, copies in triggered")
+LATE = (SWAP_LATE, HOST_LATE, STREAM_LATE, STREAM_TRIGGERED, WEIGHTS_LATE, WEIGHTS_TRIGGERED)
+MOVED = (HOST, HOST_LATE, STREAM_LATE, STREAM_TRIGGERED, WEIGHTS_LATE, WEIGHTS_TRIGGERED)
 
 
 @dataclass(frozen=True)
@@ -65,11 +71,14 @@ class Family:
 
 def _problem(graph, device, setting: str) -> TuningProblem:
     budget = device.budget_bytes
-    if setting in (SWAP_LATE, HOST_LATE, STREAM_LATE, WEIGHTS_LATE):
+    if setting in LATE:
         graph = writes_after_reads(graph)
-    if setting in (HOST, HOST_LATE, STREAM_LATE, WEIGHTS_LATE):
-        mode = {WEIGHTS_LATE: HOST_WEIGHTS, STREAM_LATE: STREAM_SLOTS}.get(setting, HOST_UPDATE)
+    if setting in MOVED:
+        mode = {WEIGHTS_LATE: HOST_WEIGHTS, WEIGHTS_TRIGGERED: HOST_WEIGHTS, STREAM_LATE: STREAM_SLOTS,
+                STREAM_TRIGGERED: STREAM_SLOTS}.get(setting, HOST_UPDATE)
         moved = tuple(HostState(path, mode) for path in movable_state(graph))
+        if setting in (STREAM_TRIGGERED, WEIGHTS_TRIGGERED):
+            moved = with_triggered_reads(moved)
         state_bytes = moved_bytes(graph, moved)
         graph = with_host_state(graph, moved, copies_in=not device.host_buffers_shared)
         # the host holds the state beside what the plan swaps: its bytes come out of the host's room
@@ -148,8 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     table, errors = simulate(fam, args.batch, device, args.trials)
     count = dict(zip(table["setting"], table["parameters"]))
 
+    width = dict(zip(table["setting"], table["width"]))
+    overheads = dict(zip(table["setting"], table.get("overhead", [None] * len(table))))
+
     def ratio(a: str, b: str) -> str:
         return f"{count[a] / count[b]:.2f}x" if count[b] else "n/a"
+
+    def overhead(setting: str) -> str:
+        return "n/a" if overheads[setting] is None or pd.isna(overheads[setting]) else f"{overheads[setting]:.0%}"
 
     notes = [f"Parameters that fit with the slots on the host / with the state on the device: {ratio(HOST, SWAP)}; "
              f"both with the writes after their reads: {ratio(HOST_LATE, SWAP_LATE)}; the slots on the host and the "
@@ -158,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
              f"their reads, {ratio(WEIGHTS_LATE, SWAP)} against swaps and recomputation alone, "
              f"{ratio(WEIGHTS_LATE, NO_ACTION)} against no action. The slots streamed around an update on the device "
              f"(writes after reads): {ratio(STREAM_LATE, SWAP_LATE)} against the state on the device, "
-             f"{ratio(STREAM_LATE, HOST_LATE)} of the parameters with the update on the host.",
+             f"{ratio(STREAM_LATE, HOST_LATE)} of the parameters with the update on the host. Every copy in of a "
+             f"weight or streamed slot a swap-in started by a trigger (the copies before their readers otherwise): "
+             f"the slots streamed {overhead(STREAM_TRIGGERED)} simulated overhead at width "
+             f"{width[STREAM_TRIGGERED]} ({overhead(STREAM_LATE)} at {width[STREAM_LATE]} without), the weights on the "
+             f"host too {overhead(WEIGHTS_TRIGGERED)} at {width[WEIGHTS_TRIGGERED]} ({overhead(WEIGHTS_LATE)} at "
+             f"{width[WEIGHTS_LATE]} without).",
              "Derived members checked: width 320 predicted from 128, 192, 256, largest relative error "
              + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + "."]
     settings = {"command": "python -m benchmarks " + " ".join(["large-model", *(argv if argv is not None else sys.argv[2:])]),
