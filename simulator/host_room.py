@@ -23,6 +23,7 @@ from simulator.params import SwapParams
 from simulator.plan import SwapPlan
 from simulator.planning import plan_swaps
 from simulator.replay import Replay, host_free_s, replay
+from simulator.state.host_update import triggered_reads
 
 MAX_REPLAYS = 64  # the 3D U-Net on v100-16gb: 32 at 320 x 64^3 (3.5 % over the host), 43 at 322
 
@@ -60,11 +61,12 @@ def fit_host(g: OpGraph, params: SwapParams, device: DeviceModel, budget_bytes: 
     while result.host_peak_bytes > host_limit_bytes:
         if result.peak_bytes > budget_bytes:
             return None
-        for tensor in on_host_at_peak(plan, result).tolist():
+        # a copy in the plan makes (state.triggered_reads) holds no host bytes of its own and is swapped regardless
+        for tensor in np.setdiff1d(on_host_at_peak(plan, result), triggered_reads(g), assume_unique=True).tolist():
             if replays >= max_replays:
                 return None
             kept = replace(params, keep_tensors=params.keep_tensors + (g.tensor_name(tensor),))
-            kept_plan = plan_swaps(g, kept, kept_reads=device.kept_reads)
+            kept_plan = replace(plan_swaps(g, kept, kept_reads=device.kept_reads), host_state=plan.host_state)
             kept_result = replay(g, kept_plan, device)
             replays += 1
             if kept_result.peak_bytes <= budget_bytes:

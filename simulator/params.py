@@ -53,8 +53,9 @@ class SwapParams:
       one op each: a swap-in can then be started by the op just before its reader, and reads of
       one level that the order runs far apart (the parts of a split convolution's gradient, an op
       the memory order sinks) are far.
-    keep_tensors: tensors (by name, "op:output") never swapped whatever the rules say; the host-
-      room pass (``simulator.host_room``) names there what it keeps on the device for the host's sake.
+    keep_tensors: tensors (by name, "op:output") never swapped whatever the rules say (but a copy in that
+      the plan makes, ``state.triggered_reads``, swapped always); the host-room pass (``simulator.host_room``)
+      names there what it keeps on the device for the host's sake.
     recompute: which ops may be cloned to recompute a tensor for its far readers instead of keeping
       or swapping it ("none", "cheap": elementwise, activations, normalization, shapes, stateless
       random; "expensive": convolutions and matrix products too; ``simulator.recompute.actions``). The

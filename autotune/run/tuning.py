@@ -349,7 +349,8 @@ def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_
     if recompute:
         key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
     if host_state:
-        key += "|host_state|" + ",".join(sorted(map(str, host_state)))  # each record's fields
+        key += "|host_state|" + ",".join(sorted(f"{item.variable}:{item.mode}" + ":triggered" * item.triggered_reads
+                                                for item in host_state))
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model = str(graph.meta.get("model", "model")).replace(" ", "_")
     return f"{model}-b{batch_size}-{device.name}-{policy}-{digest}"

@@ -45,7 +45,7 @@ def search_state(result: TuneResult, g: OpGraph, search: Search, *, streaming: b
         if moved.chosen is not None and len(tried) == 2 and any(found.chosen is None for found in tried):
             moved = modes_per_variable(moved, search)
         if moved.chosen is not None:
-            moved = triggered_copies(moved, search)
+            moved = triggered_copies(g, moved, search)
             size, where = sum(slots[item.variable] for item in group), where_updated(moved.plan.host_state)
             return replace(moved, notes=[f"the optimizer slots of {len(group)} of {len(slots)} variable(s), "
                                          f"{format_bytes(size)}, live on the host, {where}"
@@ -53,7 +53,7 @@ def search_state(result: TuneResult, g: OpGraph, search: Search, *, streaming: b
     for group in state_groups(g, mode=HOST_WEIGHTS):  # then the weights too, largest first
         moved = search(group)
         if moved.chosen is not None:
-            moved = triggered_copies(moved, search)
+            moved = triggered_copies(g, moved, search)
             return replace(moved, notes=[f"the weights and optimizer slots of {len(group)} of {len(slots)} "
                                          f"variable(s), {format_bytes(moved_bytes(g, group))}, live on the host, "
                                          "where their update runs; the device reads each weight through copies in"
@@ -81,13 +81,14 @@ def modes_per_variable(moved: TuneResult, search: Search) -> TuneResult:
     return moved
 
 
-def triggered_copies(moved: TuneResult, search: Search) -> TuneResult:
+def triggered_copies(g: OpGraph, moved: TuneResult, search: Search) -> TuneResult:
     """``moved``, or the same state with the copies in of its weights and streamed slots started by triggers
-    (``with_triggered_reads``: every read a swap-in of the plan) where that fits too and is faster. Searched after
+    (``with_triggered_reads``: every read a swap-in of the plan, where ``g`` allows) where that fits too and is
+    faster. Searched after
     the state is chosen, not instead: the copies before their readers are among the triggered plans (synchronous
     swap-ins), but a search's first trials found them less often (the MLP with AdamW in 24 MiB, 20 trials)."""
     state = moved.plan.host_state
-    triggered = with_triggered_reads(state)
+    triggered = with_triggered_reads(g, state)
     if triggered == state:
         return moved
     tried = search(triggered)

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = tuple(HostState(path, HOST_WEIGHTS) for path in moved)
     late = writes_after_reads(captured)
     on_host = with_host_state(late, weights, copies_in=False)
-    triggered = with_triggered_reads(weights)
+    triggered = with_triggered_reads(late, weights)
     on_host_triggered = with_host_state(late, triggered, copies_in=False)
     plans = {}
     for name, graph, records, plan in (

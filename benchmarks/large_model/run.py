@@ -78,7 +78,7 @@ def _problem(graph, device, setting: str) -> TuningProblem:
                 STREAM_TRIGGERED: STREAM_SLOTS}.get(setting, HOST_UPDATE)
         moved = tuple(HostState(path, mode) for path in movable_state(graph))
         if setting in (STREAM_TRIGGERED, WEIGHTS_TRIGGERED):
-            moved = with_triggered_reads(moved)
+            moved = with_triggered_reads(graph, moved)
         state_bytes = moved_bytes(graph, moved)
         graph = with_host_state(graph, moved, copies_in=not device.host_buffers_shared)
         # the host holds the state beside what the plan swaps: its bytes come out of the host's room

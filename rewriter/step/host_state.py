@@ -332,9 +332,9 @@ def place_state_nodes(graph_def, nodes: StateNodes, placement: Placement, tensor
         edited = place_on_host(edited, set().union(*(placed[path] for path in streamed)), placement.accelerator)
     copied_in = set().union(*weight_ops.values(), *(slot_ops[path] for path in streamed))
     if copied_in:
-        planned = set().union(*(weight_ops.get(path, set()) | (slot_ops[path] if path in streamed else set())
-                                for path in nodes.triggered))
-        edited = copy_weights_in(edited, copied_in, on_host, placement, tensor_info, planned=planned)
+        triggered = set().union(*(weight_ops.get(path, set()) | (slot_ops[path] if path in streamed else set())
+                                  for path in nodes.triggered))
+        edited = copy_weights_in(edited, copied_in, on_host, placement, tensor_info, triggered=triggered)
     # the state's reads and writes run on the host: what they allocate is the host's (the measured peak's rule)
     return edited, {path: (slot_ops[path] if path in streamed else names) | weight_ops.get(path, set())
                     for path, names in placed.items()}
@@ -346,21 +346,25 @@ def slot_writes(names: set[str], kinds: dict[str, str]) -> set[str]:
 
 
 def copy_weights_in(graph_def, weight_ops: set[str], host_side: set[str], placement: Placement, tensor_info: dict,
-                    *, planned: set[str] = frozenset()):
+                    *, triggered: set[str] = frozenset()):
     """A copy of ``graph_def`` where the device reads a weight (or a streamed slot) on the host through a copy in:
     each read of it (a node of ``weight_ops`` with an output) read by a node off the host gets one copy on the
     accelerator (the placement's swap op, named ``weight_in/<read>``), which its device readers read; it runs where
     the read runs in the plan's order, just before its first reader (``simulator.state.with_host_state``). A plan's
     swap of the read (its later readers, swap-ins started by triggers) copies in from the read itself: its copy out
-    is an ``Identity`` on the host, which allocates nothing. A read of ``planned`` gets no copy of its own: the
-    plan's swap-ins serve every reader the simulator knows (``HostState.triggered_reads``); a reader left (a shape's
-    ``ShapeN``, a gradient nothing reads) is one Grappler folds or prunes."""
+    is an ``Identity`` on the host, which allocates nothing. A read of ``triggered`` (the ops of variables moved with
+    ``HostState.triggered_reads``) the plan swaps gets no copy of its own: the plan's swap-ins serve every reader the
+    simulator knows (``simulator.state.with_host_state``); a reader left (a shape's ``ShapeN``, a gradient nothing
+    reads) is one Grappler folds or prunes. One the plan does not swap is copied in where it runs, as simulated."""
     edited = tf.compat.v1.GraphDef()
     edited.CopyFrom(graph_def)
     nodes = {node.name: node for node in edited.node}
+    swapped = set()
     for node in edited.node:
         if node.name.startswith(SWAP_OUT_PREFIX) and node.input and node.input[0].split(":")[0] in weight_ops:
             node.op, node.device = "Identity", placement.host
+            swapped.add(node.input[0].split(":")[0])
+    planned = swapped & triggered
     copies: dict[str, str] = {}
     for node in list(edited.node):
         if node.name in host_side or node.name.startswith(SWAP_OUT_PREFIX) or node.device == placement.host:

@@ -50,11 +50,34 @@ class HostState:
     triggered_reads: bool = False
 
 
-def with_triggered_reads(host_state: Sequence[HostState]) -> tuple[HostState, ...]:
+def with_triggered_reads(g: OpGraph, host_state: Sequence[HostState]) -> tuple[HostState, ...]:
     """``host_state`` with the copies in of each record whose mode makes them (a weight's, a streamed slot's) left to
-    the plan's swap-ins, started by triggers (``triggered_reads``); None of them: ``host_state`` as it is."""
-    return tuple(dataclasses.replace(item, triggered_reads=True) if item.mode in _RECORDED_OPS else item
+    the plan's swap-ins, started by triggers (``triggered_reads``), where ``g`` (the captured step) lets every read of
+    it be one (``untriggered_why``); the others as they are."""
+    on_host = np.zeros(g.n_ops, bool)
+    on_host[host_ops(g, host_state)] = True
+    return tuple(dataclasses.replace(item, triggered_reads=True)
+                 if item.mode in _RECORDED_OPS and untriggered_why(g, item, on_host) is None else item
                  for item in host_state)
+
+
+def untriggered_why(g: OpGraph, item: HostState, on_host: np.ndarray) -> str | None:
+    """Why a read of ``item``'s weight or slots on the host cannot be the plan's swap-ins alone (``on_host``: the
+    ops on the host), None where each can: an op on the host reads it too (its copy's buffer would stay read), a
+    fused chain shares its device reader (``fusion.fused_shared_reads``: the rewriter keeps such a read on the
+    device), or another tensor lives in its buffer."""
+    reads = np.flatnonzero(np.isin(g.tensor_producer, host_ops(g, [item])) & g.tensor_persistent)
+    device_edge = ~on_host[g.edge_consumer]
+    reads = reads[np.isin(reads, g.edge_tensor[device_edge])]
+    for tensor in reads.tolist():
+        edges = g.edge_tensor == tensor
+        if (edges & ~device_edge).any():
+            return f"{g.tensor_name(tensor)} is read on the host too"
+        if (edges & device_edge & fused_shared_reads(g)).any():
+            return f"a fused chain shares the device's read of {g.tensor_name(tensor)}"
+        if (g.tensor_alias_of == tensor).any():
+            return f"another tensor lives in the buffer of {g.tensor_name(tensor)}"
+    return None
 
 
 def read_host_state_records(records, error: type[GraphError] = GraphError, version: int | None = None,
@@ -77,7 +100,7 @@ def read_host_state_records(records, error: type[GraphError] = GraphError, versi
                                                 and r.get("mode") in modes and _triggered_ok(r) for r in records) \
             or len({r["variable"] for r in records}) != len(records):
         raise error(f"the plan's host_state must list each variable once as {{'variable': path, 'mode': one of "
-                    f"{modes}}}, and 'triggered_reads' true or false only with a mode that copies reads in "
+                    f"{modes}}}, 'triggered_reads' (a boolean) true only with a mode that copies reads in "
                     f"({', '.join(_RECORDED_OPS)})")
     return tuple(HostState(r["variable"], r["mode"], r.get("triggered_reads", False)) for r in records)
 
@@ -254,15 +277,17 @@ def _moved(g: OpGraph, moved: tuple[HostState, ...], copies_in: bool) -> OpGraph
 
 
 def _triggered(g: OpGraph, moved: tuple[HostState, ...], on_host: np.ndarray) -> np.ndarray:
-    """Per tensor: made by an op of a ``triggered_reads`` record, every device reader of it a read a swap-in may
-    serve (not one a fused chain shares, ``fusion.fused_shared_reads``: such a read keeps the copy before it)."""
+    """Per tensor: made by an op of a ``triggered_reads`` record; one ``GraphError`` for a record some read of which
+    cannot be the plan's swap-ins alone (``untriggered_why``)."""
     triggered = np.zeros(g.n_tensors, bool)
     items = [item for item in moved if item.triggered_reads]
-    if not items:
-        return triggered
-    triggered[np.isin(g.tensor_producer, host_ops(g, items))] = True
-    on_device = ~on_host[g.edge_consumer]
-    triggered[g.edge_tensor[on_device & fused_shared_reads(g)]] = False
+    for item in items:
+        why = untriggered_why(g, item, on_host)
+        if why is not None:
+            raise GraphError(f"the copies in of {item.variable!r} cannot all be swap-ins of the plan ({why}): move it "
+                             "without triggered_reads")
+    if items:
+        triggered[np.isin(g.tensor_producer, host_ops(g, items))] = True
     return triggered
 
 

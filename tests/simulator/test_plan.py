@@ -250,5 +250,5 @@ def test_triggered_reads_read_back_from_version_6_only():
         NamedPlan.from_dict({**data, "format": "swap-plan/5"})
     for record in ({"variable": "x", "mode": "host-update", "triggered_reads": True},
                    {"variable": "x", "mode": STREAM_SLOTS, "triggered_reads": "yes"}):
-        with pytest.raises(PlanError, match="'triggered_reads' true or false only with a mode that copies reads in"):
+        with pytest.raises(PlanError, match="'triggered_reads' .a boolean. true only with a mode that copies reads in"):
             NamedPlan.from_dict({**data, "host_state": [record]})
