@@ -372,14 +372,14 @@ def search_graph(graph: OpGraph, target: Target, options: SearchOptions, *, batc
 
     ``options.recompute`` (default): the search may also recompute tensors instead of keeping or swapping
     them (``SearchSpace.for_graph(recompute=True)``); False: it swaps only (``--no-recompute``).
-    ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run
-    again with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of
-    the movable slots' bytes, half, three quarters, all; each group updated on the host and, where the host has
-    a rate of its own, streamed around an update on the device, mode ``stream-slots``, the faster that fits kept;
-    where one mode fits and the other not, its variables tried in the other one at a time; the copies in of weights
-    and streamed slots then started by triggers where that is faster, ``autotune.search.state_moves``), then with their weights too (the same shares of weights and slots, mode
-    ``host-weights``), and the first group that fits is the plan's ``host_state``; False: the state stays
-    (``--no-state``).
+    ``options.state`` (default): where no plan fits with the optimizer state on the device, the search is run again
+    with the slots of the largest variables on the host (``simulator.state.state_groups``: a quarter of the movable
+    slots' bytes, half, three quarters, all; each group updated on the host and, where the host has a rate of its
+    own, streamed around an update on the device, mode ``stream-slots``, the faster that fits kept; where one mode
+    fits and the other not, its variables tried in the other one at a time; the copies in of weights and streamed
+    slots then started by triggers where that is faster, ``autotune.search.state_moves``), then with their weights
+    too (the same shares of weights and slots, mode ``host-weights``), and the first group that fits is the plan's
+    ``host_state``; False: the state stays (``--no-state``).
 
     ``correction``: what measured runs showed the simulator misses on this model; the search holds
     corrected peaks within the budget. ``measured``: a measured run will follow (the verdict then

@@ -84,9 +84,9 @@ def modes_per_variable(moved: TuneResult, search: Search) -> TuneResult:
 def triggered_copies(g: OpGraph, moved: TuneResult, search: Search) -> TuneResult:
     """``moved``, or the same state with the copies in of its weights and streamed slots started by triggers
     (``with_triggered_reads``: every read a swap-in of the plan, where ``g`` allows) where that fits too and is
-    faster. Searched after
-    the state is chosen, not instead: the copies before their readers are among the triggered plans (synchronous
-    swap-ins), but a search's first trials found them less often (the MLP with AdamW in 24 MiB, 20 trials)."""
+    faster. Searched after the state is chosen, not instead: the copies before their readers are among the triggered
+    plans (synchronous swap-ins), but a search's first trials found them less often (the MLP with AdamW in 24 MiB,
+    20 trials)."""
     state = moved.plan.host_state
     triggered = with_triggered_reads(g, state)
     if triggered == state:

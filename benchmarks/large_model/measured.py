@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             ("the same, the weights on the host too", on_host, weights, SwapPlan.empty(on_host)),
             ("the same, each weight copied in again for its backward reads", on_host, weights,
              SwapPlan.from_swaps(on_host, _read_again(on_host))),
-            (TRIGGERED, on_host_triggered, triggered, plan_swaps(on_host_triggered, SwapParams.from_dict(TRIGGERED_PARAMS)))):
+            (TRIGGERED, on_host_triggered, triggered,
+             plan_swaps(on_host_triggered, SwapParams.from_dict(TRIGGERED_PARAMS)))):
         plans[name] = graph, dataclasses.replace(plan, host_state=records)
         predicted = replay(*plans[name], "cpu-testbed")
         measured = rewriter.measure(rewriter.apply(model, plans[name][1], graph=graph, verify=False), x, y, repeats=1)

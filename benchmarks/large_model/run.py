@@ -12,10 +12,12 @@ device); the same with every variable's optimizer slots on the host and its upda
 each of the last two also with the variable writes after their reads (``simulator.state.writes_after_reads``:
 AdamW's decay otherwise holds every weight twice through the backward pass); the slots on the host streamed
 in and out around an update left on the device (mode ``stream-slots``), with the writes after their reads; and
-with the writes after their reads, every weight on the host beside its slots (mode ``host-weights``: read on the device
-through copies in, which the search may swap between the forward and backward reads); each of the last two also with
-every copy in a swap-in of the plan started by a trigger (``HostState.triggered_reads``). The ratio of parameter counts is the headline. Measured (``--no-measured`` skips it): a small member on the CPU testbed with every slot on the
-host, its peak against the prediction and its weights after 3 steps (``benchmarks.large_model.measured``).
+with the writes after their reads, every weight on the host beside its slots (mode ``host-weights``: read on the
+device through copies in, which the search may swap between the forward and backward reads); each of the last two
+also with every copy in a swap-in of the plan started by a trigger (``HostState.triggered_reads``). The ratio of
+parameter counts is the headline. Measured (``--no-measured`` skips it): a small member on the CPU testbed with
+every slot on the host, its peak against the prediction and its weights after 3 steps
+(``benchmarks.large_model.measured``).
 ZeRO-Offload reports 10x the model size on one V100 with the state, gradients and update on the host.
 """
 

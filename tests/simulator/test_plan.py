@@ -246,7 +246,8 @@ def test_triggered_reads_read_back_from_version_6_only():
     data = named.to_dict()
     assert [record.get("triggered_reads") for record in data["host_state"]] == [True, True, None]
     assert NamedPlan.from_dict(data) == named and NamedPlan.from_dict(json.loads(named.to_json())) == named
-    with pytest.raises(PlanError, match="'triggered_reads', which needs format swap-plan/6 .this file says swap-plan/5"):
+    too_old = "'triggered_reads', which needs format swap-plan/6 .this file says swap-plan/5"
+    with pytest.raises(PlanError, match=too_old):
         NamedPlan.from_dict({**data, "format": "swap-plan/5"})
     for record in ({"variable": "x", "mode": "host-update", "triggered_reads": True},
                    {"variable": "x", "mode": STREAM_SLOTS, "triggered_reads": "yes"}):
