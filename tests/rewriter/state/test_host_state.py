@@ -1,7 +1,8 @@
 """Optimizer slots on the host (``rewriter.step.host_state``, a plan's ``host_state``): 3 steps train
 bitwise like Keras for SGD with momentum, Adam and AdamW on a Dense model, a small CNN and a transformer
-block (one case within 1e-6 relative, ``ROUNDED``); the slots live on the host device and the update's arithmetic is placed there; a model saved after
-training with the plan loads in plain Keras; an optimizer the tool does not know is refused with why."""
+block (one case within 1e-6 relative, ``ROUNDED``), and with a learning-rate schedule; the slots live on the host
+device and the update's arithmetic is placed there; a model saved after training with the plan loads in plain
+Keras; an optimizer the tool does not know is refused with why."""
 
 from __future__ import annotations
 
@@ -112,6 +113,49 @@ def test_the_partition_graphs_run_the_update_on_the_host(optimizer):
     assert check.host_updates_elsewhere == [] and check.host_updates_on_host >= len(moved_variables(model))
     assert check.transfers_to_host > 0 and check.host_updates_planned == sum(map(len, step.host_updates.values()))
     assert th.bitwise_equal(before, th.weights_of(model))
+
+
+SCHEDULES = {"sgd": lambda: keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5),
+                                                momentum=0.9),
+             "adamw": lambda: keras.optimizers.AdamW(keras.optimizers.schedules.CosineDecay(1e-2, 3, alpha=0.1),
+                                                     weight_decay=0.05),
+             # a keras-hub task's default (its text-to-image model's: AdamW, epsilon 1e-8, each gradient's norm
+             # clipped at 1), its rate decayed
+             "hub_adamw": lambda: keras.optimizers.AdamW(keras.optimizers.schedules.CosineDecay(1e-4, 3, alpha=0.1),
+                                                         weight_decay=1e-2, epsilon=1e-8, clipnorm=1.0)}
+
+
+@pytest.mark.parametrize("optimizer, mode", [("sgd", STREAM_SLOTS), ("adamw", HOST_UPDATE), ("adamw", HOST_WEIGHTS),
+                                             ("hub_adamw", HOST_UPDATE)])
+def test_a_learning_rate_schedule_trains_as_in_keras(optimizer, mode):
+    """A learning rate that decays with ``iterations`` (the update reads the step count on the device, the
+    update runs on the host or the slots are streamed), also with a keras-hub task's default AdamW: 3 steps whose
+    rates all differ, weights, slots and the step count bitwise equal to Keras' own train_on_batch."""
+    th.deterministic()
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+        model.compile(optimizer=SCHEDULES[optimizer](), loss="mse", jit_compile=False)
+        models.append(model)
+    plain, moved = models
+    x, y = example_batch(plain, BATCH)
+    step = rewriter.apply(moved, _host_plan(moved, mode=mode), batch_size=BATCH, verify_with=(x, y))
+    assert step.verification is not None and step.verification.ok, step.verification.summary()
+    slots = [v for v in moved.optimizer.variables if len(v.shape) > 0]
+    assert slots and all(_on_host(v) for v in slots)
+    rates = [float(plain.optimizer.learning_rate.numpy())]
+    losses_plain = []
+    for _ in range(3):
+        losses_plain.append(float(plain.train_on_batch(x, y)))
+        rates.append(float(plain.optimizer.learning_rate.numpy()))
+    losses_moved = [float(step(x, y)) for _ in range(3)]
+    assert len(set(rates)) == 4, rates  # the schedule moved the rate at every step
+    assert losses_plain == losses_moved
+    assert th.bitwise_equal(th.weights_of(plain), th.weights_of(moved))
+    assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(moved))
+    assert int(moved.optimizer.iterations.numpy()) == 3
+    assert float(moved.optimizer.learning_rate.numpy()) == rates[-1]
 
 
 def moved_variables(model) -> list:
