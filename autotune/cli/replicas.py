@@ -157,7 +157,8 @@ def device_lines(result) -> list[str]:
                if value is not None]
     budget = format_bytes(machine["host_budget_bytes"])
     machine_is = "the machine" if memory["workers"] == 1 else "the fullest worker's machine"
-    lines.append(f"host memory of {machine_is} (its replicas' swaps and moved state): {', '.join(figures)} "
+    lines.append(f"host memory of {machine_is} (its replicas' swaps, moved state and host updates; predicted: an "
+                 f"upper bound): {', '.join(figures)} "
                  f"of {budget}" if figures
                  else f"host budget of the machine: {budget} (no plan)")
     return lines

@@ -265,7 +265,8 @@ def _replicas_section(memory: dict, budget_bytes: int, images: dict[str, Path]) 
                                     f"measured ({where})", "measured, carried to the target", "budget per device",
                                     "host memory measured", "verdict"])
     machine = memory["machine"]
-    per_machine = pd.DataFrame([("host memory of the machine (every replica's swaps and moved state)",
+    per_machine = pd.DataFrame([("host memory of the machine (every replica's swaps, moved state and host update; "
+                                 "predicted: an upper bound)",
                                  size(machine["predicted_host_bytes"]), size(machine["measured_host_bytes"]),
                                  size(machine["host_budget_bytes"]),
                                  "no plan" if machine["within_budget"] is None

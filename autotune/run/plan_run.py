@@ -299,7 +299,8 @@ def worker_readings(model, inputs, order: WorkerOrder, timed_steps: int,
     task = step.replicas.task
     rows = tuple({"replica": step.replicas.first_replica + p.replica, "worker": task, "device": p.device,
                   "host": step.placements[p.replica].host, "measured_bytes": p.peak_bytes,
-                  "host_peak_bytes": p.host_peak_bytes, "resident_bytes": p.resident_bytes,
+                  "host_peak_bytes": p.host_peak_bytes, "host_state_bytes": p.host_state_bytes,
+                  "resident_bytes": p.resident_bytes,
                   "unowned_bytes": p.unowned_bytes, "host_shared": p.host_shared,
                   "swaps_verified": not checks or checks[p.replica].ok,
                   "swaps_survived": None if not checks else checks[p.replica].swap_outs} for p in peaks)

@@ -32,7 +32,8 @@ from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
 from simulator.recompute.actions import Recompute, clone_name
 from simulator.replay import Replay, op_seconds
 from simulator.split import split_parts
-from simulator.state import HostState, moved_bytes, moved_kinds, with_host_state, writes_after_reads
+from simulator.state import (HostState, host_working_set_bytes, moved_bytes, moved_kinds, with_host_state,
+                              writes_after_reads)
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +213,11 @@ class TuneResult:
         shown, m = self.shown, self.measurement
         measured = {row["device"]: row for row in (m.replicas if m is not None else ())}
         round_ = self.verdict.checks[-1].round if self.verdict is not None and self.verdict.checks else 1
-        # a replica's host holds its swapped tensors and the optimizer state (slots, weights) the plan moved
-        host_bytes = None if shown is None else int(shown.metrics["host_peak_bytes"]) + (
-            0 if self.plan is None else moved_bytes(self.graph, self.plan.host_state))
+        # a replica's host holds its swapped tensors, the optimizer state (slots, weights) the plan moved and its
+        # update's copies and temporaries (an upper bound: the executor decides which are live together)
+        host_state = () if self.plan is None else self.plan.host_state
+        host_bytes = None if shown is None else int(shown.metrics["host_peak_bytes"]) + moved_bytes(
+            self.graph, host_state) + host_working_set_bytes(self.graph, host_state)
         devices = []
         # this worker's replicas, then those the other workers of a cluster measured (each its own machine)
         places = [*zip(meta["devices"], meta["hosts"], [0] * len(meta["devices"])),
@@ -229,14 +232,18 @@ class TuneResult:
                 "predicted_host_bytes": host_bytes,
                 **({} if row is None else {
                     "predicted_where_measured_bytes": m.predicted_peak_bytes, "measured_bytes": row["measured_bytes"],
-                    "projected_bytes": check.projected_bytes, "measured_host_bytes": row["host_peak_bytes"],
+                    "projected_bytes": check.projected_bytes,
+                    "measured_host_bytes": row["host_peak_bytes"] + row.get("host_state_bytes", 0),
+                    "measured_host_state_bytes": row.get("host_state_bytes", 0),
                     "host_shared": bool(row.get("host_shared")), "swaps_verified": row["swaps_verified"],
                     "check": check.describe(), "confirmed": check.confirmed and row["swaps_verified"]})})
         host_budget = self.target.machine_host_budget_bytes or self.target.host_budget_bytes
         predicted_host = None if host_bytes is None else len(meta["devices"]) * host_bytes
         machines = {d["worker"] for d in devices}  # the fullest machine's host memory: its replicas' hosts
         def machine_bytes(rows: list[dict]) -> int:  # on GPUs every row holds the one pinned allocator's peak
-            return (max if any(r.get("host_shared") for r in rows) else sum)(r["measured_host_bytes"] for r in rows)
+            state = [r["measured_host_state_bytes"] for r in rows]
+            return (max if any(r.get("host_shared") for r in rows) else sum)(
+                r["measured_host_bytes"] - r["measured_host_state_bytes"] for r in rows) + sum(state)
         measured_host = max(machine_bytes([d for d in devices if d["worker"] == worker]) for worker in machines) \
             if all("measured_host_bytes" in d for d in devices) else None
         machine_host = predicted_host if measured_host is None else measured_host

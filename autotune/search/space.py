@@ -22,6 +22,7 @@ from simulator.params import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIE
 from simulator.recompute.actions import Recompute
 from simulator.recompute.choice import recomputed_graph, stalled_recomputes
 from simulator.replay import Replay
+from simulator.state import moved_bytes
 
 METRICS = ("peak_bytes", "step_s", "compute_s", "stall_s", "overhead", "d2h_bytes", "h2d_bytes", "host_peak_bytes",
            "n_swap_outs", "n_swap_ins")
@@ -210,7 +211,8 @@ class Evaluation:
 
 @dataclass
 class TuningProblem:
-    """The graph at one batch size on one device with one memory budget."""
+    """The graph at one batch size on one device with one memory budget; ``host_limit_bytes``: what the plan's
+    copies on the host may take, by default the device's host memory less the optimizer state moved there."""
 
     graph: OpGraph
     device: DeviceModel
@@ -229,8 +231,8 @@ class TuningProblem:
     def __post_init__(self) -> None:
         if self.space is None:
             self.space = SearchSpace.for_graph(self.graph)
-        if self.host_limit_bytes is None:
-            self.host_limit_bytes = self.device.host_memory_bytes
+        if self.host_limit_bytes is None:  # the host holds the state moved there beside what the plan swaps
+            self.host_limit_bytes = max(0, self.device.host_memory_bytes - moved_bytes(self.graph, self.host_state))
 
     def graph_for(self, params: SwapParams | None) -> OpGraph:
         """The graph the plan of ``params`` is made on: the step with the recomputations they choose

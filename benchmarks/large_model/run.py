@@ -40,7 +40,7 @@ from benchmarks.large_model.scaling import WidthFamily
 from benchmarks.models.graphs import _cached_capture
 from simulator import DeviceModel, get_device, replay
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes
-from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes,
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state,
                              with_host_state, with_triggered_reads, writes_after_reads)
 
 CAPTURED_WIDTHS = (128, 192, 256, 320)  # the first three make the fit, the fourth checks it
@@ -81,11 +81,10 @@ def _problem(graph, device, setting: str) -> TuningProblem:
         moved = tuple(HostState(path, mode) for path in movable_state(graph))
         if setting in (STREAM_TRIGGERED, WEIGHTS_TRIGGERED):
             moved = with_triggered_reads(graph, moved)
-        state_bytes = moved_bytes(graph, moved)
         graph = with_host_state(graph, moved, copies_in=not device.host_buffers_shared)
-        # the host holds the state beside what the plan swaps: its bytes come out of the host's room
+        # the host holds the state beside what the plan swaps: TuningProblem takes its bytes out of the host's room
         return TuningProblem(graph, device, budget, space=SearchSpace.for_graph(graph, recompute=True),
-                             host_state=moved, host_limit_bytes=max(0, device.host_memory_bytes - state_bytes))
+                             host_state=moved)
     return TuningProblem(graph, device, budget, space=SearchSpace.for_graph(graph, recompute=True))
 
 

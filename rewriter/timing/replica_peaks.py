@@ -29,9 +29,11 @@ from rewriter.trace import state_kinds
 @dataclass(frozen=True)
 class ReplicaPeak:
     """One replica's measured step: ``peak_bytes`` (its device side, requested bytes, resident included),
-    ``host_peak_bytes`` (its swap-outs' copies; with ``host_shared``, every replica's on the machine: GPUs share
-    one pinned host allocator), ``resident_bytes`` (variables, batch share, constants), ``unowned_bytes``
-    (allocations of the call no replica's op made, left out: the runtime's own)."""
+    ``host_peak_bytes`` (what its host's ops allocate during the call: its swap-outs' copies, its moved update's
+    copies out and temporaries; with ``host_shared``, every replica's on the machine: GPUs share one pinned host
+    allocator), ``resident_bytes`` (variables, batch share, constants), ``unowned_bytes`` (allocations of the call
+    no replica's op made, left out: the runtime's own), ``host_state_bytes`` (its components of the variables that
+    live on its host, held before the call: the optimizer state the plan moved)."""
 
     replica: int
     device: str
@@ -40,19 +42,36 @@ class ReplicaPeak:
     resident_bytes: int
     unowned_bytes: int
     host_shared: bool = False
+    host_state_bytes: int = 0
 
 
-def _state_bytes(step, flat: list[tf.Tensor], k: int) -> int:
-    """Replica ``k``'s variables (its component of each mirrored or per-replica variable) and batch share."""
-    total = 0
+def _components(step, k: int) -> list:
+    """Replica ``k``'s component of each of the model's variables (mirrored, per-replica or moved to its host)."""
+    found = []
     for variable in state_kinds.model_variables(step._model):  # noqa: SLF001
         value = getattr(variable, "value", variable)
         parts = getattr(value, "values", None)
-        part = parts[k] if parts and len(parts) > k else value
-        if step.replicas.replica_of_device(getattr(part, "device", "") or "") == k:  # not a slot on its host
-            total += int(np.prod(part.shape)) * tf.as_dtype(part.dtype).size
+        found.append(parts[k] if parts and len(parts) > k else value)
+    return found
+
+
+def _bytes(tensor) -> int:
+    return int(np.prod(tensor.shape)) * tf.as_dtype(tensor.dtype).size
+
+
+def _state_bytes(step, flat: list[tf.Tensor], k: int) -> int:
+    """Replica ``k``'s variables on its device (not a slot on its host) and its batch share."""
     n = step.trace.n_flat
-    return total + sum(int(np.prod(t.shape)) * t.dtype.size for t in flat[k * n:(k + 1) * n])
+    return sum(_bytes(part) for part in _components(step, k)
+               if step.replicas.replica_of_device(getattr(part, "device", "") or "") == k) + sum(
+        _bytes(t) for t in flat[k * n:(k + 1) * n])
+
+
+def _host_state_bytes(step, k: int) -> int:
+    """Replica ``k``'s components of the model's variables that live on its host (``Replicas.hosts``), read from
+    the variables themselves: the optimizer slots (and weights) the plan moved there."""
+    return sum(_bytes(part) for part in _components(step, k)
+               if step.replicas.is_host_of(getattr(part, "device", "") or "", k))
 
 
 def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
@@ -71,6 +90,7 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
         step.verification = verify_replicas(step, (x, y))
     constants = step.constant_bytes or (0,) * step.replicas.count
     resident = [_state_bytes(step, flat, k) + constants[k] for k in range(step.replicas.count)]
+    host_state = [_host_state_bytes(step, k) for k in range(step.replicas.count)]
     snapshot = step.snapshot()
 
     def call(*inputs):
@@ -97,7 +117,7 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
         snapshot.restore()
     if on_gpus:
         return gpu_replica_peaks(traced, step.placements, devices=step.replicas.devices, resident_bytes=resident,
-                                 allocator_peak_bytes=allocator_peaks)
+                                 allocator_peak_bytes=allocator_peaks, host_state_bytes=host_state)
     measured = traced["call"] == traced["call"].max()
     owners = step.event_owners(traced)
     events, mine = traced[measured], owners[measured]
@@ -116,7 +136,7 @@ def measure_replicas(step, x, y, *, warmup: int = 2) -> tuple[ReplicaPeak, ...]:
                                          resident_unit="requested", previous=previous)
         peaks.append(ReplicaPeak(k, step.replicas.devices[k], int(peak.peak_requested_bytes),
                                  int(peak.host_peak_requested_bytes), resident[k],
-                                 int(unowned["requested_bytes"].sum())))
+                                 int(unowned["requested_bytes"].sum()), host_state_bytes=host_state[k]))
     return tuple(peaks)
 
 
@@ -136,18 +156,20 @@ def time_replicas(step, x, y, repeats: int) -> float:
     return float(np.median(times[1:]))
 
 
-def gpu_replica_peaks(events, placements, *, devices, resident_bytes,
-                      allocator_peak_bytes) -> tuple[ReplicaPeak, ...]:
+def gpu_replica_peaks(events, placements, *, devices, resident_bytes, allocator_peak_bytes,
+                      host_state_bytes=()) -> tuple[ReplicaPeak, ...]:
     """Each replica's peak on its GPU from one profiled step's memory events: a GPU's allocator (``GPU_k_bfc``)
     holds its replica's allocations alone, read in requested bytes on top of ``resident_bytes[k]``
     (``rewriter.placement.placements.gpu_reading``). The replicas' host copies share the machine's pinned
     allocator, so ``host_peak_bytes`` is the machine's, the same on every row. Each row is named by the
-    strategy's device (``devices[k]``, ``Replicas.devices``), as the capture names it."""
+    strategy's device (``devices[k]``, ``Replicas.devices``), as the capture names it; ``host_state_bytes[k]``: what
+    replica ``k``'s variables hold on the host (``ReplicaPeak``), none when left out."""
     peaks = []
     for k, place in enumerate(placements):
         device = place.accelerator.rsplit("device:", 1)[-1]
         reading = gpu_reading(events, device, allocator_peak_bytes=allocator_peak_bytes[k], current_bytes=0,
                               resident_bytes=resident_bytes[k], allocator_prefix=place.allocator_prefix)
         peaks.append(ReplicaPeak(k, devices[k], reading.peak_bytes, int(reading.host_peak_bytes or 0),
-                                 reading.resident_bytes, 0, host_shared=True))
+                                 reading.resident_bytes, 0, host_shared=True,
+                                 host_state_bytes=int(host_state_bytes[k]) if host_state_bytes else 0))
     return tuple(peaks)

@@ -83,6 +83,10 @@ class Replicas:
         found = [k for k, own in enumerate(self.devices) if _device_key(own) == key]
         return found[0] if found else None
 
+    def is_host_of(self, device: str, k: int) -> bool:
+        """True where ``device`` is replica ``k``'s host (every replica's, beside GPUs: the machine's CPU)."""
+        return bool(device) and _device_key(device) == _device_key(self.hosts[k])
+
     @property
     def task(self) -> int:
         """This worker's index (0, the chief, under MirroredStrategy)."""

@@ -24,6 +24,7 @@ import numpy as np
 from simulator.fusion import fused_shared_reads
 from simulator.graph import GraphError, OpGraph, depending_on, successor_csr
 from simulator.ordering import EARLY_OPS, position_of
+from simulator.sharing import SHARING_IN_LEVEL_ORDER
 
 HOST_UPDATE = "host-update"
 HOST_WEIGHTS = "host-weights"  # the weight on the host as well, read on the device through copies in
@@ -381,6 +382,25 @@ def updated_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
         raise GraphError("this graph was captured before captures recorded the bytes of each weight: capture it again")
     return sum(2 * int(found[item.variable]["weight_bytes"]) + int(found[item.variable]["slot_bytes"])
                for item in host_state)
+
+
+def host_working_set_bytes(g: OpGraph, host_state: Sequence[HostState]) -> int:
+    """A bound, at ``g``'s batch, of what the host holds for ``host_state``'s updates beside the moved state itself
+    (``moved_bytes``): every tensor they copy out of the device (``host_transfers``) and every buffer of its own the
+    ops on the host make (those that write into an input they read last, as TF's kernels do, make none), as if none
+    were freed during the step. Which of them are live together is the executor's choice, as is whether a
+    buffer's last reference goes in time for its reader to write in place: Adam's ``g - m``, ``g * g`` and
+    ``sqrt(v)`` and the gradients' copies of two kernels, 8 buffers, peaked at 4 or 5 of them in one measured call
+    (docs/design.md 14), so no order of the plan bounds them."""
+    base = _base(g)
+    ops = host_ops(base, host_state)
+    if not len(ops):
+        return 0
+    sharing = SHARING_IN_LEVEL_ORDER(base)
+    own = (sharing.root == np.arange(base.n_tensors)) & ~sharing.persistent & ~base.tensor_persistent
+    made = np.isin(base.tensor_producer, ops) & own
+    out_bytes, _ = host_transfers(base, host_state)
+    return int(base.tensor_bytes[made].sum() + out_bytes.sum())
 
 
 def host_update_ops(g: OpGraph) -> np.ndarray:

@@ -339,8 +339,8 @@ facts["weighted"] = dict(weighted, swaps=step.n_swap_outs, steps=[list(key) for 
 import dataclasses, tempfile
 from simulator import SwapPlan
 tmp = tempfile.mkdtemp()
-from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, moved_bytes,
-                             with_host_state)
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, host_working_set_bytes,
+                             movable_state, moved_bytes, with_host_state)
 def state_mlp(optimizer):
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(256, activation="relu") for _ in range(2)],
@@ -388,6 +388,8 @@ for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, wei
         "moved": len(records), "unmoved": int(replay(graph, SwapPlan.empty(graph), "cpu-testbed").peak_bytes),
         "predicted": int(replay(moved, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
         "moved_bytes": moved_bytes(graph, records), "host_measured": [r.host_peak_bytes for r in peaks],
+        "host_state_measured": [r.host_state_bytes for r in peaks],
+        "host_predicted": moved_bytes(graph, records) + host_working_set_bytes(graph, records),
         "slot_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in slots for c in v.value.values}),
         "weight_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in model.trainable_variables
                                   for c in v.value.values}),
@@ -575,11 +577,12 @@ def test_optimizer_slots_on_each_replicas_host_train_as_plain_mirrored_strategy(
     assert state["weight_devices"] == (["CPU:1", "CPU:3"] if name == "weights" else ["CPU:0", "CPU:2"])
     assert state["all_reduce_devices"] == ["CPU:0", "CPU:2"]
     assert all(0 < on <= planned and ok for on, planned, ok in state["on_host"]), state["on_host"]
-    for measured, host in zip(state["measured"], state["host_measured"]):
+    for measured, host, held in zip(state["measured"], state["host_measured"], state["host_state_measured"]):
         assert abs(measured / state["predicted"] - 1) <= 0.05, (measured, state["predicted"])
         assert measured <= state["unmoved"] - state["moved_bytes"] + 4096
-        # the slots' bytes (with Adam's weights moved: two slots a weight, two thirds of the bytes moved)
-        assert host >= state["moved_bytes"] - (state["moved_bytes"] // 3 if name == "weights" else 0)
+        # the host holds the state moved there, and the update's copies and temporaries under their bound
+        assert held == state["moved_bytes"], (held, state["moved_bytes"])
+        assert held + host <= state["host_predicted"], (held, host, state["host_predicted"])
     assert state["iterations"] == [3, 3]
     assert state["replicas_equal"] and state["restored"]
     if name != "adamw":

@@ -354,8 +354,10 @@ def saved_mlp(tmp_path_factory):
 def test_optimizer_slots_move_to_each_replicas_host_when_its_state_is_over_the_budget(saved_mlp, tmp_path):
     """10 MiB per device, under one replica's unswapped step (12.58 MiB, resident 7.55 MiB of which 5.03 MiB Adam's
     slots; its activations are a few KiB): with ``--no-state`` exit 3; without it the slots of the largest
-    variables live on each replica's host, both replicas measured within 5 % of the prediction and confirmed, and
-    the machine's host memory holds both replicas' moved slots, as predicted."""
+    variables live on each replica's host, both replicas measured within 5 % of the prediction and confirmed; each
+    host holds the slots moved there, and the machine's host memory measured lies between both replicas' moved slots
+    and the prediction (an upper bound: which of the updates' copies and temporaries live together is the
+    executor's choice)."""
     refused = _autotune(saved_mlp, tmp_path / "kept", memory="10MiB", flags=("--replicas", 2, "--no-state"))
     assert refused.returncode == 3, refused.stdout + refused.stderr[-3000:]
     assert "on the host (without --no-state) lower the floor" in refused.stdout
@@ -368,10 +370,11 @@ def test_optimizer_slots_move_to_each_replicas_host_when_its_state_is_over_the_b
     assert [item["variable"] for item in plan["host_state"]] == summary["host_state"]
     for device in _devices_confirmed(summary, budget=10 * 2**20):
         assert abs(device["measured_bytes"] / device["predicted_where_measured_bytes"] - 1) <= 0.05, done.stdout
-        assert device["predicted_host_bytes"] >= summary["host_state_bytes"] > 0
+        assert device["measured_host_state_bytes"] == summary["host_state_bytes"] > 0, device
+        assert summary["host_state_bytes"] < device["measured_host_bytes"] <= device["predicted_host_bytes"], device
     machine = summary["replicas"]["machine"]
     assert machine["predicted_host_bytes"] == 2 * device["predicted_host_bytes"] and machine["within_budget"]
-    assert abs(machine["measured_host_bytes"] / machine["predicted_host_bytes"] - 1) <= 0.05, machine
+    assert 2 * summary["host_state_bytes"] < machine["measured_host_bytes"] <= machine["predicted_host_bytes"], machine
 
 
 @pytest.mark.tf

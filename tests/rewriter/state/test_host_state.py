@@ -18,12 +18,13 @@ from keras.optimizers.schedules import CosineDecay, ExponentialDecay
 
 import rewriter
 from autotune.run.tuning import capture_notes
+from autotune.search.space import TuningProblem
 from benchmarks.models import build_model, example_batch
 from rewriter.trace.optimizer_state import movable_state as movable_slots, state_refusal as optimizer_refusal
-from simulator import GraphError, SwapPlan, replay
+from simulator import GraphError, SwapPlan, get_device, replay
 from simulator.plan import NamedPlan, PlanError
-from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, movable_state, state_groups,
-                              state_refusal, with_host_state, writes_after_reads)
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, host_working_set_bytes,
+                              movable_state, state_groups, state_refusal, with_host_state, writes_after_reads)
 from simulator.state.host_update import host_transfers
 from tests.rewriter.state.test_state import MiB, TOLERANCE, dense_mlp, small_cnn
 
@@ -267,8 +268,8 @@ def test_the_measured_peak_drops_by_the_state_moved_as_predicted(kind, optimizer
 def test_the_simulated_step_with_state_on_the_host():
     """``simulator.state`` on the captured MLP with Adam: largest-first groups, one moved graph per group and
     device kind (made again from the captured step, whatever view it is given), the copies in the step time
-    and the transfers, the change copied in counted on a GPU and not on the testbed, and a graph that holds
-    no record of movable state refused."""
+    and the transfers, the change copied in counted on a GPU and not on the testbed, a search's host room less the
+    slots moved, and a graph that holds no record of movable state refused."""
     graph = rewriter.capture(dense_mlp("adam"), 8)
     sizes = movable_state(graph)
     groups = state_groups(graph)
@@ -288,9 +289,31 @@ def test_the_simulated_step_with_state_on_the_host():
     assert on_testbed.d2h_bytes == int(out_bytes.sum()) >= 2 * 4 * MiB  # two 1024x1024 gradients at least
     assert on_testbed.step_s > plain.step_s and on_gpu.h2d_bytes == int(in_bytes.sum()) > 0
     assert on_gpu.peak_bytes > on_testbed.peak_bytes  # the change copied in takes device memory on a GPU
+    # the host holds the moved slots beside the plan's copies: a search's host room is what is left
+    device = get_device("v100-16gb")
+    room = TuningProblem(moved, device, device.budget_bytes, host_state=groups[1]).host_limit_bytes
+    assert room == device.host_memory_bytes - sum(sizes[item.variable] for item in groups[1])
     bare = dataclasses.replace(graph, meta={k: v for k, v in graph.meta.items() if k != "movable_state"})
     with pytest.raises(GraphError, match="cannot move"):
         replay(bare, plan, "cpu-testbed")
+
+
+def test_the_host_holds_the_update_within_its_working_set_bound():
+    """The MLP with Adam at batch 8, the two 1024x1024 kernels' slots updated on the host: what the host's ops allocate
+    in a measured call (the gradients' copies out, Adam's temporaries) stays within ``host_working_set_bytes``, every
+    buffer of the update counted as if none were freed: each gradient's copy and the three buffers of Adam's own
+    (``g - m``, ``g * g``, ``sqrt(v)``; the other arithmetic writes in place), 4 MiB a kernel."""
+    model = dense_mlp("adam")
+    graph = rewriter.capture(model, 8)
+    group = state_groups(graph)[1]
+    bound = host_working_set_bytes(graph, group)
+    kernels = sum(movable_state(graph)[item.variable] for item in group) // 2  # Adam: two slots a weight
+    assert 4 * kernels <= bound <= 4 * kernels + 4096, (bound, kernels)
+    x, y = example_batch(model, 8)
+    plan = dataclasses.replace(SwapPlan.empty(graph), host_state=group)
+    measured = [rewriter.measure(rewriter.apply(model, plan, graph=graph, verify=False), x, y, repeats=1)
+                for _ in range(2)]
+    assert all(kernels <= m.host_peak_bytes <= bound for m in measured), [m.host_peak_bytes for m in measured]
 
 
 def test_the_writes_after_their_reads_drop_the_measured_peak_as_predicted():
