@@ -7,7 +7,8 @@ largest working set of one op (``simulator.buffers.peak_lower_bound_bytes``). Pe
 cached captured graph (``benchmarks.models.graphs``; a missing one is captured with TensorFlow first):
 the unswapped peak and the floor, and the floor after splitting the ops that set it in k parts along
 the batch (``simulator.split.floor_after_splitting``), as shares of the unswapped peak; the split
-graph's own unswapped peak, which no replay of it goes under the floor of; what sets the floor at the
+graph's own unswapped peak, which no replay of it goes under the floor of, in op-major order and in the
+micro-batch order (each part's forward and backward in turn); what sets the floor at the
 largest k. Each model at the batch whose unswapped step fills the v100-16gb preset's budget (where a
 user starts to need the tool), the zoo's models also at their testbed batch. The 3D U-Net trains at
 batch 1 (it grows by voxels), where no split along the batch exists. The rewriter builds these splits and
@@ -86,6 +87,8 @@ def row_of(name: str, graph: OpGraph, batch: int, rule: str, parts: list[int]) -
         binding = split_origin(found.binding_op)
         row["set_by"] = set_by(g, found)
         row.update({"split_peak_pct": 100 * replay(found.split_graph, None, DEVICE).peak_bytes / peak,
+                    "micro_peak_pct": 100 * replay(found.split_graph.with_order("micro-batch"), None,
+                                                   DEVICE).peak_bytes / peak,
                     "region_ops": found.region_ops,
                     "binding": f"{g.op_type[g.op_index()[binding]]} {binding}"[:70],
                     "stop": found.stop_reason.split(":")[0].split(" (")[0][:110]})
@@ -137,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 + ("met" if median <= TARGET_PCT else "missed")
                 + (" (and before splitting)" if group["floor_pct"].median() <= TARGET_PCT else "")
                 + f"; what sets the floor after: {causes}; with every movable weight and optimizer slot on the host "
-                f"too (what the search combines): {group[f'k{largest}_state_pct'].median():.1f} %")
+                f"too (what the search combines): {group[f'k{largest}_state_pct'].median():.1f} %; the split step's "
+                f"unswapped peak in the micro-batch order: median {group['micro_peak_pct'].median():.1f} %, under "
+                f"60 % for {int((group['micro_peak_pct'] < 60).sum())} models")
 
     notes = [
         "## Notes", "",
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         ("- peak_MiB: the unswapped step's replayed peak (resident state included); resident_pct: the resident "
          "state's share of it; floor_pct: `peak_lower_bound_bytes` over the peak; kK_pct: the floor after "
          "`floor_after_splitting(g, K)` over the same peak; at the largest K: split_peak_pct, the split graph's own "
-         "unswapped replay (op-major order: every part of an op before the next op), never under its floor; "
+         "unswapped replay (op-major order: every part of an op before the next op), never under its floor, and "
+         "micro_peak_pct the same in the micro-batch order (each part's forward and backward in turn where no op "
+         "mixes samples: what a split plan reaches with nothing swapped, docs/design.md 12); "
          "region_ops: ops split; binding: the op whose working set sets the floor after splitting, set_by: what it is, "
          "and stop: why splitting went no further; kK_state_pct: the floor of the same split step with every movable "
          "weight and optimizer slot on the host (`autotune.run.floor.state_floor_bytes`), state_movable: the "

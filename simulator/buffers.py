@@ -25,7 +25,7 @@ import numpy as np
 from simulator import kernels
 from simulator.graph import BACKWARD, UPDATE, Analysis, OpGraph
 from simulator.kernels.records import BufferRecord
-from simulator.ordering import ORDERS, categorized_levels, distance_levels, execution_order, position_of
+from simulator.ordering import categorized_levels, distance_levels, execution_order, orders_of, position_of
 from simulator.sharing import SHARING_IN_LEVEL_ORDER, share_buffers
 from simulator.state.host_update import triggered_reads
 
@@ -285,7 +285,7 @@ def _binding_working_set_bytes(g: OpGraph) -> np.ndarray:
     """``least_working_set_bytes`` in the execution order (of those a plan may pick) whose largest
     working set is least."""
     return g.cached("binding_working_set_bytes", lambda graph: min(
-        (least_working_set_bytes(graph.with_order(name)) for name in ORDERS), key=lambda ws: ws.max(initial=0)),
+        (least_working_set_bytes(graph.with_order(name)) for name in orders_of(graph)), key=lambda ws: ws.max(initial=0)),
         structural=False)
 
 

@@ -20,7 +20,10 @@ import numpy as np
 FORWARD, BACKWARD, UPDATE, OTHER = 0, 1, 2, 3
 PHASE_NAMES = ("forward", "backward", "update", "other")
 # the execution orders a graph can be viewed in (``OpGraph.with_order``; ``simulator.ordering.ORDERS`` computes them)
-ORDER_NAMES = ("cto", "memory")
+ORDER_NAMES = ("cto", "memory", "micro-batch")
+# the mark in the names of a split step's ops (simulator.split): ``<op>/split_part_<i>``, ``<op>/split_combine_<j>``
+SPLIT_MARK = "/split_"
+PART_MARK = f"{SPLIT_MARK}part_"
 # what the swap rules' distances count (``SwapParams.distance``; a graph's ``distance``, ``ordering.slot_levels_view``)
 DISTANCES = ("level", "slot")
 
@@ -491,6 +494,24 @@ def categorized_levels(g: OpGraph) -> np.ndarray:
     The same in every view of the graph (order, distance): the swap rules' own levels are
     ``simulator.ordering.distance_levels``."""
     return CATEGORIZED_LEVELS(g)
+
+
+def _part_of_op(g: OpGraph) -> np.ndarray:
+    names = g.op_name.astype(str)
+    found = np.char.rpartition(names, PART_MARK)
+    part = np.full(g.n_ops, -1, np.int64)
+    marked = (found[:, 1] == PART_MARK) & np.char.isdigit(found[:, 2])
+    part[marked] = found[marked, 2].astype(np.int64)
+    return part
+
+
+_PART_OF_OP = Analysis("part of each op", _part_of_op, scope="graph")
+
+
+def part_of_op(g: OpGraph) -> np.ndarray:
+    """Per op: the part of a split region it runs (``<op>/split_part_<i>``, ``simulator.split``), -1 for every
+    other op."""
+    return _PART_OF_OP(g)
 
 
 def level_order(g: OpGraph) -> np.ndarray:

@@ -4,17 +4,17 @@ Categorized topological ordering (CTO): level 0 holds the ops with no inputs; le
 inputs (data and control) all lie on levels < k, i.e. the longest-path depth (``categorized_levels``,
 computed with the graph, ``simulator.graph``). The distance of an edge is the level difference; long
 edges are what make the memory peak, and a swap splits them. A graph runs in one of ``ORDERS`` (level
-order, or a memory-aware order) and counts distances in levels or in slots of its order
-(``distance_levels``).
+order, a memory-aware order, or on a split step its parts one after the other) and counts distances in levels or
+in slots of its order (``distance_levels``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from simulator.kernels.order_loops import greedy_order
-from simulator.graph import (Analysis, OpGraph, categorized_levels, level_order,  # noqa: F401 -- here too
-                             slots_of, successor_csr)
+from simulator.kernels.order_loops import greedy_order, part_stages, priority_order
+from simulator.graph import (ORDER_NAMES, Analysis, OpGraph, categorized_levels, level_order,  # noqa: F401 -- here too
+                             part_of_op, slots_of, successor_csr)
 from simulator.sharing import SHARING_IN_LEVEL_ORDER
 
 
@@ -131,7 +131,30 @@ def _sink_allocations(g: OpGraph, order: np.ndarray) -> np.ndarray:
     return np.asarray(result, dtype=np.int64)
 
 
-ORDERS = {"cto": level_order, "memory": memory_order}  # by name: graph.ORDER_NAMES
+def micro_batch_order(g: OpGraph) -> np.ndarray:
+    """A split step's parts one after the other, each forward and backward before the next part's (TSPLIT's
+    micro-batches, the gradient accumulation that keeps the step exact, docs/design.md 12): whenever several ops
+    are ready, one of the lowest part runs first, in the memory order among equals. An op outside the parts (a
+    running combine, what reads a whole tensor, the optimizer's update) belongs to the highest part it waits for,
+    so combine ``j`` runs once part ``j + 1``'s partial is made and the update after the last. Where a part's
+    backward waits for every part's forward (batch normalisation's combined moments), it runs when it can: then
+    the order is the memory order's. On a step not split, the memory order."""
+    part = part_of_op(g)
+    base = memory_order(g)
+    if not (part >= 0).any():
+        return base
+    ptr, successors = (np.ascontiguousarray(array, dtype=np.int64) for array in successor_csr(g))
+    stage = part_stages(np.ascontiguousarray(part, dtype=np.int64), base, ptr, successors)
+    return priority_order(stage * g.n_ops + slots_of(base), ptr, successors)
+
+
+ORDERS = {"cto": level_order, "memory": memory_order, "micro-batch": micro_batch_order}  # graph.ORDER_NAMES
+
+
+def orders_of(g: OpGraph) -> tuple[str, ...]:
+    """The orders a plan of ``g`` may run in: the micro-batch order only where ``g`` runs regions in parts (on any
+    other step it is the memory order)."""
+    return ORDER_NAMES if (part_of_op(g) >= 0).any() else tuple(name for name in ORDER_NAMES if name != "micro-batch")
 
 
 def _execution_order(g: OpGraph) -> np.ndarray:

@@ -43,7 +43,8 @@ class SwapParams:
     trigger: "ancestor" takes triggers among the ancestors of the first far consumer (steadier in
       real runs), "level" takes any valid op on the level.
     order: the execution order ("cto": level by level; "memory": a memory-aware topological
-      order, see ``simulator.ordering``); the rewriter chains the real step in it.
+      order; "micro-batch": a split step's parts one after the other, see ``simulator.ordering``); the
+      rewriter chains the real step in it.
     tensors: what may be swapped. "activations": the float tensors the forward pass makes, as in
       LMS. "all": also what the backward pass makes and reads much later (a U-Net's gradients that
       wait across a skip connection for the branch that joins them) and integer tensors TF keeps

@@ -226,22 +226,25 @@ def tune(model, *, batch_size: int | None = None, device=None, memory: int | Non
         return confirm(model, graph, target, inputs, batch_size=batch_size, search=search, rounds=measurement.rounds,
                        calibration=calibration, clock=clock, say=lambda text: say(f"measured: {text}"))
 
-    result = _split_when_state_missed(captured, graph, splits, target, timed, search, clock, say, tuned)
+    result = _split_when_whole_missed(captured, graph, splits, target, timed, search, clock, say, tuned)
     # a weighted step is traced and the plan applied to it: no TensorFlow work under --no-measure
     weights = fit_weights_note(model, result.named_plan(), result.batch_size, inputs) \
         if result.applies_plan and measurement.measure else None
     return replace(result, notes=[*result.notes, weights]) if weights else result  # said at tuning time
 
 
-def _splits_to_search(graph, target: Target, search: SearchOptions, *, state_first: bool = True):
+def _splits_to_search(graph, target: Target, search: SearchOptions, *, state_first: bool = True,
+                      whole_missed: bool = False):
     """Where the captured step's floor is over the device budget: the split of the ops that set it
     (``split_to_budget``, kept for the report even where splitting is off) and, where splitting may run and
     brings the floor within the budget, the numbers of parts to search (the fewest that fit, and more) and the
     graph of the fewest; else ``graph`` itself. ``state_first``: none where the floor with every movable state on
-    the host fits (the search tries that first, ``_split_when_state_missed`` the split after)."""
+    the host fits (the search tries that first, ``_split_when_whole_missed`` the split after). ``whole_missed``: the
+    search found no plan for the step whole, so a floor within the budget is split too (its parts, run one after
+    the other, keep fewer activations than any plan of the whole step)."""
     # a split's floor with the optimizer state the search may move on the host as well: the two together
     floor_of = (lambda g: state_floor_bytes(g, target.device)) if search.state else None
-    if peak_lower_bound_bytes(graph) <= target.device_budget_bytes or search.maximize_batch or (
+    if (peak_lower_bound_bytes(graph) <= target.device_budget_bytes and not whole_missed) or search.maximize_batch or (
             state_first and search.state and state_floor_bytes(graph, target.device) <= target.device_budget_bytes):
         return None, [], graph
     split = split_to_budget(graph, target.device_budget_bytes, floor_of)  # the ops that set the floor, in parts
@@ -251,28 +254,31 @@ def _splits_to_search(graph, target: Target, search: SearchOptions, *, state_fir
         split.split_graph
 
 
-def _split_when_state_missed(captured, graph, splits, target: Target, timed: Target, search: SearchOptions,
+def _split_when_whole_missed(captured, graph, splits, target: Target, timed: Target, search: SearchOptions,
                              clock: StageClock, say: Callable[[str], None],
                              tuned: Callable[[OpGraph], TuneResult]) -> TuneResult:
     """``tuned`` (search, or search and measure) on ``graph`` or the graph ``splits`` chooses (``_splits_to_search``'s
-    graph and numbers of parts), its split's lines first. Where nothing was split because the floor with every
-    movable state on the host fits, yet no plan did (that floor is a bound, not a plan: the weights' copies in
-    stay), the split of the ops that set the floor is searched after."""
+    graph and numbers of parts), its split's lines first. Where nothing was split, because the step's floor fits or
+    the floor with every movable state on the host does (a bound, not a plan: the weights' copies in stay), yet no
+    plan did, the split is searched after: its parts, one after the other, keep fewer activations at once
+    (``simulator.ordering.micro_batch_order``)."""
     graph, split_notes = _chosen_split(captured, graph, splits, timed, search, clock, say)
     result = tuned(graph)
-    if result.feasible or splits or not search.state:
+    if result.feasible or splits or not (search.state or search.split):
         return replace(result, notes=[*split_notes, *result.notes])
-    split, later, graph = _splits_to_search(captured, target, search, state_first=False)
+    split, later, graph = _splits_to_search(captured, target, search, state_first=False, whole_missed=search.split)
     if split is not None and not search.split:
         return replace(result, notes=[*result.notes, split_way(split, target.device_budget_bytes, False)])
     if not later:
         return result
-    say("no plan fits with the optimizer state on the host; splitting the ops that set the floor ...")
+    # over its floor the step was searched whole because the floor with the state moved fits (``state_first``)
+    moved_first = search.state and peak_lower_bound_bytes(captured) > target.device_budget_bytes
+    whole = "with the optimizer state on the host and the step whole" if moved_first else "with the step whole"
+    say(f"no plan fits {whole}; splitting its ops along the batch ...")
     graph, split_notes = _chosen_split(captured, graph, later, timed, search, clock, say)
     split = tuned(graph)
-    return replace(split, notes=[*split_notes, "no plan fitted with the optimizer state on the host and the step "
-                                               "whole: the ops that set the floor are split", *split.notes]) \
-        if split.feasible else result
+    return replace(split, notes=[*split_notes, f"no plan fitted {whole}: its ops are split along the batch",
+                                 *split.notes]) if split.feasible else result
 
 
 def _chosen_split(captured, graph, splits, target: Target, search: SearchOptions, clock: StageClock,
@@ -365,7 +371,7 @@ def tune_replicated(model, replicas, graph: OpGraph, target: Target, inputs: Ste
                                           say=lambda text: say(f"measured: {text}"),
                                           runs=ReplicatedRuns(model, inputs, replicas)))
 
-    return _split_when_state_missed(captured, graph, splits, each, timed, search, clock, say, tuned)
+    return _split_when_whole_missed(captured, graph, splits, each, timed, search, clock, say, tuned)
 
 
 def per_device_verdict(result: TuneResult) -> TuneResult:

@@ -453,8 +453,8 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
                      + ("; --rewrite split-concat removes that concatenation" if _splittable(g, op) else ""))
     name = study_name_for(g, g.batch_size, device_model, budget, policy, sampler, seed, recompute, problem.space,
                           host_state)
-    if options.study_name:  # the name given is the step as captured's; a step with moved state has its own beside it
-        name = f"{options.study_name}/{name}" if host_state else options.study_name
+    if options.study_name:  # the name given is the step as captured's; one split or with moved state has its own
+        name = f"{options.study_name}/{name}" if host_state or split_parts(g) > 1 else options.study_name
     study = open_study(options.storage, name, g, problem.space)
     if baseline.feasible and host_state:
         notes.append(f"with those {moved_kinds(host_state)} on the host the step fits without swapping")

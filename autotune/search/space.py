@@ -17,6 +17,7 @@ import numpy as np
 import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
+from simulator.ordering import orders_of
 from simulator.host_room import fit_host
 from simulator.params import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
 from simulator.recompute.actions import Recompute
@@ -86,6 +87,7 @@ class SearchSpace:
             lb=tuple(int(v) for v in lbs),
             window=(0, 1, 2, 4, 8, 16, 32, 64, 128),
             groupby=(0, 1, 2, 4, 8, 16, 32, 64),
+            order=orders_of(g),
             **more,
         )
 

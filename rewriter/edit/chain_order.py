@@ -10,6 +10,9 @@ from typing import Any
 from rewriter.edit.graph_refs import Ancestry, parse_ref
 from rewriter.tf_effects.grappler import may_vanish
 from simulator.fusion import CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings
+from simulator.graph import SPLIT_MARK
+
+COMBINE_MARK = f"{SPLIT_MARK}combine_"  # a running combine's step (simulator.split.actions.combine_name)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,11 @@ def _merge_partners(editor: Any, op: str, position: dict[str, int]) -> list[str]
 
 def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
     """``order`` with every op a graph pass may merge with a later op moved next to it, and the ops between
-    them that depend on it after them.
+    them that depend on it after them. A split step's running combines stay where the order has them: each
+    step is kept from Grappler and waits for the one before, the next partial waits for it, and gathered
+    next to the last step they took each part's weight gradient along, out of a micro-batch's backward into
+    the next one's (its inputs live the while: the transformer block of tests/rewriter/edit/test_micro_batches.py
+    measured 8 % over its prediction).
 
     oneDNN's layout pass merges a Conv2DBackpropFilter and the BiasAddGrad reading the same gradient (a
     Conv2D and its BiasAdd, a Pad and its Conv2D) when the two have the same control inputs; the merged
@@ -57,9 +64,9 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
     ancestry: Ancestry | None = None
     left: list[tuple[str, str, str]] = []  # partners kept apart: (op, its partner, what op waits for between)
     for op in order:
-        if editor.nodes[op].op not in takers:
+        if editor.nodes[op].op not in takers or COMBINE_MARK in op:
             continue
-        partners = _merge_partners(editor, op, position)
+        partners = [name for name in _merge_partners(editor, op, position) if COMBINE_MARK not in name]
         if not partners:
             continue
         end = position[op]

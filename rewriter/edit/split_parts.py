@@ -290,7 +290,26 @@ class _PartsBuilder:
                 value = value.copy()
                 value[axis] = n * rows
                 return self.const(f"{part_name(op, i)}/batch_shape", value)
+        waits = self._waits_only_for_region(source)
+        if waits:  # a constant made after region ops (TF's gradients make some so): part i's copy waits for part i
+            copy = part_name(source, i)
+            if copy not in self.editor.nodes:
+                parts = self.regions[r].parts
+                self.add(copy, self.editor.nodes[source].op, [f"^{c}" for wait in waits
+                                                              for c in self._control_sources(wait, i, parts)],
+                         like=self.editor.nodes[source], keep=True)
+            return tensor_ref(copy, k)
         return ref
+
+    def _waits_only_for_region(self, source: str) -> list[str]:
+        """The region ops an op outside the regions with no data input waits for (a constant under TF's control
+        dependencies), where it waits for nothing else; else none. The simulator's step has no such constant: its
+        readers wait for those ops themselves, part by part (``_control_sources``)."""
+        node = self.editor.nodes.get(source)
+        if node is None or source in self.region_of or self.editor.data_inputs(node):
+            return []
+        waits = [ref[1:] for ref in node.input if ref.startswith("^")]
+        return waits if waits and all(wait in self.region_of for wait in waits) else []
 
     def _tiles_a_part(self, r: int, op: str, i: int) -> bool:
         ref = self.editor.data_inputs(self.editor.nodes[op])[0][1]
@@ -346,8 +365,9 @@ class _PartsBuilder:
                 node = self.editor.nodes[name]
                 for ref in node.input:
                     source = self.editor.resolve(ref.lstrip("^"))[0] if not ref.startswith("^") else ref[1:]
-                    if source in self.region_of and not state.get(source):
-                        stack.append((source, False))
+                    for before in [source, *self._waits_only_for_region(source)]:  # a part's copy waits for them
+                        if before in self.region_of and not state.get(before):
+                            stack.append((before, False))
 
         for op in self.region_of:
             visit(op)
@@ -357,14 +377,13 @@ class _PartsBuilder:
         r, original = self.region_of[op], self.editor.nodes[op]
         batches = part_batches(self.batch, self.regions[r].parts)
         kind = self.kind[op]
-        controls = [c for ref in original.input if ref.startswith("^")
-                    for c in (self.done.get(ref[1:], [ref[1:]]))]
+        sources = [ref[1:] for ref in original.input if ref.startswith("^")]
         self.parts[op] = []
         for i, n in enumerate(batches):
             inputs = [self.part_input(r, op, slot, ref, i, n) for slot, ref in self.editor.data_inputs(original)]
             node = self.add(part_name(op, i), "Sum" if kind == "mean" else original.op, inputs, like=original,
                             keep=True)
-            node.input.extend(f"^{c}" for c in controls)
+            node.input.extend(f"^{c}" for source in sources for c in self._control_sources(source, i, len(batches)))
             self.parts[op].append(node.name)
         self.done[op] = list(self.parts[op])
         if kind == "per-sample":
@@ -388,6 +407,15 @@ class _PartsBuilder:
                 so_far = self._scale(op, so_far, so_far.removesuffix("/sum"), dtype)
                 self.done[op].append(so_far)
             self.whole[f"{op}:{k}"] = so_far
+
+    def _control_sources(self, source: str, part: int, parts: int) -> list[str]:
+        """What part ``part`` of an op in ``parts`` parts waits for where the op waited for ``source``: its own part
+        of a per-sample op in as many parts (as ``simulator.split.actions`` joins them, so micro-batches stay
+        apart), else everything a control edge from ``source`` waits for (its parts' combines, or itself)."""
+        done = self.done.get(source, [source])
+        if self.kind.get(source) == "per-sample" and len(done) == parts:
+            return [done[part]]
+        return done
 
     def _scale(self, op: str, total: str, name: str, dtype) -> str:
         """A mean's combined sum divided by the whole batch's count of reduced elements: the combine's last

@@ -51,3 +51,74 @@ def greedy_order(alloc, levels, sizes, inputs_ptr, inputs, readers_left, success
                 ready[n_ready] = successor
                 n_ready += 1
     return order[:n_done]
+
+
+@njit(cache=True, nogil=True)
+def part_stages(part, order, successor_ptr, successors):
+    """Per op, the part it belongs to in the micro-batch order (``simulator.ordering.micro_batch_order``): a part's
+    own (``part >= 0``); for any other op the highest of its predecessors' (0 for none). ``order`` is topological."""
+    stage = np.maximum(part, 0)
+    for op in order:
+        for j in range(successor_ptr[op], successor_ptr[op + 1]):
+            successor = successors[j]
+            if part[successor] < 0 and stage[op] > stage[successor]:
+                stage[successor] = stage[op]
+    return stage
+
+
+@njit(cache=True, nogil=True)
+def priority_order(keys, successor_ptr, successors):
+    """Whenever several ops are ready, run the one whose key is least (keys unique); a binary heap of the ready."""
+    n_ops = keys.shape[0]
+    pending = np.zeros(n_ops, dtype=np.int64)
+    for j in range(successors.shape[0]):
+        pending[successors[j]] += 1
+    heap = np.empty(n_ops, dtype=np.int64)
+    size = 0
+    for op in range(n_ops):
+        if pending[op] == 0:
+            size = _push(heap, size, keys, op)
+    order = np.empty(n_ops, dtype=np.int64)
+    n_done = 0
+    while size > 0:
+        op = heap[0]
+        size -= 1
+        heap[0] = heap[size]
+        _sift_down(heap, size, keys)
+        order[n_done] = op
+        n_done += 1
+        for j in range(successor_ptr[op], successor_ptr[op + 1]):
+            successor = successors[j]
+            pending[successor] -= 1
+            if pending[successor] == 0:
+                size = _push(heap, size, keys, successor)
+    return order[:n_done]
+
+
+@njit(cache=True, nogil=True)
+def _push(heap, size, keys, op):
+    k = size
+    heap[k] = op
+    while k > 0:
+        parent = (k - 1) // 2
+        if keys[heap[parent]] <= keys[heap[k]]:
+            break
+        heap[parent], heap[k] = heap[k], heap[parent]
+        k = parent
+    return size + 1
+
+
+@njit(cache=True, nogil=True)
+def _sift_down(heap, size, keys):
+    k = 0
+    while True:
+        left = 2 * k + 1
+        if left >= size:
+            return
+        child = left
+        if left + 1 < size and keys[heap[left + 1]] < keys[heap[left]]:
+            child = left + 1
+        if keys[heap[k]] <= keys[heap[child]]:
+            return
+        heap[k], heap[child] = heap[child], heap[k]
+        k = child

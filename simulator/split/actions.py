@@ -13,11 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
-from simulator.graph import GraphError, OpGraph
+from simulator.graph import SPLIT_MARK, GraphError, OpGraph
 from simulator.recompute.actions import inputs_of, outputs_of
 from simulator.split.classes import BATCH_SUM, ENDS, OWN_BUFFER_SHAPES, batch_dependent, op_split, rows_of_dim
 
-SPLIT_MARK = "/split_"
 # TF's Split/SplitV along the first axis hands out parts of its input's buffer only when a row's bytes are a
 # multiple of Eigen's largest alignment (split_op.cc's IsInnerDimsSizeAligned: EIGEN_MAX_ALIGN_BYTES, 64 on the
 # testbed's build; a build aligned to less shares more, so 64 errs on the side of a copy)
@@ -202,6 +201,15 @@ def _part_shape(shape: str, share: str) -> str:
     return "(" + ",".join(f"N*{share}" if dim == "N" else dim for dim in dims) + ")" if dims.count("N") == 1 else shape
 
 
+def _part_by_part(src: int, dst: int, part_ops: dict[int, list[int]], done_ops: dict[int, list[int]]) -> bool:
+    """Whether a control edge between two split ops joins their parts one to one: ``src`` runs per sample (what
+    waits for it waits for its parts, no combine) and both run in as many parts, so part ``i`` holds the same
+    samples in both. Such an edge only orders stateless ops (stateful ones end a region), and part ``i`` of
+    ``dst`` after part ``i`` of ``src`` keeps that order for the samples it holds."""
+    return (src in part_ops and dst in part_ops and done_ops.get(src) is part_ops[src]
+            and len(part_ops[src]) == len(part_ops[dst]))
+
+
 def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
     """A new graph: every op of every region replaced by its ``parts`` parts (``g`` is left as it is).
 
@@ -356,7 +364,10 @@ def with_splits(g: OpGraph, regions: Sequence[SplitRegion]) -> OpGraph:
     for src, dst in zip(g.control_src.tolist(), g.control_dst.tolist()):
         sources = done_ops.get(src, [int(builder.new_op[src])])
         targets = part_ops.get(dst, [int(builder.new_op[dst])])
-        builder.controls += [(s, d) for s in sources for d in targets]
+        if _part_by_part(src, dst, part_ops, done_ops):  # each part waits for its own: micro-batches stay apart
+            builder.controls += list(zip(sources, targets))
+        else:
+            builder.controls += [(s, d) for s in sources for d in targets]
     outputs = [whole(t) if new_tensor[t] < 0 else int(new_tensor[t]) for t in g.outputs.tolist()]
     meta = {**g.meta, "splits": split_regions(g) + records}
     # a variable's write holding a read's buffer (copy-on-write): both outside every region, renumbered

@@ -3,6 +3,8 @@ docs/design.md 12): a small training-like graph on a device where copies cost wh
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import optuna
 import pytest
 
@@ -19,6 +21,7 @@ from tests.conftest import unit_device
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 TRIALS = 40
+SIDE_BY_SIDE = ("cto", "memory")
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +32,12 @@ def step():
 
 
 def _search(g, device, budget_bytes: int, doublings: int):
+    """The parts searched with the plan, in the orders that run the parts side by side (the micro-batch order,
+    one part after the other, has tests of its own: tests/simulator/test_micro_batches.py)."""
     splits = parts_to_search(g, budget_bytes, doublings)
-    return search_parts(splits, lambda split: TuningProblem(split, device, budget_bytes,
-                                                            space=SearchSpace.for_graph(split), captured=g),
-                        make_policy("optuna", seed=0), Budget(trials=TRIALS), shared=False)
+    return search_parts(splits, lambda split: TuningProblem(
+        split, device, budget_bytes, space=replace(SearchSpace.for_graph(split), order=SIDE_BY_SIDE), captured=g),
+        make_policy("optuna", seed=0), Budget(trials=TRIALS), shared=False)
 
 
 def test_the_parts_searched_start_at_the_fewest_that_fit(step):

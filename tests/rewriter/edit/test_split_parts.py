@@ -134,15 +134,16 @@ def _batch(model):
     return x, (labels, rng.normal(size=(BATCH, 2)).astype("float32"))
 
 
-def _split_plan(build, parts: int = 2, rewrites: tuple[str, ...] = ()):
+def _split_plan(build, parts: int = 2, rewrites: tuple[str, ...] = (), order: str | None = None):
     """The plan that splits the region grown from the step's first convolution or matmul, on the split graph
-    (its order names the parts), and the ops where that region ends; made on the step with graph ``rewrites``."""
+    (its order names the parts; ``order``: another than the captured step's), and the ops where that region ends;
+    made on the step with graph ``rewrites``."""
     graph = rewriter.capture(build(), BATCH, graph_rewrites=rewrites)
     start = next(op for op in range(graph.n_ops) if graph.op_type[op] in ("Conv2D", "MatMul", "BatchMatMulV2",
                                                                           "Einsum", "ResourceGather"))
     ops, ends = grow_region(graph, start)
     region = SplitRegion(tuple(str(graph.op_name[op]) for op in ops), parts)
-    split = with_splits(graph, [region])
+    split = with_splits(graph, [region]).with_order(order or graph.order)
     return SwapPlan.empty(split).to_named(split), {str(graph.op_name[op]): why for op, why in ends.items()}
 
 
