@@ -444,3 +444,30 @@ def test_a_step_with_graph_rewrites_splits_under_its_floor(capsys, tmp_path):
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
     assert plan["graph_rewrites"] == ["elide-broadcasts"] and plan["splits"] and plan["splits"][0]["parts"] >= 2
+
+
+def test_where_no_plan_fits_the_step_whole_its_ops_are_split(capsys, tmp_path):
+    """The AdamW encoder block at batch 16 under 2.4 MiB, over its floor (2.31 MiB) but under what the search
+    reaches with the step whole: the search runs again on the step split along the batch (its parts in turn,
+    ``micro-batch``, are among the orders searched), the measured run confirms that plan (exit 0) and the notes say
+    why it was split; with ``--no-split`` the answer is "Does not fit" (docs/design.md 12)."""
+    from rewriter.trace.tracing import capture
+    from simulator.buffers import peak_lower_bound_bytes
+    from tests.rewriter.edit.test_split_parts import _adamw_block
+
+    model_dir = tmp_path / "block"
+    model_dir.mkdir()
+    _adamw_block().save(model_dir / "block.keras")
+    budget = int(2.4 * 2**20)
+    assert peak_lower_bound_bytes(capture(_adamw_block(), 16)) <= budget
+    common = [model_dir, "--batch-size", "16", "--memory", str(budget), "--trials", "30", "--quiet"]
+    code, stdout, err = _run_main(capsys, *common, "--out", tmp_path / "split")
+    assert code == 0, err + stdout
+    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
+    plan = json.loads((tmp_path / "split" / "plan.json").read_text())
+    assert "no plan fitted with the step whole: its ops are split along the batch" in stdout
+    assert summary["confirmed_by_measurement"] and summary["measured_rounds"][-1]["projected_bytes"] <= budget
+    parts = plan["splits"][0]["parts"]
+    assert summary["headline"].startswith(f"Fits with the batch split in {parts} parts")
+    code, stdout, err = _run_main(capsys, *common, "--no-split", "--out", tmp_path / "whole")
+    assert code == 3, err + stdout
