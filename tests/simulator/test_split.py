@@ -327,3 +327,22 @@ def test_a_split_plan_writes_reads_and_replays_the_same(unit):
     wrong = json.loads(text) | {"splits": [{"ops": ["a", "nope"], "parts": 2}]}
     with pytest.raises(PlanError, match="split regions do not fit"):
         SwapPlan.from_dict(g, wrong)
+
+
+def test_a_filter_or_bias_gradients_combine_starts_no_swap_in():
+    """oneDNN merges a filter gradient's part with the bias gradient's part reading the same gradient after the
+    rewrite: a swap-in read by one and started by the other's combine closed a cycle and the step hung, so such
+    combines are no trigger candidates (``planning._sibling_sums``); the parts and other combines still are."""
+    from simulator.planning import _trigger_candidates
+
+    g = from_spec([
+        OpSpec("x", "Conv2D", FORWARD, [], ((0.0, 100.0),)),
+        OpSpec("dy", "Mul", BACKWARD, ["x"], ((0.0, 100.0),)),
+        OpSpec("dw", "Conv2DBackpropFilter", BACKWARD, ["x", "dy"], (64,)),
+        OpSpec("db", "BiasAddGrad", BACKWARD, ["dy"], (16,)),
+        OpSpec("loss", "Sum", BACKWARD, ["dy"], (4,)),
+    ], outputs=["dw", "db", "loss"], batch_size=4)
+    split = with_splits(g, [SplitRegion(tuple(names(g)), 2)])
+    candidates = {str(split.op_name[op]) for op in _trigger_candidates(split)}
+    assert {"dw/split_part_1", "db/split_part_1", "loss/split_combine_0"} <= candidates
+    assert not {"dw/split_combine_0", "db/split_combine_0"} & candidates
