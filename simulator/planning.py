@@ -10,8 +10,8 @@ import numpy as np
 
 from simulator import kernels
 from simulator.buffers import buffer_record
-from simulator.fusion import SIBLING_FUSIONS, fused_as_siblings, fused_shared_reads
-from simulator.graph import BACKWARD, FORWARD, SPLIT_MARK, UPDATE, GraphError, OpGraph, part_of_op
+from simulator.fusion import fused_shared_reads
+from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
 from simulator.kernels.records import PlanningRecord, TriggerRecord
 from simulator.ordering import distance_levels, execution_order, n_levels, position_of, slot_levels_view
 from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES, TRIGGER_POLICIES,  # noqa: F401
@@ -86,28 +86,8 @@ def _trigger_candidates(g: OpGraph) -> np.ndarray:
     only relabel a layout (``LAYOUT_OP_TYPES``), so that a tensor read again after its batch norm's sums are
     combined comes back part by part, each just before its reader, forward passes included (docs/design.md 12)."""
     heavy = (g.op_phase == BACKWARD) & np.isin(g.op_type, list(TRIGGER_OP_TYPES))
-    parts = split_step_ops(g) & ~np.isin(g.op_type, list(LAYOUT_OP_TYPES)) & ~_sibling_sums(g)
+    parts = split_step_ops(g) & ~np.isin(g.op_type, list(LAYOUT_OP_TYPES))
     return np.flatnonzero(heavy | parts)
-
-
-def _sibling_sums(g: OpGraph) -> np.ndarray:
-    """Per op: a running combine of a filter or bias gradient's partials. oneDNN's layout pass merges a part of a
-    filter gradient with the part of the bias gradient reading the same gradient after the rewrite, so a swap-in one
-    of them reads, started by a combine that waits for the other, closed a cycle TensorFlow does not report: the
-    step hung (the zoo's custom_layer_loss in 4 parts, a swap-in of its stem's ReLU into a filter gradient started
-    by the bias gradient's combine; it runs with TF_ENABLE_ONEDNN_OPTS=0)."""
-    names = g.op_name.astype(str)
-    origin = np.char.partition(names, SPLIT_MARK)[:, 0]
-    combine = np.char.find(names, f"{SPLIT_MARK}combine_") >= 0
-    if not combine.any():
-        return combine
-    merged = set()  # the ops whose first part has a sibling it may be merged with
-    for op in np.flatnonzero((part_of_op(g) == 0) & np.isin(g.op_type, list(SIBLING_FUSIONS))).tolist():
-        inputs = g.edge_tensor[g.edge_consumer == op]
-        readers = g.edge_consumer[np.isin(g.edge_tensor, inputs)]
-        if any(fused_as_siblings(str(g.op_type[op]), str(kind)) for kind in g.op_type[readers]):
-            merged.add(str(origin[op]))
-    return combine & np.isin(origin, list(merged)) if merged else np.zeros(g.n_ops, bool)
 
 
 def _level_triggers(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:

@@ -303,8 +303,7 @@ class _PartsBuilder:
 
     def _waits_only_for_region(self, source: str) -> list[str]:
         """The region ops an op outside the regions with no data input waits for (a constant under TF's control
-        dependencies), where it waits for nothing else; else none. The simulator's step has no such constant: its
-        readers wait for those ops themselves, part by part (``_control_sources``)."""
+        dependencies) where it waits for nothing else, else none: the simulator has no such constant."""
         node = self.editor.nodes.get(source)
         if node is None or source in self.region_of or self.editor.data_inputs(node):
             return []
@@ -409,9 +408,8 @@ class _PartsBuilder:
             self.whole[f"{op}:{k}"] = so_far
 
     def _control_sources(self, source: str, part: int, parts: int) -> list[str]:
-        """What part ``part`` of an op in ``parts`` parts waits for where the op waited for ``source``: its own part
-        of a per-sample op in as many parts (as ``simulator.split.actions`` joins them, so micro-batches stay
-        apart), else everything a control edge from ``source`` waits for (its parts' combines, or itself)."""
+        """What part ``part`` of an op in ``parts`` parts waits for where the op waited for ``source``: the same part
+        of a per-sample op in as many parts (``simulator.split.actions._part_by_part``), else all ``source`` does."""
         done = self.done.get(source, [source])
         if self.kind.get(source) == "per-sample" and len(done) == parts:
             return [done[part]]

@@ -33,7 +33,7 @@ def step():
 
 def _search(g, device, budget_bytes: int, doublings: int):
     """The parts searched with the plan, in the orders that run the parts side by side (the micro-batch order,
-    one part after the other, has tests of its own: tests/simulator/test_micro_batches.py)."""
+    one part after the other, has tests of its own: tests/simulator/test_split.py)."""
     splits = parts_to_search(g, budget_bytes, doublings)
     return search_parts(splits, lambda split: TuningProblem(
         split, device, budget_bytes, space=replace(SearchSpace.for_graph(split), order=SIDE_BY_SIDE), captured=g),
