@@ -17,8 +17,8 @@ import numpy as np
 import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
-from simulator.ordering import orders_of
 from simulator.host_room import fit_host
+from simulator.ordering import orders_of
 from simulator.params import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
 from simulator.recompute.actions import Recompute
 from simulator.recompute.choice import recomputed_graph, stalled_recomputes
