@@ -285,8 +285,8 @@ def _binding_working_set_bytes(g: OpGraph) -> np.ndarray:
     """``least_working_set_bytes`` in the execution order (of those a plan may pick) whose largest
     working set is least."""
     return g.cached("binding_working_set_bytes", lambda graph: min(
-        (least_working_set_bytes(graph.with_order(name)) for name in orders_of(graph)), key=lambda ws: ws.max(initial=0)),
-        structural=False)
+        (least_working_set_bytes(graph.with_order(name)) for name in orders_of(graph)),
+        key=lambda ws: ws.max(initial=0)), structural=False)
 
 
 def largest_working_set_op(g: OpGraph) -> int:

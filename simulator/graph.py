@@ -24,6 +24,7 @@ ORDER_NAMES = ("cto", "memory", "micro-batch")
 # the mark in the names of a split step's ops (simulator.split): ``<op>/split_part_<i>``, ``<op>/split_combine_<j>``
 SPLIT_MARK = "/split_"
 PART_MARK = f"{SPLIT_MARK}part_"
+COMBINE_MARK = f"{SPLIT_MARK}combine_"
 # what the swap rules' distances count (``SwapParams.distance``; a graph's ``distance``, ``ordering.slot_levels_view``)
 DISTANCES = ("level", "slot")
 

@@ -10,9 +10,7 @@ from typing import Any
 from rewriter.edit.graph_refs import Ancestry, parse_ref
 from rewriter.tf_effects.grappler import may_vanish
 from simulator.fusion import CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings
-from simulator.graph import SPLIT_MARK
-
-COMBINE_MARK = f"{SPLIT_MARK}combine_"  # a running combine's step (simulator.split.actions.combine_name)
+from simulator.graph import COMBINE_MARK  # a running combine's step (simulator.split.actions.combine_name)
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from rewriter.edit.graph_edit import GraphEditor
 from rewriter.edit.graph_refs import parse_ref, tensor_ref
 from rewriter.edit.recompute_clones import KEEP_ATTR
 from rewriter.edit.split_shapes import BatchShapes, const_value, pure
-from simulator.graph import GraphError
+from simulator.graph import PART_MARK, GraphError
 from simulator.plan import PlanError
 from simulator.recompute.actions import original_name
 from simulator.split.actions import (COMBINE_OP_TYPES, SplitRegion, combine_name, concat_name, entry_name, part_batches,
@@ -588,7 +588,7 @@ def check_part_shapes(graph, applied: Sequence[AppliedSplit], shapes: BatchShape
     (a per-sample op: the part's batch, then the original's dimensions) or a partial's is not the original's."""
     for item in applied:
         for part in item.part_nodes:
-            op, _, i = part.rpartition("/split_part_")
+            op, _, i = part.rpartition(PART_MARK)
             for k in range(shapes.outputs.get(op, 0)):
                 whole = shapes.at_batch.get(f"{op}:{k}")
                 if whole is None:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from simulator.graph import SPLIT_MARK, GraphError, OpGraph
+from simulator.graph import COMBINE_MARK, PART_MARK, SPLIT_MARK, GraphError, OpGraph
 from simulator.recompute.actions import inputs_of, outputs_of
 from simulator.split.classes import BATCH_SUM, ENDS, OWN_BUFFER_SHAPES, batch_dependent, op_split, rows_of_dim
 
@@ -85,12 +85,12 @@ def part_batches(batch_size: int, parts: int) -> list[int]:
 
 
 def part_name(op: str, part: int) -> str:
-    return f"{op}{SPLIT_MARK}part_{part}"
+    return f"{op}{PART_MARK}{part}"
 
 
 def combine_name(op: str, step: int | str) -> str:
     """Step ``step`` of the running combine of ``op``'s partials (``<output>_<step>`` for an op of several)."""
-    return f"{op}{SPLIT_MARK}combine_{step}"
+    return f"{op}{COMBINE_MARK}{step}"
 
 
 def concat_name(op: str, output: int) -> str:
@@ -110,8 +110,8 @@ def split_step_ops(g: OpGraph) -> np.ndarray:
     """Per op of ``g``: a part or a combine of a split region (none in a step not split)."""
     if not g.meta.get("splits"):
         return np.zeros(g.n_ops, bool)
-    return g.cached("split_step_ops", lambda graph: (np.char.find(graph.op_name.astype(str), f"{SPLIT_MARK}part_") >= 0)
-                    | (np.char.find(graph.op_name.astype(str), f"{SPLIT_MARK}combine_") >= 0), structural=True)
+    return g.cached("split_step_ops", lambda graph: (np.char.find(graph.op_name.astype(str), PART_MARK) >= 0)
+                    | (np.char.find(graph.op_name.astype(str), COMBINE_MARK) >= 0), structural=True)
 
 
 def split_regions(g: OpGraph) -> list[dict]:
