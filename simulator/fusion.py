@@ -179,6 +179,24 @@ def fused_shared_reads(g: OpGraph) -> np.ndarray:
     return g.cached("fused_shared_reads", compute, structural=True)
 
 
+def sibling_partners(g: OpGraph) -> tuple[tuple[int, ...], ...]:
+    """Per op: the ops a graph pass may merge it with as siblings (``fused_as_siblings``: a filter gradient and
+    the bias gradient of one gradient). Merged, the two take over each other's edges, so a wait that depends on
+    one of them, placed before the other, closes a cycle TensorFlow does not report: the zoo's custom_layer_loss
+    split in 4 parts hung in its first call on a swap-in into a filter gradient's part started by the running
+    combine of the bias gradient's parts (docs/design.md 12). Triggers therefore depend on neither
+    (``planning.sibling_bounds``)."""
+    def compute(graph: OpGraph) -> tuple[tuple[int, ...], ...]:
+        index = _neighbourhoods(graph)
+        partners: list[tuple[int, ...]] = [()] * graph.n_ops
+        for op in np.flatnonzero(np.isin(graph.op_type, list(SIBLING_FUSIONS))).tolist():
+            kind = index.op_type[op]
+            partners[op] = tuple(sorted(other for other in index.danger(op)
+                                        if fused_as_siblings(kind, index.op_type[other])))
+        return tuple(partners)
+    return g.cached("sibling_partners", compute, structural=True)
+
+
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Lists per op as (pointer, values) arrays."""
     ptr = np.zeros(len(rows) + 1, np.int64)

@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from simulator import kernels
 from simulator.buffers import buffer_record
-from simulator.fusion import fused_shared_reads
-from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph
+from simulator.fusion import fused_shared_reads, sibling_partners
+from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, categorized_levels
 from simulator.kernels.records import PlanningRecord, TriggerRecord
 from simulator.ordering import distance_levels, execution_order, n_levels, position_of, slot_levels_view
 from simulator.params import (DISTANCES, SWAP_SCOPES, SYNC_IN_MODES, SYNC_MODES, TRIGGER_POLICIES,  # noqa: F401
@@ -199,7 +201,29 @@ def _planning_record(g: OpGraph) -> PlanningRecord:
     """What ``kernels.plan_reads`` reads of ``g`` (a view in one order and distance), built once."""
     return g.cached("planning_record", lambda graph: PlanningRecord(
         edge_order=_edges_by_tensor_slot(graph), edge_tensor=graph.edge_tensor, edge_consumer=graph.edge_consumer,
-        levels=distance_levels(graph), buffers=buffer_record(graph)), structural=True)
+        levels=distance_levels(graph), buffers=buffer_record(graph), op_level=categorized_levels(graph),
+        merge_level=sibling_bounds(graph)[0], merge_position=sibling_bounds(graph)[1]), structural=True)
+
+
+def sibling_bounds(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
+    """Per op: the lowest categorized level and the earliest slot in ``g``'s order of the ops a graph pass may
+    merge it with as siblings (``fusion.sibling_partners``), the largest int64 where there are none. A trigger of
+    a swap-in or a recomputation an op reads never lies above the one and after the other (so it depends on none
+    of them): merged, an op and its partner take over each other's edges, and a wait on what depends on one closes
+    a cycle TensorFlow does not report (the zoo's custom_layer_loss split in 4 parts hung in its first call,
+    docs/design.md 12). The partner itself may be one: it is waited for through its sources, as a fused chain's
+    part is (``fusion.safe_wait_slots``)."""
+    def compute(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
+        levels, position = categorized_levels(graph), position_of(graph)
+        lowest = np.full(graph.n_ops, np.iinfo(np.int64).max, np.int64)
+        earliest = lowest.copy()
+        for op, partners in enumerate(sibling_partners(graph)):
+            if partners:
+                lowest[op] = int(levels[list(partners)].min())
+                earliest[op] = int(position[list(partners)].min())
+        lowest.flags.writeable = earliest.flags.writeable = False
+        return lowest, earliest
+    return g.cached("sibling_bounds", compute, structural=True)
 
 
 def _trigger_record(g: OpGraph, params: SwapParams) -> TriggerRecord:
@@ -231,14 +255,31 @@ def _trigger_record(g: OpGraph, params: SwapParams) -> TriggerRecord:
 
 
 def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: np.ndarray, policy: str,
-                    ub: int) -> np.ndarray:
+                    ub: int, readers: Sequence[Sequence[int]] | None = None) -> np.ndarray:
     """Per request: the latest trigger candidate on a level in ``lo..hi`` (``g``'s levels) that
     ``policy`` allows for ``first_consumer`` ("ancestor": one of its ancestors, looked up in a table
-    spanning ``ub`` levels; "level": any), -1 where there is none. Swap-ins and recomputations
-    (``simulator.recompute.actions``) take their triggers here."""
-    trigger = np.full(len(first_consumer), -1, dtype=np.int64)
-    if not len(first_consumer):
+    spanning ``ub`` levels; "level": any) and that depends on no op its ``readers`` may be merged with
+    (``sibling_bounds``), -1 where there is none. Recomputations (``simulator.recompute.choice``) take their
+    triggers here; swap-ins by the same rules, compiled (``kernels.plan_reads``)."""
+    hi = np.asarray(hi, np.int64).copy()
+    trigger = _latest_in_range(g, first_consumer, lo, hi, policy, ub)
+    if readers is None:
         return trigger
+    levels, op_level, position = distance_levels(g), categorized_levels(g), position_of(g)
+    merge_level, merge_position = sibling_bounds(g)
+    for k, group in enumerate(readers):
+        group = np.asarray(group, np.int64)
+        while trigger[k] >= 0 and np.any((op_level[trigger[k]] > merge_level[group])
+                                         & (position[trigger[k]] > merge_position[group])):
+            hi[k] = levels[trigger[k]] - 1  # the latest candidate below it
+            trigger[k] = _latest_in_range(g, first_consumer[k:k + 1], lo[k:k + 1], hi[k:k + 1], policy, ub)[0]
+    return trigger
+
+
+def _latest_in_range(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: np.ndarray, policy: str,
+                     ub: int) -> np.ndarray:
+    """``latest_triggers`` without the merge limit."""
+    trigger = np.full(len(first_consumer), -1, dtype=np.int64)
     if policy == "level":
         latest_level, latest_op = g.cached("level_triggers", _level_triggers, structural=True)
         found_level = latest_level[np.maximum(hi, 0)]

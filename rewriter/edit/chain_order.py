@@ -54,7 +54,8 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
     sit before the clones (ResNet-50's recomputed convolutions, tests/rewriter/test_recompute_clones.py). Next to each other, the
     partners' only path is their own edge, merged or not. The earlier partner runs where a merged node
     would, its dependents (a bias gradient's update: a few bytes) after it; one the later op waits for
-    (through a trigger) cannot move: left as it is, with a warning.
+    (through a trigger) cannot move: left as it is, with a warning, and where the pair is a filter gradient and
+    its sibling ``GraphEditor.check_acyclic`` refuses the plan (merged, they close a cycle).
     """
     result = list(order)
     takers = CHAIN_TAILS | SIBLING_FUSIONS
@@ -90,6 +91,26 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
         log.warning("%d op pair(s) a graph pass may merge are left in the plan's order, as a later one waits for "
                     "an op that depends on the first (e.g. %s and %s, through %s)", len(left), op, partner, blocking)
     return result
+
+
+def merged_siblings(editor: Any) -> dict[str, str]:
+    """Each filter gradient and bias gradient oneDNN's layout pass may merge into one node (``_siblings``: they
+    read one gradient), mapped to the filter gradient's name, the node they become. ``GraphEditor.check_acyclic``
+    looks for cycles with them merged: one closed that way is not reported by TensorFlow, the step hangs."""
+    readers: dict[str, list[str]] = {}
+    for node in editor.graph_def.node:
+        if node.op in SIBLING_FUSIONS:
+            for source in editor.sources(node.name, raw=False):
+                readers.setdefault(source, []).append(node.name)
+    merged: dict[str, str] = {}
+    for group in readers.values():
+        biases = [name for name in group if editor.nodes[name].op == "BiasAddGrad"]
+        for bias in biases:
+            filters = [name for name in group if name not in merged and fused_as_siblings("BiasAddGrad",
+                                                                                         editor.nodes[name].op)]
+            if filters and bias not in merged:
+                merged[bias] = merged[filters[0]] = filters[0]
+    return merged
 
 
 def _siblings(editor: Any, first: str, second: str) -> bool:

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from rewriter.edit.chain_order import chain_in_order, partners_adjacent
-from rewriter.edit.graph_refs import Ancestry, parse_ref, tensor_ref
+from rewriter.edit.chain_order import chain_in_order, merged_siblings, partners_adjacent
+from rewriter.edit.graph_refs import Ancestry, cyclic_nodes, parse_ref, tensor_ref
 from rewriter.tf_effects.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement.placements import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
 from simulator.fusion import WAIT_OPERANDS, fusion_neighbourhood, in_fused_chain
@@ -256,29 +256,23 @@ class GraphEditor:
         return node
 
     def check_acyclic(self) -> None:
-        """Raise PlanError when the edited graph has a cycle (a trigger that depends on its consumer)."""
-        indegree = {name: 0 for name in self.nodes}
-        children: dict[str, list[str]] = defaultdict(list)
-        for node in self.graph_def.node:
-            for ref in node.input:
-                source = parse_ref(ref.lstrip("^"))[0]
-                if source in self.nodes:
-                    children[source].append(node.name)
-                    indegree[node.name] += 1
-        queue = deque(name for name, count in indegree.items() if count == 0)
-        seen = 0
-        while queue:
-            name = queue.popleft()
-            seen += 1
-            for child in children[name]:
-                indegree[child] -= 1
-                if indegree[child] == 0:
-                    queue.append(child)
-        if seen != len(self.nodes):
-            stuck = sorted(name for name, count in indegree.items() if count > 0
-                           and name.startswith((SWAP_IN_PREFIX, SWAP_OUT_PREFIX)))
+        """Raise PlanError when the edited graph has a cycle (a trigger that depends on its consumer), or would
+        have one once oneDNN merges a filter gradient and its bias gradient (``chain_order.merged_siblings``)."""
+        stuck = cyclic_nodes(self.graph_def, {})
+        if stuck is not None:
             raise PlanError(f"the plan makes the step cyclic (a trigger or 'after' op depends on the consumer it "
-                            f"should run before), e.g. around {stuck[:3] or 'the swap nodes'}")
+                            f"should run before), e.g. around {_swap_nodes(stuck)}")
+        merged = merged_siblings(self)
+        stuck = cyclic_nodes(self.graph_def, merged) if merged else None
+        if stuck is not None:
+            raise PlanError(f"the plan makes the step cyclic once oneDNN merges a filter gradient with its bias "
+                            f"gradient (a swap-in reads one and waits for what depends on the other, and TensorFlow "
+                            f"would hang), e.g. around {_swap_nodes(stuck)}")
+
+
+def _swap_nodes(names: list[str]) -> str:
+    swaps = [name for name in names if name.startswith((SWAP_IN_PREFIX, SWAP_OUT_PREFIX))]
+    return str(swaps[:3]) if swaps else "the swap nodes"
 
 
 COPY_WAIT_PREFIX = "copy_wait/"  # an operand of a fused chain's op, forwarded once a copy out is done
@@ -582,8 +576,13 @@ def _after_copies_out(editor: GraphEditor, applied: list[AppliedSwap], runnable:
     for swap in applied:
         swap_ins = []
         for item in swap.swap_ins:
-            # the op it starts after, as the replay has it: the trigger, or the last control source
-            sources = [item.trigger] if item.trigger else [c for c in item.controls if c in position]
+            # the op it starts after, as the replay has it: the trigger, or the last control source where it has none;
+            # none where the trigger may be fused with a reader (``safe_controls`` replaced it: its copy out would
+            # close a cycle once a filter gradient and its sibling are merged)
+            if item.trigger:
+                sources = [item.trigger] if item.trigger in item.controls else []
+            else:
+                sources = [c for c in item.controls if c in position]
             last = max(sources, key=lambda name: position.get(name, -1), default="")
             waits = tuple(name for name in copies_of.get(last, ()) if name not in item.controls)
             if waits:

@@ -4,7 +4,7 @@ checks of what ran (``rewriter.check.verification``, ``rewriter.check.recompute_
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 
 
 def parse_ref(name: str) -> tuple[str, int]:
@@ -51,3 +51,28 @@ class Ancestry:
     def latest(self, names: list[str]) -> list[str]:
         """Drop the names another name of the list already depends on (their edges would be redundant)."""
         return [a for a in names if not any(b != a and self.depends(b, a) for b in names)]
+
+
+def cyclic_nodes(graph_def, merged: dict[str, str]) -> list[str] | None:
+    """The nodes on or after a cycle of ``graph_def`` (sorted), with each node of ``merged`` taken as the one it
+    maps to (Kahn's algorithm); None when it has none."""
+    names = {node.name for node in graph_def.node}
+    indegree = {merged.get(name, name): 0 for name in names}
+    children: dict[str, list[str]] = defaultdict(list)
+    for node in graph_def.node:
+        target = merged.get(node.name, node.name)
+        for ref in node.input:
+            source = parse_ref(ref.lstrip("^"))[0]
+            if source in names and merged.get(source, source) != target:
+                children[merged.get(source, source)].append(target)
+                indegree[target] += 1
+    queue = deque(name for name, count in indegree.items() if count == 0)
+    seen = 0
+    while queue:
+        name = queue.popleft()
+        seen += 1
+        for child in children[name]:
+            indegree[child] -= 1
+            if indegree[child] == 0:
+                queue.append(child)
+    return None if seen == len(indegree) else sorted(name for name, count in indegree.items() if count > 0)

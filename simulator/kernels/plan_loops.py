@@ -285,7 +285,9 @@ def prepare(graph, plan, fused_wait, safe_slot):
         if fused_wait[j]:
             slot = safe_slot[j]
         trigger_slot[j] = slot
-        copies_slot[j] = slot if in_trigger[j] < 0 else planned
+        # the copies out of what the op it starts after made: its trigger's; none where the trigger, fused with a
+        # reader, is replaced by its sources (a copy out of a filter gradient's sibling would close a cycle)
+        copies_slot[j] = slot if in_trigger[j] < 0 else (-1 if fused_wait[j] and slot < planned else planned)
     roots, swap_root = distinct_sorted(root[swap_tensor], len(root))
     return SlotPlan(out_ready, need, trigger_slot, copies_slot, roots, swap_root)
 
@@ -483,6 +485,17 @@ def after_ops(group_tensor, ptr, consumers, buffers):
     return after
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _after_partners(trigger, readers, op_level, position, merge_level, merge_position):
+    """Whether ``trigger`` may depend on an op one of ``readers`` may be merged with as siblings: it runs later
+    than and lies above the earliest and the lowest of their partners (``planning.sibling_bounds``). Merged, the
+    two would close a cycle through the swap-in."""
+    for reader in readers:
+        if op_level[trigger] > merge_level[reader] and position[trigger] > merge_position[reader]:
+            return True
+    return False
+
+
 @njit(cache=True, nogil=True)
 def plan_reads(planning, triggers, excluded, forced, candidate, threshold, groupby, lb, ub):
     """The core of ``planning.plan_swaps`` (which documents the rules): the far reads, grouped per swap-in,
@@ -495,6 +508,7 @@ def plan_reads(planning, triggers, excluded, forced, candidate, threshold, group
     group's swap, trigger and ``after`` op, and the groups' reads (CSR)."""
     edge_order, edge_tensor, edge_consumer = planning.edge_order, planning.edge_tensor, planning.edge_consumer
     levels, buffers = planning.levels, planning.buffers
+    op_level, merge_level, merge_position = planning.op_level, planning.merge_level, planning.merge_position
     producer, position = buffers.tensor_producer, buffers.position
     mode, latest_level, latest_op, span = triggers.mode, triggers.latest_level, triggers.latest_op, triggers.span
     ancestor_ptr, ancestor_ops = triggers.ancestor_ptr, triggers.ancestor_ops
@@ -546,15 +560,19 @@ def plan_reads(planning, triggers, excluded, forced, candidate, threshold, group
         first = far_consumer[ptr[k]]
         hi = levels[first] - lb
         lo = max(levels[first] - ub, levels[producer[group_tensor[k]]] + 1)
-        if hi < 0:
-            continue
-        if mode == 1:
-            if latest_level[hi] >= lo:
-                trigger[k] = latest_op[hi]
-        else:  # the last ancestor trigger whose level <= hi
-            pick = search_right_in(ancestor_key, 0, len(ancestor_key), first * span + hi) - 1
-            if ancestor_ptr[first] <= pick < ancestor_ptr[first + 1] and ancestor_levels[pick] >= lo:
-                trigger[k] = ancestor_ops[pick]
+        while hi >= 0 and hi >= lo:
+            if mode == 1:
+                if latest_level[hi] >= lo:
+                    trigger[k] = latest_op[hi]
+            else:  # the last ancestor trigger whose level <= hi
+                pick = search_right_in(ancestor_key, 0, len(ancestor_key), first * span + hi) - 1
+                if ancestor_ptr[first] <= pick < ancestor_ptr[first + 1] and ancestor_levels[pick] >= lo:
+                    trigger[k] = ancestor_ops[pick]
+            if trigger[k] < 0 or not _after_partners(trigger[k], far_consumer[ptr[k]:ptr[k + 1]], op_level, position,
+                                                     merge_level, merge_position):
+                break
+            hi = levels[trigger[k]] - 1  # the latest candidate below it
+            trigger[k] = -1
         # the trigger must run after the previous copy is released and before the consumer
         if trigger[k] >= 0 and (position[trigger[k]] <= position[after[k]]
                                 or position[trigger[k]] >= position[first]):

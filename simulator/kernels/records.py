@@ -112,9 +112,12 @@ class PlanningRecordType(_RecordType):
 class PlanningRecord(_Record):
     """What the swap rules read of a graph view (``planning.plan_swaps``): its edges by tensor, then
     their consumer's slot (``edge_order``), each edge's tensor and consumer, each op's level as the
-    rules measure distance (``levels``), and its ``buffers``."""
+    rules measure distance (``levels``), its ``buffers``, its categorized level (``op_level``), and the lowest
+    categorized level and earliest slot of its sibling partners (``merge_level``, ``merge_position``:
+    ``planning.sibling_bounds``)."""
 
-    FIELDS = ("edge_order", "edge_tensor", "edge_consumer", "levels", "buffers")
+    FIELDS = ("edge_order", "edge_tensor", "edge_consumer", "levels", "buffers", "op_level", "merge_level",
+              "merge_position")
 
 
 structref.define_proxy(PlanningRecord, PlanningRecordType, PlanningRecord.FIELDS)

@@ -207,7 +207,7 @@ class _CandidateSearch:
         hi = int(levels[first]) - params.lb
         lo = max(int(levels[first]) - params.ub, floor + 1)
         trigger = int(latest_triggers(g, np.asarray([first], np.int64), np.asarray([lo], np.int64),
-                                      np.asarray([hi], np.int64), params.trigger, params.ub)[0])
+                                      np.asarray([hi], np.int64), params.trigger, params.ub, [consumers])[0])
         if trigger < 0:
             return None
         return Candidate(tensor=tensor, ops=tuple(ops), sources=tuple(sources), consumers=consumers, trigger=trigger,

@@ -1,0 +1,84 @@
+"""A filter gradient and the bias gradient of one gradient, merged into one node by oneDNN's layout pass after the
+rewrite: no plan lets a swap-in read by one wait for what depends on the other (``planning.sibling_bounds``), and
+the rewriter refuses a plan that does (``GraphEditor.check_acyclic``) instead of building a step that hangs in its
+first call, which TensorFlow does not report (docs/design.md 12)."""
+
+from __future__ import annotations
+
+import faulthandler
+from dataclasses import replace
+
+import tests.tf_tools as th  # noqa: I001 -- first: configures TF before its runtime starts
+
+import pytest
+
+import rewriter
+from benchmarks.models import example_batch
+from benchmarks.zoo import ZOO
+from simulator import SwapParams, plan_swaps, replay
+from simulator.graph import COMBINE_MARK, PART_MARK
+from simulator.plan import PlanError
+from simulator.split import floor_after_splitting
+from tests.rewriter.edit.test_split_parts import STEPS, _assert_close
+
+pytestmark = pytest.mark.tf
+
+CASE, PARTS = "custom_layer_loss", 4
+# a plan of the zoo's custom_layer_loss in 4 parts that hung before: 105 swaps, level triggers among the parts
+HUNG = {"threshold": 2, "ub": 8, "trigger": "level", "order": "memory", "tensors": "all", "distance": "slot"}
+HANG_S = 300  # a step that hangs ends the test (and its worker) with a traceback after this
+
+
+@pytest.fixture(scope="module")
+def split_plan():
+    th.deterministic()
+    model = ZOO[CASE]
+    split = floor_after_splitting(rewriter.capture(model.build(), model.batch), PARTS).split_graph.with_order("memory")
+    plan = plan_swaps(split, SwapParams.from_dict(HUNG), kept_reads=rewriter.detect().kept_reads)
+    return split, plan
+
+
+def test_a_split_conv_step_with_swaps_between_merged_gradients_runs_and_trains_as_keras(split_plan):
+    """The plan runs (measured at most 5 % over its prediction) and three steps train as Keras'."""
+    split, plan = split_plan
+    named = plan.to_named(split)
+    build, batch = ZOO[CASE].build, ZOO[CASE].batch
+    model, reference = build(), build()
+    x, y = example_batch(model, batch)
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    try:
+        step = rewriter.apply(model, named, batch_size=batch, verify=False)
+        predicted = replay(split, plan, "cpu-testbed").peak_bytes
+        measured = rewriter.measure(rewriter.apply(build(), named, batch_size=batch, verify=False), x, y, warmup=1,
+                                    repeats=1).peak_bytes
+        for _ in range(STEPS):
+            step(x, y)
+            reference.train_on_batch(x, y)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    print(f"{plan.n_swaps} swaps, predicted {predicted} B, measured {measured} B")
+    assert plan.n_swaps > 50 and measured <= 1.05 * predicted
+    _assert_close(th.weights_of(model), th.weights_of(reference))
+
+
+def test_a_swap_in_started_by_what_depends_on_its_readers_sibling_is_refused(split_plan):
+    """One swap-in into a filter gradient's part, started by the running combine of its sibling bias gradient's
+    parts (which waits for that sibling): one clear PlanError, not a step that hangs."""
+    split, plan = split_plan
+    named = plan.to_named(split)
+    names = [str(name) for name in split.op_name]
+    for swap in named.swaps:
+        for k, swap_in in enumerate(swap.swap_ins):
+            reader = next((name for name in swap_in.consumers if "Conv2DBackpropFilter" in name
+                           and f"{PART_MARK}1" in name), None)
+            if reader is None:
+                continue
+            layer = reader.partition("/convolution/")[0]
+            combine = f"{layer}/BiasAdd/BiasAddGrad{COMBINE_MARK}0"
+            assert combine in names
+            bad = replace(swap, swap_ins=(replace(swap_in, trigger=combine),))
+            with pytest.raises(PlanError, match="merges a filter gradient with its bias gradient"):
+                rewriter.apply(ZOO[CASE].build(), replace(named, swaps=(bad,)), batch_size=ZOO[CASE].batch,
+                               verify=False)
+            return
+    pytest.fail("no swap-in into a filter gradient's second part")
