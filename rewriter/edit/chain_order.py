@@ -13,6 +13,8 @@ from simulator.fusion import CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings
 from simulator.graph import COMBINE_MARK  # a running combine's step (simulator.split.actions.combine_name)
 
 log = logging.getLogger(__name__)
+# filter gradients oneDNN's layout pass merges with the bias gradient of their gradient input
+FILTER_GRADIENTS_MERGED = frozenset({"Conv2DBackpropFilter", "Conv3DBackpropFilterV2"})
 
 
 def _merge_partners(editor: Any, op: str, position: dict[str, int]) -> list[str]:
@@ -94,22 +96,25 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
 
 
 def merged_siblings(editor: Any) -> dict[str, str]:
-    """Each filter gradient and bias gradient oneDNN's layout pass may merge into one node (``_siblings``: they
-    read one gradient), mapped to the filter gradient's name, the node they become. ``GraphEditor.check_acyclic``
-    looks for cycles with them merged: one closed that way is not reported by TensorFlow, the step hangs."""
-    readers: dict[str, list[str]] = {}
+    """Each filter gradient and bias gradient oneDNN's layout pass merges into one node, mapped to the filter
+    gradient's name, the node they become: a BiasAddGrad and a filter gradient whose gradient input (its third) is
+    made by the op the BiasAddGrad reads (mkl_layout_pass.cc's GetConv2DBackpropFilterOrBiasAddGrad; a transposed
+    convolution's filter gradient reads the gradient first and is never merged). ``GraphEditor.check_acyclic``
+    looks for cycles with them merged: the pass compares the two nodes' control inputs only (Grappler has by then
+    dropped those other paths imply), and a cycle closed that way is not reported by TensorFlow: the step hangs."""
+    filters_of: dict[str, list[str]] = {}
     for node in editor.graph_def.node:
-        if node.op in SIBLING_FUSIONS:
-            for source in editor.sources(node.name, raw=False):
-                readers.setdefault(source, []).append(node.name)
+        if node.op in FILTER_GRADIENTS_MERGED:
+            inputs = editor.data_inputs(node)
+            if len(inputs) > 2:
+                filters_of.setdefault(editor.resolve(inputs[2][1])[0], []).append(node.name)
     merged: dict[str, str] = {}
-    for group in readers.values():
-        biases = [name for name in group if editor.nodes[name].op == "BiasAddGrad"]
-        for bias in biases:
-            filters = [name for name in group if name not in merged and fused_as_siblings("BiasAddGrad",
-                                                                                         editor.nodes[name].op)]
-            if filters and bias not in merged:
-                merged[bias] = merged[filters[0]] = filters[0]
+    for node in editor.graph_def.node:
+        inputs = editor.data_inputs(node) if node.op == "BiasAddGrad" else []
+        filters = [name for name in filters_of.get(editor.resolve(inputs[0][1])[0], []) if name not in merged] \
+            if inputs else []
+        if filters:
+            merged[node.name] = merged[filters[0]] = filters[0]
     return merged
 
 

@@ -266,8 +266,8 @@ class GraphEditor:
         stuck = cyclic_nodes(self.graph_def, merged) if merged else None
         if stuck is not None:
             raise PlanError(f"the plan makes the step cyclic once oneDNN merges a filter gradient with its bias "
-                            f"gradient (a swap-in reads one and waits for what depends on the other, and TensorFlow "
-                            f"would hang), e.g. around {_swap_nodes(stuck)}")
+                            f"gradient (a swap-in reads one and waits for what depends on the other), which "
+                            f"TensorFlow does not report: the step would hang; e.g. around {_swap_nodes(stuck)}")
 
 
 def _swap_nodes(names: list[str]) -> str:
