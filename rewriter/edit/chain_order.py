@@ -56,8 +56,8 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
     sit before the clones (ResNet-50's recomputed convolutions, tests/rewriter/test_recompute_clones.py). Next to each other, the
     partners' only path is their own edge, merged or not. The earlier partner runs where a merged node
     would, its dependents (a bias gradient's update: a few bytes) after it; one the later op waits for
-    (through a trigger) cannot move: left as it is, with a warning, and where the pair is a filter gradient and
-    its sibling ``GraphEditor.check_acyclic`` refuses the plan (merged, they close a cycle).
+    (through a trigger) cannot move: left as it is, with a warning, and where oneDNN merges the pair
+    (``merged_pairs``) ``GraphEditor.check_acyclic`` refuses the plan (merged, they close a cycle).
     """
     result = list(order)
     takers = CHAIN_TAILS | SIBLING_FUSIONS
@@ -95,27 +95,49 @@ def partners_adjacent(editor: Any, order: list[str]) -> list[str]:
     return result
 
 
-def merged_siblings(editor: Any) -> dict[str, str]:
-    """Each filter gradient and bias gradient oneDNN's layout pass merges into one node, mapped to the filter
-    gradient's name, the node they become: a BiasAddGrad and a filter gradient whose gradient input (its third) is
-    made by the op the BiasAddGrad reads (mkl_layout_pass.cc's GetConv2DBackpropFilterOrBiasAddGrad; a transposed
-    convolution's filter gradient reads the gradient first and is never merged). ``GraphEditor.check_acyclic``
-    looks for cycles with them merged: the pass compares the two nodes' control inputs only (Grappler has by then
-    dropped those other paths imply), and a cycle closed that way is not reported by TensorFlow: the step hangs."""
+def merged_pairs(editor: Any) -> dict[str, str]:
+    """The ops oneDNN's layout pass merges into one node, each mapped to the name of the node it becomes: a filter
+    gradient and the BiasAddGrad reading the op that made its gradient input, its third (mkl_layout_pass.cc's
+    GetConv2DBackpropFilterOrBiasAddGrad; a transposed convolution's filter gradient reads the gradient first and is
+    never merged), and a Conv2D with the BiasAdd that alone reads it (GetConv2DOrBiasAdd), where the two have the
+    same control inputs once Grappler's dependency optimizer has dropped those another input implies (the pass
+    compares nothing else: no other path between them is looked for). ``GraphEditor.check_acyclic`` looks for
+    cycles with them merged, which TensorFlow does not report: the step hangs (the zoo's custom_layer_loss and
+    unet2d_transpose in 4 parts, docs/design.md 12)."""
     filters_of: dict[str, list[str]] = {}
+    readers: dict[str, list[str]] = {}
     for node in editor.graph_def.node:
-        if node.op in FILTER_GRADIENTS_MERGED:
-            inputs = editor.data_inputs(node)
-            if len(inputs) > 2:
-                filters_of.setdefault(editor.resolve(inputs[2][1])[0], []).append(node.name)
+        inputs = editor.data_inputs(node)
+        for _, ref in inputs:
+            readers.setdefault(editor.resolve(ref)[0], []).append(node.name)
+        if node.op in FILTER_GRADIENTS_MERGED and len(inputs) > 2:
+            filters_of.setdefault(editor.resolve(inputs[2][1])[0], []).append(node.name)
+    candidates: list[tuple[str, str]] = []  # (node merged into, node merged)
+    for node in editor.graph_def.node:
+        inputs = editor.data_inputs(node) if node.op in ("BiasAddGrad", "BiasAdd") else []
+        source = editor.resolve(inputs[0][1])[0] if inputs else ""
+        if node.op == "BiasAddGrad":
+            candidates += [(name, node.name) for name in filters_of.get(source, [])[:1]]
+        elif source in editor.nodes and editor.nodes[source].op == "Conv2D" and readers.get(source) == [node.name]:
+            candidates.append((node.name, source))
+    if not candidates:
+        return {}
+    ancestry = Ancestry(editor.graph_def)
     merged: dict[str, str] = {}
-    for node in editor.graph_def.node:
-        inputs = editor.data_inputs(node) if node.op == "BiasAddGrad" else []
-        filters = [name for name in filters_of.get(editor.resolve(inputs[0][1])[0], []) if name not in merged] \
-            if inputs else []
-        if filters:
-            merged[node.name] = merged[filters[0]] = filters[0]
+    for into, other in candidates:
+        if into not in merged and other not in merged and \
+                _kept_controls(editor, ancestry, into) == _kept_controls(editor, ancestry, other):
+            merged[into] = merged[other] = into
     return merged
+
+
+def _kept_controls(editor: Any, ancestry: Ancestry, name: str) -> set[str]:
+    """The control inputs of ``name`` that Grappler's dependency optimizer keeps: those no other input depends on."""
+    node = editor.nodes[name]
+    sources = [parse_ref(ref.lstrip("^"))[0] for ref in node.input]
+    controls = {parse_ref(ref[1:])[0] for ref in node.input if ref.startswith("^")}
+    return {control for control in controls if sources.count(control) == 1
+            and not any(ancestry.depends(other, control) for other in sources if other != control)}
 
 
 def _siblings(editor: Any, first: str, second: str) -> bool:

@@ -38,7 +38,7 @@ from typing import Any, Iterable
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from rewriter.edit.chain_order import chain_in_order, merged_siblings, partners_adjacent
+from rewriter.edit.chain_order import chain_in_order, merged_pairs, partners_adjacent
 from rewriter.edit.graph_refs import Ancestry, cyclic_nodes, parse_ref, tensor_ref
 from rewriter.tf_effects.grappler import ALWAYS_READY, BYPASS_TYPES, may_vanish
 from rewriter.placement.placements import SWAP_IN_PREFIX, SWAP_OUT_PREFIX, Placement
@@ -257,17 +257,17 @@ class GraphEditor:
 
     def check_acyclic(self) -> None:
         """Raise PlanError when the edited graph has a cycle (a trigger that depends on its consumer), or would
-        have one once oneDNN merges a filter gradient and its bias gradient (``chain_order.merged_siblings``)."""
+        have one once oneDNN merges ops into one node (``chain_order.merged_pairs``)."""
         stuck = cyclic_nodes(self.graph_def, {})
         if stuck is not None:
             raise PlanError(f"the plan makes the step cyclic (a trigger or 'after' op depends on the consumer it "
                             f"should run before), e.g. around {_swap_nodes(stuck)}")
-        merged = merged_siblings(self)
+        merged = merged_pairs(self)
         stuck = cyclic_nodes(self.graph_def, merged) if merged else None
         if stuck is not None:
-            raise PlanError(f"the plan makes the step cyclic once oneDNN merges a filter gradient with its bias "
-                            f"gradient (a swap-in reads one and waits for what depends on the other), which "
-                            f"TensorFlow does not report: the step would hang; e.g. around {_swap_nodes(stuck)}")
+            raise PlanError(f"the plan makes the step cyclic once oneDNN merges ops into one node (a filter "
+                            f"gradient with its bias gradient, a convolution with its bias add), which TensorFlow "
+                            f"does not report: the step would hang; e.g. around {_swap_nodes(stuck)}")
 
 
 def _swap_nodes(names: list[str]) -> str:

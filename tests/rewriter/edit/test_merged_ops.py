@@ -1,7 +1,8 @@
-"""A filter gradient and the bias gradient of one gradient, merged into one node by oneDNN's layout pass after the
-rewrite: no plan lets a swap-in read by one wait for what depends on the other (``planning.sibling_bounds``), and
-the rewriter refuses a plan that does (``GraphEditor.check_acyclic``) instead of building a step that hangs in its
-first call, which TensorFlow does not report (docs/design.md 12)."""
+"""Ops oneDNN's layout pass merges into one node after the rewrite (a filter gradient and the bias gradient of one
+gradient; a convolution and the bias add that alone reads it): no plan lets a swap-in read by a filter gradient wait
+for what depends on its sibling (``planning.sibling_bounds``), and the rewriter refuses a plan whose merged ops close
+a cycle (``GraphEditor.check_acyclic``) instead of building a step that hangs in its first call, which TensorFlow
+does not report (docs/design.md 12)."""
 
 from __future__ import annotations
 
@@ -77,8 +78,27 @@ def test_a_swap_in_started_by_what_depends_on_its_readers_sibling_is_refused(spl
             combine = f"{layer}/BiasAdd/BiasAddGrad{COMBINE_MARK}0"
             assert combine in names
             bad = replace(swap, swap_ins=(replace(swap_in, trigger=combine),))
-            with pytest.raises(PlanError, match="a filter gradient with its bias gradient"):
+            with pytest.raises(PlanError, match="merges ops into one node"):
                 rewriter.apply(ZOO[CASE].build(), replace(named, swaps=(bad,)), batch_size=ZOO[CASE].batch,
                                verify=False)
             return
     pytest.fail("no swap-in into a filter gradient's second part")
+
+
+def test_a_convolution_and_its_bias_add_left_apart_are_refused():
+    """unet2d_transpose (batch 2) in 2 parts, in the cto order with level triggers: the head's convolution part 1 runs before
+    part 0 and its bias add part 1 after part 0's, and a swap-in the convolution part 1 starts is read by part 0's
+    bias add, so the two cannot be brought together; merged, they close a cycle (the step hung, and ran with
+    TF_ENABLE_ONEDNN_OPTS=0 or Grappler's dependency optimizer off). One PlanError; the same step in the memory
+    order is built."""
+    th.deterministic()
+    model = ZOO["unet2d_transpose"]
+    split = floor_after_splitting(rewriter.capture(model.build(), model.batch), model.batch).split_graph
+    for order, refused in (("cto", True), ("memory", False)):
+        g = split.with_order(order)
+        plan = plan_swaps(g, SwapParams.from_dict({**HUNG, "order": order}), kept_reads=rewriter.detect().kept_reads)
+        if refused:
+            with pytest.raises(PlanError, match="merges ops into one node"):
+                rewriter.apply(model.build(), plan.to_named(g), batch_size=model.batch, verify=False)
+        else:
+            rewriter.apply(model.build(), plan.to_named(g), batch_size=model.batch, verify=False)
