@@ -86,10 +86,10 @@ def test_a_swap_in_started_by_what_depends_on_its_readers_sibling_is_refused(spl
 
 
 def test_a_convolution_and_its_bias_add_left_apart_are_refused():
-    """unet2d_transpose (batch 2) in 2 parts, in the cto order with level triggers: the head's convolution part 1 runs before
-    part 0 and its bias add part 1 after part 0's, and a swap-in the convolution part 1 starts is read by part 0's
-    bias add, so the two cannot be brought together; merged, they close a cycle (the step hung, and ran with
-    TF_ENABLE_ONEDNN_OPTS=0 or Grappler's dependency optimizer off). One PlanError; the same step in the memory
+    """unet2d_transpose (batch 2) in 2 parts, in the cto order with level triggers: the head's convolution part 1
+    runs before part 0 and its bias add part 1 after part 0's, and a swap-in the convolution part 1 starts is read
+    by part 0's bias add, so the two cannot be brought together; merged, they close a cycle (the step hung, and ran
+    with TF_ENABLE_ONEDNN_OPTS=0 or Grappler's dependency optimizer off). One PlanError; the same step in the memory
     order is built."""
     th.deterministic()
     model = ZOO["unet2d_transpose"]
