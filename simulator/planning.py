@@ -199,10 +199,13 @@ _NO_TABLE = np.zeros(1, np.int64)
 
 def _planning_record(g: OpGraph) -> PlanningRecord:
     """What ``kernels.plan_reads`` reads of ``g`` (a view in one order and distance), built once."""
-    return g.cached("planning_record", lambda graph: PlanningRecord(
-        edge_order=_edges_by_tensor_slot(graph), edge_tensor=graph.edge_tensor, edge_consumer=graph.edge_consumer,
-        levels=distance_levels(graph), buffers=buffer_record(graph), op_level=categorized_levels(graph),
-        merge_level=sibling_bounds(graph)[0], merge_position=sibling_bounds(graph)[1]), structural=True)
+    def compute(graph: OpGraph) -> PlanningRecord:
+        merge_level, merge_position = sibling_bounds(graph)
+        return PlanningRecord(
+            edge_order=_edges_by_tensor_slot(graph), edge_tensor=graph.edge_tensor, edge_consumer=graph.edge_consumer,
+            levels=distance_levels(graph), buffers=buffer_record(graph), op_level=categorized_levels(graph),
+            merge_level=merge_level, merge_position=merge_position)
+    return g.cached("planning_record", compute, structural=True)
 
 
 def sibling_bounds(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
@@ -269,8 +272,8 @@ def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: 
     merge_level, merge_position = sibling_bounds(g)
     for k, group in enumerate(readers):
         group = np.asarray(group, np.int64)
-        while trigger[k] >= 0 and np.any((op_level[trigger[k]] > merge_level[group])
-                                         & (position[trigger[k]] > merge_position[group])):
+        while trigger[k] >= 0 and kernels.after_partners(trigger[k], group, op_level, position, merge_level,
+                                                         merge_position):
             hi[k] = levels[trigger[k]] - 1  # the latest candidate below it
             trigger[k] = _latest_in_range(g, first_consumer[k:k + 1], lo[k:k + 1], hi[k:k + 1], policy, ub)[0]
     return trigger

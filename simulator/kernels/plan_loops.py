@@ -486,7 +486,7 @@ def after_ops(group_tensor, ptr, consumers, buffers):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _after_partners(trigger, readers, op_level, position, merge_level, merge_position):
+def after_partners(trigger, readers, op_level, position, merge_level, merge_position):
     """Whether ``trigger`` may depend on an op one of ``readers`` may be merged with as siblings: it runs later
     than and lies above the earliest and the lowest of their partners (``planning.sibling_bounds``). Merged, the
     two would close a cycle through the swap-in."""
@@ -568,8 +568,8 @@ def plan_reads(planning, triggers, excluded, forced, candidate, threshold, group
                 pick = search_right_in(ancestor_key, 0, len(ancestor_key), first * span + hi) - 1
                 if ancestor_ptr[first] <= pick < ancestor_ptr[first + 1] and ancestor_levels[pick] >= lo:
                     trigger[k] = ancestor_ops[pick]
-            if trigger[k] < 0 or not _after_partners(trigger[k], far_consumer[ptr[k]:ptr[k + 1]], op_level, position,
-                                                     merge_level, merge_position):
+            if trigger[k] < 0 or not after_partners(trigger[k], far_consumer[ptr[k]:ptr[k + 1]], op_level, position,
+                                                    merge_level, merge_position):
                 break
             hi = levels[trigger[k]] - 1  # the latest candidate below it
             trigger[k] = -1
