@@ -197,6 +197,28 @@ def sibling_partners(g: OpGraph) -> tuple[tuple[int, ...], ...]:
     return g.cached("sibling_partners", compute, structural=True)
 
 
+# a contraction oneDNN's layout pass merges with the bias add that alone reads it (mkl_layout_pass.cc's
+# GetConv2DOrBiasAdd; the rewriter's ``chain_order.merged_pairs``)
+CHAIN_MERGES = frozenset({("Conv2D", "BiasAdd")})
+
+
+def merge_partners(g: OpGraph) -> tuple[tuple[int, ...], ...]:
+    """Per op: the ops a graph pass may merge it with into one node: its sibling partners (``sibling_partners``)
+    and, for a contraction of ``CHAIN_MERGES``, the bias add that alone reads it (and the reverse). A merged node
+    runs where its later part does, so a trigger that is one part of such a pair starts its swap-in only then
+    (``planning.merge_end_positions``)."""
+    def compute(graph: OpGraph) -> tuple[tuple[int, ...], ...]:
+        index = _neighbourhoods(graph)
+        partners = [set(siblings) for siblings in sibling_partners(graph)]
+        for op, kind in enumerate(index.op_type):
+            readers = index.readers[op]
+            if len(readers) == 1 and (kind, index.op_type[readers[0]]) in CHAIN_MERGES:
+                partners[op].add(readers[0])
+                partners[readers[0]].add(op)
+        return tuple(tuple(sorted(found)) for found in partners)
+    return g.cached("merge_partners", compute, structural=True)
+
+
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Lists per op as (pointer, values) arrays."""
     ptr = np.zeros(len(rows) + 1, np.int64)

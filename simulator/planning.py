@@ -12,7 +12,7 @@ import numpy as np
 
 from simulator import kernels
 from simulator.buffers import buffer_record
-from simulator.fusion import fused_shared_reads, sibling_partners
+from simulator.fusion import fused_shared_reads, merge_partners, sibling_partners
 from simulator.graph import BACKWARD, FORWARD, UPDATE, GraphError, OpGraph, categorized_levels
 from simulator.kernels.records import PlanningRecord, TriggerRecord
 from simulator.ordering import distance_levels, execution_order, n_levels, position_of, slot_levels_view
@@ -204,7 +204,7 @@ def _planning_record(g: OpGraph) -> PlanningRecord:
         return PlanningRecord(
             edge_order=_edges_by_tensor_slot(graph), edge_tensor=graph.edge_tensor, edge_consumer=graph.edge_consumer,
             levels=distance_levels(graph), buffers=buffer_record(graph), op_level=categorized_levels(graph),
-            merge_level=merge_level, merge_position=merge_position)
+            merge_level=merge_level, merge_position=merge_position, merge_end=merge_end_positions(graph))
     return g.cached("planning_record", compute, structural=True)
 
 
@@ -227,6 +227,23 @@ def sibling_bounds(g: OpGraph) -> tuple[np.ndarray, np.ndarray]:
         lowest.flags.writeable = earliest.flags.writeable = False
         return lowest, earliest
     return g.cached("sibling_bounds", compute, structural=True)
+
+
+def merge_end_positions(g: OpGraph) -> np.ndarray:
+    """Per op: the latest slot in ``g``'s order of it and the ops a graph pass may merge it with into one node
+    (``fusion.merge_partners``). The merged node runs there, after the ops the order puts before it, so a trigger
+    of a swap-in or a recomputation lies before every reader by that slot too: the zoo's unet2d_transpose in 2 parts,
+    in the cto order, hung on a swap-in started by the head's convolution part 1, read by its bias add part 0, which
+    the order runs before the convolution's own bias add part 1 (docs/design.md 12)."""
+    def compute(graph: OpGraph) -> np.ndarray:
+        position = position_of(graph)
+        end = position.astype(np.int64).copy()
+        for op, partners in enumerate(merge_partners(graph)):
+            if partners:
+                end[op] = max(end[op], int(position[list(partners)].max()))
+        end.flags.writeable = False
+        return end
+    return g.cached("merge_end_positions", compute, structural=True)
 
 
 def _trigger_record(g: OpGraph, params: SwapParams) -> TriggerRecord:
@@ -270,10 +287,11 @@ def latest_triggers(g: OpGraph, first_consumer: np.ndarray, lo: np.ndarray, hi: 
         return trigger
     levels, op_level, position = distance_levels(g), categorized_levels(g), position_of(g)
     merge_level, merge_position = sibling_bounds(g)
+    merge_end = merge_end_positions(g)
     for k, group in enumerate(readers):
         group = np.asarray(group, np.int64)
         while trigger[k] >= 0 and kernels.after_partners(trigger[k], group, op_level, position, merge_level,
-                                                         merge_position):
+                                                         merge_position, merge_end):
             hi[k] = levels[trigger[k]] - 1  # the latest candidate below it
             trigger[k] = _latest_in_range(g, first_consumer[k:k + 1], lo[k:k + 1], hi[k:k + 1], policy, ub)[0]
     return trigger

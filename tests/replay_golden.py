@@ -19,6 +19,10 @@ between them and ``compute_during`` in numpy, plus the in-place rule: every inpu
 could be written into, in input order), from a ``git archive`` of that commit with this file copied in:
 ``PYTHONPATH=<copy> python -m tests.replay_golden write``. Its 397 cases agree with the zoo's own
 re-recorded set (86eb635) field for field (they now also hold ``copy_overlap_s``).
+
+Re-recorded since, for an intended rule only, the cases it changes: two ResNet-50 cases in the cto order (threshold
+739, batch 32) whose swap-ins a bias gradient started while its filter gradient, which oneDNN merges with it, ran
+after their reader (``planning.merge_end_positions``, docs/design.md 12): the trigger is now the op before it.
 """
 
 from __future__ import annotations

@@ -486,12 +486,16 @@ def after_ops(group_tensor, ptr, consumers, buffers):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def after_partners(trigger, readers, op_level, position, merge_level, merge_position):
+def after_partners(trigger, readers, op_level, position, merge_level, merge_position, merge_end):
     """Whether ``trigger`` may depend on an op one of ``readers`` may be merged with as siblings: it runs later
-    than and lies above the earliest and the lowest of their partners (``planning.sibling_bounds``). Merged, the
-    two would close a cycle through the swap-in."""
+    than and lies above the earliest and the lowest of their partners (``planning.sibling_bounds``); or whether
+    the node ``trigger`` may be merged into runs after a reader (``planning.merge_end_positions``; a reader that
+    is the partner itself waits for the trigger's sources, ``fusion.safe_wait_slots``). Merged, either would close
+    a cycle through the swap-in."""
     for reader in readers:
         if op_level[trigger] > merge_level[reader] and position[trigger] > merge_position[reader]:
+            return True
+        if merge_end[trigger] > position[reader]:
             return True
     return False
 
@@ -509,6 +513,7 @@ def plan_reads(planning, triggers, excluded, forced, candidate, threshold, group
     edge_order, edge_tensor, edge_consumer = planning.edge_order, planning.edge_tensor, planning.edge_consumer
     levels, buffers = planning.levels, planning.buffers
     op_level, merge_level, merge_position = planning.op_level, planning.merge_level, planning.merge_position
+    merge_end = planning.merge_end
     producer, position = buffers.tensor_producer, buffers.position
     mode, latest_level, latest_op, span = triggers.mode, triggers.latest_level, triggers.latest_op, triggers.span
     ancestor_ptr, ancestor_ops = triggers.ancestor_ptr, triggers.ancestor_ops
@@ -569,7 +574,7 @@ def plan_reads(planning, triggers, excluded, forced, candidate, threshold, group
                 if ancestor_ptr[first] <= pick < ancestor_ptr[first + 1] and ancestor_levels[pick] >= lo:
                     trigger[k] = ancestor_ops[pick]
             if trigger[k] < 0 or not after_partners(trigger[k], far_consumer[ptr[k]:ptr[k + 1]], op_level, position,
-                                                    merge_level, merge_position):
+                                                    merge_level, merge_position, merge_end):
                 break
             hi = levels[trigger[k]] - 1  # the latest candidate below it
             trigger[k] = -1

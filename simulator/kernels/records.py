@@ -114,10 +114,11 @@ class PlanningRecord(_Record):
     their consumer's slot (``edge_order``), each edge's tensor and consumer, each op's level as the
     rules measure distance (``levels``), its ``buffers``, its categorized level (``op_level``), and the lowest
     categorized level and earliest slot of its sibling partners (``merge_level``, ``merge_position``:
-    ``planning.sibling_bounds``)."""
+    ``planning.sibling_bounds``), and the latest slot of the node it may be merged into (``merge_end``:
+    ``planning.merge_end_positions``)."""
 
     FIELDS = ("edge_order", "edge_tensor", "edge_consumer", "levels", "buffers", "op_level", "merge_level",
-              "merge_position")
+              "merge_position", "merge_end")
 
 
 structref.define_proxy(PlanningRecord, PlanningRecordType, PlanningRecord.FIELDS)

@@ -1,8 +1,9 @@
 """Ops oneDNN's layout pass merges into one node after the rewrite (a filter gradient and the bias gradient of one
 gradient; a convolution and the bias add that alone reads it): no plan lets a swap-in read by a filter gradient wait
-for what depends on its sibling (``planning.sibling_bounds``), and the rewriter refuses a plan whose merged ops close
-a cycle (``GraphEditor.check_acyclic``) instead of building a step that hangs in its first call, which TensorFlow
-does not report (docs/design.md 12)."""
+for what depends on its sibling (``planning.sibling_bounds``) nor wait for an op merged with one that runs after its
+reader (``planning.merge_end_positions``), and the rewriter refuses a plan whose merged ops close a cycle
+(``GraphEditor.check_acyclic``) instead of building a step that hangs in its first call, which TensorFlow does not
+report (docs/design.md 12)."""
 
 from __future__ import annotations
 
@@ -87,18 +88,33 @@ def test_a_swap_in_started_by_what_depends_on_its_readers_sibling_is_refused(spl
 
 def test_a_convolution_and_its_bias_add_left_apart_are_refused():
     """unet2d_transpose (batch 2) in 2 parts, in the cto order with level triggers: the head's convolution part 1
-    runs before part 0 and its bias add part 1 after part 0's, and a swap-in the convolution part 1 starts is read
-    by part 0's bias add, so the two cannot be brought together; merged, they close a cycle (the step hung, and ran
-    with TF_ENABLE_ONEDNN_OPTS=0 or Grappler's dependency optimizer off). One PlanError; the same step in the memory
-    order is built."""
+    runs before part 0's bias add and its own bias add part 1 after it. A swap-in started by the convolution part 1
+    and read by part 0's bias add hung the step: merged with its bias add, the convolution waits for that reader
+    (it ran with TF_ENABLE_ONEDNN_OPTS=0 or Grappler's dependency optimizer off). The rules now start it earlier
+    (``planning.merge_end_positions``): the plan is built, runs and measures its prediction; that trigger set by
+    hand is one PlanError."""
     th.deterministic()
     model = ZOO["unet2d_transpose"]
-    split = floor_after_splitting(rewriter.capture(model.build(), model.batch), model.batch).split_graph
-    for order, refused in (("cto", True), ("memory", False)):
-        g = split.with_order(order)
-        plan = plan_swaps(g, SwapParams.from_dict({**HUNG, "order": order}), kept_reads=rewriter.detect().kept_reads)
-        if refused:
-            with pytest.raises(PlanError, match="merges ops into one node"):
-                rewriter.apply(model.build(), plan.to_named(g), batch_size=model.batch, verify=False)
-        else:
-            rewriter.apply(model.build(), plan.to_named(g), batch_size=model.batch, verify=False)
+    g = floor_after_splitting(rewriter.capture(model.build(), model.batch), model.batch).split_graph.with_order("cto")
+    plan = plan_swaps(g, SwapParams.from_dict({**HUNG, "order": "cto"}), kept_reads=rewriter.detect().kept_reads)
+    named = plan.to_named(g)
+    head, reader = "unet2d_1/head_1/convolution/split_part_1", "unet2d_1/head_1/BiasAdd/split_part_0"
+    slot = {str(g.op_name[op]): k for k, op in enumerate(plan.order.tolist())}
+    assert slot[head] < slot[reader] < slot["unet2d_1/head_1/BiasAdd/split_part_1"]
+    swap = next(swap for swap in named.swaps if any(reader in swap_in.consumers for swap_in in swap.swap_ins))
+    assert all(swap_in.trigger != head for swap_in in swap.swap_ins)
+    x, y = example_batch(model.build(), model.batch)
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    try:
+        measured = rewriter.measure(rewriter.apply(model.build(), named, batch_size=model.batch, verify=False), x, y,
+                                    warmup=1, repeats=1).peak_bytes
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    predicted = replay(g, plan, "cpu-testbed").peak_bytes
+    print(f"{plan.n_swaps} swaps, predicted {predicted} B, measured {measured} B")
+    assert abs(measured - predicted) <= 0.05 * predicted
+    bad = replace(swap, swap_ins=tuple(replace(swap_in, trigger=head) if reader in swap_in.consumers else swap_in
+                                       for swap_in in swap.swap_ins))
+    with pytest.raises(PlanError, match="merges ops into one node"):
+        rewriter.apply(model.build(), replace(named, swaps=tuple(bad if s is swap else s for s in named.swaps)),
+                       batch_size=model.batch, verify=False)
