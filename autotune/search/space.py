@@ -17,7 +17,6 @@ import numpy as np
 import optuna
 
 from simulator import DeviceModel, OpGraph, SwapParams, SwapPlan, n_levels, plan_swaps, replay
-from simulator.buffers import baseline_slot_bytes
 from simulator.host_room import fit_host
 from simulator.ordering import orders_of
 from simulator.params import DISTANCES, SWAP_SCOPES, SYNC_MODES, TRIGGER_POLICIES
@@ -28,8 +27,6 @@ from simulator.state import moved_bytes
 
 METRICS = ("peak_bytes", "step_s", "compute_s", "stall_s", "overhead", "d2h_bytes", "h2d_bytes", "host_peak_bytes",
            "n_swap_outs", "n_swap_ins")
-# the micro-batch order is searched where its unswapped peak is at least this share under the memory order's
-MICRO_BATCH_MIN_GAIN = 0.05
 # TuningProblem's per-tensor pass: rounds of it (each makes a new graph), only where it should save
 # at least this share of the compute
 PER_TENSOR_PASSES = 2
@@ -43,23 +40,6 @@ PER_TENSOR_MIN_STALL = 0.02
 # 3 % more compute, 4e-11 68 % for 17 %, 1e-10 75 % for 31 %)
 RECOMPUTE_SCOPES = ("none", "cheap", "expensive")
 RECOMPUTE_COSTS = (1e-11, 1.5e-11, 2e-11, 3e-11, 4e-11, 5e-11, 7e-11, 1e-10, 2e-10, math.inf)
-
-
-def searched_orders(g: OpGraph) -> tuple[str, ...]:
-    """The orders the search tries on ``g`` (``orders_of``), without the micro-batch order where its unswapped peak
-    is not ``MICRO_BATCH_MIN_GAIN`` under the memory order's. Where every part waits for a combine (batch
-    normalisation's moments) it runs the parts side by side as the memory order does, and a third order takes its
-    share of the trials from the other two: ResNet-50 with elide-broadcasts at 5120 in 8 parts on v100-16gb, its
-    micro-batch peak 1.004x the memory order's, found no plan within the host limit in 200 trials, and one with the
-    micro-batch order left out (the memory order's last stage came too late, ``policies._threshold_frontier``)."""
-    orders = orders_of(g)
-    if "micro-batch" not in orders:
-        return orders
-    micro, memory = (float(baseline_slot_bytes(g.with_order(name)).max(initial=0.0))
-                     for name in ("micro-batch", "memory"))
-    if micro <= (1.0 - MICRO_BATCH_MIN_GAIN) * memory:
-        return orders
-    return tuple(name for name in orders if name != "micro-batch")
 
 
 @dataclass(frozen=True)
@@ -107,7 +87,7 @@ class SearchSpace:
             lb=tuple(int(v) for v in lbs),
             window=(0, 1, 2, 4, 8, 16, 32, 64, 128),
             groupby=(0, 1, 2, 4, 8, 16, 32, 64),
-            order=searched_orders(g),
+            order=orders_of(g),
             **more,
         )
 

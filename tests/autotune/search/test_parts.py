@@ -11,15 +11,13 @@ import pytest
 from autotune.run.probes import SwapProbes
 from autotune.search.parts import parts_to_search, search_parts, split_to_budget
 from autotune.search.policies import Budget, make_policy
-from autotune.search.space import SearchSpace, TuningProblem, searched_orders
-from simulator import OpGraph, SwapPlan, replay
-from simulator.buffers import baseline_slot_bytes, peak_lower_bound_bytes
+from autotune.search.space import SearchSpace, TuningProblem
+from simulator import SwapPlan, replay
+from simulator.buffers import peak_lower_bound_bytes
 from simulator.plan import NamedPlan
-from simulator.ordering import orders_of
 from simulator.split import floor_after_splitting
 from simulator.synthetic import training_graph
 from tests.conftest import unit_device
-from tests.replay_golden import DATA_DIR
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 TRIALS = 40
@@ -118,15 +116,3 @@ def test_a_split_step_that_fits_unswapped_is_said_to_be_split(step):
     found = search_graph(split, resolve_target("cpu-testbed", budget), SearchOptions(trials=20, progress=False))
     assert found.verdict.status == FITS and found.verdict.train_with == SWAP_STEP
     assert found.verdict.headline.startswith("Fits with the batch split in 4 parts")
-
-
-def test_the_micro_batch_order_is_searched_only_where_it_lowers_the_peak(step):
-    """ResNet-50 at batch 64 in 4 parts: batch normalisation makes every part wait for all, so the micro-batch order
-    keeps what the memory order keeps, and the search leaves it out rather than share its trials with it (the
-    AdamW encoder block, where it keeps a third less, searches it: tests/rewriter/edit/test_micro_batches.py)."""
-    for g, parts in ((OpGraph.load(DATA_DIR / "resnet50.npz").with_batch(64), 4), (step[0], 4)):
-        split = floor_after_splitting(g, parts).split_graph
-        assert "micro-batch" in orders_of(split)
-        micro, memory = (baseline_slot_bytes(split.with_order(name)).max() for name in ("micro-batch", "memory"))
-        assert micro > 0.95 * memory
-        assert searched_orders(split) == ("cto", "memory") == SearchSpace.for_graph(split).order
