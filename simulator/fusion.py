@@ -198,7 +198,7 @@ def sibling_partners(g: OpGraph) -> tuple[tuple[int, ...], ...]:
 
 
 # a contraction oneDNN's layout pass merges with the bias add that alone reads it (mkl_layout_pass.cc's
-# GetConv2DOrBiasAdd; the rewriter's ``chain_order.merged_pairs``)
+# GetConv2DOrBiasAdd), in the simulator (``merge_partners``) and the rewriter's check (``chain_order.merged_pairs``)
 CHAIN_MERGES = frozenset({("Conv2D", "BiasAdd")})
 
 

@@ -9,12 +9,14 @@ from typing import Any
 
 from rewriter.edit.graph_refs import Ancestry, parse_ref
 from rewriter.tf_effects.grappler import may_vanish
-from simulator.fusion import CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings
+from simulator.fusion import CHAIN_MERGES, CHAIN_TAILS, SIBLING_FUSIONS, fused_as_siblings
 from simulator.graph import COMBINE_MARK  # a running combine's step (simulator.split.actions.combine_name)
 
 log = logging.getLogger(__name__)
 # filter gradients oneDNN's layout pass merges with the bias gradient of their gradient input
 FILTER_GRADIENTS_MERGED = frozenset({"Conv2DBackpropFilter", "Conv3DBackpropFilterV2"})
+# the later node of each pair ``merged_pairs`` looks for, which reads the earlier one's output
+_MERGED_READERS = frozenset({"BiasAddGrad"} | {tail for _, tail in CHAIN_MERGES})
 
 
 def _merge_partners(editor: Any, op: str, position: dict[str, int]) -> list[str]:
@@ -114,11 +116,12 @@ def merged_pairs(editor: Any) -> dict[str, str]:
             filters_of.setdefault(editor.resolve(inputs[2][1])[0], []).append(node.name)
     candidates: list[tuple[str, str]] = []  # (node merged into, node merged)
     for node in editor.graph_def.node:
-        inputs = editor.data_inputs(node) if node.op in ("BiasAddGrad", "BiasAdd") else []
+        inputs = editor.data_inputs(node) if node.op in _MERGED_READERS else []
         source = editor.resolve(inputs[0][1])[0] if inputs else ""
         if node.op == "BiasAddGrad":
             candidates += [(name, node.name) for name in filters_of.get(source, [])[:1]]
-        elif source in editor.nodes and editor.nodes[source].op == "Conv2D" and readers.get(source) == [node.name]:
+        elif source in editor.nodes and (editor.nodes[source].op, node.op) in CHAIN_MERGES \
+                and readers.get(source) == [node.name]:
             candidates.append((node.name, source))
     if not candidates:
         return {}
