@@ -121,6 +121,28 @@ def test_threshold_frontier_finds_the_plans_host_memory_leaves(small_unet):
     assert frontier[0]["threshold"] == index
 
 
+def test_threshold_frontier_recomputes_more_where_the_host_has_no_room():
+    """With the most recomputation (the last finite cost) a first-stage plan fits the device but its copies
+    overflow the host; recomputing at any cost swaps nothing. The frontier searches that stage again at the
+    costlier cost at once, instead of escalating it to tighter swap-ins, which swap no less."""
+    import math
+
+    from autotune.search.policies import _threshold_frontier
+
+    g = conv_relu_graph(n_layers=12, size=64 << 20)
+    device = get_device("v100-16gb")
+    space = dataclasses.replace(SearchSpace.for_graph(g, recompute=True), sync=("none",), order=("cto",),
+                                recompute_cost=(1e-11, math.inf))
+    problem = TuningProblem(g, device, replay(g, None, device).peak_bytes // 2, host_limit_bytes=100 << 20,
+                            space=space)
+    frontier = _threshold_frontier(problem, optuna.create_study(), lambda n, *choices: True)
+    assert frontier and all(problem.evaluate(space.params(choice)).feasible for choice in frontier)
+    first = frontier[0]
+    assert first["tensors"] == space.tensors[0] and first["recompute"] == "expensive" and first["recompute_cost"] == 1
+    at_most = problem.evaluate(space.params(dict(first, recompute_cost=0, threshold=0)))
+    assert at_most.excess_bytes <= 0 and not at_most.feasible  # the host, not the device, bars the finite cost
+
+
 def test_search_space_covers_both_sets_of_tensors(small_unet):
     space = SearchSpace.for_graph(small_unet)
     assert space.tensors == ("activations", "all")
