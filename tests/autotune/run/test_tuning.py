@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -11,7 +12,7 @@ pytest.importorskip("tensorflow")
 import optuna  # noqa: E402
 
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
-from autotune.search.policies import Budget, OptunaPolicy, make_policy  # noqa: E402
+from autotune.search.policies import Budget, OptunaPolicy, _threshold_frontier, make_policy  # noqa: E402
 from autotune.search.space import SearchSpace, TuningProblem, evaluation_from_trial  # noqa: E402
 from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
 from autotune.search.state_moves import modes_per_variable  # noqa: E402
@@ -95,8 +96,6 @@ def test_threshold_frontier_finds_the_plans_host_memory_leaves(small_unet):
     binds, only a window of thresholds fits; the frontier's binary search must look for the largest
     that fits the device (then check the host), not for the largest that fits both, which steers
     away from that window whenever it probes below it."""
-    from autotune.search.policies import _threshold_frontier
-
     g = small_unet
     default = SearchSpace.for_graph(g, points=24)
     space = SearchSpace(threshold=default.threshold, lb=default.lb, window=default.window, groupby=default.groupby,
@@ -125,10 +124,6 @@ def test_threshold_frontier_recomputes_more_where_the_host_has_no_room():
     """With the most recomputation (the last finite cost) a first-stage plan fits the device but its copies
     overflow the host; recomputing at any cost swaps nothing. The frontier searches that stage again at the
     costlier cost at once, instead of escalating it to tighter swap-ins, which swap no less."""
-    import math
-
-    from autotune.search.policies import _threshold_frontier
-
     g = conv_relu_graph(n_layers=12, size=64 << 20)
     device = get_device("v100-16gb")
     space = dataclasses.replace(SearchSpace.for_graph(g, recompute=True), sync=("none",), order=("cto",),
