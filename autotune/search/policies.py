@@ -321,6 +321,10 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run, *, swa
                 high = middle - 1
         return best
 
+    def fits_both(base: dict, threshold: int) -> bool:
+        """Whether ``base`` at ``threshold`` fits device and host (``largest`` looks at the device alone)."""
+        return problem.evaluate(space.params(dict(base, threshold=threshold))).feasible
+
     # swap-ins started early (a far trigger, a window of a few dozen levels): where recomputation leaves
     # a few large tensors to swap, the link hides them only so (ResNet-50 at 640 on v100-16gb: 8.9 %
     # with lb 93, window 32, where the middling window's plans stay over 20 %)
@@ -339,7 +343,7 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run, *, swa
                     return False
                 if best is not None:
                     low = best
-                    if problem.evaluate(space.params(dict(base, threshold=best))).feasible:
+                    if fits_both(base, best):
                         frontier.append(dict(base, threshold=best))
         return True
 
@@ -360,12 +364,12 @@ def _threshold_frontier(problem: TuningProblem, study: optuna.Study, run, *, swa
             # fits the device, not the host: the nearest to fitting, searched again at once recomputing more
             while (best is not None and best is not False and corner is not corners[0]
                    and base["recompute_cost"] + 1 < len(space.recompute_cost)
-                   and not problem.evaluate(space.params(dict(base, threshold=best))).feasible):
+                   and not fits_both(base, best)):
                 base = dict(base, recompute_cost=base["recompute_cost"] + 1)
                 best = largest(base)
             if best is False:
                 return False
-            if best is not None and problem.evaluate(space.params(dict(base, threshold=best))).feasible:
+            if best is not None and fits_both(base, best):
                 frontier.append(dict(base, threshold=best))
                 most_fits |= stage == 0 and corner is not corners[0]
                 most_misses &= corner is corners[0]
