@@ -55,6 +55,7 @@ from benchmarks.models.graphs import captured_graph  # noqa: E402
 from benchmarks.models import REMAT_MODES, build_model, unet3d_voxels  # noqa: E402
 from simulator import FORWARD, CalibratedDevice, SwapPlan, get_device, replay  # noqa: E402
 from simulator.buffers import largest_working_set_op, peak_lower_bound_bytes  # noqa: E402
+from simulator.split.overhead_bound import least_overhead  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 UNET_SIZE = 64  # captured size; other sizes by batch scaling, then checked by a capture
@@ -172,6 +173,7 @@ def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True)
                 "device_and_host_bound": room_batch * scale,
                 "multiplier_device_and_host": room_batch / plain if plain else np.nan,
                 **_recomputed(probes, swapped, chosen),
+                **_any_plan_columns(graph, device, budget, swapped, capped20),
                 **(_split_columns(probes, swapped, chosen, capped20, chosen20) if split else {}),
                 "params": None if chosen is None or chosen.params is None else chosen.params.to_dict(),
             }
@@ -181,6 +183,16 @@ def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True)
             print(json.dumps({k: v for k, v in row.items() if k != "params"}, default=str),
                   f"({time.perf_counter() - STARTED_S:.0f} s since start)", flush=True)
     return rows
+
+
+def _any_plan_columns(graph, device, budget_bytes: int, batch: int, batch20: int) -> dict:
+    """The least overhead any plan can have at the largest size and the largest within 20 %
+    (``simulator.split.overhead_bound``), and the op the first is taken at; nan where no plan is needed."""
+    bounds = [least_overhead(graph.with_batch(b), device, budget_bytes) if b else None for b in (batch, batch20)]
+    cut = bounds[0].cut_op if bounds[0] is not None else -1
+    return {"overhead_any_plan_bound": np.nan if bounds[0] is None else bounds[0].overhead,
+            "any_plan_bound_cut": str(graph.op_name[cut]) if cut >= 0 else "",
+            "overhead_20pct_any_plan_bound": np.nan if bounds[1] is None else bounds[1].overhead}
 
 
 def _recomputed(probes: SwapProbes, batch: int, chosen) -> dict:
@@ -379,6 +391,15 @@ def measured(budget: int, device_name: str) -> list[dict]:
     return rows
 
 
+ANY_PLAN_NOTE = (
+    "overhead_any_plan_bound / overhead_20pct_any_plan_bound: the least overhead any plan (swaps, recomputations and "
+    "splits together) can have at with_swap / with_swap_20pct (simulator.split.overhead_bound: at an op that reduces "
+    "over the batch, any_plan_bound_cut, everything made before it and read after it is on the device, copied to the "
+    "host and back over the links while the ops before and after it run, or dropped and made again at least at its "
+    "producers' cost back to what is kept). It looks at one moment: memory later in the backward pass, where "
+    "recomputations need their inputs again, is not in it, so plans may be far slower.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks max-batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -431,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "swap-in; a plan over the host limit keeps the tensors copied out most briefly at the host's peak on the "
         "device while the device budget allows, simulator.host_room). bound_op: the op whose inputs and outputs set "
         "swap_bound.",
+        ANY_PLAN_NOTE,
     ]
     notes.append("graph_rewrites: rewrites made before swapping (`--rewrite`); such a row's without_swap is the "
                  "plain model's, so its multiplier is what the rewrite and swapping give together; "

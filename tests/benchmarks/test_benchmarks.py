@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import optuna
 import pandas as pd
 import pytest
 
@@ -13,9 +16,11 @@ from benchmarks.split.measured import main as split_measured_main
 from benchmarks.reference import (REFERENCES, ReferenceUnavailable, reference_simulator, reference_simulators,
                                   speed_row)
 from benchmarks.simulator_speed import search_row
-from autotune.search.policies import Outcome
-from autotune.search.space import Evaluation
-from simulator import SwapParams
+from autotune.search.parts import parts_to_search, search_parts
+from autotune.search.policies import Budget, Outcome, make_policy
+from autotune.search.space import Evaluation, SearchSpace, TuningProblem
+from simulator import OpGraph, SwapParams, get_device
+from simulator.split.overhead_bound import least_overhead
 from simulator.synthetic import training_graph
 
 
@@ -113,3 +118,26 @@ def test_a_parts_probe_says_which_limit_its_closest_plan_misses():
     assert _parts_outcome(Found, 16, 64 * 2**30) == "16p misses by 0.25 GiB"
     assert _parts_outcome(Found, 32, 64 * 2**30) == "32p 100%"
     assert _parts_outcome(Found, 64, 64 * 2**30) == "64p fits both, none chosen"
+
+
+def test_no_plan_the_search_finds_is_faster_than_the_any_plan_bound():
+    """``simulator.split.overhead_bound`` is a lower bound: on ResNet-50 past the batch that fits, no plan the
+    search tries that fits the device and the host (swaps and recomputations, on the step whole and split in 2
+    parts) is faster than it."""
+    device = get_device("v100-16gb")
+    resnet = OpGraph.load(Path(__file__).resolve().parents[1] / "data" / "golden" / "resnet50.npz")
+    for batch in (346, 865):
+        graph = resnet.with_batch(batch)
+        problem = TuningProblem(graph, device, device.budget_bytes,
+                                space=SearchSpace.for_graph(graph, recompute=True))
+        found = make_policy("optuna", seed=0).search(problem, optuna.create_study(), Budget(trials=40))
+        fitting = [e.metrics["overhead"] for e in found.evaluations
+                   if e.excess_bytes <= 0 and e.metrics["host_peak_bytes"] <= device.host_memory_bytes]
+        split = search_parts(parts_to_search(graph, device.budget_bytes, 0), lambda g: TuningProblem(
+            g, device, device.budget_bytes, space=SearchSpace.for_graph(g, recompute=True), captured=graph),
+            make_policy("optuna", seed=0), Budget(trials=20))
+        fitting += [e.metrics["overhead"] for outcome in split.outcomes.values() for e in outcome.evaluations
+                    if e.excess_bytes <= 0 and e.metrics["host_peak_bytes"] <= device.host_memory_bytes]
+        bound = least_overhead(graph, device)
+        assert len(fitting) >= 5 and split.parts == 2 and bound.overhead > 0.01
+        assert min(fitting) >= bound.overhead
