@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 from autotune.run.calibrated_timing import calibrate_for, search_target
 from autotune.run.floor import (choose_parts, foregone, split_lines, split_to_budget, split_way,
                                 state_floor_bytes)
-from autotune.search.parts import parts_to_search, split_floor
+from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER, parts_to_search, split_floor
 from autotune.run.training import fit_weights_note
 from autotune.inputs import format_bytes
 from autotune.run.plan_run import ReplicatedRuns, SingleDeviceRuns, TuneFinished, follow_chief, tell_workers
@@ -261,16 +261,22 @@ def _split_when_whole_missed(captured, graph, splits, target: Target, timed: Tar
     graph and numbers of parts), its split's lines first. Where nothing was split, because the step's floor fits or
     the floor with every movable state on the host does (a bound, not a plan: the weights' copies in stay), yet no
     plan did, the split is searched after: its parts, one after the other, keep fewer activations at once
-    (``simulator.ordering.micro_batch_order``)."""
+    (``simulator.ordering.micro_batch_order``). Where a plan of the step whole fits but costs more than
+    ``SPLIT_WHEN_OVERHEAD_OVER``, the split is searched too, and tuned where its plan is predicted faster: the
+    faster that fits is kept (parts leave room for plans that move less)."""
     graph, split_notes = _chosen_split(captured, graph, splits, timed, search, clock, say)
     result = tuned(graph)
-    if result.feasible or splits or not (search.state or search.split):
+    slow = (search.split and result.feasible and (result.verdict is None or result.verdict.ok)
+            and result.chosen.metrics["overhead"] > SPLIT_WHEN_OVERHEAD_OVER)
+    if (result.feasible and not slow) or splits or not (search.state or search.split):
         return replace(result, notes=[*split_notes, *result.notes])
     split, later, graph = _splits_to_search(captured, target, search, state_first=False, whole_missed=search.split)
     if split is not None and not search.split:
         return replace(result, notes=[*result.notes, split_way(split, target.device_budget_bytes, False)])
     if not later:
         return result
+    if slow:
+        return _faster_split(captured, result, later, timed, search, clock, say, tuned)
     # over its floor the step was searched whole because the floor with the state moved fits (``state_first``)
     moved_first = search.state and peak_lower_bound_bytes(captured) > target.device_budget_bytes
     whole = "with the optimizer state on the host and the step whole" if moved_first else "with the step whole"
@@ -279,6 +285,32 @@ def _split_when_whole_missed(captured, graph, splits, target: Target, timed: Tar
     split = tuned(graph)
     return replace(split, notes=[*split_notes, f"no plan fitted {whole}: its ops are split along the batch",
                                  *split.notes]) if split.feasible else result
+
+
+def _faster_split(captured, whole: TuneResult, splits, timed: Target, search: SearchOptions, clock: StageClock,
+                  say: Callable[[str], None], tuned: Callable[[OpGraph], TuneResult]) -> TuneResult:
+    """The step whole fits at a cost: the numbers of parts ``splits`` searched with an equal share of the trials
+    (``choose_parts``); where the fastest's plan is predicted faster than ``whole``'s, the split is tuned (and
+    measured) and the faster of the two that fit is kept, with a line saying what each cost."""
+    whole_s, whole_overhead = whole.chosen.step_s, whole.chosen.metrics["overhead"]
+    say(f"the plan of the step whole costs {whole_overhead:.1%}; searching its ops split along the batch too ...")
+    with clock.stage("search"):
+        parts = choose_parts(captured, splits, timed, search)
+    cost = f"the step whole fits at {whole_overhead:.1%} overhead"
+    if parts.chosen is None or parts.chosen.step_s >= whole_s:
+        found = "no plan fits" if parts.chosen is None else f"{parts.chosen.metrics['overhead']:.1%}"
+        note = f"{cost}; split along the batch ({parts.line()}): {found}, so it stays whole"
+        return replace(whole, notes=[*whole.notes, note])
+    notes = [split_lines(parts.split), parts.line()]
+    for line in notes:
+        say(line)
+    split = tuned(parts.split.split_graph)
+    if not split.feasible or (split.verdict is not None and not split.verdict.ok) or split.chosen.step_s >= whole_s:
+        note = f"{cost}; split in {parts.parts} parts the plan tuned was not faster, so it stays whole"
+        return replace(whole, notes=[*whole.notes, note])
+    note = (f"{cost}; split in {parts.parts} parts along the batch "
+            f"{split.chosen.metrics['overhead']:.1%}: the split is kept")
+    return replace(split, notes=[*notes, note, *split.notes])
 
 
 def _chosen_split(captured, graph, splits, target: Target, search: SearchOptions, clock: StageClock,

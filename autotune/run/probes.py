@@ -2,8 +2,8 @@
 
 A probe at one batch is a search there; the probes are kept so that the questions asked of them (the
 largest batch, the largest under an overhead cap, the same with no host limit) share the searches they have
-in common. Where the step's floor is over the budget, a probe may search the step split along the batch
-(``autotune.search.parts``), the number of parts with the plan.
+in common. Where the step's floor is over the budget, or its plans are none or slow, a probe may search the step
+split along the batch (``autotune.search.parts``), the number of parts with the plan.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import optuna
 
-from autotune.search.parts import PartsSearch, parts_to_search, search_parts
+from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER, PartsSearch, parts_to_search, search_parts
 from autotune.search.policies import Budget, make_policy
-from autotune.search.space import Evaluation, SearchSpace, TuningProblem
+from autotune.search.space import Evaluation, SearchSpace, TuningProblem, best_of
 from simulator import DeviceModel, OpGraph
 from simulator.buffers import peak_lower_bound_bytes
 from simulator.split import floor_after_splitting
@@ -51,8 +51,9 @@ class SwapProbes:
         self.graph, self.budget_bytes, self.device = graph, budget_bytes, device
         self.probe_trials, self.seed, self.recompute = probe_trials, seed, recompute
         # ``split``: where no plan of the step as captured can fit (its floor is over the budget) or its search
-        # found none, the step split along the batch is searched, in the fewest parts whose floor fits and
-        # ``parts_doublings`` doublings of them (``autotune.search.parts``), each k with the probe's trials;
+        # found none or only slow ones (``SPLIT_WHEN_OVERHEAD_OVER``), the step split along the batch is searched,
+        # in the fewest parts whose floor fits and ``parts_doublings`` doublings of them (``autotune.search.parts``),
+        # each k with the probe's trials;
         # what each batch's parts search found is kept in ``parts_at`` (without its graphs: ``PartsSearch.slim``)
         self.split, self.parts_doublings = split, parts_doublings
         self.parts_at: dict[int, PartsSearch] = {}
@@ -77,7 +78,9 @@ class SwapProbes:
                 study = optuna.create_study(direction="minimize")
                 found = make_policy("optuna", seed=self.seed).search(problem, study,
                                                                     Budget(trials=self.probe_trials)).evaluations
-                if self.split and not any(e.feasible for e in found):  # more, smaller parts may leave room for a plan
+                # more, smaller parts may leave room for a plan, or for a faster one (as ``autotune.tune`` does)
+                best = best_of([e for e in found if e.feasible])
+                if self.split and (best is None or best.metrics["overhead"] > SPLIT_WHEN_OVERHEAD_OVER):
                     found = found + self._split_at(graph)
             self.evaluations_at[batch] = found
         return self.evaluations_at[batch]

@@ -23,6 +23,9 @@ from simulator.split import SplitFloor, floor_after_splitting
 
 SPLIT_PARTS = (2, 4, 8, 16, 32)  # the parts a split may have, fewest first (fewer parts: fewer, larger kernels)
 PARTS_DOUBLINGS = 2  # the search tries the fewest parts that fit and this many doublings of them
+# a plan of the step whole slower than this (simulated overhead): the step split along the batch is searched too,
+# where its floor fits as well (parts leave room for plans that move less), and the faster plan kept
+SPLIT_WHEN_OVERHEAD_OVER = 0.10
 
 
 FloorOf = Callable[[OpGraph], int]  # a split step's floor: as split, or with what else the search may move

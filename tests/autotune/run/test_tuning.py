@@ -11,15 +11,22 @@ pytest.importorskip("tensorflow")
 
 import optuna  # noqa: E402
 
+import autotune  # noqa: E402
+from autotune.run.options import MeasureOptions, SearchOptions  # noqa: E402
+from autotune.run.probes import SwapProbes  # noqa: E402
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
+from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, _threshold_frontier, make_policy  # noqa: E402
-from autotune.search.space import SearchSpace, TuningProblem, evaluation_from_trial  # noqa: E402
+from autotune.search.space import SearchSpace, TuningProblem, best_of, evaluation_from_trial  # noqa: E402
 from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
 from autotune.search.state_moves import modes_per_variable  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
+from benchmarks.zoo import build_zoo_model  # noqa: E402
 from rewriter.trace.tracing import capture  # noqa: E402
 from simulator import SwapParams, get_device, plan_swaps, replay  # noqa: E402
+from simulator.buffers import peak_lower_bound_bytes  # noqa: E402
 from simulator.plan import validate_plan  # noqa: E402
+from simulator.split import split_parts  # noqa: E402
 from simulator.state import HOST_UPDATE, STREAM_SLOTS, HostState  # noqa: E402
 from simulator.synthetic import training_graph  # noqa: E402
 from tests.simulator.test_recompute_choice import conv_relu_graph  # noqa: E402
@@ -185,8 +192,6 @@ def test_parameters_off_a_narrowed_space_have_no_grid_point(small_unet):
 
 def test_python_api_tunes_a_keras_model_and_can_pick_the_batch():
     """``autotune.tune`` as the README shows it, and with the batch left to the search."""
-    import autotune
-
     model = build_model("small_cnn", image_size=32)
     fixed = autotune.tune(model, batch_size=9, device="cpu-testbed", memory=2 << 20, measure=False, trials=40)
     assert fixed.batch_size == 9 and fixed.feasible and fixed.plan is not None
@@ -231,7 +236,6 @@ def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
     (swapping and recomputation leave every op's inputs and outputs on the device): its probe is
     empty without a search; below that bound the probe searches."""
     import autotune.run.probes as probes_module
-    from simulator.buffers import peak_lower_bound_bytes
 
     g = training_graph(40, batch_size=1)
     device = get_device("v100-16gb")
@@ -341,3 +345,28 @@ def test_each_variable_is_tried_in_the_other_mode_from_the_state_kept_so_far():
     found = modes_per_variable(searched(start), searched)
     assert asked[1:] == [(STREAM_SLOTS, HOST_UPDATE), (STREAM_SLOTS, STREAM_SLOTS)]
     assert found.chosen.step_s == 7.0 and [item.mode for item in found.plan.host_state] == [STREAM_SLOTS] * 2
+
+
+def test_where_the_step_whole_is_slow_its_split_is_searched_too_and_the_faster_kept():
+    """The zoo's separable CNN at batch 8 under half its unswapped peak: its floor fits, and the best plan of the
+    step whole costs 16.7 % (preset step times, 60 trials); split in 2 parts a plan costs 7.4 %: ``autotune.tune``
+    keeps the split, confirmed by a measured run, and says what each cost; the batch probes of
+    ``max-batch --split`` search it there too. With ``--no-split``, the step whole."""
+    model = build_zoo_model("separable_cnn")
+    graph = capture(model, 8)
+    device = get_device("cpu-testbed")
+    budget = int(0.5 * replay(graph, None, device).peak_bytes)
+    assert peak_lower_bound_bytes(graph) <= budget
+    no_calibration = MeasureOptions(calibrate=False)
+    whole = autotune.tune(model, batch_size=8, device="cpu-testbed", memory=budget, trials=60,
+                          measurement=no_calibration, search=SearchOptions(split=False, progress=False))
+    assert whole.verdict.ok and whole.chosen.metrics["overhead"] > SPLIT_WHEN_OVERHEAD_OVER
+    split = autotune.tune(model, batch_size=8, device="cpu-testbed", memory=budget, trials=60,
+                          measurement=no_calibration, search=SearchOptions(progress=False))
+    assert split.verdict.ok and split.verdict.confirmed_by_measurement and split_parts(split.graph) == 2
+    assert split.chosen.step_s < whole.chosen.step_s
+    assert any(note.startswith(f"the step whole fits at {whole.chosen.metrics['overhead']:.1%} overhead; split in")
+               for note in split.notes)
+    probes = SwapProbes(graph, budget, device, probe_trials=60, recompute=True, split=True)
+    fastest = best_of([e for e in probes.at(8) if e.feasible])
+    assert probes.parts_of(8, fastest) >= 2
