@@ -10,8 +10,9 @@ later. With ``D`` the device budget, ``H`` the host's memory, ``P`` the resident
 either side, its own copies not counted) and ``y`` bytes recomputed, ``x = live - D - y`` bytes (at least)
 are on the host: copied out before ``c`` starts and back after it ends, over the preset's links, while
 at most the ops not after ``c`` and the ops not before it run. Recomputing a byte costs at least its
-producer's time per byte made, for the part that grows with the batch (``a + b * batch`` time and bytes:
-a part of a split op has its share of both). So the step takes at least
+producer's time per byte made and that of its inputs freed before ``c``, back to what is live there
+(``_recompute_prices``), for the part that grows with the batch (``a + b * batch`` time and bytes: a part
+of a split op has its share of both). So the step takes at least
 
     max(compute + rc(y), max(T_before, x / d2h) + t_c + max(T_after + rc(y), x / h2d))
 
@@ -19,8 +20,8 @@ with ``rc`` the cheapest recomputation of ``y`` bytes of the live set (a fractio
 bytes first), ``T_before``/``T_after`` the time of ``c``'s ancestors/descendants and ``compute`` the step's
 without the optimizer update (which a plan may move to the host). Minimised over ``y`` (on a grid, each
 interval bounded below by its ends) and maximised over the cuts. What it leaves out only makes plans
-slower: a recomputation's own inputs, copies' latencies, tensors on both sides while copied, the resident
-state's copies, the parts' per-op overheads. ``docs/design.md`` 10 has what it says for ResNet-50.
+slower: memory after ``c`` (where a recomputation's inputs must be back), copies' latencies, tensors on both
+sides while copied, the resident state's copies, the parts' per-op overheads. ``docs/design.md`` 10 has what it says for ResNet-50.
 """
 
 from __future__ import annotations
