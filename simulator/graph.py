@@ -432,6 +432,17 @@ TENSOR_INDEX = Analysis("tensor_index", lambda g: {g.tensor_name(t): t for t in 
 FINGERPRINT = Analysis("fingerprint", _fingerprint, scope="graph")
 
 
+def alias_roots(g: OpGraph) -> np.ndarray:
+    """Per tensor, the tensor owning its buffer: itself, or the end of its ``tensor_alias_of`` chain."""
+    root = np.where(g.tensor_alias_of >= 0, g.tensor_alias_of, np.arange(g.n_tensors))
+    for _ in range(64):  # alias chains are short; each pass halves what is left of them
+        step = root[root]
+        if np.array_equal(step, root):
+            break
+        root = step
+    return root
+
+
 # ---------------------------------------------------------------------- levels (docs/design.md 1.2)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.graph import Analysis, OpGraph, level_order, slots_of
+from simulator.graph import Analysis, OpGraph, alias_roots, level_order, slots_of
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,7 @@ def share_buffers(g: OpGraph, position: np.ndarray) -> Sharing:
     n_ops, n_tensors = g.n_ops, g.n_tensors
     parent = g.tensor_alias_of.copy()  # the tensor whose buffer a tensor joins (-1: owns one)
     link_op = np.where(parent >= 0, g.tensor_producer, -1)
-    root = np.where(parent >= 0, parent, np.arange(n_tensors))
-    for _ in range(64):  # alias chains are short; resolve them to their owner
-        nxt = root[root]
-        if np.array_equal(nxt, root):
-            break
-        root = nxt
+    root = alias_roots(g)
     persistent = g.tensor_persistent | g.tensor_persistent[root]
 
     end_slot = n_ops - 1

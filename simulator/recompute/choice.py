@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from simulator.device.presets import DeviceModel
-from simulator.graph import BACKWARD, FORWARD, Analysis, OpGraph
+from simulator.graph import BACKWARD, FORWARD, Analysis, OpGraph, alias_roots
 from simulator.ordering import categorized_levels, execution_order, position_of
 from simulator.params import TRIGGER_POLICIES, ParamsError, SwapParams
 from simulator.plan import SwapPlan
@@ -138,23 +138,13 @@ def _reads(g: OpGraph, min_distance: int) -> _Reads:
     read_far = np.zeros(g.n_tensors, bool)
     read_far[g.edge_tensor[is_far]] = True
     # a buffer shared through aliases is kept when any tensor in it is read far
-    root = _alias_roots(g)
+    root = alias_roots(g)
     group_far = np.zeros(g.n_tensors, bool)
     group_far[root[read_far]] = True
     is_output = np.zeros(g.n_tensors, bool)
     is_output[g.outputs] = True
     kept = (g.tensor_persistent | (g.tensor_bytes_ab[:, 1] <= 0) | is_output | group_far[root] | late)
     return _Reads(far=far, near_last_level=near_last, late_reader=late, kept=kept)
-
-
-def _alias_roots(g: OpGraph) -> np.ndarray:
-    root = np.where(g.tensor_alias_of >= 0, g.tensor_alias_of, np.arange(g.n_tensors))
-    for _ in range(64):
-        step = root[root]
-        if np.array_equal(step, root):
-            break
-        root = step
-    return root
 
 
 class _CandidateSearch:
@@ -170,7 +160,7 @@ class _CandidateSearch:
         self.sizes = g.tensor_bytes
         self.read_by = inputs_of(g)
         self.seconds = op_seconds(g, device)
-        root = _alias_roots(g)
+        root = alias_roots(g)
         aliased = np.zeros(g.n_tensors, bool)
         aliased[root[g.tensor_alias_of >= 0]] = True
         is_output = np.zeros(g.n_tensors, bool)

@@ -21,7 +21,8 @@ bytes first), ``T_before``/``T_after`` the time of ``c``'s ancestors/descendants
 without the optimizer update (which a plan may move to the host). Minimised over ``y`` (on a grid, each
 interval bounded below by its ends) and maximised over the cuts. What it leaves out only makes plans
 slower: memory after ``c`` (where a recomputation's inputs must be back), copies' latencies, tensors on both
-sides while copied, the resident state's copies, the parts' per-op overheads. ``docs/design.md`` 10 has what it says for ResNet-50.
+sides while copied, the resident state's copies, the parts' per-op overheads. ``docs/design.md`` 10 has what
+it says for ResNet-50.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ import numpy as np
 
 from simulator.device.calibrated import CalibratedDevice
 from simulator.device.presets import DeviceModel
-from simulator.graph import UPDATE, OpGraph, level_order
+from simulator.graph import UPDATE, OpGraph, alias_roots, level_order
 from simulator.replay import op_seconds
 from simulator.recompute.actions import inputs_of, outputs_of
-from simulator.split.classes import BATCH_SUM, op_split
+from simulator.split.classes import BATCH_SUM, batch_dependent, op_split
 
 GRID_POINTS = 2049  # recomputed bytes tried per cut, from the least the memory forces to the whole live set
 
@@ -72,17 +73,6 @@ def _bits(value: int, n: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")[:n].astype(bool)
 
 
-def _owners(g: OpGraph) -> np.ndarray:
-    """Per tensor, the tensor that owns its buffer (itself, or the end of its ``tensor_alias_of`` chain)."""
-    owner = np.where(g.tensor_alias_of >= 0, g.tensor_alias_of, np.arange(g.n_tensors))
-    for _ in range(g.n_tensors):
-        following = np.where(g.tensor_alias_of[owner] >= 0, g.tensor_alias_of[owner], owner)
-        if np.array_equal(following, owner):
-            break
-        owner = following
-    return owner
-
-
 def _cuts(g: OpGraph) -> _Cuts:
     """Ancestor and descendant sets as bit sets over ``level_order``, then the candidates' columns."""
     def compute(graph: OpGraph) -> _Cuts:
@@ -108,7 +98,7 @@ def _cuts(g: OpGraph) -> _Cuts:
             for s in succs[op]:
                 acc |= descendants[s] | (1 << s)
             descendants[op] = acc
-        owner = _owners(graph)
+        owner = alias_roots(graph)
         read_by: list[int] = [0] * graph.n_tensors  # the cuts each tensor's readers come after
         for t, c in zip(graph.edge_tensor.tolist(), graph.edge_consumer.tolist()):
             read_by[t] |= ancestors[c]
@@ -154,8 +144,8 @@ def _recompute_prices(g: OpGraph, device: DeviceModel) -> np.ndarray:
         made, read = outputs_of(graph), inputs_of(graph)
         op_share = per_sample / np.maximum(1, np.array([len(m) for m in made]))
         readers = np.bincount(graph.edge_tensor, minlength=graph.n_tensors).clip(min=1)
-        grows = (graph.tensor_bytes_ab[:, 1] > 0) & ~graph.tensor_persistent
-        owner = _owners(graph)
+        grows = batch_dependent(graph) & ~graph.tensor_persistent
+        owner = alias_roots(graph)
         grown_bytes = graph.tensor_bytes_ab[:, 1]
         order = level_order(graph).tolist()
         prices = np.full(cuts.live.shape, np.inf)
