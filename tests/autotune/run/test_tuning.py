@@ -17,7 +17,8 @@ from autotune.run.probes import SwapProbes  # noqa: E402
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
 from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, _threshold_frontier, make_policy  # noqa: E402
-from autotune.search.space import SearchSpace, TuningProblem, best_of, evaluation_from_trial  # noqa: E402
+from autotune.search.space import (SearchSpace, TuningProblem, add_evaluation, best_of,  # noqa: E402
+                                   evaluation_from_trial)
 from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
 from autotune.search.state_moves import modes_per_variable  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
@@ -324,6 +325,30 @@ def test_off_grid_refinement_beats_the_whole_grid_and_resumes():
     validate_plan(g, resumed.plan(again.params))
     outcome = make_policy("optuna").search(resumed, study, Budget(trials=5))
     assert outcome.chosen.step_s <= best.value
+
+
+def test_off_grid_a_move_that_helps_goes_on_twice_as_far():
+    """Where the best plan lies many grid steps from the start (a step time falling with lb up to 120, from
+    lb 8), a move that helps is made again with its step doubled, so a few trials get there (the compass alone,
+    half a grid step a round over five parameters, gets lb to 13 in the same trials)."""
+    g = training_graph(24, batch_size=1).with_batch(64)
+    problem = TuningProblem(g, get_device("v100-16gb"), 1 << 40, space=SearchSpace.for_graph(g))
+    start = SwapParams(threshold=4, lb=8, ub=16, groupby=4)
+    metrics = problem.evaluate(start).metrics
+    asked: dict[SwapParams, object] = {}
+
+    def evaluate(params):
+        step_s = 1.0 + abs(math.log(params.lb / 120))
+        return asked.setdefault(params, dataclasses.replace(
+            problem.evaluate.__wrapped__(params), metrics={**metrics, "step_s": step_s}, feasible=True, excess_bytes=0))
+
+    evaluate.__wrapped__ = problem.evaluate
+    problem.evaluate, problem.simulated = evaluate, lambda params: params in asked
+    study = optuna.create_study()
+    add_evaluation(study, evaluate(start), problem)
+    added = refine_off_grid(problem, study, 16, None)
+    best = min(asked.values(), key=lambda e: e.step_s)
+    assert added <= 16 and best.params.lb >= 40, best.params
 
 
 def test_each_variable_is_tried_in_the_other_mode_from_the_state_kept_so_far():
