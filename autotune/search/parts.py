@@ -12,13 +12,13 @@ over all of them. A plan records its k in its regions (``splits``, section 8).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import optuna
 
-from autotune.search.policies import Budget, Outcome, SearchPolicy
+from autotune.search.policies import Budget, Outcome, SearchPolicy, with_candidates
 from autotune.search.space import Evaluation, TuningProblem, best_of
-from simulator import OpGraph
+from simulator import OpGraph, SwapParams
 from simulator.split import SplitFloor, floor_after_splitting
 
 SPLIT_PARTS = (2, 4, 8, 16, 32)  # the parts a split may have, fewest first (fewer parts: fewer, larger kernels)
@@ -107,18 +107,21 @@ class PartsSearch:
 
 
 def search_parts(splits: list[SplitFloor], problem_for: Callable[[OpGraph], TuningProblem], policy: SearchPolicy,
-                 budget: Budget, shared: bool = True) -> PartsSearch:
+                 budget: Budget, shared: bool = True,
+                 candidates: Callable[[int], Sequence[SwapParams]] = lambda parts: ()) -> PartsSearch:
     """Search the plan on each split of ``splits`` (``parts_to_search``), each with ``budget`` (``shared``
     budget: an equal share of its trials and time each), and keep the k of the fastest plan that fits over
     all of them. ``problem_for(split graph)``: the problem there (its overheads against the step as
-    captured, ``TuningProblem.captured``); each k's trials go to a study of its own, in memory."""
+    captured, ``TuningProblem.captured``); each k's trials go to a study of its own, in memory.
+    ``candidates(k)``: plans evaluated on k parts beside the search's (``with_candidates``)."""
     share = len(splits) if shared else 1
     each = replace(budget, trials=None if budget.trials is None else max(1, budget.trials // share),
                    timeout_s=None if budget.timeout_s is None else budget.timeout_s / share)
     outcomes, problems = {}, {}
     for split in splits:
         problem = problem_for(split.split_graph)
-        outcomes[split.parts] = policy.search(problem, optuna.create_study(direction="minimize"), each)
+        outcomes[split.parts] = with_candidates(policy.search(problem, optuna.create_study(direction="minimize"), each),
+                                                problem, candidates(split.parts))
         problems[split.parts] = problem
     fits = [outcome.chosen for outcome in outcomes.values() if outcome.chosen is not None]
     best = best_of(fits)

@@ -65,6 +65,16 @@ class Outcome:
     chosen: Evaluation | None
 
 
+def with_candidates(outcome: Outcome, problem: TuningProblem, candidates) -> Outcome:
+    """``outcome`` with the plans ``candidates`` (``SwapParams``, e.g. the best of a nearby batch) evaluated beside
+    its own, and the fastest that fits of all chosen."""
+    more = [problem.evaluate(params) for params in dict.fromkeys(candidates) if not problem.simulated(params)]
+    if not more:
+        return outcome
+    evaluations = outcome.evaluations + more
+    return Outcome(evaluations, best_of([e for e in (outcome.chosen, *more) if e is not None]))
+
+
 @dataclass
 class Budget:
     """How long a search may run: a number of trials (new ones, on top of a resumed study) and/or seconds."""

@@ -13,7 +13,7 @@ import optuna  # noqa: E402
 
 import autotune  # noqa: E402
 from autotune.run.options import MeasureOptions, SearchOptions  # noqa: E402
-from autotune.run.probes import SwapProbes  # noqa: E402
+from autotune.run.probes import NEAR_BEST, SwapProbes  # noqa: E402
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
 from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, _threshold_frontier, make_policy  # noqa: E402
@@ -207,7 +207,8 @@ def test_batch_probes_are_shared_without_changing_answers():
     """The max-batch benchmark asks three questions of one set of probes (largest batch, largest
     under a 30 % overhead cap, largest with host memory unlimited). Each must get the answer its
     own search gets; probes where no plan went over the host limit carry over to the unlimited
-    question unchanged, the others are searched again."""
+    question unchanged, the others are searched again. A probe's own search is the same whichever batches were
+    probed before it; those nearest it only add their best plans to what it evaluates."""
     from autotune.run.tuning import HOST_UNLIMITED_BYTES, SwapProbes, largest_batch_with_swap
 
     g = training_graph(40, batch_size=1)
@@ -227,9 +228,27 @@ def test_batch_probes_are_shared_without_changing_answers():
     searched_again = [b for b in probes.evaluations_at if b not in carried and b in any_host.evaluations_at]
     assert searched_again, "no probe hit the host limit: the test does not exercise the re-search"
     batch = max(b for b in carried if probes.evaluations_at[b])  # a probe that searched and stayed under the limit
-    fresh = SwapProbes(g, budget, unlimited, probe_trials=30).at(batch)
+    fresh = SwapProbes(g, budget, unlimited, probe_trials=30).at(batch)  # alone: no batch probed near it
+    shared = probes.evaluations_at[batch]  # its search's plans, then the nearest batches' best (near_best)
     assert [(e.params, e.step_s, e.feasible) for e in fresh] == [
-        (e.params, e.step_s, e.feasible) for e in probes.evaluations_at[batch]]
+        (e.params, e.step_s, e.feasible) for e in shared[:len(fresh)]]
+    assert len(shared) - len(fresh) <= 2 * NEAR_BEST
+
+
+def test_a_probe_also_tries_the_best_plans_of_the_batch_probed_nearest():
+    """A short probe next to a batch searched longer also evaluates the plans that were best there: they fit
+    and beat its own search's (the batch search's steps then follow the plans, not the search's luck)."""
+    g = training_graph(40, batch_size=1)
+    device = get_device("v100-16gb")
+    budget = replay(g.with_batch(64), None, device).peak_bytes // 2
+    probes = SwapProbes(g, budget, device, probe_trials=60)
+    probes.at(64)
+    near = probes.near_best(66, 1)
+    assert 0 < len(near) <= NEAR_BEST
+    probes.probe_trials = 3
+    warm = best_of([e for e in probes.at(66) if e.feasible])
+    cold = best_of([e for e in SwapProbes(g, budget, device, probe_trials=3).at(66) if e.feasible])
+    assert warm.step_s < cold.step_s and warm.params in near
 
 
 def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
