@@ -353,15 +353,15 @@ def test_off_grid_a_move_that_helps_goes_on_twice_as_far():
     g = training_graph(24, batch_size=1).with_batch(64)
     problem = TuningProblem(g, get_device("v100-16gb"), 1 << 40, space=SearchSpace.for_graph(g))
     start = SwapParams(threshold=4, lb=8, ub=16, groupby=4)
-    metrics = problem.evaluate(start).metrics
+    simulate = problem.evaluate
+    metrics = simulate(start).metrics
     asked: dict[SwapParams, object] = {}
 
-    def evaluate(params):
+    def evaluate(params):  # the simulated plan, with a step time that only lb sets
         step_s = 1.0 + abs(math.log(params.lb / 120))
         return asked.setdefault(params, dataclasses.replace(
-            problem.evaluate.__wrapped__(params), metrics={**metrics, "step_s": step_s}, feasible=True, excess_bytes=0))
+            simulate(params), metrics={**metrics, "step_s": step_s}, feasible=True, excess_bytes=0))
 
-    evaluate.__wrapped__ = problem.evaluate
     problem.evaluate, problem.simulated = evaluate, lambda params: params in asked
     study = optuna.create_study()
     add_evaluation(study, evaluate(start), problem)
