@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 import optuna
@@ -65,7 +65,7 @@ class Outcome:
     chosen: Evaluation | None
 
 
-def with_candidates(outcome: Outcome, problem: TuningProblem, candidates) -> Outcome:
+def with_candidates(outcome: Outcome, problem: TuningProblem, candidates: Iterable[SwapParams]) -> Outcome:
     """``outcome`` with the plans ``candidates`` (``SwapParams``, e.g. the best of a nearby batch) evaluated beside
     its own, and the fastest that fits of all chosen."""
     more = [problem.evaluate(params) for params in dict.fromkeys(candidates) if not problem.simulated(params)]
