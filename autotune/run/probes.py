@@ -26,13 +26,15 @@ HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
 NEAR_BEST = 3  # a probe also evaluates this many of the fastest plans of the nearest batches probed
 
 
-def largest_batch(fits) -> int:
-    """The largest batch in 1..MAX_BATCH for which the monotone predicate ``fits`` holds (0: none)."""
-    if not fits(1):
-        return 0
-    low, high = 1, 2
+def largest_batch(fits, start: int = 1) -> int:
+    """The largest batch in start..MAX_BATCH for which ``fits`` holds, taken as monotone there (start - 1 when it
+    does not hold at ``start``): steps doubling from ``start``, then a bisection."""
+    if not fits(start):
+        return start - 1
+    base = start - 1  # from 1, the steps double the batch
+    low, high = start, start + 1
     while high <= MAX_BATCH and fits(high):
-        low, high = high, high * 2
+        low, high = high, base + 2 * (high - base)
     high = min(high, MAX_BATCH + 1)
     while high - low > 1:
         middle = (low + high) // 2
@@ -69,9 +71,8 @@ class SwapProbes:
 
     def at(self, batch: int) -> list[Evaluation] | None:
         if batch not in self.evaluations_at:
-            graph = self.graph.with_batch(batch)
-            problem = TuningProblem(graph, self.device, self.budget_bytes,
-                                    space=SearchSpace.for_graph(graph, recompute=self.recompute))
+            problem = self._problem(batch, 1)
+            graph = problem.graph
             if problem.resident_bytes > self.budget_bytes:
                 found = []
             elif peak_lower_bound_bytes(graph) > self.budget_bytes:
@@ -132,13 +133,35 @@ class SwapProbes:
 
     def problem_of(self, batch: int, evaluation: Evaluation) -> TuningProblem:
         """The problem ``evaluation`` belongs to at ``batch``: on the split graph of its parts, or the step's."""
-        found = self.parts_at.get(batch)
-        parts = 1 if found is None else found.parts_of(evaluation)
+        return self._problem(batch, self.parts_of(batch, evaluation))
+
+    def _problem(self, batch: int, parts: int) -> TuningProblem:
+        """The problem at ``batch`` on ``parts`` parts (1: the step whole), made again: the probes do not keep it."""
         graph = self.graph.with_batch(batch)
-        searched = graph if parts == 1 else floor_after_splitting(graph, parts).split_graph  # made again: not kept
+        searched = graph if parts == 1 else floor_after_splitting(graph, parts).split_graph
         return TuningProblem(searched, self.device, self.budget_bytes,
                              space=SearchSpace.for_graph(searched, recompute=self.recompute),
                              captured=None if parts == 1 else graph)
+
+    def revisit(self, batch: int) -> None:
+        """Evaluate at the probed ``batch`` the nearest batches' best plans (``near_best``) it has not tried: a
+        bisection probes a batch before the ones beside it (ResNet-50 with elide-broadcasts in 4 parts on
+        v100-16gb: 1032 from 1024's plans, 31 %, before 1031 found one of 19.3 % that fits at 1038)."""
+        found = self.evaluations_at.get(batch)
+        if not found:  # not probed, no plan needed, or none can fit
+            return
+        split = self.parts_at.get(batch)
+        searched = ([1] if self._plans_on(batch, 1) else []) + (list(split.outcomes) if split else [])
+        for parts in searched:
+            tried = {e.params for e in self._plans_on(batch, parts)}
+            fresh = [params for params in dict.fromkeys(self.near_best(batch, parts)) if params not in tried]
+            if not fresh:
+                continue
+            problem = self._problem(batch, parts)
+            more = [problem.evaluate(params) for params in fresh]
+            self.evaluations_at[batch] = self.evaluations_at[batch] + more
+            if parts > 1:
+                self.parts_at[batch] = self.parts_at[batch].with_more(parts, more)
 
     def good_at(self, batch: int, max_overhead: float | None = None) -> list[Evaluation] | None:
         """The plans that fit at ``batch`` (None: no plan needed)."""
@@ -148,12 +171,18 @@ class SwapProbes:
         return [e for e in found if e.feasible and (max_overhead is None or e.metrics["overhead"] <= max_overhead)]
 
     def largest(self, max_overhead: float | None = None) -> tuple[int, list[Evaluation]]:
-        """As :func:`largest_batch_with_swap`."""
+        """As :func:`largest_batch_with_swap`; then, while the batch after the answer fits with the plans found
+        since it was probed (``revisit``), on from there."""
         def fits(batch: int) -> bool:
             good = self.good_at(batch, max_overhead)
             return good is None or bool(good)
 
         batch = largest_batch(fits)
+        while 0 < batch < MAX_BATCH:
+            self.revisit(batch + 1)
+            if not fits(batch + 1):
+                break
+            batch = largest_batch(fits, start=batch + 1)
         return batch, (self.good_at(batch, max_overhead) or []) if batch else []
 
     def host_unlimited(self) -> SwapProbes:

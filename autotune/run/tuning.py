@@ -22,7 +22,8 @@ from autotune.run.options import SearchOptions
 from autotune.run.probes import (HOST_UNLIMITED_BYTES, MAX_BATCH, SwapProbes, largest_batch,  # noqa: F401 -- re-exported
                                   largest_batch_with_swap)
 from autotune.search.policies import Budget, make_policy
-from autotune.search.space import Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of, closest_of
+from autotune.search.space import (GROUPBY_LEVELS, Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of,
+                                   closest_of)
 from autotune.search.state_moves import search_state
 from autotune.search.study_copy import in_memory, open_study
 from autotune.run.verdict import SERIALIZED_STEP, Check, PeakCorrection, Verdict, actions_phrase, check_run, predicted
@@ -350,11 +351,14 @@ def study_name_for(graph: OpGraph, batch_size: int, device: DeviceModel, budget_
     """A study's default name; searches with and without recomputation keep theirs apart (a
     swap-only search keeps the name it had before recomputation existed). With recomputation the
     name holds the search space too: a version whose recompute space changed starts a new study
-    instead of refusing the stored one (``open_study``), which is kept as it is. Optimizer state on the host
+    instead of refusing the stored one (``open_study``), which is kept as it is; so does a swap-only space whose
+    swap-in groups are more than ``GROUPBY_LEVELS`` (a deep graph's). Optimizer state on the host
     (``host_state``) is another step: its own study."""
     key = f"{graph.fingerprint()}|{batch_size}|{device.name}|{budget_bytes}|{policy}|{sampler}|{seed}"
     if recompute:
         key += "|recompute" + ("" if space is None else "|" + json.dumps(space.to_dict(), sort_keys=True))
+    elif space is not None and space.groupby != GROUPBY_LEVELS:
+        key += "|groupby|" + ",".join(map(str, space.groupby))
     if host_state:
         key += "|host_state|" + ",".join(sorted(f"{item.variable}:{item.mode}" + ":triggered" * item.triggered_reads
                                                 for item in host_state))

@@ -94,6 +94,13 @@ class PartsSearch:
     def split(self) -> SplitFloor:
         return self.splits[self.parts]
 
+    def with_more(self, parts: int, evaluations: list[Evaluation]) -> "PartsSearch":
+        """The same with ``evaluations``, plans simulated on ``parts`` parts after the search, added."""
+        old = self.outcomes[parts]
+        outcomes = {**self.outcomes, parts: Outcome(
+            old.evaluations + evaluations, best_of([e for e in (old.chosen, *evaluations) if e is not None]))}
+        return replace(self, outcomes=outcomes, parts=_fastest_parts(outcomes, self.parts))
+
     def parts_of(self, evaluation: Evaluation) -> int:
         """The k whose split graph ``evaluation`` was simulated on (1: none of them)."""
         return next((k for k, outcome in self.outcomes.items() if any(e is evaluation for e in outcome.evaluations)), 1)
@@ -123,9 +130,12 @@ def search_parts(splits: list[SplitFloor], problem_for: Callable[[OpGraph], Tuni
         outcomes[split.parts] = with_candidates(policy.search(problem, optuna.create_study(direction="minimize"), each),
                                                 problem, candidates(split.parts))
         problems[split.parts] = problem
-    fits = [outcome.chosen for outcome in outcomes.values() if outcome.chosen is not None]
-    best = best_of(fits)
-    parts = next((k for k, outcome in outcomes.items() if outcome.chosen is best), splits[0].parts) \
-        if best is not None else splits[0].parts
     return PartsSearch(splits={split.parts: split for split in splits}, outcomes=outcomes, problems=problems,
-                       parts=parts, stop_reasons={split.parts: split.stop_reason for split in splits})
+                       parts=_fastest_parts(outcomes, splits[0].parts),
+                       stop_reasons={split.parts: split.stop_reason for split in splits})
+
+
+def _fastest_parts(outcomes: dict[int, Outcome], none_fits: int) -> int:
+    """The k of the fastest plan that fits over ``outcomes`` (``none_fits`` when none does)."""
+    best = best_of([outcome.chosen for outcome in outcomes.values() if outcome.chosen is not None])
+    return none_fits if best is None else next(k for k, outcome in outcomes.items() if outcome.chosen is best)

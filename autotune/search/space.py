@@ -42,6 +42,17 @@ RECOMPUTE_SCOPES = ("none", "cheap", "expensive")
 RECOMPUTE_COSTS = (1e-11, 1.5e-11, 2e-11, 3e-11, 4e-11, 5e-11, 7e-11, 1e-10, 2e-10, math.inf)
 
 
+GROUPBY_LEVELS = (0, 1, 2, 4, 8, 16, 32, 64)  # the groups of a graph up to 128 levels deep
+
+
+def groupby_levels(depth: int) -> tuple[int, ...]:
+    """Swap-in groups searched on a graph ``depth`` levels deep: ``GROUPBY_LEVELS``, then powers of two up to
+    half the depth. On a deep graph far consumers are far apart: ResNet-50 in 4 parts (2,400 levels) at
+    batch 1038 on v100-16gb, with groups up to 1024 levels 200 trials find a plan of 28 %, 38 % up to 64."""
+    more = tuple(1 << power for power in range(7, max(7, (depth // 2).bit_length())))
+    return GROUPBY_LEVELS + more
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """A finite grid per parameter; ``ub`` is searched as ``lb + window``, so lb <= ub always.
@@ -75,8 +86,9 @@ class SearchSpace:
     @classmethod
     def for_graph(cls, g: OpGraph, *, points: int = 40, recompute: bool = False) -> "SearchSpace":
         """Thresholds spread geometrically over the graph's depth; trigger windows and groups in
-        powers of two (the distances that matter are short ones). ``recompute``: recomputation
-        beside swapping (``RECOMPUTE_SCOPES``, ``RECOMPUTE_COSTS``, the stall pass)."""
+        powers of two (the distances that matter are short ones), groups up to half the depth on deep
+        graphs (``groupby_levels``). ``recompute``: recomputation beside swapping (``RECOMPUTE_SCOPES``,
+        ``RECOMPUTE_COSTS``, the stall pass)."""
         depth = max(n_levels(g) - 1, 2)
         thresholds = np.unique(np.round(np.geomspace(1, depth, points)).astype(int))
         lbs = np.unique(np.round(np.geomspace(1, max(2, min(256, depth // 4)), 12)).astype(int))
@@ -86,7 +98,7 @@ class SearchSpace:
             threshold=tuple(int(t) for t in thresholds),
             lb=tuple(int(v) for v in lbs),
             window=(0, 1, 2, 4, 8, 16, 32, 64, 128),
-            groupby=(0, 1, 2, 4, 8, 16, 32, 64),
+            groupby=groupby_levels(depth),
             order=orders_of(g),
             **more,
         )

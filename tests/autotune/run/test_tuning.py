@@ -13,7 +13,7 @@ import optuna  # noqa: E402
 
 import autotune  # noqa: E402
 from autotune.run.options import MeasureOptions, SearchOptions  # noqa: E402
-from autotune.run.probes import NEAR_BEST, SwapProbes  # noqa: E402
+from autotune.run.probes import NEAR_BEST, SwapProbes, largest_batch  # noqa: E402
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
 from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, _threshold_frontier, make_policy  # noqa: E402
@@ -24,7 +24,7 @@ from autotune.search.state_moves import modes_per_variable  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
 from benchmarks.zoo import build_zoo_model  # noqa: E402
 from rewriter.trace.tracing import capture  # noqa: E402
-from simulator import SwapParams, get_device, plan_swaps, replay  # noqa: E402
+from simulator import SwapParams, get_device, n_levels, plan_swaps, replay  # noqa: E402
 from simulator.buffers import peak_lower_bound_bytes  # noqa: E402
 from simulator.plan import validate_plan  # noqa: E402
 from simulator.split import split_parts  # noqa: E402
@@ -251,6 +251,43 @@ def test_a_probe_also_tries_the_best_plans_of_the_batch_probed_nearest():
     assert warm.step_s < cold.step_s and warm.params in near
 
 
+def test_a_batch_probed_before_its_neighbours_is_revisited_with_their_best_plans():
+    """A batch probed first with a short search, then its neighbour with a long one: revisited, the first
+    evaluates the neighbour's best plans and gets faster; revisited again, it has nothing new to try."""
+    g = training_graph(40, batch_size=1)
+    device = get_device("v100-16gb")
+    budget = replay(g.with_batch(64), None, device).peak_bytes // 2
+    probes = SwapProbes(g, budget, device, probe_trials=3)
+    cold = best_of([e for e in probes.at(66) if e.feasible])
+    probes.probe_trials = 60
+    probes.at(64)
+    probes.revisit(66)
+    warm = best_of([e for e in probes.at(66) if e.feasible])
+    assert warm.step_s < cold.step_s and warm.params in probes.near_best(66, 1)
+    evaluated = len(probes.at(66))
+    probes.revisit(66)
+    assert len(probes.at(66)) == evaluated
+
+
+def test_the_largest_batch_walks_on_while_the_next_fits_once_revisited():
+    """The bisection's answer is followed up: the batch after it is revisited and, while it then fits, the steps
+    go on from there. Here batches up to 10 fit, those up to 20 only with the plans of a batch below them (a
+    batch probed after them needs no revisit), none above."""
+    probes = SwapProbes(training_graph(4, batch_size=1), 1 << 30, get_device("v100-16gb"))
+    first, revisited = {}, set()
+
+    def good_at(batch, max_overhead=None):
+        if batch not in first:  # its probe: what fits there, with the plans of the batches probed below it
+            first[batch] = batch <= 10 or batch <= 20 and any(10 < b < batch for b in first)
+        return ["a plan"] if first[batch] or batch <= 20 and batch in revisited else []
+
+    probes.good_at, probes.revisit = good_at, revisited.add
+    assert largest_batch(lambda batch: bool(good_at(batch))) == 10
+    first.clear()
+    assert probes.largest()[0] == 20
+    assert largest_batch(lambda batch: batch <= 37, start=30) == 37 and largest_batch(lambda b: False, start=5) == 4
+
+
 def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
     """A batch whose resident memory plus largest op working set exceeds the budget fits no plan
     (swapping and recomputation leave every op's inputs and outputs on the device): its probe is
@@ -271,7 +308,7 @@ def test_probes_skip_the_search_where_no_plan_can_fit(monkeypatch):
 
 def test_a_changed_recompute_space_gets_its_own_default_study_name():
     """A version whose recompute space differs starts a new study instead of refusing the stored one;
-    a swap-only search keeps its name (and resumes)."""
+    a swap-only search keeps its name (and resumes), unless its swap-in groups grew (a deep graph's)."""
     g = training_graph(6)
     device = get_device("v100-16gb")
     space = SearchSpace.for_graph(g, recompute=True)
@@ -281,6 +318,10 @@ def test_a_changed_recompute_space_gets_its_own_default_study_name():
     swap_only = SearchSpace.for_graph(g)
     assert study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0, False, swap_only) == \
         study_name_for(g, 1, device, 10**9, "optuna", "tpe", 0)
+    deep = training_graph(200)  # its swap-in groups go past the ones a swap-only study was made with
+    assert 64 < SearchSpace.for_graph(deep).groupby[-1] <= n_levels(deep) // 2
+    assert study_name_for(deep, 1, device, 10**9, "optuna", "tpe", 0, False, SearchSpace.for_graph(deep)) != \
+        study_name_for(deep, 1, device, 10**9, "optuna", "tpe", 0)
 
 
 def _slow_link_problem():

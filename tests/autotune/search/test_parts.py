@@ -11,7 +11,7 @@ import pytest
 from autotune.run.probes import SwapProbes
 from autotune.search.parts import parts_to_search, search_parts, split_to_budget
 from autotune.search.policies import Budget, make_policy
-from autotune.search.space import SearchSpace, TuningProblem
+from autotune.search.space import SearchSpace, TuningProblem, best_of
 from simulator import SwapPlan, replay
 from simulator.buffers import peak_lower_bound_bytes
 from simulator.plan import NamedPlan
@@ -99,6 +99,25 @@ def test_probes_search_split_steps_where_the_step_finds_no_plan(step):
     assert split.parts_of(split_batch, found[0]) >= 2 and split.parts_of(unsplit_batch, unsplit_found[0]) == 1
     assert split.problem_of(split_batch, found[0]).graph.meta.get("splits")
     assert not split.problem_of(unsplit_batch, unsplit_found[0]).graph.meta.get("splits")
+
+
+def test_a_revisited_split_probe_adds_its_plans_to_their_parts(step):
+    """A split probe revisited with the plans of a batch probed after it (``SwapProbes.revisit``): each plan is
+    simulated on its own number of parts, kept with that k's plans, and the fastest of all is chosen."""
+    g, device = step
+    batch, _ = SwapProbes(g, 30_000_000, device, probe_trials=20, split=True, parts_doublings=1).largest()
+    probes = SwapProbes(g, 30_000_000, device, probe_trials=2, split=True, parts_doublings=1)
+    probes.at(batch)
+    before = {k: len(outcome.evaluations) for k, outcome in probes.parts_at[batch].outcomes.items()}
+    probes.probe_trials = 20
+    probes.at(batch - 1)
+    probes.revisit(batch)
+    found = probes.parts_at[batch]
+    added = {k: outcome.evaluations[before[k]:] for k, outcome in found.outcomes.items()}
+    assert any(added.values()) and all(probes.parts_of(batch, e) == k for k, more in added.items() for e in more)
+    assert found.chosen is best_of([e for outcome in found.outcomes.values() for e in outcome.evaluations])
+    assert {e.params for more in added.values() for e in more} <= {
+        params for k in found.outcomes for params in probes.near_best(batch, k)}
 
 
 def test_a_split_step_that_fits_unswapped_is_said_to_be_split(step):
