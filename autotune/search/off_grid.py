@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import optuna
 
-from autotune.search.space import TuningProblem, add_evaluation, best_of, trial_params
+from autotune.search.space import Evaluation, TuningProblem, add_evaluation, best_of, closest_of, trial_params
 from simulator import SwapParams
 from simulator.params import SYNC_IN_MODES
 
@@ -28,21 +28,24 @@ OFF_GRID_LEAST_RATIO = 1.005  # a parameter's step, as a ratio, below which it s
 
 
 def refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, deadline: float | None,
-                     interrupted: Callable[[], bool] = lambda: False) -> int:
+                     interrupted: Callable[[], bool] = lambda: False,
+                     starts: Sequence[SwapParams] | None = None) -> int:
     """A compass search off the grid from the best plans that fit (``OFF_GRID_STARTS`` of them, by
-    step time, in turn): each ordered parameter one step up and down, by a ratio that starts at
-    half a grid step (in log scale) and halves whenever no move helps. A grid is coarse where a
-    few tensors decide (ResNet-50 at batch 692 on v100-16gb: lb 64 between the grid's 56 and 93).
+    step time, in turn), or from ``starts``: each ordered parameter one step up and down, by a ratio that
+    starts at half a grid step (in log scale) and halves whenever no move helps. A grid is coarse where a
+    few tensors decide (ResNet-50 at batch 692 on v100-16gb: lb 64 between the grid's 56 and 93). From a
+    plan that misses the budget, a move helps that misses it by less, until one fits (``_improves``).
     Every plan it evaluates is a trial of ``study`` (``add_evaluation``, off-grid parameters as an
     attribute), so the user's study holds it and a resumed search starts from it. Returns the
     trials added (at most ``budget``)."""
-    trials = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-              if t.user_attrs.get("feasible")]
-    starts: list[SwapParams] = []
-    for trial in sorted(trials, key=lambda t: t.value):
-        params = trial_params(trial, problem)
-        if params is not None and params not in starts:
-            starts.append(params)
+    if starts is None:
+        trials = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                  if t.user_attrs.get("feasible")]
+        starts = []
+        for trial in sorted(trials, key=lambda t: t.value):
+            params = trial_params(trial, problem)
+            if params is not None and params not in starts:
+                starts.append(params)
     added = 0
     ratios0 = {name: _half_grid_step(problem.space, name) for name in OFF_GRID}
     for current in starts[:OFF_GRID_STARTS]:
@@ -54,14 +57,23 @@ def refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, de
             for move in moves:
                 add_evaluation(study, problem.evaluate(move.params), problem, asked=move.params)
             added += len(moves)
-            best = best_of([problem.evaluate(p) for p in (current, *(m.params for m in moves))])
-            moved = next((m for m in moves if problem.evaluate(m.params) is best), None)
-            if best is not None and moved is not None and best.step_s < problem.evaluate(current).step_s:
+            evaluations = [problem.evaluate(m.params) for m in moves]
+            best = best_of(evaluations) or closest_of(evaluations)
+            moved = next((m for m, e in zip(moves, evaluations) if e is best), None)
+            if moved is not None and _improves(best, problem.evaluate(current)):
                 current, more = _further(problem, study, moved, budget - added)
                 added += more
             else:
                 ratios = {name: ratio ** 0.5 for name, ratio in ratios.items() if ratio ** 0.5 > OFF_GRID_LEAST_RATIO}
     return added
+
+
+def _improves(evaluation: Evaluation, than: Evaluation) -> bool:
+    """Whether ``evaluation`` is the better plan: it fits and is faster or the other does not fit; or neither fits
+    and it misses the budget by less."""
+    if evaluation.feasible:
+        return not than.feasible or evaluation.step_s < than.step_s
+    return not than.feasible and evaluation.excess_bytes < than.excess_bytes
 
 
 def _half_grid_step(space, name: str) -> float:
@@ -97,7 +109,7 @@ def _further(problem: TuningProblem, study: optuna.Study, move: _Move, budget: i
         evaluation = problem.evaluate(further)
         add_evaluation(study, evaluation, problem, asked=further)
         added += 1
-        if not (evaluation.feasible and evaluation.step_s < problem.evaluate(current).step_s):
+        if not _improves(evaluation, problem.evaluate(current)):
             break
         current = further
     return current, added

@@ -253,20 +253,25 @@ def test_a_probe_also_tries_the_best_plans_of_the_batch_probed_nearest():
 
 def test_a_batch_probed_before_its_neighbours_is_revisited_with_their_best_plans():
     """A batch probed first with a short search, then its neighbour with a long one: revisited, the first
-    evaluates the neighbour's best plans and gets faster; revisited again, it has nothing new to try."""
+    evaluates the neighbour's best plans, refines them and gets faster than they are; revisited again, it has
+    nothing new to start from."""
     g = training_graph(40, batch_size=1)
     device = get_device("v100-16gb")
     budget = replay(g.with_batch(64), None, device).peak_bytes // 2
     probes = SwapProbes(g, budget, device, probe_trials=3)
     cold = best_of([e for e in probes.at(66) if e.feasible])
+    probed = len(probes.at(66))
     probes.probe_trials = 60
     probes.at(64)
+    near = probes.near_best(66, 1)
     probes.revisit(66)
-    warm = best_of([e for e in probes.at(66) if e.feasible])
-    assert warm.step_s < cold.step_s and warm.params in probes.near_best(66, 1)
-    evaluated = len(probes.at(66))
+    found = probes.at(66)
+    carried = [e for e in found[probed:] if e.params in near and e.feasible]
+    warm = best_of(found)
+    assert carried and len(found) - probed > len(near)  # the plans carried over, and the refinement's
+    assert warm.step_s < cold.step_s and warm.step_s <= min(e.step_s for e in carried)
     probes.revisit(66)
-    assert len(probes.at(66)) == evaluated
+    assert len(probes.at(66)) == len(found)
 
 
 def test_the_largest_batch_walks_on_while_the_next_fits_once_revisited():
@@ -409,6 +414,22 @@ def test_off_grid_a_move_that_helps_goes_on_twice_as_far():
     added = refine_off_grid(problem, study, 16, None)
     best = min(asked.values(), key=lambda e: e.step_s)
     assert added <= 16 and best.params.lb >= 40, best.params
+
+
+def test_off_grid_from_a_plan_that_misses_climbs_to_one_that_fits():
+    """Started from a plan over the budget (a threshold that swaps too little), the compass search takes the moves
+    that miss by less, then the ones that fit (``SwapProbes.revisit`` starts it from a neighbour batch's plans)."""
+    g = training_graph(24, batch_size=1).with_batch(64)
+    device = get_device("v100-16gb")
+    problem = TuningProblem(g, device, int(replay(g, None, device).peak_bytes * 0.7), space=SearchSpace.for_graph(g))
+    start = SwapParams(threshold=44, lb=8, ub=16)
+    assert not problem.evaluate(start).feasible
+    study = optuna.create_study()
+    assert refine_off_grid(problem, study, 40, None) == 0  # no plan that fits to start from
+    refine_off_grid(problem, study, 40, None, starts=[start])
+    found = [evaluation_from_trial(trial, problem) for trial in study.trials]
+    assert any(e.feasible for e in found)
+    assert min(e.excess_bytes for e in found[:2]) < problem.evaluate(start).excess_bytes  # the first moves miss less
 
 
 def test_each_variable_is_tried_in_the_other_mode_from_the_state_kept_so_far():
