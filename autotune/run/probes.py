@@ -176,7 +176,9 @@ class SwapProbes:
                 add_evaluation(study, problem.evaluate(params), problem, asked=params)
             refine_off_grid(problem, study, self.probe_trials, None,
                             starts=sorted(starts, key=lambda params: _fits_first(problem.evaluate(params))))
-            more = [evaluation_from_trial(trial, problem) for trial in study.trials]
+            tried = {e.params for e in self._plans_on(batch, parts)}
+            refined = [evaluation_from_trial(trial, problem) for trial in study.trials]
+            more = [e for e in refined if e.params not in tried]
             self.evaluations_at[batch] = self.evaluations_at[batch] + more
             if parts > 1:
                 self.parts_at[batch] = self.parts_at[batch].with_more(parts, more)
