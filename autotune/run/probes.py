@@ -18,7 +18,7 @@ from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER, PartsSearch, parts_t
 from autotune.search.policies import Budget, make_policy, with_candidates
 from autotune.search.off_grid import refine_off_grid
 from autotune.search.space import (Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of,
-                                   evaluation_from_trial)
+                                   evaluation_from_trial, fits_first)
 from simulator import DeviceModel, OpGraph, SwapParams
 from simulator.buffers import peak_lower_bound_bytes
 from simulator.split import floor_after_splitting
@@ -26,11 +26,6 @@ from simulator.split import floor_after_splitting
 MAX_BATCH = 1 << 16
 HOST_UNLIMITED_BYTES = 1 << 62  # a host limit no plan reaches
 NEAR_BEST = 3  # a probe also evaluates this many of the fastest plans of the nearest batches probed
-
-
-def _fits_first(evaluation: Evaluation) -> tuple:
-    """Plans that fit first, fastest first; then the closest misses."""
-    return (0, evaluation.step_s) if evaluation.feasible else (1, evaluation.excess_bytes)
 
 
 def largest_batch(fits, start: int = 1) -> int:
@@ -175,7 +170,7 @@ class SwapProbes:
             for params in starts:
                 add_evaluation(study, problem.evaluate(params), problem, asked=params)
             refine_off_grid(problem, study, self.probe_trials, None,
-                            starts=sorted(starts, key=lambda params: _fits_first(problem.evaluate(params))))
+                            starts=sorted(starts, key=lambda params: fits_first(problem.evaluate(params))))
             tried = {e.params for e in self._plans_on(batch, parts)}
             refined = [evaluation_from_trial(trial, problem) for trial in study.trials]
             more = [e for e in refined if e.params not in tried]

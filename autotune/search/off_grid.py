@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import optuna
 
-from autotune.search.space import Evaluation, TuningProblem, add_evaluation, best_of, closest_of, trial_params
+from autotune.search.space import TuningProblem, add_evaluation, best_of, closest_of, fits_first, trial_params
 from simulator import SwapParams
 from simulator.params import SYNC_IN_MODES
 
@@ -34,7 +34,7 @@ def refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, de
     step time, in turn), or from ``starts``: each ordered parameter one step up and down, by a ratio that
     starts at half a grid step (in log scale) and halves whenever no move helps. A grid is coarse where a
     few tensors decide (ResNet-50 at batch 692 on v100-16gb: lb 64 between the grid's 56 and 93). From a
-    plan that misses the budget, a move helps that misses it by less, until one fits (``_improves``).
+    plan that misses the budget, a move helps that misses it by less, until one fits (``fits_first``).
     Every plan it evaluates is a trial of ``study`` (``add_evaluation``, off-grid parameters as an
     attribute), so the user's study holds it and a resumed search starts from it. Returns the
     trials added (at most ``budget``)."""
@@ -60,20 +60,12 @@ def refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, de
             evaluations = [problem.evaluate(m.params) for m in moves]
             best = best_of(evaluations) or closest_of(evaluations)
             moved = next((m for m, e in zip(moves, evaluations) if e is best), None)
-            if moved is not None and _improves(best, problem.evaluate(current)):
+            if moved is not None and fits_first(best) < fits_first(problem.evaluate(current)):
                 current, more = _further(problem, study, moved, budget - added)
                 added += more
             else:
                 ratios = {name: ratio ** 0.5 for name, ratio in ratios.items() if ratio ** 0.5 > OFF_GRID_LEAST_RATIO}
     return added
-
-
-def _improves(evaluation: Evaluation, than: Evaluation) -> bool:
-    """Whether ``evaluation`` is the better plan: it fits and is faster or the other does not fit; or neither fits
-    and it misses the budget by less."""
-    if evaluation.feasible:
-        return not than.feasible or evaluation.step_s < than.step_s
-    return not than.feasible and evaluation.excess_bytes < than.excess_bytes
 
 
 def _half_grid_step(space, name: str) -> float:
@@ -109,7 +101,7 @@ def _further(problem: TuningProblem, study: optuna.Study, move: _Move, budget: i
         evaluation = problem.evaluate(further)
         add_evaluation(study, evaluation, problem, asked=further)
         added += 1
-        if not _improves(evaluation, problem.evaluate(current)):
+        if not fits_first(evaluation) < fits_first(problem.evaluate(current)):
             break
         current = further
     return current, added

@@ -367,6 +367,11 @@ def best_of(evaluations: list[Evaluation]) -> Evaluation | None:
     return min(ties, key=lambda e: (e.metrics["d2h_bytes"], e.peak_bytes))
 
 
+def fits_first(evaluation: Evaluation) -> tuple:
+    """A rank of plans: those that fit first, fastest first; then those that miss, by how much they miss."""
+    return (0, evaluation.step_s) if evaluation.feasible else (1, evaluation.excess_bytes)
+
+
 def closest_of(evaluations: list[Evaluation]) -> Evaluation | None:
     """When nothing fits: the candidate that misses the budget by the least."""
     return min(evaluations, key=lambda e: (e.excess_bytes, e.step_s)) if evaluations else None
