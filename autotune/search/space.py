@@ -42,7 +42,7 @@ RECOMPUTE_SCOPES = ("none", "cheap", "expensive")
 RECOMPUTE_COSTS = (1e-11, 1.5e-11, 2e-11, 3e-11, 4e-11, 5e-11, 7e-11, 1e-10, 2e-10, math.inf)
 
 
-GROUPBY_LEVELS = (0, 1, 2, 4, 8, 16, 32, 64)  # the groups of a graph up to 128 levels deep
+GROUPBY_LEVELS = (0, 1, 2, 4, 8, 16, 32, 64)  # the groups of a graph under 256 levels deep
 
 
 def groupby_levels(depth: int) -> tuple[int, ...]:
@@ -420,9 +420,13 @@ def add_evaluation(study: optuna.Study, evaluation: Evaluation, problem: TuningP
                    asked: SwapParams | None = None) -> None:
     """Record a candidate found by a non-Optuna policy as a finished trial (off the grid: with its
     parameters as an attribute). ``asked``: the parameters evaluated, when the evaluation carries
-    mended ones (``TuningProblem.evaluate``), so that a resumed study evaluates the same again."""
+    mended ones (``TuningProblem.evaluate``), so that a resumed study evaluates the same again; asked
+    parameters that name tensors themselves (a plan carried from another batch) are off the grid, as their
+    grid point would derive other tensors."""
     params = asked if asked is not None else evaluation.params
     choice = problem.space.choice(params) if params is not None else None
+    if asked is not None and (asked.keep_tensors or asked.recompute_tensors):
+        choice = None
     user_attrs: dict = _user_attrs(evaluation)
     if choice is None and params is not None:
         user_attrs["params"] = params.to_dict()
