@@ -9,6 +9,13 @@ lives from the forward op to its gradient: 0.14 MiB in multi_io at batch 8 (1474
 589824-byte pooled output), the rest of the measured peak once the step ran in its order.
 ``capture`` adds it as an output of the pooling read by its gradient. Without oneDNN (a GPU, oneDNN
 off, or a float16 pooling that falls back to Eigen) there is no workspace and nothing is added.
+
+Not modelled: on some CPUs oneDNN runs a one-sample convolution through a scratch buffer of its own
+(measured on an AVX2-only AMD EPYC: 672000 bytes beside the 131072-byte output of a 3x3 convolution of
+a 1 x 32 x 32 x 64 input to 32 channels; 12336 bytes from two samples on), which a split into one-sample
+parts then holds while each part's convolution runs. Its size depends on the kernel oneDNN picks, not
+on the batch (``tests/rewriter/edit/test_merged_ops.py`` measures it on the machine it runs on). The measured
+run corrects the prediction where it shows.
 """
 
 from __future__ import annotations
