@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import optuna
 
-from autotune.search.space import TuningProblem, add_evaluation, best_of, closest_of, fits_first, trial_params
+from autotune.search.space import TuningProblem, add_evaluation, best_of, fits_first, trial_params
 from simulator import SwapParams
 from simulator.params import SYNC_IN_MODES
 
@@ -58,7 +58,7 @@ def refine_off_grid(problem: TuningProblem, study: optuna.Study, budget: int, de
                 add_evaluation(study, problem.evaluate(move.params), problem, asked=move.params)
             added += len(moves)
             evaluations = [problem.evaluate(m.params) for m in moves]
-            best = best_of(evaluations) or closest_of(evaluations)
+            best = best_of(evaluations) or min(evaluations, key=fits_first, default=None)
             moved = next((m for m, e in zip(moves, evaluations) if e is best), None)
             if moved is not None and fits_first(best) < fits_first(problem.evaluate(current)):
                 current, more = _further(problem, study, moved, budget - added)

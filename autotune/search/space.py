@@ -208,6 +208,12 @@ class Evaluation:
     metrics: dict[str, float]
     feasible: bool
     excess_bytes: int  # how far the peak is over the budget (<= 0 when it fits)
+    host_excess_bytes: int = 0  # how far the host peak is over the host limit (<= 0 when it fits)
+
+    @property
+    def miss_bytes(self) -> int:
+        """How far it misses the device budget or the host limit, whichever it misses by more."""
+        return max(self.excess_bytes, self.host_excess_bytes)
 
     @property
     def step_s(self) -> float:
@@ -334,8 +340,8 @@ class TuningProblem:
         metrics["compute_s"] = plain
         metrics["overhead"] = result.step_s / plain - 1.0 if plain > 0 else 0.0
         excess = int(result.peak_bytes - self.budget_bytes)
-        feasible = excess <= 0 and result.host_peak_bytes <= self.host_limit_bytes
-        return Evaluation(params, metrics, feasible, excess)
+        host_excess = int(result.host_peak_bytes - self.host_limit_bytes)
+        return Evaluation(params, metrics, excess <= 0 and host_excess <= 0, excess, host_excess)
 
     @property
     def plain_compute_s(self) -> float:
@@ -367,9 +373,11 @@ def best_of(evaluations: list[Evaluation]) -> Evaluation | None:
     return min(ties, key=lambda e: (e.metrics["d2h_bytes"], e.peak_bytes))
 
 
-def fits_first(evaluation: Evaluation) -> tuple:
-    """A rank of plans: those that fit first, fastest first; then those that miss, by how much they miss."""
-    return (0, evaluation.step_s) if evaluation.feasible else (1, evaluation.excess_bytes)
+def fits_first(evaluation: Evaluation) -> tuple[int, float]:
+    """A rank of plans: those that fit first, fastest first (seconds); then those that miss, by how much they miss
+    the device budget or the host limit (bytes): a plan with room on the device but over the host limit is not
+    nearer to fitting than one a little over the device budget."""
+    return (0, evaluation.step_s) if evaluation.feasible else (1, evaluation.miss_bytes)
 
 
 def closest_of(evaluations: list[Evaluation]) -> Evaluation | None:

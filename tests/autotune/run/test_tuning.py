@@ -17,8 +17,8 @@ from autotune.run.probes import NEAR_BEST, SwapProbes, largest_batch  # noqa: E4
 from autotune.search.off_grid import refine_off_grid  # noqa: E402
 from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, _threshold_frontier, make_policy  # noqa: E402
-from autotune.search.space import (SearchSpace, TuningProblem, add_evaluation, best_of,  # noqa: E402
-                                   evaluation_from_trial)
+from autotune.search.space import (Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of,  # noqa: E402
+                                   evaluation_from_trial, fits_first)
 from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
 from autotune.search.state_moves import modes_per_variable  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
@@ -449,6 +449,16 @@ def test_off_grid_from_a_plan_that_misses_climbs_to_one_that_fits():
     found = [evaluation_from_trial(trial, problem) for trial in study.trials]
     assert any(e.feasible for e in found)
     assert min(e.excess_bytes for e in found[1:3]) < found[0].excess_bytes  # the start, then moves that miss less
+
+
+def test_plans_that_miss_rank_by_the_larger_of_their_device_and_host_misses():
+    """A plan with room on the device but 500 bytes over the host limit is further from fitting than one 100 bytes
+    over the device budget: the compass search climbs from the latter first."""
+    fits = Evaluation(None, {"step_s": 2.0}, True, -10, -10)
+    device_miss = Evaluation(None, {"step_s": 1.0}, False, 100, -5)
+    host_miss = Evaluation(None, {"step_s": 1.0}, False, -1000, 500)
+    assert sorted([host_miss, device_miss, fits], key=fits_first) == [fits, device_miss, host_miss]
+    assert host_miss.miss_bytes == 500 and device_miss.miss_bytes == 100
 
 
 def test_each_variable_is_tried_in_the_other_mode_from_the_state_kept_so_far():
