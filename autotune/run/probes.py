@@ -150,10 +150,10 @@ class SwapProbes:
     def revisit(self, batch: int) -> None:
         """Evaluate at the probed ``batch`` the nearest batches' best plans (``near_best``) and refine the first
         ``OFF_GRID_STARTS`` of them off the grid with the probe's trials (``refine_off_grid``, a plan that misses
-        climbing towards one that fits), once per plan: a bisection probes a batch before the ones beside it (ResNet-50 with
-        elide-broadcasts in 4 parts on v100-16gb: 1032 from 1024's plans, 31 %, before 1031 found one of 19.3 %
-        that fits at 1038), and a plan that fits one batch may miss the next by a few recomputations (as
-        captured in 8 parts: 15.7 % at 1033, 1.3 GB over at 1034)."""
+        climbing towards one that fits), once per plan: a bisection probes a batch before the ones beside it
+        (ResNet-50 with elide-broadcasts in 4 parts on v100-16gb: 1032 from 1024's plans, 31 %, before 1031 found
+        one of 19.3 % that fits at 1038), and a plan that fits one batch may miss the next by a few recomputations
+        (as captured in 8 parts: 15.7 % at 1033, 1.3 GB over at 1034)."""
         found = self.evaluations_at.get(batch)
         if not found:  # not probed, no plan needed, or none can fit
             return
