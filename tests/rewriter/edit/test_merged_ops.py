@@ -132,20 +132,20 @@ def _assert_measured_as_predicted(measured: int, predicted: int, over_only: bool
     error = measured - predicted if over_only else abs(measured - predicted)
     if error <= 0.05 * predicted:
         return
-    scratch = one_sample_conv_scratch_bytes()
-    if scratch:
+    scratch, output = one_sample_conv_scratch_bytes()
+    if scratch > output:  # a buffer larger than the probe's output: not a kernel's few bytes of bookkeeping
         pytest.xfail(f"measured {measured} B against {predicted} B predicted: oneDNN's one-sample convolutions "
                      f"take a scratch buffer here ({scratch} B in the probe), not modelled")
     raise AssertionError(f"measured {measured} B against {predicted} B predicted")
 
 
 @functools.lru_cache(maxsize=1)
-def one_sample_conv_scratch_bytes() -> int:
+def one_sample_conv_scratch_bytes() -> tuple[int, int]:
     """Bytes beyond its output that a ``Conv2D`` of one sample allocates here (a 3x3 convolution of 32 x 32 x 64 to
-    32 channels; 0 without oneDNN's kernels): oneDNN's scratch, which the prediction leaves out
-    (``rewriter.tf_effects.onednn``)."""
+    32 channels; 0 without oneDNN's kernels), and its output's bytes: oneDNN's scratch, which the prediction leaves
+    out (``rewriter.tf_effects.onednn``)."""
     if not onednn_kernels():
-        return 0
+        return 0, 0
     image, kernel = tf.ones((1, 32, 32, 64)), tf.ones((3, 3, 64, 32))
 
     @tf.function
@@ -156,4 +156,4 @@ def one_sample_conv_scratch_bytes() -> int:
     output_bytes = int(convolve(image).shape.num_elements()) * 4
     events = memtrace.record_memory_events(convolve, image)
     allocated = events[(events["kind"] == "alloc") & events["tf_op"].str.endswith("Conv2D")]
-    return max(0, int(allocated["requested_bytes"].sum()) - output_bytes)
+    return max(0, int(allocated["requested_bytes"].sum()) - output_bytes), output_bytes
