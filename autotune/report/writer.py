@@ -107,7 +107,10 @@ def _sections(result, images: dict[str, Path], plan_file: str, stage_times: Stag
         if shown is not None:
             closest = correction.corrected(shown.peak_bytes, result.resident_bytes())
             miss = (f" The closest plan found reaches {format_bytes(closest)}, "
-                    f"{format_bytes(max(0, closest - result.budget_bytes))} over it.")
+                    f"{format_bytes(max(0, closest - result.budget_bytes))} over it"
+                    + (f"; its swapped tensors need {format_bytes(shown.metrics['host_peak_bytes'])} of host memory, "
+                       f"{format_bytes(shown.host_excess_bytes)} more than the host has." if shown.host_excess_bytes > 0
+                       else "."))
         corrected = "" if correction.is_identity else (f" (corrected from measured runs: "
                                                        f"{correction.describe()}; predicted "
                                                        f"{format_bytes(result.baseline.peak_bytes)})")

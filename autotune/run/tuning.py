@@ -502,7 +502,8 @@ def _search(graph: OpGraph, target: Target, options: SearchOptions, *, batch_siz
                         peak_bytes=None if shown is None else correction.corrected(shown.peak_bytes, g.persistent_bytes),
                         budget_bytes=user_budget, measured=measured,
                         action=actions_phrase(0 if plan is None else plan.n_swaps, len(recomputes), len(host_state),
-                                              parts))
+                                              parts),
+                        host_miss_bytes=0 if closest is None else max(0, closest.host_excess_bytes))
     return TuneResult(
         model=str(g.meta.get("model", "model")), batch_size=g.batch_size, target=target, graph=captured, policy=policy,
         # "without swapping": the step as captured, its state on the device

@@ -215,13 +215,19 @@ def actions_phrase(n_swaps: int, n_recomputes: int, n_host_state: int = 0, split
 
 
 def predicted(*, fits: bool, swaps: bool, peak_bytes: int | None, budget_bytes: int, measured: bool,
-              train_with: str | None = None, action: str = "swapping") -> Verdict:
-    """The verdict of the simulator alone: before a measured run, or with ``--no-measure``."""
+              train_with: str | None = None, action: str = "swapping", host_miss_bytes: int = 0) -> Verdict:
+    """The verdict of the simulator alone: before a measured run, or with ``--no-measure``. ``host_miss_bytes``:
+    how far the closest plan's swapped tensors are over the host's room for them, when it misses there."""
     suffix = "" if measured else " (predicted only: not measured, run without --no-measure to confirm)"
     if not fits:
         text = "Does not fit"
+        over = peak_bytes is not None and peak_bytes > budget_bytes
         if peak_bytes is not None:
-            text += f": the closest plan peaks at {format_bytes(peak_bytes)}, over the budget of {format_bytes(budget_bytes)}"
+            text += (f": the closest plan peaks at {format_bytes(peak_bytes)}, {'over' if over else 'within'} the "
+                     f"budget of {format_bytes(budget_bytes)}")
+        if host_miss_bytes > 0:
+            text += (f"{', and' if over else ', but' if peak_bytes is not None else ': the closest plan'}"
+                     f" its swapped tensors need {format_bytes(host_miss_bytes)} more host memory than the host has")
         return Verdict(DOES_NOT_FIT, False, measured, None, text + ".")
     if swaps:
         status, text = FITS, f"Fits with {action}: predicted peak {format_bytes(peak_bytes)} of {format_bytes(budget_bytes)}"

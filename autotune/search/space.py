@@ -381,8 +381,9 @@ def fits_first(evaluation: Evaluation) -> tuple[int, float]:
 
 
 def closest_of(evaluations: list[Evaluation]) -> Evaluation | None:
-    """When nothing fits: the candidate that misses the budget by the least."""
-    return min(evaluations, key=lambda e: (e.excess_bytes, e.step_s)) if evaluations else None
+    """When nothing fits: the candidate that misses by the least, the device budget or the host limit
+    (``fits_first``'s rank of misses); among equal misses, the fastest."""
+    return min(evaluations, key=lambda e: (e.miss_bytes, e.step_s)) if evaluations else None
 
 
 # ---------------------------------------------------------------------- Optuna bookkeeping

@@ -18,7 +18,7 @@ from autotune.search.off_grid import refine_off_grid  # noqa: E402
 from autotune.search.parts import SPLIT_WHEN_OVERHEAD_OVER  # noqa: E402
 from autotune.search.policies import Budget, OptunaPolicy, _threshold_frontier, make_policy  # noqa: E402
 from autotune.search.space import (Evaluation, SearchSpace, TuningProblem, add_evaluation, best_of,  # noqa: E402
-                                   evaluation_from_trial, fits_first)
+                                   closest_of, evaluation_from_trial, fits_first)
 from autotune.run.tuning import study_name_for, tune_graph  # noqa: E402
 from autotune.search.state_moves import modes_per_variable  # noqa: E402
 from benchmarks.models import build_model  # noqa: E402
@@ -233,6 +233,8 @@ def test_batch_probes_are_shared_without_changing_answers():
     assert [(e.params, e.step_s, e.feasible) for e in fresh] == [
         (e.params, e.step_s, e.feasible) for e in shared[:len(fresh)]]
     assert len(shared) - len(fresh) <= 2 * NEAR_BEST
+    revisited = [key for key in probes.revisited_from if key[0] in carried]
+    assert revisited and all(any_host.revisited_from[key] == probes.revisited_from[key] for key in revisited)
 
 
 def test_a_probe_also_tries_the_best_plans_of_the_batch_probed_nearest():
@@ -459,6 +461,29 @@ def test_plans_that_miss_rank_by_the_larger_of_their_device_and_host_misses():
     host_miss = Evaluation(None, {"step_s": 1.0}, False, -1000, 500)
     assert sorted([host_miss, device_miss, fits], key=fits_first) == [fits, device_miss, host_miss]
     assert host_miss.miss_bytes == 500 and device_miss.miss_bytes == 100
+    assert closest_of([host_miss, device_miss]) is device_miss  # the report's closest plan, by the same rank
+    assert closest_of([Evaluation(None, {"step_s": 1.0}, False, 600, -5), host_miss]) is host_miss
+
+
+def test_a_step_that_misses_on_the_host_names_the_plan_nearest_to_fitting(tmp_path):
+    """With a host too small for the swaps, the plans with room on the device miss by their host memory: the
+    verdict and the report name the plan that misses least either way, and say where it misses (not "over the
+    budget" for a plan within it)."""
+    from autotune.report.writer import write_report
+
+    g = training_graph(24, batch_size=1).with_batch(64)
+    base = get_device("v100-16gb")
+    peak = replay(g, None, base).peak_bytes
+    device = dataclasses.replace(base, host_memory_bytes=int(peak * 0.05))
+    result = tune_graph(g, device=device, memory=int(peak * 0.6), trials=30, state=False, recompute=False)
+    assert not result.feasible
+    assert any(e.excess_bytes <= 0 < e.host_excess_bytes for e in result.evaluations)  # room on the device only
+    closest = result.closest
+    assert closest.miss_bytes == min(e.miss_bytes for e in result.evaluations + [result.baseline])
+    assert closest.host_excess_bytes > 0 and "more host memory than the host has" in result.verdict.headline
+    assert ("over the budget" in result.verdict.headline) == (closest.excess_bytes > 0)
+    write_report(result, tmp_path)
+    assert "more than the host has." in (tmp_path / "report.md").read_text()
 
 
 def test_each_variable_is_tried_in_the_other_mode_from_the_state_kept_so_far():

@@ -96,6 +96,13 @@ def test_verdicts_say_what_the_tool_can_stand_behind():
     assert not waiting.ok  # a measured run was asked for and has not confirmed it
     miss = predicted(fits=False, swaps=True, peak_bytes=120 * MiB, budget_bytes=100 * MiB, measured=False)
     assert miss.status == DOES_NOT_FIT and not miss.ok
+    assert "over the budget of 100.00 MiB." in miss.headline
+    host = predicted(fits=False, swaps=True, peak_bytes=90 * MiB, budget_bytes=100 * MiB, measured=False,
+                     host_miss_bytes=30 * MiB)  # room on the device, none on the host
+    assert "within the budget of 100.00 MiB, but its swapped tensors need 30.00 MiB more host memory" in host.headline
+    both = predicted(fits=False, swaps=True, peak_bytes=120 * MiB, budget_bytes=100 * MiB, measured=False,
+                     host_miss_bytes=30 * MiB)
+    assert "over the budget of 100.00 MiB, and its swapped tensors need 30.00 MiB more" in both.headline
     ok = _check(measured=88 * MiB, predicted_bytes=90 * MiB)
     assert confirmed(waiting, [ok]).ok and confirmed(waiting, [ok]).confirmed_by_measurement
     failed = not_confirmed([_check(measured=120 * MiB, predicted_bytes=90 * MiB)], reason="none confirmed")
