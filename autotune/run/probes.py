@@ -204,7 +204,7 @@ class SwapProbes:
         """The same probes with no limit on host memory. A search where no plan went over the host
         limit, nor was mended to fit it (``keep_tensors``), runs the same way without it (samplers
         see only violated constraints), so those probes carry over; the others are searched again
-        when asked."""
+        when asked; so are the revisits of the probes carried over."""
         device = replace(self.device, host_memory_bytes=HOST_UNLIMITED_BYTES)
         other = SwapProbes(self.graph, self.budget_bytes, device, probe_trials=self.probe_trials, seed=self.seed,
                            recompute=self.recompute, split=self.split, parts_doublings=self.parts_doublings)
@@ -215,6 +215,9 @@ class SwapProbes:
                 other.evaluations_at[batch] = found
                 if batch in self.parts_at:
                     other.parts_at[batch] = self.parts_at[batch]
+        # what a carried batch was revisited from is in its plans already (the refinement ran under the limit too)
+        other.revisited_from = {key: set(starts) for key, starts in self.revisited_from.items()
+                                if key[0] in other.evaluations_at}
         return other
 
 
