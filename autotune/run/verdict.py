@@ -226,8 +226,8 @@ def predicted(*, fits: bool, swaps: bool, peak_bytes: int | None, budget_bytes: 
             text += (f": the closest plan peaks at {format_bytes(peak_bytes)}, {'over' if over else 'within'} the "
                      f"budget of {format_bytes(budget_bytes)}")
         if host_miss_bytes > 0:
-            text += (f"{', and' if over else ', but' if peak_bytes is not None else ': the closest plan'}"
-                     f" its swapped tensors need {format_bytes(host_miss_bytes)} more host memory than the host has")
+            whose = ", and its" if over else ", but its" if peak_bytes is not None else ": the closest plan's"
+            text += f"{whose} swapped tensors need {format_bytes(host_miss_bytes)} more host memory than the host has"
         return Verdict(DOES_NOT_FIT, False, measured, None, text + ".")
     if swaps:
         status, text = FITS, f"Fits with {action}: predicted peak {format_bytes(peak_bytes)} of {format_bytes(budget_bytes)}"

@@ -103,6 +103,10 @@ def test_verdicts_say_what_the_tool_can_stand_behind():
     both = predicted(fits=False, swaps=True, peak_bytes=120 * MiB, budget_bytes=100 * MiB, measured=False,
                      host_miss_bytes=30 * MiB)
     assert "over the budget of 100.00 MiB, and its swapped tensors need 30.00 MiB more" in both.headline
+    unsized = predicted(fits=False, swaps=True, peak_bytes=None, budget_bytes=100 * MiB, measured=False,
+                        host_miss_bytes=30 * MiB)
+    assert unsized.headline == ("Does not fit: the closest plan's swapped tensors need 30.00 MiB more host memory "
+                                "than the host has.")
     ok = _check(measured=88 * MiB, predicted_bytes=90 * MiB)
     assert confirmed(waiting, [ok]).ok and confirmed(waiting, [ok]).confirmed_by_measurement
     failed = not_confirmed([_check(measured=120 * MiB, predicted_bytes=90 * MiB)], reason="none confirmed")
