@@ -275,7 +275,8 @@ def test_the_simulated_step_with_state_on_the_host():
     groups = state_groups(graph)
     # two 8 MiB kernels' slots hold 88 % of the 18.1 MiB: the three-quarter group is the half one, dropped
     assert [len(group) for group in groups] == [1, 2, len(sizes)]
-    largest = sorted(sizes, key=lambda path: -sizes[path])
+    # ties by path: the two kernels' names depend on how many layers the process made before (dense_9, dense_10)
+    largest = sorted(sizes, key=lambda path: (-sizes[path], path))
     assert all([item.variable for item in group] == largest[:len(group)] for group in groups)
     moved = with_host_state(graph, groups[1], copies_in=False)
     assert with_host_state(moved, groups[1], copies_in=False) is moved
