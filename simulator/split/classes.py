@@ -48,7 +48,11 @@ PER_SAMPLE_TYPES = (RECOMPUTE_CLASSES["activation"] | RECOMPUTE_CLASSES["element
                         "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SigmoidGrad", "TanhGrad",
                         "SoftplusGrad", "SoftsignGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad",
                         "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
-                        "Mean", "Sum", "Max", "Min", "Prod", "ArgMax", "ArgMin", "L2Loss"}))
+                        "Mean", "Sum", "Max", "Min", "Prod", "ArgMax", "ArgMin", "L2Loss",
+                        # elementwise on bits and on values' kinds (Keras' argmax tells -0.0 from 0.0 with a Bitcast
+                        # and a BitwiseAnd), and top-k membership row by row (a top-k accuracy metric)
+                        "Bitcast", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "Invert", "LeftShift", "RightShift",
+                        "IsNan", "IsInf", "IsFinite", "InTopKV2"}))
 
 # Types that reduce over the batch where a batch-dependent input makes a batch-independent output, and
 # how their parts' partial results combine: "sum" adds them, "mean" adds them weighted by each part's

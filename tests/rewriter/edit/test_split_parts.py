@@ -88,7 +88,8 @@ def _two_heads():
 def _one_hot_with_metrics():
     """Categorical cross-entropy on one-hot labels, compiled with metrics: the loss reshapes its per-sample values
     back to the batch with a shape computed from constants (a Slice of the logits' static shape), which each part
-    takes with its own batch; the metrics' update ops end the region."""
+    takes with its own batch; the metrics' per-sample ops run in parts, their sums over the batch (AUC's
+    ``UnsortedSegmentSum``) and update ops end the region."""
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))
     h = keras.layers.Dense(8, activation="relu")(x)
@@ -185,6 +186,8 @@ def test_a_split_step_trains_as_keras(build):
     assert applied.part_batches == (3, 2) and len(applied.part_nodes) == 2 * len(applied.ops)
     assert any("MatMul_1/split_combine_0" in name or "Einsum" in name for name in applied.combines)
     assert not any("BiasAddGrad" in name for name in applied.concats)
+    if build is _one_hot_with_metrics:  # Keras' argmax (a Bitcast, a BitwiseAnd) and the top-k accuracy in parts
+        assert all(any(kind in name for name in applied.ops) for kind in ("Bitcast", "BitwiseAnd", "InTopKV2"))
 
 
 def test_a_dense_layer_on_a_sequence_runs_in_parts():
