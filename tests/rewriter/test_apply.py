@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import rewriter
 from benchmarks.models import build_model, example_batch
+from rewriter.edit.graph_edit import GraphEditor
 from rewriter.step.apply_plan import PlanError
 from rewriter.trace.tracing import CaptureError, synthetic_batch
 from simulator import OpGraph, SwapParams, SwapPlan, get_device, plan_swaps, replay
@@ -109,6 +110,29 @@ def test_sync_out_holds_a_reader_or_the_next_op(cnn_graph):
             assert applied.sync_controls == (order[order.index(producer) + 1],)
             held_next += 1
     assert held_next > 0
+
+
+@pytest.mark.parametrize("placement", [None, rewriter.GpuPlacement()], ids=["testbed", "gpu-identity-swaps"])
+def test_the_readers_of_a_swapped_tensor_are_those_a_scan_of_every_node_finds(cnn_graph, monkeypatch, placement):
+    """``GraphEditor.readers`` answers from an index made once, checked on the graph as edited: for every swap
+    of a plan with sync "out" it gives what a scan of every input of every node gives at that point of the edit
+    (on a GPU, swaps are Identity ops that reads resolve through)."""
+    graph = cnn_graph[0]
+    plan = plan_swaps(graph, SwapParams(threshold=1, sync="out", min_bytes=4096))
+    indexed, asked = GraphEditor.readers, []
+
+    def checked(editor, tensor):
+        found = indexed(editor, tensor)
+        scanned = [(node.name, slot) for node in editor.graph_def.node if not editor.bypassed(node)
+                   for slot, ref in editor.data_inputs(node) if editor.resolve(ref) == tensor]
+        assert found == scanned, tensor
+        asked.append(tensor)
+        return found
+
+    monkeypatch.setattr(GraphEditor, "readers", checked)
+    step = rewriter.apply(build_model("small_cnn", seed=0), plan, graph=graph, batch_size=BATCH, verify=False,
+                          **({} if placement is None else {"placement": placement}))
+    assert len(asked) == len(step.applied) == plan.n_swaps > 3
 
 
 def test_swap_ins_after_copies_out_wait_for_their_triggers_copies(cnn_graph):
