@@ -232,27 +232,18 @@ class GraphEditor:
         return result
 
     def readers(self, tensor: tuple[str, int]) -> list[tuple[str, int]]:
-        """(node, slot) of every non-bypassed input that reads ``tensor`` (resolved), in the graph's node order.
-        The inputs are indexed once by what they resolve to (nodes added since, when asked) and each answer is
-        checked on the graph as it is now: a scan of every node per swap took most of applying a plan of
-        thousands of swaps to a step of 20,000 ops. The edits move reads off a tensor (to its swap-in, or
-        through a wait of the copy out) and never onto another one, so the index misses no reader."""
+        """(node, slot) of every non-bypassed input that reads ``tensor`` (resolved), in node order: from an
+        index of the reads (a scan per swap took most of applying thousands of swaps to 20,000 ops), checked on
+        the graph as edited; the edits move reads off a tensor, never onto another one."""
         if not hasattr(self, "_reads"):
-            self._reads: dict[tuple[str, int], list[tuple[str, int]]] = defaultdict(list)
-            self._reads_indexed = 0
-        nodes = self.graph_def.node
-        for k in range(self._reads_indexed, len(nodes)):
-            node = nodes[k]
-            if not self.bypassed(node):
-                for slot, ref in self.data_inputs(node):
-                    self._reads[self.resolve(ref)].append((node.name, slot))
-        self._reads_indexed = len(nodes)
-        found = []
-        for name, slot in self._reads.get(tensor, ()):
-            inputs = self.nodes[name].input
-            if slot < len(inputs) and not inputs[slot].startswith("^") and self.resolve(inputs[slot]) == tensor:
-                found.append((name, slot))
-        return found
+            self._reads, self._reads_indexed = defaultdict(list), 0
+        for node in self.graph_def.node[self._reads_indexed:]:  # the nodes added since
+            for slot, ref in [] if self.bypassed(node) else self.data_inputs(node):
+                self._reads[self.resolve(ref)].append((node.name, slot))
+        self._reads_indexed = len(self.graph_def.node)
+        return [(name, slot) for name, slot in self._reads.get(tensor, ()) if slot < len(self.nodes[name].input)
+                and not self.nodes[name].input[slot].startswith("^")
+                and self.resolve(self.nodes[name].input[slot]) == tensor]
 
     def add_node(self, name: str, op: str, inputs: Iterable[str], device: str, dtype) -> Any:
         if name in self.nodes:
