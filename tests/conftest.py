@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -31,6 +32,18 @@ def unit_device(bandwidth_bytes_per_s: float = 100.0, latency_s: float = 0.0):
 @pytest.fixture
 def unit():
     return unit_device()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _op_determinism_off_after_module():
+    """TensorFlow's op determinism is process-wide, and it changes the graphs TensorFlow builds (the sparse
+    cross-entropy from a LogSoftmax and a gather), so the plans searched on them: a module that turns it on
+    (``tests.tf_tools.deterministic``) turns it off when done. Every module then starts as a new process does,
+    whichever modules its pytest-xdist worker ran before."""
+    yield
+    config = sys.modules.get("tensorflow.python.framework.config")  # loaded with TensorFlow, never imported here
+    if config is not None:
+        config.disable_op_determinism()
 
 
 @pytest.fixture(autouse=True)
