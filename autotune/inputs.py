@@ -82,6 +82,7 @@ class Config:
     recompute: bool | None = None  # false: swap only (--no-recompute)
     split: bool | None = None  # false: never run ops in parts along the batch (--no-split)
     state: bool | None = None  # false: the optimizer state stays on the device (--no-state)
+    plots: bool | None = None  # false: the report without its figures (--no-plots)
     graph_rewrites: list[str] | None = None
     imports: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -105,7 +106,7 @@ def load_config(directory: Path) -> Config:
                 "memory": (str, int), "device": str, "sampler": str, "policy": str,
                 "input_shapes": (dict, list), "label_shapes": (dict, list), "graph_rewrites": list,
                 "imports": list, "label_dtype": (str, dict), "recompute": bool,
-                "split": bool, "state": bool}
+                "split": bool, "state": bool, "plots": bool}
     for key, value in data.items():
         if isinstance(value, bool) != (expected[key] is bool) or not isinstance(value, expected[key]):
             raise InputError(f"{path}: {key} = {value!r} has the wrong type")

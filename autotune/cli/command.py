@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="output directory (default: autotune-out); a report already there is moved "
                                    "to its previous/ folder")
     run.add_argument("--no-measure", action="store_true", help="skip the measured run of the winning plan")
+    run.add_argument("--plots", action=argparse.BooleanOptionalAction, default=None,
+                     help="--no-plots: write the report, plan and tables without the figures, which take a few "
+                          "seconds to draw (also plots = false in autotune.toml)")
     run.add_argument("--replicas", type=int, default=1, metavar="N",
                      help="train under MirroredStrategy on N devices: a plan for one replica, the budget and verdict "
                           "per device, the host budget shared by the replicas; measured on the first N visible "
@@ -231,6 +234,7 @@ def _settings(args: argparse.Namespace):
         "label_shapes": config.label_shapes,
         "label_dtype": config.label_dtype,
         "out": Path(args.out or "autotune-out"),
+        "plots": _given(args.plots, config.plots, True),
         "measurement": MeasureOptions(measure=not args.no_measure, calibrate=args.calibrate,
                                       recalibrate=args.recalibrate),
     }
@@ -364,7 +368,7 @@ def _run(settings: dict, args: argparse.Namespace, started: float) -> int:
     from autotune.report.writer import write_report
 
     try:
-        files = write_report(result, out, clock)
+        files = write_report(result, out, clock, figures=settings["plots"])
     except OSError as error:  # the study keeps the trials: the same command writes the report again
         raise InputError(f"cannot write the report into {out}: {error.strerror or error} (the trials are kept "
                          f"in the study; run the same command again once it is writable)") from None

@@ -379,18 +379,20 @@ def _keep_previous(out_dir: Path) -> Path | None:
     return target
 
 
-def write_report(result, out_dir: str | Path, clock: StageClock | None = None) -> dict[str, Path]:
+def write_report(result, out_dir: str | Path, clock: StageClock | None = None, *,
+                 figures: bool = True) -> dict[str, Path]:
     """Write every output file of ``result`` into ``out_dir``; returns them by name (and under
     ``"previous"`` where an earlier run's report was moved, if one was). ``clock``: the run's stage
     clock; its times, the plots and tables counted as the report stage, go into summary.json
-    (``stage_seconds``) and the report."""
+    (``stage_seconds``) and the report. ``figures=False``: no plots drawn (the report's text and tables are
+    the same; an earlier run's figures are removed like any of its files this run does not write)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".partial-", dir=out_dir))
     clock = clock or StageClock()
     try:
         with clock.stage("report"):
-            images = plots.draw_all(result, scratch)
+            images = plots.draw_all(result, scratch) if figures else {}
             files: dict[str, Path] = dict(images)
             plan_file = "plan.json" if result.feasible else "closest_plan.json"
             named = result.named_plan()

@@ -207,7 +207,8 @@ def test_the_cli_calibrates_a_measured_run_and_shows_predicted_beside_measured(t
     model_dir.mkdir()
     build_model("small_cnn", image_size=32, seed=0).save(model_dir / "cnn.keras")
     out = tmp_path / "out"
-    code = main([str(model_dir), "--batch-size", "8", "--device", "cpu-testbed", "--trials", "4", "--out", str(out)])
+    code = main([str(model_dir), "--batch-size", "8", "--device", "cpu-testbed", "--trials", "4", "--out", str(out),
+                 "--no-plots"])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -230,7 +231,8 @@ def test_a_run_without_calibration_says_its_step_times_are_a_datasheet_estimate(
     model_dir.mkdir()
     build_model("small_cnn", image_size=32, seed=0).save(model_dir / "cnn.keras")
     out = tmp_path / "out"
-    assert main([str(model_dir), "--batch-size", "8", "--no-measure", "--trials", "3", "--out", str(out)]) == 0
+    assert main([str(model_dir), "--batch-size", "8", "--no-measure", "--trials", "3", "--out", str(out),
+                 "--no-plots"]) == 0
     stdout = capsys.readouterr().out
     assert "datasheet estimate of the v100-16gb preset" in stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -263,7 +265,7 @@ def test_the_cli_exits_2_when_the_model_cannot_run_at_the_calibration_batch_size
     model.compile(optimizer="sgd", loss="mse")
     model.save(model_dir / "fixed.keras")
     code = main([str(model_dir), "--import", "fixed_batch", "--batch-size", "4", "--device", "cpu-testbed",
-                 "--trials", "2", "--out", str(tmp_path / "out")])
+                 "--no-plots", "--trials", "2", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "cannot calibrate step times" in err and "batch size" in err and "Traceback" not in err

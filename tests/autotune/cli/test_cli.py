@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from autotune.cli.command import main  # noqa: E402
-from tests.cli_tools import uncalibrated  # noqa: E402
+from tests.cli_tools import quick_args  # noqa: E402
 from autotune.search.study_copy import optuna_storage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,7 +57,7 @@ def models(tmp_path_factory):
 
 def _run_main(capsys, *args):
     try:
-        code = main(uncalibrated(args))
+        code = main(quick_args(args))
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
     captured = capsys.readouterr()
@@ -131,7 +131,8 @@ def test_budget_below_the_weights_exits_3(models, capsys, tmp_path):
 
 def test_reordering_alone_can_be_the_plan(models, capsys, tmp_path):
     """A budget the memory order meets without swapping: the plan is that order, and it is written
-    (a plan with no swaps is still a plan when it changes the order the step runs in)."""
+    (a plan with no swaps is still a plan when it changes the order the step runs in); with --no-plots
+    (``quick_args``) the report has no figures."""
     from benchmarks.models import build_model
     from rewriter.trace.tracing import capture
 
@@ -152,6 +153,7 @@ def test_reordering_alone_can_be_the_plan(models, capsys, tmp_path):
     # nothing is faster than not swapping, and ties go to the plan moving the fewest bytes
     assert plan["swaps"] == [] and plan["ordering"] == "memory" and len(plan["order"]) == graph.n_ops
     assert "swaps nothing" in (out / "report.md").read_text()
+    assert not list(out.glob("*.png")) and "<img" not in (out / "report.html").read_text()
 
 
 def test_tuned_report_is_complete(models, capsys, tmp_path):
@@ -170,7 +172,8 @@ def test_tuned_report_is_complete(models, capsys, tmp_path):
     budget = (lowest + reordered) // 2  # reordering alone is not enough: the plan must swap
     out = tmp_path / "out"
     code, stdout, err = _run_main(capsys, models / "good", "--batch-size", "64", "--memory", str(budget),
-                                  "--device", "cpu-testbed", "--no-measure", "--trials", "40", "--out", out, "--quiet")
+                                  "--device", "cpu-testbed", "--no-measure", "--trials", "40", "--out", out, "--quiet",
+                                  "--plots")
     assert code == 0, err + stdout
     summary = json.loads((out / "summary.json").read_text())
     for key in ("params", "budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes", "predicted_step_s",
@@ -345,6 +348,9 @@ def test_a_second_run_keeps_the_first_report(models, capsys, tmp_path):
     assert json.loads((out / "summary.json").read_text())["batch_size"] == 32
 
 
+# -m long: the default run resumes in test_a_study_db_in_out_is_resumed and keeps the old report in
+# test_a_second_run_keeps_the_first_report
+@pytest.mark.long
 def test_interrupted_run_resumes_and_keeps_the_old_report(models, tmp_path):
     """SIGINT in the middle of a search: exit 130, trials kept, the earlier report untouched."""
     out = tmp_path / "out"

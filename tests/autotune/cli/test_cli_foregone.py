@@ -48,7 +48,7 @@ def nothing_after_capture(monkeypatch):
 def _run(capsys, path, budget_bytes: int, out, *extra: str):
     started = time.process_time()  # this process's CPU seconds: other work on the machine does not count
     code = main([str(path), "--batch-size", str(BATCH), "--memory", str(budget_bytes), "--device", "cpu-testbed",
-                 "--calibrate", "--no-state", "--out", str(out), *extra])
+                 "--no-plots", "--calibrate", "--no-state", "--out", str(out), *extra])
     captured = capsys.readouterr()
     return code, captured.out + captured.err, time.process_time() - started
 
@@ -101,7 +101,7 @@ def test_a_mixed_precision_models_state_that_cannot_move_is_said_with_why(nothin
     path = tmp_path / "mixed.keras"
     model.save(path)
     code = main([str(path), "--batch-size", str(BATCH), "--memory", "1MiB", "--device", "cpu-testbed", "--calibrate",
-                 "--out", str(tmp_path / "out")])  # the state may move: it is the optimizer that keeps it
+                 "--no-plots", "--out", str(tmp_path / "out")])  # the state may move: it is the optimizer that keeps it
     text = "".join(capsys.readouterr())
     assert code == 3, text
     assert ("the optimizer state cannot move to the host: LossScaleOptimizer (mixed precision's loss scaling "

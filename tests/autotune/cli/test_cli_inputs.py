@@ -58,6 +58,7 @@ def _one_error_line(capsys, *args) -> str:
     ('imports = ["missing.py"]', "imports missing.py: no such .py file"),
     ('recompute = "no"', "autotune.toml: recompute = 'no' has the wrong type"),
     ("recompute = 0", "autotune.toml: recompute = 0 has the wrong type"),
+    ('plots = "no"', "autotune.toml: plots = 'no' has the wrong type"),
     ("max_overhead = true", "autotune.toml: max_overhead = True has the wrong type"),
 ])
 def test_bad_toml_value_names_its_key_in_the_file(model_dir, capsys, tmp_path, toml, message):
@@ -77,6 +78,18 @@ def test_recompute_comes_from_the_flag_over_the_file_over_the_default(model_dir,
     (model_dir / "autotune.toml").write_text(toml + "\n")
     args = build_parser().parse_args([str(model_dir), "--batch-size", "4", *flags])
     assert _settings(args)["search"].recompute is recompute
+
+
+@pytest.mark.parametrize("toml,flags,plots", [
+    ("", [], True),
+    ("plots = false", [], False),
+    ("plots = true", ["--no-plots"], False),
+    ("plots = false", ["--plots"], True),
+])
+def test_plots_come_from_the_flag_over_the_file_over_the_default(model_dir, toml, flags, plots):
+    (model_dir / "autotune.toml").write_text(toml + "\n")
+    args = build_parser().parse_args([str(model_dir), "--batch-size", "4", *flags])
+    assert _settings(args)["plots"] is plots
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -99,7 +99,7 @@ def test_a_script_function_is_answered_with_a_module_that_works(tmp_path, capsys
     script = SCRIPT.replace("OUT", repr(str(tmp_path / "model.keras")))
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
     args = [str(tmp_path / "model.keras"), "--batch-size", "2", "--no-measure", "--quiet", "--trials", "2",
-            "--out", str(tmp_path / "out")]
+            "--no-plots", "--out", str(tmp_path / "out")]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "--import builtins" not in err and "Could not locate function 'scale'" in err, err

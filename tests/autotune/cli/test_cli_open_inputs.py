@@ -32,7 +32,7 @@ def _three_inputs() -> keras.Model:
 def test_every_open_input_in_one_message_whose_flags_capture_the_model(tmp_path, capsys):
     model = _three_inputs()
     model.save(tmp_path / "model.keras")
-    code = main([str(tmp_path / "model.keras"), "--batch-size", "4", "--no-measure", "--quiet",
+    code = main([str(tmp_path / "model.keras"), "--no-plots", "--batch-size", "4", "--no-measure", "--quiet",
                  "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err

@@ -14,7 +14,7 @@ import pytest
 from autotune.cli.command import main
 from rewriter import environment
 from tests.autotune.cli.test_cli_inputs import model_dir  # noqa: F401 -- a .keras archive never loaded
-from tests.cli_tools import uncalibrated
+from tests.cli_tools import quick_args
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -229,7 +229,7 @@ def _autotune(saved, out: Path, *, extra_bytes: int = 0, memory: str = "700KiB",
     starts; this test's calibration cache)."""
     start = ["-m", "autotune"] if not extra_bytes else ["-c", INFLATED.format(extra=extra_bytes)]
     args = [saved, "--batch-size", batch, *flags, "--memory", memory, "--trials", 30, "--out", out, "--quiet"]
-    return subprocess.run([sys.executable, *start, *(map(str, args) if "--calibrate" in flags else uncalibrated(args))],
+    return subprocess.run([sys.executable, *start, *(map(str, args) if "--calibrate" in flags else quick_args(args))],
                           env=environment.testbed_environment(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
 
@@ -250,7 +250,7 @@ def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(saved, tmp_
     testbed's prediction, the verdict per device, and the report's memory per device and per machine (the host
     memory every replica's swaps share against the machine's host budget; the all-reduce pack)."""
     out = tmp_path / "out"
-    done = _autotune(saved, out)
+    done = _autotune(saved, out, flags=("--replicas", 2, "--plots"))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "fits" and summary["confirmed_by_measurement"]
@@ -273,6 +273,7 @@ def test_two_replicas_on_the_testbed_are_each_measured_and_confirmed(saved, tmp_
 
 
 @pytest.mark.tf
+@pytest.mark.long  # split regions on every replica: tests/rewriter/test_replicas.py in the default run
 def test_a_budget_under_one_replicas_floor_splits_its_batch_on_every_replica(saved, tmp_path):
     """350 KiB per device: under one replica's floor at batch 8 (its last convolution's weight gradient beside the
     resident state, 369 KiB), over the floor of its batch in parts. With ``--no-split``: exit 3 (no plan fits with
@@ -312,7 +313,7 @@ def test_under_a_tf_config_of_two_workers_worker_0_tunes_and_every_worker_measur
 
     out = tmp_path / "out"
     args = [saved, "--batch-size", 16, "--memory", "700KiB", "--trials", 30, "--out", out, "--quiet"]
-    chief, other = run_workers(["-m", "autotune", *uncalibrated(args)], 2, timeout=400)
+    chief, other = run_workers(["-m", "autotune", *quick_args(args)], 2, timeout=400)
     assert chief.returncode == 0 and other.returncode == 0, chief.stdout + chief.stderr[-3000:] + other.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     memory = summary["replicas"]
@@ -351,6 +352,7 @@ def saved_mlp(tmp_path_factory):
 
 
 @pytest.mark.tf
+@pytest.mark.long  # each replica's moved state, trained: tests/rewriter/test_replicas.py in the default run
 def test_optimizer_slots_move_to_each_replicas_host_when_its_state_is_over_the_budget(saved_mlp, tmp_path):
     """10 MiB per device, under one replica's unswapped step (12.58 MiB, resident 7.55 MiB of which 5.03 MiB Adam's
     slots; its activations are a few KiB): with ``--no-state`` exit 3; without it the slots of the largest
@@ -393,13 +395,14 @@ def test_where_the_bound_with_state_moved_fits_but_no_state_plan_does_the_split_
 
 
 @pytest.mark.tf
+@pytest.mark.long  # --maximize-batch on one device: test_cli in the default run
 def test_maximize_batch_finds_the_largest_batch_per_replica_and_measures_it_on_every_replica(saved, tmp_path):
     """--maximize-batch with --replicas 2 and no batch size: the capture starts at one sample a replica, the search
     picks the largest batch a replica's budget holds with a plan, and both replicas are measured at it (the global
     batch twice that) and confirmed."""
     out = tmp_path / "out"
     args = [saved, "--replicas", 2, "--maximize-batch", "--memory", "700KiB", "--trials", 30, "--out", out, "--quiet"]
-    done = subprocess.run([sys.executable, "-m", "autotune", *uncalibrated(args)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "autotune", *quick_args(args)], capture_output=True, text=True,
                           env=environment.testbed_environment(PYTHONPATH=str(ROOT)), timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -414,6 +417,7 @@ def test_maximize_batch_finds_the_largest_batch_per_replica_and_measures_it_on_e
 
 
 @pytest.mark.tf
+@pytest.mark.long  # the correction on one device: test_cli_verdict in the default run
 def test_a_replica_measured_above_its_prediction_corrects_the_search(saved, tmp_path):
     """Every replica's peak 60 KiB above what the simulator sees: the first plan measures over the budget, the
     miss corrects the search as on one device, and the plan of the next round is measured and confirmed on
@@ -430,6 +434,7 @@ def test_a_replica_measured_above_its_prediction_corrects_the_search(saved, tmp_
 
 
 @pytest.mark.tf
+@pytest.mark.long  # on one device: test_cli_verdict in the default run
 def test_a_replicated_step_that_fits_unswapped_is_checked_on_tf_s_own_order(saved, tmp_path):
     """A budget over one replica's unswapped step: no plan, and "fits without swapping" is said of plain training
     only when the replicated step in TensorFlow's own op order is measured within the budget too (its peak moves

@@ -24,7 +24,7 @@ from simulator import get_device
 from simulator.state import HostState
 from simulator.state.host_update import host_cpu_seconds
 from benchmarks.models import example_batch
-from tests.cli_tools import uncalibrated
+from tests.cli_tools import quick_args
 from tests.rewriter.state.test_state import dense_mlp
 
 pytestmark = pytest.mark.tf
@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory):
 
 
 def _run(capsys, *args):
-    code = main(uncalibrated(args))
+    code = main(quick_args(args))
     captured = capsys.readouterr()
     return code, captured.out + captured.err
 
@@ -126,7 +126,7 @@ def captured(model_dir):
 
 
 def _searched_beside_a_gpu(captured, memory_mib: int):
-    """The search the command runs for v100-16gb in ``memory_mib`` MiB with --no-measure (uncalibrated)."""
+    """The search the command runs for v100-16gb in ``memory_mib`` MiB with --no-measure (quick_args)."""
     return search_graph(captured, resolve_target("v100-16gb", memory_mib * MiB), SearchOptions(trials=20))
 
 

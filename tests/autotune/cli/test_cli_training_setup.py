@@ -30,7 +30,7 @@ def _model(policy: str) -> keras.Model:
 def test_summary_and_report_name_the_optimizer_loss_and_dtype_policy(tmp_path, capsys):
     _model("mixed_float16").save(tmp_path / "tiny.keras")
     code = main([str(tmp_path / "tiny.keras"), "--batch-size", "8", "--no-measure", "--quiet", "--trials", "2",
-                 "--out", str(tmp_path / "out")])
+                 "--no-plots", "--out", str(tmp_path / "out")])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -125,7 +125,7 @@ def test_a_model_that_computes_its_own_losses_is_tuned_and_trains_with_fit_x(tmp
     model(x[:2])
     model.save(tmp_path / "vae.keras")
     code = main([str(tmp_path / "vae.keras"), "--batch-size", "8", "--import", "vae_model", "--no-measure", "--quiet",
-                 "--trials", "3", "--out", str(tmp_path / "out")])
+                 "--no-plots", "--trials", "3", "--out", str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "loss none compiled (the model's train_step computes its own)" in captured.out

@@ -18,7 +18,7 @@ pytest.importorskip("tensorflow")
 
 import tests.tf_tools as th  # noqa: E402
 from autotune.cli.command import main  # noqa: E402
-from tests.cli_tools import uncalibrated  # noqa: E402
+from tests.cli_tools import quick_args  # noqa: E402
 from rewriter.placement.placements import CpuTestbedPlacement, PeakReading  # noqa: E402
 from autotune.run.target import resolve_target  # noqa: E402
 from autotune.run.verdict import PeakCorrection  # noqa: E402
@@ -62,7 +62,7 @@ def _inject(monkeypatch, extra_bytes: int) -> None:
 
 
 def _run(capsys, *args):
-    code = main(uncalibrated(args))
+    code = main(quick_args(args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -181,7 +181,7 @@ def _u_net_confirmed_for_the_v100(tmp_path, capsys):
             break
     assert testbed_predicted > budget, "no budget where the testbed's prediction is over the v100's"
     out = tmp_path / "out"
-    code = main(uncalibrated([directory, "--batch-size", 8, "--device", "v100-16gb", "--memory", budget,
+    code = main(quick_args([directory, "--batch-size", 8, "--device", "v100-16gb", "--memory", budget,
                               "--trials", 60, "--out", out, "--quiet"]))
     stdout = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())

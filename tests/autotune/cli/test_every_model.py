@@ -17,7 +17,7 @@ import pytest
 
 import rewriter
 from autotune.cli.command import main
-from tests.cli_tools import uncalibrated
+from tests.cli_tools import quick_args
 from rewriter.trace.tracing import capture, synthetic_batch
 from rewriter.trace.step_inputs import NO_STEP_INPUTS, StepInputs
 from simulator import SwapParams, plan_swaps, replay
@@ -183,7 +183,7 @@ def saved(tmp_path_factory):
 
 def _run(capsys, *args):
     try:
-        code = main(uncalibrated(args))
+        code = main(quick_args(args))
     except SystemExit as exit_:
         code = exit_.code
     captured = capsys.readouterr()

@@ -97,7 +97,7 @@ def test_a_second_run_of_the_same_model_reuses_its_calibration(tmp_path, capsys,
 
     monkeypatch.setattr(rewriter, "calibrate", counted)
     args = [str(model_dir), "--batch-size", "8", "--device", "cpu-testbed", "--trials", "4", "--quiet", "--no-measure",
-            "--calibrate"]  # a measured run adds nothing here but time
+            "--no-plots", "--calibrate"]  # a measured run adds nothing here but time
     summaries = []
     for run, extra in enumerate(([], [], ["--recalibrate"])):
         out = tmp_path / f"out{run}"
