@@ -168,7 +168,8 @@ def test_grouped_convolution_gradient_holds_xla_dense_copies():
 
 
 @pytest.mark.tf
-@pytest.mark.parametrize("determinism", [False, True], ids=["fused", "op-determinism"])
+@pytest.mark.parametrize("determinism", [False, pytest.param(True, marks=pytest.mark.long)],
+                         ids=["fused", "op-determinism"])
 def test_a_language_models_loss_takes_its_logits_buffer(determinism):
     """token_lm's vocabulary head on every token makes the logits the step's largest tensor (2 MB at batch 8). The
     fused sparse cross-entropy writes its gradient into their buffer (TF's kernel forwards input 0 to output 1);

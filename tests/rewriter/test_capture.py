@@ -119,9 +119,8 @@ def _measured_peak(model, batch):
 # ResNet-50 at batch 8 was a case here too; tests/rewriter/test_measure.py's ResNet-50 run (one process that
 # captures, measures and runs the plain Keras step anyway) asserts the same of it (test_unswapped_...).
 @pytest.mark.slow
-@pytest.mark.parametrize("name,batch,kwargs", [
-    ("unet3d", 1, {"size": 32}),
-])
+# -m long: the default run has the unswapped U-Net's measured peak in test_measure's U-Net table
+@pytest.mark.parametrize("name,batch,kwargs", [pytest.param("unet3d", 1, {"size": 32}, marks=pytest.mark.long)])
 def test_predicted_peak_matches_the_real_step(name, batch, kwargs, tmp_path):
     gc.collect()
     keras.backend.clear_session()

@@ -147,48 +147,6 @@ facts["last_batch_steps"] = sorted(size for size, _ in step._others)
 facts["last_batch_worst"] = max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
                                 for a, b in zip(plain.weights, model.weights))
 facts["iterations"] = [plain.optimizer.iterations.numpy().item(), model.optimizer.iterations.numpy().item()]
-# recomputations on every replica: each clone named from its original's on replica 1
-from tests.rewriter.test_recompute_clones import far_read_actions
-from simulator.recompute.actions import with_recomputes
-graph = capture_replicated(model, batch)
-actions = far_read_actions(graph, trace_replicated_step(model, resolve_replicas(model), batch).traced, chain=2,
-                           expensive=True)
-plan_graph = with_recomputes(graph, actions)
-plan = plan_swaps(plan_graph, SwapParams(threshold=10**6))
-step = apply_replicated(model, plan.to_named(plan_graph), graph=plan_graph, batch_size=batch, verify_with=(x[:batch], y[:batch]))
-peaks = measure_replicas(step, x[:batch], y[:batch])
-facts["recomputed"] = {"actions": len(actions), "clones": [sum(len(a.ops) for a in r) for r in step.recomputed],
-                       "reads": [[v.recompute.reads, v.recompute.planned_reads] for v in step.verification],
-                       "predicted": int(replay(plan_graph, plan, "cpu-testbed").peak_bytes),
-                       "measured": [r.peak_bytes for r in peaks]}
-
-# a Dense stack whose gradients outweigh its activations: the peak is at the all-reduce (the gradients and
-# their pack), where the collective writes into the pack and holds a ring chunk
-with strategy.scope():
-    keras.utils.set_random_seed(1)
-    dense = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(512, activation="relu") for _ in range(3)],
-                              keras.layers.Dense(4)])
-    dense.compile(optimizer="adam", loss="mse")
-graph = capture_replicated(dense, batch)
-plan = plan_swaps(graph, SwapParams(threshold=10**6))
-step = apply_replicated(dense, plan, graph=graph, batch_size=batch)
-peaks = measure_replicas(step, rng.random((batch, 256), dtype=np.float32), rng.random((batch, 4), dtype=np.float32))
-facts["dense"] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
-                  "resident": graph.persistent_bytes, "pack": graph.meta["replicas"]["all_reduce_bytes"]}
-# the same stack with AdamW: its decay writes each kernel while a read of it is pending, and TensorFlow's
-# copy-on-write frees the kernel's buffer of the call before
-with strategy.scope():
-    keras.utils.set_random_seed(1)
-    decayed = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(512, activation="relu") for _ in range(3)],
-                                keras.layers.Dense(4)])
-    decayed.compile(optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01), loss="mse")
-graph = capture_replicated(decayed, batch)
-plan = plan_swaps(graph, SwapParams(threshold=10**6))
-peaks = measure_replicas(apply_replicated(decayed, plan, graph=graph, batch_size=batch),
-                         rng.random((batch, 256), dtype=np.float32), rng.random((batch, 4), dtype=np.float32))
-facts["dense_adamw"] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes),
-                        "measured": [r.peak_bytes for r in peaks]}
-
 # split regions on every replica: batch normalisation's moments, the loss and the weight gradients summed over
 # each replica's parts, then all-reduced (tanh, not relu: a relu's mask flips on rounding differences, which
 # three steps of SGD grow past any rounding tolerance; no layer before the batch norm has a bias, whose
@@ -237,6 +195,178 @@ facts["split"] = {
     "gpu_problems": replica_placement_problems(edit),
     "gpu_broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "unplaced": unplaced,
 }
+
+# optimizer slots on each replica's host: updated there (AdamW) or streamed around the update (SGD with momentum);
+# Adam's with the weights there too
+import dataclasses, tempfile
+from simulator import SwapPlan
+tmp = tempfile.mkdtemp()
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, host_working_set_bytes,
+                             movable_state, moved_bytes, with_host_state)
+def state_mlp(optimizer):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(256, activation="relu") for _ in range(2)],
+                              keras.layers.Dense(4)])
+    model.compile(optimizer=optimizer(), loss="mse")
+    return model
+facts["state"] = {}
+x = rng.random((3 * batch, 64), dtype=np.float32)
+y = rng.random((3 * batch, 4), dtype=np.float32)
+for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05), HOST_UPDATE),
+                              ("sgd", lambda: keras.optimizers.SGD(0.01, momentum=0.9), STREAM_SLOTS),
+                              ("weights", lambda: keras.optimizers.Adam(1e-3), HOST_WEIGHTS)):
+    with strategy.scope():
+        model, plain = state_mlp(optimizer), state_mlp(optimizer)
+    graph = capture_replicated(model, batch)
+    records = tuple(HostState(path, mode) for path in movable_state(graph))
+    moved = graph if mode == HOST_UPDATE else with_host_state(graph, records, copies_in=False)
+    plan = dataclasses.replace(SwapPlan.empty(moved), host_state=records)
+    step = apply_replicated(model, plan, graph=moved, batch_size=batch, verify_with=(x[:batch], y[:batch]))
+    peaks = measure_replicas(step, x[:batch], y[:batch])
+    # the same plan as 2 GPUs of one machine run it, built here without a GPU: each replica's moved state on the host
+    edit = replicated_gpu_graph_def(model, plan, graph=moved, batch_size=batch)
+    broken = graph_pb2.GraphDef()
+    broken.CopyFrom(edit.graph_def)
+    moved_off = sorted(edit.on_host[1])[0]
+    for node in broken.node:
+        if node.name == moved_off:  # one of replica 1's state nodes on its GPU
+            node.device = edit.placements[1].accelerator
+    devices = {node.name: node.device for node in edit.graph_def.node}
+    gpu = {"problems": replica_placement_problems(edit), "on_host": [len(names) for names in edit.on_host],
+           "devices": sorted({devices[name] for names in edit.on_host for name in names}),
+           "broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "moved_off": moved_off}
+    slots = [v for v in model.optimizer.variables if len(v.shape) > 0]
+    plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    use_replicated_step(model, step)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    path = f"{tmp}/{name}.weights.h5"
+    model.save_weights(path)
+    keras.utils.set_random_seed(2)
+    restored = state_mlp(optimizer)  # outside the strategy, as a plain Keras user loads it
+    restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(path)
+    equal = lambda a, b: all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(a, b))
+    facts["state"][name] = {
+        "moved": len(records), "unmoved": int(replay(graph, SwapPlan.empty(graph), "cpu-testbed").peak_bytes),
+        "predicted": int(replay(moved, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
+        "moved_bytes": moved_bytes(graph, records), "host_measured": [r.host_peak_bytes for r in peaks],
+        "host_state_measured": [r.host_state_bytes for r in peaks],
+        "host_predicted": moved_bytes(graph, records) + host_working_set_bytes(graph, records),
+        "slot_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in slots for c in v.value.values}),
+        "weight_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in model.trainable_variables
+                                  for c in v.value.values}),
+        "all_reduce_devices": sorted({n.device.rsplit("device:", 1)[-1] for n in step.graph_def.node
+                                      if n.op == "CollectiveReduceV2"}),
+        "on_host": [[v.host_updates_on_host, v.host_updates_planned, v.ok] for v in step.verification],
+        "weights_bitwise": equal(plain.weights, model.weights),
+        "worst_relative": max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
+                              for a, b in zip(plain.weights + plain.optimizer.variables,
+                                              model.weights + model.optimizer.variables) if np.abs(a.numpy()).any()),
+        "slots_bitwise": equal(plain.optimizer.variables, model.optimizer.variables),
+        "replicas_equal": all(np.array_equal(v.value.values[0].numpy(), v.value.values[1].numpy())
+                              for v in slots + model.trainable_variables),
+        "restored": equal(model.weights, restored.weights) and equal(model.optimizer.variables,
+                                                                      restored.optimizer.variables),
+        "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)], "gpu": gpu}
+# an Embedding's gradient is sparse: the replicas all-gather it inside the optimizer's scope, on their devices
+def embedded():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 16),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+with strategy.scope():
+    model, plain = embedded(), embedded()
+tokens = rng.integers(0, 50, (3 * batch, 6)).astype(np.int32)
+graph = capture_replicated(model, batch)
+records = tuple(HostState(path) for path in movable_state(graph))
+step = apply_replicated(model, dataclasses.replace(SwapPlan.empty(graph), host_state=records), graph=graph,
+                        batch_size=batch, verify_with=(tokens[:batch], y[:batch]))
+plain.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+use_replicated_step(model, step)
+model.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+facts["state"]["embedding"] = {
+    "moved": len(records), "problems": [v.problems() for v in step.verification],
+    "gathers": sorted(n.device for n in step.graph_def.node if n.op == "CollectiveGatherV2"),
+    "bitwise": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
+print("FACTS " + json.dumps(facts))
+"""
+
+# the rarer variants on every replica (-m long): recomputations, a peak at the all-reduce, graph rewrites,
+# two outputs, mixed precision, sample and class weights
+REPLICATED_MORE = r"""
+import json, collections
+import rewriter
+from rewriter.placement import configure_testbed
+assert configure_testbed(4)
+import numpy as np, tensorflow as tf, keras
+from rewriter.trace.replicas import capture_replicated, resolve_replicas, trace_replicated_step
+from rewriter.step.replicated import apply_replicated, use_replicated_step
+from rewriter.timing.replica_peaks import measure_replicas
+from simulator import SwapParams, plan_swaps, replay
+
+def dense_cnn():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.Flatten(), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+""" + CONV_STACK + r"""
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:2"])
+facts = {}
+with strategy.scope():
+    model = conv_stack()
+batch = 16
+rng = np.random.default_rng(0)
+x = rng.random((3 * batch, 24, 24, 3), dtype=np.float32)
+y = rng.random((3 * batch, 4), dtype=np.float32)
+import dataclasses
+from tensorflow.core.framework import graph_pb2
+from rewriter.step.gpu_graph import replica_placement_problems, replicated_gpu_graph_def
+# recomputations on every replica: each clone named from its original's on replica 1
+from tests.rewriter.test_recompute_clones import far_read_actions
+from simulator.recompute.actions import with_recomputes
+graph = capture_replicated(model, batch)
+actions = far_read_actions(graph, trace_replicated_step(model, resolve_replicas(model), batch).traced, chain=2,
+                           expensive=True)
+plan_graph = with_recomputes(graph, actions)
+plan = plan_swaps(plan_graph, SwapParams(threshold=10**6))
+step = apply_replicated(model, plan.to_named(plan_graph), graph=plan_graph, batch_size=batch,
+                        verify_with=(x[:batch], y[:batch]))
+peaks = measure_replicas(step, x[:batch], y[:batch])
+facts["recomputed"] = {"actions": len(actions), "clones": [sum(len(a.ops) for a in r) for r in step.recomputed],
+                       "reads": [[v.recompute.reads, v.recompute.planned_reads] for v in step.verification],
+                       "predicted": int(replay(plan_graph, plan, "cpu-testbed").peak_bytes),
+                       "measured": [r.peak_bytes for r in peaks]}
+
+# a Dense stack whose gradients outweigh its activations: the peak is at the all-reduce (the gradients and
+# their pack), where the collective writes into the pack and holds a ring chunk
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    dense = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(512, activation="relu") for _ in range(3)],
+                              keras.layers.Dense(4)])
+    dense.compile(optimizer="adam", loss="mse")
+graph = capture_replicated(dense, batch)
+plan = plan_swaps(graph, SwapParams(threshold=10**6))
+step = apply_replicated(dense, plan, graph=graph, batch_size=batch)
+peaks = measure_replicas(step, rng.random((batch, 256), dtype=np.float32), rng.random((batch, 4), dtype=np.float32))
+facts["dense"] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes),
+                  "measured": [r.peak_bytes for r in peaks],
+                  "resident": graph.persistent_bytes, "pack": graph.meta["replicas"]["all_reduce_bytes"]}
+# the same stack with AdamW: its decay writes each kernel while a read of it is pending, and TensorFlow's
+# copy-on-write frees the kernel's buffer of the call before
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    decayed = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(512, activation="relu") for _ in range(3)],
+                                keras.layers.Dense(4)])
+    decayed.compile(optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01), loss="mse")
+graph = capture_replicated(decayed, batch)
+plan = plan_swaps(graph, SwapParams(threshold=10**6))
+peaks = measure_replicas(apply_replicated(decayed, plan, graph=graph, batch_size=batch),
+                         rng.random((batch, 256), dtype=np.float32), rng.random((batch, 4), dtype=np.float32))
+facts["dense_adamw"] = {"predicted": int(replay(graph, plan, "cpu-testbed").peak_bytes),
+                        "measured": [r.peak_bytes for r in peaks]}
 
 # both graph rewrites made on every replica: a concatenation read by a convolution, a batch norm's backward
 from simulator.buffers import peak_lower_bound_bytes
@@ -334,109 +464,25 @@ facts["weighted"] = dict(weighted, swaps=step.n_swap_outs, steps=[list(key) for 
                          weighted_swaps=[s.n_swap_outs for s in step._others.values()],
                          inputs=[len(s.traced.concrete.inputs) for s in (step, *step._others.values())],
                          iterations=[m.optimizer.iterations.numpy().item() for m in (plain, model)])
-# optimizer slots on each replica's host: updated there (AdamW) or streamed around the update (SGD with momentum);
-# Adam's with the weights there too
-import dataclasses, tempfile
-from simulator import SwapPlan
-tmp = tempfile.mkdtemp()
-from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, host_working_set_bytes,
-                             movable_state, moved_bytes, with_host_state)
-def state_mlp(optimizer):
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(256, activation="relu") for _ in range(2)],
-                              keras.layers.Dense(4)])
-    model.compile(optimizer=optimizer(), loss="mse")
-    return model
-facts["state"] = {}
-x = rng.random((3 * batch, 64), dtype=np.float32)
-y = rng.random((3 * batch, 4), dtype=np.float32)
-for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05), HOST_UPDATE),
-                              ("sgd", lambda: keras.optimizers.SGD(0.01, momentum=0.9), STREAM_SLOTS),
-                              ("weights", lambda: keras.optimizers.Adam(1e-3), HOST_WEIGHTS)):
-    with strategy.scope():
-        model, plain = state_mlp(optimizer), state_mlp(optimizer)
-    graph = capture_replicated(model, batch)
-    records = tuple(HostState(path, mode) for path in movable_state(graph))
-    moved = graph if mode == HOST_UPDATE else with_host_state(graph, records, copies_in=False)
-    plan = dataclasses.replace(SwapPlan.empty(moved), host_state=records)
-    step = apply_replicated(model, plan, graph=moved, batch_size=batch, verify_with=(x[:batch], y[:batch]))
-    peaks = measure_replicas(step, x[:batch], y[:batch])
-    # the same plan as 2 GPUs of one machine run it, built here without a GPU: each replica's moved state on the host
-    edit = replicated_gpu_graph_def(model, plan, graph=moved, batch_size=batch)
-    broken = graph_pb2.GraphDef()
-    broken.CopyFrom(edit.graph_def)
-    moved_off = sorted(edit.on_host[1])[0]
-    for node in broken.node:
-        if node.name == moved_off:  # one of replica 1's state nodes on its GPU
-            node.device = edit.placements[1].accelerator
-    devices = {node.name: node.device for node in edit.graph_def.node}
-    gpu = {"problems": replica_placement_problems(edit), "on_host": [len(names) for names in edit.on_host],
-           "devices": sorted({devices[name] for names in edit.on_host for name in names}),
-           "broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "moved_off": moved_off}
-    slots = [v for v in model.optimizer.variables if len(v.shape) > 0]
-    plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    use_replicated_step(model, step)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    path = f"{tmp}/{name}.weights.h5"
-    model.save_weights(path)
-    keras.utils.set_random_seed(2)
-    restored = state_mlp(optimizer)  # outside the strategy, as a plain Keras user loads it
-    restored.optimizer.build(restored.trainable_variables)
-    restored.load_weights(path)
-    equal = lambda a, b: all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(a, b))
-    facts["state"][name] = {
-        "moved": len(records), "unmoved": int(replay(graph, SwapPlan.empty(graph), "cpu-testbed").peak_bytes),
-        "predicted": int(replay(moved, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
-        "moved_bytes": moved_bytes(graph, records), "host_measured": [r.host_peak_bytes for r in peaks],
-        "host_state_measured": [r.host_state_bytes for r in peaks],
-        "host_predicted": moved_bytes(graph, records) + host_working_set_bytes(graph, records),
-        "slot_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in slots for c in v.value.values}),
-        "weight_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in model.trainable_variables
-                                  for c in v.value.values}),
-        "all_reduce_devices": sorted({n.device.rsplit("device:", 1)[-1] for n in step.graph_def.node
-                                      if n.op == "CollectiveReduceV2"}),
-        "on_host": [[v.host_updates_on_host, v.host_updates_planned, v.ok] for v in step.verification],
-        "weights_bitwise": equal(plain.weights, model.weights),
-        "worst_relative": max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
-                              for a, b in zip(plain.weights + plain.optimizer.variables,
-                                              model.weights + model.optimizer.variables) if np.abs(a.numpy()).any()),
-        "slots_bitwise": equal(plain.optimizer.variables, model.optimizer.variables),
-        "replicas_equal": all(np.array_equal(v.value.values[0].numpy(), v.value.values[1].numpy())
-                              for v in slots + model.trainable_variables),
-        "restored": equal(model.weights, restored.weights) and equal(model.optimizer.variables,
-                                                                      restored.optimizer.variables),
-        "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)], "gpu": gpu}
-# an Embedding's gradient is sparse: the replicas all-gather it inside the optimizer's scope, on their devices
-def embedded():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 16),
-                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
-    model.compile(optimizer="adam", loss="mse")
-    return model
-with strategy.scope():
-    model, plain = embedded(), embedded()
-tokens = rng.integers(0, 50, (3 * batch, 6)).astype(np.int32)
-graph = capture_replicated(model, batch)
-records = tuple(HostState(path) for path in movable_state(graph))
-step = apply_replicated(model, dataclasses.replace(SwapPlan.empty(graph), host_state=records), graph=graph,
-                        batch_size=batch, verify_with=(tokens[:batch], y[:batch]))
-plain.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-use_replicated_step(model, step)
-model.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-facts["state"]["embedding"] = {
-    "moved": len(records), "problems": [v.problems() for v in step.verification],
-    "gathers": sorted(n.device for n in step.graph_def.node if n.op == "CollectiveGatherV2"),
-    "bitwise": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
 print("FACTS " + json.dumps(facts))
 """
 
 
-@pytest.fixture(scope="module")
-def facts() -> dict:
-    done = th.run_python(REPLICATED, timeout=600)
+def _facts(script: str) -> dict:
+    done = th.run_python(script, timeout=600)
     found = [line for line in done.stdout.splitlines() if line.startswith("FACTS ")]
     assert done.returncode == 0 and found, done.stderr[-3000:]
     return json.loads(found[-1][len("FACTS "):])
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return _facts(REPLICATED)
+
+
+@pytest.fixture(scope="module")
+def more_facts() -> dict:
+    return _facts(REPLICATED_MORE)
 
 
 def test_one_replica_graph_is_the_single_step_plus_the_all_reduce_pack(facts):
@@ -492,10 +538,11 @@ def test_each_replicas_measured_peak_is_the_predicted_one_and_below_the_unswappe
         assert swapped < 0.8 * unswapped
 
 
-def test_recomputations_are_built_on_every_replica(facts):
+@pytest.mark.long
+def test_recomputations_are_built_on_every_replica(more_facts):
     """Forward ops cloned for their far readers on both replicas (the clones of replica 1 named from its own
     ops), every far read served by a clone in the partition graphs, each replica's peak the predicted one."""
-    recomputed = facts["recomputed"]
+    recomputed = more_facts["recomputed"]
     assert recomputed["actions"] > 0 and recomputed["clones"][0] == recomputed["clones"][1] > 0
     for reads, planned in recomputed["reads"]:
         assert reads == planned > 0
@@ -503,21 +550,23 @@ def test_recomputations_are_built_on_every_replica(facts):
         assert abs(measured / recomputed["predicted"] - 1) <= 0.05, (measured, recomputed["predicted"])
 
 
-def test_a_peak_at_the_all_reduce_is_predicted(facts):
+@pytest.mark.long
+def test_a_peak_at_the_all_reduce_is_predicted(more_facts):
     """The all-reduce writes into its pack (no buffer of its own: CollectiveReduceV2 forwards its input) and
     holds one ring chunk (the pack over the replicas) while it runs; the Dense stack's peak is its gradients
     beside their pack, at the resident state plus twice the pack, measured on both replicas."""
-    dense = facts["dense"]
+    dense = more_facts["dense"]
     for measured in dense["measured"]:
         assert abs(measured / dense["predicted"] - 1) <= 0.05, (measured, dense["predicted"])
     assert abs(dense["predicted"] - (dense["resident"] + 2 * dense["pack"])) < 0.02 * dense["predicted"]
 
 
-def test_a_buffer_freed_by_a_copy_on_write_is_told_its_replica(facts):
+@pytest.mark.long
+def test_a_buffer_freed_by_a_copy_on_write_is_told_its_replica(more_facts):
     """AdamW's decay writes each kernel while a read of it is pending: TensorFlow copies the kernel and frees the
     buffer the call before made. The measurement traces that call too, so the free has its replica's owner; left
     unowned, each replica's peak counted the old kernels (15,297,068 B measured against 13,187,960 predicted)."""
-    adamw = facts["dense_adamw"]
+    adamw = more_facts["dense_adamw"]
     for measured in adamw["measured"]:
         assert abs(measured / adamw["predicted"] - 1) <= 0.05, (measured, adamw["predicted"])
 
@@ -535,28 +584,31 @@ def test_model_fit_with_the_plan_trains_as_plain_mirrored_strategy(facts):
     assert facts["last_batch_worst"] <= 1e-6
 
 
-def test_a_model_of_two_outputs_is_captured_and_trains_as_plain_mirrored_strategy(facts):
+@pytest.mark.long
+def test_a_model_of_two_outputs_is_captured_and_trains_as_plain_mirrored_strategy(more_facts):
     """Its compiled loss's trackers (a Mean per output) are built before the replicated step is traced, as Keras'
     fit builds them: made inside strategy.run in the traced function, TensorFlow could not lift them
     ("UnliftableError") and the capture failed. Three steps of fit with the plan bitwise equal to plain fit."""
-    assert facts["two_heads"]["batch"] == 8 and facts["two_heads"]["ops"] > 0
-    assert facts["two_heads"]["bitwise"]
+    assert more_facts["two_heads"]["batch"] == 8 and more_facts["two_heads"]["ops"] > 0
+    assert more_facts["two_heads"]["bitwise"]
 
 
-def test_a_mixed_precision_model_is_captured_by_the_loss_compute_loss_returns(facts):
+@pytest.mark.long
+def test_a_mixed_precision_model_is_captured_by_the_loss_compute_loss_returns(more_facts):
     """Under mixed_float16 the LossScaleOptimizer differentiates the loss times its scale, which feeds no output
     of the step: the capture takes the loss compute_loss returned, as on one device (it took the scaled one and
     failed, "does not feed the step's outputs or updates"). Three steps of fit bitwise equal to plain fit."""
-    mixed = facts["mixed"]
+    mixed = more_facts["mixed"]
     assert mixed["optimizer"] == "LossScaleOptimizer" and "compile_loss" in mixed["loss_op"], mixed
     assert mixed["bitwise"]
 
 
-def test_model_fit_with_sample_and_class_weights_runs_the_plan_traced_with_the_weights(facts):
+@pytest.mark.long
+def test_model_fit_with_sample_and_class_weights_runs_the_plan_traced_with_the_weights(more_facts):
     """fit with sample_weight, then with class_weight (which Keras turns into a weight per sample): each batch runs
     the plan applied to the step traced with a weight after each replica's labels (one more input per replica),
     its swaps as many as the unweighted step's, and three steps of each bitwise equal to plain fit."""
-    weighted = facts["weighted"]
+    weighted = more_facts["weighted"]
     assert weighted["swaps"] > 0 and weighted["steps"] == [[16, True]], weighted
     assert weighted["weighted_swaps"] == [weighted["swaps"]]
     assert weighted["inputs"][1] >= weighted["inputs"][0] + 2, weighted["inputs"]
@@ -636,13 +688,14 @@ def test_split_regions_are_built_on_every_replica_and_train_as_plain_mirrored_st
     assert split["gpu_broken"] == [f"{split['unplaced']} (replica 1) on no device, not /device:GPU:1"]
 
 
-def test_graph_rewrites_are_made_on_every_replica_and_train_as_plain_mirrored_strategy(facts):
+@pytest.mark.long
+def test_graph_rewrites_are_made_on_every_replica_and_train_as_plain_mirrored_strategy(more_facts):
     """``split-concat`` and ``elide-broadcasts`` on a concatenation read by a convolution and a batch norm: the
     capture of one replica rewritten (its floor lower), the plan made on it applied to both replicas rewritten the
     same way (each replica's convolution in parts, on its own replica), the swaps verified on both, each replica's
     peak measured within 5 % of the prediction, three steps of ``model.fit`` within 1e-5 of plain MirroredStrategy
     (the channel sum is split in two: never bitwise), and the GPU construction placed as planned."""
-    rewrites = facts["rewrites"]
+    rewrites = more_facts["rewrites"]
     assert rewrites["done"] == ["split-concat", "elide-broadcasts"] and min(rewrites["changed"].values()) >= 1
     whole, rewritten = rewrites["floors"]
     assert rewritten < 0.8 * whole
@@ -771,6 +824,7 @@ def workers() -> list[dict]:
     return [json.loads(lines[-1][len("FACTS "):]) for lines in found]
 
 
+@pytest.mark.long  # with the workers fixture; the default run has test_cli_replicas' two workers
 def test_each_worker_captures_its_replica_at_the_per_replica_batch(workers):
     """Each worker runs one of the two replicas: its graph at 8 of the global 16, the all-reduce across the two
     processes (CollectiveReduceV2 over a group of 2, TensorFlow's "auto" communication: a ring on CPUs)."""
@@ -786,6 +840,7 @@ def test_each_worker_captures_its_replica_at_the_per_replica_batch(workers):
     assert workers[0]["meta"]["all_reduce_bytes"] == workers[1]["meta"]["all_reduce_bytes"]
 
 
+@pytest.mark.long
 def test_each_workers_swaps_go_to_its_own_host_and_are_verified(workers):
     for w in workers:
         swapped = w["swapped"]
@@ -795,6 +850,7 @@ def test_each_workers_swaps_go_to_its_own_host_and_are_verified(workers):
         assert swapped["swap_devices"] == [task + "0", task + "1"]
 
 
+@pytest.mark.long
 def test_each_workers_measured_peak_is_the_predicted_one(workers):
     for w in workers:
         for name in ("unswapped", "swapped"):
@@ -803,6 +859,7 @@ def test_each_workers_measured_peak_is_the_predicted_one(workers):
         assert w["swapped"]["measured"][0] < 0.8 * w["unswapped"]["measured"][0]
 
 
+@pytest.mark.long
 def test_model_fit_with_the_plan_trains_as_the_strategy_does_without_it(workers):
     """Three steps of Adam through model.fit on both workers: bitwise equal to the strategy's own step (Keras'
     train_step under strategy.run) on the same distributed batches; the same kernels run, the swaps only copy."""
@@ -815,6 +872,7 @@ def test_model_fit_with_the_plan_trains_as_the_strategy_does_without_it(workers)
         assert w["last_batch_bitwise"]
 
 
+@pytest.mark.long
 def test_each_workers_optimizer_slots_move_to_its_own_host_and_train_as_the_strategy_does(workers):
     """Every slot of the stack on each worker's host, updated there: verified on both workers, each measured within
     5 % of the prediction and below the unmoved step, and two steps of fit bitwise equal to the strategy's own."""
@@ -827,6 +885,7 @@ def test_each_workers_optimizer_slots_move_to_its_own_host_and_train_as_the_stra
         assert state["bitwise"]
 
 
+@pytest.mark.long
 def test_the_capture_says_what_each_worker_trains(workers):
     """What is trained, as on one device (``autotune.tune`` on every worker: tests/autotune/cli/test_cli_replicas.py
     runs the command, which calls it, on two workers)."""

@@ -46,7 +46,7 @@ def _search(policy, graph, budget, space=None, seed=0, trials=200):
     return outcome
 
 
-@pytest.mark.parametrize("fraction", [0.6, 0.4])
+@pytest.mark.parametrize("fraction", [0.6, pytest.param(0.4, marks=pytest.mark.long)])  # the default run: one
 def test_optuna_within_one_percent_of_exhaustive(small_unet, fraction):
     g = small_unet
     base = replay(g, None, "v100-16gb").peak_bytes

@@ -53,7 +53,8 @@ def _swapped_read(graph, records) -> tuple:
 
 @pytest.mark.parametrize("kind, optimizer, swapped", [
     ("dense", "adamw", False), pytest.param("transformer", "adam", False, marks=pytest.mark.long),
-    ("dense", "adam", True), ("transformer", "adamw", True), ("gru", "adam", False)])
+    pytest.param("dense", "adam", True, marks=pytest.mark.long), ("transformer", "adamw", True),
+    ("gru", "adam", False)])
 def test_three_steps_bitwise_with_the_weights_on_the_host(kind, optimizer, swapped):
     """Weights, slots and losses after 3 steps with every weight and its slots on the host; the weights live on
     the host, the device reads them through ``weight_in`` copies. Unswapped, not chained: bitwise equal to Keras'

@@ -47,8 +47,9 @@ def _built(kind: str, optimizer: str) -> keras.Model:
 LONG = pytest.mark.long
 
 
-@pytest.mark.parametrize("kind, optimizer", [("mlp", "sgd_momentum"), ("mlp", "adam"), ("mlp", "adamw"),
-                                             ("cnn", "adam"), ("transformer", "adamw"),
+@pytest.mark.parametrize("kind, optimizer", [("mlp", "sgd_momentum"), pytest.param("mlp", "adam", marks=LONG),
+                                             ("mlp", "adamw"), pytest.param("cnn", "adam", marks=LONG),
+                                             ("transformer", "adamw"),
                                              pytest.param("cnn", "sgd_momentum", marks=LONG),
                                              pytest.param("cnn", "adamw", marks=LONG),
                                              pytest.param("transformer", "sgd_momentum", marks=LONG),

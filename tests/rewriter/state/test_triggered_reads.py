@@ -51,7 +51,8 @@ def _built(kind: str, optimizer: str) -> keras.Model:
     return dense_mlp(optimizer) if kind == "mlp" else _model(kind, "sgd" if optimizer == "sgd_momentum" else optimizer)
 
 
-@pytest.mark.parametrize("kind, optimizer, mode", [("mlp", "adam", STREAM_SLOTS), ("mlp", "adamw", HOST_WEIGHTS),
+@pytest.mark.parametrize("kind, optimizer, mode", [pytest.param("mlp", "adam", STREAM_SLOTS, marks=pytest.mark.long),
+                                                   ("mlp", "adamw", HOST_WEIGHTS),
                                                    ("transformer", "adamw", STREAM_SLOTS),
                                                    ("cnn", "sgd_momentum", HOST_WEIGHTS)])
 def test_three_steps_bitwise_with_the_copies_in_triggered(kind, optimizer, mode):
