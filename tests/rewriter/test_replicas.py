@@ -34,7 +34,8 @@ def conv_stack(n_convs=4, size=24):
     return model
 """
 
-REPLICATED = r"""
+# what both replicated scripts start with: the testbed of two replicas, their strategy and the facts found
+REPLICAS_SETUP = r"""
 import json, collections
 import rewriter
 from rewriter.placement import configure_testbed
@@ -55,6 +56,9 @@ def dense_cnn():
 """ + CONV_STACK + r"""
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:2"])
 facts = {}
+"""
+
+REPLICATED = REPLICAS_SETUP + r"""
 with strategy.scope():
     model = dense_cnn()
 graph = capture_replicated(model, 8)
@@ -294,27 +298,7 @@ print("FACTS " + json.dumps(facts))
 
 # the rarer variants on every replica (-m long): recomputations, a peak at the all-reduce, graph rewrites,
 # two outputs, mixed precision, sample and class weights
-REPLICATED_MORE = r"""
-import json, collections
-import rewriter
-from rewriter.placement import configure_testbed
-assert configure_testbed(4)
-import numpy as np, tensorflow as tf, keras
-from rewriter.trace.replicas import capture_replicated, resolve_replicas, trace_replicated_step
-from rewriter.step.replicated import apply_replicated, use_replicated_step
-from rewriter.timing.replica_peaks import measure_replicas
-from simulator import SwapParams, plan_swaps, replay
-
-def dense_cnn():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
-                              keras.layers.Flatten(), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
-    model.compile(optimizer="adam", loss="mse")
-    return model
-
-""" + CONV_STACK + r"""
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:2"])
-facts = {}
+REPLICATED_MORE = REPLICAS_SETUP + r"""
 with strategy.scope():
     model = conv_stack()
 batch = 16
