@@ -117,9 +117,21 @@ def cases(names: tuple[str, ...] = CASES) -> list[tuple]:
     return [case for case in found if case[0] in names]
 
 
+# the largest batch at any overhead, within 30 % and within 20 %; each asked alone is its own bisection
+QUESTIONS = ("any", "30pct", "20pct")
+# the columns of each question's answer, nan in the table where it was not asked
+UNASKED_COLUMNS = {
+    "any": ("with_swap", "multiplier", "share_of_bound", "with_swap_any_host", "multiplier_any_host",
+            "recomputed_tensors", "recomputed_gib", "recompute_s", "recompute_share", "parts"),
+    "30pct": ("with_swap_30pct", "multiplier_30pct"),
+    "20pct": ("with_swap_20pct", "multiplier_20pct", "parts_20pct"),
+}
+
+
 def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True),
-             names: tuple[str, ...] = CASES, parts_doublings: int | None = None) -> list[dict]:
-    """The rows of ``names`` on one preset. ``parts_doublings``: at each probed batch whose floor is over the
+             names: tuple[str, ...] = CASES, parts_doublings: int | None = None,
+             questions: tuple[str, ...] = QUESTIONS) -> list[dict]:
+    """The rows of ``names`` on one preset, with the ``questions`` asked (``QUESTIONS``). ``parts_doublings``: at each probed batch whose floor is over the
     budget, the step split along the batch is searched (``autotune.search.parts``: the fewest parts whose floor
     fits and that many doublings, the parts searched with the plan; 0: the fewest, as the CLI's rule); None:
     no split."""
@@ -140,11 +152,12 @@ def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True)
             split = parts_doublings is not None
             probes = SwapProbes(graph, budget, device, probe_trials=PROBE_TRIALS, recompute=recompute, split=split,
                                 parts_doublings=parts_doublings or 0)
-            swapped, found = probes.largest()  # the probes are shared by the questions that follow
-            capped, _ = probes.largest(max_overhead=0.3)
-            capped20, found20 = probes.largest(max_overhead=0.2)
+            # the probes are shared by the questions that follow; a question not asked is nan in the row
+            swapped, found = probes.largest() if "any" in questions else (0, [])
+            capped, _ = probes.largest(max_overhead=0.3) if "30pct" in questions else (0, [])
+            capped20, found20 = probes.largest(max_overhead=0.2) if "20pct" in questions else (0, [])
             # with splits, the searches with no host limit would double the run: not asked
-            any_host = np.nan if split else probes.host_unlimited().largest()[0]
+            any_host = np.nan if split or "any" not in questions else probes.host_unlimited().largest()[0]
             chosen = None
             if swapped and split:  # a split probe's search had its trials shared by the parts: what it found
                 chosen = best_of(found)
@@ -177,7 +190,7 @@ def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True)
                 **(_split_columns(probes, swapped, chosen, capped20, chosen20) if split else {}),
                 "params": None if chosen is None or chosen.params is None else chosen.params.to_dict(),
             }
-            if name == "unet3d":
+            if name == "unet3d" and swapped:
                 row.update(_unet_sizes(plain * scale, swapped * scale, device, budget, rewrites, recompute))
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "params"}, default=str),
@@ -416,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the floor is over the budget, search the step split along the batch, the "
                              "parts with the plan: the fewest that fit and DOUBLINGS doublings (default 2; 0: the "
                              "fewest, as the CLI's rule)")
+    parser.add_argument("--questions", nargs="+", choices=QUESTIONS, default=list(QUESTIONS),
+                        help="which largest batches to find: at any overhead, within 30 %%, within 20 %% (one alone: "
+                             "a shorter run whose bisection is its own, not shared with the others)")
     parser.add_argument("--measure-worker", nargs=4, metavar=("BATCH", "BUDGET", "SWAP", "DEVICE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_worker:
@@ -423,8 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         return _measure_worker(int(batch), int(budget), swap == "swap", device_name)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.recompute]
-    rows = [row for device in args.devices for row in simulate(device, modes, tuple(args.cases), args.split)]
+    rows = [row for device in args.devices
+            for row in simulate(device, modes, tuple(args.cases), args.split, tuple(args.questions))]
     table = pd.DataFrame(rows)
+    for question, columns in UNASKED_COLUMNS.items():
+        if question not in args.questions:
+            table[[c for c in columns if c in table]] = np.nan
     notes = [
         "Targets: the LMS paper's 4.9x (ResNet-50 batch) and 5.6x (3D U-Net voxels) on a 16 GB V100; "
         "docs/design.md asks for 6x; with recomputation: ResNet-50 >= 8x at any overhead and >= 4x at "
@@ -468,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
                      "closest to the device budget misses it (or, where plans fit the device, the host limit). Overheads "
                      "are against the step as captured, the parts' own cost included. with_swap_any_host is not "
                      "searched with splits (it would double the run).")
+    if tuple(args.questions) != QUESTIONS:
+        notes.append(f"--questions {' '.join(args.questions)}: only these largest batches were searched, each by "
+                     "its own bisection (all three share their probes); the other questions' columns are nan.")
     from autotune.report.writer import markdown_table
     if not args.no_remat:
         remat = pd.DataFrame([row for device in args.devices for row in remat_baselines(device)])
