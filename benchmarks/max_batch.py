@@ -131,10 +131,10 @@ UNASKED_COLUMNS = {
 def simulate(device_name: str, recompute_modes: tuple[bool, ...] = (False, True),
              names: tuple[str, ...] = CASES, parts_doublings: int | None = None,
              questions: tuple[str, ...] = QUESTIONS) -> list[dict]:
-    """The rows of ``names`` on one preset, with the ``questions`` asked (``QUESTIONS``). ``parts_doublings``: at each probed batch whose floor is over the
-    budget, the step split along the batch is searched (``autotune.search.parts``: the fewest parts whose floor
-    fits and that many doublings, the parts searched with the plan; 0: the fewest, as the CLI's rule); None:
-    no split."""
+    """The rows of ``names`` on one preset, with the ``questions`` asked (``QUESTIONS``). ``parts_doublings``: at
+    each probed batch whose floor is over the budget, the step split along the batch is searched
+    (``autotune.search.parts``: the fewest parts whose floor fits and that many doublings, the parts searched with
+    the plan; 0: the fewest, as the CLI's rule); None: no split."""
     device = get_device(device_name)
     budget = device.budget_bytes
     rows = []
