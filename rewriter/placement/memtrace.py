@@ -43,14 +43,6 @@ _STAT_COLUMNS = {"addr": "addr", "requested_bytes": "requested_bytes",
                  "id": "step_id"}
 
 
-def _stat_value(stat: Any, plane: Any) -> Any:
-    """Decode an XStat; ``ref_value`` points at a string interned in stat_metadata."""
-    kind = stat.WhichOneof("value")
-    if kind == "ref_value":
-        return plane.stat_metadata[stat.ref_value].name
-    return getattr(stat, kind) if kind else None
-
-
 def _dtype_name(enum: int) -> str:
     try:
         return tf.dtypes.as_dtype(int(enum)).name if enum else ""
@@ -86,27 +78,40 @@ def call_starts_ps(space) -> list[int]:
 
 def memory_events(space) -> pd.DataFrame:
     """Memory events of an ``XSpace`` as a time-ordered DataFrame (columns ``COLUMNS``, and ``call``: the
-    index of the ``profile_call`` call running when the event happened, 0 where the trace marks none)."""
-    rows = []
+    index of the ``profile_call`` call running when the event happened, 0 where the trace marks none).
+    Read column by column, with each plane's stat names looked up once: a step's trace has hundreds of
+    thousands of stats, and every measured run reads one."""
+    columns: dict[str, list] = {col: [] for col in COLUMNS}
+    time_ps, kinds_read, threads = columns["time_ps"], columns["kind"], columns["thread"]
+    stat_columns = [col for col in COLUMNS if col in _STAT_COLUMNS.values()]
     for plane in space.planes:
         kinds = {mid: _EVENT_KIND[m.name] for mid, m in plane.event_metadata.items()
                  if m.name in _EVENT_KIND}
         if not kinds:
             continue
+        stat_of = {mid: _STAT_COLUMNS[m.name] for mid, m in plane.stat_metadata.items() if m.name in _STAT_COLUMNS}
+        interned = {mid: m.name for mid, m in plane.stat_metadata.items()}
         for line in plane.lines:
             base_ps = line.timestamp_ns * 1000
+            thread = line.display_name or line.name
             for ev in line.events:
                 kind = kinds.get(ev.metadata_id)
                 if kind is None:
                     continue
-                row = {"time_ps": base_ps + ev.offset_ps, "kind": kind,
-                       "thread": line.display_name or line.name}
+                time_ps.append(base_ps + ev.offset_ps)
+                kinds_read.append(kind)
+                threads.append(thread)
+                row = dict.fromkeys(stat_columns)
                 for st in ev.stats:
-                    col = _STAT_COLUMNS.get(plane.stat_metadata[st.metadata_id].name)
+                    col = stat_of.get(st.metadata_id)
                     if col:
-                        row[col] = _stat_value(st, plane)
-                rows.append(row)
-    df = pd.DataFrame(rows, columns=COLUMNS)
+                        value = st.WhichOneof("value")
+                        # ``ref_value`` points at a string interned in stat_metadata
+                        row[col] = interned[st.ref_value] if value == "ref_value" else (
+                            getattr(st, value) if value else None)
+                for col in stat_columns:
+                    columns[col].append(row[col])
+    df = pd.DataFrame(columns, columns=COLUMNS)
     for col in ("addr", "requested_bytes", "allocation_bytes", "bytes_in_use", "step_id",
                 "data_type"):
         df[col] = df[col].fillna(0).astype("int64")

@@ -82,11 +82,28 @@ def _same_shape(a, b) -> bool:
     return a.shape.is_fully_defined() and b.shape.is_fully_defined() and a.shape == b.shape
 
 
+_ARITHMETIC_TYPES = MUL_TYPES | DIV_TYPES | ADD_TYPES | SUB_TYPES
+# per graph, op name -> passthrough_input's answer: the capture and every plan's apply ask it of each op, and
+# ``underlying`` again of every input they follow (an op's inputs are fixed once it is made)
+_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def passthrough_input(op) -> int | None:
     """The input slot whose tensor ``op`` passes on unchanged once Grappler simplifies it (see the
-    module's docstring), None for any other op."""
+    module's docstring), None for any other op (remembered per graph)."""
+    try:
+        known = _PASSED.setdefault(op.graph, {})
+    except TypeError:  # a graph weak references cannot point to: not remembered
+        known = {}
+    name = op.name
+    if name not in known:
+        known[name] = _passthrough_input(op)
+    return known[name]
+
+
+def _passthrough_input(op) -> int | None:
     kind = op.type
-    if kind not in MUL_TYPES | DIV_TYPES | ADD_TYPES | SUB_TYPES or len(op.inputs) != 2 or not op.outputs:
+    if kind not in _ARITHMETIC_TYPES or len(op.inputs) != 2 or not op.outputs:
         return None
     if op.outputs[0].dtype in (tf.resource, tf.variant, tf.string):
         return None
