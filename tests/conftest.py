@@ -6,12 +6,16 @@ import dataclasses
 import sys
 
 import pytest
+from hypothesis import settings
 
 try:
     from rewriter.environment import prepare_environment
 except ImportError:  # no TensorFlow installed: the simulator's tests still run
     def prepare_environment() -> None:
         pass
+
+# the simulator's properties (tests/simulator/test_properties.py) on ten times the default run's examples
+settings.register_profile("thorough", max_examples=1000)
 
 # The testbed's settings (every allocation visible, oneDNN kernels; docs/design.md 4) must precede TF's import.
 prepare_environment()

@@ -100,7 +100,7 @@ def test_single_device_testbed_measures_the_accelerator_side():
     result = th.run_python("""
         import json, tensorflow as tf
         from benchmarks.models import build_model, example_batch
-        model = build_model("unet2d", image_size=64, base_filters=8, depth=2, seed=0)
+        model = build_model("unet2d", image_size=32, base_filters=8, depth=2, seed=0)
         import rewriter
         from simulator import SwapParams, SwapPlan, plan_swaps
         assert not rewriter.configure_testbed()            # too late: TF is initialised

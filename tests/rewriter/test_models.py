@@ -22,9 +22,9 @@ MODELS = {
 }
 
 
-# ResNet-50 is the longest of them (``-m long``); the U-Net runs in the default run
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.long) if name == "resnet50" else name
-                                        for name in sorted(MODELS)])
+# both benchmark models' own steps (-m long): swaps bitwise and copying swaps within 1e-5 run in the default run on
+# tests/rewriter/test_apply.py's CNN, the U-Net's predicted peaks in tests/rewriter/test_measure.py
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.long) for name in sorted(MODELS)])
 def captured(request):
     th.deterministic()
     name = request.param

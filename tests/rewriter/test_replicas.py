@@ -58,6 +58,109 @@ strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:2"])
 facts = {}
 """
 
+# optimizer state on each replica's host (STATE_NAMES: which modes), run after another block of the script
+STATE_ON_REPLICAS = r"""
+# optimizer slots on each replica's host: updated there (AdamW) or streamed around the update (SGD with momentum);
+# Adam's with the weights there too
+import dataclasses, tempfile
+from simulator import SwapPlan
+tmp = tempfile.mkdtemp()
+from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, host_working_set_bytes,
+                             movable_state, moved_bytes, with_host_state)
+def state_mlp(optimizer):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(256, activation="relu") for _ in range(2)],
+                              keras.layers.Dense(4)])
+    model.compile(optimizer=optimizer(), loss="mse")
+    return model
+facts.setdefault("state", {})
+x = rng.random((3 * batch, 64), dtype=np.float32)
+y = rng.random((3 * batch, 4), dtype=np.float32)
+state_modes = {"adamw": (lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05), HOST_UPDATE),
+               "sgd": (lambda: keras.optimizers.SGD(0.01, momentum=0.9), STREAM_SLOTS),
+               "weights": (lambda: keras.optimizers.Adam(1e-3), HOST_WEIGHTS)}
+for name in STATE_NAMES:
+    optimizer, mode = state_modes[name]
+    with strategy.scope():
+        model, plain = state_mlp(optimizer), state_mlp(optimizer)
+    graph = capture_replicated(model, batch)
+    records = tuple(HostState(path, mode) for path in movable_state(graph))
+    moved = graph if mode == HOST_UPDATE else with_host_state(graph, records, copies_in=False)
+    plan = dataclasses.replace(SwapPlan.empty(moved), host_state=records)
+    step = apply_replicated(model, plan, graph=moved, batch_size=batch, verify_with=(x[:batch], y[:batch]))
+    peaks = measure_replicas(step, x[:batch], y[:batch])
+    # the same plan as 2 GPUs of one machine run it, built here without a GPU: each replica's moved state on the host
+    edit = replicated_gpu_graph_def(model, plan, graph=moved, batch_size=batch)
+    broken = graph_pb2.GraphDef()
+    broken.CopyFrom(edit.graph_def)
+    moved_off = sorted(edit.on_host[1])[0]
+    for node in broken.node:
+        if node.name == moved_off:  # one of replica 1's state nodes on its GPU
+            node.device = edit.placements[1].accelerator
+    devices = {node.name: node.device for node in edit.graph_def.node}
+    gpu = {"problems": replica_placement_problems(edit), "on_host": [len(names) for names in edit.on_host],
+           "devices": sorted({devices[name] for names in edit.on_host for name in names}),
+           "broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "moved_off": moved_off}
+    slots = [v for v in model.optimizer.variables if len(v.shape) > 0]
+    plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    use_replicated_step(model, step)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    path = f"{tmp}/{name}.weights.h5"
+    model.save_weights(path)
+    keras.utils.set_random_seed(2)
+    restored = state_mlp(optimizer)  # outside the strategy, as a plain Keras user loads it
+    restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(path)
+    equal = lambda a, b: all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(a, b))
+    facts["state"][name] = {
+        "moved": len(records), "unmoved": int(replay(graph, SwapPlan.empty(graph), "cpu-testbed").peak_bytes),
+        "predicted": int(replay(moved, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
+        "moved_bytes": moved_bytes(graph, records), "host_measured": [r.host_peak_bytes for r in peaks],
+        "host_state_measured": [r.host_state_bytes for r in peaks],
+        "host_predicted": moved_bytes(graph, records) + host_working_set_bytes(graph, records),
+        "slot_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in slots for c in v.value.values}),
+        "weight_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in model.trainable_variables
+                                  for c in v.value.values}),
+        "all_reduce_devices": sorted({n.device.rsplit("device:", 1)[-1] for n in step.graph_def.node
+                                      if n.op == "CollectiveReduceV2"}),
+        "on_host": [[v.host_updates_on_host, v.host_updates_planned, v.ok] for v in step.verification],
+        "weights_bitwise": equal(plain.weights, model.weights),
+        "worst_relative": max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
+                              for a, b in zip(plain.weights + plain.optimizer.variables,
+                                              model.weights + model.optimizer.variables) if np.abs(a.numpy()).any()),
+        "slots_bitwise": equal(plain.optimizer.variables, model.optimizer.variables),
+        "replicas_equal": all(np.array_equal(v.value.values[0].numpy(), v.value.values[1].numpy())
+                              for v in slots + model.trainable_variables),
+        "restored": equal(model.weights, restored.weights) and equal(model.optimizer.variables,
+                                                                      restored.optimizer.variables),
+        "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)], "gpu": gpu}
+"""
+
+# an Embedding's sparse gradient with its state on each replica's host (-m long)
+EMBEDDING_ON_REPLICAS = r"""
+# an Embedding's gradient is sparse: the replicas all-gather it inside the optimizer's scope, on their devices
+def embedded():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 16),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+with strategy.scope():
+    model, plain = embedded(), embedded()
+tokens = rng.integers(0, 50, (3 * batch, 6)).astype(np.int32)
+graph = capture_replicated(model, batch)
+records = tuple(HostState(path) for path in movable_state(graph))
+step = apply_replicated(model, dataclasses.replace(SwapPlan.empty(graph), host_state=records), graph=graph,
+                        batch_size=batch, verify_with=(tokens[:batch], y[:batch]))
+plain.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+use_replicated_step(model, step)
+model.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+facts["state"]["embedding"] = {
+    "moved": len(records), "problems": [v.problems() for v in step.verification],
+    "gathers": sorted(n.device for n in step.graph_def.node if n.op == "CollectiveGatherV2"),
+    "bitwise": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
+"""
+
 REPLICATED = REPLICAS_SETUP + r"""
 with strategy.scope():
     model = dense_cnn()
@@ -200,104 +303,14 @@ facts["split"] = {
     "gpu_broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "unplaced": unplaced,
 }
 
-# optimizer slots on each replica's host: updated there (AdamW) or streamed around the update (SGD with momentum);
-# Adam's with the weights there too
-import dataclasses, tempfile
-from simulator import SwapPlan
-tmp = tempfile.mkdtemp()
-from simulator.state import (HOST_UPDATE, HOST_WEIGHTS, STREAM_SLOTS, HostState, host_working_set_bytes,
-                             movable_state, moved_bytes, with_host_state)
-def state_mlp(optimizer):
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(256, activation="relu") for _ in range(2)],
-                              keras.layers.Dense(4)])
-    model.compile(optimizer=optimizer(), loss="mse")
-    return model
-facts["state"] = {}
-x = rng.random((3 * batch, 64), dtype=np.float32)
-y = rng.random((3 * batch, 4), dtype=np.float32)
-for name, optimizer, mode in (("adamw", lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05), HOST_UPDATE),
-                              ("sgd", lambda: keras.optimizers.SGD(0.01, momentum=0.9), STREAM_SLOTS),
-                              ("weights", lambda: keras.optimizers.Adam(1e-3), HOST_WEIGHTS)):
-    with strategy.scope():
-        model, plain = state_mlp(optimizer), state_mlp(optimizer)
-    graph = capture_replicated(model, batch)
-    records = tuple(HostState(path, mode) for path in movable_state(graph))
-    moved = graph if mode == HOST_UPDATE else with_host_state(graph, records, copies_in=False)
-    plan = dataclasses.replace(SwapPlan.empty(moved), host_state=records)
-    step = apply_replicated(model, plan, graph=moved, batch_size=batch, verify_with=(x[:batch], y[:batch]))
-    peaks = measure_replicas(step, x[:batch], y[:batch])
-    # the same plan as 2 GPUs of one machine run it, built here without a GPU: each replica's moved state on the host
-    edit = replicated_gpu_graph_def(model, plan, graph=moved, batch_size=batch)
-    broken = graph_pb2.GraphDef()
-    broken.CopyFrom(edit.graph_def)
-    moved_off = sorted(edit.on_host[1])[0]
-    for node in broken.node:
-        if node.name == moved_off:  # one of replica 1's state nodes on its GPU
-            node.device = edit.placements[1].accelerator
-    devices = {node.name: node.device for node in edit.graph_def.node}
-    gpu = {"problems": replica_placement_problems(edit), "on_host": [len(names) for names in edit.on_host],
-           "devices": sorted({devices[name] for names in edit.on_host for name in names}),
-           "broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "moved_off": moved_off}
-    slots = [v for v in model.optimizer.variables if len(v.shape) > 0]
-    plain.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    use_replicated_step(model, step)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    path = f"{tmp}/{name}.weights.h5"
-    model.save_weights(path)
-    keras.utils.set_random_seed(2)
-    restored = state_mlp(optimizer)  # outside the strategy, as a plain Keras user loads it
-    restored.optimizer.build(restored.trainable_variables)
-    restored.load_weights(path)
-    equal = lambda a, b: all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(a, b))
-    facts["state"][name] = {
-        "moved": len(records), "unmoved": int(replay(graph, SwapPlan.empty(graph), "cpu-testbed").peak_bytes),
-        "predicted": int(replay(moved, plan, "cpu-testbed").peak_bytes), "measured": [r.peak_bytes for r in peaks],
-        "moved_bytes": moved_bytes(graph, records), "host_measured": [r.host_peak_bytes for r in peaks],
-        "host_state_measured": [r.host_state_bytes for r in peaks],
-        "host_predicted": moved_bytes(graph, records) + host_working_set_bytes(graph, records),
-        "slot_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in slots for c in v.value.values}),
-        "weight_devices": sorted({c.device.rsplit("device:", 1)[-1] for v in model.trainable_variables
-                                  for c in v.value.values}),
-        "all_reduce_devices": sorted({n.device.rsplit("device:", 1)[-1] for n in step.graph_def.node
-                                      if n.op == "CollectiveReduceV2"}),
-        "on_host": [[v.host_updates_on_host, v.host_updates_planned, v.ok] for v in step.verification],
-        "weights_bitwise": equal(plain.weights, model.weights),
-        "worst_relative": max(float(np.abs(a.numpy() - b.numpy()).max() / np.abs(a.numpy()).max())
-                              for a, b in zip(plain.weights + plain.optimizer.variables,
-                                              model.weights + model.optimizer.variables) if np.abs(a.numpy()).any()),
-        "slots_bitwise": equal(plain.optimizer.variables, model.optimizer.variables),
-        "replicas_equal": all(np.array_equal(v.value.values[0].numpy(), v.value.values[1].numpy())
-                              for v in slots + model.trainable_variables),
-        "restored": equal(model.weights, restored.weights) and equal(model.optimizer.variables,
-                                                                      restored.optimizer.variables),
-        "iterations": [m.optimizer.iterations.numpy().item() for m in (plain, model)], "gpu": gpu}
-# an Embedding's gradient is sparse: the replicas all-gather it inside the optimizer's scope, on their devices
-def embedded():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 16),
-                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
-    model.compile(optimizer="adam", loss="mse")
-    return model
-with strategy.scope():
-    model, plain = embedded(), embedded()
-tokens = rng.integers(0, 50, (3 * batch, 6)).astype(np.int32)
-graph = capture_replicated(model, batch)
-records = tuple(HostState(path) for path in movable_state(graph))
-step = apply_replicated(model, dataclasses.replace(SwapPlan.empty(graph), host_state=records), graph=graph,
-                        batch_size=batch, verify_with=(tokens[:batch], y[:batch]))
-plain.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-use_replicated_step(model, step)
-model.fit(tokens, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-facts["state"]["embedding"] = {
-    "moved": len(records), "problems": [v.problems() for v in step.verification],
-    "gathers": sorted(n.device for n in step.graph_def.node if n.op == "CollectiveGatherV2"),
-    "bitwise": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(plain.weights, model.weights))}
+STATE_NAMES = ("adamw", "weights")
+""" + STATE_ON_REPLICAS + r"""
 print("FACTS " + json.dumps(facts))
 """
 
 # the rarer variants on every replica (-m long): recomputations, a peak at the all-reduce, graph rewrites,
-# two outputs, mixed precision, sample and class weights
+# two outputs, mixed precision, sample and class weights, SGD's momentum streamed and an Embedding's sparse gradient
+# with the state on the hosts
 REPLICATED_MORE = REPLICAS_SETUP + r"""
 with strategy.scope():
     model = conv_stack()
@@ -448,6 +461,8 @@ facts["weighted"] = dict(weighted, swaps=step.n_swap_outs, steps=[list(key) for 
                          weighted_swaps=[s.n_swap_outs for s in step._others.values()],
                          inputs=[len(s.traced.concrete.inputs) for s in (step, *step._others.values())],
                          iterations=[m.optimizer.iterations.numpy().item() for m in (plain, model)])
+STATE_NAMES = ("sgd",)
+""" + STATE_ON_REPLICAS + EMBEDDING_ON_REPLICAS + r"""
 print("FACTS " + json.dumps(facts))
 """
 
@@ -600,15 +615,25 @@ def test_model_fit_with_sample_and_class_weights_runs_the_plan_traced_with_the_w
     assert weighted["sample_weight"] and weighted["class_weight"]
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "weights"])
-def test_optimizer_slots_on_each_replicas_host_train_as_plain_mirrored_strategy(facts, name):
+# SGD's momentum streamed on the replicas (-m long): streaming is in the default run on one device
+# (tests/rewriter/state/test_stream_slots.py), the replicas' hosts with AdamW's update and Adam's weights
+STATE_NAMES = ["adamw", pytest.param("sgd", marks=pytest.mark.long), "weights"]
+
+
+def _state_facts(request, name: str) -> dict:
+    """The facts of the script that moved ``name``'s state (the long one for SGD's)."""
+    return request.getfixturevalue("more_facts" if name == "sgd" else "facts")
+
+
+@pytest.mark.parametrize("name", STATE_NAMES)
+def test_optimizer_slots_on_each_replicas_host_train_as_plain_mirrored_strategy(request, name):
     """Every slot of a Dense stack on its replica's host (replica k's component on CPU:2k+1): AdamW's update runs
     there, SGD's momentum is streamed around the update left on the device, Adam's weights live on the host too
     (read on the device through copies in; the gradients still all-reduced on the devices). The nodes placed on the
     host ran there on both replicas; each replica's peak measured within 5 % of the prediction and below the unmoved
     step's by the bytes moved, which the host holds; after three steps of fit weights and slots equal to plain
     MirroredStrategy fit, both replicas' equal, and the weights saved then load into a plain Keras model."""
-    state = facts["state"][name]
+    state = _state_facts(request, name)["state"][name]
     assert state["moved"] == 6 and state["slot_devices"] == ["CPU:1", "CPU:3"], state
     assert state["weight_devices"] == (["CPU:1", "CPU:3"] if name == "weights" else ["CPU:0", "CPU:2"])
     assert state["all_reduce_devices"] == ["CPU:0", "CPU:2"]
@@ -630,22 +655,23 @@ def test_optimizer_slots_on_each_replicas_host_train_as_plain_mirrored_strategy(
         assert state["worst_relative"] <= 1e-6
 
 
-def test_a_sparse_gradients_all_gather_stays_on_the_replicas_devices(facts):
+@pytest.mark.long  # a sparse gradient's corner of the replicas' host state, whose default test is above
+def test_a_sparse_gradients_all_gather_stays_on_the_replicas_devices(more_facts):
     """An Embedding's sparse gradient is all-gathered by the replicas inside the optimizer's name scope: the nodes
     placed on the host stop at the collective (placed there, it ran on the device anyway and failed the check), so
     both replicas' updates are verified on their hosts, and three steps of fit are bitwise equal to plain fit."""
-    embedding = facts["state"]["embedding"]
+    embedding = more_facts["state"]["embedding"]
     assert embedding["moved"] == 3 and embedding["problems"] == [[], []], embedding
     assert embedding["gathers"] and not any(d.endswith(("CPU:1", "CPU:3")) for d in embedding["gathers"])
     assert embedding["bitwise"]
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "weights"])
-def test_the_gpu_construction_puts_each_replicas_moved_state_on_the_host(facts, name):
+@pytest.mark.parametrize("name", STATE_NAMES)
+def test_the_gpu_construction_puts_each_replicas_moved_state_on_the_host(request, name):
     """The replicated step as two GPUs of one machine run it, built without a GPU: each replica's update (AdamW's)
     or its slots' reads and writes (SGD's streamed momentum) on the machine's host, every other op of the replica on
     its GPU; one of replica 1's state nodes moved to its GPU is named."""
-    gpu = facts["state"][name]["gpu"]
+    gpu = _state_facts(request, name)["state"][name]["gpu"]
     assert gpu["problems"] == [] and gpu["on_host"][0] == gpu["on_host"][1] > 0, gpu
     assert gpu["devices"] == ["/device:CPU:0"]
     assert len(gpu["broken"]) == 1 and gpu["moved_off"] in gpu["broken"][0] and "replica 1" in gpu["broken"][0]

@@ -262,6 +262,7 @@ def test_a_recomputation_plan_tensorflow_cannot_run_falls_back_to_the_best_swap_
     assert any("could not run" in note and "nodes in a cycle" in note for note in summary["notes"]), summary["notes"]
 
 
+@pytest.mark.long  # the command line with a rewrite, measured: test_a_step_with_graph_rewrites_splits_under_its_floor
 def test_graph_rewrites_end_to_end(capsys, tmp_path):
     """--rewrite split-concat --rewrite elide-broadcasts on a U-Net: the figures are of the
     rewritten step, the plan carries the rewrites, and the measured run of it agrees with the

@@ -49,7 +49,8 @@ LONG = pytest.mark.long
 
 @pytest.mark.parametrize("kind, optimizer", [("mlp", "sgd_momentum"), pytest.param("mlp", "adam", marks=LONG),
                                              ("mlp", "adamw"), pytest.param("cnn", "adam", marks=LONG),
-                                             ("transformer", "adamw"),
+                                             # the transformer's slots streamed: test_triggered_reads.py
+                                             pytest.param("transformer", "adamw", marks=LONG),
                                              pytest.param("cnn", "sgd_momentum", marks=LONG),
                                              pytest.param("cnn", "adamw", marks=LONG),
                                              pytest.param("transformer", "sgd_momentum", marks=LONG),
@@ -88,7 +89,8 @@ def test_three_steps_bitwise_like_keras_with_every_slot_streamed(kind, optimizer
     assert th.bitwise_equal(th.optimizer_state(plain), th.optimizer_state(moved))
 
 
-@pytest.mark.parametrize("optimizer, order", [pytest.param("adam", "cto", marks=LONG), ("adam", "memory"),
+@pytest.mark.parametrize("optimizer, order", [pytest.param("adam", "cto", marks=LONG),
+                                              pytest.param("adam", "memory", marks=LONG),
                                               ("adamw", "memory"), pytest.param("sgd_momentum", "memory", marks=LONG),
                                               ("adam", SWAPPING)])
 def test_the_measured_peak_with_the_slots_streamed_is_the_predicted_one(optimizer, order):

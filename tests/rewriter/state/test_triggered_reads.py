@@ -54,7 +54,8 @@ def _built(kind: str, optimizer: str) -> keras.Model:
 @pytest.mark.parametrize("kind, optimizer, mode", [pytest.param("mlp", "adam", STREAM_SLOTS, marks=pytest.mark.long),
                                                    ("mlp", "adamw", HOST_WEIGHTS),
                                                    ("transformer", "adamw", STREAM_SLOTS),
-                                                   ("cnn", "sgd_momentum", HOST_WEIGHTS)])
+                                                   pytest.param("cnn", "sgd_momentum", HOST_WEIGHTS,
+                                                                marks=pytest.mark.long)])
 def test_three_steps_bitwise_with_the_copies_in_triggered(kind, optimizer, mode):
     """Every read the device makes of a moved weight or slot is a swap-in of the plan (no ``weight_in/`` copy of the
     read's own is left), those that need not wait for a write on the host started by a trigger; weights, slots and
