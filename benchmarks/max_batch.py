@@ -487,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                      "probed batch where a split was searched, each k's best overhead or by how much its plan "
                      "closest to the device budget misses it (or, where plans fit the device, the host limit). Overheads "
                      "are against the step as captured, the parts' own cost included. with_swap_any_host is not "
-                     "searched with splits (it would double the run).")
+                     "searched with splits (it would double the run). device_and_host_bound is the step as "
+                     "captured's: a split step keeps less alive at once, so its batches can pass it.")
     if tuple(args.questions) != QUESTIONS:
         notes.append(f"--questions {' '.join(args.questions)}: only these largest batches were searched, each by "
                      "its own bisection (all three share their probes); the other questions' columns are nan.")
