@@ -29,7 +29,9 @@ SMALL_USERS = {
     "frozen_backbone": ZooModel("frozen_backbone_32", "transfer", "frozen_backbone", BATCH,
                                 {"alpha": 0.35, "image_size": 32}),
 }
-LONG = {"frozen_backbone"}  # a keras.applications backbone: its capture and apply take longer
+# a keras.applications backbone (its capture and apply take longer), and the CNN compiled with metrics (the
+# augmented CNN and the video classifier split in the default run): -m long
+LONG = {"frozen_backbone", "metrics_cnn"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n in LONG else n for n in SMALL_USERS])

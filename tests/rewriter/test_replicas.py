@@ -303,14 +303,14 @@ facts["split"] = {
     "gpu_broken": replica_placement_problems(dataclasses.replace(edit, graph_def=broken)), "unplaced": unplaced,
 }
 
-STATE_NAMES = ("adamw", "weights")
+STATE_NAMES = ("adamw",)
 """ + STATE_ON_REPLICAS + r"""
 print("FACTS " + json.dumps(facts))
 """
 
 # the rarer variants on every replica (-m long): recomputations, a peak at the all-reduce, graph rewrites,
-# two outputs, mixed precision, sample and class weights, SGD's momentum streamed and an Embedding's sparse gradient
-# with the state on the hosts
+# two outputs, mixed precision, sample and class weights, SGD's momentum streamed, Adam's weights and an Embedding's
+# sparse gradient with the state on the hosts
 REPLICATED_MORE = REPLICAS_SETUP + r"""
 with strategy.scope():
     model = conv_stack()
@@ -461,7 +461,7 @@ facts["weighted"] = dict(weighted, swaps=step.n_swap_outs, steps=[list(key) for 
                          weighted_swaps=[s.n_swap_outs for s in step._others.values()],
                          inputs=[len(s.traced.concrete.inputs) for s in (step, *step._others.values())],
                          iterations=[m.optimizer.iterations.numpy().item() for m in (plain, model)])
-STATE_NAMES = ("sgd",)
+STATE_NAMES = ("sgd", "weights")
 """ + STATE_ON_REPLICAS + EMBEDDING_ON_REPLICAS + r"""
 print("FACTS " + json.dumps(facts))
 """
@@ -615,14 +615,14 @@ def test_model_fit_with_sample_and_class_weights_runs_the_plan_traced_with_the_w
     assert weighted["sample_weight"] and weighted["class_weight"]
 
 
-# SGD's momentum streamed on the replicas (-m long): streaming is in the default run on one device
-# (tests/rewriter/state/test_stream_slots.py), the replicas' hosts with AdamW's update and Adam's weights
-STATE_NAMES = ["adamw", pytest.param("sgd", marks=pytest.mark.long), "weights"]
+# SGD's momentum streamed and Adam's weights on the replicas' hosts (-m long): both are in the default run on one
+# device (tests/rewriter/state/test_stream_slots.py, test_host_weights.py), the replicas' hosts with AdamW's update
+STATE_NAMES = ["adamw", pytest.param("sgd", marks=pytest.mark.long), pytest.param("weights", marks=pytest.mark.long)]
 
 
 def _state_facts(request, name: str) -> dict:
-    """The facts of the script that moved ``name``'s state (the long one for SGD's)."""
-    return request.getfixturevalue("more_facts" if name == "sgd" else "facts")
+    """The facts of the script that moved ``name``'s state (the long one for all but AdamW's)."""
+    return request.getfixturevalue("facts" if name == "adamw" else "more_facts")
 
 
 @pytest.mark.parametrize("name", STATE_NAMES)
