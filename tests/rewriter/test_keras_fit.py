@@ -126,6 +126,7 @@ def test_single_device_testbed_measures_the_accelerator_side():
 CLASS_WEIGHT = {0: 0.5, 1: 2.0, 2: 1.0, 3: 3.0, 4: 0.25, 5: 1.5, 6: 1.0, 7: 0.75, 8: 2.5, 9: 1.25}
 
 
+@pytest.mark.long  # Keras makes class weights per-sample ones: test_swapping_context_and_sample_weights
 def test_class_weight_with_the_plan_trains_as_plain_fit_does():
     th.deterministic()
     model = build_model("small_cnn", seed=0)

@@ -161,10 +161,11 @@ def _assert_trains_as_keras(recomputed, reference, *, bitwise: bool, noise_floor
     assert all(np.abs(a - b).max(initial=0.0) <= noise_floor for a, b in noise)
 
 
-# the CNN's batch norm (-m long): norm_mix's recomputes a batch norm's arithmetic in the default run
+# norm_mix's (dropout, batch, group and layer normalisation) in the default run; the CNN's batch norm and the
+# transformer's attention (-m long)
 @pytest.mark.parametrize("build, batch, bitwise", [(_norm_mix, 4, True),
                                                   pytest.param(_small_cnn, 4, True, marks=pytest.mark.long),
-                                                  (_transformer, 4, False)],
+                                                  pytest.param(_transformer, 4, False, marks=pytest.mark.long)],
                          ids=["norm_mix-dropout-bn", "small_cnn-bn", "transformer-dropout"])
 def test_recomputing_every_far_read_trains_as_keras(build, batch, bitwise):
     """Every forward tensor the backward pass reads, made by a cheap pure op, recomputed from up to

@@ -310,6 +310,7 @@ def test_resume_keeps_finished_trials(models, capsys, tmp_path):
     assert len(complete) >= 11
 
 
+@pytest.mark.long  # an earlier version's study.db; the default journal's resume: test_resume_keeps_finished_trials
 def test_a_study_db_in_out_is_resumed(models, capsys, tmp_path):
     """The default study is a journal file in --out (test_resume_keeps_finished_trials reads it); a
     study.db an earlier version wrote there is resumed instead, and a database given as a plain path
