@@ -40,13 +40,18 @@ _MAX_CONSTANT_ELEMENTS = 1 << 20  # larger constants are not read to see whether
 _KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _of_graph(memo: weakref.WeakKeyDictionary, graph) -> dict:
+    """``graph``'s answers in a per-graph ``memo`` (a dict not kept for a graph weak references cannot point to)."""
+    try:
+        return memo.setdefault(graph, {})
+    except TypeError:
+        return {}
+
+
 def static_value(tensor, depth: int = 8) -> np.ndarray | None:
     """The value of a tensor computed from constants alone (small ones), else None (remembered per graph:
     a graph's existing tensors keep their values)."""
-    try:
-        known = _KNOWN.setdefault(tensor.graph, {})
-    except TypeError:  # a graph weak references cannot point to: not remembered
-        known = {}
+    known = _of_graph(_KNOWN, tensor.graph)
     key = (tensor.name, depth)
     if key not in known:
         known[key] = _static_value(tensor, depth)
@@ -91,10 +96,7 @@ _PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def passthrough_input(op) -> int | None:
     """The input slot whose tensor ``op`` passes on unchanged once Grappler simplifies it (see the
     module's docstring), None for any other op (remembered per graph)."""
-    try:
-        known = _PASSED.setdefault(op.graph, {})
-    except TypeError:  # a graph weak references cannot point to: not remembered
-        known = {}
+    known = _of_graph(_PASSED, op.graph)
     name = op.name
     if name not in known:
         known[name] = _passthrough_input(op)

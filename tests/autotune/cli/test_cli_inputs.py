@@ -68,28 +68,21 @@ def test_bad_toml_value_names_its_key_in_the_file(model_dir, capsys, tmp_path, t
     assert "--" not in line.split("autotune.toml")[0], line  # blamed on the file, not on a flag
 
 
-@pytest.mark.parametrize("toml,flags,recompute", [
-    ("", [], True),
-    ("recompute = false", [], False),
-    ("recompute = true", ["--no-recompute"], False),
-    ("recompute = false", ["--recompute"], True),
-])
-def test_recompute_comes_from_the_flag_over_the_file_over_the_default(model_dir, toml, flags, recompute):
-    (model_dir / "autotune.toml").write_text(toml + "\n")
-    args = build_parser().parse_args([str(model_dir), "--batch-size", "4", *flags])
-    assert _settings(args)["search"].recompute is recompute
+# the switches on by default, each with its --no- flag and its autotune.toml key, and where the settings keep it
+SWITCHES = {"recompute": lambda settings: settings["search"].recompute, "plots": lambda settings: settings["plots"]}
 
 
-@pytest.mark.parametrize("toml,flags,plots", [
+@pytest.mark.parametrize("switch", list(SWITCHES))
+@pytest.mark.parametrize("toml,flags,expected", [
     ("", [], True),
-    ("plots = false", [], False),
-    ("plots = true", ["--no-plots"], False),
-    ("plots = false", ["--plots"], True),
+    ("{0} = false", [], False),
+    ("{0} = true", ["--no-{0}"], False),
+    ("{0} = false", ["--{0}"], True),
 ])
-def test_plots_come_from_the_flag_over_the_file_over_the_default(model_dir, toml, flags, plots):
-    (model_dir / "autotune.toml").write_text(toml + "\n")
-    args = build_parser().parse_args([str(model_dir), "--batch-size", "4", *flags])
-    assert _settings(args)["plots"] is plots
+def test_a_switch_comes_from_the_flag_over_the_file_over_the_default(model_dir, switch, toml, flags, expected):
+    (model_dir / "autotune.toml").write_text(toml.format(switch) + "\n")
+    args = build_parser().parse_args([str(model_dir), "--batch-size", "4", *(f.format(switch) for f in flags)])
+    assert SWITCHES[switch](_settings(args)) is expected
 
 
 @pytest.mark.parametrize("flags,message", [
